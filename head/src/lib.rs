@@ -1,0 +1,1 @@
+//! prism-head library.

@@ -1,0 +1,1 @@
+//! Test fixtures: etcd, clusters of real processes on loopback ports.

@@ -1,0 +1,2 @@
+//! prism-worker library.
+pub mod engine;
