@@ -5,6 +5,7 @@
 pub mod ids;
 pub mod proto;
 pub mod shutdown;
+pub mod state_store;
 pub mod telemetry;
 
 pub use ids::{DeploymentName, NodeId, ReplicaId, RequestId};

@@ -1,0 +1,503 @@
+//! `EmbeddedStore`: the in-process state store for one machine (`prism up`), with etcd v3's
+//! semantics — a store-wide revision, create/mod revisions per key, transactions comparing mod
+//! revisions, leases with expiry, and prefix watches that resume from a revision.
+//!
+//! State is one `BTreeMap` behind a `std::sync::Mutex` (never held across `.await`), a bounded
+//! history of recent changes for watch replay, a lease table checked by a background expiry
+//! task, and a broadcast channel feeding live watchers. With a path it is persisted
+//! write-ahead style: after each mutation the whole snapshot is written to `<path>.tmp`,
+//! fsynced and renamed over `<path>`. Keys bound to leases are *not* persisted (their holders
+//! live in this process and die with it), so a reopened store has no leases; the revision
+//! continues from the snapshot, and watches from revisions before the reopen get a `Resync`.
+
+use super::{
+    Compare, LeaseId, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, TxnResult,
+    Versioned, WatchEvent, WatchStream,
+};
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+use tokio::sync::broadcast;
+use tokio::time::Instant;
+
+/// Changes kept for watch replay; older revisions answer with `Resync`.
+const HISTORY_LIMIT: usize = 10_000;
+/// Capacity of the live-event channel per watcher before it must resynchronise.
+const BROADCAST_CAPACITY: usize = 4_096;
+/// How often the expiry task checks lease deadlines.
+const EXPIRY_TICK: Duration = Duration::from_millis(50);
+
+/// The in-process [`StateStore`]. Cheap to clone (all clones share one store).
+#[derive(Clone)]
+pub struct EmbeddedStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    state: Mutex<State>,
+    path: Option<PathBuf>,
+}
+
+/// One committed change.
+#[derive(Clone, Debug)]
+struct Change {
+    key: String,
+    /// `None` for a deletion.
+    value: Option<Vec<u8>>,
+    revision: Revision,
+}
+
+struct Lease {
+    ttl: Duration,
+    deadline: Instant,
+    keys: BTreeSet<String>,
+}
+
+struct State {
+    data: BTreeMap<String, Versioned>,
+    revision: Revision,
+    /// History holds every change with a revision greater than this.
+    compacted: Revision,
+    history: VecDeque<Change>,
+    leases: HashMap<LeaseId, Lease>,
+    next_lease: LeaseId,
+    live: broadcast::Sender<Change>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Snapshot {
+    revision: Revision,
+    entries: Vec<SnapshotEntry>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SnapshotEntry {
+    key: String,
+    value: Vec<u8>,
+    create_revision: Revision,
+    mod_revision: Revision,
+}
+
+impl EmbeddedStore {
+    /// A store that lives only in memory. Must be called inside a tokio runtime (it spawns
+    /// the lease expiry task).
+    ///
+    /// # Errors
+    /// [`StoreError::Internal`] outside a tokio runtime.
+    pub fn in_memory() -> StoreResult<Self> {
+        Self::build(State::new(1), None)
+    }
+
+    /// Opens (or creates) a store persisted at `path`, reloading its keys and revision.
+    /// Must be called inside a tokio runtime.
+    ///
+    /// # Errors
+    /// [`StoreError::Internal`] when the file cannot be read or parsed, or outside a runtime.
+    pub fn open(path: impl AsRef<Path>) -> StoreResult<Self> {
+        let path = path.as_ref().to_path_buf();
+        let state = match std::fs::read(&path) {
+            Ok(bytes) => {
+                let snap: Snapshot = serde_json::from_slice(&bytes).map_err(|e| {
+                    StoreError::Internal(format!("parse {}: {e}", path.display()))
+                })?;
+                let mut state = State::new(snap.revision);
+                state.compacted = snap.revision;
+                for e in snap.entries {
+                    let v = Versioned {
+                        value: e.value,
+                        mod_revision: e.mod_revision,
+                        create_revision: e.create_revision,
+                        lease: None,
+                    };
+                    state.data.insert(e.key, v);
+                }
+                state
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => State::new(1),
+            Err(e) => {
+                return Err(StoreError::Internal(format!("read {}: {e}", path.display())));
+            }
+        };
+        let store = Self::build(state, Some(path))?;
+        // Write at once so a store opened on a fresh path exists on disk, and keys that were
+        // bound to (now gone) leases in an older format never linger.
+        store.inner.persist(&store.inner.lock())?;
+        Ok(store)
+    }
+
+    fn build(state: State, path: Option<PathBuf>) -> StoreResult<Self> {
+        let handle = tokio::runtime::Handle::try_current()
+            .map_err(|e| StoreError::Internal(format!("EmbeddedStore needs a tokio runtime: {e}")))?;
+        let inner = Arc::new(Inner { state: Mutex::new(state), path });
+        let weak = Arc::downgrade(&inner);
+        handle.spawn(expiry_loop(weak));
+        Ok(Self { inner })
+    }
+
+    /// The current store revision.
+    pub fn revision(&self) -> Revision {
+        self.inner.lock().revision
+    }
+
+    /// The file this store persists to, if any.
+    pub fn path(&self) -> Option<&Path> {
+        self.inner.path.as_deref()
+    }
+}
+
+async fn expiry_loop(weak: Weak<Inner>) {
+    loop {
+        tokio::time::sleep(EXPIRY_TICK).await;
+        let Some(inner) = weak.upgrade() else { return };
+        let mut state = inner.lock();
+        let now = Instant::now();
+        let expired: Vec<LeaseId> = state
+            .leases
+            .iter()
+            .filter(|(_, l)| l.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            tracing::debug!(lease = id, "embedded store: lease expired");
+            if let Err(e) = inner.remove_lease(&mut state, id) {
+                tracing::warn!(error = %e, "embedded store: persisting lease expiry failed");
+            }
+        }
+    }
+}
+
+impl State {
+    fn new(revision: Revision) -> Self {
+        let (live, _) = broadcast::channel(BROADCAST_CAPACITY);
+        Self {
+            data: BTreeMap::new(),
+            revision,
+            compacted: 0,
+            history: VecDeque::new(),
+            leases: HashMap::new(),
+            next_lease: 1,
+            live,
+        }
+    }
+
+    fn list(&self, prefix: &str) -> Vec<(String, Versioned)> {
+        self.data
+            .range(prefix.to_owned()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    fn check_lease(&self, lease: Option<LeaseId>) -> StoreResult<()> {
+        match lease {
+            Some(id) if !self.leases.contains_key(&id) => Err(StoreError::LeaseNotFound(id)),
+            _ => Ok(()),
+        }
+    }
+
+    fn apply_put(&mut self, key: &str, value: Vec<u8>, lease: Option<LeaseId>, rev: Revision) -> Change {
+        let create_revision = match self.data.get(key) {
+            Some(old) => {
+                if old.lease != lease
+                    && let Some(l) = old.lease.and_then(|id| self.leases.get_mut(&id))
+                {
+                    l.keys.remove(key);
+                }
+                old.create_revision
+            }
+            None => rev,
+        };
+        if let Some(l) = lease.and_then(|id| self.leases.get_mut(&id)) {
+            l.keys.insert(key.to_owned());
+        }
+        let v = Versioned { value: value.clone(), mod_revision: rev, create_revision, lease };
+        self.data.insert(key.to_owned(), v);
+        Change { key: key.to_owned(), value: Some(value), revision: rev }
+    }
+
+    fn apply_delete(&mut self, key: &str, rev: Revision) -> Option<Change> {
+        let old = self.data.remove(key)?;
+        if let Some(l) = old.lease.and_then(|id| self.leases.get_mut(&id)) {
+            l.keys.remove(key);
+        }
+        Some(Change { key: key.to_owned(), value: None, revision: rev })
+    }
+
+    fn holds(&self, compare: &Compare) -> bool {
+        match compare {
+            Compare::ModRevision { key, revision } => {
+                self.data.get(key).map_or(0, |v| v.mod_revision) == *revision
+            }
+        }
+    }
+
+    /// Records committed changes: history (bounded) and live watchers.
+    fn commit(&mut self, changes: Vec<Change>) {
+        let Some(last) = changes.last() else { return };
+        self.revision = last.revision;
+        for c in changes {
+            // A send error only means nobody is watching.
+            let _ = self.live.send(c.clone());
+            self.history.push_back(c);
+        }
+        while self.history.len() > HISTORY_LIMIT {
+            if let Some(old) = self.history.pop_front() {
+                self.compacted = self.compacted.max(old.revision);
+            }
+        }
+        // Never keep half a revision: drop the rest of the trimmed revision too.
+        while self.history.front().is_some_and(|c| c.revision <= self.compacted) {
+            self.history.pop_front();
+        }
+    }
+
+    /// Where a watch starts: events to deliver first and the lowest revision of live events
+    /// still to deliver.
+    fn start_watch(&self, prefix: &str, from: Option<Revision>) -> (Vec<WatchEvent>, Revision) {
+        match from {
+            Some(r) if r > 0 && r > self.compacted => {
+                let replay = self
+                    .history
+                    .iter()
+                    .filter(|c| c.revision >= r && c.key.starts_with(prefix))
+                    .map(to_event)
+                    .collect();
+                (replay, r.max(self.revision + 1))
+            }
+            Some(r) if r > 0 => {
+                let resync =
+                    WatchEvent::Resync { entries: self.list(prefix), revision: self.revision };
+                (vec![resync], self.revision + 1)
+            }
+            _ => (Vec::new(), self.revision + 1),
+        }
+    }
+}
+
+fn to_event(c: &Change) -> WatchEvent {
+    match &c.value {
+        Some(v) => WatchEvent::Put { key: c.key.clone(), value: v.clone(), mod_revision: c.revision },
+        None => WatchEvent::Delete { key: c.key.clone(), mod_revision: c.revision },
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves consistent data (every mutation completes
+        // before it can panic), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Commits changes and persists (when a path is set).
+    fn commit(&self, state: &mut State, changes: Vec<Change>) -> StoreResult<()> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        state.commit(changes);
+        self.persist(state)
+    }
+
+    fn remove_lease(&self, state: &mut State, id: LeaseId) -> StoreResult<()> {
+        let Some(lease) = state.leases.remove(&id) else { return Ok(()) };
+        let rev = state.revision + 1;
+        let changes = lease.keys.iter().filter_map(|k| state.apply_delete(k, rev)).collect();
+        self.commit(state, changes)
+    }
+
+    fn persist(&self, state: &State) -> StoreResult<()> {
+        let Some(path) = &self.path else { return Ok(()) };
+        let snap = Snapshot {
+            revision: state.revision,
+            entries: state
+                .data
+                .iter()
+                .filter(|(_, v)| v.lease.is_none())
+                .map(|(k, v)| SnapshotEntry {
+                    key: k.clone(),
+                    value: v.value.clone(),
+                    create_revision: v.create_revision,
+                    mod_revision: v.mod_revision,
+                })
+                .collect(),
+        };
+        let io = |e: std::io::Error| StoreError::Internal(format!("persist {}: {e}", path.display()));
+        let bytes = serde_json::to_vec(&snap).map_err(|e| StoreError::Internal(e.to_string()))?;
+        let mut tmp = path.clone().into_os_string();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp).map_err(io)?;
+            f.write_all(&bytes).map_err(io)?;
+            f.sync_all().map_err(io)?;
+        }
+        std::fs::rename(&tmp, path).map_err(io)?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl StateStore for EmbeddedStore {
+    async fn get(&self, key: &str) -> StoreResult<Option<Versioned>> {
+        Ok(self.inner.lock().data.get(key).cloned())
+    }
+
+    async fn put(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> StoreResult<Revision> {
+        check_key(key)?;
+        let mut state = self.inner.lock();
+        state.check_lease(lease)?;
+        let rev = state.revision + 1;
+        let change = state.apply_put(key, value, lease, rev);
+        self.inner.commit(&mut state, vec![change])?;
+        Ok(rev)
+    }
+
+    async fn delete(&self, key: &str) -> StoreResult<bool> {
+        let mut state = self.inner.lock();
+        let rev = state.revision + 1;
+        match state.apply_delete(key, rev) {
+            Some(change) => {
+                self.inner.commit(&mut state, vec![change])?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    async fn list(&self, prefix: &str) -> StoreResult<(Vec<(String, Versioned)>, Revision)> {
+        let state = self.inner.lock();
+        Ok((state.list(prefix), state.revision))
+    }
+
+    async fn txn(&self, txn: Txn) -> StoreResult<TxnResult> {
+        let mut state = self.inner.lock();
+        let succeeded = txn.compares.iter().all(|c| state.holds(c));
+        let ops = if succeeded { txn.success } else { txn.failure };
+        for op in &ops {
+            match op {
+                TxnOp::Put { key, lease, .. } => {
+                    check_key(key)?;
+                    state.check_lease(*lease)?;
+                }
+                TxnOp::Delete { key } => check_key(key)?,
+            }
+        }
+        let rev = state.revision + 1;
+        let mut changes = Vec::with_capacity(ops.len());
+        for op in ops {
+            match op {
+                TxnOp::Put { key, value, lease } => changes.push(state.apply_put(&key, value, lease, rev)),
+                TxnOp::Delete { key } => changes.extend(state.apply_delete(&key, rev)),
+            }
+        }
+        self.inner.commit(&mut state, changes)?;
+        Ok(TxnResult { succeeded, revision: state.revision })
+    }
+
+    async fn grant_lease(&self, ttl_secs: i64) -> StoreResult<LeaseId> {
+        if ttl_secs <= 0 {
+            return Err(StoreError::InvalidArgument(format!("lease TTL {ttl_secs}s must be positive")));
+        }
+        let ttl = Duration::from_secs(ttl_secs.unsigned_abs());
+        let mut state = self.inner.lock();
+        let id = state.next_lease;
+        state.next_lease += 1;
+        state.leases.insert(id, Lease { ttl, deadline: Instant::now() + ttl, keys: BTreeSet::new() });
+        Ok(id)
+    }
+
+    async fn keep_alive(&self, lease: LeaseId) -> StoreResult<()> {
+        let mut state = self.inner.lock();
+        let now = Instant::now();
+        match state.leases.get_mut(&lease) {
+            Some(l) if l.deadline > now => {
+                l.deadline = now + l.ttl;
+                Ok(())
+            }
+            Some(_) => {
+                self.inner.remove_lease(&mut state, lease)?;
+                Err(StoreError::LeaseNotFound(lease))
+            }
+            None => Err(StoreError::LeaseNotFound(lease)),
+        }
+    }
+
+    async fn revoke_lease(&self, lease: LeaseId) -> StoreResult<()> {
+        let mut state = self.inner.lock();
+        self.inner.remove_lease(&mut state, lease)
+    }
+
+    async fn watch(&self, prefix: &str, start_revision: Option<Revision>) -> StoreResult<WatchStream> {
+        let (pending, rx, next) = {
+            let state = self.inner.lock();
+            let rx = state.live.subscribe();
+            let (pending, next) = state.start_watch(prefix, start_revision);
+            (pending, rx, next)
+        };
+        let watcher = Watcher {
+            inner: Arc::downgrade(&self.inner),
+            prefix: prefix.to_owned(),
+            pending: pending.into(),
+            rx,
+            next,
+        };
+        Ok(Box::pin(futures::stream::unfold(watcher, |mut w| async move {
+            let event = w.next_event().await?;
+            Some((event, w))
+        })))
+    }
+}
+
+fn check_key(key: &str) -> StoreResult<()> {
+    if key.is_empty() {
+        return Err(StoreError::InvalidArgument("empty key".into()));
+    }
+    Ok(())
+}
+
+/// State of one watch stream: replayed events first, then live ones.
+struct Watcher {
+    inner: Weak<Inner>,
+    prefix: String,
+    pending: VecDeque<WatchEvent>,
+    rx: broadcast::Receiver<Change>,
+    /// Lowest revision still to deliver.
+    next: Revision,
+}
+
+impl Watcher {
+    async fn next_event(&mut self) -> Option<WatchEvent> {
+        loop {
+            if let Some(e) = self.pending.pop_front() {
+                self.next = self.next.max(e.revision() + 1);
+                return Some(e);
+            }
+            match self.rx.recv().await {
+                Ok(c) if c.revision >= self.next && c.key.starts_with(&self.prefix) => {
+                    // `next` stays at this revision: a transaction may change more keys in it.
+                    self.next = c.revision;
+                    return Some(to_event(&c));
+                }
+                Ok(_) => {}
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    // Fell behind the live channel: restart from the history (or resync).
+                    let inner = self.inner.upgrade()?;
+                    let state = inner.lock();
+                    self.rx = state.live.subscribe();
+                    let from = self.resume_from();
+                    let (pending, next) = state.start_watch(&self.prefix, Some(from));
+                    self.pending = pending.into();
+                    self.next = next;
+                }
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    }
+
+    fn resume_from(&self) -> Revision {
+        self.next.max(1)
+    }
+}
