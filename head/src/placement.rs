@@ -1,0 +1,4 @@
+//! Placement: the pure [`planner`] and the level-triggered [`reconciler`] that applies
+//! its actions to the state store and the workers.
+
+pub mod planner;

@@ -1,0 +1,609 @@
+//! The placement planner: a pure function from (nodes, deployments, replicas) to the
+//! actions that move observed state towards desired state, as kube-rs controllers keep
+//! their decision logic pure.
+//!
+//! Rules (Ray placement groups with STRICT_PACK per replica, SPREAD across replicas):
+//! - each replica's `tensor_parallel_size` slots (GPUs; CPU slots on CPU-only nodes) come
+//!   from ONE node, and a slot is never given to two replicas;
+//! - replicas of one deployment spread over nodes (fewest of its replicas first; best fit
+//!   among equals, to keep large free groups for large gangs), or pack (`PACK`);
+//! - cordoned, draining, dead and disconnected nodes take no new replicas; `node_selector`
+//!   must match the node's labels;
+//! - the first `min_on_demand` replicas prefer `capacity-type=on-demand` nodes;
+//! - a replica that fits nowhere stays Pending with a reason such as
+//!   "needs 8 GPUs on one node; largest free group is 4".
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use prism_common::proto::v1::{PlacementStrategy, ReplicaState};
+use prism_common::{DeploymentName, NodeId, ReplicaId};
+
+/// Label naming a node's capacity type (`spot` or `on-demand`).
+pub const CAPACITY_TYPE_LABEL: &str = "capacity-type";
+/// Value of [`CAPACITY_TYPE_LABEL`] for on-demand nodes.
+pub const ON_DEMAND: &str = "on-demand";
+
+/// What the planner needs to know about a node.
+#[derive(Debug, Clone)]
+pub struct NodeView {
+    /// Node id.
+    pub id: NodeId,
+    /// Slot indices the node offers: GPU indices, or `0..cpu_slots` on CPU-only nodes.
+    pub slots: Vec<u32>,
+    /// True when the slots are GPUs.
+    pub gpu: bool,
+    /// Node labels (`capacity-type`, `zone`, …).
+    pub labels: BTreeMap<String, String>,
+    /// May take new replicas: Ready, connected, not cordoned, not draining.
+    pub schedulable: bool,
+    /// Not Dead: replicas on a node that is not alive are evicted and replaced.
+    pub alive: bool,
+}
+
+/// What the planner needs to know about a deployment.
+#[derive(Debug, Clone)]
+pub struct DeploymentView {
+    /// Deployment name.
+    pub name: DeploymentName,
+    /// Slots per replica (`tensor_parallel_size`, ≥ 1).
+    pub tensor_parallel_size: u32,
+    /// Desired replica count.
+    pub replicas: u32,
+    /// Spread or pack.
+    pub strategy: PlacementStrategy,
+    /// Labels a node must carry.
+    pub node_selector: BTreeMap<String, String>,
+    /// The first N replicas prefer on-demand nodes.
+    pub min_on_demand: u32,
+    /// Spec generation; replicas of an older one are replaced.
+    pub generation: u64,
+}
+
+/// What the planner needs to know about a replica.
+#[derive(Debug, Clone)]
+pub struct ReplicaView {
+    /// Replica id.
+    pub id: ReplicaId,
+    /// Owning deployment.
+    pub deployment: DeploymentName,
+    /// Node it is placed on (None while Pending).
+    pub node: Option<NodeId>,
+    /// Slots it holds on that node.
+    pub slots: Vec<u32>,
+    /// Current state.
+    pub state: ReplicaState,
+    /// Current Pending reason (to avoid rewriting an unchanged one).
+    pub reason: String,
+    /// Spec generation it was created for.
+    pub generation: u64,
+}
+
+/// Where a replica goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Placement {
+    /// On `node`, holding `slots`.
+    Assigned {
+        /// Target node.
+        node: NodeId,
+        /// GPU indices (or CPU slot indices), `tensor_parallel_size` of them.
+        slots: Vec<u32>,
+    },
+    /// Nowhere yet.
+    Pending {
+        /// Why nothing fits.
+        reason: String,
+    },
+}
+
+/// One step towards desired state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Create a replica record for `deployment`.
+    Create {
+        /// Owning deployment.
+        deployment: DeploymentName,
+        /// Generation of the spec it runs.
+        generation: u64,
+        /// Placement, or Pending with a reason.
+        placement: Placement,
+    },
+    /// Place an existing Pending replica (or update its Pending reason).
+    Place {
+        /// The Pending replica.
+        replica: ReplicaId,
+        /// Where it goes.
+        placement: Placement,
+    },
+    /// Scale-down, spec change or deleted deployment: drain the replica, then stop it.
+    Remove {
+        /// The replica to remove.
+        replica: ReplicaId,
+    },
+    /// The replica's node is dead or unknown: drop the record (a replacement is created).
+    Evict {
+        /// The replica to drop.
+        replica: ReplicaId,
+    },
+}
+
+/// States whose replica counts towards a deployment's desired count.
+fn is_active(s: ReplicaState) -> bool {
+    matches!(
+        s,
+        ReplicaState::Pending | ReplicaState::Starting | ReplicaState::Ready | ReplicaState::Failed
+    )
+}
+
+/// States whose replica holds its slots.
+pub fn holds_slots(s: ReplicaState) -> bool {
+    matches!(
+        s,
+        ReplicaState::Starting
+            | ReplicaState::Ready
+            | ReplicaState::Draining
+            | ReplicaState::Stopping
+    )
+}
+
+/// Removal preference: lower goes first.
+fn removal_rank(s: ReplicaState) -> u8 {
+    match s {
+        ReplicaState::Pending => 0,
+        ReplicaState::Failed => 1,
+        ReplicaState::Starting => 2,
+        _ => 3,
+    }
+}
+
+struct Capacity<'a> {
+    nodes: Vec<&'a NodeView>,
+    /// Used slots per node.
+    used: HashMap<&'a NodeId, BTreeSet<u32>>,
+    /// Active placed replicas per (deployment, node).
+    per_dep: HashMap<(DeploymentName, NodeId), u32>,
+}
+
+impl<'a> Capacity<'a> {
+    fn free(&self, n: &NodeView) -> Vec<u32> {
+        let used = self.used.get(&n.id);
+        n.slots
+            .iter()
+            .copied()
+            .filter(|s| used.is_none_or(|u| !u.contains(s)))
+            .collect()
+    }
+    fn dep_count(&self, d: &DeploymentName, n: &NodeId) -> u32 {
+        self.per_dep.get(&(d.clone(), n.clone())).copied().unwrap_or(0)
+    }
+}
+
+fn on_demand(n: &NodeView) -> bool {
+    n.labels.get(CAPACITY_TYPE_LABEL).map(String::as_str) == Some(ON_DEMAND)
+}
+
+fn selector_matches(n: &NodeView, sel: &BTreeMap<String, String>) -> bool {
+    sel.iter().all(|(k, v)| n.labels.get(k) == Some(v))
+}
+
+/// Computes the actions that bring `replicas` to what `deployments` ask for on `nodes`.
+///
+/// Pure and deterministic (nodes are considered in id order). Running it again on the
+/// state that results from applying its actions yields no actions.
+pub fn plan(
+    nodes: &[NodeView],
+    deployments: &[DeploymentView],
+    replicas: &[ReplicaView],
+) -> Vec<Action> {
+    let mut actions = Vec::new();
+    let mut sorted_nodes: Vec<&NodeView> = nodes.iter().collect();
+    sorted_nodes.sort_by(|a, b| a.id.cmp(&b.id));
+    let node_by_id: HashMap<&NodeId, &NodeView> = nodes.iter().map(|n| (&n.id, n)).collect();
+    let deps: BTreeMap<&DeploymentName, &DeploymentView> =
+        deployments.iter().map(|d| (&d.name, d)).collect();
+
+    let mut cap = Capacity { nodes: sorted_nodes, used: HashMap::new(), per_dep: HashMap::new() };
+    // Replicas still counted per deployment after evictions and removals.
+    let mut active: BTreeMap<&DeploymentName, Vec<&ReplicaView>> = BTreeMap::new();
+
+    for r in replicas {
+        let node_alive = r
+            .node
+            .as_ref()
+            .is_some_and(|id| node_by_id.get(id).is_some_and(|n| n.alive));
+        if r.node.is_some() && !node_alive && r.state != ReplicaState::Stopped {
+            actions.push(Action::Evict { replica: r.id.clone() });
+            continue;
+        }
+        if let (Some(node), true) = (&r.node, holds_slots(r.state)) {
+            if let Some(n) = node_by_id.get(node) {
+                cap.used.entry(&n.id).or_default().extend(r.slots.iter().copied());
+            }
+        }
+        let Some(d) = deps.get(&r.deployment) else {
+            if is_active(r.state) {
+                actions.push(Action::Remove { replica: r.id.clone() });
+            }
+            continue;
+        };
+        if !is_active(r.state) {
+            continue;
+        }
+        if r.generation < d.generation {
+            actions.push(Action::Remove { replica: r.id.clone() });
+            continue;
+        }
+        if let (Some(node), true) = (&r.node, r.state != ReplicaState::Failed) {
+            *cap.per_dep.entry((r.deployment.clone(), node.clone())).or_default() += 1;
+        }
+        active.entry(&r.deployment).or_default().push(r);
+    }
+
+    for d in deps.values() {
+        let mut mine = active.remove(&d.name).unwrap_or_default();
+        let want = d.replicas as usize;
+        // Scale down: least useful first, from the most crowded node.
+        while mine.len() > want {
+            let Some((idx, _)) = mine.iter().enumerate().min_by(|(_, a), (_, b)| {
+                let ca = a.node.as_ref().map_or(0, |n| cap.dep_count(&d.name, n));
+                let cb = b.node.as_ref().map_or(0, |n| cap.dep_count(&d.name, n));
+                removal_rank(a.state)
+                    .cmp(&removal_rank(b.state))
+                    .then(cb.cmp(&ca))
+                    .then(b.id.cmp(&a.id))
+            }) else {
+                break;
+            };
+            let r = mine.swap_remove(idx);
+            if let Some(n) = &r.node {
+                if let Some(c) = cap.per_dep.get_mut(&(d.name.clone(), n.clone())) {
+                    *c = c.saturating_sub(1);
+                }
+            }
+            actions.push(Action::Remove { replica: r.id.clone() });
+        }
+        let mut on_demand_count = mine
+            .iter()
+            .filter(|r| {
+                r.state != ReplicaState::Failed
+                    && r.node.as_ref().and_then(|n| node_by_id.get(n)).is_some_and(|n| on_demand(n))
+            })
+            .count() as u32;
+        // Place existing Pending replicas, oldest id order for determinism.
+        let mut pending: Vec<&ReplicaView> =
+            mine.iter().copied().filter(|r| r.state == ReplicaState::Pending).collect();
+        pending.sort_by(|a, b| a.id.cmp(&b.id));
+        for r in pending {
+            let p = place_one(&mut cap, d, &mut on_demand_count);
+            let unchanged = matches!(&p, Placement::Pending { reason } if *reason == r.reason);
+            if !unchanged {
+                actions.push(Action::Place { replica: r.id.clone(), placement: p });
+            }
+        }
+        for _ in mine.len()..want {
+            let p = place_one(&mut cap, d, &mut on_demand_count);
+            actions.push(Action::Create {
+                deployment: d.name.clone(),
+                generation: d.generation,
+                placement: p,
+            });
+        }
+    }
+    actions
+}
+
+/// Picks a node and slots for one replica of `d`, updating `cap`.
+fn place_one(cap: &mut Capacity<'_>, d: &DeploymentView, on_demand_count: &mut u32) -> Placement {
+    let tp = d.tensor_parallel_size.max(1) as usize;
+    let eligible: Vec<&NodeView> = cap
+        .nodes
+        .iter()
+        .copied()
+        .filter(|n| n.schedulable && selector_matches(n, &d.node_selector))
+        .collect();
+    let fits: Vec<(&NodeView, Vec<u32>)> = eligible
+        .iter()
+        .map(|n| (*n, cap.free(n)))
+        .filter(|(_, f)| f.len() >= tp)
+        .collect();
+    let prefer_od = *on_demand_count < d.min_on_demand;
+    let pool: Vec<&(&NodeView, Vec<u32>)> = if prefer_od && fits.iter().any(|(n, _)| on_demand(n)) {
+        fits.iter().filter(|(n, _)| on_demand(n)).collect()
+    } else {
+        fits.iter().collect()
+    };
+    let best = pool.into_iter().min_by(|(a, fa), (b, fb)| {
+        let ca = cap.dep_count(&d.name, &a.id);
+        let cb = cap.dep_count(&d.name, &b.id);
+        let by_count = match d.strategy {
+            PlacementStrategy::Pack => cb.cmp(&ca),
+            _ => ca.cmp(&cb),
+        };
+        by_count.then(fa.len().cmp(&fb.len())).then(a.id.cmp(&b.id))
+    });
+    let Some((node, free)) = best else {
+        return Placement::Pending { reason: pending_reason(cap, d, &eligible, tp) };
+    };
+    let slots: Vec<u32> = free.iter().copied().take(tp).collect();
+    cap.used.entry(&node.id).or_default().extend(slots.iter().copied());
+    *cap.per_dep.entry((d.name.clone(), node.id.clone())).or_default() += 1;
+    if on_demand(node) {
+        *on_demand_count += 1;
+    }
+    Placement::Assigned { node: node.id.clone(), slots }
+}
+
+fn pending_reason(cap: &Capacity<'_>, d: &DeploymentView, eligible: &[&NodeView], tp: usize) -> String {
+    let schedulable = cap.nodes.iter().filter(|n| n.schedulable).count();
+    if schedulable == 0 {
+        return format!("needs {tp} slots on one node; no schedulable node");
+    }
+    if eligible.is_empty() {
+        let sel: Vec<String> = d.node_selector.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        return format!(
+            "needs {tp} slots on one node; no schedulable node matches node_selector {{{}}}",
+            sel.join(",")
+        );
+    }
+    let unit = if eligible.iter().any(|n| n.gpu) { "GPUs" } else { "CPU slots" };
+    let largest = eligible.iter().map(|n| cap.free(n).len()).max().unwrap_or(0);
+    format!("needs {tp} {unit} on one node; largest free group is {largest}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: &str, gpus: u32, labels: &[(&str, &str)]) -> NodeView {
+        NodeView {
+            id: id.into(),
+            slots: (0..gpus).collect(),
+            gpu: true,
+            labels: labels.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+            schedulable: true,
+            alive: true,
+        }
+    }
+
+    fn dep(name: &str, tp: u32, replicas: u32) -> DeploymentView {
+        DeploymentView {
+            name: name.into(),
+            tensor_parallel_size: tp,
+            replicas,
+            strategy: PlacementStrategy::Spread,
+            node_selector: BTreeMap::new(),
+            min_on_demand: 0,
+            generation: 1,
+        }
+    }
+
+    /// Applies actions the way the reconciler does (placed replicas become Starting).
+    fn apply(replicas: &mut Vec<ReplicaView>, actions: &[Action]) {
+        let mut next = replicas.len();
+        for a in actions {
+            match a {
+                Action::Create { deployment, generation, placement } => {
+                    next += 1;
+                    let mut r = ReplicaView {
+                        id: format!("{deployment}-{next:04}").into(),
+                        deployment: deployment.clone(),
+                        node: None,
+                        slots: vec![],
+                        state: ReplicaState::Pending,
+                        reason: String::new(),
+                        generation: *generation,
+                    };
+                    set(&mut r, placement);
+                    replicas.push(r);
+                }
+                Action::Place { replica, placement } => {
+                    if let Some(r) = replicas.iter_mut().find(|r| &r.id == replica) {
+                        set(r, placement);
+                    }
+                }
+                Action::Remove { replica } => {
+                    if let Some(r) = replicas.iter_mut().find(|r| &r.id == replica) {
+                        r.state = ReplicaState::Draining;
+                    }
+                }
+                Action::Evict { replica } => replicas.retain(|r| &r.id != replica),
+            }
+        }
+    }
+
+    fn set(r: &mut ReplicaView, p: &Placement) {
+        match p {
+            Placement::Assigned { node, slots } => {
+                r.node = Some(node.clone());
+                r.slots = slots.clone();
+                r.state = ReplicaState::Starting;
+                r.reason.clear();
+            }
+            Placement::Pending { reason } => {
+                r.state = ReplicaState::Pending;
+                r.reason = reason.clone();
+            }
+        }
+    }
+
+    fn no_slot_twice(replicas: &[ReplicaView]) {
+        let mut seen = BTreeSet::new();
+        for r in replicas.iter().filter(|r| holds_slots(r.state)) {
+            for s in &r.slots {
+                let node = r.node.clone().map(|n| n.0).unwrap_or_default();
+                assert!(seen.insert((node, *s)), "slot {s} used twice");
+            }
+        }
+    }
+
+    #[test]
+    fn tp2_three_replicas_gang_and_spread_over_two_nodes() {
+        let nodes = vec![node("a", 4, &[]), node("b", 4, &[])];
+        let deps = vec![dep("llama", 2, 3)];
+        let mut rs = Vec::new();
+        let acts = plan(&nodes, &deps, &rs);
+        assert_eq!(acts.len(), 3);
+        apply(&mut rs, &acts);
+        no_slot_twice(&rs);
+        let mut per_node = BTreeMap::new();
+        for r in &rs {
+            assert_eq!(r.state, ReplicaState::Starting);
+            assert_eq!(r.slots.len(), 2);
+            *per_node.entry(r.node.clone().map(|n| n.0)).or_insert(0) += 1;
+        }
+        assert_eq!(per_node.len(), 2, "spread over both nodes: {per_node:?}");
+        // Idempotent: nothing more to do.
+        assert!(plan(&nodes, &deps, &rs).is_empty());
+    }
+
+    #[test]
+    fn fifth_replica_pending_with_reason_then_third_node_places_it() {
+        let mut nodes = vec![node("a", 4, &[]), node("b", 4, &[])];
+        let deps = vec![dep("llama", 2, 5)];
+        let mut rs = Vec::new();
+        let acts = plan(&nodes, &deps, &rs);
+        apply(&mut rs, &acts);
+        no_slot_twice(&rs);
+        let pending: Vec<_> = rs.iter().filter(|r| r.state == ReplicaState::Pending).collect();
+        assert_eq!(pending.len(), 1);
+        assert_eq!(pending[0].reason, "needs 2 GPUs on one node; largest free group is 0");
+        // Unchanged reason: no rewrite.
+        assert!(plan(&nodes, &deps, &rs).is_empty());
+        nodes.push(node("c", 4, &[]));
+        let acts = plan(&nodes, &deps, &rs);
+        assert_eq!(acts.len(), 1);
+        assert!(matches!(&acts[0], Action::Place { placement: Placement::Assigned { node, .. }, .. } if node.as_str() == "c"));
+    }
+
+    #[test]
+    fn eight_gpus_never_split_across_nodes() {
+        let nodes = vec![node("a", 4, &[]), node("b", 4, &[])];
+        let acts = plan(&nodes, &[dep("big", 8, 1)], &[]);
+        assert_eq!(
+            acts,
+            vec![Action::Create {
+                deployment: "big".into(),
+                generation: 1,
+                placement: Placement::Pending {
+                    reason: "needs 8 GPUs on one node; largest free group is 4".into()
+                },
+            }]
+        );
+    }
+
+    #[test]
+    fn cordoned_dead_and_unselected_nodes_are_skipped() {
+        let mut a = node("a", 4, &[("zone", "x")]);
+        a.schedulable = false;
+        let b = node("b", 4, &[("zone", "y")]);
+        let c = node("c", 4, &[("zone", "x")]);
+        let mut d = dep("m", 1, 2);
+        d.node_selector.insert("zone".into(), "x".into());
+        let mut rs = Vec::new();
+        let acts = plan(&[a, b, c], &[d], &rs);
+        apply(&mut rs, &acts);
+        assert!(rs.iter().all(|r| r.node.as_ref().map(NodeId::as_str) == Some("c")));
+        let mut d2 = dep("m", 1, 1);
+        d2.node_selector.insert("gpu".into(), "h100".into());
+        let acts = plan(&[node("z", 1, &[])], &[d2], &[]);
+        assert!(matches!(&acts[0], Action::Create { placement: Placement::Pending { reason }, .. }
+            if reason.contains("node_selector {gpu=h100}")));
+    }
+
+    #[test]
+    fn on_demand_preferred_for_first_replicas() {
+        let nodes = vec![
+            node("a-spot", 2, &[(CAPACITY_TYPE_LABEL, "spot")]),
+            node("b-spot", 2, &[(CAPACITY_TYPE_LABEL, "spot")]),
+            node("z-od", 2, &[(CAPACITY_TYPE_LABEL, ON_DEMAND)]),
+        ];
+        let mut d = dep("m", 1, 3);
+        d.min_on_demand = 2;
+        let mut rs = Vec::new();
+        let acts = plan(&nodes, &[d], &rs);
+        apply(&mut rs, &acts);
+        let od = rs.iter().filter(|r| r.node.as_ref().map(NodeId::as_str) == Some("z-od")).count();
+        assert_eq!(od, 2);
+    }
+
+    #[test]
+    fn dead_node_replicas_are_evicted_and_replaced() {
+        let mut nodes = vec![node("a", 4, &[]), node("b", 4, &[])];
+        let deps = vec![dep("m", 2, 2)];
+        let mut rs = Vec::new();
+        let acts = plan(&nodes, &deps, &rs);
+        apply(&mut rs, &acts);
+        nodes[0].alive = false;
+        nodes[0].schedulable = false;
+        let acts = plan(&nodes, &deps, &rs);
+        assert_eq!(acts.iter().filter(|a| matches!(a, Action::Evict { .. })).count(), 1);
+        apply(&mut rs, &acts);
+        no_slot_twice(&rs);
+        assert_eq!(rs.len(), 2);
+        assert!(rs.iter().all(|r| r.node.as_ref().map(NodeId::as_str) == Some("b")));
+    }
+
+    #[test]
+    fn scale_down_removes_pending_first_then_most_crowded() {
+        let nodes = vec![node("a", 4, &[]), node("b", 2, &[])];
+        let deps = vec![dep("m", 1, 6)];
+        let mut rs = Vec::new();
+        let acts = plan(&nodes, &deps, &rs);
+        apply(&mut rs, &acts);
+        assert_eq!(rs.iter().filter(|r| r.state == ReplicaState::Starting).count(), 6);
+        let acts = plan(&nodes, &[dep("m", 1, 2)], &rs);
+        assert_eq!(acts.len(), 4);
+        apply(&mut rs, &acts);
+        let left: Vec<_> =
+            rs.iter().filter(|r| r.state == ReplicaState::Starting).filter_map(|r| r.node.clone()).collect();
+        assert_eq!(left.len(), 2);
+        assert_ne!(left[0], left[1], "survivors stay spread");
+        // Draining replicas keep their GPUs until stopped.
+        no_slot_twice(&rs);
+        assert!(plan(&nodes, &[dep("m", 1, 2)], &rs).is_empty());
+    }
+
+    #[test]
+    fn failed_replicas_count_and_free_their_slots() {
+        let nodes = vec![node("a", 1, &[])];
+        let deps = vec![dep("m", 1, 1)];
+        let mut rs = Vec::new();
+        let acts = plan(&nodes, &deps, &rs);
+        apply(&mut rs, &acts);
+        rs[0].state = ReplicaState::Failed;
+        // Not retried in a loop.
+        assert!(plan(&nodes, &deps, &rs).is_empty());
+        // A new generation replaces it, and its GPU is free again.
+        let mut d2 = dep("m", 1, 1);
+        d2.generation = 2;
+        let acts = plan(&nodes, &[d2], &rs);
+        assert_eq!(acts.len(), 2);
+        assert!(matches!(&acts[1], Action::Create { placement: Placement::Assigned { .. }, .. }));
+    }
+
+    #[test]
+    fn deleted_deployment_replicas_removed_and_cpu_nodes_offer_slots() {
+        let mut cpu = node("cpu", 2, &[]);
+        cpu.gpu = false;
+        let mut rs = Vec::new();
+        let acts = plan(&[cpu.clone()], &[dep("m", 2, 1)], &rs);
+        apply(&mut rs, &acts);
+        assert_eq!(rs[0].slots, vec![0, 1]);
+        let acts = plan(&[cpu.clone()], &[dep("n", 1, 1)], &rs);
+        assert!(acts.contains(&Action::Remove { replica: rs[0].id.clone() }));
+        let acts = plan(&[cpu], &[dep("n", 3, 1)], &[]);
+        assert!(matches!(&acts[0], Action::Create { placement: Placement::Pending { reason }, .. }
+            if reason == "needs 3 CPU slots on one node; largest free group is 2"));
+    }
+
+    #[test]
+    fn pack_fills_one_node_first() {
+        let nodes = vec![node("a", 4, &[]), node("b", 4, &[])];
+        let mut d = dep("m", 1, 3);
+        d.strategy = PlacementStrategy::Pack;
+        let mut rs = Vec::new();
+        let acts = plan(&nodes, &[d], &rs);
+        apply(&mut rs, &acts);
+        let first = rs[0].node.clone();
+        assert!(rs.iter().all(|r| r.node == first));
+    }
+}
