@@ -1,1 +1,87 @@
-fn main() {}
+//! `prism`: run a one-machine cluster (`prism up`), talk to a model (`generate`, `chat`),
+//! and operate a cluster through the head (`status`, `deploy`, `scale`, `cordon`,
+//! `uncordon`, `drain`), plus benchmarks (`bench`).
+
+mod bench;
+mod chat;
+mod client;
+mod cordon;
+mod deploy;
+mod drain;
+mod generate;
+mod scale;
+mod status;
+mod table;
+mod up;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+/// Prism: LLM serving on a Rust actor runtime (a replacement for Ray Serve + KubeRay + vLLM).
+#[derive(Parser, Debug)]
+#[command(name = "prism", version, about, propagate_version = true)]
+struct Cli {
+    #[command(flatten)]
+    endpoints: client::Endpoints,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run head (embedded store) + worker + router in this process and serve a model.
+    Up(Box<up::UpArgs>),
+    /// Stream one answer to PROMPT from the router (gRPC).
+    Generate(generate::GenerateArgs),
+    /// Interactive chat with the router's model; the history is kept.
+    Chat(chat::ChatArgs),
+    /// Nodes, GPUs, deployments, replicas, states and load.
+    Status,
+    /// Create or update a deployment from a YAML file.
+    Deploy(deploy::DeployArgs),
+    /// Set a deployment's replica count.
+    Scale(scale::ScaleArgs),
+    /// Stop placing new replicas on NODE.
+    Cordon {
+        /// Node id (see `prism status`).
+        node: String,
+    },
+    /// Allow placing replicas on NODE again.
+    Uncordon {
+        /// Node id (see `prism status`).
+        node: String,
+    },
+    /// Move NODE's replicas away and stop them by the deadline.
+    Drain(drain::DrainArgs),
+    /// Run a benchmark.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if matches!(cli.command, Command::Up(_)) && std::env::var_os("RUST_LOG").is_none() {
+        // `prism up` draws a progress bar: only warnings and errors go to the terminal.
+        // SAFETY: no other thread exists yet (the runtime is built below).
+        unsafe { std::env::set_var("RUST_LOG", "warn") };
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let endpoints = cli.endpoints;
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::Up(args) => up::run(*args).await,
+            Command::Generate(args) => generate::run(&endpoints.router, args).await,
+            Command::Chat(args) => chat::run(&endpoints.router, args).await,
+            Command::Status => status::run(&endpoints.head).await,
+            Command::Deploy(args) => deploy::run(&endpoints.head, args).await,
+            Command::Scale(args) => scale::run(&endpoints.head, args).await,
+            Command::Cordon { node } => cordon::run(&endpoints.head, node, true).await,
+            Command::Uncordon { node } => cordon::run(&endpoints.head, node, false).await,
+            Command::Drain(args) => drain::run(&endpoints.head, args).await,
+            Command::Bench(command) => bench::run(&endpoints.router, command).await,
+        }
+    });
+    // Blocking reads (chat's stdin) and engine threads must not keep the process alive.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    result
+}

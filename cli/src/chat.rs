@@ -1,0 +1,85 @@
+//! `prism chat`: an interactive conversation. Each turn sends the whole history as
+//! `ChatMessages` over gRPC (the model's chat template renders it) and streams the reply.
+//! `/reset` clears the history, `/exit` or end of input quits.
+
+use crate::client;
+use crate::generate::{self, SamplingArgs};
+use anyhow::Result;
+use clap::Args;
+use prism_common::proto::v1::{ChatMessage, ChatMessages, GenerateRequest, generate_request::Prompt};
+use std::io::Write;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+/// `prism chat` flags.
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    /// Served model name (default: the only model the router serves).
+    #[arg(long, env = "PRISM_MODEL")]
+    pub model: Option<String>,
+    /// System message put before the conversation.
+    #[arg(long, env = "PRISM_SYSTEM")]
+    pub system: Option<String>,
+    /// Print token counts and the finish reason after each reply.
+    #[arg(long, short = 'v', env = "PRISM_VERBOSE")]
+    pub verbose: bool,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+fn initial_history(system: Option<&str>) -> Vec<ChatMessage> {
+    system.map(|s| ChatMessage { role: "system".into(), content: s.to_owned() }).into_iter().collect()
+}
+
+/// Runs the interactive loop until `/exit` or end of input.
+///
+/// # Errors
+/// Fails when the router is unreachable or stdin/stdout fail; a rejected turn is
+/// reported and the conversation continues without it.
+pub async fn run(router_addr: &str, args: ChatArgs) -> Result<()> {
+    let mut client = client::router(router_addr).await?;
+    let model = generate::resolve_model(&mut client, args.model).await?;
+    let mut history = initial_history(args.system.as_deref());
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    let mut stdout = std::io::stdout();
+    eprintln!("Chatting with {model}. /reset clears the history, /exit quits.");
+    loop {
+        write!(stdout, ">>> ")?;
+        stdout.flush()?;
+        let Some(line) = lines.next_line().await? else {
+            writeln!(stdout)?;
+            return Ok(());
+        };
+        let line = line.trim();
+        match line {
+            "" => continue,
+            "/exit" | "/quit" => return Ok(()),
+            "/reset" => {
+                history = initial_history(args.system.as_deref());
+                eprintln!("(history cleared)");
+                continue;
+            }
+            _ => {}
+        }
+        history.push(ChatMessage { role: "user".into(), content: line.to_owned() });
+        let request = GenerateRequest {
+            model: model.clone(),
+            prompt: Some(Prompt::Chat(ChatMessages { messages: history.clone() })),
+            sampling: Some(args.sampling.to_proto()),
+            ..GenerateRequest::default()
+        };
+        match generate::stream(&mut client, request, &mut stdout).await {
+            Ok(reply) => {
+                writeln!(stdout)?;
+                if args.verbose {
+                    generate::print_summary(&reply);
+                }
+                history.push(ChatMessage { role: "assistant".into(), content: reply.text });
+            }
+            Err(e) => {
+                writeln!(stdout)?;
+                eprintln!("error: {e:#}");
+                history.pop();
+            }
+        }
+    }
+}

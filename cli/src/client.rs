@@ -1,0 +1,74 @@
+//! Connections from the CLI to the head (admin RPCs) and the router (inference), with
+//! addresses taken from `--head` / `--router` (env `PRISM_HEAD`, `PRISM_ROUTER`).
+
+use anyhow::{Context, Result};
+use clap::Args;
+use prism_common::proto::v1::head_service_client::HeadServiceClient;
+use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+
+/// Default head gRPC address (`prism up` and `prism-head` listen here).
+pub const DEFAULT_HEAD: &str = "http://127.0.0.1:50050";
+/// Default router gRPC address.
+pub const DEFAULT_ROUTER: &str = "http://127.0.0.1:50051";
+
+/// Where the cluster is: shared by every subcommand.
+#[derive(Args, Clone, Debug)]
+pub struct Endpoints {
+    /// Head gRPC address (admin commands: status, deploy, scale, cordon, drain).
+    #[arg(long, global = true, env = "PRISM_HEAD", default_value = DEFAULT_HEAD)]
+    pub head: String,
+    /// Router gRPC address (generate, chat, bench).
+    #[arg(long, global = true, env = "PRISM_ROUTER", default_value = DEFAULT_ROUTER)]
+    pub router: String,
+}
+
+/// Adds `http://` when the address has no scheme (`localhost:50050` → `http://localhost:50050`).
+pub fn normalize(addr: &str) -> String {
+    if addr.contains("://") { addr.to_owned() } else { format!("http://{addr}") }
+}
+
+async fn channel(addr: &str, what: &str) -> Result<Channel> {
+    let uri = normalize(addr);
+    let endpoint = Endpoint::from_shared(uri.clone())
+        .with_context(|| format!("invalid {what} address {uri:?}"))?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true);
+    endpoint.connect().await.with_context(|| {
+        format!("cannot reach the {what} at {uri} (is `prism up` running? set --{what} or PRISM_{})", what.to_uppercase())
+    })
+}
+
+/// Connects to the head's `HeadService`.
+///
+/// # Errors
+/// Fails when the address is invalid or nothing answers within 5 s.
+pub async fn head(addr: &str) -> Result<HeadServiceClient<Channel>> {
+    Ok(HeadServiceClient::new(channel(addr, "head").await?))
+}
+
+/// Connects to the router's `InferenceService`.
+///
+/// # Errors
+/// Fails when the address is invalid or nothing answers within 5 s.
+pub async fn router(addr: &str) -> Result<InferenceServiceClient<Channel>> {
+    Ok(InferenceServiceClient::new(channel(addr, "router").await?))
+}
+
+/// Turns a gRPC status into a readable error (`NotFound: deployment "x" does not exist`).
+pub fn status_error(status: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{:?}: {}", status.code(), status.message())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalize_adds_scheme_only_when_missing() {
+        assert_eq!(normalize("localhost:50050"), "http://localhost:50050");
+        assert_eq!(normalize("http://10.0.0.1:1"), "http://10.0.0.1:1");
+        assert_eq!(normalize("https://h:443"), "https://h:443");
+    }
+}

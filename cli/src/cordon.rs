@@ -1,0 +1,23 @@
+//! `prism cordon NODE` / `prism uncordon NODE`: stop or resume placing replicas on a node
+//! (running replicas stay, as with `kubectl cordon`).
+
+use crate::client::{self, status_error};
+use anyhow::Result;
+use prism_common::proto::v1::NodeRequest;
+
+/// Cordons (`cordon = true`) or uncordons a node.
+///
+/// # Errors
+/// Fails when the head is unreachable or does not know the node.
+pub async fn run(head_addr: &str, node: String, cordon: bool) -> Result<()> {
+    let mut head = client::head(head_addr).await?;
+    let request = NodeRequest { node_id: node.clone() };
+    if cordon {
+        head.cordon_node(request).await.map_err(status_error)?;
+        println!("node {node} cordoned");
+    } else {
+        head.uncordon_node(request).await.map_err(status_error)?;
+        println!("node {node} uncordoned");
+    }
+    Ok(())
+}

@@ -1,0 +1,291 @@
+//! `prism deploy -f FILE`: applies a deployment described in YAML. Engine arguments use
+//! vLLM's names; unknown fields are rejected so a typo never silently takes a default.
+//!
+//! ```yaml
+//! name: smollm2
+//! model: models/SmolLM2-135M-Instruct.Q4_1.gguf   # GGUF file or Hugging Face directory, as the worker sees it
+//! served_model_name: smollm2                      # optional, default = name
+//! engine:                                         # optional; 0/absent = the engine's default
+//!   tensor_parallel_size: 1
+//!   max_model_len: 2048
+//!   block_size: 16
+//!   max_num_seqs: 64
+//!   max_num_batched_tokens: 2048
+//!   gpu_memory_utilization: 0.9
+//! replicas: 2
+//! placement: spread                               # spread | pack
+//! node_selector: { capacity-type: on-demand }
+//! ```
+
+use crate::client::{self, status_error};
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use prism_common::proto::v1::{ApplyDeploymentRequest, DeploymentSpec, EngineConfig, PlacementStrategy};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// `prism deploy` flags.
+#[derive(Args, Debug)]
+pub struct DeployArgs {
+    /// YAML deployment file (`-` = stdin).
+    #[arg(short = 'f', long = "file", env = "PRISM_DEPLOY_FILE")]
+    pub file: PathBuf,
+    /// Validate and print the spec without applying it.
+    #[arg(long, env = "PRISM_DRY_RUN")]
+    pub dry_run: bool,
+}
+
+/// A deployment file.
+#[derive(Debug, Deserialize, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DeploymentFile {
+    /// Deployment name (DNS-1123 label).
+    pub name: String,
+    /// GGUF file or Hugging Face directory, as the worker sees it.
+    pub model: String,
+    /// Model name clients use (default: `name`).
+    #[serde(default)]
+    pub served_model_name: Option<String>,
+    /// Engine arguments (vLLM names).
+    #[serde(default)]
+    pub engine: EngineArgs,
+    /// Number of replicas (default 1).
+    #[serde(default = "one")]
+    pub replicas: u32,
+    /// Autoscaling lower bound (default: replicas).
+    #[serde(default)]
+    pub min_replicas: Option<u32>,
+    /// Autoscaling upper bound (default: replicas).
+    #[serde(default)]
+    pub max_replicas: Option<u32>,
+    /// `spread` (default) or `pack`.
+    #[serde(default)]
+    pub placement: Placement,
+    /// Only nodes with all these labels are used.
+    #[serde(default)]
+    pub node_selector: BTreeMap<String, String>,
+    /// The first N replicas prefer `capacity-type=on-demand` nodes.
+    #[serde(default)]
+    pub min_on_demand: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Engine arguments with vLLM's names; absent = the engine's default.
+#[derive(Debug, Deserialize, Clone, Default, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EngineArgs {
+    /// GPUs per replica (default 1).
+    pub tensor_parallel_size: Option<u32>,
+    /// Context length in tokens (default: the model's).
+    pub max_model_len: Option<u32>,
+    /// KV cache block size in tokens (default 16).
+    pub block_size: Option<u32>,
+    /// Most sequences in one batch.
+    pub max_num_seqs: Option<u32>,
+    /// Most tokens in one step (chunked prefill budget).
+    pub max_num_batched_tokens: Option<u32>,
+    /// Fraction of GPU memory for weights + KV cache (0, 1] (default 0.9).
+    pub gpu_memory_utilization: Option<f32>,
+    /// CPU backend KV cache budget in bytes.
+    pub kv_cache_bytes: Option<u64>,
+    /// `auto` (default), `cpu` or `cuda`.
+    pub backend: Option<String>,
+    /// Router admission limit per replica.
+    pub max_in_flight: Option<u32>,
+}
+
+/// Placement strategy of a deployment's replicas.
+#[derive(Debug, Deserialize, Clone, Copy, Default, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// Over as many nodes as possible.
+    #[default]
+    Spread,
+    /// Fill nodes first.
+    Pack,
+}
+
+/// Whether `name` is a DNS-1123 label (lowercase alphanumerics and `-`, 1–63 chars,
+/// alphanumeric at both ends).
+pub fn is_dns1123_label(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+        && bytes.first().is_some_and(u8::is_ascii_alphanumeric)
+        && bytes.last().is_some_and(u8::is_ascii_alphanumeric)
+}
+
+impl DeploymentFile {
+    /// Parses and validates a YAML document.
+    ///
+    /// # Errors
+    /// Fails on YAML errors, unknown fields, or invalid values (named in the message).
+    pub fn parse(yaml: &str) -> Result<Self> {
+        let file: Self = serde_yaml::from_str(yaml).context("invalid deployment file")?;
+        file.validate()?;
+        Ok(file)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !is_dns1123_label(&self.name) {
+            bail!("name {:?} is not a DNS-1123 label (lowercase letters, digits, '-', at most 63)", self.name);
+        }
+        if self.model.trim().is_empty() {
+            bail!("model must name a GGUF file or a Hugging Face directory");
+        }
+        if self.engine.tensor_parallel_size == Some(0) {
+            bail!("engine.tensor_parallel_size must be at least 1");
+        }
+        if let Some(u) = self.engine.gpu_memory_utilization
+            && !(u > 0.0 && u <= 1.0)
+        {
+            bail!("engine.gpu_memory_utilization must be in (0, 1], got {u}");
+        }
+        if let (Some(min), Some(max)) = (self.min_replicas, self.max_replicas)
+            && min > max
+        {
+            bail!("min_replicas ({min}) is larger than max_replicas ({max})");
+        }
+        Ok(())
+    }
+
+    /// The protocol's `DeploymentSpec` (absent values are 0 = default).
+    pub fn to_spec(&self) -> DeploymentSpec {
+        let e = &self.engine;
+        DeploymentSpec {
+            name: self.name.clone(),
+            engine: Some(EngineConfig {
+                model: self.model.clone(),
+                served_model_name: self.served_model_name.clone().unwrap_or_else(|| self.name.clone()),
+                tensor_parallel_size: e.tensor_parallel_size.unwrap_or(1),
+                max_model_len: e.max_model_len.unwrap_or(0),
+                block_size: e.block_size.unwrap_or(0),
+                max_num_seqs: e.max_num_seqs.unwrap_or(0),
+                max_num_batched_tokens: e.max_num_batched_tokens.unwrap_or(0),
+                gpu_memory_utilization: e.gpu_memory_utilization.unwrap_or(0.0),
+                kv_cache_bytes: e.kv_cache_bytes.unwrap_or(0),
+                backend: e.backend.clone().unwrap_or_default(),
+                max_in_flight: e.max_in_flight.unwrap_or(0),
+            }),
+            replicas: self.replicas,
+            min_replicas: self.min_replicas.unwrap_or(0),
+            max_replicas: self.max_replicas.unwrap_or(0),
+            placement: match self.placement {
+                Placement::Spread => PlacementStrategy::Spread,
+                Placement::Pack => PlacementStrategy::Pack,
+            } as i32,
+            node_selector: self.node_selector.clone().into_iter().collect(),
+            min_on_demand: self.min_on_demand,
+        }
+    }
+}
+
+/// Runs `prism deploy`.
+///
+/// # Errors
+/// Fails when the file is unreadable or invalid, or the head rejects the deployment.
+pub async fn run(head_addr: &str, args: DeployArgs) -> Result<()> {
+    let yaml = if args.file.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin())?
+    } else {
+        std::fs::read_to_string(&args.file).with_context(|| format!("cannot read {}", args.file.display()))?
+    };
+    let file = DeploymentFile::parse(&yaml)?;
+    let spec = file.to_spec();
+    if args.dry_run {
+        println!("{spec:#?}");
+        return Ok(());
+    }
+    let mut head = client::head(head_addr).await?;
+    let response = head
+        .apply_deployment(ApplyDeploymentRequest { spec: Some(spec) })
+        .await
+        .map_err(status_error)?
+        .into_inner();
+    let generation = response.deployment.map_or(0, |d| d.generation);
+    let verb = if response.created { "created" } else { "updated" };
+    println!("deployment {} {verb} (generation {generation}); watch it with `prism status`", file.name);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FULL: &str = r#"
+name: smollm2
+model: models/SmolLM2-135M-Instruct.Q4_1.gguf
+served_model_name: smol
+engine:
+  tensor_parallel_size: 2
+  max_model_len: 2048
+  block_size: 16
+  max_num_seqs: 64
+  max_num_batched_tokens: 1024
+  gpu_memory_utilization: 0.85
+replicas: 3
+placement: pack
+node_selector:
+  capacity-type: on-demand
+"#;
+
+    #[test]
+    fn full_file_maps_to_spec() -> Result<()> {
+        let spec = DeploymentFile::parse(FULL)?.to_spec();
+        assert_eq!(spec.name, "smollm2");
+        assert_eq!(spec.replicas, 3);
+        assert_eq!(spec.placement, PlacementStrategy::Pack as i32);
+        assert_eq!(spec.node_selector.get("capacity-type").map(String::as_str), Some("on-demand"));
+        let engine = spec.engine.context("engine")?;
+        assert_eq!(engine.served_model_name, "smol");
+        assert_eq!(engine.tensor_parallel_size, 2);
+        assert_eq!(engine.max_model_len, 2048);
+        assert_eq!(engine.block_size, 16);
+        assert_eq!(engine.max_num_seqs, 64);
+        assert_eq!(engine.max_num_batched_tokens, 1024);
+        assert!((engine.gpu_memory_utilization - 0.85).abs() < 1e-6);
+        Ok(())
+    }
+
+    #[test]
+    fn minimal_file_takes_defaults() -> Result<()> {
+        let spec = DeploymentFile::parse("name: a\nmodel: /m.gguf\n")?.to_spec();
+        assert_eq!(spec.replicas, 1);
+        assert_eq!(spec.placement, PlacementStrategy::Spread as i32);
+        let engine = spec.engine.context("engine")?;
+        assert_eq!(engine.served_model_name, "a");
+        assert_eq!(engine.tensor_parallel_size, 1);
+        assert_eq!(engine.max_model_len, 0);
+        Ok(())
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        assert!(DeploymentFile::parse("name: a\nmodel: m\nreplica: 2\n").is_err());
+        assert!(DeploymentFile::parse("name: a\nmodel: m\nengine:\n  tensor_parallel: 2\n").is_err());
+    }
+
+    #[test]
+    fn invalid_values_are_rejected() {
+        assert!(DeploymentFile::parse("name: Bad_Name\nmodel: m\n").is_err());
+        assert!(DeploymentFile::parse("name: a\nmodel: m\nengine:\n  tensor_parallel_size: 0\n").is_err());
+        assert!(DeploymentFile::parse("name: a\nmodel: m\nengine:\n  gpu_memory_utilization: 1.5\n").is_err());
+        assert!(DeploymentFile::parse("name: a\nmodel: m\nmin_replicas: 3\nmax_replicas: 1\n").is_err());
+        assert!(DeploymentFile::parse("name: a\nmodel: m\nplacement: random\n").is_err());
+    }
+
+    #[test]
+    fn dns1123_labels() {
+        assert!(is_dns1123_label("smollm2"));
+        assert!(is_dns1123_label("a-b-1"));
+        assert!(!is_dns1123_label("-a"));
+        assert!(!is_dns1123_label("a-"));
+        assert!(!is_dns1123_label(""));
+        assert!(!is_dns1123_label(&"a".repeat(64)));
+    }
+}

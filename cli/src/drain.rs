@@ -1,0 +1,77 @@
+//! `prism drain NODE --deadline 60s`: cordons the node, moves its replicas elsewhere and
+//! stops them once idle or at the deadline (the head does the work; this asks for it).
+
+use crate::client::{self, status_error};
+use anyhow::{Result, bail};
+use clap::Args;
+use prism_common::proto::v1::DrainNodeRequest;
+use std::time::Duration;
+
+/// `prism drain` arguments.
+#[derive(Args, Debug)]
+pub struct DrainArgs {
+    /// Node id (see `prism status`).
+    pub node: String,
+    /// How long in-flight requests may run before they are migrated: `90s`, `2m`, `500ms`.
+    #[arg(long, env = "PRISM_DRAIN_DEADLINE", default_value = "60s", value_parser = parse_duration)]
+    pub deadline: Duration,
+    /// Why (recorded on the node, shown by `prism status`).
+    #[arg(long, env = "PRISM_DRAIN_REASON", default_value = "prism drain")]
+    pub reason: String,
+}
+
+/// Parses `500ms`, `60s`, `2m`, `1h` or a bare number of seconds.
+///
+/// # Errors
+/// Fails on anything else.
+pub fn parse_duration(text: &str) -> Result<Duration> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let Ok(value) = number.parse::<f64>() else { bail!("invalid duration {text:?} (try 60s, 2m, 500ms)") };
+    let seconds = match unit.trim() {
+        "" | "s" => value,
+        "ms" => value / 1e3,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        _ => bail!("invalid duration unit in {text:?} (use ms, s, m or h)"),
+    };
+    if !seconds.is_finite() || seconds < 0.0 {
+        bail!("invalid duration {text:?}");
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// Runs `prism drain`.
+///
+/// # Errors
+/// Fails when the head is unreachable or does not know the node.
+pub async fn run(head_addr: &str, args: DrainArgs) -> Result<()> {
+    let mut head = client::head(head_addr).await?;
+    let deadline_ms = u64::try_from(args.deadline.as_millis()).unwrap_or(u64::MAX).max(1);
+    head.drain_node(DrainNodeRequest { node_id: args.node.clone(), deadline_ms, reason: args.reason })
+        .await
+        .map_err(status_error)?;
+    println!(
+        "node {} draining (deadline {:?}); follow it with `prism status`, resume it with `prism uncordon {}`",
+        args.node, args.deadline, args.node
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() -> Result<()> {
+        assert_eq!(parse_duration("60s")?, Duration::from_secs(60));
+        assert_eq!(parse_duration("2m")?, Duration::from_secs(120));
+        assert_eq!(parse_duration("500ms")?, Duration::from_millis(500));
+        assert_eq!(parse_duration("1.5s")?, Duration::from_millis(1500));
+        assert_eq!(parse_duration("10")?, Duration::from_secs(10));
+        assert!(parse_duration("10 parsecs").is_err());
+        assert!(parse_duration("s").is_err());
+        Ok(())
+    }
+}

@@ -1,0 +1,28 @@
+//! `prism scale NAME N`: sets a deployment's replica count.
+
+use crate::client::{self, status_error};
+use anyhow::Result;
+use clap::Args;
+use prism_common::proto::v1::ScaleDeploymentRequest;
+
+/// `prism scale` arguments.
+#[derive(Args, Debug)]
+pub struct ScaleArgs {
+    /// Deployment name.
+    pub name: String,
+    /// Desired number of replicas.
+    pub replicas: u32,
+}
+
+/// Runs `prism scale`.
+///
+/// # Errors
+/// Fails when the head is unreachable or rejects the request (unknown deployment, …).
+pub async fn run(head_addr: &str, args: ScaleArgs) -> Result<()> {
+    let mut head = client::head(head_addr).await?;
+    head.scale_deployment(ScaleDeploymentRequest { name: args.name.clone(), replicas: args.replicas })
+        .await
+        .map_err(status_error)?;
+    println!("deployment {} scaled to {} replicas", args.name, args.replicas);
+    Ok(())
+}

@@ -1,0 +1,174 @@
+//! `prism status`: the cluster as the head sees it — nodes (GPUs, state, cordon), deployments,
+//! replicas (node, GPU group, state, reason) and their load — as readable tables.
+
+use crate::client::{self, status_error};
+use crate::table::Table;
+use anyhow::Result;
+use prism_common::proto::v1::{
+    ClusterStatusRequest, ClusterStatusResponse, LoadReport, NodeState, ReplicaState,
+};
+use std::collections::HashMap;
+
+/// `Ready` from `REPLICA_STATE_READY` (the enum's name without its prefix, capitalised).
+fn pretty(name: &str, prefix: &str) -> String {
+    let rest = name.strip_prefix(prefix).unwrap_or(name).to_ascii_lowercase();
+    let mut chars = rest.chars();
+    chars.next().map_or_else(String::new, |c| c.to_ascii_uppercase().to_string() + chars.as_str())
+}
+
+/// A replica state's display name (`Ready`, `Starting`, …).
+pub fn replica_state_name(state: i32) -> String {
+    ReplicaState::try_from(state)
+        .map_or_else(|_| format!("?{state}"), |s| pretty(s.as_str_name(), "REPLICA_STATE_"))
+}
+
+fn node_state_name(state: i32) -> String {
+    NodeState::try_from(state).map_or_else(|_| format!("?{state}"), |s| pretty(s.as_str_name(), "NODE_STATE_"))
+}
+
+fn join_indices(indices: &[u32]) -> String {
+    indices.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Renders a `ClusterStatusResponse` as the text `prism status` prints.
+pub fn render(status: &ClusterStatusResponse) -> String {
+    let mut out = String::new();
+    let leader = if status.leader.is_empty() { "?" } else { status.leader.as_str() };
+    out.push_str(&format!("Head leader: {leader}\n\n"));
+
+    let mut nodes = Table::new(&["NODE", "ADDRESS", "STATE", "SCHED", "GPUS", "LABELS"]);
+    for node in &status.nodes {
+        let inv = node.inventory.clone().unwrap_or_default();
+        let gpus = if inv.gpus.is_empty() {
+            format!("cpu x{}", inv.cpu_slots)
+        } else {
+            let names: Vec<String> = inv
+                .gpus
+                .iter()
+                .map(|g| format!("{}:{} {}GiB", g.index, g.name, g.memory_bytes >> 30))
+                .collect();
+            let sim = if inv.simulated_gpus { " (simulated)" } else { "" };
+            format!("{}{sim}", names.join(", "))
+        };
+        let mut labels: Vec<String> = inv.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        labels.sort();
+        let sched = if node.cordoned { "cordoned" } else { "schedulable" };
+        nodes.row(vec![inv.node_id, inv.address, node_state_name(node.state), sched.into(), gpus, labels.join(",")]);
+    }
+    out.push_str(&format!("Nodes ({}):\n", status.nodes.len()));
+    out.push_str(&if nodes.is_empty() { "  (none)\n".to_owned() } else { nodes.render() });
+
+    let mut deployments = Table::new(&["DEPLOYMENT", "MODEL", "SERVED AS", "TP", "READY/DESIRED"]);
+    for d in &status.deployments {
+        let spec = d.spec.clone().unwrap_or_default();
+        let engine = spec.engine.clone().unwrap_or_default();
+        let ready = status
+            .replicas
+            .iter()
+            .filter(|r| r.deployment == spec.name && r.state == ReplicaState::Ready as i32)
+            .count();
+        deployments.row(vec![
+            spec.name,
+            engine.model,
+            engine.served_model_name,
+            engine.tensor_parallel_size.to_string(),
+            format!("{ready}/{}", spec.replicas),
+        ]);
+    }
+    out.push_str(&format!("\nDeployments ({}):\n", status.deployments.len()));
+    out.push_str(&if deployments.is_empty() { "  (none)\n".to_owned() } else { deployments.render() });
+
+    let load: HashMap<&str, &LoadReport> = status.load.iter().map(|l| (l.replica_id.as_str(), l)).collect();
+    let mut replicas =
+        Table::new(&["REPLICA", "DEPLOYMENT", "NODE", "GPUS", "STATE", "RUNNING", "WAITING", "KV", "REASON"]);
+    for r in &status.replicas {
+        let (running, waiting, kv) = load.get(r.replica_id.as_str()).map_or_else(
+            || ("-".to_owned(), "-".to_owned(), "-".to_owned()),
+            |l| (l.running.to_string(), l.waiting.to_string(), format!("{:.0}%", l.kv_cache_usage * 100.0)),
+        );
+        let node = if r.node_id.is_empty() { "-".to_owned() } else { r.node_id.clone() };
+        replicas.row(vec![
+            r.replica_id.clone(),
+            r.deployment.clone(),
+            node,
+            join_indices(&r.gpu_indices),
+            replica_state_name(r.state),
+            running,
+            waiting,
+            kv,
+            r.reason.clone(),
+        ]);
+    }
+    out.push_str(&format!("\nReplicas ({}):\n", status.replicas.len()));
+    out.push_str(&if replicas.is_empty() { "  (none)\n".to_owned() } else { replicas.render() });
+    if status.pending_gpus > 0 {
+        out.push_str(&format!("\nUnmet GPU demand: {} GPUs\n", status.pending_gpus));
+    }
+    out
+}
+
+/// Runs `prism status`.
+///
+/// # Errors
+/// Fails when the head is unreachable or refuses.
+pub async fn run(head_addr: &str) -> Result<()> {
+    let mut head = client::head(head_addr).await?;
+    let status = head.cluster_status(ClusterStatusRequest {}).await.map_err(status_error)?.into_inner();
+    print!("{}", render(&status));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prism_common::proto::v1::{GpuInfo, NodeInventory, NodeRecord, ReplicaRecord};
+
+    #[test]
+    fn render_lists_nodes_replicas_and_load() {
+        let status = ClusterStatusResponse {
+            leader: "127.0.0.1:50050".into(),
+            is_leader: true,
+            nodes: vec![NodeRecord {
+                inventory: Some(NodeInventory {
+                    node_id: "w1".into(),
+                    address: "http://127.0.0.1:50061".into(),
+                    gpus: vec![GpuInfo { index: 0, name: "H200".into(), memory_bytes: 141 << 30 }],
+                    ..NodeInventory::default()
+                }),
+                state: NodeState::Ready as i32,
+                cordoned: true,
+                ..NodeRecord::default()
+            }],
+            replicas: vec![ReplicaRecord {
+                replica_id: "smol-1234abcd".into(),
+                deployment: "smol".into(),
+                node_id: "w1".into(),
+                gpu_indices: vec![0],
+                state: ReplicaState::Ready as i32,
+                ..ReplicaRecord::default()
+            }],
+            load: vec![LoadReport {
+                replica_id: "smol-1234abcd".into(),
+                running: 3,
+                waiting: 1,
+                kv_cache_usage: 0.25,
+                tokens_in_flight: 10,
+            }],
+            ..ClusterStatusResponse::default()
+        };
+        let text = render(&status);
+        assert!(text.contains("Nodes (1):"), "{text}");
+        assert!(text.contains("0:H200 141GiB"), "{text}");
+        assert!(text.contains("cordoned"), "{text}");
+        let replica_line = text.lines().find(|l| l.starts_with("smol-1234abcd")).unwrap_or_default();
+        let cells: Vec<&str> = replica_line.split_whitespace().collect();
+        assert_eq!(cells, ["smol-1234abcd", "smol", "w1", "0", "Ready", "3", "1", "25%"]);
+    }
+
+    #[test]
+    fn state_names_are_readable() {
+        assert_eq!(replica_state_name(ReplicaState::Starting as i32), "Starting");
+        assert_eq!(node_state_name(NodeState::Draining as i32), "Draining");
+        assert_eq!(replica_state_name(99), "?99");
+    }
+}

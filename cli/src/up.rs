@@ -1,0 +1,411 @@
+//! `prism up`: a whole cluster in one process — the head (embedded state store by default,
+//! or etcd), one worker (every local GPU, else the CPU backend) and the router, talking
+//! real gRPC on loopback exactly as separate processes do — then deploys one model, shows
+//! its loading progress, prints the endpoints, and serves until Ctrl-C, which drains and
+//! exits 0.
+
+mod components;
+
+use crate::client::{self, status_error};
+use crate::deploy::is_dns1123_label;
+use crate::generate::{self, SamplingArgs};
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use prism_common::proto::v1::{
+    ApplyDeploymentRequest, ChatMessage, ChatMessages, ClusterStatusRequest, DeploymentSpec, EngineConfig,
+    GenerateRequest, ListModelsRequest, PlacementStrategy, ReplicaState, generate_request::Prompt,
+};
+use prism_common::shutdown::{CancellationToken, wait_for_signal};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+
+/// The bundled model (`scripts/fetch-model.sh` puts it here).
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// The script that fetches [`DEFAULT_MODEL`].
+pub const FETCH_SCRIPT: &str = "scripts/fetch-model.sh";
+/// The prompt `--demo` answers.
+pub const DEMO_PROMPT: &str = "What is the capital of France?";
+
+/// `prism up` flags (vLLM's names where vLLM has the knob).
+#[derive(Args, Debug, Clone)]
+pub struct UpArgs {
+    /// Model to serve: a GGUF file or a Hugging Face directory.
+    #[arg(long, env = "PRISM_MODEL_PATH", default_value = DEFAULT_MODEL)]
+    pub model: PathBuf,
+    /// Model name clients use (default: the file or directory name without extension).
+    #[arg(long, env = "PRISM_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Context length in tokens (default: the model's).
+    #[arg(long, env = "PRISM_MAX_MODEL_LEN")]
+    pub max_model_len: Option<u32>,
+    /// GPUs per replica.
+    #[arg(long, env = "PRISM_TENSOR_PARALLEL_SIZE", default_value_t = 1)]
+    pub tensor_parallel_size: u32,
+    /// Fraction of GPU memory for weights + KV cache (GPU backend).
+    #[arg(long, env = "PRISM_GPU_MEMORY_UTILIZATION")]
+    pub gpu_memory_utilization: Option<f32>,
+    /// Most sequences per batch.
+    #[arg(long, env = "PRISM_MAX_NUM_SEQS")]
+    pub max_num_seqs: Option<u32>,
+    /// Most tokens per engine step (chunked prefill budget).
+    #[arg(long, env = "PRISM_MAX_NUM_BATCHED_TOKENS")]
+    pub max_num_batched_tokens: Option<u32>,
+    /// KV cache block size in tokens.
+    #[arg(long, env = "PRISM_BLOCK_SIZE")]
+    pub block_size: Option<u32>,
+    /// KV cache budget in bytes on the CPU backend.
+    #[arg(long, env = "PRISM_KV_CACHE_BYTES")]
+    pub kv_cache_bytes: Option<u64>,
+    /// Number of replicas of the model.
+    #[arg(long, env = "PRISM_REPLICAS", default_value_t = 1)]
+    pub replicas: u32,
+    /// Address the router listens on (use 0.0.0.0 to serve other machines).
+    #[arg(long, env = "PRISM_HOST", default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
+    /// Router HTTP port (OpenAI API, /health, /metrics); 0 = any free port.
+    #[arg(long, env = "PRISM_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// Router gRPC port (`prism.v1.InferenceService`); 0 = any free port.
+    #[arg(long, env = "PRISM_GRPC_PORT", default_value_t = 50051)]
+    pub grpc_port: u16,
+    /// Head gRPC port on 127.0.0.1 (`prism status` talks to it); 0 = any free port.
+    #[arg(long, env = "PRISM_HEAD_PORT", default_value_t = 50050)]
+    pub head_port: u16,
+    /// Head HTTP port on 127.0.0.1 (/healthz, /readyz, /metrics); 0 = any free port.
+    #[arg(long, env = "PRISM_HEAD_HTTP_PORT", default_value_t = 8081)]
+    pub head_http_port: u16,
+    /// Worker gRPC port on 127.0.0.1; 0 = any free port.
+    #[arg(long, env = "PRISM_WORKER_PORT", default_value_t = 50061)]
+    pub worker_port: u16,
+    /// Worker HTTP port on 127.0.0.1 (/healthz, /readyz, vLLM /metrics); 0 = any free port.
+    #[arg(long, env = "PRISM_WORKER_HTTP_PORT", default_value_t = 8082)]
+    pub worker_http_port: u16,
+    /// State store: `embedded` (in process, state in a temporary file), `embedded:PATH`
+    /// (persisted to PATH) or `etcd://HOST:PORT[,HOST:PORT]`.
+    #[arg(long, env = "PRISM_STORE", default_value = "embedded")]
+    pub store: String,
+    /// After startup, stream the answer to this prompt (chat template, greedy), then keep serving.
+    #[arg(long, env = "PRISM_PROMPT")]
+    pub prompt: Option<String>,
+    /// Same as `--prompt "What is the capital of France?"`.
+    #[arg(long, env = "PRISM_DEMO", conflicts_with = "prompt")]
+    pub demo: bool,
+    /// Most new tokens for the `--prompt` answer.
+    #[arg(long, env = "PRISM_PROMPT_MAX_TOKENS", default_value_t = 128)]
+    pub prompt_max_tokens: i64,
+    /// Give up when the model is not Ready after this many seconds.
+    #[arg(long, env = "PRISM_LOAD_TIMEOUT", default_value_t = 900)]
+    pub load_timeout: u64,
+}
+
+/// The sockets `prism up` listens on (bound before anything starts, then handed to each `run`).
+pub struct Listeners {
+    /// Head gRPC.
+    pub head_grpc: TcpListener,
+    /// Head HTTP.
+    pub head_http: TcpListener,
+    /// Worker gRPC.
+    pub worker_grpc: TcpListener,
+    /// Worker HTTP.
+    pub worker_http: TcpListener,
+    /// Router HTTP (OpenAI API).
+    pub router_http: TcpListener,
+    /// Router gRPC.
+    pub router_grpc: TcpListener,
+}
+
+async fn bind(ip: std::net::IpAddr, port: u16, what: &str) -> Result<TcpListener> {
+    let addr = SocketAddr::new(ip, port);
+    TcpListener::bind(addr).await.with_context(|| {
+        format!("cannot listen on {addr} for the {what} (port taken? pick another with the matching --*-port flag, 0 = any)")
+    })
+}
+
+impl Listeners {
+    async fn bind(args: &UpArgs) -> Result<Self> {
+        let lo = std::net::IpAddr::from([127, 0, 0, 1]);
+        Ok(Self {
+            head_grpc: bind(lo, args.head_port, "head gRPC").await?,
+            head_http: bind(lo, args.head_http_port, "head HTTP").await?,
+            worker_grpc: bind(lo, args.worker_port, "worker gRPC").await?,
+            worker_http: bind(lo, args.worker_http_port, "worker HTTP").await?,
+            router_http: bind(args.host, args.port, "router HTTP").await?,
+            router_grpc: bind(args.host, args.grpc_port, "router gRPC").await?,
+        })
+    }
+}
+
+/// The name clients use for `model`: its file name up to the first `.` (GGUF) or the directory name.
+pub fn default_served_name(model: &Path) -> String {
+    let name = model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let stem = if model.is_dir() { name.as_str() } else { name.split('.').next().unwrap_or_default() };
+    if stem.is_empty() { "model".to_owned() } else { stem.to_owned() }
+}
+
+/// A DNS-1123 deployment name derived from a served model name (`SmolLM2-135M-Instruct` → `smollm2-135m-instruct`).
+pub fn deployment_name(served: &str) -> String {
+    let mut name: String =
+        served.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
+    name.truncate(63);
+    let name = name.trim_matches('-').to_owned();
+    if is_dns1123_label(&name) { name } else { "model".to_owned() }
+}
+
+/// Finds the model, fetching the bundled one through [`FETCH_SCRIPT`] when it is missing.
+fn resolve_model(model: &Path) -> Result<PathBuf> {
+    if !model.exists() {
+        if model != Path::new(DEFAULT_MODEL) {
+            bail!("model {} does not exist (give a GGUF file or a Hugging Face directory)", model.display());
+        }
+        if !Path::new(FETCH_SCRIPT).exists() {
+            bail!(
+                "the bundled model {DEFAULT_MODEL} is missing; run `./{FETCH_SCRIPT}` from the repository root, \
+                 or pass --model PATH"
+            );
+        }
+        eprintln!("{DEFAULT_MODEL} is missing: fetching it with ./{FETCH_SCRIPT}");
+        let status = std::process::Command::new("bash").arg(FETCH_SCRIPT).status()?;
+        if !status.success() || !model.exists() {
+            bail!("./{FETCH_SCRIPT} failed ({status}); run it by hand to see why");
+        }
+    }
+    std::fs::canonicalize(model).with_context(|| format!("cannot resolve {}", model.display()))
+}
+
+fn spec(args: &UpArgs, model: &Path, served: &str) -> DeploymentSpec {
+    DeploymentSpec {
+        name: deployment_name(served),
+        engine: Some(EngineConfig {
+            model: model.to_string_lossy().into_owned(),
+            served_model_name: served.to_owned(),
+            tensor_parallel_size: args.tensor_parallel_size,
+            max_model_len: args.max_model_len.unwrap_or(0),
+            block_size: args.block_size.unwrap_or(0),
+            max_num_seqs: args.max_num_seqs.unwrap_or(0),
+            max_num_batched_tokens: args.max_num_batched_tokens.unwrap_or(0),
+            gpu_memory_utilization: args.gpu_memory_utilization.unwrap_or(0.0),
+            kv_cache_bytes: args.kv_cache_bytes.unwrap_or(0),
+            backend: String::new(),
+            max_in_flight: 0,
+        }),
+        replicas: args.replicas,
+        placement: PlacementStrategy::Spread as i32,
+        ..DeploymentSpec::default()
+    }
+}
+
+/// Runs `prism up` until SIGINT/SIGTERM; returns Ok after a clean drain.
+///
+/// # Errors
+/// Fails when a port is taken, the model is missing, a component fails, or the replica
+/// fails to load (its reason is in the error).
+pub async fn run(args: UpArgs) -> Result<()> {
+    prism_common::telemetry::init_logging();
+    if args.tensor_parallel_size == 0 || args.replicas == 0 {
+        bail!("--tensor-parallel-size and --replicas must be at least 1");
+    }
+    let model = resolve_model(&args.model)?;
+    let served = args.served_model_name.clone().unwrap_or_else(|| default_served_name(&model));
+    let listeners = Listeners::bind(&args).await?;
+    let endpoints = Endpoints::of(&listeners)?;
+    let root = CancellationToken::new();
+    let mut cluster = components::start(&args.store, listeners, &root).await?;
+
+    let signal = wait_for_signal();
+    tokio::pin!(signal);
+    let outcome = tokio::select! {
+        r = bring_up(&args, &model, &served, &endpoints) => r,
+        s = &mut signal => { eprintln!("\n{s:?} received during startup"); Ok(false) }
+        r = cluster.failed() => Err(r),
+    };
+    match outcome {
+        Ok(true) => {
+            tokio::select! {
+                s = &mut signal => eprintln!("\n{s:?}: draining and shutting down…"),
+                r = cluster.failed() => {
+                    eprintln!("error: {r:#}; shutting down");
+                    cluster.shutdown().await;
+                    return Err(r);
+                }
+            }
+        }
+        Ok(false) => {}
+        Err(e) => {
+            cluster.shutdown().await;
+            return Err(e);
+        }
+    }
+    // A second Ctrl-C during the drain exits at once.
+    tokio::spawn(async {
+        if wait_for_signal().await.is_ok() {
+            eprintln!("second signal: exiting now");
+            std::process::exit(130);
+        }
+    });
+    cluster.shutdown().await;
+    eprintln!("stopped");
+    Ok(())
+}
+
+/// The addresses `prism up` serves on, as printed.
+struct Endpoints {
+    http: String,
+    grpc: String,
+    head: String,
+    head_http: String,
+    worker_http: String,
+}
+
+impl Endpoints {
+    fn of(l: &Listeners) -> Result<Self> {
+        let show = |a: SocketAddr| {
+            if a.ip().is_unspecified() { format!("127.0.0.1:{}", a.port()) } else { a.to_string() }
+        };
+        Ok(Self {
+            http: format!("http://{}", show(l.router_http.local_addr()?)),
+            grpc: show(l.router_grpc.local_addr()?),
+            head: format!("http://{}", show(l.head_grpc.local_addr()?)),
+            head_http: format!("http://{}", show(l.head_http.local_addr()?)),
+            worker_http: format!("http://{}", show(l.worker_http.local_addr()?)),
+        })
+    }
+}
+
+/// Deploys the model, shows progress until it is served, prints the endpoints and runs the
+/// `--prompt`. Returns `Ok(true)` when serving.
+async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints) -> Result<bool> {
+    let bar = ProgressBar::new(4);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:24}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.enable_steady_tick(Duration::from_millis(120));
+    let deadline = Instant::now() + Duration::from_secs(args.load_timeout);
+    let poll = Duration::from_millis(200);
+
+    bar.set_message("starting the head");
+    let mut head = loop {
+        match client::head(&ep.head).await {
+            Ok(h) => break h,
+            Err(e) if Instant::now() > deadline => return Err(e),
+            Err(_) => tokio::time::sleep(poll).await,
+        }
+    };
+    let spec = spec(args, model, served);
+    let deployment = spec.name.clone();
+    loop {
+        match head.apply_deployment(ApplyDeploymentRequest { spec: Some(spec.clone()) }).await {
+            Ok(_) => break,
+            Err(s) if s.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
+                tokio::time::sleep(poll).await;
+            }
+            Err(s) => return Err(status_error(s)).context("deploying the model"),
+        }
+    }
+    bar.inc(1);
+    bar.set_message(format!("waiting for the worker; deploying {served}"));
+    let mut stage = 1;
+    loop {
+        if Instant::now() > deadline {
+            bail!("the model was not Ready within {} s (see `prism status` and the logs)", args.load_timeout);
+        }
+        let status = head.cluster_status(ClusterStatusRequest {}).await.map_err(status_error)?.into_inner();
+        let replicas: Vec<_> = status.replicas.iter().filter(|r| r.deployment == deployment).collect();
+        if let Some(failed) = replicas.iter().find(|r| r.state == ReplicaState::Failed as i32) {
+            bar.abandon_with_message("failed");
+            bail!("replica {} failed to start: {}", failed.replica_id, failed.reason);
+        }
+        let ready = replicas.iter().filter(|r| r.state == ReplicaState::Ready as i32).count();
+        let starting = replicas.iter().any(|r| r.state == ReplicaState::Starting as i32);
+        let new_stage = if ready >= args.replicas as usize {
+            4
+        } else if starting || ready > 0 {
+            3
+        } else if !status.nodes.is_empty() {
+            2
+        } else {
+            1
+        };
+        if new_stage != stage {
+            stage = new_stage;
+            bar.set_position(stage);
+            let msg = match stage {
+                2 => "worker registered; placing the replica".to_owned(),
+                3 => format!("loading {} ({ready}/{} ready)", model.display(), args.replicas),
+                _ => "model loaded; waiting for the router".to_owned(),
+            };
+            bar.set_message(msg);
+        }
+        if let Some(pending) = replicas.iter().find(|r| r.state == ReplicaState::Pending as i32 && !r.reason.is_empty()) {
+            bar.set_message(format!("pending: {}", pending.reason));
+        }
+        if stage == 4 {
+            break;
+        }
+        tokio::time::sleep(poll).await;
+    }
+    let mut router = client::router(&ep.grpc).await?;
+    loop {
+        let models = router.list_models(ListModelsRequest {}).await.map_err(status_error)?.into_inner().models;
+        if models.iter().any(|m| m.id == served && m.ready_replicas > 0) {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("the router did not list {served} within {} s", args.load_timeout);
+        }
+        tokio::time::sleep(poll).await;
+    }
+    bar.finish_and_clear();
+    print_banner(served, model, ep);
+
+    let prompt = if args.demo { Some(DEMO_PROMPT.to_owned()) } else { args.prompt.clone() };
+    if let Some(prompt) = prompt {
+        println!(">>> {prompt}");
+        let sampling = SamplingArgs { temperature: Some(0.0), max_tokens: Some(args.prompt_max_tokens), ..Default::default() };
+        let request = GenerateRequest {
+            model: served.to_owned(),
+            prompt: Some(Prompt::Chat(ChatMessages { messages: vec![ChatMessage { role: "user".into(), content: prompt }] })),
+            sampling: Some(sampling.to_proto()),
+            ..GenerateRequest::default()
+        };
+        let mut stdout = std::io::stdout();
+        generate::stream(&mut router, request, &mut stdout).await?;
+        println!("\n");
+        println!("Still serving; press Ctrl-C to stop.");
+    }
+    Ok(true)
+}
+
+fn print_banner(served: &str, model: &Path, ep: &Endpoints) {
+    println!("Prism is up: serving {served} ({})", model.display());
+    println!("  OpenAI API:   {}/v1", ep.http);
+    println!("  gRPC:         {}  (prism.v1.InferenceService; `prism generate`, `prism chat`)", ep.grpc);
+    println!("  Head:         {}  (`prism status`)", ep.head);
+    println!("  Metrics:      {}/metrics  {}/metrics  {}/metrics", ep.http, ep.worker_http, ep.head_http);
+    println!();
+    println!("Try:");
+    println!(
+        "  curl {}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{DEMO_PROMPT}\"}}], \"temperature\": 0}}'",
+        ep.http
+    );
+    println!("Press Ctrl-C to stop.");
+    println!();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_from_model_paths() {
+        let served = default_served_name(Path::new("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+        assert_eq!(served, "SmolLM2-135M-Instruct");
+        assert_eq!(deployment_name(&served), "smollm2-135m-instruct");
+        assert_eq!(deployment_name("My_Model.v2"), "my-model-v2");
+        assert_eq!(deployment_name("___"), "model");
+    }
+}
