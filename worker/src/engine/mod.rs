@@ -12,6 +12,7 @@
 //! - `scheduler`, `sampler`, `detokenizer`: the step loop's parts.
 
 pub mod backend;
+pub mod model;
 pub mod request;
 
 pub use request::*;
