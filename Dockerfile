@@ -4,6 +4,8 @@
 #
 #   docker build --target cpu-runtime  -t prism:dev .        # head, router, CPU workers, CLI
 #   docker build --target cuda-runtime -t prism:dev-cuda .   # GPU workers (CUDA 13.0 libraries)
+#   docker build --target cpu-demo     -t prism:demo .       # cpu-runtime + the bundled model
+#                                                            # (k8s/overlays/cpu, laptop clusters)
 #
 # Both runtime images hold only the four binaries (`prism-head`, `prism-worker`,
 # `prism-router`, `prism`), CA certificates and a non-root user (uid/gid 10001):
@@ -25,7 +27,15 @@ RUN apt-get update \
       'protobuf-compiler=3.21.12-*' 'libprotobuf-dev=3.21.12-*' \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY . .
+# The workspace only: sources and protos (no models, no build outputs).
+COPY Cargo.toml Cargo.lock ./
+COPY proto proto
+COPY common common
+COPY head head
+COPY worker worker
+COPY router router
+COPY cli cli
+COPY tests tests
 RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     --mount=type=cache,target=/src/target,sharing=locked \
     cargo build --release --locked \
@@ -53,6 +63,13 @@ WORKDIR /var/lib/prism
 EXPOSE 8000 8081 8082 50050 50051 50061
 ENTRYPOINT ["/usr/local/bin/prism"]
 CMD ["--help"]
+
+# ---------------------------------------------------------------- CPU demo (bundled model)
+# The CPU image plus SmolLM2-135M-Instruct (Q4_1 GGUF, ~90 MB) at
+# /opt/prism/models, so a laptop cluster serves a real model with no volume
+# to fill. Fetch the model into models/ first (see README).
+FROM cpu-runtime AS cpu-demo
+COPY --chown=root:root models/SmolLM2-135M-Instruct.Q4_1.gguf /opt/prism/models/
 
 # ---------------------------------------------------------------- CUDA runtime (workers)
 FROM ${CUDA_IMAGE} AS cuda-runtime
