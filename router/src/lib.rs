@@ -1,1 +1,78 @@
-//! prism-router library.
+//! `prism-router`: the public front end of Prism. Serves the OpenAI-compatible HTTP API and
+//! the gRPC `InferenceService`, keeps the route table from the head (or static routes), and
+//! dispatches each request to a Ready replica chosen by power-of-two-choices on load counted
+//! from dispatch, with retry before the first token, migration after it, ejection of failing
+//! replicas, backpressure (429) and cancellation on client disconnect.
+
+pub mod auth;
+pub mod balance;
+pub mod config;
+pub mod dispatch;
+pub mod grpc;
+pub mod metrics;
+pub mod mock_engine;
+pub mod openai;
+pub mod routes;
+
+use prism_common::proto::v1::inference_service_server::InferenceServiceServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+
+pub use config::{Args, RouterConfig, StaticRoute};
+
+/// Runs the router until `shutdown` is cancelled: HTTP on `http_listener`, gRPC (inference,
+/// health, reflection) on `grpc_listener`, and the route watch on the configured heads.
+///
+/// # Errors
+/// Server errors (bind problems are the caller's, as listeners come in bound).
+pub async fn run(
+    config: RouterConfig,
+    http_listener: TcpListener,
+    grpc_listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let metrics = metrics::Metrics::new();
+    let routes = routes::Routes::new(config.max_in_flight_per_replica, metrics.clone());
+    if !config.static_routes.is_empty() {
+        routes.set_static(&config.static_routes);
+    }
+    let dispatcher = dispatch::Dispatcher::new(
+        routes.clone(),
+        Box::new(balance::PowerOfTwoChoices),
+        metrics.clone(),
+        dispatch::DispatchConfig { default_timeout: config.request_timeout, ejection_base: config.ejection_base },
+    );
+    let keys = auth::ApiKeys::new(config.api_keys.clone());
+    let router_id = format!("router-{}", uuid::Uuid::new_v4().simple());
+    let watch = tokio::spawn(routes.clone().watch(config.heads.clone(), router_id, shutdown.child_token()));
+
+    let http_state = openai::HttpState {
+        dispatcher: dispatcher.clone(),
+        metrics: metrics.clone(),
+        keys: keys.clone(),
+        max_body_bytes: config.max_body_bytes,
+    };
+    let app = openai::router(http_state);
+    let http_shutdown = shutdown.clone();
+    let http = async move {
+        axum::serve(http_listener, app).with_graceful_shutdown(http_shutdown.cancelled_owned()).await
+    };
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<InferenceServiceServer<grpc::InferenceApi>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(prism_common::proto::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let api = grpc::InferenceApi { dispatcher, keys, metrics };
+    let grpc = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(InferenceServiceServer::new(api))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), shutdown.clone().cancelled_owned());
+    let (h, g) = tokio::join!(http, grpc);
+    watch.abort();
+    h?;
+    g?;
+    Ok(())
+}

@@ -1,1 +1,24 @@
-fn main() {}
+//! `prism-router` binary: parse flags, bind listeners, run until SIGINT/SIGTERM.
+
+use clap::Parser;
+use prism_common::shutdown::{CancellationToken, wait_for_signal};
+use prism_router::Args;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    prism_common::telemetry::init_logging();
+    let args = Args::parse();
+    let http_addr = args.http_addr();
+    let grpc_addr = args.grpc_listen;
+    let config = args.into_config()?;
+    let http = tokio::net::TcpListener::bind(http_addr).await?;
+    let grpc = tokio::net::TcpListener::bind(grpc_addr).await?;
+    tracing::info!(http = %http.local_addr()?, grpc = %grpc.local_addr()?, "prism-router listening");
+    let shutdown = CancellationToken::new();
+    let s = shutdown.clone();
+    tokio::spawn(async move {
+        let _ = wait_for_signal().await;
+        s.cancel();
+    });
+    prism_router::run(config, http, grpc, shutdown).await
+}

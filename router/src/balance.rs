@@ -1,0 +1,168 @@
+//! Replica selection: which Ready replica of a model gets the next request.
+//!
+//! [`select`] filters the model's replicas down to those that may take work (Ready, not
+//! ejected, not excluded by a retry, below their in-flight limit), asks a [`BalancePolicy`]
+//! to choose, and admits the request with an [`InFlightGuard`] that counts its load from the
+//! moment of dispatch until the guard drops (stream end, error or client disconnect).
+
+pub mod p2c;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use crate::routes::{ReplicaRoute, ReplicaStats, RouteSnapshot};
+
+pub use p2c::PowerOfTwoChoices;
+
+/// What the policy may know about the request (room for prefix affinity).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestHint {
+    /// Prompt tokens (estimated for text) plus the expected decode tokens.
+    pub expected_tokens: u64,
+}
+
+/// A replica-choice policy. Candidates are all admissible; return the index of the pick.
+pub trait BalancePolicy: Send + Sync + 'static {
+    /// Picks one of `candidates` (never empty) for a request described by `hint`.
+    fn pick(&self, candidates: &[&Arc<ReplicaRoute>], hint: &RequestHint) -> usize;
+}
+
+/// Load of a replica in tokens: dispatched-and-unfinished tokens counted here, corrected
+/// upwards by the worker's last load report (which also sees other routers' requests).
+pub fn load_of(r: &ReplicaRoute) -> u64 {
+    r.stats.tokens.load(Ordering::Relaxed).max(r.reported_tokens)
+}
+
+/// Why no replica was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SelectError {
+    /// No route mentions this model.
+    #[error("model not found")]
+    UnknownModel,
+    /// The model exists but no replica can take work now (draining, ejected, or tried).
+    #[error("no ready replica for this model")]
+    NoneReady,
+    /// Every ready replica is at its in-flight limit.
+    #[error("every replica is at its in-flight limit")]
+    AllFull,
+}
+
+/// Counts one request's load on a replica; releases it on drop.
+#[derive(Debug)]
+pub struct InFlightGuard {
+    stats: Arc<ReplicaStats>,
+    tokens: u64,
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.stats.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+    }
+}
+
+/// Tries to take a slot on `r`; `None` when it is full.
+fn try_admit(r: &ReplicaRoute, tokens: u64) -> Option<InFlightGuard> {
+    let prev = r.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+    if prev >= r.max_in_flight {
+        r.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        return None;
+    }
+    r.stats.tokens.fetch_add(tokens, Ordering::Relaxed);
+    r.stats.dispatched.fetch_add(1, Ordering::Relaxed);
+    Some(InFlightGuard { stats: r.stats.clone(), tokens })
+}
+
+/// Chooses and admits a replica of `model`, skipping replica ids in `exclude`.
+///
+/// # Errors
+/// [`SelectError::UnknownModel`], [`SelectError::NoneReady`] or [`SelectError::AllFull`].
+pub fn select(
+    snap: &RouteSnapshot,
+    model: &str,
+    exclude: &[String],
+    now_ms: u64,
+    policy: &dyn BalancePolicy,
+    hint: &RequestHint,
+) -> Result<(Arc<ReplicaRoute>, InFlightGuard), SelectError> {
+    let replicas = snap.models.get(model).ok_or(SelectError::UnknownModel)?;
+    let mut candidates: Vec<&Arc<ReplicaRoute>> = replicas
+        .iter()
+        .filter(|r| r.is_ready() && !r.stats.is_ejected(now_ms) && !exclude.contains(&r.replica_id))
+        .collect();
+    if candidates.is_empty() {
+        return Err(SelectError::NoneReady);
+    }
+    candidates.retain(|r| r.stats.in_flight.load(Ordering::Relaxed) < r.max_in_flight);
+    while !candidates.is_empty() {
+        let i = policy.pick(&candidates, hint).min(candidates.len() - 1);
+        if let Some(g) = try_admit(candidates[i], hint.expected_tokens) {
+            return Ok((candidates[i].clone(), g));
+        }
+        candidates.swap_remove(i);
+    }
+    Err(SelectError::AllFull)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::routes::Routes;
+    use prism_common::proto::v1::{ReplicaState, RouteEntry, RouteTable};
+
+    fn table(states: &[ReplicaState], limit: u32) -> Routes {
+        let r = Routes::new(limit, Metrics::new());
+        r.apply(RouteTable {
+            version: 1,
+            routes: states
+                .iter()
+                .enumerate()
+                .map(|(i, s)| RouteEntry {
+                    replica_id: format!("r{i}"),
+                    model: "m".into(),
+                    endpoint: format!("http://r{i}"),
+                    state: *s as i32,
+                    ..Default::default()
+                })
+                .collect(),
+        });
+        r
+    }
+
+    #[test]
+    fn draining_never_picked_and_errors_are_distinct() {
+        let routes = table(&[ReplicaState::Draining, ReplicaState::Ready], 2);
+        let snap = routes.snapshot();
+        let p = PowerOfTwoChoices;
+        let h = RequestHint { expected_tokens: 10 };
+        for _ in 0..20 {
+            let (r, _g) = select(&snap, "m", &[], 0, &p, &h).expect("one ready");
+            assert_eq!(r.replica_id, "r1");
+        }
+        assert_eq!(select(&snap, "x", &[], 0, &p, &h).err(), Some(SelectError::UnknownModel));
+        assert_eq!(select(&snap, "m", &["r1".into()], 0, &p, &h).err(), Some(SelectError::NoneReady));
+        let g1 = select(&snap, "m", &[], 0, &p, &h).expect("slot 1");
+        let g2 = select(&snap, "m", &[], 0, &p, &h).expect("slot 2");
+        assert_eq!(select(&snap, "m", &[], 0, &p, &h).err(), Some(SelectError::AllFull));
+        assert_eq!(snap.models["m"][1].stats.tokens.load(Ordering::Relaxed), 20);
+        drop((g1, g2));
+        assert_eq!(snap.models["m"][1].stats.tokens.load(Ordering::Relaxed), 0);
+        assert!(select(&snap, "m", &[], 0, &p, &h).is_ok());
+    }
+
+    #[test]
+    fn load_counted_from_dispatch_spreads_evenly() {
+        let routes = table(&[ReplicaState::Ready, ReplicaState::Ready, ReplicaState::Ready], 1000);
+        let snap = routes.snapshot();
+        let h = RequestHint { expected_tokens: 5000 };
+        // Held guards = long prompts still in flight: the next pick must avoid loaded replicas.
+        let guards: Vec<_> =
+            (0..300).map(|_| select(&snap, "m", &[], 0, &PowerOfTwoChoices, &h).expect("admit")).collect();
+        for r in &snap.models["m"] {
+            let n = r.stats.in_flight.load(Ordering::Relaxed);
+            assert!((80..=120).contains(&n), "replica {} got {n}", r.replica_id);
+        }
+        drop(guards);
+    }
+}

@@ -1,0 +1,181 @@
+//! Router configuration: the clap `Args` (every flag also read from a `PRISM_…` variable)
+//! and the validated [`RouterConfig`] that [`crate::run`] takes.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// Errors found while validating the router's flags.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A `--static-route` value is not `MODEL=ENDPOINT`.
+    #[error("--static-route expects MODEL=ENDPOINT, got {0:?}")]
+    StaticRoute(String),
+    /// Neither a head nor a static route was given.
+    #[error("give --head (head gRPC address) or at least one --static-route")]
+    NoRouteSource,
+    /// A numeric flag is out of range.
+    #[error("{0} must be greater than zero")]
+    Zero(&'static str),
+}
+
+/// Command-line flags of `prism-router`.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "prism-router", about = "Prism router: OpenAI HTTP + gRPC inference front end")]
+pub struct Args {
+    /// Head gRPC address(es) to watch routes from, e.g. http://head:50050 (repeatable or comma separated).
+    #[arg(long = "head", env = "PRISM_HEAD", value_delimiter = ',')]
+    pub head: Vec<String>,
+    /// HTTP listen address (OpenAI API, /health, /healthz, /readyz, /metrics).
+    #[arg(long = "http-listen", env = "PRISM_HTTP_LISTEN", default_value = "0.0.0.0:8000")]
+    pub http_listen: SocketAddr,
+    /// HTTP port; overrides the port of --http-listen when set (vLLM's `--port`).
+    #[arg(long = "port", env = "PRISM_PORT")]
+    pub port: Option<u16>,
+    /// gRPC listen address (`prism.v1.InferenceService`, health, reflection).
+    #[arg(long = "grpc-listen", env = "PRISM_GRPC_LISTEN", default_value = "0.0.0.0:50051")]
+    pub grpc_listen: SocketAddr,
+    /// Accepted API key (repeatable); when none is given, requests need no key.
+    #[arg(long = "api-key", env = "PRISM_API_KEY", value_delimiter = ',')]
+    pub api_key: Vec<String>,
+    /// Largest accepted request body in bytes; larger bodies get 413 before parsing.
+    #[arg(long = "max-body-bytes", env = "PRISM_MAX_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Default per-request deadline in seconds (a request's own `timeout_ms` may shorten it).
+    #[arg(long = "request-timeout", env = "PRISM_REQUEST_TIMEOUT", default_value_t = 600.0)]
+    pub request_timeout_s: f64,
+    /// Requests in flight per replica before it counts as full (when the route gives none).
+    #[arg(long = "max-in-flight-per-replica", env = "PRISM_MAX_IN_FLIGHT_PER_REPLICA", default_value_t = 256)]
+    pub max_in_flight_per_replica: u32,
+    /// Fixed route `MODEL=ENDPOINT` (repeatable), bypassing the head; e.g. `smol=http://127.0.0.1:50061`.
+    #[arg(long = "static-route", env = "PRISM_STATIC_ROUTE", value_delimiter = ',')]
+    pub static_route: Vec<String>,
+    /// Seconds a replica stays out of rotation after its first UNAVAILABLE/timeout (doubles per failure, max 30 s).
+    #[arg(long = "ejection-base", env = "PRISM_EJECTION_BASE", default_value_t = 2.0)]
+    pub ejection_base_s: f64,
+}
+
+/// One `--static-route` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaticRoute {
+    /// Served model name.
+    pub model: String,
+    /// Worker gRPC endpoint, e.g. `http://127.0.0.1:50061`.
+    pub endpoint: String,
+}
+
+impl std::str::FromStr for StaticRoute {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (model, endpoint) = s.split_once('=').ok_or_else(|| ConfigError::StaticRoute(s.to_owned()))?;
+        if model.is_empty() || endpoint.is_empty() {
+            return Err(ConfigError::StaticRoute(s.to_owned()));
+        }
+        let endpoint = if endpoint.contains("://") { endpoint.to_owned() } else { format!("http://{endpoint}") };
+        Ok(Self { model: model.to_owned(), endpoint })
+    }
+}
+
+/// Validated router configuration.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// Head gRPC endpoints (with scheme); empty = static routes only.
+    pub heads: Vec<String>,
+    /// Accepted API keys; empty = no authentication.
+    pub api_keys: Vec<String>,
+    /// Body size limit in bytes (413 above it).
+    pub max_body_bytes: usize,
+    /// Default per-request deadline.
+    pub request_timeout: Duration,
+    /// Default per-replica in-flight request limit.
+    pub max_in_flight_per_replica: u32,
+    /// Fixed routes (replica ids `static-{model}-{i}`).
+    pub static_routes: Vec<StaticRoute>,
+    /// First ejection period of a failing replica.
+    pub ejection_base: Duration,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            heads: Vec::new(),
+            api_keys: Vec::new(),
+            max_body_bytes: 4 * 1024 * 1024,
+            request_timeout: Duration::from_secs(600),
+            max_in_flight_per_replica: 256,
+            static_routes: Vec::new(),
+            ejection_base: Duration::from_secs(2),
+        }
+    }
+}
+
+impl Args {
+    /// The HTTP listen address after applying `--port`.
+    pub fn http_addr(&self) -> SocketAddr {
+        let mut a = self.http_listen;
+        if let Some(p) = self.port {
+            a.set_port(p);
+        }
+        a
+    }
+
+    /// Validates the flags into a [`RouterConfig`].
+    ///
+    /// # Errors
+    /// [`ConfigError`] for a malformed static route, no route source, or zero limits.
+    pub fn into_config(self) -> Result<RouterConfig, ConfigError> {
+        let static_routes =
+            self.static_route.iter().map(|s| s.parse()).collect::<Result<Vec<StaticRoute>, _>>()?;
+        if self.head.is_empty() && static_routes.is_empty() {
+            return Err(ConfigError::NoRouteSource);
+        }
+        if self.max_body_bytes == 0 {
+            return Err(ConfigError::Zero("--max-body-bytes"));
+        }
+        if self.max_in_flight_per_replica == 0 {
+            return Err(ConfigError::Zero("--max-in-flight-per-replica"));
+        }
+        if !(self.request_timeout_s > 0.0) {
+            return Err(ConfigError::Zero("--request-timeout"));
+        }
+        let heads = self
+            .head
+            .into_iter()
+            .map(|h| if h.contains("://") { h } else { format!("http://{h}") })
+            .collect();
+        Ok(RouterConfig {
+            heads,
+            api_keys: self.api_key,
+            max_body_bytes: self.max_body_bytes,
+            request_timeout: Duration::from_secs_f64(self.request_timeout_s),
+            max_in_flight_per_replica: self.max_in_flight_per_replica,
+            static_routes,
+            ejection_base: Duration::from_secs_f64(self.ejection_base_s.max(0.01)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn static_route_parses_and_adds_scheme() {
+        let r: StaticRoute = "smol=127.0.0.1:50061".parse().expect("valid");
+        assert_eq!(r, StaticRoute { model: "smol".into(), endpoint: "http://127.0.0.1:50061".into() });
+        assert!("nomodel".parse::<StaticRoute>().is_err());
+        assert!("=x".parse::<StaticRoute>().is_err());
+    }
+
+    #[test]
+    fn args_need_a_route_source() {
+        let a = Args::parse_from(["prism-router"]);
+        assert!(matches!(a.into_config(), Err(ConfigError::NoRouteSource)));
+        let a = Args::parse_from(["prism-router", "--head", "head:50050", "--port", "9000"]);
+        assert_eq!(a.http_addr().port(), 9000);
+        let c = a.into_config().expect("valid");
+        assert_eq!(c.heads, vec!["http://head:50050".to_owned()]);
+        assert_eq!(c.max_body_bytes, 4 * 1024 * 1024);
+    }
+}

@@ -1,0 +1,168 @@
+//! gRPC `prism.v1.InferenceService` (Generate, ListModels). Authentication reads the
+//! `authorization: Bearer KEY` metadata; dispatch errors map to gRPC codes in
+//! [`to_status`]. Dropping the response stream (client gone) cancels the worker request.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures::Stream;
+use prism_common::proto::v1::inference_service_server::InferenceService;
+use prism_common::proto::v1::{GenerateRequest, GenerateResponse, ListModelsRequest, ListModelsResponse, ModelInfo};
+use tonic::{Request, Response, Status};
+
+use crate::auth::ApiKeys;
+use crate::dispatch::{DispatchError, Dispatcher};
+use crate::metrics::{Metrics, Outcome, RequestTracker};
+
+/// The public gRPC service.
+#[derive(Clone)]
+pub struct InferenceApi {
+    /// Sends requests to workers.
+    pub dispatcher: Dispatcher,
+    /// Accepted API keys.
+    pub keys: ApiKeys,
+    /// Router metrics.
+    pub metrics: Metrics,
+}
+
+/// Dispatch error → gRPC status (the only such mapping for the gRPC API).
+pub fn to_status(e: DispatchError) -> Status {
+    match e {
+        DispatchError::UnknownModel(_) => Status::not_found(e.to_string()),
+        DispatchError::NoReplica(_) => Status::unavailable(e.to_string()),
+        DispatchError::Overloaded => Status::resource_exhausted(e.to_string()),
+        DispatchError::DeadlineExceeded => Status::deadline_exceeded(e.to_string()),
+        DispatchError::Worker(s) => s,
+    }
+}
+
+fn outcome_of(s: &Status) -> Outcome {
+    use tonic::Code;
+    match s.code() {
+        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => Outcome::BadRequest,
+        Code::Unauthenticated => Outcome::Unauthenticated,
+        Code::NotFound => Outcome::NotFound,
+        Code::ResourceExhausted => Outcome::Overloaded,
+        Code::Unavailable => Outcome::Unavailable,
+        Code::DeadlineExceeded => Outcome::Timeout,
+        Code::Cancelled => Outcome::Cancelled,
+        _ => Outcome::Error,
+    }
+}
+
+/// Parses a `grpc-timeout` header value (`<digits><H|M|S|m|u|n>`).
+fn grpc_timeout(v: &str) -> Option<Duration> {
+    let (num, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = num.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+type GenStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
+
+impl InferenceApi {
+    fn authorize<T>(&self, r: &Request<T>) -> Result<(), Status> {
+        let v = r.metadata().get("authorization").and_then(|v| v.to_str().ok());
+        if self.keys.check(v) { Ok(()) } else { Err(Status::unauthenticated("missing or invalid API key")) }
+    }
+
+    async fn start(&self, request: Request<GenerateRequest>) -> Result<crate::dispatch::Dispatched, Status> {
+        self.authorize(&request)?;
+        let header_timeout =
+            request.metadata().get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(grpc_timeout);
+        let mut req = request.into_inner();
+        if req.model.is_empty() {
+            return Err(Status::invalid_argument("model must not be empty"));
+        }
+        if req.prompt.is_none() {
+            return Err(Status::invalid_argument("prompt must be set"));
+        }
+        if let Some(m) = req.sampling.as_ref().and_then(|s| s.max_tokens)
+            && m < 1
+        {
+            return Err(Status::invalid_argument(format!("max_tokens must be at least 1, got {m}")));
+        }
+        if let Some(t) = header_timeout {
+            let ms = u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1);
+            req.timeout_ms = Some(req.timeout_ms.filter(|&x| x > 0).map_or(ms, |x| x.min(ms)));
+        }
+        self.dispatcher.dispatch(req).await.map_err(to_status)
+    }
+}
+
+#[tonic::async_trait]
+impl InferenceService for InferenceApi {
+    type GenerateStream = GenStream;
+
+    async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
+        let mut tracker = RequestTracker::new(&self.metrics);
+        let d = match self.start(request).await {
+            Ok(d) => d,
+            Err(s) => {
+                tracker.set(outcome_of(&s));
+                return Err(s);
+            }
+        };
+        let init = (Some(d.first), d.rest, tracker, false);
+        let s = futures::stream::unfold(init, |(first, mut rest, mut tracker, done)| async move {
+            if let Some(f) = first {
+                return Some((Ok(f), (None, rest, tracker, done)));
+            }
+            if done {
+                return None;
+            }
+            match rest.recv().await {
+                Some(Ok(m)) => Some((Ok(m), (None, rest, tracker, false))),
+                Some(Err(e)) => {
+                    let s = to_status(e);
+                    tracker.set(outcome_of(&s));
+                    Some((Err(s), (None, rest, tracker, true)))
+                }
+                None => {
+                    tracker.set(Outcome::Ok);
+                    None
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(s)))
+    }
+
+    async fn list_models(&self, request: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
+        self.authorize(&request)?;
+        let snap = self.dispatcher.routes().snapshot();
+        let models = snap
+            .models
+            .iter()
+            .filter_map(|(name, rs)| {
+                let ready = rs.iter().filter(|r| r.is_ready()).count();
+                (ready > 0).then(|| ModelInfo {
+                    id: name.clone(),
+                    ready_replicas: u32::try_from(ready).unwrap_or(u32::MAX),
+                    max_model_len: rs.iter().map(|r| r.max_model_len).max().unwrap_or(0),
+                    created: 0,
+                })
+            })
+            .collect();
+        Ok(Response::new(ListModelsResponse { models }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_grpc_timeout() {
+        assert_eq!(grpc_timeout("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(grpc_timeout("3S"), Some(Duration::from_secs(3)));
+        assert_eq!(grpc_timeout("x"), None);
+        assert_eq!(grpc_timeout(""), None);
+    }
+}

@@ -1,0 +1,139 @@
+//! Router metrics (prometheus-client), all named `prism_…`: requests by outcome, request
+//! duration, retries, migrations, in-flight requests and the route table version.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Outcome label values of `prism_router_requests_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Finished normally.
+    Ok,
+    /// Rejected as invalid (4xx other than the ones below).
+    BadRequest,
+    /// Missing or wrong API key.
+    Unauthenticated,
+    /// Unknown model.
+    NotFound,
+    /// Every replica full (429).
+    Overloaded,
+    /// No ready replica or the worker was unavailable (503).
+    Unavailable,
+    /// Deadline exceeded.
+    Timeout,
+    /// The client went away.
+    Cancelled,
+    /// Any other failure.
+    Error,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::BadRequest => "bad_request",
+            Self::Unauthenticated => "unauthenticated",
+            Self::NotFound => "not_found",
+            Self::Overloaded => "overloaded",
+            Self::Unavailable => "unavailable",
+            Self::Timeout => "timeout",
+            Self::Cancelled => "cancelled",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// All router metrics; cheap to clone (shared handles).
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    requests: Family<Vec<(String, String)>, Counter>,
+    duration: Histogram,
+    /// `prism_router_retries_total`: requests resubmitted to another replica before the first token.
+    pub retries: Counter,
+    /// `prism_router_migrations_total`: streams moved to another replica after the first token.
+    pub migrations: Counter,
+    /// `prism_router_in_flight`: requests being served now.
+    pub in_flight: Gauge,
+    /// `prism_route_table_version`: version of the route table in use.
+    pub route_version: Gauge<u64, AtomicU64>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let requests = Family::<Vec<(String, String)>, Counter>::default();
+        let duration = Histogram::new(exponential_buckets(0.0005, 2.0, 22));
+        let retries = Counter::default();
+        let migrations = Counter::default();
+        let in_flight = Gauge::default();
+        let route_version = Gauge::<u64, AtomicU64>::default();
+        registry.register("prism_router_requests", "Requests by outcome", requests.clone());
+        registry.register(
+            "prism_router_request_duration_seconds",
+            "Request duration from arrival to last byte",
+            duration.clone(),
+        );
+        registry.register("prism_router_retries", "Retries on another replica before the first token", retries.clone());
+        registry.register("prism_router_migrations", "Streams migrated to another replica mid-stream", migrations.clone());
+        registry.register("prism_router_in_flight", "Requests being served", in_flight.clone());
+        registry.register("prism_route_table_version", "Version of the route table in use", route_version.clone());
+        Self { registry: Arc::new(registry), requests, duration, retries, migrations, in_flight, route_version }
+    }
+
+    /// Records one finished request.
+    pub fn observe(&self, outcome: Outcome, seconds: f64) {
+        self.requests.get_or_create(&vec![("outcome".to_owned(), outcome.as_str().to_owned())]).inc();
+        self.duration.observe(seconds);
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut s = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut s, &self.registry);
+        s
+    }
+}
+
+/// Counts one request in `prism_router_in_flight` while alive; on drop records its outcome
+/// (`cancelled` when [`RequestTracker::set`] was never called, i.e. the client went away)
+/// and duration.
+pub struct RequestTracker {
+    metrics: Metrics,
+    start: std::time::Instant,
+    outcome: Option<Outcome>,
+}
+
+impl RequestTracker {
+    /// Starts tracking a request that arrived now.
+    pub fn new(metrics: &Metrics) -> Self {
+        metrics.in_flight.inc();
+        Self { metrics: metrics.clone(), start: std::time::Instant::now(), outcome: None }
+    }
+
+    /// Sets the outcome recorded when the tracker drops.
+    pub fn set(&mut self, outcome: Outcome) {
+        self.outcome = Some(outcome);
+    }
+}
+
+impl Drop for RequestTracker {
+    fn drop(&mut self) {
+        self.metrics.in_flight.dec();
+        self.metrics.observe(self.outcome.unwrap_or(Outcome::Cancelled), self.start.elapsed().as_secs_f64());
+    }
+}

@@ -1,0 +1,224 @@
+//! `MockEngineWorker`: a fake `WorkerService` that returns tokens instantly, for router
+//! tests and the router benchmark ONLY. It runs no model: token `i` of a sequence is id `i`
+//! (counting tokens resubmitted in `prior_output_ids`) with text `"t{i} "`, so a migrated
+//! stream can be checked for repeated or missing tokens. Behaviours (delay per token,
+//! frozen, failing before or after some tokens) are switchable at run time for fault tests.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::Stream;
+use prism_common::proto::v1::worker_service_server::{WorkerService, WorkerServiceServer};
+use prism_common::proto::v1::{
+    FinishReason, GenerateResponse, TokenLogprob, TopLogprob, Usage, WorkerDrainRequest, WorkerDrainResponse,
+    WorkerGenerateRequest, WorkerHealthRequest, WorkerHealthResponse, generate_request,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+/// How the mock answers.
+#[derive(Debug, Clone, Default)]
+pub struct MockBehavior {
+    /// Tokens per choice when the request sets no `max_tokens` (then finish_reason `stop`); 0 = 8.
+    pub tokens: u32,
+    /// Pause before each token.
+    pub token_delay: Duration,
+    /// Accept streams but never answer.
+    pub freeze: bool,
+    /// Fail every request with UNAVAILABLE before the first token.
+    pub fail_before_first: bool,
+    /// Fail with UNAVAILABLE after this many tokens of a stream.
+    pub fail_after_tokens: Option<u32>,
+}
+
+/// Counters a test can read.
+#[derive(Debug, Default)]
+pub struct MockStats {
+    /// Generate calls received.
+    pub requests: AtomicU64,
+    /// Streams open now.
+    pub active: AtomicI64,
+    /// Streams whose client went away before the end.
+    pub cancelled: AtomicU64,
+    /// The last request received.
+    pub last_request: Mutex<Option<WorkerGenerateRequest>>,
+}
+
+/// The mock engine worker (cheap `Clone`; clones share behaviour and stats).
+#[derive(Debug, Clone, Default)]
+pub struct MockEngineWorker {
+    behavior: Arc<Mutex<MockBehavior>>,
+    /// Shared counters.
+    pub stats: Arc<MockStats>,
+}
+
+struct ActiveGuard(Arc<MockStats>);
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl MockEngineWorker {
+    /// A mock with the given behaviour.
+    pub fn new(behavior: MockBehavior) -> Self {
+        Self { behavior: Arc::new(Mutex::new(behavior)), stats: Arc::default() }
+    }
+
+    /// Replaces the behaviour for requests that arrive from now on.
+    pub fn set_behavior(&self, b: MockBehavior) {
+        if let Ok(mut g) = self.behavior.lock() {
+            *g = b;
+        }
+    }
+
+    fn behavior(&self) -> MockBehavior {
+        self.behavior.lock().map(|g| g.clone()).unwrap_or_default()
+    }
+
+    /// Serves `WorkerService` on `listener` until `shutdown`.
+    ///
+    /// # Errors
+    /// Transport errors of the gRPC server.
+    pub async fn serve(self, listener: tokio::net::TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+        tonic::transport::Server::builder()
+            .add_service(WorkerServiceServer::new(self))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled_owned())
+            .await?;
+        Ok(())
+    }
+
+    /// Binds 127.0.0.1:0, serves in a background task and returns the address.
+    ///
+    /// # Errors
+    /// When the port cannot be bound.
+    pub async fn spawn(self, shutdown: CancellationToken) -> anyhow::Result<SocketAddr> {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = l.local_addr()?;
+        tokio::spawn(self.serve(l, shutdown));
+        Ok(addr)
+    }
+}
+
+fn prompt_len(r: &WorkerGenerateRequest) -> Result<u32, Status> {
+    let req = r.request.as_ref().ok_or_else(|| Status::invalid_argument("request is missing"))?;
+    let n = match &req.prompt {
+        Some(generate_request::Prompt::Text(t)) => t.split_whitespace().count(),
+        Some(generate_request::Prompt::TokenIds(t)) => t.ids.len(),
+        Some(generate_request::Prompt::Chat(c)) => c.messages.iter().map(|m| m.content.split_whitespace().count() + 3).sum(),
+        None => 0,
+    };
+    if n == 0 {
+        return Err(Status::invalid_argument("prompt is empty"));
+    }
+    Ok(u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+type GenStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl WorkerService for MockEngineWorker {
+    type GenerateStream = GenStream;
+
+    async fn generate(&self, request: Request<WorkerGenerateRequest>) -> Result<Response<GenStream>, Status> {
+        let r = request.into_inner();
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut g) = self.stats.last_request.lock() {
+            *g = Some(r.clone());
+        }
+        let b = self.behavior();
+        if b.fail_before_first {
+            return Err(Status::unavailable("mock engine: failing on purpose"));
+        }
+        let prompt_tokens = if r.original_prompt_tokens > 0 { r.original_prompt_tokens } else { prompt_len(&r)? };
+        let req = r.request.clone().unwrap_or_default();
+        let sampling = req.sampling.clone().unwrap_or_default();
+        if sampling.max_tokens.is_some_and(|m| m < 1) {
+            return Err(Status::invalid_argument("max_tokens must be at least 1"));
+        }
+        let prior = u32::try_from(r.prior_output_ids.len()).unwrap_or(u32::MAX);
+        let (limit, reason) = match sampling.max_tokens {
+            Some(m) => (u32::try_from(m).unwrap_or(u32::MAX), FinishReason::Length),
+            None => (if b.tokens == 0 { 8 } else { b.tokens }, FinishReason::Stop),
+        };
+        let n = sampling.n.unwrap_or(1).max(1);
+        let (tx, rx) = mpsc::channel(64);
+        self.stats.active.fetch_add(1, Ordering::Relaxed);
+        let guard = ActiveGuard(self.stats.clone());
+        let stats = self.stats.clone();
+        tokio::spawn(async move {
+            let _guard = guard;
+            if b.freeze {
+                tx.closed().await;
+                stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            let mut total = 0u32;
+            for choice in 0..n {
+                let mut emitted = 0u32;
+                let mut i = prior;
+                while i < limit {
+                    if !b.token_delay.is_zero() {
+                        tokio::select! {
+                            _ = tx.closed() => { stats.cancelled.fetch_add(1, Ordering::Relaxed); return; }
+                            _ = tokio::time::sleep(b.token_delay) => {}
+                        }
+                    }
+                    if b.fail_after_tokens.is_some_and(|k| emitted >= k) {
+                        let _ = tx.send(Err(Status::unavailable("mock engine: failing mid-stream"))).await;
+                        return;
+                    }
+                    let last_of_choice = i + 1 >= limit;
+                    total += 1;
+                    let logprobs = sampling.logprobs.map(|k| {
+                        vec![TokenLogprob {
+                            token_id: i,
+                            token: format!("t{i} "),
+                            logprob: -0.5,
+                            bytes: format!("t{i} ").into_bytes(),
+                            top_logprobs: (0..k)
+                                .map(|j| TopLogprob {
+                                    token_id: i + j,
+                                    token: format!("t{} ", i + j),
+                                    logprob: -0.5 - j as f32,
+                                    bytes: format!("t{} ", i + j).into_bytes(),
+                                })
+                                .collect(),
+                        }]
+                    });
+                    let msg = GenerateResponse {
+                        request_id: req.request_id.clone(),
+                        index: choice,
+                        token_ids: vec![i],
+                        text: format!("t{i} "),
+                        logprobs: logprobs.unwrap_or_default(),
+                        finish_reason: if last_of_choice { reason as i32 } else { 0 },
+                        usage: (last_of_choice && choice + 1 == n)
+                            .then_some(Usage { prompt_tokens, completion_tokens: total + prior }),
+                        prompt_tokens: if emitted == 0 { prompt_tokens } else { 0 },
+                    };
+                    if tx.send(Ok(msg)).await.is_err() {
+                        stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                    emitted += 1;
+                    i += 1;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn drain(&self, _r: Request<WorkerDrainRequest>) -> Result<Response<WorkerDrainResponse>, Status> {
+        Ok(Response::new(WorkerDrainResponse { in_flight: 0 }))
+    }
+
+    async fn health(&self, _r: Request<WorkerHealthRequest>) -> Result<Response<WorkerHealthResponse>, Status> {
+        Ok(Response::new(WorkerHealthResponse { node_id: "mock-engine".into(), draining: false, replicas: vec![] }))
+    }
+}

@@ -1,0 +1,441 @@
+//! OpenAI-compatible HTTP API (axum): `/v1/completions`, `/v1/chat/completions`,
+//! `/v1/models`, plus `/health`, `/healthz`, `/readyz` and `/metrics`.
+//!
+//! Bodies are read by hand so that every failure is an OpenAI error object: no or wrong
+//! Content-Type → 415, over `max_body_bytes` → 413 before parsing, anything that is not a
+//! valid request object → 400. Streams are server-sent events in OpenAI's chunk format
+//! ending with `data: [DONE]`; dropping the response body (client gone) drops the dispatch
+//! receiver, which cancels the request on the worker.
+
+pub mod errors;
+pub mod sse;
+pub mod types;
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::BytesMut;
+use prism_common::proto::v1::{FinishReason, GenerateResponse, TokenLogprob};
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use crate::auth::ApiKeys;
+use crate::dispatch::{DispatchError, Dispatched, Dispatcher};
+use crate::metrics::{Metrics, Outcome, RequestTracker};
+use errors::ApiError;
+use types::{ChatRequest, CompletionRequest};
+
+/// Shared state of the HTTP handlers.
+#[derive(Clone)]
+pub struct HttpState {
+    /// Sends requests to workers.
+    pub dispatcher: Dispatcher,
+    /// Router metrics.
+    pub metrics: Metrics,
+    /// Accepted API keys.
+    pub keys: ApiKeys,
+    /// Body size limit in bytes.
+    pub max_body_bytes: usize,
+}
+
+/// The HTTP application.
+pub fn router(state: HttpState) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
+        .with_state(state)
+}
+
+fn unix_now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+}
+
+fn authorize(state: &HttpState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let v = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+    if state.keys.check(v) {
+        Ok(())
+    } else {
+        Err(ApiError::new(StatusCode::UNAUTHORIZED, "missing or invalid API key"))
+    }
+}
+
+/// Checks Content-Type and size, reads the body and parses it as a JSON object of type `T`.
+async fn read_json<T: DeserializeOwned>(state: &HttpState, headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
+    let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    if !ct.trim_start().to_ascii_lowercase().starts_with("application/json") {
+        return Err(ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json"));
+    }
+    let too_large = || {
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body exceeds {} bytes", state.max_body_bytes))
+    };
+    if let Some(len) = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok())
+        && len > state.max_body_bytes
+    {
+        return Err(too_large());
+    }
+    let bytes = axum::body::to_bytes(body, state.max_body_bytes).await.map_err(|_| too_large())?;
+    let value: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::invalid("body", format!("request body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::invalid("body", "request body must be a JSON object"));
+    }
+    serde_json::from_value(value).map_err(|e| ApiError::invalid("body", format!("invalid request: {e}")))
+}
+
+/// Which endpoint a response is shaped for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+fn finish_str(f: i32) -> Option<&'static str> {
+    match FinishReason::try_from(f).unwrap_or(FinishReason::Unspecified) {
+        FinishReason::Unspecified => None,
+        FinishReason::Stop => Some("stop"),
+        FinishReason::Length => Some("length"),
+        FinishReason::Abort => Some("abort"),
+    }
+}
+
+/// Per-choice accumulated state.
+#[derive(Default)]
+struct Choice {
+    text: String,
+    role_sent: bool,
+    finish: Option<&'static str>,
+    // completions logprobs
+    tokens: Vec<String>,
+    token_logprobs: Vec<f32>,
+    top: Vec<Value>,
+    offsets: Vec<usize>,
+    // chat logprobs
+    content: Vec<Value>,
+}
+
+/// Converts worker messages into OpenAI objects (both streamed and whole).
+struct Shaper {
+    kind: Kind,
+    id: String,
+    model: String,
+    created: i64,
+    logprobs: bool,
+    include_usage: bool,
+    choices: Vec<Choice>,
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    usage_seen: bool,
+}
+
+fn bytes_json(b: &[u8]) -> Value {
+    Value::Array(b.iter().map(|x| json!(x)).collect())
+}
+
+fn chat_lp(l: &TokenLogprob) -> Value {
+    json!({
+        "token": l.token, "logprob": l.logprob, "bytes": bytes_json(&l.bytes),
+        "top_logprobs": l.top_logprobs.iter()
+            .map(|t| json!({"token": t.token, "logprob": t.logprob, "bytes": bytes_json(&t.bytes)}))
+            .collect::<Vec<_>>(),
+    })
+}
+
+impl Shaper {
+    fn new(kind: Kind, model: String, n: u32, logprobs: bool, include_usage: bool) -> Self {
+        let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
+        Self {
+            kind,
+            id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()),
+            model,
+            created: unix_now(),
+            logprobs,
+            include_usage,
+            choices: (0..n.max(1)).map(|_| Choice::default()).collect(),
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            usage_seen: false,
+        }
+    }
+
+    fn usage(&self) -> Value {
+        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens})
+    }
+
+    /// Folds a message into the state; returns the choice index and this message's logprobs object.
+    fn absorb(&mut self, m: &GenerateResponse) -> (usize, Value) {
+        let i = (m.index as usize).min(self.choices.len() - 1);
+        if m.prompt_tokens > 0 && self.prompt_tokens == 0 {
+            self.prompt_tokens = m.prompt_tokens;
+        }
+        if let Some(u) = &m.usage {
+            self.prompt_tokens = u.prompt_tokens;
+            self.completion_tokens = u.completion_tokens;
+            self.usage_seen = true;
+        } else if !self.usage_seen {
+            self.completion_tokens += m.token_ids.len() as u32;
+        }
+        let c = &mut self.choices[i];
+        let mut lp = Value::Null;
+        if self.logprobs {
+            match self.kind {
+                Kind::Chat => {
+                    let entries: Vec<Value> = m.logprobs.iter().map(chat_lp).collect();
+                    c.content.extend(entries.iter().cloned());
+                    lp = json!({"content": entries});
+                }
+                Kind::Completion => {
+                    let mut off = c.text.len();
+                    let (mut toks, mut lps, mut tops, mut offs) = (vec![], vec![], vec![], vec![]);
+                    for l in &m.logprobs {
+                        toks.push(l.token.clone());
+                        lps.push(l.logprob);
+                        let top: serde_json::Map<String, Value> =
+                            l.top_logprobs.iter().map(|t| (t.token.clone(), json!(t.logprob))).collect();
+                        tops.push(Value::Object(top));
+                        offs.push(off);
+                        off += l.token.len();
+                    }
+                    c.tokens.extend(toks.iter().cloned());
+                    c.token_logprobs.extend(lps.iter().copied());
+                    c.top.extend(tops.iter().cloned());
+                    c.offsets.extend(offs.iter().copied());
+                    lp = json!({"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs});
+                }
+            }
+        }
+        c.text.push_str(&m.text);
+        if let Some(f) = finish_str(m.finish_reason) {
+            c.finish = Some(f);
+        }
+        (i, lp)
+    }
+
+    fn chunk(&self, choices: Vec<Value>) -> Value {
+        let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let mut v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
+        if self.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// SSE events for one message.
+    fn stream_events(&mut self, m: &GenerateResponse, out: &mut BytesMut) {
+        let (i, lp) = self.absorb(m);
+        let finish = finish_str(m.finish_reason);
+        match self.kind {
+            Kind::Completion => {
+                let ch = json!({"index": i, "text": m.text, "logprobs": lp, "finish_reason": finish});
+                sse::push_event(out, &self.chunk(vec![ch]));
+            }
+            Kind::Chat => {
+                if !self.choices[i].role_sent {
+                    self.choices[i].role_sent = true;
+                    let ch = json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
+                    sse::push_event(out, &self.chunk(vec![ch]));
+                }
+                if !m.text.is_empty() || !m.logprobs.is_empty() {
+                    let ch = json!({"index": i, "delta": {"content": m.text}, "logprobs": lp, "finish_reason": null});
+                    sse::push_event(out, &self.chunk(vec![ch]));
+                }
+                if finish.is_some() {
+                    let ch = json!({"index": i, "delta": {}, "logprobs": null, "finish_reason": finish});
+                    sse::push_event(out, &self.chunk(vec![ch]));
+                }
+            }
+        }
+    }
+
+    fn stream_end(&self, out: &mut BytesMut) {
+        if self.include_usage {
+            let mut v = self.chunk(vec![]);
+            v["usage"] = self.usage();
+            sse::push_event(out, &v);
+        }
+        out.extend_from_slice(sse::DONE);
+    }
+
+    fn whole(&self) -> Value {
+        let choices: Vec<Value> = self
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| match self.kind {
+                Kind::Completion => {
+                    let lp = if self.logprobs {
+                        json!({"tokens": c.tokens, "token_logprobs": c.token_logprobs, "top_logprobs": c.top, "text_offset": c.offsets})
+                    } else {
+                        Value::Null
+                    };
+                    json!({"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish})
+                }
+                Kind::Chat => {
+                    let lp = if self.logprobs { json!({"content": c.content}) } else { Value::Null };
+                    json!({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": c.finish})
+                }
+            })
+            .collect();
+        let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+               "choices": choices, "usage": self.usage()})
+    }
+}
+
+async fn completions(State(state): State<HttpState>, headers: HeaderMap, body: Body) -> Response {
+    let tracker = RequestTracker::new(&state.metrics);
+    let prepared = async {
+        authorize(&state, &headers)?;
+        let req: CompletionRequest = read_json(&state, &headers, body).await?;
+        let shaper = Shaper::new(
+            Kind::Completion,
+            req.model.clone(),
+            req.sampling.n.unwrap_or(1),
+            req.logprobs.is_some(),
+            req.sampling.include_usage(),
+        );
+        Ok::<_, ApiError>((req.to_proto()?, shaper, req.sampling.stream.unwrap_or(false)))
+    }
+    .await;
+    serve(state, tracker, prepared).await
+}
+
+async fn chat_completions(State(state): State<HttpState>, headers: HeaderMap, body: Body) -> Response {
+    let tracker = RequestTracker::new(&state.metrics);
+    let prepared = async {
+        authorize(&state, &headers)?;
+        let req: ChatRequest = read_json(&state, &headers, body).await?;
+        let shaper = Shaper::new(
+            Kind::Chat,
+            req.model.clone(),
+            req.sampling.n.unwrap_or(1),
+            req.logprobs == Some(true),
+            req.sampling.include_usage(),
+        );
+        Ok::<_, ApiError>((req.to_proto()?, shaper, req.sampling.stream.unwrap_or(false)))
+    }
+    .await;
+    serve(state, tracker, prepared).await
+}
+
+type Prepared = Result<(prism_common::proto::v1::GenerateRequest, Shaper, bool), ApiError>;
+
+/// What a dispatched request turned into.
+enum Answer {
+    Whole(Value),
+    Stream(BytesMut, tokio::sync::mpsc::Receiver<Result<GenerateResponse, DispatchError>>, Shaper),
+}
+
+/// Dispatches; errors before the first token come back as `Err` with a proper status.
+async fn answer(state: &HttpState, prepared: Prepared) -> Result<Answer, ApiError> {
+    let (req, mut shaper, stream) = prepared?;
+    let Dispatched { first, mut rest, .. } = state.dispatcher.dispatch(req).await?;
+    if !stream {
+        shaper.absorb(&first);
+        while let Some(m) = rest.recv().await {
+            shaper.absorb(&m.map_err(ApiError::from)?);
+        }
+        return Ok(Answer::Whole(shaper.whole()));
+    }
+    let mut buf = BytesMut::new();
+    shaper.stream_events(&first, &mut buf);
+    Ok(Answer::Stream(buf, rest, shaper))
+}
+
+/// Shapes the answer as JSON or as an SSE body; the tracker lives until the last byte.
+async fn serve(state: HttpState, mut tracker: RequestTracker, prepared: Prepared) -> Response {
+    let (first, rest, shaper) = match answer(&state, prepared).await {
+        Err(e) => {
+            tracker.set(e.outcome());
+            return e.into_response();
+        }
+        Ok(Answer::Whole(v)) => {
+            tracker.set(Outcome::Ok);
+            return axum::Json(v).into_response();
+        }
+        Ok(Answer::Stream(first, rest, shaper)) => (first, rest, shaper),
+    };
+    let init = (Some(first), rest, shaper, tracker, false);
+    let body = futures::stream::unfold(init, |(pending, mut rest, mut shaper, mut tracker, done)| async move {
+        if let Some(b) = pending {
+            return Some((Ok::<_, Infallible>(b.freeze()), (None, rest, shaper, tracker, done)));
+        }
+        if done {
+            return None;
+        }
+        let mut out = BytesMut::new();
+        let mut finished = false;
+        match rest.recv().await {
+            Some(Ok(m)) => shaper.stream_events(&m, &mut out),
+            Some(Err(e)) => {
+                let e = ApiError::from(e);
+                tracker.set(e.outcome());
+                sse::push_event(&mut out, &e.body());
+                out.extend_from_slice(sse::DONE);
+                finished = true;
+            }
+            None => {
+                tracker.set(Outcome::Ok);
+                shaper.stream_end(&mut out);
+                finished = true;
+            }
+        }
+        Some((Ok(out.freeze()), (None, rest, shaper, tracker, finished)))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+async fn models(State(state): State<HttpState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&state, &headers) {
+        return e.into_response();
+    }
+    let snap = state.dispatcher.routes().snapshot();
+    let data: Vec<Value> = snap
+        .models
+        .iter()
+        .filter(|(_, rs)| rs.iter().any(|r| r.is_ready()))
+        .map(|(name, rs)| {
+            let max_len = rs.iter().map(|r| r.max_model_len).max().unwrap_or(0);
+            json!({"id": name, "object": "model", "created": 0, "owned_by": "prism", "root": name,
+                   "max_model_len": if max_len > 0 { json!(max_len) } else { Value::Null }})
+        })
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn health(State(state): State<HttpState>) -> Response {
+    if state.dispatcher.routes().snapshot().any_ready() {
+        (StatusCode::OK, "ok").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "no ready replica").into_response()
+    }
+}
+
+async fn readyz(State(state): State<HttpState>) -> Response {
+    if state.dispatcher.routes().snapshot().loaded {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "no route table yet").into_response()
+    }
+}
+
+async fn metrics(State(state): State<HttpState>) -> Response {
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.encode())
+        .into_response()
+}

@@ -1,0 +1,356 @@
+//! OpenAI request bodies (completions and chat completions, with vLLM's extra sampling
+//! fields) and their validation into `prism.v1` requests. Every rejection is a 400 that
+//! names the field.
+
+use prism_common::proto::v1::{ChatMessage, ChatMessages, GenerateRequest, SamplingParams, TokenIds, generate_request};
+use serde::Deserialize;
+
+use super::errors::ApiError;
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopSpec {
+    /// One stop string.
+    One(String),
+    /// Several stop strings.
+    Many(Vec<String>),
+}
+
+/// Completions `prompt`: text, a list of one text, token ids, or a list of one id list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptSpec {
+    /// A string.
+    Text(String),
+    /// Token ids.
+    Ids(Vec<u32>),
+    /// A list of strings (one supported).
+    Texts(Vec<String>),
+    /// A list of id lists (one supported).
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` (and `"usage": null` on the others).
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// Sampling fields shared by both endpoints (OpenAI + vLLM extras).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SamplingFields {
+    /// Tokens to generate; `null` = unset.
+    pub max_tokens: Option<i64>,
+    /// Newer name of `max_tokens` (wins when both are set).
+    pub max_completion_tokens: Option<i64>,
+    /// 0 = greedy.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling.
+    pub top_p: Option<f32>,
+    /// -1/0 = off.
+    pub top_k: Option<i32>,
+    /// Min-p sampling.
+    pub min_p: Option<f32>,
+    /// Seed for reproducible sampling.
+    pub seed: Option<i64>,
+    /// vLLM repetition penalty (> 0).
+    pub repetition_penalty: Option<f32>,
+    /// [-2, 2].
+    pub frequency_penalty: Option<f32>,
+    /// [-2, 2].
+    pub presence_penalty: Option<f32>,
+    /// Stop strings.
+    pub stop: Option<StopSpec>,
+    /// Stop token ids.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Keep generating past EOS.
+    pub ignore_eos: Option<bool>,
+    /// Drop special tokens from text (default true).
+    pub skip_special_tokens: Option<bool>,
+    /// Choices per prompt.
+    pub n: Option<u32>,
+    /// Stream as server-sent events.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Relative deadline in milliseconds (Prism extension).
+    pub timeout_ms: Option<u64>,
+}
+
+/// `POST /v1/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// Served model name.
+    pub model: String,
+    /// The prompt.
+    pub prompt: PromptSpec,
+    /// Sampling and streaming fields.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    /// Number of top alternatives per token (0..=20).
+    pub logprobs: Option<u32>,
+    /// Echo the prompt (unsupported when true).
+    pub echo: Option<bool>,
+}
+
+/// Chat content: a string or a list of parts (text parts only).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum ContentSpec {
+    /// Plain text.
+    Text(String),
+    /// Content parts.
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// Part type (`text` supported).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    pub text: Option<String>,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessageIn {
+    /// system, user, assistant, tool …
+    pub role: String,
+    /// Content; `null` allowed (assistant turns).
+    pub content: Option<ContentSpec>,
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// Served model name.
+    pub model: String,
+    /// The conversation.
+    pub messages: Vec<ChatMessageIn>,
+    /// Sampling and streaming fields.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    /// Return log probabilities of the output tokens.
+    pub logprobs: Option<bool>,
+    /// Alternatives per token (0..=20; needs `logprobs: true`).
+    pub top_logprobs: Option<u32>,
+}
+
+fn range(param: &'static str, v: Option<f32>, lo: f32, hi: f32) -> Result<(), ApiError> {
+    match v {
+        Some(x) if !(lo..=hi).contains(&x) => Err(ApiError::invalid(param, format!("{param} must be in [{lo}, {hi}], got {x}"))),
+        _ => Ok(()),
+    }
+}
+
+impl SamplingFields {
+    /// Validates and converts to `SamplingParams` (`logprobs`: top alternatives wanted).
+    ///
+    /// # Errors
+    /// 400 naming the first invalid field.
+    pub fn to_proto(&self, logprobs: Option<u32>) -> Result<SamplingParams, ApiError> {
+        let (field, max_tokens) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) => ("max_completion_tokens", Some(m)),
+            (None, m) => ("max_tokens", m),
+        };
+        if let Some(m) = max_tokens
+            && m < 1
+        {
+            return Err(ApiError::invalid(field, format!("{field} must be at least 1, got {m}")));
+        }
+        if let Some(t) = self.temperature
+            && !(t >= 0.0 && t.is_finite())
+        {
+            return Err(ApiError::invalid("temperature", format!("temperature must be >= 0, got {t}")));
+        }
+        if let Some(p) = self.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return Err(ApiError::invalid("top_p", format!("top_p must be in (0, 1], got {p}")));
+        }
+        if let Some(k) = self.top_k
+            && k < -1
+        {
+            return Err(ApiError::invalid("top_k", format!("top_k must be -1 (off) or >= 0, got {k}")));
+        }
+        range("min_p", self.min_p, 0.0, 1.0)?;
+        range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)?;
+        range("presence_penalty", self.presence_penalty, -2.0, 2.0)?;
+        if let Some(r) = self.repetition_penalty
+            && !(r > 0.0 && r.is_finite())
+        {
+            return Err(ApiError::invalid("repetition_penalty", format!("repetition_penalty must be > 0, got {r}")));
+        }
+        let seed = match self.seed {
+            Some(s) => Some(u64::try_from(s).map_err(|_| ApiError::invalid("seed", "seed must be >= 0"))?),
+            None => None,
+        };
+        let n = self.n.unwrap_or(1);
+        if !(1..=16).contains(&n) {
+            return Err(ApiError::invalid("n", format!("n must be in [1, 16], got {n}")));
+        }
+        if let Some(k) = logprobs
+            && k > 20
+        {
+            return Err(ApiError::invalid("logprobs", format!("at most 20 top logprobs, got {k}")));
+        }
+        let stop = match &self.stop {
+            None => vec![],
+            Some(StopSpec::One(s)) => vec![s.clone()],
+            Some(StopSpec::Many(v)) => v.clone(),
+        };
+        if stop.iter().any(String::is_empty) {
+            return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+        }
+        Ok(SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            seed,
+            repetition_penalty: self.repetition_penalty,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            stop,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            max_tokens,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            n: Some(n),
+            logprobs,
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+        })
+    }
+
+    /// Whether the client asked for a usage chunk at the end of the stream.
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
+    }
+}
+
+fn check_model(model: &str) -> Result<(), ApiError> {
+    if model.is_empty() {
+        return Err(ApiError::invalid("model", "model must not be empty"));
+    }
+    Ok(())
+}
+
+impl CompletionRequest {
+    /// Validates and converts to a `GenerateRequest`.
+    ///
+    /// # Errors
+    /// 400 naming the invalid field.
+    pub fn to_proto(&self) -> Result<GenerateRequest, ApiError> {
+        check_model(&self.model)?;
+        if self.echo == Some(true) {
+            return Err(ApiError::invalid("echo", "echo is not supported"));
+        }
+        let prompt = match &self.prompt {
+            PromptSpec::Text(t) => generate_request::Prompt::Text(t.clone()),
+            PromptSpec::Ids(ids) => generate_request::Prompt::TokenIds(TokenIds { ids: ids.clone() }),
+            PromptSpec::Texts(v) if v.len() == 1 => generate_request::Prompt::Text(v[0].clone()),
+            PromptSpec::IdLists(v) if v.len() == 1 => generate_request::Prompt::TokenIds(TokenIds { ids: v[0].clone() }),
+            _ => return Err(ApiError::invalid("prompt", "exactly one prompt per request is supported")),
+        };
+        if let generate_request::Prompt::TokenIds(t) = &prompt
+            && t.ids.is_empty()
+        {
+            return Err(ApiError::invalid("prompt", "prompt is empty"));
+        }
+        Ok(GenerateRequest {
+            model: self.model.clone(),
+            prompt: Some(prompt),
+            sampling: Some(self.sampling.to_proto(self.logprobs)?),
+            request_id: String::new(),
+            timeout_ms: self.sampling.timeout_ms,
+        })
+    }
+}
+
+impl ChatRequest {
+    /// Validates and converts to a `GenerateRequest` (chat messages, rendered by the worker).
+    ///
+    /// # Errors
+    /// 400 naming the invalid field.
+    pub fn to_proto(&self) -> Result<GenerateRequest, ApiError> {
+        check_model(&self.model)?;
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid("messages", "messages must not be empty"));
+        }
+        if self.top_logprobs.is_some() && self.logprobs != Some(true) {
+            return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true"));
+        }
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for m in &self.messages {
+            let content = match &m.content {
+                None => String::new(),
+                Some(ContentSpec::Text(t)) => t.clone(),
+                Some(ContentSpec::Parts(parts)) => {
+                    let mut s = String::new();
+                    for p in parts {
+                        if p.kind != "text" {
+                            return Err(ApiError::invalid("messages", format!("content part type `{}` is not supported", p.kind)));
+                        }
+                        s.push_str(p.text.as_deref().unwrap_or(""));
+                    }
+                    s
+                }
+            };
+            messages.push(ChatMessage { role: m.role.clone(), content });
+        }
+        let logprobs = (self.logprobs == Some(true)).then(|| self.top_logprobs.unwrap_or(0));
+        Ok(GenerateRequest {
+            model: self.model.clone(),
+            prompt: Some(generate_request::Prompt::Chat(ChatMessages { messages })),
+            sampling: Some(self.sampling.to_proto(logprobs)?),
+            request_id: String::new(),
+            timeout_ms: self.sampling.timeout_ms,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: serde_json::Value) -> Result<GenerateRequest, ApiError> {
+        serde_json::from_value::<CompletionRequest>(v).map_err(|e| ApiError::invalid("body", e.to_string()))?.to_proto()
+    }
+
+    #[test]
+    fn max_tokens_null_is_unset_and_zero_is_rejected() {
+        let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": null})).expect("valid");
+        assert_eq!(r.sampling.expect("sampling").max_tokens, None);
+        for bad in [0, -1] {
+            let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": bad})).expect_err("invalid");
+            assert_eq!(e.param, Some("max_tokens"));
+            assert_eq!(e.status.as_u16(), 400);
+        }
+    }
+
+    #[test]
+    fn prompt_forms_and_stop() {
+        let r = parse(serde_json::json!({"model": "m", "prompt": ["a b"], "stop": "x"})).expect("valid");
+        assert!(matches!(r.prompt, Some(generate_request::Prompt::Text(ref t)) if t == "a b"));
+        assert_eq!(r.sampling.as_ref().expect("s").stop, vec!["x".to_owned()]);
+        let r = parse(serde_json::json!({"model": "m", "prompt": [1, 2, 3], "stop": ["x", "y"]})).expect("valid");
+        assert!(matches!(r.prompt, Some(generate_request::Prompt::TokenIds(ref t)) if t.ids == vec![1, 2, 3]));
+        assert!(parse(serde_json::json!({"model": "m", "prompt": ["a", "b"]})).is_err());
+        assert!(parse(serde_json::json!({"model": "m", "prompt": []})).is_err());
+    }
+
+    #[test]
+    fn chat_logprobs_mapping() {
+        let c: ChatRequest = serde_json::from_value(serde_json::json!({
+            "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "logprobs": true, "top_logprobs": 3, "max_completion_tokens": 5
+        }))
+        .expect("parse");
+        let s = c.to_proto().expect("valid").sampling.expect("s");
+        assert_eq!((s.logprobs, s.max_tokens), (Some(3), Some(5)));
+    }
+}

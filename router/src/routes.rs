@@ -1,0 +1,313 @@
+//! The route table: which replicas serve which model, where, and in what state.
+//!
+//! Filled from the head's `WatchRoutes` stream (each message is the whole table) or from
+//! `--static-route` flags. When the head is unreachable the last table stays in use (fail
+//! static) while a background task reconnects with exponential backoff. Per-replica runtime
+//! state (requests and tokens in flight counted from dispatch, ejection after failures) lives
+//! in [`ReplicaStats`], kept across table updates so in-flight guards stay attached.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use prism_common::proto::v1::head_service_client::HeadServiceClient;
+use prism_common::proto::v1::{ReplicaState, RouteTable, WatchRoutesRequest};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::StaticRoute;
+use crate::metrics::Metrics;
+
+/// Longest time a replica is kept out of rotation after repeated failures.
+const MAX_EJECTION: Duration = Duration::from_secs(30);
+
+/// Runtime counters of one replica, owned by the router (not the head).
+#[derive(Debug, Default)]
+pub struct ReplicaStats {
+    /// Requests dispatched and not finished.
+    pub in_flight: AtomicU32,
+    /// Prompt + expected decode tokens of those requests.
+    pub tokens: AtomicU64,
+    /// Requests ever dispatched here (tests, debugging).
+    pub dispatched: AtomicU64,
+    failures: AtomicU32,
+    ejected_until_ms: AtomicU64,
+}
+
+impl ReplicaStats {
+    /// Whether the replica is out of rotation at `now_ms` (ms since the router's epoch).
+    pub fn is_ejected(&self, now_ms: u64) -> bool {
+        self.ejected_until_ms.load(Ordering::Relaxed) > now_ms
+    }
+
+    /// Takes the replica out of rotation for `base * 2^(failures-1)` (at most 30 s).
+    pub fn record_failure(&self, now_ms: u64, base: Duration) {
+        let n = self.failures.fetch_add(1, Ordering::Relaxed).min(16);
+        let period = base.saturating_mul(1u32 << n).min(MAX_EJECTION);
+        let until = now_ms + u64::try_from(period.as_millis()).unwrap_or(u64::MAX / 2);
+        self.ejected_until_ms.fetch_max(until, Ordering::Relaxed);
+    }
+
+    /// Puts the replica back in rotation and resets its failure count.
+    pub fn record_success(&self) {
+        if self.failures.load(Ordering::Relaxed) != 0 {
+            self.failures.store(0, Ordering::Relaxed);
+            self.ejected_until_ms.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// One replica in the table.
+#[derive(Debug)]
+pub struct ReplicaRoute {
+    /// Replica id (sent to the worker in `WorkerGenerateRequest.replica_id`).
+    pub replica_id: String,
+    /// Served model name.
+    pub model: String,
+    /// Worker gRPC endpoint.
+    pub endpoint: String,
+    /// Ready or Draining (Draining gets no new work).
+    pub state: ReplicaState,
+    /// Tokens in flight according to the worker's last load report.
+    pub reported_tokens: u64,
+    /// Requests waiting on the worker according to its last load report.
+    pub reported_waiting: u32,
+    /// Admission limit (requests in flight) for this replica.
+    pub max_in_flight: u32,
+    /// Context length, 0 = unknown.
+    pub max_model_len: u32,
+    /// Router-side counters, shared across table versions.
+    pub stats: Arc<ReplicaStats>,
+}
+
+impl ReplicaRoute {
+    /// Whether new work may go here (Ready in the table).
+    pub fn is_ready(&self) -> bool {
+        self.state == ReplicaState::Ready
+    }
+}
+
+/// An immutable version of the table.
+#[derive(Debug, Default)]
+pub struct RouteSnapshot {
+    /// Head's table version (0 for static routes / nothing received yet).
+    pub version: u64,
+    /// Replicas by served model name.
+    pub models: BTreeMap<String, Vec<Arc<ReplicaRoute>>>,
+    /// Whether a table was ever received (or static routes were given).
+    pub loaded: bool,
+}
+
+impl RouteSnapshot {
+    /// Whether at least one replica of some model is Ready.
+    pub fn any_ready(&self) -> bool {
+        self.models.values().flatten().any(|r| r.is_ready())
+    }
+}
+
+struct Inner {
+    snapshot: RwLock<Arc<RouteSnapshot>>,
+    stats: DashMap<String, Arc<ReplicaStats>>,
+    epoch: Instant,
+    default_max_in_flight: u32,
+    metrics: Metrics,
+}
+
+/// Shared handle on the route table (cheap `Clone`).
+#[derive(Clone)]
+pub struct Routes {
+    inner: Arc<Inner>,
+}
+
+impl Routes {
+    /// An empty table; `default_max_in_flight` applies to routes that give no limit.
+    pub fn new(default_max_in_flight: u32, metrics: Metrics) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                snapshot: RwLock::new(Arc::new(RouteSnapshot::default())),
+                stats: DashMap::new(),
+                epoch: Instant::now(),
+                default_max_in_flight,
+                metrics,
+            }),
+        }
+    }
+
+    /// Milliseconds since this table was created (the clock of ejections).
+    pub fn now_ms(&self) -> u64 {
+        u64::try_from(self.inner.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The current table.
+    pub fn snapshot(&self) -> Arc<RouteSnapshot> {
+        match self.inner.snapshot.read() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    fn stats_for(&self, replica_id: &str) -> Arc<ReplicaStats> {
+        self.inner.stats.entry(replica_id.to_owned()).or_default().clone()
+    }
+
+    fn store(&self, snap: RouteSnapshot) {
+        self.inner.metrics.route_version.set(snap.version);
+        let snap = Arc::new(snap);
+        match self.inner.snapshot.write() {
+            Ok(mut g) => *g = snap,
+            Err(p) => *p.into_inner() = snap,
+        }
+    }
+
+    /// Installs fixed routes (`static-{model}-{i}` replica ids, all Ready).
+    pub fn set_static(&self, routes: &[StaticRoute]) {
+        let mut models: BTreeMap<String, Vec<Arc<ReplicaRoute>>> = BTreeMap::new();
+        for (i, r) in routes.iter().enumerate() {
+            let replica_id = format!("static-{}-{i}", r.model);
+            let stats = self.stats_for(&replica_id);
+            models.entry(r.model.clone()).or_default().push(Arc::new(ReplicaRoute {
+                replica_id,
+                model: r.model.clone(),
+                endpoint: r.endpoint.clone(),
+                state: ReplicaState::Ready,
+                reported_tokens: 0,
+                reported_waiting: 0,
+                max_in_flight: self.inner.default_max_in_flight,
+                max_model_len: 0,
+                stats,
+            }));
+        }
+        self.store(RouteSnapshot { version: 0, models, loaded: true });
+    }
+
+    /// Replaces the table with one received from the head. Entries that are neither Ready
+    /// nor Draining are dropped; stats of replicas no longer listed are forgotten.
+    pub fn apply(&self, table: RouteTable) {
+        let mut models: BTreeMap<String, Vec<Arc<ReplicaRoute>>> = BTreeMap::new();
+        for e in table.routes {
+            let state = ReplicaState::try_from(e.state).unwrap_or(ReplicaState::Unspecified);
+            if !matches!(state, ReplicaState::Ready | ReplicaState::Draining) || e.endpoint.is_empty() {
+                continue;
+            }
+            let stats = self.stats_for(&e.replica_id);
+            let (reported_tokens, reported_waiting) =
+                e.load.as_ref().map(|l| (l.tokens_in_flight, l.waiting)).unwrap_or((0, 0));
+            let max_in_flight = if e.max_in_flight > 0 { e.max_in_flight } else { self.inner.default_max_in_flight };
+            models.entry(e.model.clone()).or_default().push(Arc::new(ReplicaRoute {
+                replica_id: e.replica_id,
+                model: e.model,
+                endpoint: e.endpoint,
+                state,
+                reported_tokens,
+                reported_waiting,
+                max_in_flight,
+                max_model_len: e.max_model_len,
+                stats,
+            }));
+        }
+        let live: std::collections::HashSet<&str> =
+            models.values().flatten().map(|r| r.replica_id.as_str()).collect();
+        self.inner.stats.retain(|k, v| live.contains(k.as_str()) || v.in_flight.load(Ordering::Relaxed) > 0);
+        tracing::info!(version = table.version, replicas = live.len(), "route table updated");
+        self.store(RouteSnapshot { version: table.version, models, loaded: true });
+    }
+
+    /// Follows `WatchRoutes` on the given heads until `shutdown`, trying them in turn and
+    /// reconnecting with exponential backoff (100 ms → 5 s). The last table stays in use
+    /// while no head answers.
+    pub async fn watch(self, heads: Vec<String>, router_id: String, shutdown: CancellationToken) {
+        if heads.is_empty() {
+            return;
+        }
+        let mut backoff = Duration::from_millis(100);
+        let mut i = 0usize;
+        loop {
+            let head = heads[i % heads.len()].clone();
+            i = i.wrapping_add(1);
+            let attempt = async {
+                let ch = tonic::transport::Endpoint::from_shared(head.clone())?
+                    .connect_timeout(Duration::from_secs(3))
+                    .http2_keep_alive_interval(Duration::from_secs(5))
+                    .keep_alive_timeout(Duration::from_secs(5))
+                    .connect()
+                    .await?;
+                let mut client = HeadServiceClient::new(ch);
+                let mut stream =
+                    client.watch_routes(WatchRoutesRequest { router_id: router_id.clone() }).await?.into_inner();
+                let mut got_any = false;
+                while let Some(table) = stream.message().await? {
+                    got_any = true;
+                    self.apply(table);
+                }
+                anyhow::Ok(got_any)
+            };
+            let res = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = attempt => r,
+            };
+            match res {
+                Ok(true) => backoff = Duration::from_millis(100),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(head = %head, error = %e, "route watch failed; keeping the last table"),
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prism_common::proto::v1::{LoadReport, RouteEntry};
+
+    fn entry(id: &str, model: &str, state: ReplicaState) -> RouteEntry {
+        RouteEntry {
+            replica_id: id.into(),
+            model: model.into(),
+            endpoint: format!("http://{id}:1"),
+            state: state as i32,
+            load: Some(LoadReport { tokens_in_flight: 7, ..Default::default() }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn apply_keeps_ready_and_draining_and_stats() {
+        let routes = Routes::new(4, Metrics::new());
+        routes.apply(RouteTable {
+            version: 3,
+            routes: vec![
+                entry("a", "m", ReplicaState::Ready),
+                entry("b", "m", ReplicaState::Draining),
+                entry("c", "m", ReplicaState::Starting),
+            ],
+        });
+        let s = routes.snapshot();
+        assert_eq!(s.version, 3);
+        let m = &s.models["m"];
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].reported_tokens, 7);
+        assert_eq!(m[0].max_in_flight, 4);
+        m[0].stats.in_flight.store(2, Ordering::Relaxed);
+        routes.apply(RouteTable { version: 4, routes: vec![entry("a", "m", ReplicaState::Ready)] });
+        assert_eq!(routes.snapshot().models["m"][0].stats.in_flight.load(Ordering::Relaxed), 2);
+        assert!(routes.snapshot().any_ready());
+    }
+
+    #[test]
+    fn ejection_backs_off_and_resets() {
+        let s = ReplicaStats::default();
+        s.record_failure(1000, Duration::from_secs(1));
+        assert!(s.is_ejected(1999));
+        assert!(!s.is_ejected(2000));
+        s.record_failure(1000, Duration::from_secs(1));
+        assert!(s.is_ejected(2999));
+        s.record_success();
+        assert!(!s.is_ejected(1001));
+    }
+}
