@@ -7,6 +7,8 @@
 //!
 //! Implementations: `cpu` (f32 reference, all cores) and `cuda` (bf16, feature `cuda`).
 
+pub mod cpu;
+
 /// Per-sequence part of a step (vLLM's varlen layout).
 #[derive(Clone, Debug)]
 pub struct SeqStep {
