@@ -1,2 +1,131 @@
-//! prism-worker library.
+//! prism-worker: the node agent. It discovers its devices, registers with the head over the
+//! `WorkerSession` stream, starts and supervises engine replicas, serves
+//! `WorkerService.Generate` for them, drains on SIGTERM / drain commands / spot notices,
+//! and exposes health and vLLM-named metrics.
+//!
+//! Entry point: [`run`] (listeners passed in so tests bind `127.0.0.1:0`).
+
+pub mod agent;
+pub mod config;
 pub mod engine;
+pub mod http;
+pub mod metrics;
+pub mod service;
+
+pub use config::{Args, WorkerConfig};
+
+use agent::replica::EngineLauncher;
+use agent::{Agent, DrainSource};
+use prism_common::proto::v1::worker_service_server::WorkerServiceServer;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic_health::ServingStatus;
+
+/// gRPC service name reported through `grpc.health.v1`.
+pub const WORKER_SERVICE_NAME: &str = "prism.v1.WorkerService";
+
+/// The endpoint routers dial when `--advertise-address` is not set: the bound address, with
+/// an unspecified IP (`0.0.0.0`, `::`) replaced by this host's name.
+pub fn advertise_from(local: SocketAddr) -> String {
+    if local.ip().is_unspecified() {
+        format!("http://{}:{}", config::hostname(), local.port())
+    } else {
+        format!("http://{local}")
+    }
+}
+
+/// Runs the worker with the real engine until `shutdown` is cancelled; then drains (refuse
+/// new work, finish in-flight requests until `sigterm_drain`, abort the rest, tell the head)
+/// and returns.
+///
+/// # Errors
+/// A listener or server failure.
+pub async fn run(
+    cfg: WorkerConfig,
+    grpc_listener: TcpListener,
+    http_listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    run_with_launcher(cfg, grpc_listener, http_listener, shutdown, Arc::new(agent::launcher::LocalLauncher)).await
+}
+
+/// [`run`] with a chosen engine launcher (tests use doubles).
+///
+/// # Errors
+/// A listener or server failure.
+pub async fn run_with_launcher(
+    cfg: WorkerConfig,
+    grpc_listener: TcpListener,
+    http_listener: TcpListener,
+    shutdown: CancellationToken,
+    launcher: Arc<dyn EngineLauncher>,
+) -> anyhow::Result<()> {
+    let local = grpc_listener.local_addr()?;
+    let address = cfg.advertise_address.clone().unwrap_or_else(|| advertise_from(local));
+    let devices = agent::gpu::discover(cfg.simulate_gpus, cfg.cpu_slots);
+    tracing::info!(
+        node = %cfg.node_id, %address, gpus = devices.gpus.len(), simulated = devices.simulated,
+        cpu_slots = devices.cpu_slots, grpc = %local, http = %http_listener.local_addr()?, "worker starting"
+    );
+    let sigterm_drain = cfg.sigterm_drain;
+    let agent = Arc::new(Agent::new(cfg, devices, address, launcher));
+    let metrics = Arc::new(metrics::WorkerMetrics::new(agent.replicas().clone()));
+    let stop = CancellationToken::new();
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    let health_task = {
+        let agent = Arc::clone(&agent);
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tokio::select! { _ = stop.cancelled() => break, _ = tick.tick() => {} }
+                let st = if agent.readiness().is_ok() { ServingStatus::Serving } else { ServingStatus::NotServing };
+                health_reporter.set_service_status("", st).await;
+                health_reporter.set_service_status(WORKER_SERVICE_NAME, st).await;
+            }
+            health_reporter.set_service_status("", ServingStatus::NotServing).await;
+        })
+    };
+
+    let svc = service::WorkerGrpc::new(Arc::clone(&agent), Arc::clone(&metrics));
+    let grpc = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(WorkerServiceServer::new(svc))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), stop.clone().cancelled_owned()),
+    );
+    let http = tokio::spawn(
+        axum::serve(http_listener, http::router(Arc::clone(&agent), metrics))
+            .with_graceful_shutdown(stop.clone().cancelled_owned())
+            .into_future(),
+    );
+    let registration = tokio::spawn(agent::registration::run(Arc::clone(&agent), stop.child_token()));
+    let spot = tokio::spawn(agent::spot::watch(Arc::clone(&agent), stop.child_token()));
+
+    // Phase 1: serve until asked to stop.
+    shutdown.cancelled().await;
+    // Phase 2: drain (refuse new work, finish or hand back in-flight requests, tell the head).
+    tracing::info!(deadline_s = sigterm_drain.as_secs_f64(), "shutdown requested: draining");
+    agent.drain(sigterm_drain, "worker shutting down", DrainSource::Terminate);
+    agent.wait_drained().await;
+    // Phase 3: stop everything (the session sends its last status first).
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(3), registration).await;
+    spot.abort();
+    health_task.abort();
+    let grpc_res = tokio::time::timeout(Duration::from_secs(5), grpc).await;
+    let http_res = tokio::time::timeout(Duration::from_secs(5), http).await;
+    if let Ok(Ok(Err(e))) = grpc_res {
+        return Err(e.into());
+    }
+    if let Ok(Ok(Err(e))) = http_res {
+        return Err(e.into());
+    }
+    tracing::info!("worker stopped");
+    Ok(())
+}

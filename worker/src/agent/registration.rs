@@ -1,0 +1,211 @@
+//! The `HeadService.WorkerSession` stream: connect to a head (trying the configured
+//! addresses in turn, with exponential backoff, following `UNAVAILABLE` leader hints), send
+//! `register` then the full replica `status`, then a status on every change, `load` once a
+//! second and `drain` progress; execute the head's commands. On reconnect (head restart,
+//! new leader) the worker registers again and reports its running replicas, which the head
+//! adopts: they are never restarted.
+
+use super::{Agent, DrainSource};
+use prism_common::proto::v1::{self as pb, head_service_client::HeadServiceClient, head_message, worker_message};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Endpoint;
+
+/// Metadata keys a follower head may use to name the leader.
+pub const LEADER_METADATA_KEYS: &[&str] = &["prism-leader", "x-prism-leader", "leader"];
+
+/// The leader address a follower names in an `UNAVAILABLE` status: metadata
+/// `prism-leader` (or `x-prism-leader` / `leader`), else `leader=ADDR` / `leader: ADDR` in
+/// the message. Returned normalised to `http://…`.
+pub fn leader_hint(status: &tonic::Status) -> Option<String> {
+    if status.code() != tonic::Code::Unavailable {
+        return None;
+    }
+    for key in LEADER_METADATA_KEYS {
+        if let Some(v) = status.metadata().get(*key).and_then(|v| v.to_str().ok()) {
+            if !v.trim().is_empty() {
+                return Some(crate::config::normalize_endpoint(v));
+            }
+        }
+    }
+    let msg = status.message();
+    let lower = msg.to_ascii_lowercase();
+    for pat in ["leader=", "leader: ", "leader is "] {
+        if let Some(i) = lower.find(pat) {
+            let rest = &msg[i + pat.len()..];
+            let addr: String = rest
+                .trim_start()
+                .chars()
+                .take_while(|c| !c.is_whitespace() && !matches!(c, ',' | ';' | ')' | '"' | '\''))
+                .collect();
+            if !addr.is_empty() && addr != "unknown" {
+                return Some(crate::config::normalize_endpoint(&addr));
+            }
+        }
+    }
+    None
+}
+
+/// How a session ended.
+enum SessionEnd {
+    /// Shutdown requested.
+    Shutdown,
+    /// Error (connect or stream); with a leader hint when a follower answered.
+    Failed { error: String, leader: Option<String> },
+}
+
+/// Runs the registration loop until `shutdown` is cancelled.
+pub async fn run(agent: Arc<Agent>, shutdown: CancellationToken) {
+    let heads = agent.cfg.heads.clone();
+    let mut idx = 0usize;
+    let mut hinted: Option<String> = None;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let target = hinted.take().unwrap_or_else(|| heads[idx % heads.len()].clone());
+        let started = tokio::time::Instant::now();
+        match session(&agent, &target, &shutdown).await {
+            SessionEnd::Shutdown => return,
+            SessionEnd::Failed { error, leader } => {
+                agent.set_registered(false);
+                if let Some(l) = leader.filter(|l| *l != target) {
+                    tracing::info!(head = %target, leader = %l, "head is a follower: following the leader hint");
+                    hinted = Some(l);
+                    continue;
+                }
+                tracing::warn!(head = %target, %error, "head session ended; reconnecting");
+                idx += 1;
+                // A session that lasted a while resets the backoff.
+                if started.elapsed() > Duration::from_secs(10) {
+                    backoff = Duration::from_millis(100);
+                }
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(agent.cfg.max_backoff);
+    }
+}
+
+fn msg(m: worker_message::Msg) -> pb::WorkerMessage {
+    pb::WorkerMessage { msg: Some(m) }
+}
+
+async fn session(agent: &Arc<Agent>, target: &str, shutdown: &CancellationToken) -> SessionEnd {
+    let failed = |error: String| SessionEnd::Failed { error, leader: None };
+    let endpoint = match Endpoint::from_shared(target.to_owned()) {
+        Ok(e) => e.connect_timeout(Duration::from_secs(2)).tcp_nodelay(true),
+        Err(e) => return failed(format!("bad head address {target}: {e}")),
+    };
+    let channel = tokio::select! {
+        _ = shutdown.cancelled() => return SessionEnd::Shutdown,
+        c = endpoint.connect() => match c {
+            Ok(c) => c,
+            Err(e) => return failed(format!("connect: {e}")),
+        },
+    };
+    let mut client = HeadServiceClient::new(channel);
+    let (tx, rx) = mpsc::channel::<pb::WorkerMessage>(64);
+    // Queue register + status before opening the stream so they are the first messages.
+    let mut changes = agent.subscribe_changes();
+    let mut drains = agent.subscribe_drain();
+    changes.borrow_and_update();
+    drains.borrow_and_update();
+    let first = [
+        msg(worker_message::Msg::Register(agent.inventory())),
+        msg(worker_message::Msg::Status(agent.status_snapshot())),
+    ];
+    for m in first {
+        if tx.send(m).await.is_err() {
+            return failed("outbound stream closed".into());
+        }
+    }
+    if let Some(d) = agent.drain_state() {
+        let _ = tx.send(msg(worker_message::Msg::Drain(d.to_proto()))).await;
+    }
+    let response = tokio::select! {
+        _ = shutdown.cancelled() => return SessionEnd::Shutdown,
+        r = client.worker_session(ReceiverStream::new(rx)) => r,
+    };
+    let mut inbound = match response {
+        Ok(r) => r.into_inner(),
+        Err(s) => return SessionEnd::Failed { error: s.to_string(), leader: leader_hint(&s) },
+    };
+    tracing::info!(head = %target, node = %agent.node_id(), "registered with head");
+    agent.set_registered(true);
+    let mut load_tick = tokio::time::interval(agent.cfg.load_interval);
+    load_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let out = tokio::select! {
+            _ = shutdown.cancelled() => {
+                // Last status (drained replicas) before leaving.
+                let _ = tx.try_send(msg(worker_message::Msg::Status(agent.status_snapshot())));
+                return SessionEnd::Shutdown;
+            }
+            m = inbound.message() => match m {
+                Ok(Some(m)) => { handle(agent, m); None }
+                Ok(None) => return failed("head closed the stream".into()),
+                Err(s) => return SessionEnd::Failed { error: s.to_string(), leader: leader_hint(&s) },
+            },
+            c = changes.changed() => match c {
+                Ok(()) => Some(msg(worker_message::Msg::Status(agent.status_snapshot()))),
+                Err(_) => return SessionEnd::Shutdown,
+            },
+            d = drains.changed() => match d {
+                Ok(()) => drains.borrow_and_update().as_ref().map(|d| msg(worker_message::Msg::Drain(d.to_proto()))),
+                Err(_) => return SessionEnd::Shutdown,
+            },
+            _ = load_tick.tick() => Some(msg(worker_message::Msg::Load(agent.load_reports()))),
+        };
+        if let Some(m) = out {
+            if tx.send(m).await.is_err() {
+                return failed("outbound stream closed".into());
+            }
+        }
+    }
+}
+
+/// Executes one command from the head.
+fn handle(agent: &Arc<Agent>, m: pb::HeadMessage) {
+    match m.msg {
+        Some(head_message::Msg::Ack(a)) => {
+            tracing::debug!(node = %a.node_id, leader = %a.leader, "registration acknowledged");
+        }
+        Some(head_message::Msg::Start(s)) => {
+            tracing::info!(replica = %s.replica_id, deployment = %s.deployment, "StartReplica");
+            agent.start_replica(s);
+        }
+        Some(head_message::Msg::Stop(s)) => {
+            tracing::info!(replica = %s.replica_id, deadline_ms = s.deadline_ms, "StopReplica");
+            agent.stop_replica(&s.replica_id, Duration::from_millis(s.deadline_ms));
+        }
+        Some(head_message::Msg::Drain(d)) => {
+            let deadline = if d.deadline_ms == 0 { agent.cfg.sigterm_drain } else { Duration::from_millis(d.deadline_ms) };
+            let reason = if d.reason.is_empty() { "drain command" } else { d.reason.as_str() };
+            agent.drain(deadline, reason, DrainSource::Head);
+        }
+        None => tracing::debug!("empty head message"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leader_hint_from_metadata_and_message() {
+        let mut s = tonic::Status::unavailable("not the leader");
+        s.metadata_mut().insert("prism-leader", tonic::metadata::MetadataValue::from_static("10.0.0.2:50050"));
+        assert_eq!(leader_hint(&s).as_deref(), Some("http://10.0.0.2:50050"));
+        let s = tonic::Status::unavailable("not the leader; leader=http://h1:50050");
+        assert_eq!(leader_hint(&s).as_deref(), Some("http://h1:50050"));
+        let s = tonic::Status::unavailable("follower, leader: h2:50050");
+        assert_eq!(leader_hint(&s).as_deref(), Some("http://h2:50050"));
+        assert_eq!(leader_hint(&tonic::Status::unavailable("no leader yet")), None);
+        assert_eq!(leader_hint(&tonic::Status::internal("leader=h3:1")), None);
+    }
+}

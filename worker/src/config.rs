@@ -1,0 +1,257 @@
+//! Worker flags (clap, every flag also read from a `PRISM_…` environment variable) and the
+//! validated [`WorkerConfig`] that [`crate::run`] takes.
+
+use prism_common::NodeId;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Command-line flags of `prism-worker`.
+#[derive(Clone, Debug, clap::Parser)]
+#[command(name = "prism-worker", version, about = "Prism node agent: registers with the head and runs engine replicas")]
+pub struct Args {
+    /// Head gRPC address(es), comma-separated (e.g. `http://head-0:50050,http://head-1:50050`).
+    /// The worker connects to one, follows `UNAVAILABLE` leader hints and reconnects with backoff.
+    #[arg(long, env = "PRISM_HEAD", value_delimiter = ',', default_value = "http://127.0.0.1:50050")]
+    pub head: Vec<String>,
+
+    /// gRPC listen address (WorkerService + grpc.health.v1).
+    #[arg(long, env = "PRISM_LISTEN", default_value = "0.0.0.0:50061")]
+    pub listen: SocketAddr,
+
+    /// HTTP listen address (`/healthz`, `/readyz`, `/metrics`).
+    #[arg(long, env = "PRISM_HTTP_LISTEN", default_value = "0.0.0.0:8082")]
+    pub http_listen: SocketAddr,
+
+    /// Endpoint routers dial for this worker, e.g. `http://10.0.0.5:50061`. Default: derived
+    /// from the bound gRPC listener (an unspecified IP is replaced by this host's name).
+    #[arg(long, env = "PRISM_ADVERTISE_ADDRESS")]
+    pub advertise_address: Option<String>,
+
+    /// Node id (default: the host name).
+    #[arg(long, env = "PRISM_NODE_ID")]
+    pub node_id: Option<String>,
+
+    /// Node labels `k=v,...`, e.g. `capacity-type=spot,zone=us-east-1a`.
+    #[arg(long, env = "PRISM_LABELS", value_delimiter = ',')]
+    pub labels: Vec<String>,
+
+    /// Advertise N simulated GPUs (named "simulated") for placement tests on machines without
+    /// GPUs; engines then run on the CPU backend.
+    #[arg(long, env = "PRISM_SIMULATE_GPUS", default_value_t = 0)]
+    pub simulate_gpus: u32,
+
+    /// Replica slots offered by a node without GPUs.
+    #[arg(long, env = "PRISM_CPU_SLOTS", default_value_t = 1)]
+    pub cpu_slots: u32,
+
+    /// Termination grace period (seconds) the orchestrator gives this process after SIGTERM
+    /// (Kubernetes `terminationGracePeriodSeconds`).
+    #[arg(long, env = "PRISM_DRAIN_GRACE", default_value_t = 30.0)]
+    pub drain_grace: f64,
+
+    /// Safety margin (seconds) kept before the grace period ends: the SIGTERM drain deadline is
+    /// `drain_grace - drain_margin`.
+    #[arg(long, env = "PRISM_DRAIN_MARGIN", default_value_t = 5.0)]
+    pub drain_margin: f64,
+
+    /// Default KV-cache budget in bytes for CPU replicas whose engine config leaves it at 0.
+    #[arg(long, env = "PRISM_KV_CACHE_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub kv_cache_bytes: u64,
+
+    /// Spot-termination notice URL, polled once a second; a 200 answer (a termination time,
+    /// as cloud metadata services return) starts the drain early.
+    #[arg(long, env = "PRISM_SPOT_NOTICE_URL")]
+    pub spot_notice_url: Option<String>,
+
+    /// Spot-termination notice file, checked once a second; when it exists (content: an
+    /// RFC 3339 time, unix seconds, or empty) the drain starts.
+    #[arg(long, env = "PRISM_SPOT_NOTICE_FILE")]
+    pub spot_notice_file: Option<PathBuf>,
+}
+
+/// Invalid flag values.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A `--labels` entry is not `key=value`.
+    #[error("label {0:?} is not key=value")]
+    BadLabel(String),
+    /// No head address.
+    #[error("--head needs at least one address")]
+    NoHead,
+    /// The drain margin does not fit in the grace period.
+    #[error("--drain-grace ({grace}s) must be a positive number larger than --drain-margin ({margin}s)")]
+    BadDrain {
+        /// Grace seconds.
+        grace: f64,
+        /// Margin seconds.
+        margin: f64,
+    },
+    /// A node id that is empty or not a DNS-1123-ish name.
+    #[error("node id {0:?} must be non-empty and contain only [A-Za-z0-9._-]")]
+    BadNodeId(String),
+}
+
+/// Validated worker configuration.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// Head endpoints (`http://host:port`), tried in order.
+    pub heads: Vec<String>,
+    /// Advertised endpoint; `None` = derive from the gRPC listener.
+    pub advertise_address: Option<String>,
+    /// This node's id.
+    pub node_id: NodeId,
+    /// Node labels.
+    pub labels: BTreeMap<String, String>,
+    /// Simulated GPUs (0 = discover real ones).
+    pub simulate_gpus: u32,
+    /// CPU slots when no GPU is present.
+    pub cpu_slots: u32,
+    /// SIGTERM drain deadline (grace − margin).
+    pub sigterm_drain: Duration,
+    /// Margin kept before a known termination time (spot notice).
+    pub drain_margin: Duration,
+    /// Default KV-cache bytes for CPU replicas.
+    pub kv_cache_bytes: u64,
+    /// Spot notice URL.
+    pub spot_notice_url: Option<String>,
+    /// Spot notice file.
+    pub spot_notice_file: Option<PathBuf>,
+    /// Interval of load reports to the head.
+    pub load_interval: Duration,
+    /// Longest pause between reconnect attempts to the head.
+    pub max_backoff: Duration,
+}
+
+impl WorkerConfig {
+    /// A configuration for tests: one head, CPU only, node id as given.
+    pub fn for_test(head: impl Into<String>, node_id: &str) -> Self {
+        Self {
+            heads: vec![head.into()],
+            advertise_address: None,
+            node_id: NodeId::from(node_id),
+            labels: BTreeMap::new(),
+            simulate_gpus: 0,
+            cpu_slots: 1,
+            sigterm_drain: Duration::from_secs(25),
+            drain_margin: Duration::from_secs(2),
+            kv_cache_bytes: 64 * 1024 * 1024,
+            spot_notice_url: None,
+            spot_notice_file: None,
+            load_interval: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Normalises a head address to a URI tonic can dial (`host:port` → `http://host:port`).
+pub fn normalize_endpoint(addr: &str) -> String {
+    let a = addr.trim();
+    if a.contains("://") { a.to_owned() } else { format!("http://{a}") }
+}
+
+/// This machine's host name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`, else "localhost").
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok().filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+impl TryFrom<Args> for WorkerConfig {
+    type Error = ConfigError;
+
+    fn try_from(a: Args) -> Result<Self, ConfigError> {
+        let heads: Vec<String> = a
+            .head
+            .iter()
+            .map(|h| h.trim())
+            .filter(|h| !h.is_empty())
+            .map(normalize_endpoint)
+            .collect();
+        if heads.is_empty() {
+            return Err(ConfigError::NoHead);
+        }
+        let mut labels = BTreeMap::new();
+        for l in a.labels.iter().map(|l| l.trim()).filter(|l| !l.is_empty()) {
+            let (k, v) = l.split_once('=').ok_or_else(|| ConfigError::BadLabel(l.to_owned()))?;
+            if k.trim().is_empty() {
+                return Err(ConfigError::BadLabel(l.to_owned()));
+            }
+            labels.insert(k.trim().to_owned(), v.trim().to_owned());
+        }
+        let grace = a.drain_grace;
+        let margin = a.drain_margin;
+        if !(grace.is_finite() && margin.is_finite() && margin >= 0.0 && grace > margin) {
+            return Err(ConfigError::BadDrain { grace, margin });
+        }
+        let node_id = a.node_id.unwrap_or_else(hostname);
+        let valid = !node_id.is_empty()
+            && node_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        if !valid {
+            return Err(ConfigError::BadNodeId(node_id));
+        }
+        Ok(Self {
+            heads,
+            advertise_address: a.advertise_address.map(|s| normalize_endpoint(&s)),
+            node_id: NodeId(node_id),
+            labels,
+            simulate_gpus: a.simulate_gpus,
+            cpu_slots: a.cpu_slots,
+            sigterm_drain: Duration::from_secs_f64(grace - margin),
+            drain_margin: Duration::from_secs_f64(margin),
+            kv_cache_bytes: a.kv_cache_bytes,
+            spot_notice_url: a.spot_notice_url,
+            spot_notice_file: a.spot_notice_file,
+            load_interval: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(5),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn parse(args: &[&str]) -> Result<WorkerConfig, ConfigError> {
+        let mut v = vec!["prism-worker"];
+        v.extend_from_slice(args);
+        WorkerConfig::try_from(Args::parse_from(v))
+    }
+
+    #[test]
+    fn parses_heads_labels_and_drain_deadline() -> anyhow::Result<()> {
+        let c = parse(&[
+            "--head",
+            "h0:50050,http://h1:50050",
+            "--labels",
+            "capacity-type=spot,zone=z1",
+            "--node-id",
+            "n1",
+            "--drain-grace",
+            "30",
+            "--drain-margin",
+            "5",
+        ])?;
+        assert_eq!(c.heads, vec!["http://h0:50050", "http://h1:50050"]);
+        assert_eq!(c.labels.get("capacity-type").map(String::as_str), Some("spot"));
+        assert_eq!(c.labels.get("zone").map(String::as_str), Some("z1"));
+        assert_eq!(c.sigterm_drain, Duration::from_secs(25));
+        assert_eq!(c.node_id.as_str(), "n1");
+        Ok(())
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        assert!(matches!(parse(&["--labels", "novalue"]), Err(ConfigError::BadLabel(_))));
+        assert!(matches!(
+            parse(&["--drain-grace", "5", "--drain-margin", "5"]),
+            Err(ConfigError::BadDrain { .. })
+        ));
+        assert!(matches!(parse(&["--node-id", "a b"]), Err(ConfigError::BadNodeId(_))));
+    }
+}

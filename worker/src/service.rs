@@ -1,0 +1,282 @@
+//! `WorkerService` (gRPC): `Generate` streams a hosted replica's engine outputs through a
+//! bounded mpsc + `ReceiverStream` (a failed send means the client left: the engine stream
+//! is dropped, which aborts the request); `Drain`; `Health`. Proto ↔ engine conversion and
+//! the one mapping of [`EngineError`] to `tonic::Status` live here.
+
+use crate::agent::replica::{InFlightGuard, OutputStream, Refusal};
+use crate::agent::{Agent, DrainSource};
+use crate::engine::{
+    ChatMessage, EngineError, EngineOutput, EngineRequest, FinishReason, Prompt, SamplingParams, TokenLogprob,
+};
+use crate::metrics::WorkerMetrics;
+use futures::StreamExt;
+use prism_common::RequestId;
+use prism_common::proto::v1::{self as pb, worker_service_server::WorkerService};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+/// Responses buffered per stream before the engine output waits for the client.
+const STREAM_BUFFER: usize = 32;
+
+/// Maps an engine error to a gRPC status (the one place that does).
+pub fn engine_error_to_status(e: &EngineError) -> Status {
+    match e {
+        EngineError::InvalidRequest { field, message } => {
+            if message.contains(field) {
+                Status::invalid_argument(message.clone())
+            } else {
+                Status::invalid_argument(format!("{field}: {message}"))
+            }
+        }
+        EngineError::Overloaded(m) => Status::resource_exhausted(format!("engine overloaded: {m}")),
+        EngineError::Unavailable(m) => Status::unavailable(format!("engine unavailable: {m}")),
+        EngineError::Internal(m) => Status::internal(format!("engine internal error: {m}")),
+    }
+}
+
+/// Converts proto sampling parameters; unset fields take [`SamplingParams::default`].
+pub fn sampling_from_proto(p: Option<pb::SamplingParams>) -> SamplingParams {
+    let d = SamplingParams::default();
+    let Some(p) = p else { return d };
+    SamplingParams {
+        temperature: p.temperature.unwrap_or(d.temperature),
+        top_p: p.top_p.unwrap_or(d.top_p),
+        top_k: p.top_k.unwrap_or(d.top_k),
+        min_p: p.min_p.unwrap_or(d.min_p),
+        seed: p.seed,
+        repetition_penalty: p.repetition_penalty.unwrap_or(d.repetition_penalty),
+        frequency_penalty: p.frequency_penalty.unwrap_or(d.frequency_penalty),
+        presence_penalty: p.presence_penalty.unwrap_or(d.presence_penalty),
+        stop: p.stop,
+        stop_token_ids: p.stop_token_ids,
+        max_tokens: p.max_tokens,
+        ignore_eos: p.ignore_eos,
+        n: p.n.unwrap_or(d.n),
+        logprobs: p.logprobs,
+        skip_special_tokens: p.skip_special_tokens,
+    }
+}
+
+/// Converts a worker generate request into an engine request; `now` anchors the deadline.
+///
+/// # Errors
+/// `INVALID_ARGUMENT` when the request has no prompt.
+pub fn engine_request_from_proto(r: pb::WorkerGenerateRequest, now: Instant) -> Result<EngineRequest, Status> {
+    let req = r.request.ok_or_else(|| Status::invalid_argument("request: missing"))?;
+    let prompt = match req.prompt {
+        Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t),
+        Some(pb::generate_request::Prompt::TokenIds(t)) => Prompt::TokenIds(t.ids),
+        Some(pb::generate_request::Prompt::Chat(c)) => Prompt::Chat(
+            c.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect(),
+        ),
+        None => return Err(Status::invalid_argument("prompt: missing (text, token_ids or chat)")),
+    };
+    let id = if req.request_id.is_empty() { RequestId::random() } else { RequestId(req.request_id) };
+    let deadline = req.timeout_ms.filter(|ms| *ms > 0).map(|ms| now + Duration::from_millis(ms));
+    Ok(EngineRequest {
+        id,
+        prompt,
+        params: sampling_from_proto(req.sampling),
+        prior_output_ids: r.prior_output_ids,
+        deadline,
+    })
+}
+
+/// Proto finish reason.
+pub fn finish_reason_to_proto(f: Option<FinishReason>) -> pb::FinishReason {
+    match f {
+        None => pb::FinishReason::Unspecified,
+        Some(FinishReason::Stop) => pb::FinishReason::Stop,
+        Some(FinishReason::Length) => pb::FinishReason::Length,
+        Some(FinishReason::Abort) => pb::FinishReason::Abort,
+    }
+}
+
+fn logprob_to_proto(l: TokenLogprob) -> pb::TokenLogprob {
+    pb::TokenLogprob {
+        token_id: l.token_id,
+        token: l.token,
+        logprob: l.logprob,
+        bytes: l.bytes,
+        top_logprobs: l
+            .top_logprobs
+            .into_iter()
+            .map(|t| pb::TopLogprob { token_id: t.token_id, token: t.token, logprob: t.logprob, bytes: t.bytes })
+            .collect(),
+    }
+}
+
+/// Converts one engine output; `original_prompt_tokens` (migration) overrides the prompt
+/// token count when non-zero.
+pub fn output_to_proto(request_id: &str, o: EngineOutput, original_prompt_tokens: u32) -> pb::GenerateResponse {
+    let prompt_tokens = if original_prompt_tokens > 0 { original_prompt_tokens } else { o.prompt_tokens };
+    pb::GenerateResponse {
+        request_id: request_id.to_owned(),
+        index: o.index,
+        token_ids: o.token_ids,
+        text: o.text,
+        logprobs: o.logprobs.into_iter().map(logprob_to_proto).collect(),
+        finish_reason: finish_reason_to_proto(o.finish_reason) as i32,
+        usage: o.usage.map(|u| pb::Usage { prompt_tokens, completion_tokens: u.completion_tokens }),
+        prompt_tokens,
+    }
+}
+
+/// The gRPC service.
+#[derive(Clone)]
+pub struct WorkerGrpc {
+    agent: Arc<Agent>,
+    metrics: Arc<WorkerMetrics>,
+}
+
+impl WorkerGrpc {
+    /// A service over `agent`.
+    pub fn new(agent: Arc<Agent>, metrics: Arc<WorkerMetrics>) -> Self {
+        Self { agent, metrics }
+    }
+}
+
+type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
+
+/// Moves engine outputs to the client and records metrics; ends with UNAVAILABLE when the
+/// replica aborts its remaining requests (drain/stop deadline), so the router migrates.
+async fn forward(
+    mut outputs: OutputStream,
+    tx: mpsc::Sender<Result<pb::GenerateResponse, Status>>,
+    mut guard: InFlightGuard,
+    metrics: Arc<WorkerMetrics>,
+    request_id: String,
+    original_prompt_tokens: u32,
+    arrived: Instant,
+) {
+    let replica = Arc::clone(guard.replica());
+    let model = replica.model_name.clone();
+    let mut last_token_at: Option<Instant> = None;
+    let mut generated: u64 = 0;
+    let mut prompt_tokens: u64 = 0;
+    let mut finish: Option<FinishReason> = None;
+    loop {
+        let next = tokio::select! {
+            o = outputs.next() => o,
+            _ = replica.abort.cancelled() => {
+                let _ = tx.send(Err(Status::unavailable("replica stopped: request handed back for migration"))).await;
+                tracing::debug!(request = %request_id, "aborted by replica stop");
+                return;
+            }
+            _ = tx.closed() => {
+                tracing::debug!(request = %request_id, "client left: aborting");
+                return;
+            }
+        };
+        let Some(o) = next else { break };
+        if prompt_tokens == 0 && o.prompt_tokens > 0 {
+            prompt_tokens = u64::from(o.prompt_tokens);
+            guard.add_tokens(prompt_tokens);
+        }
+        let n = o.token_ids.len() as u64;
+        if n > 0 {
+            let now = Instant::now();
+            match last_token_at {
+                None => metrics.observe_ttft(&model, now.duration_since(arrived).as_secs_f64()),
+                Some(t) => metrics.observe_itl(&model, now.duration_since(t).as_secs_f64()),
+            }
+            last_token_at = Some(now);
+            generated += n;
+            guard.add_tokens(n);
+        }
+        if o.finish_reason.is_some() {
+            finish = o.finish_reason;
+        }
+        let done = o.usage.is_some();
+        if tx.send(Ok(output_to_proto(&request_id, o, original_prompt_tokens))).await.is_err() {
+            tracing::debug!(request = %request_id, "client left: aborting");
+            return;
+        }
+        if done {
+            break;
+        }
+    }
+    let reason = finish.unwrap_or(FinishReason::Abort);
+    metrics.finish(&model, arrived.elapsed().as_secs_f64(), prompt_tokens, generated, reason.as_str());
+}
+
+#[tonic::async_trait]
+impl WorkerService for WorkerGrpc {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(
+        &self,
+        request: Request<pb::WorkerGenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let arrived = Instant::now();
+        let r = request.into_inner();
+        let replica = self
+            .agent
+            .replicas()
+            .get(&r.replica_id)
+            .ok_or_else(|| Status::not_found(format!("replica {} is not hosted on this worker", r.replica_id)))?;
+        let (guard, engine) = replica.admit().map_err(|e| match e {
+            Refusal::Draining => Status::unavailable(format!("replica {} is draining", r.replica_id)),
+            Refusal::NotReady(s) => {
+                Status::unavailable(format!("replica {} is not ready ({})", r.replica_id, s.as_str_name()))
+            }
+        })?;
+        let original_prompt_tokens = r.original_prompt_tokens;
+        let req = engine_request_from_proto(r, arrived)?;
+        let request_id = req.id.0.clone();
+        let outputs = engine.submit(req).map_err(|e| engine_error_to_status(&e))?;
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+        tokio::spawn(forward(
+            outputs,
+            tx,
+            guard,
+            Arc::clone(&self.metrics),
+            request_id,
+            original_prompt_tokens,
+            arrived,
+        ));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn drain(&self, request: Request<pb::WorkerDrainRequest>) -> Result<Response<pb::WorkerDrainResponse>, Status> {
+        let r = request.into_inner();
+        let deadline =
+            if r.deadline_ms == 0 { self.agent.cfg.sigterm_drain } else { Duration::from_millis(r.deadline_ms) };
+        let reason = if r.reason.is_empty() { "drain requested" } else { r.reason.as_str() };
+        let in_flight = self.agent.drain(deadline, reason, DrainSource::Rpc);
+        Ok(Response::new(pb::WorkerDrainResponse { in_flight }))
+    }
+
+    async fn health(&self, _request: Request<pb::WorkerHealthRequest>) -> Result<Response<pb::WorkerHealthResponse>, Status> {
+        let replicas = self
+            .agent
+            .replicas()
+            .all()
+            .iter()
+            .map(|r| {
+                let (state, reason) = r.state();
+                let alive = r.engine().is_some_and(|e| e.is_alive());
+                let load = r.engine().map(|e| e.load()).unwrap_or_default();
+                pb::ReplicaHealth {
+                    replica_id: r.id.0.clone(),
+                    ready: state == pb::ReplicaState::Ready && alive,
+                    reason: if reason.is_empty() { state.as_str_name().to_owned() } else { reason },
+                    running: load.running,
+                    waiting: load.waiting,
+                    kv_cache_usage: load.kv_cache_usage,
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::WorkerHealthResponse {
+            node_id: self.agent.node_id().0.clone(),
+            draining: self.agent.is_draining(),
+            replicas,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests;

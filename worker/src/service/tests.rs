@@ -1,0 +1,147 @@
+//! Unit tests: proto ↔ engine conversion and the engine-error mapping.
+
+use super::*;
+use crate::engine::{TopLogprob, Usage};
+use tonic::Code;
+
+fn wreq(req: pb::GenerateRequest) -> pb::WorkerGenerateRequest {
+    pb::WorkerGenerateRequest { replica_id: "r".into(), request: Some(req), prior_output_ids: vec![5, 6], original_prompt_tokens: 0 }
+}
+
+#[test]
+fn unset_sampling_fields_take_engine_defaults() {
+    let s = sampling_from_proto(Some(pb::SamplingParams::default()));
+    let d = SamplingParams::default();
+    assert_eq!(s.temperature, d.temperature);
+    assert_eq!(s.top_p, d.top_p);
+    assert_eq!(s.top_k, d.top_k);
+    assert_eq!(s.n, 1);
+    assert_eq!(s.max_tokens, None);
+    assert_eq!(s.seed, None);
+    assert_eq!(s.logprobs, None);
+    let none = sampling_from_proto(None);
+    assert!(none.skip_special_tokens, "no sampling message = engine defaults");
+}
+
+#[test]
+fn set_sampling_fields_pass_through() {
+    let p = pb::SamplingParams {
+        temperature: Some(0.0),
+        top_p: Some(0.5),
+        top_k: Some(7),
+        min_p: Some(0.1),
+        seed: Some(42),
+        repetition_penalty: Some(1.2),
+        frequency_penalty: Some(-0.5),
+        presence_penalty: Some(0.5),
+        stop: vec!["\n".into()],
+        stop_token_ids: vec![2],
+        max_tokens: Some(-1),
+        ignore_eos: true,
+        n: Some(3),
+        logprobs: Some(0),
+        skip_special_tokens: false,
+    };
+    let s = sampling_from_proto(Some(p));
+    assert_eq!(s.temperature, 0.0);
+    assert_eq!(s.top_p, 0.5);
+    assert_eq!(s.top_k, 7);
+    assert_eq!(s.min_p, 0.1);
+    assert_eq!(s.seed, Some(42));
+    assert_eq!(s.repetition_penalty, 1.2);
+    assert_eq!((s.frequency_penalty, s.presence_penalty), (-0.5, 0.5));
+    assert_eq!(s.stop, vec!["\n".to_owned()]);
+    assert_eq!(s.stop_token_ids, vec![2]);
+    assert_eq!(s.max_tokens, Some(-1), "validation is the engine's job");
+    assert!(s.ignore_eos);
+    assert_eq!(s.n, 3);
+    assert_eq!(s.logprobs, Some(0));
+    assert!(!s.skip_special_tokens);
+}
+
+#[test]
+fn request_conversion_prompts_deadline_and_prior_ids() -> anyhow::Result<()> {
+    let now = Instant::now();
+    let r = engine_request_from_proto(
+        wreq(pb::GenerateRequest {
+            model: "m".into(),
+            prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: vec![1, 2, 3] })),
+            sampling: None,
+            request_id: "abc".into(),
+            timeout_ms: Some(1500),
+        }),
+        now,
+    )?;
+    assert!(matches!(&r.prompt, Prompt::TokenIds(ids) if *ids == vec![1, 2, 3]));
+    assert_eq!(r.id.as_str(), "abc");
+    assert_eq!(r.deadline, Some(now + Duration::from_millis(1500)));
+    assert_eq!(r.prior_output_ids, vec![5, 6]);
+
+    let chat = engine_request_from_proto(
+        wreq(pb::GenerateRequest {
+            prompt: Some(pb::generate_request::Prompt::Chat(pb::ChatMessages {
+                messages: vec![pb::ChatMessage { role: "user".into(), content: "hi".into() }],
+            })),
+            timeout_ms: Some(0),
+            ..Default::default()
+        }),
+        now,
+    )?;
+    assert!(matches!(&chat.prompt, Prompt::Chat(m) if *m == vec![ChatMessage { role: "user".into(), content: "hi".into() }]));
+    assert_eq!(chat.deadline, None, "timeout 0 = no deadline");
+    assert!(!chat.id.as_str().is_empty(), "empty request id gets a fresh one");
+    Ok(())
+}
+
+#[test]
+fn missing_prompt_is_invalid_argument() {
+    let err = engine_request_from_proto(wreq(pb::GenerateRequest::default()), Instant::now()).err();
+    assert_eq!(err.map(|e| e.code()), Some(Code::InvalidArgument));
+    let err = engine_request_from_proto(
+        pb::WorkerGenerateRequest { replica_id: "r".into(), request: None, ..Default::default() },
+        Instant::now(),
+    )
+    .err();
+    assert_eq!(err.map(|e| e.code()), Some(Code::InvalidArgument));
+}
+
+#[test]
+fn engine_errors_map_to_grpc_codes() {
+    let inv = engine_error_to_status(&EngineError::InvalidRequest { field: "max_tokens", message: "must be >= 1".into() });
+    assert_eq!(inv.code(), Code::InvalidArgument);
+    assert!(inv.message().contains("max_tokens"), "message names the field");
+    assert_eq!(engine_error_to_status(&EngineError::Overloaded("q".into())).code(), Code::ResourceExhausted);
+    assert_eq!(engine_error_to_status(&EngineError::Unavailable("x".into())).code(), Code::Unavailable);
+    assert_eq!(engine_error_to_status(&EngineError::Internal("x".into())).code(), Code::Internal);
+}
+
+#[test]
+fn output_conversion_carries_tokens_logprobs_finish_and_usage() {
+    let o = EngineOutput {
+        index: 1,
+        token_ids: vec![10, 11],
+        text: "ab".into(),
+        logprobs: vec![TokenLogprob {
+            token_id: 10,
+            token: "a".into(),
+            logprob: -0.5,
+            bytes: b"a".to_vec(),
+            top_logprobs: vec![TopLogprob { token_id: 12, token: "c".into(), logprob: -1.0, bytes: b"c".to_vec() }],
+        }],
+        finish_reason: Some(FinishReason::Length),
+        usage: Some(Usage { prompt_tokens: 4, completion_tokens: 9 }),
+        prompt_tokens: 4,
+    };
+    let p = output_to_proto("rid", o.clone(), 0);
+    assert_eq!(p.request_id, "rid");
+    assert_eq!((p.index, p.token_ids.clone(), p.text.as_str()), (1, vec![10, 11], "ab"));
+    assert_eq!(p.finish_reason, pb::FinishReason::Length as i32);
+    assert_eq!(p.usage, Some(pb::Usage { prompt_tokens: 4, completion_tokens: 9 }));
+    assert_eq!(p.logprobs[0].top_logprobs[0].token_id, 12);
+    assert_eq!(p.logprobs[0].bytes, b"a".to_vec());
+    let migrated = output_to_proto("rid", o, 7);
+    assert_eq!(migrated.prompt_tokens, 7);
+    assert_eq!(migrated.usage.map(|u| u.prompt_tokens), Some(7));
+    assert_eq!(finish_reason_to_proto(None), pb::FinishReason::Unspecified);
+    assert_eq!(finish_reason_to_proto(Some(FinishReason::Abort)), pb::FinishReason::Abort);
+}
