@@ -3,3 +3,5 @@
 
 pub mod config;
 pub mod placement;
+pub mod election;
+pub mod store;

@@ -9,8 +9,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 /// Spawns a task that calls [`StateStore::keep_alive`] every `ttl_secs / 3` seconds (at least
-/// every 200 ms). Transient errors ([`StoreError::Unavailable`]) are retried quickly until the
-/// lease would have expired; then the lease counts as lost.
+/// every 200 ms). Transient errors ([`StoreError::Unavailable`]) are retried quickly for up to
+/// two thirds of the TTL after the last success; then the lease counts as lost — a little
+/// before the store itself would expire it, so a leader steps down before another can win.
 ///
 /// The task returns `Ok(())` when `cancel` fires, or `Err(StoreError::LeaseNotFound(lease))`
 /// when the lease is lost (other persistent errors are returned as they are).
@@ -24,6 +25,7 @@ pub fn spawn_keep_alive(
         let ttl = Duration::from_secs(ttl_secs.max(1).unsigned_abs());
         let period = (ttl / 3).max(Duration::from_millis(200));
         let retry = Duration::from_millis(100);
+        let give_up = ttl * 2 / 3;
         let mut last_ok = tokio::time::Instant::now();
         loop {
             match store.keep_alive(lease).await {
@@ -35,8 +37,8 @@ pub fn spawn_keep_alive(
                     }
                 }
                 Err(StoreError::Unavailable(reason)) => {
-                    if last_ok.elapsed() >= ttl {
-                        tracing::warn!(lease, %reason, "lease keep-alive failed for a whole TTL");
+                    if last_ok.elapsed() >= give_up {
+                        tracing::warn!(lease, %reason, "lease keep-alive failed for two thirds of its TTL");
                         return Err(StoreError::LeaseNotFound(lease));
                     }
                     tracing::debug!(lease, %reason, "lease keep-alive retry");
