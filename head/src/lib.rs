@@ -1,7 +1,153 @@
 //! prism-head: the control plane. Keeps cluster state in the state store, places
-//! replicas on workers, publishes routes to routers, and elects one leader among heads.
+//! replicas on workers, publishes routes to routers, and elects one leader among heads
+//! (only the leader reconciles, accepts worker sessions and writes; followers answer
+//! `UNAVAILABLE` naming the leader and report not-ready).
 
+pub mod admin;
+pub mod cluster;
 pub mod config;
-pub mod placement;
 pub mod election;
+pub mod error;
+pub mod metrics;
+pub mod placement;
+pub mod routes;
+pub mod service;
 pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prism_common::proto::v1::head_service_server::HeadServiceServer;
+use prism_common::state_store::{StateStore, keys};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+
+pub use cluster::{Cluster, Leadership};
+pub use config::{Args, HeadConfig, StoreSpec};
+
+/// Runs a head: opens the store named by `cfg.store`, then as [`run_with_store`].
+///
+/// # Errors
+/// The store cannot be opened, or a listener fails.
+pub async fn run(
+    cfg: HeadConfig,
+    grpc_listener: TcpListener,
+    http_listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let store = store::open(&cfg.store).await?;
+    run_with_store(cfg, store, grpc_listener, http_listener, shutdown).await
+}
+
+/// Runs a head on an already-opened store (for `prism up`, which embeds the head
+/// in-process): the election, the reconciler, gRPC (`HeadService` + `grpc.health.v1`) on
+/// `grpc_listener` and HTTP (`/healthz`, `/readyz`, `/metrics`) on `http_listener`, until
+/// `shutdown`. On shutdown the head resigns leadership so another takes over at once.
+///
+/// # Errors
+/// A listener fails.
+pub async fn run_with_store(
+    cfg: HeadConfig,
+    store: Arc<dyn StateStore>,
+    grpc_listener: TcpListener,
+    http_listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    tracing::info!(
+        head_id = %cfg.head_id,
+        advertise = %cfg.advertise_address,
+        grpc = %grpc_listener.local_addr()?,
+        http = %http_listener.local_addr()?,
+        "prism-head starting"
+    );
+    let election = election::spawn(
+        store.clone(),
+        election::ElectionConfig {
+            name: keys::HEAD_ELECTION.to_owned(),
+            candidate: cfg.advertise_address.clone(),
+            lease_ttl: cfg.lease_ttl,
+        },
+        shutdown.clone(),
+    );
+    let (lead_tx, lead_rx) = watch::channel(Leadership::default());
+    let cluster = Cluster::new(cfg, store, lead_rx, metrics::Metrics::new());
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_not_serving::<HeadServiceServer<service::HeadGrpc>>().await;
+
+    let bridge = tokio::spawn(follow_election(
+        election.state,
+        lead_tx,
+        cluster.clone(),
+        reporter,
+        shutdown.clone(),
+    ));
+    let reconciler = tokio::spawn(placement::reconciler::run(cluster.clone(), shutdown.clone()));
+    let http = tokio::spawn(metrics::serve_http(cluster.clone(), http_listener, shutdown.clone()));
+
+    let grpc = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(HeadServiceServer::new(service::HeadGrpc::new(cluster.clone(), shutdown.clone())))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), shutdown.clone().cancelled_owned())
+        .await;
+    shutdown.cancel();
+    let _ = bridge.await;
+    let _ = reconciler.await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), election.task).await;
+    let http = http.await;
+    grpc?;
+    http??;
+    tracing::info!("prism-head stopped");
+    Ok(())
+}
+
+/// Mirrors the election into [`Leadership`]: loads state when elected, closes worker
+/// sessions when deposed, and flips the gRPC health status of `HeadService`.
+async fn follow_election(
+    mut election: watch::Receiver<election::Leadership>,
+    tx: watch::Sender<Leadership>,
+    cluster: Arc<Cluster>,
+    reporter: tonic_health::server::HealthReporter,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let now = election.borrow_and_update().clone();
+        match now {
+            election::Leadership::Leader if !tx.borrow().is_leader => {
+                tx.send_replace(Leadership { is_leader: true, leader: Some(cluster.cfg.advertise_address.clone()) });
+                loop {
+                    match cluster.on_elected().await {
+                        Ok(()) => break,
+                        Err(e) => tracing::warn!(error = %e, "loading cluster state failed; retrying"),
+                    }
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    }
+                    if !election.borrow().is_leader() {
+                        break;
+                    }
+                }
+                reporter.set_serving::<HeadServiceServer<service::HeadGrpc>>().await;
+                tracing::info!("this head is the leader");
+            }
+            election::Leadership::Leader => {}
+            election::Leadership::Follower { leader } => {
+                let was = tx.borrow().is_leader;
+                tx.send_replace(Leadership { is_leader: false, leader });
+                if was {
+                    tracing::warn!("leadership lost");
+                    cluster.on_deposed().await;
+                    reporter.set_not_serving::<HeadServiceServer<service::HeadGrpc>>().await;
+                }
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            r = election.changed() => if r.is_err() { break },
+        }
+    }
+    tx.send_replace(Leadership::default());
+    cluster.on_deposed().await;
+}

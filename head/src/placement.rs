@@ -2,3 +2,4 @@
 //! its actions to the state store and the workers.
 
 pub mod planner;
+pub mod reconciler;

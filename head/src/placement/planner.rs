@@ -214,11 +214,10 @@ pub fn plan(
             actions.push(Action::Evict { replica: r.id.clone() });
             continue;
         }
-        if let (Some(node), true) = (&r.node, holds_slots(r.state)) {
-            if let Some(n) = node_by_id.get(node) {
+        if let (Some(node), true) = (&r.node, holds_slots(r.state))
+            && let Some(n) = node_by_id.get(node) {
                 cap.used.entry(&n.id).or_default().extend(r.slots.iter().copied());
             }
-        }
         let Some(d) = deps.get(&r.deployment) else {
             if is_active(r.state) {
                 actions.push(Action::Remove { replica: r.id.clone() });
@@ -254,11 +253,10 @@ pub fn plan(
                 break;
             };
             let r = mine.swap_remove(idx);
-            if let Some(n) = &r.node {
-                if let Some(c) = cap.per_dep.get_mut(&(d.name.clone(), n.clone())) {
+            if let Some(n) = &r.node
+                && let Some(c) = cap.per_dep.get_mut(&(d.name.clone(), n.clone())) {
                     *c = c.saturating_sub(1);
                 }
-            }
             actions.push(Action::Remove { replica: r.id.clone() });
         }
         let mut on_demand_count = mine

@@ -1,0 +1,164 @@
+//! The leader's in-memory mirror of the stored cluster records (nodes, deployments,
+//! replicas), each with the `mod_revision` it was read or written at, so writes can be
+//! compare-and-swap transactions. Only the leader writes, so while it leads this mirror is
+//! authoritative; it is reloaded from the store whenever leadership is gained or a
+//! transaction finds the store changed underneath.
+
+use std::collections::{BTreeMap, HashSet};
+
+use prism_common::proto::v1::{
+    DeploymentRecord, NodeRecord, NodeState, PlacementStrategy, ReplicaRecord, ReplicaState,
+};
+use prism_common::state_store::{Revision, StateStore, keys};
+use prism_common::{DeploymentName, NodeId, ReplicaId};
+use prost::Message;
+
+use crate::error::{HeadError, HeadResult};
+use crate::placement::planner::{DeploymentView, NodeView, ReplicaView};
+
+/// A record with the revision of its last write (0 = not stored yet).
+#[derive(Debug, Clone)]
+pub struct Entry<T> {
+    /// The record.
+    pub record: T,
+    /// `mod_revision` of its key.
+    pub mod_revision: Revision,
+}
+
+/// Mirror of every stored record.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterView {
+    /// Node records by id.
+    pub nodes: BTreeMap<NodeId, Entry<NodeRecord>>,
+    /// Deployment records by name.
+    pub deployments: BTreeMap<DeploymentName, Entry<DeploymentRecord>>,
+    /// Replica records by id.
+    pub replicas: BTreeMap<ReplicaId, Entry<ReplicaRecord>>,
+}
+
+/// Decodes a stored protobuf record.
+///
+/// # Errors
+/// [`HeadError::Corrupt`] when the bytes are not a `T`.
+pub fn decode<T: Message + Default>(key: &str, bytes: &[u8]) -> HeadResult<T> {
+    T::decode(bytes).map_err(|e| HeadError::Corrupt { key: key.to_owned(), reason: e.to_string() })
+}
+
+/// Node id of a node record (from its inventory).
+pub fn node_id(r: &NodeRecord) -> NodeId {
+    NodeId::from(r.inventory.as_ref().map(|i| i.node_id.as_str()).unwrap_or_default())
+}
+
+impl ClusterView {
+    /// Loads every record from the store.
+    ///
+    /// # Errors
+    /// Store failures and undecodable records.
+    pub async fn load(store: &dyn StateStore) -> HeadResult<Self> {
+        let mut v = Self::default();
+        let (nodes, _) = store.list(keys::NODES).await?;
+        for (k, val) in nodes {
+            let r: NodeRecord = decode(&k, &val.value)?;
+            v.nodes.insert(node_id(&r), Entry { record: r, mod_revision: val.mod_revision });
+        }
+        let (deps, _) = store.list(keys::DEPLOYMENTS).await?;
+        for (k, val) in deps {
+            let r: DeploymentRecord = decode(&k, &val.value)?;
+            let name = DeploymentName::from(r.spec.as_ref().map(|s| s.name.as_str()).unwrap_or_default());
+            v.deployments.insert(name, Entry { record: r, mod_revision: val.mod_revision });
+        }
+        let (reps, _) = store.list(keys::REPLICAS).await?;
+        for (k, val) in reps {
+            let r: ReplicaRecord = decode(&k, &val.value)?;
+            v.replicas.insert(ReplicaId::from(r.replica_id.as_str()), Entry { record: r, mod_revision: val.mod_revision });
+        }
+        Ok(v)
+    }
+
+    /// The store key of a replica record.
+    pub fn replica_key(r: &ReplicaRecord) -> String {
+        keys::replica(&DeploymentName::from(r.deployment.as_str()), &ReplicaId::from(r.replica_id.as_str()))
+    }
+
+    /// Replicas placed on `node`.
+    pub fn replicas_on<'a>(&'a self, node: &'a NodeId) -> impl Iterator<Item = &'a Entry<ReplicaRecord>> + 'a {
+        self.replicas.values().filter(move |e| e.record.node_id == node.as_str())
+    }
+
+    /// Tensor-parallel size of a deployment (1 when unknown).
+    pub fn tp_of(&self, deployment: &str) -> u32 {
+        self.deployments
+            .get(&DeploymentName::from(deployment))
+            .and_then(|d| d.record.spec.as_ref())
+            .and_then(|s| s.engine.as_ref())
+            .map_or(1, |e| e.tensor_parallel_size.max(1))
+    }
+
+    /// GPUs (slots) asked for by Pending replicas: unmet demand for cluster autoscalers.
+    pub fn pending_gpus(&self) -> u32 {
+        self.replicas
+            .values()
+            .filter(|e| e.record.state() == ReplicaState::Pending)
+            .map(|e| self.tp_of(&e.record.deployment))
+            .sum()
+    }
+
+    /// The planner's inputs. `connected` holds the nodes with a live worker session.
+    pub fn planner_inputs(
+        &self,
+        connected: &HashSet<NodeId>,
+    ) -> (Vec<NodeView>, Vec<DeploymentView>, Vec<ReplicaView>) {
+        let nodes = self
+            .nodes
+            .iter()
+            .map(|(id, e)| {
+                let r = &e.record;
+                let inv = r.inventory.clone().unwrap_or_default();
+                let gpu = !inv.gpus.is_empty();
+                let slots = if gpu { inv.gpus.iter().map(|g| g.index).collect() } else { (0..inv.cpu_slots).collect() };
+                let alive = r.state() != NodeState::Dead;
+                NodeView {
+                    id: id.clone(),
+                    slots,
+                    gpu,
+                    labels: inv.labels.into_iter().collect(),
+                    schedulable: alive && !r.cordoned && r.state() == NodeState::Ready && connected.contains(id),
+                    alive,
+                }
+            })
+            .collect();
+        let deployments = self
+            .deployments
+            .iter()
+            .filter_map(|(name, e)| {
+                let s = e.record.spec.as_ref()?;
+                Some(DeploymentView {
+                    name: name.clone(),
+                    tensor_parallel_size: s.engine.as_ref().map_or(1, |e| e.tensor_parallel_size.max(1)),
+                    replicas: s.replicas,
+                    strategy: PlacementStrategy::try_from(s.placement).unwrap_or(PlacementStrategy::Spread),
+                    node_selector: s.node_selector.clone().into_iter().collect(),
+                    min_on_demand: s.min_on_demand,
+                    generation: e.record.generation,
+                })
+            })
+            .collect();
+        let replicas = self
+            .replicas
+            .iter()
+            .map(|(id, e)| {
+                let r = &e.record;
+                ReplicaView {
+                    id: id.clone(),
+                    deployment: DeploymentName::from(r.deployment.as_str()),
+                    node: (!r.node_id.is_empty()).then(|| NodeId::from(r.node_id.as_str())),
+                    slots: r.gpu_indices.clone(),
+                    state: r.state(),
+                    reason: r.reason.clone(),
+                    generation: r.generation,
+                }
+            })
+            .collect();
+        (nodes, deployments, replicas)
+    }
+}

@@ -1,0 +1,155 @@
+//! Head metrics (prometheus-client) and the HTTP endpoints `/healthz` (process up),
+//! `/readyz` (200 only on the leader, so a Kubernetes Service reaches the leader) and
+//! `/metrics`.
+
+use std::sync::Arc;
+
+use axum::extract::State as AxState;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prism_common::proto::v1::{NodeState, ReplicaState};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+use crate::cluster::{Cluster, State};
+
+type StateLabel = Vec<(String, String)>;
+
+/// The head's metrics. Cheap to clone (shared counters).
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    /// `prism_nodes{state}`.
+    pub nodes: Family<StateLabel, Gauge>,
+    /// `prism_replicas{state}`.
+    pub replicas: Family<StateLabel, Gauge>,
+    /// `prism_pending_gpus`: GPUs asked for by Pending replicas (unmet demand).
+    pub pending_gpus: Gauge,
+    /// `prism_route_updates_total`.
+    pub route_updates: Counter,
+    /// `prism_placement_decisions_total`: replicas assigned to a node.
+    pub placement_decisions: Counter,
+    /// `prism_drains_in_progress`: nodes draining.
+    pub drains_in_progress: Gauge,
+    /// `prism_head_is_leader`: 1 on the leader.
+    pub is_leader: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn label(s: &str) -> StateLabel {
+    vec![("state".to_owned(), s.to_owned())]
+}
+
+const NODE_STATES: [(NodeState, &str); 3] =
+    [(NodeState::Ready, "ready"), (NodeState::Draining, "draining"), (NodeState::Dead, "dead")];
+const REPLICA_STATES: [(ReplicaState, &str); 7] = [
+    (ReplicaState::Pending, "pending"),
+    (ReplicaState::Starting, "starting"),
+    (ReplicaState::Ready, "ready"),
+    (ReplicaState::Draining, "draining"),
+    (ReplicaState::Stopping, "stopping"),
+    (ReplicaState::Stopped, "stopped"),
+    (ReplicaState::Failed, "failed"),
+];
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Self {
+        let mut r = Registry::default();
+        let m = Self {
+            registry: Arc::new(Registry::default()),
+            nodes: Family::default(),
+            replicas: Family::default(),
+            pending_gpus: Gauge::default(),
+            route_updates: Counter::default(),
+            placement_decisions: Counter::default(),
+            drains_in_progress: Gauge::default(),
+            is_leader: Gauge::default(),
+        };
+        r.register("prism_nodes", "Worker nodes by state", m.nodes.clone());
+        r.register("prism_replicas", "Replicas by state", m.replicas.clone());
+        r.register("prism_pending_gpus", "GPUs requested by Pending replicas", m.pending_gpus.clone());
+        r.register("prism_route_updates", "Route tables published", m.route_updates.clone());
+        r.register("prism_placement_decisions", "Replicas assigned to a node", m.placement_decisions.clone());
+        r.register("prism_drains_in_progress", "Nodes draining", m.drains_in_progress.clone());
+        r.register("prism_head_is_leader", "1 when this head is the leader", m.is_leader.clone());
+        Self { registry: Arc::new(r), ..m }
+    }
+
+    /// Sets the leader gauge.
+    pub fn set_leader(&self, leader: bool) {
+        self.is_leader.set(i64::from(leader));
+    }
+
+    /// Refreshes the gauges from the leader's state.
+    pub fn observe(&self, st: &State, leader: bool) {
+        self.set_leader(leader);
+        for (s, name) in NODE_STATES {
+            let n = st.view.nodes.values().filter(|e| e.record.state() == s).count();
+            self.nodes.get_or_create(&label(name)).set(n as i64);
+        }
+        for (s, name) in REPLICA_STATES {
+            let n = st.view.replicas.values().filter(|e| e.record.state() == s).count();
+            self.replicas.get_or_create(&label(name)).set(n as i64);
+        }
+        self.pending_gpus.set(i64::from(st.view.pending_gpus()));
+        let draining = st.view.nodes.values().filter(|e| e.record.state() == NodeState::Draining).count();
+        self.drains_in_progress.set(draining as i64);
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+async fn readyz(AxState(c): AxState<Arc<Cluster>>) -> impl IntoResponse {
+    let l = c.leadership();
+    if l.is_leader {
+        (StatusCode::OK, "leader".to_owned())
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, format!("follower; leader is {}", l.leader.as_deref().unwrap_or("unknown")))
+    }
+}
+
+async fn metrics(AxState(c): AxState<Arc<Cluster>>) -> impl IntoResponse {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        c.metrics.render(),
+    )
+}
+
+/// Serves `/healthz`, `/readyz` and `/metrics` until `shutdown`.
+///
+/// # Errors
+/// I/O errors of the listener.
+pub async fn serve_http(
+    cluster: Arc<Cluster>,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let app = axum::Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(cluster);
+    axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
+}

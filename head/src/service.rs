@@ -1,0 +1,179 @@
+//! `HeadService` over gRPC: worker sessions, route watches and admin RPCs. Errors are
+//! mapped to `tonic::Status` once, through `From<HeadError>`; followers answer
+//! `UNAVAILABLE` naming the leader (message and `prism-leader` metadata).
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use prism_common::proto::v1::head_service_server::HeadService;
+use prism_common::proto::v1::{
+    ApplyDeploymentRequest, ApplyDeploymentResponse, ClusterStatusRequest, ClusterStatusResponse,
+    DeleteDeploymentRequest, DeleteDeploymentResponse, DrainNodeRequest, HeadMessage, ListDeploymentsRequest,
+    ListDeploymentsResponse, ListNodesRequest, ListNodesResponse, ListReplicasRequest, ListReplicasResponse,
+    NodeRequest, NodeResponse, RouteTable, ScaleDeploymentRequest, ScaleDeploymentResponse, WatchRoutesRequest,
+    WorkerMessage,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::cluster::Cluster;
+use crate::error::HeadError;
+
+/// Route tables buffered per watching router.
+const ROUTE_QUEUE: usize = 16;
+
+/// The gRPC service; cheap to clone.
+#[derive(Clone)]
+pub struct HeadGrpc {
+    cluster: Arc<Cluster>,
+    shutdown: CancellationToken,
+}
+
+impl HeadGrpc {
+    /// Wraps the shared cluster state; streams end when `shutdown` fires.
+    pub fn new(cluster: Arc<Cluster>, shutdown: CancellationToken) -> Self {
+        Self { cluster, shutdown }
+    }
+
+    fn leader_only(&self) -> Result<(), Status> {
+        let l = self.cluster.leadership();
+        if l.is_leader { Ok(()) } else { Err(HeadError::NotLeader { leader: l.leader }.into()) }
+    }
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl HeadService for HeadGrpc {
+    type WorkerSessionStream = ReceiverStream<Result<HeadMessage, Status>>;
+    type WatchRoutesStream = BoxStream<RouteTable>;
+
+    async fn worker_session(
+        &self,
+        request: Request<Streaming<WorkerMessage>>,
+    ) -> Result<Response<Self::WorkerSessionStream>, Status> {
+        self.leader_only()?;
+        Ok(Response::new(self.cluster.open_session(request.into_inner()).await?))
+    }
+
+    async fn watch_routes(
+        &self,
+        request: Request<WatchRoutesRequest>,
+    ) -> Result<Response<Self::WatchRoutesStream>, Status> {
+        self.leader_only()?;
+        let router = request.into_inner().router_id;
+        let mut routes = self.cluster.routes.subscribe();
+        let mut leadership = self.cluster.leadership.clone();
+        let shutdown = self.shutdown.clone();
+        let (tx, rx) = mpsc::channel(ROUTE_QUEUE);
+        tracing::info!(%router, "router watching routes");
+        tokio::spawn(async move {
+            loop {
+                let table = routes.borrow_and_update().as_ref().clone();
+                if tx.send(Ok(table)).await.is_err() {
+                    return; // the router left
+                }
+                let deposed: Option<Option<String>> = tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tx.closed() => return,
+                    r = routes.changed() => if r.is_err() { return } else { None },
+                    r = leadership.wait_for(|l| !l.is_leader) => Some(r.ok().and_then(|l| l.leader.clone())),
+                };
+                if let Some(leader) = deposed {
+                    let status: Status = HeadError::NotLeader { leader }.into();
+                    let _ = tx.send(Err(status)).await;
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn apply_deployment(
+        &self,
+        request: Request<ApplyDeploymentRequest>,
+    ) -> Result<Response<ApplyDeploymentResponse>, Status> {
+        self.leader_only()?;
+        let spec = request
+            .into_inner()
+            .spec
+            .ok_or_else(|| Status::from(HeadError::InvalidArgument("spec is required".into())))?;
+        let (deployment, created) = self.cluster.apply_deployment(spec).await?;
+        Ok(Response::new(ApplyDeploymentResponse { deployment: Some(deployment), created }))
+    }
+
+    async fn delete_deployment(
+        &self,
+        request: Request<DeleteDeploymentRequest>,
+    ) -> Result<Response<DeleteDeploymentResponse>, Status> {
+        self.leader_only()?;
+        self.cluster.delete_deployment(&request.into_inner().name).await?;
+        Ok(Response::new(DeleteDeploymentResponse {}))
+    }
+
+    async fn scale_deployment(
+        &self,
+        request: Request<ScaleDeploymentRequest>,
+    ) -> Result<Response<ScaleDeploymentResponse>, Status> {
+        self.leader_only()?;
+        let r = request.into_inner();
+        let d = self.cluster.scale_deployment(&r.name, r.replicas).await?;
+        Ok(Response::new(ScaleDeploymentResponse { deployment: Some(d) }))
+    }
+
+    async fn list_deployments(
+        &self,
+        _request: Request<ListDeploymentsRequest>,
+    ) -> Result<Response<ListDeploymentsResponse>, Status> {
+        self.leader_only()?;
+        let s = self.cluster.snapshot().await?;
+        Ok(Response::new(ListDeploymentsResponse { deployments: s.deployments }))
+    }
+
+    async fn list_nodes(&self, _request: Request<ListNodesRequest>) -> Result<Response<ListNodesResponse>, Status> {
+        self.leader_only()?;
+        let s = self.cluster.snapshot().await?;
+        Ok(Response::new(ListNodesResponse { nodes: s.nodes }))
+    }
+
+    async fn list_replicas(
+        &self,
+        request: Request<ListReplicasRequest>,
+    ) -> Result<Response<ListReplicasResponse>, Status> {
+        self.leader_only()?;
+        let dep = request.into_inner().deployment;
+        let s = self.cluster.snapshot().await?;
+        let replicas = s.replicas.into_iter().filter(|r| dep.is_empty() || r.deployment == dep).collect();
+        Ok(Response::new(ListReplicasResponse { replicas }))
+    }
+
+    /// Answered by followers too (from the store), with `is_leader = false`.
+    async fn cluster_status(
+        &self,
+        _request: Request<ClusterStatusRequest>,
+    ) -> Result<Response<ClusterStatusResponse>, Status> {
+        Ok(Response::new(self.cluster.snapshot().await?))
+    }
+
+    async fn cordon_node(&self, request: Request<NodeRequest>) -> Result<Response<NodeResponse>, Status> {
+        self.leader_only()?;
+        let node = self.cluster.cordon(&request.into_inner().node_id).await?;
+        Ok(Response::new(NodeResponse { node: Some(node) }))
+    }
+
+    async fn uncordon_node(&self, request: Request<NodeRequest>) -> Result<Response<NodeResponse>, Status> {
+        self.leader_only()?;
+        let node = self.cluster.uncordon(&request.into_inner().node_id).await?;
+        Ok(Response::new(NodeResponse { node: Some(node) }))
+    }
+
+    async fn drain_node(&self, request: Request<DrainNodeRequest>) -> Result<Response<NodeResponse>, Status> {
+        self.leader_only()?;
+        let r = request.into_inner();
+        let node = self.cluster.drain_node(&r.node_id, r.deadline_ms, &r.reason).await?;
+        Ok(Response::new(NodeResponse { node: Some(node) }))
+    }
+}
