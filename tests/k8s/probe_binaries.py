@@ -21,7 +21,10 @@ Then every probe path is requested until it answers. Liveness and startup
 probes must answer 200; readiness probes must answer 200 (etcd, head =
 leader, worker = registered with no replica yet) or, for the router, 200 or
 503 (ready only once a model replica is Ready, and none is deployed here).
-A 404 or a closed port fails. Exit status 0 when every probe passed.
+A 404 or a closed port fails. Then the KEDA ScaledObject's queries are run
+(scripts/keda_query.py) on the workers' real /metrics: each vLLM metric they
+name must be exported, and each must give KEDA a number.
+Exit status 0 when every check passed.
 """
 from __future__ import annotations
 
@@ -39,6 +42,41 @@ import time
 from pathlib import Path
 
 START_ORDER = ["etcd", "prism-head", "prism-worker", "prism-router"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_keda_query():
+    """scripts/keda_query.py as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("keda_query", REPO / "scripts/keda_query.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["keda_query"] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_keda_on_workers(overlay: str, texts: list[str]) -> list[str]:
+    """The ScaledObject's queries on the workers' real /metrics: every metric they name is
+    declared by the workers, and KEDA would get a number (no query error)."""
+    kq = load_keda_query()
+    so = kq.load_scaledobject(REPO / "k8s/components/keda/scaledobject.yaml")
+    declared = {line.split()[2] for t in texts for line in t.splitlines() if line.startswith("# TYPE ")}
+    samples = []
+    for n, text in enumerate(texts):
+        samples += kq.parse_exposition(text, {"namespace": "prism", "pod": f"worker-{n}"})
+    failures = []
+    for trigger in so["spec"]["triggers"]:
+        query = trigger["metadata"]["query"]
+        what = f"{overlay} KEDA trigger {trigger.get('name')} {query}"
+        for metric in re.findall(r"vllm:[a-z_]+", query):
+            if metric not in declared:
+                failures.append(f"{what}: the workers do not export {metric}")
+        try:
+            value = kq.keda_value(query, samples)
+            print(f"ok   {what}: KEDA would read {value:g} from {len(texts)} idle worker(s)")
+        except kq.QueryError as err:
+            failures.append(f"{what}: {err}")
+    return failures
 
 
 def free_port() -> int:
@@ -206,6 +244,15 @@ def run_overlay(overlay: str, entries: list[dict], bin_dir: Path, timeout: float
                     print(f"{'ok  ' if ok else 'FAIL'} {what}: {detail}")
                     if not ok:
                         failures.append(f"{what}: {detail}")
+            texts = []
+            for entry, ports, _ in started:
+                if entry["binary"] == "prism-worker" and 8082 in ports:
+                    conn = http.client.HTTPConnection("127.0.0.1", ports[8082], timeout=3)
+                    conn.request("GET", "/metrics")
+                    texts.append(conn.getresponse().read().decode("utf-8", "replace"))
+                    conn.close()
+            if texts:
+                failures += check_keda_on_workers(overlay, texts)
         finally:
             cluster.stop()
             if failures:
