@@ -5,35 +5,32 @@
 //! through a cloneable [`EngineHandle`].
 //!
 //! Module map:
-//! - [`request`]: the public request/output/error types (this file re-exports them).
+//! - [`request`]: the public request/output/error types and their validation.
+//! - [`handle`]: [`EngineHandle`] (`start`, `submit`, `stats`, `model_info`, `is_alive`,
+//!   `shutdown`), [`OutputStream`] (drop = abort), configs.
 //! - [`backend`]: the `Backend` trait (CPU reference, CUDA) that runs one forward step.
-//! - `model/`: model formats (GGUF, Hugging Face safetensors), config, tokenizer, chat template, llama.
-//! - `kv_cache/`: `BlockPool`, `BlockTable`.
-//! - `scheduler`, `sampler`, `detokenizer`: the step loop's parts.
+//! - [`model`]: model formats (GGUF, Hugging Face safetensors), config, tokenizer, chat template.
+//! - [`codec`]: the tokenizer/chat-template interface the engine uses.
+//! - [`kv_cache`]: `BlockPool`, `BlockTable`.
+//! - [`scheduler`], [`sampler`], [`detokenizer`], `step_loop`: the step loop's parts.
+//! - [`metrics`]: engine statistics and latency histograms for the worker's `vllm:*` metrics.
 
 pub mod backend;
+pub mod codec;
+pub mod detokenizer;
+pub mod handle;
+pub mod kv_cache;
+pub mod metrics;
 pub mod model;
 pub mod request;
+pub mod sampler;
+pub mod scheduler;
+mod start;
+mod step_loop;
+#[cfg(test)]
+mod test_double;
 
+pub use handle::{EngineHandle, EngineParts, ModelInfo, OutputStream, RuntimeConfig};
+pub use metrics::{EngineStats, FinishedCounts, LatencyHistogram};
 pub use request::*;
-
-// ---------------------------------------------------------------------------------------
-// Contract for the rest of the worker (implemented in `engine.rs`-level modules):
-//
-//   pub struct EngineConfig { model: PathBuf, served_model_name, max_model_len: Option<usize>,
-//       block_size: usize (16), max_num_seqs: usize (256), max_num_batched_tokens: usize (2048),
-//       kv_cache_bytes: Option<u64>, backend: BackendKind (Cpu | Cuda{devices}) , ... }
-//   impl EngineHandle {
-//       pub fn start(cfg: EngineConfig, progress: Option<&dyn Fn(u64, u64)>) -> Result<EngineHandle, EngineError>;
-//           // loads the model (blocking; call from spawn_blocking), starts the step thread
-//       pub fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError>;
-//           // validates synchronously; OutputStream = tokio::sync::mpsc::Receiver<EngineOutput>
-//           // wrapper; dropping it aborts the request at the next step boundary
-//       pub fn stats(&self) -> EngineStats;  // running, waiting, kv_cache_usage [0,1],
-//           // num_preemptions_total, prompt_tokens_total, generation_tokens_total,
-//           // free_blocks, total_blocks, last_step_ok_at, histograms for TTFT/ITL/e2e
-//       pub fn model_info(&self) -> ModelInfo; // served name, max_model_len, vocab, eos ids
-//       pub fn is_alive(&self) -> bool;      // engine thread running and healthy
-//       pub fn shutdown(&self);              // aborts everything, stops the thread
-//   }
-// ---------------------------------------------------------------------------------------
+pub use start::{BackendKind, EngineArgs, EngineConfig};

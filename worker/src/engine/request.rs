@@ -1,10 +1,26 @@
 //! Public engine API types: what a caller submits and what it receives.
 //!
 //! Validation rules (all raise [`EngineError::InvalidRequest`] naming the field) follow
-//! vLLM's `SamplingParams._verify_args`.
+//! vLLM's `SamplingParams._verify_args` and its prompt-length checks:
+//! - a prompt of 0 tokens is rejected ("prompt is empty");
+//! - a prompt that leaves no room for one new token in `max_model_len` is rejected, the
+//!   message naming the limit and the prompt size;
+//! - **prompt + `max_tokens` over `max_model_len` is rejected** (field `max_tokens`), as vLLM
+//!   and OpenAI do, never silently capped; `max_tokens: None` means "until EOS or the
+//!   context window", which then ends with finish_reason `length`;
+//! - `max_tokens` <= 0, temperature < 0, top_p outside (0, 1], top_k < -1, min_p outside
+//!   [0, 1], repetition_penalty <= 0, frequency/presence penalty outside [-2, 2], n = 0 or
+//!   n > [`MAX_N`], logprobs > [`MAX_LOGPROBS`], an empty stop string, and token ids
+//!   outside the vocabulary (prompt or `prior_output_ids`) are rejected.
 
+use super::sampler::SamplingConfig;
 use prism_common::RequestId;
 use std::time::Instant;
+
+/// Most choices (`n`) per request.
+pub const MAX_N: u32 = 128;
+/// Most top-logprob alternatives per token (OpenAI's limit).
+pub const MAX_LOGPROBS: u32 = 20;
 
 /// One chat message, rendered through the model's chat template.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -202,4 +218,188 @@ pub enum EngineError {
     /// Model loading or a forward pass failed.
     #[error("engine internal error: {0}")]
     Internal(String),
+}
+
+fn invalid(field: &'static str, message: String) -> EngineError {
+    EngineError::InvalidRequest { field, message }
+}
+
+impl SamplingParams {
+    /// Checks every parameter; returns the sampler settings.
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidRequest`] naming the first offending field.
+    pub fn validate(&self) -> Result<SamplingConfig, EngineError> {
+        let t = self.temperature;
+        if !(t >= 0.0 && t.is_finite()) {
+            return Err(invalid("temperature", format!("temperature must be >= 0, got {t}")));
+        }
+        let p = self.top_p;
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(invalid("top_p", format!("top_p must be in (0, 1], got {p}")));
+        }
+        if self.top_k < -1 {
+            return Err(invalid("top_k", format!("top_k must be -1 (disabled) or >= 0, got {}", self.top_k)));
+        }
+        let m = self.min_p;
+        if !(0.0..=1.0).contains(&m) {
+            return Err(invalid("min_p", format!("min_p must be in [0, 1], got {m}")));
+        }
+        let rp = self.repetition_penalty;
+        if !(rp > 0.0 && rp.is_finite()) {
+            return Err(invalid("repetition_penalty", format!("repetition_penalty must be > 0, got {rp}")));
+        }
+        for (field, v) in
+            [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)]
+        {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(invalid(field, format!("{field} must be in [-2, 2], got {v}")));
+            }
+        }
+        if let Some(mt) = self.max_tokens
+            && mt < 1
+        {
+            return Err(invalid("max_tokens", format!("max_tokens must be at least 1, got {mt}")));
+        }
+        if self.n == 0 || self.n > MAX_N {
+            return Err(invalid("n", format!("n must be in [1, {MAX_N}], got {}", self.n)));
+        }
+        if let Some(k) = self.logprobs
+            && k > MAX_LOGPROBS
+        {
+            return Err(invalid("logprobs", format!("logprobs must be <= {MAX_LOGPROBS}, got {k}")));
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return Err(invalid("stop", "stop strings must not be empty".to_owned()));
+        }
+        Ok(SamplingConfig {
+            temperature: t,
+            top_k: usize::try_from(self.top_k).unwrap_or(0),
+            top_p: p,
+            min_p: m,
+            repetition_penalty: rp,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            logprobs: self.logprobs.map(|k| k as usize),
+        })
+    }
+}
+
+/// Checks that every id is in the vocabulary.
+///
+/// # Errors
+/// [`EngineError::InvalidRequest`] naming `field` and the first bad id.
+pub fn check_token_ids(ids: &[u32], vocab_size: usize, field: &'static str) -> Result<(), EngineError> {
+    match ids.iter().find(|&&t| t as usize >= vocab_size) {
+        Some(bad) => Err(invalid(field, format!("token id {bad} is outside the vocabulary (size {vocab_size})"))),
+        None => Ok(()),
+    }
+}
+
+/// Checks prompt and generation lengths against the context window and returns how many
+/// tokens the request may generate in total (`prior_len` included).
+///
+/// # Errors
+/// [`EngineError::InvalidRequest`]: empty prompt (`prompt`), prompt too long for the
+/// window (`prompt`), prompt + `max_tokens` over the window (`max_tokens`), or
+/// `prior_len` already at the limit (`prior_output_ids`).
+pub fn check_lengths(
+    prompt_len: usize,
+    prior_len: usize,
+    max_tokens: Option<i64>,
+    max_model_len: usize,
+) -> Result<usize, EngineError> {
+    if prompt_len == 0 {
+        return Err(invalid("prompt", "prompt is empty".to_owned()));
+    }
+    if prompt_len >= max_model_len {
+        return Err(invalid(
+            "prompt",
+            format!(
+                "this model's maximum context length is {max_model_len} tokens, but the prompt has \
+                 {prompt_len} tokens, leaving no room to generate"
+            ),
+        ));
+    }
+    let room = max_model_len - prompt_len;
+    let max_new = match max_tokens {
+        None => room,
+        Some(mt) => {
+            let mt = usize::try_from(mt).unwrap_or(0);
+            if mt > room {
+                return Err(invalid(
+                    "max_tokens",
+                    format!(
+                        "this model's maximum context length is {max_model_len} tokens; {} tokens were \
+                         requested ({prompt_len} in the prompt, {mt} for the completion)",
+                        prompt_len + mt
+                    ),
+                ));
+            }
+            mt
+        }
+    };
+    if prior_len >= max_new {
+        return Err(invalid(
+            "prior_output_ids",
+            format!("{prior_len} tokens were already generated; the limit is {max_new}"),
+        ));
+    }
+    Ok(max_new)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field(r: Result<SamplingConfig, EngineError>) -> &'static str {
+        match r {
+            Err(EngineError::InvalidRequest { field, .. }) => field,
+            other => panic!("expected InvalidRequest, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn each_bad_parameter_names_its_field() {
+        let ok = SamplingParams::default();
+        assert!(ok.validate().is_ok());
+        let cases: Vec<(SamplingParams, &str)> = vec![
+            (SamplingParams { temperature: -0.1, ..ok.clone() }, "temperature"),
+            (SamplingParams { temperature: f32::NAN, ..ok.clone() }, "temperature"),
+            (SamplingParams { top_p: 0.0, ..ok.clone() }, "top_p"),
+            (SamplingParams { top_p: 1.01, ..ok.clone() }, "top_p"),
+            (SamplingParams { top_k: -2, ..ok.clone() }, "top_k"),
+            (SamplingParams { min_p: 1.5, ..ok.clone() }, "min_p"),
+            (SamplingParams { repetition_penalty: 0.0, ..ok.clone() }, "repetition_penalty"),
+            (SamplingParams { frequency_penalty: 2.5, ..ok.clone() }, "frequency_penalty"),
+            (SamplingParams { presence_penalty: -3.0, ..ok.clone() }, "presence_penalty"),
+            (SamplingParams { max_tokens: Some(0), ..ok.clone() }, "max_tokens"),
+            (SamplingParams { max_tokens: Some(-1), ..ok.clone() }, "max_tokens"),
+            (SamplingParams { n: 0, ..ok.clone() }, "n"),
+            (SamplingParams { logprobs: Some(21), ..ok.clone() }, "logprobs"),
+            (SamplingParams { stop: vec![String::new()], ..ok.clone() }, "stop"),
+        ];
+        for (p, f) in cases {
+            assert_eq!(field(p.validate()), f, "{p:?}");
+        }
+        let c = SamplingParams { top_k: -1, logprobs: Some(20), ..ok }.validate().expect("valid");
+        assert_eq!((c.top_k, c.logprobs), (0, Some(20)));
+    }
+
+    #[test]
+    fn lengths_against_the_window() {
+        let f = |r: Result<usize, EngineError>| match r {
+            Err(EngineError::InvalidRequest { field, .. }) => field,
+            other => panic!("expected InvalidRequest, got {other:?}"),
+        };
+        assert_eq!(f(check_lengths(0, 0, None, 100)), "prompt");
+        assert_eq!(f(check_lengths(100, 0, None, 100)), "prompt");
+        assert_eq!(f(check_lengths(90, 0, Some(11), 100)), "max_tokens");
+        assert_eq!(check_lengths(90, 0, Some(10), 100).ok(), Some(10));
+        assert_eq!(check_lengths(90, 0, None, 100).ok(), Some(10));
+        assert_eq!(f(check_lengths(10, 5, Some(5), 100)), "prior_output_ids");
+        assert_eq!(check_lengths(10, 4, Some(5), 100).ok(), Some(5));
+        assert!(check_token_ids(&[1, 2, 9], 10, "prompt").is_ok());
+        assert!(check_token_ids(&[1, 10], 10, "prompt").is_err());
+    }
 }

@@ -1,0 +1,231 @@
+//! Engine-side statistics for the worker to export under vLLM's metric names
+//! (`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, `vllm:time_to_first_token_seconds`, ...).
+//!
+//! The step thread records into [`StatsRecorder`] (atomics and a short, uncontended
+//! `std::sync::Mutex` for the histograms); callers read an [`EngineStats`] snapshot.
+//! Histograms use vLLM's bucket bounds and report per-bucket (non-cumulative) counts, the
+//! shape `prometheus_client`'s `MetricEncoder::encode_histogram` takes.
+
+use super::request::FinishReason;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// vLLM's `vllm:time_to_first_token_seconds` buckets.
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// vLLM's `vllm:inter_token_latency_seconds` buckets.
+pub const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0,
+];
+/// vLLM's `vllm:e2e_request_latency_seconds` buckets.
+pub const E2E_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// A latency histogram snapshot (seconds).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LatencyHistogram {
+    /// `(upper_bound, count in this bucket)`, non-cumulative, the last bound `+Inf`.
+    pub buckets: Vec<(f64, u64)>,
+    /// Sum of observations (seconds).
+    pub sum: f64,
+    /// Number of observations.
+    pub count: u64,
+}
+
+impl LatencyHistogram {
+    /// An empty histogram with the given finite upper bounds (plus `+Inf`).
+    pub fn new(bounds: &[f64]) -> Self {
+        let mut buckets: Vec<(f64, u64)> = bounds.iter().map(|b| (*b, 0)).collect();
+        buckets.push((f64::INFINITY, 0));
+        Self { buckets, sum: 0.0, count: 0 }
+    }
+
+    /// Records one observation.
+    pub fn observe(&mut self, d: Duration) {
+        let v = d.as_secs_f64();
+        self.sum += v;
+        self.count += 1;
+        if let Some(b) = self.buckets.iter_mut().find(|b| v <= b.0) {
+            b.1 += 1;
+        }
+    }
+}
+
+/// Requests finished, by reason.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FinishedCounts {
+    /// finish_reason "stop".
+    pub stop: u64,
+    /// finish_reason "length".
+    pub length: u64,
+    /// finish_reason "abort" (client gone, deadline, shutdown).
+    pub abort: u64,
+}
+
+/// A snapshot of the engine's state and counters.
+#[derive(Clone, Debug, Default)]
+pub struct EngineStats {
+    /// Sequences in the running set.
+    pub running: usize,
+    /// Sequences waiting (queued or preempted).
+    pub waiting: usize,
+    /// Fraction of KV-cache blocks in use, `[0, 1]`.
+    pub kv_cache_usage: f64,
+    /// Free KV-cache blocks.
+    pub free_blocks: usize,
+    /// Total KV-cache blocks.
+    pub total_blocks: usize,
+    /// Preemptions since start.
+    pub num_preemptions_total: u64,
+    /// Prompt tokens of requests that produced a first token.
+    pub prompt_tokens_total: u64,
+    /// Tokens generated.
+    pub generation_tokens_total: u64,
+    /// Requests finished, by reason.
+    pub finished: FinishedCounts,
+    /// Requests accepted and not yet finished.
+    pub requests_in_flight: usize,
+    /// Last time the step loop completed a step or an idle tick (at least once a second
+    /// while healthy); `None` before the first.
+    pub last_step_ok_at: Option<Instant>,
+    /// Whether the step thread is running and healthy.
+    pub alive: bool,
+    /// Time to first token.
+    pub ttft: LatencyHistogram,
+    /// Inter-token latency (TPOT/ITL).
+    pub itl: LatencyHistogram,
+    /// End-to-end request latency.
+    pub e2e: LatencyHistogram,
+}
+
+#[derive(Debug)]
+struct Histograms {
+    ttft: LatencyHistogram,
+    itl: LatencyHistogram,
+    e2e: LatencyHistogram,
+    last_step_ok_at: Option<Instant>,
+}
+
+/// Shared counters written by the step thread, read by [`super::EngineHandle::stats`].
+#[derive(Debug)]
+pub struct StatsRecorder {
+    pub(crate) running: AtomicUsize,
+    pub(crate) waiting: AtomicUsize,
+    pub(crate) preemptions: AtomicU64,
+    pub(crate) prompt_tokens: AtomicU64,
+    pub(crate) generation_tokens: AtomicU64,
+    pub(crate) finished_stop: AtomicU64,
+    pub(crate) finished_length: AtomicU64,
+    pub(crate) finished_abort: AtomicU64,
+    pub(crate) in_flight: AtomicUsize,
+    pub(crate) alive: AtomicBool,
+    hist: Mutex<Histograms>,
+}
+
+impl Default for StatsRecorder {
+    fn default() -> Self {
+        Self {
+            running: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            preemptions: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            finished_stop: AtomicU64::new(0),
+            finished_length: AtomicU64::new(0),
+            finished_abort: AtomicU64::new(0),
+            in_flight: AtomicUsize::new(0),
+            alive: AtomicBool::new(true),
+            hist: Mutex::new(Histograms {
+                ttft: LatencyHistogram::new(TTFT_BUCKETS),
+                itl: LatencyHistogram::new(ITL_BUCKETS),
+                e2e: LatencyHistogram::new(E2E_BUCKETS),
+                last_step_ok_at: None,
+            }),
+        }
+    }
+}
+
+impl StatsRecorder {
+    fn with_hist(&self, f: impl FnOnce(&mut Histograms)) {
+        f(&mut self.hist.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+
+    pub(crate) fn observe_ttft(&self, d: Duration) {
+        self.with_hist(|h| h.ttft.observe(d));
+    }
+
+    pub(crate) fn observe_itl(&self, d: Duration) {
+        self.with_hist(|h| h.itl.observe(d));
+    }
+
+    pub(crate) fn observe_e2e(&self, d: Duration) {
+        self.with_hist(|h| h.e2e.observe(d));
+    }
+
+    pub(crate) fn mark_step_ok(&self, at: Instant) {
+        self.with_hist(|h| h.last_step_ok_at = Some(at));
+    }
+
+    pub(crate) fn count_finished(&self, reason: FinishReason) {
+        let c = match reason {
+            FinishReason::Stop => &self.finished_stop,
+            FinishReason::Length => &self.finished_length,
+            FinishReason::Abort => &self.finished_abort,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A consistent-enough snapshot (each counter is read atomically).
+    pub(crate) fn snapshot(&self, free_blocks: usize, total_blocks: usize) -> EngineStats {
+        let h = self.hist.lock().unwrap_or_else(PoisonError::into_inner);
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EngineStats {
+            running: self.running.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            kv_cache_usage: if total_blocks == 0 {
+                0.0
+            } else {
+                1.0 - free_blocks as f64 / total_blocks as f64
+            },
+            free_blocks,
+            total_blocks,
+            num_preemptions_total: r(&self.preemptions),
+            prompt_tokens_total: r(&self.prompt_tokens),
+            generation_tokens_total: r(&self.generation_tokens),
+            finished: FinishedCounts {
+                stop: r(&self.finished_stop),
+                length: r(&self.finished_length),
+                abort: r(&self.finished_abort),
+            },
+            requests_in_flight: self.in_flight.load(Ordering::Relaxed),
+            last_step_ok_at: h.last_step_ok_at,
+            alive: self.alive.load(Ordering::Relaxed),
+            ttft: h.ttft.clone(),
+            itl: h.itl.clone(),
+            e2e: h.e2e.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_per_bucket() {
+        let mut h = LatencyHistogram::new(&[0.1, 1.0]);
+        h.observe(Duration::from_millis(50));
+        h.observe(Duration::from_millis(500));
+        h.observe(Duration::from_millis(700));
+        h.observe(Duration::from_secs(5));
+        assert_eq!(h.buckets, vec![(0.1, 1), (1.0, 2), (f64::INFINITY, 1)]);
+        assert_eq!(h.count, 4);
+        assert!((h.sum - 6.25).abs() < 1e-9);
+    }
+}

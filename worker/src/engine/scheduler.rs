@@ -1,0 +1,357 @@
+//! Iteration-level scheduler (Orca, OSDI 2022) with chunked prefill (Sarathi-Serve,
+//! OSDI 2024), shaped like vLLM v1's: there is no separate prefill/decode phase, each
+//! sequence simply has `num_computed` of its `tokens` in the KV cache and every step
+//! schedules some of the rest under a token budget.
+//!
+//! Each step:
+//! 1. running sequences, oldest admitted first, get `min(remaining, budget)` tokens (1 for
+//!    a decode, a chunk for a long prompt). When the pool cannot cover them the most
+//!    recently admitted running sequence is preempted (blocks freed, `num_computed = 0`,
+//!    requeued at the front of the waiting queue to be recomputed);
+//! 2. if nothing was preempted, waiting sequences are admitted FCFS while
+//!    `max_num_seqs`, the token budget (`max_num_batched_tokens`) and free blocks allow.
+//!
+//! The scheduler owns the token ids and block tables; sampling and detokenization state
+//! live in the step loop, keyed by [`SeqId`].
+
+use super::backend::{SeqStep, StepBatch};
+use super::kv_cache::{BlockPool, BlockTable};
+use std::collections::{HashMap, VecDeque};
+
+/// Engine-internal id of one sequence (one choice of one request).
+pub type SeqId = u64;
+
+/// Scheduler limits (vLLM's knob names).
+#[derive(Clone, Copy, Debug)]
+pub struct SchedulerConfig {
+    /// Most sequences in the running set.
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks + decodes) in one step.
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV-cache block.
+    pub block_size: usize,
+}
+
+#[derive(Debug)]
+struct SchedSeq {
+    tokens: Vec<u32>,
+    num_computed: usize,
+    blocks: BlockTable,
+}
+
+/// One sequence's share of a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scheduled {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Tokens computed for it this step.
+    pub num_tokens: usize,
+    /// Whether the step yields logits (and so a new token) for it.
+    pub want_logits: bool,
+}
+
+/// What one call to [`Scheduler::schedule`] decided.
+#[derive(Debug, Default)]
+pub struct ScheduleOutput {
+    /// The flattened batch for the backend (empty when nothing is runnable).
+    pub batch: StepBatch,
+    /// Sequences in batch order.
+    pub scheduled: Vec<Scheduled>,
+    /// Sequences preempted this step (their KV was freed; they will be recomputed).
+    pub preempted: Vec<SeqId>,
+    /// Sequences that cannot fit in the whole cache even alone; the caller must finish them.
+    pub unschedulable: Vec<SeqId>,
+}
+
+/// The scheduler of one replica.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: BlockPool,
+    seqs: HashMap<SeqId, SchedSeq>,
+    waiting: VecDeque<SeqId>,
+    /// Admission order: oldest first, the preemption victim is the last.
+    running: Vec<SeqId>,
+    num_preemptions: u64,
+}
+
+impl Scheduler {
+    /// A scheduler allocating from `pool`.
+    pub fn new(cfg: SchedulerConfig, pool: BlockPool) -> Self {
+        Self {
+            cfg,
+            pool,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            num_preemptions: 0,
+        }
+    }
+
+    /// Queues a sequence whose first `tokens.len()` tokens must be computed (prompt, plus
+    /// any tokens generated before a migration).
+    pub fn add(&mut self, seq: SeqId, tokens: Vec<u32>) {
+        self.seqs.insert(seq, SchedSeq { tokens, num_computed: 0, blocks: BlockTable::new() });
+        self.waiting.push_back(seq);
+    }
+
+    /// Appends a sampled token to a sequence (computed in a later step).
+    pub fn append_token(&mut self, seq: SeqId, token: u32) {
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.tokens.push(token);
+        }
+    }
+
+    /// Token ids of a sequence (prompt then generated).
+    pub fn tokens(&self, seq: SeqId) -> &[u32] {
+        self.seqs.get(&seq).map_or(&[], |s| s.tokens.as_slice())
+    }
+
+    /// Removes a sequence (finished or aborted), freeing its blocks.
+    pub fn remove(&mut self, seq: SeqId) {
+        if self.seqs.remove(&seq).is_some() {
+            self.running.retain(|s| *s != seq);
+            self.waiting.retain(|s| *s != seq);
+        }
+    }
+
+    /// Sequences admitted (holding or about to hold KV blocks).
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Sequences queued (never admitted, or preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether nothing is queued or running.
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Preemptions since start.
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
+    /// The block pool.
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    fn preempt(&mut self, seq: SeqId, out: &mut ScheduleOutput) {
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.blocks.release();
+            s.num_computed = 0;
+        }
+        self.running.retain(|s| *s != seq);
+        self.waiting.push_front(seq);
+        self.num_preemptions += 1;
+        out.preempted.push(seq);
+    }
+
+    /// Plans one step. Call [`Scheduler::commit`] after the backend ran it.
+    pub fn schedule(&mut self) -> ScheduleOutput {
+        let bs = self.cfg.block_size;
+        let mut out = ScheduleOutput::default();
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut plan: Vec<(SeqId, usize)> = Vec::new();
+
+        // 1. Running sequences, oldest first; preempt the youngest when blocks run out.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let Some(s) = self.seqs.get(&id) else {
+                i += 1;
+                continue;
+            };
+            let n = (s.tokens.len() - s.num_computed).min(budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let target = s.num_computed + n;
+            let mut fits = false;
+            loop {
+                let pool = &self.pool;
+                if let Some(s) = self.seqs.get_mut(&id)
+                    && s.blocks.ensure_capacity(pool, target, bs)
+                {
+                    fits = true;
+                    break;
+                }
+                // Youngest admitted is last; those after `i` are not scheduled yet.
+                let victim = self.running.len() - 1;
+                if victim == i {
+                    break;
+                }
+                let vid = self.running[victim];
+                self.preempt(vid, &mut out);
+            }
+            if fits {
+                plan.push((id, n));
+                budget -= n;
+                i += 1;
+            } else if i == 0 {
+                // Alone and still too big for the whole cache.
+                self.running.remove(i);
+                out.unschedulable.push(id);
+            } else {
+                self.preempt(id, &mut out);
+            }
+        }
+
+        // 2. Admit waiting sequences FCFS (not in a step that had to preempt).
+        if out.preempted.is_empty() {
+            while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+                let Some(&id) = self.waiting.front() else { break };
+                let pool = &self.pool;
+                let Some(s) = self.seqs.get_mut(&id) else {
+                    self.waiting.pop_front();
+                    continue;
+                };
+                if s.blocks.blocks_needed(s.tokens.len(), bs) > pool.num_blocks() {
+                    self.waiting.pop_front();
+                    out.unschedulable.push(id);
+                    continue;
+                }
+                let n = (s.tokens.len() - s.num_computed).min(budget);
+                if !s.blocks.ensure_capacity(pool, s.num_computed + n, bs) {
+                    break;
+                }
+                self.waiting.pop_front();
+                self.running.push(id);
+                plan.push((id, n));
+                budget -= n;
+            }
+        }
+
+        // 3. Flatten into the backend's varlen batch.
+        for (id, n) in plan {
+            let Some(s) = self.seqs.get(&id) else { continue };
+            let start = s.num_computed;
+            let end = start + n;
+            let want_logits = end == s.tokens.len();
+            let query_start = out.batch.token_ids.len();
+            for pos in start..end {
+                out.batch.token_ids.push(s.tokens[pos]);
+                out.batch.positions.push(pos as u32);
+                out.batch.slot_mapping.push(s.blocks.slot(pos, bs));
+            }
+            let nblocks = end.div_ceil(bs);
+            let mut table = s.blocks.ids();
+            table.truncate(nblocks);
+            out.batch.seqs.push(SeqStep {
+                query_start,
+                query_len: n,
+                context_len: end,
+                block_table: table,
+                want_logits,
+            });
+            out.scheduled.push(Scheduled { seq: id, num_tokens: n, want_logits });
+        }
+        out
+    }
+
+    /// Records that the backend computed the scheduled tokens.
+    pub fn commit(&mut self, scheduled: &[Scheduled]) {
+        for sc in scheduled {
+            if let Some(s) = self.seqs.get_mut(&sc.seq) {
+                s.num_computed += sc.num_tokens;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sched(max_seqs: usize, budget: usize, blocks: usize) -> Scheduler {
+        let cfg = SchedulerConfig { max_num_seqs: max_seqs, max_num_batched_tokens: budget, block_size: 4 };
+        Scheduler::new(cfg, BlockPool::new(blocks))
+    }
+
+    /// Runs one step with a fake sampler that appends token 7 to every sequence with logits.
+    fn step(s: &mut Scheduler) -> ScheduleOutput {
+        let out = s.schedule();
+        s.commit(&out.scheduled);
+        for sc in &out.scheduled {
+            if sc.want_logits {
+                s.append_token(sc.seq, 7);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn chunked_prefill_mixes_with_decode() {
+        let mut s = sched(8, 6, 64);
+        s.add(1, vec![1, 2]);
+        let o = step(&mut s);
+        assert_eq!(o.scheduled, vec![Scheduled { seq: 1, num_tokens: 2, want_logits: true }]);
+        s.add(2, (0..10).collect());
+        // seq 1 decodes (1 token), seq 2 gets a 5-token chunk.
+        let o = step(&mut s);
+        assert_eq!(o.scheduled[0], Scheduled { seq: 1, num_tokens: 1, want_logits: true });
+        assert_eq!(o.scheduled[1], Scheduled { seq: 2, num_tokens: 5, want_logits: false });
+        assert_eq!(o.batch.token_ids.len(), 6);
+        assert_eq!(o.batch.positions, vec![2, 0, 1, 2, 3, 4]);
+        assert_eq!(o.batch.seqs[1].query_start, 1);
+        assert_eq!(o.batch.seqs[1].context_len, 5);
+        let o = step(&mut s);
+        assert_eq!(o.scheduled[1], Scheduled { seq: 2, num_tokens: 5, want_logits: true });
+        assert_eq!(s.tokens(2).len(), 11);
+        assert_eq!(s.num_running(), 2);
+    }
+
+    #[test]
+    fn admission_respects_max_num_seqs_fcfs() {
+        let mut s = sched(2, 100, 64);
+        for id in 1..=3 {
+            s.add(id, vec![1, 2, 3]);
+        }
+        let o = step(&mut s);
+        let ids: Vec<_> = o.scheduled.iter().map(|x| x.seq).collect();
+        assert_eq!(ids, vec![1, 2]);
+        assert_eq!(s.num_waiting(), 1);
+        s.remove(1);
+        let o = step(&mut s);
+        let ids: Vec<_> = o.scheduled.iter().map(|x| x.seq).collect();
+        assert_eq!(ids, vec![2, 3]);
+    }
+
+    #[test]
+    fn preempts_youngest_and_recomputes_it() {
+        // 3 blocks of 4 tokens; two sequences of 4 prompt tokens each take 2 blocks... then grow.
+        let mut s = sched(4, 100, 3);
+        s.add(1, vec![1, 2, 3]);
+        s.add(2, vec![4, 5, 6]);
+        step(&mut s); // both admitted: 1 block each, 4 tokens each after sampling
+        assert_eq!(s.pool().num_free(), 1);
+        step(&mut s); // seq 1 needs a 2nd block (pos 3 is in block 0: no); both decode pos 3
+        let o = step(&mut s); // pos 4: seq 1 takes the last block, seq 2 must be preempted
+        assert_eq!(o.preempted, vec![2]);
+        assert_eq!(o.scheduled.len(), 1);
+        assert_eq!(s.num_waiting(), 1);
+        assert_eq!(s.num_preemptions(), 1);
+        s.remove(1);
+        assert_eq!(s.pool().num_free(), 3);
+        let o = step(&mut s);
+        // recompute: all 5 tokens of seq 2 in one go
+        assert_eq!(o.scheduled, vec![Scheduled { seq: 2, num_tokens: 5, want_logits: true }]);
+        s.remove(2);
+        assert_eq!(s.pool().num_free(), 3);
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn too_big_for_the_cache_is_unschedulable() {
+        let mut s = sched(4, 100, 2);
+        s.add(1, (0..9).collect());
+        let o = s.schedule();
+        assert_eq!(o.unschedulable, vec![1]);
+        assert!(o.scheduled.is_empty());
+    }
+}

@@ -1,0 +1,154 @@
+//! Engine configuration (clap flags with `PRISM_*` env vars, vLLM's knob names) and
+//! [`EngineHandle::start`]: load the model, build the backend, start the step thread.
+
+use super::backend::Backend;
+use super::codec::ModelCodec;
+use super::handle::{EngineHandle, EngineParts, RuntimeConfig};
+use super::model::{self, ModelSource, ProgressFn};
+use super::request::EngineError;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Default CPU KV-cache budget: 1 GiB (about 23k tokens of SmolLM2-135M).
+pub const DEFAULT_KV_CACHE_BYTES: u64 = 1 << 30;
+
+/// Which backend runs the model.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum BackendKind {
+    /// f32 reference on all CPU cores.
+    #[default]
+    Cpu,
+    /// CUDA on these device ordinals (rank 0 first).
+    Cuda {
+        /// GPU ordinals, one per tensor-parallel rank.
+        devices: Vec<u32>,
+    },
+}
+
+/// Everything needed to start one engine replica.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// GGUF file or Hugging Face directory.
+    pub model: PathBuf,
+    /// Name clients use for the model.
+    pub served_model_name: String,
+    /// Context window; `None` = the model's own.
+    pub max_model_len: Option<usize>,
+    /// KV-cache block size in tokens.
+    pub block_size: usize,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Most tokens per step.
+    pub max_num_batched_tokens: usize,
+    /// CPU KV-cache budget in bytes; `None` = [`DEFAULT_KV_CACHE_BYTES`].
+    pub kv_cache_bytes: Option<u64>,
+    /// Backend.
+    pub backend: BackendKind,
+    /// Most unfinished requests before `submit` answers `Overloaded`.
+    pub max_pending_requests: usize,
+}
+
+impl EngineConfig {
+    /// Defaults (vLLM's): block 16, 256 sequences, 2048 batched tokens, CPU backend.
+    pub fn new(model: impl Into<PathBuf>) -> Self {
+        let rt = RuntimeConfig::default();
+        Self {
+            model: model.into(),
+            served_model_name: rt.served_model_name,
+            max_model_len: None,
+            block_size: 16,
+            max_num_seqs: rt.max_num_seqs,
+            max_num_batched_tokens: rt.max_num_batched_tokens,
+            kv_cache_bytes: None,
+            backend: BackendKind::Cpu,
+            max_pending_requests: rt.max_pending_requests,
+        }
+    }
+
+    fn runtime(&self) -> RuntimeConfig {
+        RuntimeConfig {
+            served_model_name: self.served_model_name.clone(),
+            max_model_len: self.max_model_len,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_pending_requests: self.max_pending_requests,
+            ..RuntimeConfig::default()
+        }
+    }
+}
+
+/// Engine flags, to `#[command(flatten)]` into a binary's arguments.
+#[derive(Clone, Debug, clap::Args)]
+pub struct EngineArgs {
+    /// Model: a GGUF file or a Hugging Face directory.
+    #[arg(long, env = "PRISM_MODEL")]
+    pub model: PathBuf,
+    /// Name clients use for the model (default: the file or directory name).
+    #[arg(long, env = "PRISM_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Context window in tokens (default: the model's).
+    #[arg(long, env = "PRISM_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
+    /// KV-cache block size in tokens.
+    #[arg(long, env = "PRISM_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// Most sequences running at once.
+    #[arg(long, env = "PRISM_MAX_NUM_SEQS", default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks + decodes) per step.
+    #[arg(long, env = "PRISM_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// CPU KV-cache budget in bytes (default 1 GiB).
+    #[arg(long, env = "PRISM_KV_CACHE_BYTES")]
+    pub kv_cache_bytes: Option<u64>,
+}
+
+impl From<EngineArgs> for EngineConfig {
+    fn from(a: EngineArgs) -> Self {
+        let name = a.served_model_name.unwrap_or_else(|| {
+            a.model.file_stem().map_or_else(|| "model".to_owned(), |s| s.to_string_lossy().into_owned())
+        });
+        Self {
+            served_model_name: name,
+            max_model_len: a.max_model_len,
+            block_size: a.block_size,
+            max_num_seqs: a.max_num_seqs,
+            max_num_batched_tokens: a.max_num_batched_tokens,
+            kv_cache_bytes: a.kv_cache_bytes,
+            ..Self::new(a.model)
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Loads the model (blocking: call from `spawn_blocking` or a plain thread), builds
+    /// the backend with its KV cache and starts the step thread.
+    ///
+    /// # Errors
+    /// `InvalidRequest` (field `model`) for a missing path, `Internal` for a model that
+    /// cannot be loaded or a backend that is not available.
+    pub fn start(cfg: EngineConfig, progress: Option<ProgressFn<'_>>) -> Result<Self, EngineError> {
+        if cfg.block_size == 0 {
+            return Err(EngineError::InvalidRequest { field: "block_size", message: "block_size must be >= 1".into() });
+        }
+        let source = ModelSource::detect(&cfg.model)?;
+        let loaded = model::load_model(&source, progress)?;
+        let model_max_len = loaded.config.max_position_embeddings;
+        let eos_ids = loaded.config.eos_token_ids.clone();
+        let kv_bytes = cfg.kv_cache_bytes.unwrap_or(DEFAULT_KV_CACHE_BYTES);
+        let backend: Box<dyn Backend> = match &cfg.backend {
+            BackendKind::Cpu => Box::new(super::backend::cpu::CpuBackend::new(
+                loaded.weights,
+                &loaded.config,
+                kv_bytes,
+                cfg.block_size,
+            )?),
+            BackendKind::Cuda { .. } => {
+                return Err(EngineError::Internal("the CUDA backend is not built into this worker".into()));
+            }
+        };
+        let codec = Arc::new(ModelCodec { tokenizer: loaded.tokenizer, chat_template: loaded.chat_template });
+        let parts = EngineParts { backend, codec, eos_ids, model_max_len };
+        Self::start_with_parts(parts, cfg.runtime())
+    }
+}
