@@ -16,7 +16,7 @@ use prism_common::proto::v1::{
     ApplyDeploymentRequest, ChatMessage, ChatMessages, ClusterStatusRequest, DeploymentSpec, EngineConfig,
     GenerateRequest, ListModelsRequest, PlacementStrategy, ReplicaState, generate_request::Prompt,
 };
-use prism_common::shutdown::{CancellationToken, wait_for_signal};
+use prism_common::shutdown::{CancellationToken, StopSignal, wait_for_signal};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -212,19 +212,19 @@ pub async fn run(args: UpArgs) -> Result<()> {
     let listeners = Listeners::bind(&args).await?;
     let endpoints = Endpoints::of(&listeners)?;
     let root = CancellationToken::new();
-    let mut cluster = components::start(&args.store, listeners, &root).await?;
+    let mut cluster = components::start(&args.store, &args, listeners, &root).await?;
 
     let signal = wait_for_signal();
     tokio::pin!(signal);
     let outcome = tokio::select! {
         r = bring_up(&args, &model, &served, &endpoints) => r,
-        s = &mut signal => { eprintln!("\n{s:?} received during startup"); Ok(false) }
+        s = &mut signal => { eprintln!("\n{}: stopping during startup", signal_name(&s)); Ok(false) }
         r = cluster.failed() => Err(r),
     };
     match outcome {
         Ok(true) => {
             tokio::select! {
-                s = &mut signal => eprintln!("\n{s:?}: draining and shutting down…"),
+                s = &mut signal => eprintln!("\n{}: draining and shutting down…", signal_name(&s)),
                 r = cluster.failed() => {
                     eprintln!("error: {r:#}; shutting down");
                     cluster.shutdown().await;
@@ -248,6 +248,14 @@ pub async fn run(args: UpArgs) -> Result<()> {
     cluster.shutdown().await;
     eprintln!("stopped");
     Ok(())
+}
+
+fn signal_name(s: &std::io::Result<StopSignal>) -> &'static str {
+    match s {
+        Ok(StopSignal::Interrupt) => "SIGINT",
+        Ok(StopSignal::Terminate) => "SIGTERM",
+        Err(_) => "signal handler failed",
+    }
 }
 
 /// The addresses `prism up` serves on, as printed.

@@ -2,16 +2,26 @@
 //! listeners bound by the caller and its own cancellation token, stopped in order:
 //! router (stop accepting), worker (drain in-flight requests), head.
 
-use anyhow::{Result, anyhow};
+use anyhow::{Context, Result, anyhow};
+use prism_common::proto::v1::ClusterStatusRequest;
 use prism_common::shutdown::CancellationToken;
+use prism_head::{HeadConfig, StoreSpec};
+use prism_router::RouterConfig;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 
 use super::Listeners;
 
+/// Per-component stop limits (router, worker, head): 9 s in all, inside the 10 s promise.
+const ROUTER_STOP: Duration = Duration::from_secs(2);
+const WORKER_STOP: Duration = Duration::from_secs(5);
+const HEAD_STOP: Duration = Duration::from_secs(2);
+
 /// The running components.
 pub struct Cluster {
     tasks: Vec<(&'static str, CancellationToken, Option<JoinHandle<Result<()>>>, Duration)>,
+    /// Holds the embedded store's file for the process lifetime (removed on drop).
+    _state_dir: Option<tempfile::TempDir>,
 }
 
 /// Starts head, worker and router on `listeners`. `store` is `embedded`, `embedded:PATH`
@@ -19,9 +29,74 @@ pub struct Cluster {
 ///
 /// # Errors
 /// Fails on an invalid store or configuration.
-pub async fn start(store: &str, listeners: Listeners, root: &CancellationToken) -> Result<Cluster> {
-    let _ = (store, listeners, root);
-    Err(anyhow!("prism up needs the head, worker and router libraries (not built yet)"))
+pub async fn start(store: &str, args: &super::UpArgs, listeners: Listeners, root: &CancellationToken) -> Result<Cluster> {
+    let (store, state_dir) = if store == "embedded" {
+        let dir = tempfile::Builder::new().prefix("prism-up-").tempdir()?;
+        (StoreSpec::Embedded(dir.path().join("state.json")), Some(dir))
+    } else {
+        (StoreSpec::parse(store).with_context(|| format!("--store {store:?}"))?, None)
+    };
+    let head_url = format!("http://{}", listeners.head_grpc.local_addr()?);
+    let head_config = HeadConfig::new(store, head_url.clone());
+
+    let mut worker_config = prism_worker::WorkerConfig::for_test(head_url.clone(), &prism_worker::config::hostname());
+    worker_config.cpu_slots = args.replicas.saturating_mul(args.tensor_parallel_size).max(1);
+    worker_config.kv_cache_bytes = args.kv_cache_bytes.unwrap_or(256 * 1024 * 1024);
+    // Ctrl-C drains in-flight requests for at most this long.
+    worker_config.sigterm_drain = Duration::from_secs(3);
+
+    let router_config = RouterConfig { heads: vec![head_url.clone()], ..RouterConfig::default() };
+
+    let head_token = root.child_token();
+    let worker_token = root.child_token();
+    let router_token = root.child_token();
+    let mut head = tokio::spawn(prism_head::run(head_config, listeners.head_grpc, listeners.head_http, head_token.clone()));
+    // Worker and router start once the head leads, so neither logs a "not the leader" retry.
+    tokio::select! {
+        r = wait_for_leader(&head_url) => r?,
+        r = &mut head => return Err(match r {
+            Ok(Ok(())) => anyhow!("the head stopped during startup"),
+            Ok(Err(e)) => e.context("the head failed to start"),
+            Err(e) => anyhow!("the head panicked: {e}"),
+        }),
+    }
+    let worker = tokio::spawn(prism_worker::run(
+        worker_config,
+        listeners.worker_grpc,
+        listeners.worker_http,
+        worker_token.clone(),
+    ));
+    let router = tokio::spawn(prism_router::run(
+        router_config,
+        listeners.router_http,
+        listeners.router_grpc,
+        router_token.clone(),
+    ));
+    Ok(Cluster {
+        tasks: vec![
+            ("router", router_token, Some(router), ROUTER_STOP),
+            ("worker", worker_token, Some(worker), WORKER_STOP),
+            ("head", head_token, Some(head), HEAD_STOP),
+        ],
+        _state_dir: state_dir,
+    })
+}
+
+/// Polls the head until it reports itself leader (at most 30 s).
+async fn wait_for_leader(head_url: &str) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(mut head) = crate::client::head(head_url).await
+            && let Ok(status) = head.cluster_status(ClusterStatusRequest {}).await
+            && status.get_ref().is_leader
+        {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(anyhow!("the embedded head did not become leader within 30 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 impl Cluster {
