@@ -103,6 +103,14 @@ fn every_probe_path_and_port_is_served_by_the_binaries() -> Result<()> {
         .arg("--bin-dir")
         .arg(&bins))?;
     ensure!(out.status.success(), "some probe path/port is not served (FAIL lines above)");
+
+    // The deployment file the cpu overlay's Job applies is one the real CLI accepts.
+    let prism = bins.join("prism");
+    if prism.exists() {
+        let out = run(Command::new(&prism).args(["deploy", "-f", "k8s/overlays/cpu/smollm2.yaml", "--dry-run"]))?;
+        ensure!(out.status.success(), "`prism deploy --dry-run` rejects k8s/overlays/cpu/smollm2.yaml");
+        ensure!(String::from_utf8_lossy(&out.stdout).contains("SmolLM2-135M-Instruct.Q4_1.gguf"));
+    }
     Ok(())
 }
 
