@@ -202,16 +202,16 @@ impl StateStore for EtcdStore {
     }
 
     async fn keep_alive(&self, lease: LeaseId) -> StoreResult<()> {
+        // etcd-client's `keep_alive` sends one refresh and reads its answer: it fails with
+        // `LeaseKeepAliveError("lease not found")` when etcd answers TTL 0 (the lease is gone).
+        // That string is the only signal the crate gives for this case.
         let exchange = async {
-            let (_keeper, mut stream) =
-                self.client.lease_client().keep_alive(lease).await.map_err(classify_lease(lease))?;
-            // `keep_alive` above already sent the first request; its answer says whether the
-            // lease still exists (TTL 0 = gone).
-            let resp = stream.message().await.map_err(classify_lease(lease))?;
-            match resp {
-                Some(r) if r.ttl() > 0 => Ok(()),
-                Some(_) => Err(StoreError::LeaseNotFound(lease)),
-                None => Err(StoreError::Unavailable("keep-alive stream closed".into())),
+            match self.client.lease_client().keep_alive(lease).await {
+                Ok(_) => Ok(()),
+                Err(etcd_client::Error::LeaseKeepAliveError(m)) if m.contains("not found") => {
+                    Err(StoreError::LeaseNotFound(lease))
+                }
+                Err(e) => Err(classify_lease(lease)(e)),
             }
         };
         tokio::time::timeout(REQUEST_TIMEOUT, exchange)
