@@ -62,18 +62,18 @@ impl WorkerMetrics {
         let prompt_tokens = Family::<ModelLabels, Counter>::default();
         let generation_tokens = Family::<ModelLabels, Counter>::default();
         let request_success = Family::<ModelLabels, Counter>::default();
-        registry.register("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ttft.clone());
-        registry.register("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", itl.clone());
+        registry.register("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds", ttft.clone());
+        registry.register("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds", itl.clone());
         registry.register(
             "vllm:e2e_request_latency_seconds",
-            "Histogram of end to end request latency in seconds.",
+            "Histogram of end to end request latency in seconds",
             e2e.clone(),
         );
-        registry.register("vllm:prompt_tokens", "Number of prefill tokens processed.", prompt_tokens.clone());
-        registry.register("vllm:generation_tokens", "Number of generation tokens processed.", generation_tokens.clone());
+        registry.register("vllm:prompt_tokens", "Number of prefill tokens processed", prompt_tokens.clone());
+        registry.register("vllm:generation_tokens", "Number of generation tokens processed", generation_tokens.clone());
         registry.register(
             "vllm:request_success",
-            "Count of successfully processed requests.",
+            "Count of successfully processed requests",
             request_success.clone(),
         );
         registry.register_collector(Box::new(EngineCollector { replicas }));
@@ -140,28 +140,32 @@ impl prometheus_client::collector::Collector for EngineCollector {
             m.engines += 1;
             m.preemptions += l.num_preemptions_total;
         }
-        let gauges: [(&str, &str, fn(&ModelLoad) -> f64); 4] = [
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", |m| m.running as f64),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", |m| m.waiting as f64),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", |m| {
-                m.kv_used / f64::from(m.engines.max(1))
-            }),
-            ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage (alias).", |m| {
-                m.kv_used / f64::from(m.engines.max(1))
-            }),
+        let counts: [(&str, &str, fn(&ModelLoad) -> i64); 2] = [
+            ("vllm:num_requests_running", "Number of requests in model execution batches", |m| m.running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed", |m| m.waiting),
         ];
-        for (name, help, f) in gauges {
-            let g = ConstGauge::new(0.0f64);
-            let mut me = encoder.encode_descriptor(name, help, None, g.metric_type())?;
+        for (name, help, f) in counts {
+            let mut me = encoder.encode_descriptor(name, help, None, ConstGauge::new(0i64).metric_type())?;
             for (model_name, m) in &by_model {
                 let labels = model(model_name);
                 ConstGauge::new(f(m)).encode(me.encode_family(&labels)?)?;
             }
         }
+        let usage: [(&str, &str); 2] = [
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage"),
+            ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage (alias)"),
+        ];
+        for (name, help) in usage {
+            let mut me = encoder.encode_descriptor(name, help, None, ConstGauge::new(0.0f64).metric_type())?;
+            for (model_name, m) in &by_model {
+                let labels = model(model_name);
+                ConstGauge::new(m.kv_used / f64::from(m.engines.max(1))).encode(me.encode_family(&labels)?)?;
+            }
+        }
         let c = ConstCounter::new(0u64);
         let mut me = encoder.encode_descriptor(
             "vllm:num_preemptions",
-            "Cumulative number of preemptions from the engine.",
+            "Cumulative number of preemptions from the engine",
             None,
             c.metric_type(),
         )?;

@@ -1,10 +1,60 @@
 //! The real [`EngineLauncher`]: checks the model path, then starts an engine replica with the
 //! engine crate's `EngineHandle` and adapts it to [`ReplicaEngine`].
 
-use super::replica::{EngineLauncher, LaunchSpec, ReplicaEngine};
-use crate::engine::EngineError;
+use super::replica::{EngineLauncher, EngineLoad, LaunchSpec, OutputStream, Placement, ReplicaEngine};
+use crate::engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest};
+use futures::StreamExt;
 use std::path::Path;
 use std::sync::Arc;
+
+impl ReplicaEngine for EngineHandle {
+    fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError> {
+        EngineHandle::submit(self, req).map(|s| s.boxed())
+    }
+
+    fn load(&self) -> EngineLoad {
+        let s = self.stats();
+        EngineLoad {
+            running: u32::try_from(s.running).unwrap_or(u32::MAX),
+            waiting: u32::try_from(s.waiting).unwrap_or(u32::MAX),
+            kv_cache_usage: s.kv_cache_usage as f32,
+            num_preemptions_total: s.num_preemptions_total,
+        }
+    }
+
+    fn is_alive(&self) -> bool {
+        EngineHandle::is_alive(self)
+    }
+
+    fn shutdown(&self) {
+        EngineHandle::shutdown(self);
+    }
+}
+
+/// Engine configuration for a launch spec (proto zeros mean "engine default").
+pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
+    let e = &spec.engine;
+    let mut cfg = EngineConfig::new(&e.model);
+    cfg.served_model_name = if e.served_model_name.is_empty() { e.model.clone() } else { e.served_model_name.clone() };
+    if e.max_model_len > 0 {
+        cfg.max_model_len = Some(e.max_model_len as usize);
+    }
+    if e.block_size > 0 {
+        cfg.block_size = e.block_size as usize;
+    }
+    if e.max_num_seqs > 0 {
+        cfg.max_num_seqs = e.max_num_seqs as usize;
+    }
+    if e.max_num_batched_tokens > 0 {
+        cfg.max_num_batched_tokens = e.max_num_batched_tokens as usize;
+    }
+    cfg.kv_cache_bytes = Some(spec.kv_cache_bytes);
+    cfg.backend = match &spec.placement {
+        Placement::Cpu => BackendKind::Cpu,
+        Placement::Cuda(devices) => BackendKind::Cuda { devices: devices.clone() },
+    };
+    cfg
+}
 
 /// Launches replicas on this worker's engine.
 #[derive(Clone, Copy, Debug, Default)]
@@ -19,6 +69,7 @@ impl EngineLauncher for LocalLauncher {
         if !model.exists() {
             return Err(EngineError::Internal(format!("model path {} does not exist", model.display())));
         }
-        Err(EngineError::Unavailable("the engine is not built into this worker yet".into()))
+        let handle = EngineHandle::start(engine_config(spec), None)?;
+        Ok(Arc::new(handle))
     }
 }
