@@ -374,3 +374,96 @@ pub fn prism_cli(args: &[&str]) -> Result<String> {
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
+
+/// One greedy case of the engine's reference fixture.
+#[derive(Debug)]
+pub struct ReferenceCase {
+    /// Prompt token ids.
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Prompt text.
+    pub prompt: Option<String>,
+    /// Expected greedy ids.
+    pub output_ids: Vec<u32>,
+}
+
+fn ids(v: &serde_json::Value) -> Option<Vec<u32>> {
+    v.as_array()?.iter().map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+}
+
+/// Reads `tests/fixtures/smollm2_reference.json` (written by the engine's reference script).
+/// Accepts a top-level array or an object with a `cases`/`prompts` array; each case has
+/// `prompt_ids` (or `input_ids`) and/or a text `prompt`/`text`, and `greedy_ids` (or
+/// `output_ids`/`generated_ids`/`completion_ids`). The reference does not stop at EOS, so
+/// neither does the request (`ignore_eos`).
+pub fn reference_cases() -> Result<Vec<ReferenceCase>> {
+    let path = workspace_root().join("tests/fixtures/smollm2_reference.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let doc: serde_json::Value = serde_json::from_str(&text)?;
+    let list = doc
+        .as_array()
+        .or_else(|| ["prompts", "cases"].iter().find_map(|k| doc.get(*k)?.as_array()))
+        .context("reference fixture: no list of cases")?;
+    let mut cases = Vec::new();
+    for case in list {
+        let pick = |keys: &[&str]| keys.iter().find_map(|k| case.get(*k).and_then(ids));
+        let Some(output_ids) = pick(&["greedy_ids", "output_ids", "generated_ids", "completion_ids"]) else {
+            continue;
+        };
+        cases.push(ReferenceCase {
+            prompt_ids: pick(&["prompt_ids", "input_ids", "prompt_token_ids"]),
+            prompt: ["prompt", "text"].iter().find_map(|k| case.get(*k)?.as_str()).map(str::to_owned),
+            output_ids,
+        });
+    }
+    if cases.is_empty() {
+        bail!("reference fixture {} has no usable case", path.display());
+    }
+    Ok(cases)
+}
+
+/// Greedy generations through the router at `grpc` equal the reference fixture's ids.
+///
+/// # Errors
+/// Fails on a gRPC error; a mismatch panics with both sequences.
+pub async fn check_reference_greedy(grpc: &str, served: &str) -> Result<()> {
+    let mut client = prism_common::proto::v1::inference_service_client::InferenceServiceClient::connect(grpc.to_owned()).await?;
+    for (i, case) in reference_cases()?.into_iter().enumerate() {
+        let prompt = match (&case.prompt_ids, &case.prompt) {
+            (Some(ids), _) => prism_common::proto::v1::generate_request::Prompt::TokenIds(prism_common::proto::v1::TokenIds { ids: ids.clone() }),
+            (None, Some(text)) => prism_common::proto::v1::generate_request::Prompt::Text(text.clone()),
+            (None, None) => continue,
+        };
+        let request = prism_common::proto::v1::GenerateRequest {
+            model: served.into(),
+            prompt: Some(prompt),
+            sampling: Some(prism_common::proto::v1::SamplingParams {
+                temperature: Some(0.0),
+                max_tokens: Some(i64::try_from(case.output_ids.len())?),
+                ignore_eos: true,
+                skip_special_tokens: true,
+                ..prism_common::proto::v1::SamplingParams::default()
+            }),
+            ..prism_common::proto::v1::GenerateRequest::default()
+        };
+        let mut stream = client.generate(request).await?.into_inner();
+        let mut got = Vec::new();
+        while let Some(message) = stream.message().await? {
+            got.extend(message.token_ids);
+        }
+        assert_eq!(got, case.output_ids, "reference case {i} ({:?})", case.prompt);
+    }
+    Ok(())
+}
+
+
+/// `GET /v1/models` lists exactly `served`.
+///
+/// # Errors
+/// Fails on transport errors or a body without `data`.
+pub async fn check_models(http: &str, served: &str) -> Result<()> {
+    let models: serde_json::Value = reqwest::get(format!("{http}/v1/models")).await?.json().await?;
+    let listed: Vec<&str> =
+        models["data"].as_array().context("data")?.iter().filter_map(|m| m["id"].as_str()).collect();
+    assert_eq!(listed, [served], "/v1/models: {models}");
+    Ok(())
+}
