@@ -56,5 +56,5 @@ echo
 echo "| system | concurrency | req/s | p50 ms | p90 ms | p99 ms | errors |"
 echo "| --- | --- | --- | --- | --- | --- | --- |"
 for r in "${RESULTS[@]}"; do
-  python3 -c 'import json,sys; d=json.loads(sys.argv[1]); print(f"| {d["label"]} | {d["concurrency"]} | {d["rps"]:.0f} | {d["p50_ms"]:.3f} | {d["p90_ms"]:.3f} | {d["p99_ms"]:.3f} | {d["errors"]} |")' "$r"
+  python3 -c 'import json,sys; d=json.loads(sys.argv[1]); print("| {label} | {concurrency} | {rps:.0f} | {p50_ms:.3f} | {p90_ms:.3f} | {p99_ms:.3f} | {errors} |".format(**d))' "$r"
 done

@@ -16,7 +16,7 @@ pub mod routes;
 
 use prism_common::proto::v1::inference_service_server::InferenceServiceServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 use tokio_util::sync::CancellationToken;
 
 pub use config::{Args, RouterConfig, StaticRoute};
@@ -56,7 +56,11 @@ pub async fn run(
     let app = openai::router(http_state);
     let http_shutdown = shutdown.clone();
     let http = async move {
-        axum::serve(http_listener, app).with_graceful_shutdown(http_shutdown.cancelled_owned()).await
+        // TCP_NODELAY: small responses written in parts must not wait for delayed ACKs.
+        let listener = axum::serve::ListenerExt::tap_io(http_listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        axum::serve(listener, app).with_graceful_shutdown(http_shutdown.cancelled_owned()).await
     };
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -69,7 +73,10 @@ pub async fn run(
         .add_service(health_service)
         .add_service(reflection)
         .add_service(InferenceServiceServer::new(api))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), shutdown.clone().cancelled_owned());
+        .serve_with_incoming_shutdown(
+            TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+            shutdown.clone().cancelled_owned(),
+        );
     let (h, g) = tokio::join!(http, grpc);
     watch.abort();
     h?;

@@ -17,7 +17,8 @@ use prism_common::proto::v1::{
     WorkerGenerateRequest, WorkerHealthRequest, WorkerHealthResponse, generate_request,
 };
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::TcpIncoming;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
@@ -88,7 +89,7 @@ impl MockEngineWorker {
     pub async fn serve(self, listener: tokio::net::TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
         tonic::transport::Server::builder()
             .add_service(WorkerServiceServer::new(self))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled_owned())
+            .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown.cancelled_owned())
             .await?;
         Ok(())
     }
