@@ -136,7 +136,7 @@ impl Args {
         if self.max_in_flight_per_replica == 0 {
             return Err(ConfigError::Zero("--max-in-flight-per-replica"));
         }
-        if !(self.request_timeout_s > 0.0) {
+        if self.request_timeout_s.is_nan() || self.request_timeout_s <= 0.0 {
             return Err(ConfigError::Zero("--request-timeout"));
         }
         let heads = self

@@ -201,7 +201,7 @@ async fn api_keys_guard_http_and_grpc() -> anyhow::Result<()> {
     use prism_common::proto::v1::{GenerateRequest, generate_request::Prompt};
     let mut g = InferenceServiceClient::connect(c.grpc.clone()).await?;
     let req = GenerateRequest { model: "mock".into(), prompt: Some(Prompt::Text("a".into())), ..Default::default() };
-    let e = g.generate(req.clone()).await.err().expect("no key");
+    let Err(e) = g.generate(req.clone()).await else { panic!("accepted without a key") };
     assert_eq!(e.code(), tonic::Code::Unauthenticated);
     assert_eq!(c.mocks[0].stats.requests.load(Ordering::Relaxed), 0, "nothing reached a worker");
 
