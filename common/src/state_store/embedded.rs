@@ -442,7 +442,9 @@ impl StateStore for EmbeddedStore {
             prefix: prefix.to_owned(),
             pending: pending.into(),
             rx,
-            next,
+            floor: next,
+            resume: next,
+            skip: 0,
         };
         Ok(Box::pin(futures::stream::unfold(watcher, |mut w| async move {
             let event = w.next_event().await?;
@@ -464,40 +466,139 @@ struct Watcher {
     prefix: String,
     pending: VecDeque<WatchEvent>,
     rx: broadcast::Receiver<Change>,
-    /// Lowest revision still to deliver.
-    next: Revision,
+    /// Live events below this revision were already covered by the replay.
+    floor: Revision,
+    /// Where to replay from after falling behind: revision `resume`, skipping the first
+    /// `skip` matching changes of it (already delivered; a transaction's changes share one
+    /// revision).
+    resume: Revision,
+    skip: usize,
 }
 
 impl Watcher {
     async fn next_event(&mut self) -> Option<WatchEvent> {
         loop {
             if let Some(e) = self.pending.pop_front() {
-                self.next = self.next.max(e.revision() + 1);
+                self.delivered(&e);
                 return Some(e);
             }
             match self.rx.recv().await {
-                Ok(c) if c.revision >= self.next && c.key.starts_with(&self.prefix) => {
-                    // `next` stays at this revision: a transaction may change more keys in it.
-                    self.next = c.revision;
-                    return Some(to_event(&c));
+                Ok(c) if c.revision >= self.floor && c.key.starts_with(&self.prefix) => {
+                    let e = to_event(&c);
+                    self.delivered(&e);
+                    return Some(e);
                 }
                 Ok(_) => {}
-                Err(broadcast::error::RecvError::Lagged(_)) => {
-                    // Fell behind the live channel: restart from the history (or resync).
-                    let inner = self.inner.upgrade()?;
-                    let state = inner.lock();
-                    self.rx = state.live.subscribe();
-                    let from = self.resume_from();
-                    let (pending, next) = state.start_watch(&self.prefix, Some(from));
-                    self.pending = pending.into();
-                    self.next = next;
-                }
+                Err(broadcast::error::RecvError::Lagged(_)) => self.catch_up()?,
                 Err(broadcast::error::RecvError::Closed) => return None,
             }
         }
     }
 
-    fn resume_from(&self) -> Revision {
-        self.next.max(1)
+    fn delivered(&mut self, e: &WatchEvent) {
+        match e {
+            WatchEvent::Resync { revision, .. } => {
+                self.resume = revision + 1;
+                self.skip = 0;
+            }
+            _ if e.revision() == self.resume => self.skip += 1,
+            _ => {
+                self.resume = e.revision();
+                self.skip = 1;
+            }
+        }
+    }
+
+    /// Fell behind the live channel: replay from the history (or resync) where we stopped.
+    fn catch_up(&mut self) -> Option<()> {
+        let inner = self.inner.upgrade()?;
+        let state = inner.lock();
+        self.rx = state.live.subscribe();
+        let (pending, floor) = state.start_watch(&self.prefix, Some(self.resume.max(1)));
+        let mut pending: VecDeque<WatchEvent> = pending.into();
+        if !matches!(pending.front(), Some(WatchEvent::Resync { .. })) {
+            for _ in 0..self.skip {
+                if pending.front().is_some_and(|e| e.revision() == self.resume) {
+                    pending.pop_front();
+                }
+            }
+        }
+        self.pending = pending;
+        self.floor = floor;
+        Some(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+
+    async fn collect(w: &mut WatchStream, n: usize) -> Vec<WatchEvent> {
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            match tokio::time::timeout(Duration::from_secs(5), w.next()).await {
+                Ok(Some(e)) => out.push(e),
+                _ => break,
+            }
+        }
+        out
+    }
+
+    /// A watcher that falls behind the live channel catches up from the history: every
+    /// change exactly once, in order, including both changes of a transaction.
+    #[tokio::test]
+    async fn lagging_watcher_sees_every_change_once() -> StoreResult<()> {
+        let s = EmbeddedStore::in_memory()?;
+        let mut w = s.watch("/w/", None).await?;
+        let first = s.put("/w/0", b"x".to_vec(), None).await?;
+        let total = BROADCAST_CAPACITY + 500;
+        for i in 1..total {
+            let txn = Txn {
+                success: vec![TxnOp::put(format!("/w/{i}"), b"x".to_vec()), TxnOp::put(format!("/w/{i}b"), b"y".to_vec())],
+                ..Txn::default()
+            };
+            s.txn(txn).await?;
+        }
+        let events = collect(&mut w, 2 * total - 1).await;
+        assert_eq!(events.len(), 2 * total - 1);
+        let mut expected = vec![(first, "/w/0".to_owned())];
+        for i in 1..total {
+            let rev = first + Revision::try_from(i).unwrap_or(0);
+            expected.push((rev, format!("/w/{i}")));
+            expected.push((rev, format!("/w/{i}b")));
+        }
+        let got: Vec<(Revision, String)> = events
+            .iter()
+            .map(|e| match e {
+                WatchEvent::Put { key, mod_revision, .. } => (*mod_revision, key.clone()),
+                other => (0, format!("{other:?}")),
+            })
+            .collect();
+        assert_eq!(got, expected);
+        Ok(())
+    }
+
+    /// Watching from a revision older than the kept history answers with a `Resync`.
+    #[tokio::test]
+    async fn trimmed_history_resyncs() -> StoreResult<()> {
+        let s = EmbeddedStore::in_memory()?;
+        for i in 0..=HISTORY_LIMIT {
+            s.put(&format!("/h/{}", i % 3), vec![], None).await?;
+        }
+        s.put("/other", vec![], None).await?;
+        let mut w = s.watch("/h/", Some(1)).await?;
+        match w.next().await {
+            Some(WatchEvent::Resync { entries, revision }) => {
+                assert_eq!(entries.len(), 3);
+                assert_eq!(revision, s.revision());
+            }
+            other => panic!("expected Resync, got {other:?}"),
+        }
+        // A recent revision still replays.
+        let r = s.put("/h/new", vec![], None).await?;
+        let mut w = s.watch("/h/", Some(r)).await?;
+        assert_eq!(w.next().await.map(|e| e.revision()), Some(r));
+        Ok(())
     }
 }
