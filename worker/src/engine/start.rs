@@ -143,6 +143,20 @@ impl EngineHandle {
                 kv_bytes,
                 cfg.block_size,
             )?),
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda { devices } => {
+                let device = devices.first().copied().unwrap_or(0) as usize;
+                let opts = super::backend::cuda::CudaOptions {
+                    device,
+                    block_size: cfg.block_size,
+                    kv_cache_bytes: cfg.kv_cache_bytes,
+                    max_num_batched_tokens: cfg.max_num_batched_tokens,
+                    max_num_seqs: cfg.max_num_seqs,
+                    ..Default::default()
+                };
+                Box::new(super::backend::cuda::CudaBackend::new(loaded.weights, &loaded.config, &opts)?)
+            }
+            #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda { .. } => {
                 return Err(EngineError::Internal("the CUDA backend is not built into this worker".into()));
             }

@@ -8,6 +8,8 @@
 //! Implementations: `cpu` (f32 reference, all cores) and `cuda` (bf16, feature `cuda`).
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 /// Per-sequence part of a step (vLLM's varlen layout).
 #[derive(Clone, Debug)]

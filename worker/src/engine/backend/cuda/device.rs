@@ -1,0 +1,287 @@
+//! The device side of the CUDA backend: one context + stream per shard (cudarc 0.19, dynamic
+//! loading), a cuBLAS handle on that stream, the NVRTC-compiled kernels of `kernels/llama.cu`,
+//! raw device buffers ([`DevBuf`]: fixed addresses, so launches and a later CUDA-graph capture
+//! take plain pointers) and the two launch shapes the model uses (GEMM, 1-D kernels).
+//!
+//! cudarc panics when a CUDA library is missing, so [`Gpu::new`] checks
+//! `is_culib_present()` for the driver, cuBLAS and NVRTC first and returns an error instead.
+
+use std::sync::Arc;
+
+use cudarc::cublas::{CudaBlas, result as blas_result, sys as blas_sys};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result, sys};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+
+use super::super::BackendError;
+
+/// The kernels' CUDA C source (bf16 storage, f32 math).
+pub const KERNELS_SRC: &str = include_str!("kernels/llama.cu");
+
+/// Maps any CUDA-side error into [`BackendError::Device`].
+pub fn dev_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
+    BackendError::Device(format!("{what}: {e:?}"))
+}
+
+/// A device allocation with a fixed address (`cuMemAlloc`), freed on drop.
+pub struct DevBuf {
+    ctx: Arc<CudaContext>,
+    /// Device address.
+    pub ptr: u64,
+    /// Size in bytes.
+    pub bytes: usize,
+}
+
+impl DevBuf {
+    /// Allocates `bytes` (at least 1) of device memory, zero-filled.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] when the device is out of memory.
+    pub fn zeroed(gpu: &Gpu, bytes: usize) -> Result<Self, BackendError> {
+        let bytes = bytes.max(1);
+        gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind context", e))?;
+        // SAFETY: plain allocation in the bound context; freed exactly once in Drop.
+        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| dev_err(&format!("cuMemAlloc({bytes} B)"), e))?;
+        let buf = Self { ctx: gpu.ctx.clone(), ptr, bytes };
+        // SAFETY: `ptr` holds `bytes` bytes; the stream is the buffer's context's.
+        unsafe { result::memset_d8_async(ptr, 0, bytes, gpu.stream.cu_stream()) }.map_err(|e| dev_err("memset", e))?;
+        Ok(buf)
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by cuMemAlloc in this context and not freed before. The
+            // caller synchronises the stream before dropping buffers that kernels use.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Loaded kernels (names as in `kernels/llama.cu`).
+pub struct Kernels {
+    pub embed_gather: CudaFunction,
+    pub add_rmsnorm: CudaFunction,
+    pub rope_kv_write: CudaFunction,
+    pub attention_hd64: CudaFunction,
+    pub attention_hd128: CudaFunction,
+    pub silu_mul: CudaFunction,
+    pub argmax_rows: CudaFunction,
+    pub fill_uniform: CudaFunction,
+    pub fill_const: CudaFunction,
+}
+
+/// One GPU: context, stream, cuBLAS handle and kernels.
+pub struct Gpu {
+    /// The device's primary context.
+    pub ctx: Arc<CudaContext>,
+    /// The stream every launch of this shard goes to.
+    pub stream: Arc<CudaStream>,
+    /// cuBLAS on `stream`.
+    pub blas: CudaBlas,
+    /// NVRTC-compiled kernels.
+    pub k: Kernels,
+    /// Device name (e.g. "NVIDIA H200").
+    pub name: String,
+    /// `sm_XY` the kernels were compiled for.
+    pub arch: &'static str,
+}
+
+fn arch_for(major: i32, minor: i32) -> &'static str {
+    match (major, minor) {
+        (7, 0) => "sm_70",
+        (7, 5) => "sm_75",
+        (8, 0) => "sm_80",
+        (8, 6) => "sm_86",
+        (8, 9) => "sm_89",
+        (9, 0) => "sm_90",
+        (10, 0) => "sm_100",
+        (12, 0) => "sm_120",
+        (m, _) if m >= 9 => "sm_90",
+        _ => "sm_80",
+    }
+}
+
+/// Whether the CUDA driver, cuBLAS and NVRTC libraries can be opened and a device exists.
+pub fn cuda_available() -> bool {
+    // SAFETY: these only try to open the shared libraries (no CUDA call is made).
+    let present = unsafe {
+        sys::is_culib_present() && blas_sys::is_culib_present() && cudarc::nvrtc::sys::is_culib_present()
+    };
+    present && result::init().is_ok() && result::device::get_count().map(|n| n > 0).unwrap_or(false)
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, creates a stream and a cuBLAS handle, compiles and loads the kernels.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] when a library or the device is missing, or compilation fails.
+    pub fn new(ordinal: usize) -> Result<Self, BackendError> {
+        if !cuda_available() {
+            return Err(BackendError::Device("CUDA driver, cuBLAS or NVRTC not found, or no device".into()));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("CudaContext::new", e))?;
+        // SAFETY: one stream per shard and raw pointers everywhere: cudarc's per-buffer
+        // event tracking is not used (it is disabled before any cudarc allocation).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| dev_err("new_stream", e))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| dev_err("cublas", e))?;
+        let (major, minor) = ctx.compute_capability().map_err(|e| dev_err("compute_capability", e))?;
+        let arch = arch_for(major, minor);
+        let opts = CompileOptions {
+            arch: Some(arch),
+            include_paths: vec!["/usr/local/cuda/include".into()],
+            ..Default::default()
+        };
+        let ptx = compile_ptx_with_opts(KERNELS_SRC, opts).map_err(|e| dev_err("NVRTC compile of llama.cu", e))?;
+        let module = ctx.load_module(ptx).map_err(|e| dev_err("load_module", e))?;
+        let f = |name: &str| module.load_function(name).map_err(|e| dev_err(name, e));
+        let k = Kernels {
+            embed_gather: f("embed_gather")?,
+            add_rmsnorm: f("add_rmsnorm")?,
+            rope_kv_write: f("rope_kv_write")?,
+            attention_hd64: f("paged_attention_hd64")?,
+            attention_hd128: f("paged_attention_hd128")?,
+            silu_mul: f("silu_mul")?,
+            argmax_rows: f("argmax_rows")?,
+            fill_uniform: f("fill_uniform")?,
+            fill_const: f("fill_const")?,
+        };
+        let name = ctx.name().unwrap_or_else(|_| "cuda".into());
+        Ok(Self { ctx, stream, blas, k, name, arch })
+    }
+
+    /// Binds the context to the calling thread (the engine thread differs from the loader's).
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] on driver failure.
+    pub fn bind(&self) -> Result<(), BackendError> {
+        self.ctx.bind_to_thread().map_err(|e| dev_err("bind context", e))
+    }
+
+    /// `(free, total)` device memory in bytes.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] on driver failure.
+    pub fn mem_info(&self) -> Result<(usize, usize), BackendError> {
+        self.bind()?;
+        result::mem_get_info().map_err(|e| dev_err("cuMemGetInfo", e))
+    }
+
+    /// Copies `src` to device address `dst` (stream-ordered).
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] on driver failure.
+    pub fn upload<T>(&self, dst: &DevBuf, offset_bytes: usize, src: &[T]) -> Result<(), BackendError> {
+        let len = std::mem::size_of_val(src);
+        if offset_bytes + len > dst.bytes {
+            return Err(BackendError::Device(format!("upload of {len} B at {offset_bytes} overflows {} B", dst.bytes)));
+        }
+        // SAFETY: bounds checked above; `src` outlives the call (pageable memory: the copy
+        // is staged before the call returns).
+        unsafe { result::memcpy_htod_async(dst.ptr + offset_bytes as u64, src, self.stream.cu_stream()) }
+            .map_err(|e| dev_err("memcpy HtoD", e))
+    }
+
+    /// Copies `dst.len()` values from device address `src` and waits for them.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] on driver failure (including earlier asynchronous kernel faults).
+    pub fn download<T>(&self, dst: &mut [T], src: u64) -> Result<(), BackendError> {
+        // SAFETY: the caller passes an address holding at least `dst.len()` values.
+        unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }.map_err(|e| dev_err("memcpy DtoH", e))?;
+        self.sync()
+    }
+
+    /// Waits for the stream.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] on an asynchronous kernel fault.
+    pub fn sync(&self) -> Result<(), BackendError> {
+        self.stream.synchronize().map_err(|e| dev_err("stream sync", e))
+    }
+
+    /// Row-major `y[n, out] = x[n, inp] · w[out, inp]ᵀ` (bf16 inputs, f32 accumulation, output
+    /// bf16 or f32 when `f32_out`), through `cublasGemmEx` in column-major terms:
+    /// `yᵀ = w · xᵀ` with `transa = T`.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] on cuBLAS failure.
+    pub fn gemm(&self, y: u64, x: u64, w: u64, shape: GemmShape, f32_out: bool) -> Result<(), BackendError> {
+        let GemmShape { n, out, inp } = shape;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let c_type = if f32_out { blas_sys::cudaDataType_t::CUDA_R_32F } else { blas_sys::cudaDataType_t::CUDA_R_16BF };
+        let i = |v: usize| i32::try_from(v).map_err(|_| BackendError::InvalidBatch(format!("GEMM dimension {v}")));
+        // SAFETY: the caller passes buffers of at least n·inp, out·inp and n·out elements.
+        unsafe {
+            blas_result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                i(out)?,
+                i(n)?,
+                i(inp)?,
+                (&alpha) as *const f32 as *const _,
+                w as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                i(inp)?,
+                x as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                i(inp)?,
+                (&beta) as *const f32 as *const _,
+                y as *mut _,
+                c_type,
+                i(out)?,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| dev_err("cublasGemmEx", e))
+    }
+
+    /// Fills `n` bf16 values at `ptr` with seeded uniform values in `[-scale, scale)`.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] on launch failure.
+    pub fn fill_uniform(&self, ptr: u64, n: usize, seed: u32, scale: f32) -> Result<(), BackendError> {
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(&self.k.fill_uniform);
+        b.arg(&ptr).arg(&n64).arg(&seed).arg(&scale);
+        // SAFETY: `ptr` holds n bf16 values (caller); argument types match the kernel.
+        unsafe { b.launch(grid_stride(n)) }.map(|_| ()).map_err(|e| dev_err("fill_uniform", e))
+    }
+
+    /// Fills `n` bf16 values at `ptr` with `v`.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] on launch failure.
+    pub fn fill_const(&self, ptr: u64, n: usize, v: f32) -> Result<(), BackendError> {
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(&self.k.fill_const);
+        b.arg(&ptr).arg(&n64).arg(&v);
+        // SAFETY: as for fill_uniform.
+        unsafe { b.launch(grid_stride(n)) }.map(|_| ()).map_err(|e| dev_err("fill_const", e))
+    }
+}
+
+/// GEMM problem size: `n` rows of activations, `out × inp` weight.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmShape {
+    /// Activation rows (tokens).
+    pub n: usize,
+    /// Output features.
+    pub out: usize,
+    /// Input features.
+    pub inp: usize,
+}
+
+/// A grid-stride launch over `n` elements (256 threads, at most 132·16 blocks).
+pub fn grid_stride(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 132 * 16) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// One block per row (`rows` blocks of `threads`).
+pub fn per_row(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
