@@ -7,10 +7,11 @@ use prism_worker::{Args, WorkerConfig};
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     prism_common::telemetry::init_logging();
-    let cfg = WorkerConfig::try_from(Args::parse())?;
-    let args_listen = Args::parse();
-    let grpc = tokio::net::TcpListener::bind(args_listen.listen).await?;
-    let http = tokio::net::TcpListener::bind(args_listen.http_listen).await?;
+    let args = Args::parse();
+    let (listen, http_listen) = (args.listen, args.http_listen);
+    let cfg = WorkerConfig::try_from(args)?;
+    let grpc = tokio::net::TcpListener::bind(listen).await?;
+    let http = tokio::net::TcpListener::bind(http_listen).await?;
     let shutdown = CancellationToken::new();
     let token = shutdown.clone();
     tokio::spawn(async move {

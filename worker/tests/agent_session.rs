@@ -28,7 +28,7 @@ use tonic::{Request, Response, Status, Streaming};
 struct RecordingHead {
     log: Arc<Mutex<Vec<pb::WorkerMessage>>>,
     seen: Arc<Notify>,
-    commands: Arc<Mutex<Option<mpsc::Sender<Result<pb::HeadMessage, Status>>>>>,
+    commands: Arc<Mutex<Option<(u32, mpsc::Sender<Result<pb::HeadMessage, Status>>)>>>,
     sessions: Arc<AtomicU32>,
     /// Answer every session with UNAVAILABLE naming this leader.
     follower_of: Option<String>,
@@ -54,7 +54,7 @@ impl RecordingHead {
     }
 
     async fn send(&self, m: head_message::Msg) -> Result<()> {
-        let tx = self.commands.lock().ok().and_then(|c| c.clone()).context("no worker session")?;
+        let tx = self.commands.lock().ok().and_then(|c| c.as_ref().map(|c| c.1.clone())).context("no worker session")?;
         tx.send(Ok(pb::HeadMessage { msg: Some(m) })).await.context("session closed")?;
         Ok(())
     }
@@ -96,21 +96,28 @@ impl HeadService for RecordingHead {
             }
             return Err(s);
         }
-        self.sessions.fetch_add(1, Ordering::SeqCst);
+        let session = self.sessions.fetch_add(1, Ordering::SeqCst);
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         if let Ok(mut c) = self.commands.lock() {
-            *c = Some(tx.clone());
+            *c = Some((session, tx.clone()));
         }
         let _ = tx.send(Ok(pb::HeadMessage { msg: Some(head_message::Msg::Ack(pb::RegisterAck::default())) })).await;
         let log = Arc::clone(&self.log);
         let seen = Arc::clone(&self.seen);
+        let commands = Arc::clone(&self.commands);
         tokio::spawn(async move {
             while let Ok(Some(m)) = inbound.message().await {
                 if let Ok(mut l) = log.lock() {
                     l.push(m);
                 }
                 seen.notify_waiters();
+            }
+            // The worker closed its side: close ours, as a real head does.
+            if let Ok(mut c) = commands.lock() {
+                if c.as_ref().is_some_and(|c| c.0 == session) {
+                    c.take();
+                }
             }
         });
         drop(tx);
@@ -537,5 +544,82 @@ async fn agent_reconnects_to_next_head_and_follows_leader_hint_without_restartin
     assert_eq!(toks.len(), 5);
     w.stop(Duration::from_secs(10)).await?;
     b_stop.cancel();
+    Ok(())
+}
+
+// ------------------------------------------------------------------ the binary, SIGTERM
+
+/// Kills the child on drop (a failed assertion must not leave a process behind).
+struct ChildGuard(std::process::Child);
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn agent_process_sigterm_finishes_stream_then_exits_zero() -> Result<()> {
+    let model = model_path();
+    if !model.exists() {
+        eprintln!("skipping: {} not present", model.display());
+        return Ok(());
+    }
+    let head = RecordingHead::default();
+    let stop = CancellationToken::new();
+    let addr = serve_head(head.clone(), stop.clone()).await?;
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_prism-worker"))
+        .args(["--head", &addr, "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--node-id", "proc-1"])
+        .args(["--drain-grace", "30", "--drain-margin", "5"])
+        .env("RUST_LOG", "warn")
+        .spawn()?;
+    let mut child = ChildGuard(child);
+    let inv = head
+        .wait_for(Duration::from_secs(20), |m| match &m.msg {
+            Some(worker_message::Msg::Register(i)) => Some(i.clone()),
+            _ => None,
+        })
+        .await?;
+    head.send(start_cmd("smol-p", &model.to_string_lossy())).await?;
+    head.wait_for(Duration::from_secs(180), |m| replica_state(m, "smol-p").filter(|s| s.0 == pb::ReplicaState::Ready))
+        .await?;
+    let mut client = WorkerServiceClient::connect(inv.address.clone()).await?;
+    let mut s = client.generate(generate_req("smol-p", "Once upon a time", 48)).await?.into_inner();
+    // Wait for the first token, then SIGTERM mid-stream (case C09).
+    let first = s.message().await?.context("first message")?;
+    let mut n = first.token_ids.len();
+    let status = std::process::Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status()?;
+    assert!(status.success());
+    head.wait_for(Duration::from_secs(10), |m| match &m.msg {
+        Some(worker_message::Msg::Drain(d)) if !d.done => Some(()),
+        _ => None,
+    })
+    .await?;
+    let e = client.generate(generate_req("smol-p", "x", 4)).await.err().context("terminating worker must refuse")?;
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    let mut finish = first.finish_reason;
+    while let Some(m) = s.message().await? {
+        n += m.token_ids.len();
+        finish = m.finish_reason;
+    }
+    assert_eq!(n, 48, "the in-flight stream completes");
+    assert_eq!(finish, pb::FinishReason::Length as i32);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let code = loop {
+        if let Some(st) = child.0.try_wait()? {
+            break st.code();
+        }
+        if std::time::Instant::now() > deadline {
+            bail!("worker did not exit after SIGTERM");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(code, Some(0));
+    head.wait_for(Duration::from_secs(5), |m| match &m.msg {
+        Some(worker_message::Msg::Drain(d)) if d.done => Some(()),
+        _ => None,
+    })
+    .await?;
+    stop.cancel();
     Ok(())
 }

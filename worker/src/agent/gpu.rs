@@ -43,7 +43,8 @@ pub fn discover(simulate: u32, cpu_slots: u32) -> Devices {
 #[cfg(feature = "cuda")]
 pub fn cuda_gpus() -> Vec<GpuInfo> {
     use cudarc::driver::{result, sys};
-    if !sys::is_culib_present() {
+    // SAFETY: only probes whether the driver library can be opened (no CUDA call is made).
+    if !unsafe { sys::is_culib_present() } {
         tracing::info!("CUDA driver library not found: offering CPU slots");
         return Vec::new();
     }

@@ -142,8 +142,7 @@ async fn session(agent: &Arc<Agent>, target: &str, shutdown: &CancellationToken)
     loop {
         let out = tokio::select! {
             _ = shutdown.cancelled() => {
-                // Last status (drained replicas) before leaving.
-                let _ = tx.try_send(msg(worker_message::Msg::Status(agent.status_snapshot())));
+                goodbye(agent, tx, &mut inbound).await;
                 return SessionEnd::Shutdown;
             }
             m = inbound.message() => match m {
@@ -167,6 +166,20 @@ async fn session(agent: &Arc<Agent>, target: &str, shutdown: &CancellationToken)
             }
         }
     }
+}
+
+/// Sends the last status and drain progress, half-closes the stream and waits (briefly)
+/// for the head to close its side, so the messages are delivered before the process exits.
+async fn goodbye(agent: &Agent, tx: mpsc::Sender<pb::WorkerMessage>, inbound: &mut tonic::Streaming<pb::HeadMessage>) {
+    let _ = tx.send(msg(worker_message::Msg::Status(agent.status_snapshot()))).await;
+    if let Some(d) = agent.drain_state() {
+        let _ = tx.send(msg(worker_message::Msg::Drain(d.to_proto()))).await;
+    }
+    drop(tx);
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        while let Ok(Some(_)) = inbound.message().await {}
+    })
+    .await;
 }
 
 /// Executes one command from the head.
