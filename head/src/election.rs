@@ -143,6 +143,10 @@ pub struct ElectionConfig {
 pub struct Election {
     /// Current leadership; `changed()` wakes on every transition.
     pub state: watch::Receiver<Leadership>,
+    /// The election key while this candidate leads (`None` otherwise). Its `key` and
+    /// `revision` are a fencing token: a leader-only write can add
+    /// `Compare::mod_revision(&k.key, k.revision)` so it fails once leadership is lost.
+    pub leader_key: watch::Receiver<Option<LeaderKey>>,
     /// The loop task; it ends after shutdown (having resigned and revoked its lease).
     pub task: JoinHandle<()>,
 }
@@ -152,21 +156,22 @@ pub struct Election {
 /// and on shutdown resigns and revokes the lease so a follower takes over at once.
 pub fn spawn(store: Arc<dyn StateStore>, config: ElectionConfig, shutdown: CancellationToken) -> Election {
     let (tx, rx) = watch::channel(Leadership::Follower { leader: None });
-    let task = tokio::spawn(run(store, config, tx, shutdown));
-    Election { state: rx, task }
+    let (key_tx, key_rx) = watch::channel(None);
+    let task = tokio::spawn(run(store, config, Publish { state: tx, key: key_tx }, shutdown));
+    Election { state: rx, leader_key: key_rx, task }
 }
 
-async fn run(
-    store: Arc<dyn StateStore>,
-    config: ElectionConfig,
-    tx: watch::Sender<Leadership>,
-    shutdown: CancellationToken,
-) {
+/// Where the loop publishes what it is.
+struct Publish {
+    state: watch::Sender<Leadership>,
+    key: watch::Sender<Option<LeaderKey>>,
+}
+
+async fn run(store: Arc<dyn StateStore>, config: ElectionConfig, tx: Publish, shutdown: CancellationToken) {
     let ttl_secs = i64::try_from(config.lease_ttl.as_secs().max(1)).unwrap_or(i64::MAX);
     let mut backoff = Duration::from_millis(100);
     while !shutdown.is_cancelled() {
         let outcome = term(&store, &config, ttl_secs, &tx, &shutdown).await;
-        tx.send_replace(Leadership::Follower { leader: None });
         match outcome {
             Ok(()) => backoff = Duration::from_millis(100),
             Err(e) => {
@@ -187,7 +192,7 @@ async fn term(
     store: &Arc<dyn StateStore>,
     config: &ElectionConfig,
     ttl_secs: i64,
-    tx: &watch::Sender<Leadership>,
+    tx: &Publish,
     shutdown: &CancellationToken,
 ) -> StoreResult<()> {
     let lease = store.grant_lease(ttl_secs).await?;
@@ -196,7 +201,7 @@ async fn term(
     let result = async {
         let mut observe = |v: Option<&[u8]>| {
             let leader = v.map(|b| String::from_utf8_lossy(b).into_owned());
-            tx.send_replace(Leadership::Follower { leader });
+            tx.state.send_replace(Leadership::Follower { leader });
         };
         let won = tokio::select! {
             () = shutdown.cancelled() => return Ok(()),
@@ -207,7 +212,8 @@ async fn term(
             won = campaign(store.as_ref(), &config.name, config.candidate.as_bytes(), lease, &mut observe) => won?,
         };
         tracing::info!(candidate = %config.candidate, election = %config.name, "election: became leader");
-        tx.send_replace(Leadership::Leader);
+        tx.key.send_replace(Some(won.clone()));
+        tx.state.send_replace(Leadership::Leader);
         let mut ignore = |_: Option<&[u8]>| {};
         let deposed = wait_for_deletion(store.as_ref(), &won.key, won.revision + 1, &mut ignore);
         tokio::select! {
@@ -222,7 +228,8 @@ async fn term(
         Ok(())
     }
     .await;
-    tx.send_replace(Leadership::Follower { leader: None });
+    tx.key.send_replace(None);
+    tx.state.send_replace(Leadership::Follower { leader: None });
     keep_alive_stop.cancel();
     keep_alive.abort();
     if let Err(e) = store.revoke_lease(lease).await {

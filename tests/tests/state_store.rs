@@ -253,10 +253,10 @@ async fn election_runner_fails_over(s: Store) -> Result<()> {
         let (sa, sb) = (a.state.borrow().clone(), b.state.borrow().clone());
         match (&sa, &sb) {
             (Leadership::Leader, Leadership::Follower { leader: Some(l) }) if l == "http://a:50050" => {
-                break (a, b, stop_a, "http://b:50050");
+                break (a, b, stop_a.clone(), "http://b:50050");
             }
             (Leadership::Follower { leader: Some(l) }, Leadership::Leader) if l == "http://b:50050" => {
-                break (b, a, stop_b, "http://a:50050");
+                break (b, a, stop_b.clone(), "http://a:50050");
             }
             (Leadership::Leader, Leadership::Leader) => anyhow::bail!("two leaders"),
             _ => {}
@@ -268,6 +268,12 @@ async fn election_runner_fails_over(s: Store) -> Result<()> {
     let mut follower = follower;
     tokio::time::timeout(EXPIRY_BOUND, follower.state.wait_for(Leadership::is_leader)).await??;
     ensure!(election::leader(s.as_ref(), "head").await?.as_deref() == Some(follower_addr.as_bytes()));
+    // The new leader's fencing token is the key as stored.
+    let token = follower.leader_key.borrow().clone().context("leader key published")?;
+    let stored = s.get(&keys::election("head")).await?.context("election key")?;
+    ensure!(stored.mod_revision == token.revision && stored.lease == Some(token.lease));
+    stop_b.cancel();
+    stop_a.cancel();
     Ok(())
 }
 
