@@ -416,3 +416,39 @@ async fn etcd_watch_from_compacted_revision_resyncs() -> Result<()> {
     ensure!(next_event(&mut w).await? == WatchEvent::Put { key: "/prism/v1/nodes/c".into(), value: b"C".to_vec(), mod_revision: r4 });
     Ok(())
 }
+
+/// Connecting to an address where no etcd listens fails promptly with `Unavailable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_connect_to_nothing_is_unavailable() -> Result<()> {
+    let port = prism_tests::free_port()?;
+    let started = std::time::Instant::now();
+    let r = EtcdStore::connect(&[format!("127.0.0.1:{port}")]).await;
+    ensure!(matches!(r, Err(StoreError::Unavailable(_))), "got {:?}", r.err());
+    ensure!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    Ok(())
+}
+
+/// A kept-alive lease outlives an etcd crash shorter than its TTL: the keep-alive loop
+/// rides over the outage and the bound key is still there afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_keep_alive_rides_over_a_restart() -> Result<()> {
+    let mut etcd = EtcdFixture::start().await?;
+    let store: Store = Arc::new(EtcdStore::connect(&etcd.endpoints()).await?);
+    let ttl = 10;
+    let lease = store.grant_lease(ttl).await?;
+    store.put("/prism/v1/nodes/n1", b"alive".to_vec(), Some(lease)).await?;
+    let stop = CancellationToken::new();
+    let ka = spawn_keep_alive(store.clone(), lease, ttl, stop.clone());
+    etcd.kill();
+    etcd.restart().await?;
+    wait_until(Duration::from_secs(10), "store reachable again", || async {
+        store.get("/prism/v1/nodes/n1").await.is_ok()
+    })
+    .await?;
+    ensure!(exists(&store, "/prism/v1/nodes/n1").await, "leased key survives the restart");
+    ensure!(!ka.is_finished(), "keep-alive loop still running");
+    store.keep_alive(lease).await?;
+    stop.cancel();
+    ka.await??;
+    Ok(())
+}
