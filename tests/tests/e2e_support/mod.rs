@@ -228,6 +228,8 @@ pub struct UpEndpoints {
     pub grpc: String,
     /// Head gRPC.
     pub head: String,
+    /// Worker `/metrics` URL (vLLM metric names).
+    pub worker_metrics: String,
 }
 
 /// A running `prism up` on free ports.
@@ -260,10 +262,16 @@ impl PrismUp {
         let mut http = None;
         let mut grpc = None;
         let mut head = None;
-        while http.is_none() || grpc.is_none() || head.is_none() {
+        let mut worker_metrics = None;
+        while http.is_none() || grpc.is_none() || head.is_none() || worker_metrics.is_none() {
             let line = proc.wait_for_line(Duration::from_secs(300), |l| {
-                ["OpenAI API:", "gRPC:", "Head:"].iter().any(|p| l.trim_start().starts_with(p))
+                ["OpenAI API:", "gRPC:", "Head:", "Metrics:"].iter().any(|p| l.trim_start().starts_with(p))
             })?;
+            if let Some(rest) = line.trim_start().strip_prefix("Metrics:") {
+                // router, worker, head: the worker's is the second.
+                worker_metrics = rest.split_whitespace().nth(1).map(str::to_owned);
+                continue;
+            }
             if let Some(v) = field_after(&line, "OpenAI API:") {
                 http = Some(v.trim_end_matches("/v1").to_owned());
             } else if let Some(v) = field_after(&line, "gRPC:") {
@@ -276,6 +284,7 @@ impl PrismUp {
             http: http.context("http")?,
             grpc: grpc.context("grpc")?,
             head: head.context("head")?,
+            worker_metrics: worker_metrics.context("worker metrics")?,
         };
         Ok(Self { proc, endpoints })
     }
@@ -466,4 +475,18 @@ pub async fn check_models(http: &str, served: &str) -> Result<()> {
         models["data"].as_array().context("data")?.iter().filter_map(|m| m["id"].as_str()).collect();
     assert_eq!(listed, [served], "/v1/models: {models}");
     Ok(())
+}
+
+/// The sum of every sample of `metric` (all label sets) in Prometheus text `body`.
+pub fn metric_sum(body: &str, metric: &str) -> Option<f64> {
+    let mut found = None;
+    for line in body.lines().filter(|l| !l.starts_with('#')) {
+        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+        if &line[..name_end] != metric {
+            continue;
+        }
+        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok())?;
+        found = Some(found.unwrap_or(0.0) + value);
+    }
+    found
 }
