@@ -81,7 +81,6 @@ struct ReqState {
     deadline: Option<Instant>,
     arrival: Instant,
     first_token_at: Option<Instant>,
-    last_reason: FinishReason,
 }
 
 /// State owned by the step thread.
@@ -241,7 +240,6 @@ impl EngineCore {
                 deadline: r.deadline,
                 arrival: r.arrival,
                 first_token_at: None,
-                last_reason: FinishReason::Abort,
             },
         );
     }
@@ -379,7 +377,6 @@ impl EngineCore {
         out.finish_reason = Some(reason);
         let Some(r) = self.reqs.get_mut(&s.req) else { return };
         r.unfinished = r.unfinished.saturating_sub(1);
-        r.last_reason = reason;
         if r.unfinished == 0 {
             out.usage = Some(Usage { prompt_tokens: r.prompt_len as u32, completion_tokens: r.completion_tokens });
             self.stats.count_finished(reason);

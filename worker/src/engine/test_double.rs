@@ -153,8 +153,11 @@ mod tests {
         }
     }
 
-    /// Drains a stream; returns per-choice (tokens, text, finish) and the usage.
-    fn drain(mut s: OutputStream) -> (Vec<(Vec<u32>, String, Option<FinishReason>)>, Vec<EngineOutput>) {
+    /// One choice: (tokens, text, finish reason).
+    type Choice = (Vec<u32>, String, Option<FinishReason>);
+
+    /// Drains a stream; returns per-choice results and every output.
+    fn drain(mut s: OutputStream) -> (Vec<Choice>, Vec<EngineOutput>) {
         let mut all = Vec::new();
         while let Some(o) = s.blocking_recv() {
             all.push(o);
