@@ -623,3 +623,35 @@ async fn agent_process_sigterm_finishes_stream_then_exits_zero() -> Result<()> {
     stop.cancel();
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn agent_spot_notice_file_starts_drain_before_termination_time() -> Result<()> {
+    let head = RecordingHead::default();
+    let stop = CancellationToken::new();
+    let addr = serve_head(head.clone(), stop.clone()).await?;
+    let dir = tempfile::tempdir()?;
+    let notice = dir.path().join("spot-notice");
+    let mut cfg = WorkerConfig::for_test(addr, "node-s");
+    cfg.spot_notice_file = Some(notice.clone());
+    let w = ready_worker(&head, cfg).await?;
+    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
+    // Termination 10 s ahead; the drain deadline keeps the 2 s margin.
+    std::fs::write(&notice, (now_s + 10).to_string())?;
+    let d = head
+        .wait_for(Duration::from_secs(5), |m| match &m.msg {
+            Some(worker_message::Msg::Drain(d)) => Some(d.clone()),
+            _ => None,
+        })
+        .await?;
+    assert!(d.deadline_unix_ms <= (now_s + 8) * 1000 + 1000, "deadline before termination minus margin: {d:?}");
+    assert!(d.reason.contains("spot"));
+    // Idle node: the drain finishes long before the termination time.
+    head.wait_for(Duration::from_secs(5), |m| match &m.msg {
+        Some(worker_message::Msg::Drain(d)) if d.done => Some(()),
+        _ => None,
+    })
+    .await?;
+    w.stop(Duration::from_secs(10)).await?;
+    stop.cancel();
+    Ok(())
+}
