@@ -179,8 +179,10 @@ impl EngineCore {
                 if let Err(e) = self.step() {
                     tracing::error!(error = %e, backend = self.backend.name(), "engine step failed; failing all requests");
                     self.stats.alive.store(false, Ordering::Relaxed);
+                    // Dropping the senders ends every stream without a finish reason.
                     self.reqs.clear();
                     self.seqs.clear();
+                    self.stats.in_flight.store(0, Ordering::Relaxed);
                     self.publish();
                     return;
                 }
