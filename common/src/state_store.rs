@@ -181,6 +181,11 @@ pub enum StoreError {
     Internal(String),
 }
 
+/// Most compares, and most operations per branch, one transaction may carry (etcd's default
+/// `--max-txn-ops`); both stores reject larger transactions with
+/// [`StoreError::InvalidArgument`]. Split bigger batches into several transactions.
+pub const MAX_TXN_OPS: usize = 128;
+
 /// Result alias for state store operations.
 pub type StoreResult<T> = Result<T, StoreError>;
 
@@ -206,7 +211,8 @@ pub trait StateStore: Send + Sync + 'static {
     /// Applies a transaction atomically.
     ///
     /// # Errors
-    /// [`StoreError::LeaseNotFound`] when a put names a missing lease.
+    /// [`StoreError::LeaseNotFound`] when a put names a missing lease;
+    /// [`StoreError::InvalidArgument`] when a list holds more than [`MAX_TXN_OPS`] entries.
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResult>;
 
     /// Grants a lease with a time-to-live in seconds (etcd may round a small TTL up).

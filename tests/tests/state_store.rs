@@ -6,7 +6,7 @@
 use anyhow::{Context, Result, ensure};
 use futures::StreamExt;
 use prism_common::state_store::{
-    Compare, EmbeddedStore, StateStore, StoreError, Txn, TxnOp, WatchEvent, WatchStream, keys,
+    Compare, EmbeddedStore, MAX_TXN_OPS, StateStore, StoreError, Txn, TxnOp, WatchEvent, WatchStream, keys,
     spawn_keep_alive,
 };
 use prism_head::election::{self, ElectionConfig, Leadership};
@@ -98,6 +98,18 @@ async fn txn_compare_mod_revision(s: Store) -> Result<()> {
     let r4 = s.txn(cas(created.mod_revision, "stale")).await?;
     ensure!(!r4.succeeded, "stale CAS fails");
     ensure!(s.get(k).await?.context("unchanged")?.value == b"cas");
+    Ok(())
+}
+
+async fn txn_size_limit(s: Store) -> Result<()> {
+    let puts = |n: usize| (0..n).map(|i| TxnOp::put(format!("/prism/v1/replicas/big/{i}"), b"r")).collect::<Vec<_>>();
+    let r = s.txn(Txn { success: puts(MAX_TXN_OPS), ..Txn::default() }).await?;
+    ensure!(r.succeeded);
+    ensure!(s.list("/prism/v1/replicas/big/").await?.0.len() == MAX_TXN_OPS);
+    match s.txn(Txn { success: puts(MAX_TXN_OPS + 1), ..Txn::default() }).await {
+        Err(StoreError::InvalidArgument(_)) => {}
+        other => anyhow::bail!("oversized txn: {other:?}"),
+    }
     Ok(())
 }
 
@@ -309,6 +321,7 @@ conformance!(
     crud,
     list_prefix,
     txn_compare_mod_revision,
+    txn_size_limit,
     concurrent_cas_one_winner,
     lease_expiry_deletes_keys,
     keep_alive_keeps_keys,

@@ -11,7 +11,7 @@
 //! continues from the snapshot, and watches from revisions before the reopen get a `Resync`.
 
 use super::{
-    Compare, LeaseId, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, TxnResult,
+    Compare, LeaseId, MAX_TXN_OPS, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, TxnResult,
     Versioned, WatchEvent, WatchStream,
 };
 use async_trait::async_trait;
@@ -373,6 +373,12 @@ impl StateStore for EmbeddedStore {
     }
 
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResult> {
+        let longest = txn.compares.len().max(txn.success.len()).max(txn.failure.len());
+        if longest > MAX_TXN_OPS {
+            return Err(StoreError::InvalidArgument(format!(
+                "transaction with {longest} operations (at most {MAX_TXN_OPS})"
+            )));
+        }
         let mut state = self.inner.lock();
         let succeeded = txn.compares.iter().all(|c| state.holds(c));
         let ops = if succeeded { txn.success } else { txn.failure };
