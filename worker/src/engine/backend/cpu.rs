@@ -16,7 +16,7 @@ use super::{Backend, BackendError, Logits, StepBatch};
 use crate::engine::EngineError;
 use crate::engine::model::{LlamaWeights, ModelConfig};
 use attention::{AttnShape, TokenCtx, paged_attention};
-use ops::{MatmulScratch, matmul_t, rms_norm, rope_apply, rope_tables, silu_mul};
+use ops::{GEMV_MAX_ROWS, MatmulScratch, gemv_f16, matmul_t, rms_norm, rope_apply, rope_tables, silu_mul, to_f16_bits};
 
 /// Sums a buffer element-wise across tensor-parallel ranks (NCCL's all-reduce on CUDA;
 /// shared memory in tests). Every rank calls it with the same shape in the same order.
@@ -28,15 +28,38 @@ pub trait AllReduce: Send {
     fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), BackendError>;
 }
 
+/// A `[out, in]` weight in f32, plus an optional f16 copy used for decode-sized batches.
+struct Weight {
+    f32: Vec<f32>,
+    f16: Vec<u16>,
+    out: usize,
+    inp: usize,
+}
+
+impl Weight {
+    fn new(f32: Vec<f32>, out: usize, inp: usize) -> Self {
+        Self { f32, f16: Vec::new(), out, inp }
+    }
+
+    /// `y[n, out] = x[n, inp] · Wᵀ`.
+    fn mm(&self, x: &[f32], n: usize, y: &mut [f32], scratch: &mut MatmulScratch) {
+        if n <= GEMV_MAX_ROWS && !self.f16.is_empty() {
+            gemv_f16(x, n, &self.f16, self.out, self.inp, y, scratch);
+        } else {
+            matmul_t(x, n, &self.f32, self.out, self.inp, y, scratch);
+        }
+    }
+}
+
 struct Layer {
     input_norm: Vec<f32>,
     /// `[q + 2·kv, hidden]`: q_proj, k_proj, v_proj rows stacked.
-    qkv: Vec<f32>,
-    o_proj: Vec<f32>,
+    qkv: Weight,
+    o_proj: Weight,
     post_norm: Vec<f32>,
     /// `[2·inter, hidden]`: gate_proj then up_proj rows.
-    gate_up: Vec<f32>,
-    down: Vec<f32>,
+    gate_up: Weight,
+    down: Weight,
 }
 
 #[derive(Default)]
@@ -66,7 +89,8 @@ pub struct CpuBackend {
     vocab: usize,
     inv_freq: Vec<f32>,
     embed: Vec<f32>,
-    lm_head: Option<Vec<f32>>,
+    /// `[vocab, hidden]` output projection (a copy of the embedding when tied).
+    lm_head: Weight,
     norm: Vec<f32>,
     layers: Vec<Layer>,
     block_size: usize,
@@ -122,7 +146,8 @@ impl CpuBackend {
                 message: format!("KV budget {kv_cache_bytes} B holds no block of {block_size} tokens ({per_token} B/token)"),
             });
         }
-        let lm_head = weights.lm_head.as_ref().map(|l| l.data.clone());
+        let vocab = weights.embed_tokens.out_features;
+        let lm_head = Weight::new(weights.lm_head.as_ref().map_or_else(|| weights.embed_tokens.data.clone(), |l| l.data.clone()), vocab, hidden);
         let layers = weights
             .layers
             .into_iter()
@@ -132,13 +157,14 @@ impl CpuBackend {
                 qkv.extend_from_slice(&l.v_proj.data);
                 let mut gate_up = l.gate_proj.data;
                 gate_up.extend_from_slice(&l.up_proj.data);
+                let qkv_out = l.q_proj.out_features + 2 * l.k_proj.out_features;
                 Layer {
                     input_norm: l.input_layernorm,
-                    qkv,
-                    o_proj: l.o_proj.data,
+                    qkv: Weight::new(qkv, qkv_out, hidden),
+                    o_proj: Weight::new(l.o_proj.data, hidden, l.o_proj.in_features),
                     post_norm: l.post_attention_layernorm,
-                    gate_up,
-                    down: l.down_proj.data,
+                    gate_up: Weight::new(gate_up, 2 * inter, hidden),
+                    down: Weight::new(l.down_proj.data, hidden, inter),
                 }
             })
             .collect();
@@ -150,7 +176,7 @@ impl CpuBackend {
             inter,
             head_dim: hd,
             eps: config.rms_norm_eps,
-            vocab: weights.embed_tokens.out_features,
+            vocab,
             inv_freq: config.rope_inv_freq(),
             embed: weights.embed_tokens.data,
             lm_head,
@@ -163,6 +189,22 @@ impl CpuBackend {
             all_reduce: None,
             s: Scratch::default(),
         })
+    }
+
+    /// Keeps an f16 copy of every weight matrix and uses it for batches of up to
+    /// [`GEMV_MAX_ROWS`] tokens (decode), halving the bytes read per token on this
+    /// memory-bound path; prefill stays f32. Costs half the f32 weight memory again and
+    /// rounds weights to f16 (≈1e-3 relative), so greedy outputs may differ from the
+    /// f32 reference at near-ties. Off by default.
+    pub fn with_f16_decode_weights(mut self) -> Self {
+        let mut all: Vec<&mut Weight> = vec![&mut self.lm_head];
+        for l in &mut self.layers {
+            all.extend([&mut l.qkv, &mut l.o_proj, &mut l.gate_up, &mut l.down]);
+        }
+        for w in all {
+            w.f16 = to_f16_bits(&w.f32);
+        }
+        self
     }
 
     /// Installs the all-reduce used after o_proj and down_proj (tensor-parallel shards).
@@ -246,7 +288,7 @@ impl Backend for CpuBackend {
         let shape = AttnShape { q_heads: self.q_heads, kv_heads: self.kv_heads, head_dim: hd, block_size: self.block_size };
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&s.x, &layer.input_norm, self.eps, &mut s.h);
-            matmul_t(&s.h, n, &layer.qkv, qkv_dim, h, &mut s.qkv, &mut s.mm);
+            layer.qkv.mm(&s.h, n, &mut s.qkv, &mut s.mm);
             let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
             for t in 0..n {
                 let row = &mut s.qkv[t * qkv_dim..(t + 1) * qkv_dim];
@@ -257,15 +299,15 @@ impl Backend for CpuBackend {
                 vc[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
             }
             paged_attention(shape, &s.qkv, qkv_dim, &tokens, kc, vc, &mut s.attn);
-            matmul_t(&s.attn, n, &layer.o_proj, h, q_dim, &mut s.proj, &mut s.mm);
+            layer.o_proj.mm(&s.attn, n, &mut s.proj, &mut s.mm);
             Self::reduce(&mut self.all_reduce, &mut s.proj)?;
             for (x, p) in s.x.iter_mut().zip(&s.proj) {
                 *x += p;
             }
             rms_norm(&s.x, &layer.post_norm, self.eps, &mut s.h);
-            matmul_t(&s.h, n, &layer.gate_up, 2 * inter, h, &mut s.gate_up, &mut s.mm);
+            layer.gate_up.mm(&s.h, n, &mut s.gate_up, &mut s.mm);
             silu_mul(&s.gate_up, inter, &mut s.act);
-            matmul_t(&s.act, n, &layer.down, h, inter, &mut s.proj, &mut s.mm);
+            layer.down.mm(&s.act, n, &mut s.proj, &mut s.mm);
             Self::reduce(&mut self.all_reduce, &mut s.proj)?;
             for (x, p) in s.x.iter_mut().zip(&s.proj) {
                 *x += p;
@@ -281,8 +323,7 @@ impl Backend for CpuBackend {
         }
         rms_norm(&s.last, &self.norm, self.eps, &mut s.h[..rows * h]);
         let mut data = vec![0f32; rows * self.vocab];
-        let head = self.lm_head.as_deref().unwrap_or(&self.embed);
-        matmul_t(&s.h[..rows * h], rows, head, self.vocab, h, &mut data, &mut s.mm);
+        self.lm_head.mm(&s.h[..rows * h], rows, &mut data, &mut s.mm);
         Ok(Logits { rows, vocab_size: self.vocab, data })
     }
 

@@ -254,3 +254,130 @@ mod tests {
         assert!((y[0] - 3.0 / r).abs() < 1e-6 && (y[1] - 8.0 / r).abs() < 1e-6);
     }
 }
+
+/// Dot product of f16 weights (raw IEEE half bits) with f32 activations.
+#[inline]
+pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma() && std::is_x86_feature_detected!("f16c") {
+            // SAFETY: AVX2, FMA and F16C are present (checked above).
+            return unsafe { dot_f16_avx2(w, x) };
+        }
+    }
+    w.iter().zip(x).map(|(&h, &v)| half::f16::from_bits(h).to_f32() * v).sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_f16_avx2(w: &[u16], x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = w.len().min(x.len());
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY: every load reads 8 elements at `i + 8k` with `i + 32 <= n` (or `i + 8 <= n`
+    // below), inside both slices; unaligned loads are used throughout.
+    unsafe {
+        while i + 32 <= n {
+            for (k, a) in acc.iter_mut().enumerate() {
+                let wv = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(i + 8 * k).cast::<__m128i>()));
+                *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(i + 8 * k)), *a);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            let wv = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(i).cast::<__m128i>()));
+            acc[0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(i)), acc[0]);
+            i += 8;
+        }
+        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let hi = _mm256_extractf128_ps(s, 1);
+        let q = _mm_add_ps(_mm256_castps256_ps128(s), hi);
+        let q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        let q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+        let mut total = _mm_cvtss_f32(q);
+        while i < n {
+            total += half::f16::from_bits(w[i]).to_f32() * x[i];
+            i += 1;
+        }
+        total
+    }
+}
+
+/// Converts f32 weights to f16 bits (round to nearest) for [`gemv_f16`].
+pub fn to_f16_bits(w: &[f32]) -> Vec<u16> {
+    w.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect()
+}
+
+/// `y[n, out] = x[n, inp] · w[out, inp]ᵀ` with f16 weights, for small `n` (decode): each
+/// weight row is read once for all `n` tokens; rayon over weight rows.
+pub fn gemv_f16(x: &[f32], n: usize, w: &[u16], out: usize, inp: usize, y: &mut [f32], scratch: &mut MatmulScratch) {
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = (out / (threads * 8)).max(16);
+    let yt = &mut scratch.yt;
+    yt.resize(out * n, 0.0);
+    yt.par_chunks_mut(chunk * n).enumerate().for_each(|(c, ys)| {
+        let base = c * chunk;
+        for (j, yrow) in ys.chunks_exact_mut(n).enumerate() {
+            let r = base + j;
+            let wr = &w[r * inp..(r + 1) * inp];
+            for (t, yv) in yrow.iter_mut().enumerate() {
+                *yv = dot_f16(wr, &x[t * inp..(t + 1) * inp]);
+            }
+        }
+    });
+    for t in 0..n {
+        for (j, v) in y[t * out..(t + 1) * out].iter_mut().enumerate() {
+            *v = yt[j * n + t];
+        }
+    }
+}
+
+#[cfg(test)]
+mod f16_tests {
+    use super::*;
+
+    #[test]
+    fn gemv_f16_matches_f32_on_representable_weights() {
+        let (out, inp, n) = (40, 77, 3);
+        let w: Vec<f32> = (0..out * inp).map(|i| ((i * 7 % 64) as f32 - 32.0) / 64.0).collect();
+        let x: Vec<f32> = (0..n * inp).map(|i| ((i * 5 % 17) as f32 - 8.0) / 8.0).collect();
+        let (mut a, mut b) = (vec![0f32; n * out], vec![0f32; n * out]);
+        let mut s = MatmulScratch::default();
+        matmul_t(&x, n, &w, out, inp, &mut a, &mut s);
+        gemv_f16(&x, n, &to_f16_bits(&w), out, inp, &mut b, &mut s);
+        for (p, q) in a.iter().zip(&b) {
+            assert!((p - q).abs() < 1e-4, "{p} vs {q}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod bench {
+    use super::*;
+
+    #[test]
+    #[ignore = "micro-benchmark"]
+    fn gemm_gflops() {
+        let (n, out, inp) = (512, 1536, 576);
+        let x = vec![0.5f32; n * inp];
+        let w = vec![0.25f32; out * inp];
+        let mut y = vec![0f32; n * out];
+        let mut s = MatmulScratch::default();
+        let t = std::time::Instant::now();
+        for _ in 0..5 {
+            matmul_t(&x, n, &w, out, inp, &mut y, &mut s);
+        }
+        let dt = t.elapsed().as_secs_f64();
+        eprintln!("gemm path: {:.1} GFLOPS", 5.0 * 2.0 * (n * out * inp) as f64 / dt / 1e9);
+        let t = std::time::Instant::now();
+        for c in 0..(n / 8) {
+            let xs = &x[c * 8 * inp..(c + 1) * 8 * inp];
+            let mut yy = vec![0f32; 8 * out];
+            matmul_t(xs, 8, &w, out, inp, &mut yy, &mut s);
+        }
+        let dt = t.elapsed().as_secs_f64();
+        eprintln!("gemv-8 path: {:.1} GFLOPS", 2.0 * (n * out * inp) as f64 / dt / 1e9);
+    }
+}
