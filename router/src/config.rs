@@ -28,13 +28,13 @@ pub struct Args {
     #[arg(long = "head", env = "PRISM_HEAD", value_delimiter = ',')]
     pub head: Vec<String>,
     /// HTTP listen address (OpenAI API, /health, /healthz, /readyz, /metrics).
-    #[arg(long = "http-listen", env = "PRISM_HTTP_LISTEN", default_value = "0.0.0.0:8000")]
+    #[arg(long = "http-listen", env = "PRISM_ROUTER_HTTP_LISTEN", default_value = "0.0.0.0:8000")]
     pub http_listen: SocketAddr,
     /// HTTP port; overrides the port of --http-listen when set (vLLM's `--port`).
-    #[arg(long = "port", env = "PRISM_PORT")]
+    #[arg(long = "port", env = "PRISM_ROUTER_PORT")]
     pub port: Option<u16>,
     /// gRPC listen address (`prism.v1.InferenceService`, health, reflection).
-    #[arg(long = "grpc-listen", env = "PRISM_GRPC_LISTEN", default_value = "0.0.0.0:50051")]
+    #[arg(long = "grpc-listen", env = "PRISM_ROUTER_GRPC_LISTEN", default_value = "0.0.0.0:50051")]
     pub grpc_listen: SocketAddr,
     /// Accepted API key (repeatable); when none is given, requests need no key.
     #[arg(long = "api-key", env = "PRISM_API_KEY", value_delimiter = ',')]

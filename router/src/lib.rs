@@ -64,7 +64,24 @@ pub async fn run(
     };
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<InferenceServiceServer<grpc::InferenceApi>>().await;
+    // grpc.health.v1 follows readiness: SERVING while at least one replica is Ready.
+    let health_task = {
+        let routes = routes.clone();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
+            loop {
+                tokio::select! { _ = stop.cancelled() => break, _ = tick.tick() => {} }
+                if routes.snapshot().any_ready() {
+                    health_reporter.set_serving::<InferenceServiceServer<grpc::InferenceApi>>().await;
+                    health_reporter.set_service_status("", tonic_health::ServingStatus::Serving).await;
+                } else {
+                    health_reporter.set_not_serving::<InferenceServiceServer<grpc::InferenceApi>>().await;
+                    health_reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+                }
+            }
+        })
+    };
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(prism_common::proto::FILE_DESCRIPTOR_SET)
         .build_v1()?;
@@ -79,6 +96,7 @@ pub async fn run(
         );
     let (h, g) = tokio::join!(http, grpc);
     watch.abort();
+    health_task.abort();
     h?;
     g?;
     Ok(())

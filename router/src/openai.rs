@@ -427,9 +427,14 @@ async fn health(State(state): State<HttpState>) -> Response {
     }
 }
 
+/// Readiness (issue 8): at least one Ready replica in the route table, so a Kubernetes
+/// Service only reaches routers that can serve.
 async fn readyz(State(state): State<HttpState>) -> Response {
-    if state.dispatcher.routes().snapshot().loaded {
+    let snap = state.dispatcher.routes().snapshot();
+    if snap.any_ready() {
         (StatusCode::OK, "ready").into_response()
+    } else if snap.loaded {
+        (StatusCode::SERVICE_UNAVAILABLE, "no ready replica").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "no route table yet").into_response()
     }

@@ -201,29 +201,50 @@ impl Agent {
         pb::WorkerStatus { replicas }
     }
 
-    /// Load reports of the loaded replicas. Also turns Ready replicas whose engine died
-    /// into Failed (reported with the next status).
-    pub fn load_reports(&self) -> pb::LoadReports {
-        let mut reports = Vec::new();
+    /// Why `r`'s engine is unhealthy, if it is: its step thread is dead, or it has held work
+    /// without completing a step for longer than `--engine-stall-timeout`.
+    pub fn engine_problem(&self, r: &Replica) -> Option<String> {
+        let engine = r.engine()?;
+        if !engine.is_alive() {
+            return Some("engine thread is not running".to_owned());
+        }
+        match engine.stalled_for() {
+            Some(d) if d > self.cfg.engine_stall_timeout => {
+                Some(format!("engine has not completed a step for {:.1}s while it had work", d.as_secs_f64()))
+            }
+            _ => None,
+        }
+    }
+
+    /// Turns Ready / Draining replicas whose engine died or stalled into Failed: their
+    /// remaining requests are aborted (streams end UNAVAILABLE, so routers migrate them) and
+    /// the head hears it with the next status, which takes them out of the routes. Called
+    /// by the health loop (every 500 ms) and before each load report.
+    pub fn check_engines(&self) {
         for r in self.replicas.all() {
             let (state, _) = r.state();
-            if matches!(state, ReplicaState::Ready | ReplicaState::Draining)
-                && r.engine().is_some_and(|e| !e.is_alive())
-                && r.set_state(ReplicaState::Failed, "engine thread is not running")
+            if !matches!(state, ReplicaState::Ready | ReplicaState::Draining) {
+                continue;
+            }
+            if let Some(why) = self.engine_problem(&r)
+                && r.set_state(ReplicaState::Failed, why.clone())
             {
-                tracing::warn!(replica = %r.id, "engine died: replica failed");
+                tracing::warn!(replica = %r.id, reason = %why, "engine unhealthy: replica failed");
                 r.abort.cancel();
                 self.changed();
             }
-            if let Some(l) = r.load_report() {
-                reports.push(l);
-            }
         }
+    }
+
+    /// Load reports of the loaded replicas (after [`Agent::check_engines`]).
+    pub fn load_reports(&self) -> pb::LoadReports {
+        self.check_engines();
+        let reports = self.replicas.all().iter().filter_map(|r| r.load_report()).collect();
         pb::LoadReports { reports }
     }
 
-    /// Readiness: registered, not draining, and every replica Ready with a live engine.
-    /// Returns the reasons when not ready.
+    /// Readiness: registered, not draining, and every replica Ready with a live engine that
+    /// is not stalled (see [`Agent::engine_problem`]). Returns the reasons when not ready.
     pub fn readiness(&self) -> Result<(), Vec<String>> {
         let mut why = Vec::new();
         if !self.is_registered() {
@@ -234,8 +255,13 @@ impl Agent {
         }
         for r in self.replicas.all() {
             let (state, reason) = r.state();
-            let alive = r.engine().is_some_and(|e| e.is_alive());
-            if state != ReplicaState::Ready || !alive {
+            let problem = if r.engine().is_none() {
+                Some("engine not loaded".to_owned())
+            } else {
+                self.engine_problem(&r)
+            };
+            if state != ReplicaState::Ready || problem.is_some() {
+                let reason = problem.unwrap_or(reason);
                 why.push(format!("replica {} is {} {}", r.id, state.as_str_name(), reason).trim_end().to_owned());
             }
         }

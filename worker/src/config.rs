@@ -17,11 +17,11 @@ pub struct Args {
     pub head: Vec<String>,
 
     /// gRPC listen address (WorkerService + grpc.health.v1).
-    #[arg(long, env = "PRISM_LISTEN", default_value = "0.0.0.0:50061")]
+    #[arg(long, env = "PRISM_WORKER_LISTEN", default_value = "0.0.0.0:50061")]
     pub listen: SocketAddr,
 
     /// HTTP listen address (`/healthz`, `/readyz`, `/metrics`).
-    #[arg(long, env = "PRISM_HTTP_LISTEN", default_value = "0.0.0.0:8082")]
+    #[arg(long, env = "PRISM_WORKER_HTTP_LISTEN", default_value = "0.0.0.0:8082")]
     pub http_listen: SocketAddr,
 
     /// Endpoint routers dial for this worker, e.g. `http://10.0.0.5:50061`. Default: derived
@@ -57,7 +57,7 @@ pub struct Args {
     pub drain_margin: f64,
 
     /// Default KV-cache budget in bytes for CPU replicas whose engine config leaves it at 0.
-    #[arg(long, env = "PRISM_KV_CACHE_BYTES", default_value_t = 256 * 1024 * 1024)]
+    #[arg(long, env = "PRISM_WORKER_KV_CACHE_BYTES", default_value_t = 256 * 1024 * 1024)]
     pub kv_cache_bytes: u64,
 
     /// Spot-termination notice URL, polled once a second; a 200 answer (a termination time,
@@ -69,6 +69,21 @@ pub struct Args {
     /// RFC 3339 time, unix seconds, or empty) the drain starts.
     #[arg(long, env = "PRISM_SPOT_NOTICE_FILE")]
     pub spot_notice_file: Option<PathBuf>,
+
+    /// Seconds an engine may hold work without completing a step before its replica counts
+    /// as stalled: readiness (`/readyz`, `grpc.health.v1`) fails and the replica is reported
+    /// Failed to the head, which takes it out of the routes. A dead engine thread is detected
+    /// at once, whatever this says. CPU steps of long prompt chunks take seconds (raise it
+    /// there); on GPUs a step takes milliseconds, so 5 is a good value.
+    #[arg(long, env = "PRISM_WORKER_ENGINE_STALL_TIMEOUT", default_value_t = 60.0)]
+    pub engine_stall_timeout: f64,
+
+    /// Serve the fault-injection endpoints on the HTTP port (`POST
+    /// /debug/replicas/{id}/kill-engine` ends a replica's engine step thread, `POST
+    /// /debug/replicas/{id}/stall-engine?seconds=N` freezes it) for tests and chaos drills.
+    /// Off by default; never enable it on a port clients can reach.
+    #[arg(long, env = "PRISM_WORKER_ENABLE_FAULT_INJECTION", default_value_t = false)]
+    pub enable_fault_injection: bool,
 }
 
 /// Invalid flag values.
@@ -88,6 +103,9 @@ pub enum ConfigError {
         /// Margin seconds.
         margin: f64,
     },
+    /// `--engine-stall-timeout` is not a positive number of seconds.
+    #[error("--engine-stall-timeout ({0}s) must be a positive number of seconds")]
+    BadStallTimeout(f64),
     /// A node id that is empty or not a DNS-1123-ish name.
     #[error("node id {0:?} must be non-empty and contain only [A-Za-z0-9._-]")]
     BadNodeId(String),
@@ -122,6 +140,10 @@ pub struct WorkerConfig {
     pub load_interval: Duration,
     /// Longest pause between reconnect attempts to the head.
     pub max_backoff: Duration,
+    /// Work held this long without a completed step makes a replica stalled (not ready, Failed).
+    pub engine_stall_timeout: Duration,
+    /// Whether the `/debug/replicas/{id}/…` fault-injection endpoints are served.
+    pub enable_fault_injection: bool,
 }
 
 impl WorkerConfig {
@@ -141,6 +163,8 @@ impl WorkerConfig {
             spot_notice_file: None,
             load_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(2),
+            engine_stall_timeout: Duration::from_secs(60),
+            enable_fault_injection: false,
         }
     }
 }
@@ -188,6 +212,10 @@ impl TryFrom<Args> for WorkerConfig {
         if !(grace.is_finite() && margin.is_finite() && margin >= 0.0 && grace > margin) {
             return Err(ConfigError::BadDrain { grace, margin });
         }
+        let stall = a.engine_stall_timeout;
+        if !(stall.is_finite() && stall > 0.0) {
+            return Err(ConfigError::BadStallTimeout(stall));
+        }
         let node_id = a.node_id.unwrap_or_else(hostname);
         let valid = !node_id.is_empty()
             && node_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
@@ -208,6 +236,8 @@ impl TryFrom<Args> for WorkerConfig {
             spot_notice_file: a.spot_notice_file,
             load_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(5),
+            engine_stall_timeout: Duration::from_secs_f64(stall),
+            enable_fault_injection: a.enable_fault_injection,
         })
     }
 }
@@ -253,5 +283,15 @@ mod tests {
             Err(ConfigError::BadDrain { .. })
         ));
         assert!(matches!(parse(&["--node-id", "a b"]), Err(ConfigError::BadNodeId(_))));
+        assert!(matches!(parse(&["--engine-stall-timeout", "0"]), Err(ConfigError::BadStallTimeout(_))));
+    }
+
+    #[test]
+    fn fault_injection_is_off_by_default() -> anyhow::Result<()> {
+        assert!(!parse(&[])?.enable_fault_injection);
+        let c = parse(&["--enable-fault-injection", "--engine-stall-timeout", "2.5"])?;
+        assert!(c.enable_fault_injection);
+        assert_eq!(c.engine_stall_timeout, Duration::from_millis(2500));
+        Ok(())
     }
 }

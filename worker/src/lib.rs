@@ -84,6 +84,7 @@ pub async fn run_with_launcher(
             let mut tick = tokio::time::interval(Duration::from_millis(500));
             loop {
                 tokio::select! { _ = stop.cancelled() => break, _ = tick.tick() => {} }
+                agent.check_engines();
                 let st = if agent.readiness().is_ok() { ServingStatus::Serving } else { ServingStatus::NotServing };
                 health_reporter.set_service_status("", st).await;
                 health_reporter.set_service_status(WORKER_SERVICE_NAME, st).await;

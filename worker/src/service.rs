@@ -164,11 +164,13 @@ async fn forward(
             _ = replica.abort.cancelled() => {
                 let _ = tx.send(Err(Status::unavailable("replica stopped: request handed back for migration"))).await;
                 tracing::debug!(request = %request_id, "aborted by replica stop");
-                return;
+                finish = None;
+                break;
             }
             _ = tx.closed() => {
                 tracing::debug!(request = %request_id, "client left: aborting");
-                return;
+                finish = None;
+                break;
             }
         };
         let Some(o) = next else { break };
@@ -193,12 +195,17 @@ async fn forward(
         let done = o.usage.is_some();
         if tx.send(Ok(output_to_proto(&request_id, o, original_prompt_tokens))).await.is_err() {
             tracing::debug!(request = %request_id, "client left: aborting");
-            return;
+            if !done {
+                finish = None;
+            }
+            break;
         }
         if done {
             break;
         }
     }
+    // A request that ends without the engine's finish reason (client gone, replica
+    // stopped, engine failure) counts as `abort`, as vLLM counts it.
     let reason = finish.unwrap_or(FinishReason::Abort);
     metrics.finish(&model, arrived.elapsed().as_secs_f64(), prompt_tokens, generated, reason.as_str());
 }
@@ -258,11 +265,13 @@ impl WorkerService for WorkerGrpc {
             .iter()
             .map(|r| {
                 let (state, reason) = r.state();
-                let alive = r.engine().is_some_and(|e| e.is_alive());
+                let problem = self.agent.engine_problem(r);
                 let load = r.engine().map(|e| e.load()).unwrap_or_default();
+                let ready = state == pb::ReplicaState::Ready && r.engine().is_some() && problem.is_none();
+                let reason = problem.unwrap_or(reason);
                 pb::ReplicaHealth {
                     replica_id: r.id.0.clone(),
-                    ready: state == pb::ReplicaState::Ready && alive,
+                    ready,
                     reason: if reason.is_empty() { state.as_str_name().to_owned() } else { reason },
                     running: load.running,
                     waiting: load.waiting,

@@ -2,10 +2,11 @@
 //! engine crate's `EngineHandle` and adapts it to [`ReplicaEngine`].
 
 use super::replica::{EngineLauncher, EngineLoad, LaunchSpec, OutputStream, Placement, ReplicaEngine};
-use crate::engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest};
+use crate::engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault};
 use futures::StreamExt;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 impl ReplicaEngine for EngineHandle {
     fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError> {
@@ -28,6 +29,18 @@ impl ReplicaEngine for EngineHandle {
 
     fn shutdown(&self) {
         EngineHandle::shutdown(self);
+    }
+
+    fn stalled_for(&self) -> Option<Duration> {
+        let s = self.stats();
+        if s.requests_in_flight == 0 {
+            return None;
+        }
+        s.last_step_ok_at.map(|t| t.elapsed())
+    }
+
+    fn inject_fault(&self, fault: Fault) -> Result<(), EngineError> {
+        EngineHandle::inject_fault(self, fault)
     }
 }
 

@@ -2,13 +2,13 @@
 //! the agent can be tested with a double), its state as reported to the head, and the
 //! in-flight accounting that drain and stop wait on (RAII [`InFlightGuard`]).
 
-use crate::engine::{EngineError, EngineOutput, EngineRequest};
+use crate::engine::{EngineError, EngineOutput, EngineRequest, Fault};
 use futures::stream::BoxStream;
 use prism_common::ReplicaId;
 use prism_common::proto::v1::{self as pb, ReplicaState};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -42,6 +42,19 @@ pub trait ReplicaEngine: Send + Sync + 'static {
     fn is_alive(&self) -> bool;
     /// Aborts everything and stops the engine thread (may block briefly).
     fn shutdown(&self);
+    /// How long the engine has had work without completing a step (`None`: idle, or the
+    /// engine cannot tell). Readiness fails past `--engine-stall-timeout`.
+    fn stalled_for(&self) -> Option<Duration> {
+        None
+    }
+    /// Injects a fault (opt-in, `--enable-fault-injection`).
+    ///
+    /// # Errors
+    /// `Unavailable` when the engine does not support it or has stopped.
+    fn inject_fault(&self, fault: Fault) -> Result<(), EngineError> {
+        let _ = fault;
+        Err(EngineError::Unavailable("this engine does not support fault injection".into()))
+    }
 }
 
 /// Starts engines (blocking: called from `spawn_blocking`).

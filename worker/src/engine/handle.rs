@@ -64,6 +64,18 @@ pub struct EngineParts {
     pub model_max_len: usize,
 }
 
+/// A fault to inject into a running engine (opt-in: the worker exposes it only with
+/// `--enable-fault-injection`). The CPU backend has no shard processes, so stopping the
+/// step thread is its analogue of SIGKILL / SIGSTOP of a shard (case C08).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The step thread ends as if the backend had failed: every stream ends without a
+    /// finish reason and [`EngineHandle::is_alive`] turns false.
+    KillStepThread,
+    /// The step thread sleeps this long before its next step (a frozen shard).
+    Stall(std::time::Duration),
+}
+
 /// Static facts about the served model.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelInfo {
@@ -268,6 +280,16 @@ impl EngineHandle {
                 .unwrap_or_else(PoisonError::into_inner)
                 .as_ref()
                 .is_some_and(|t| !t.is_finished())
+    }
+
+    /// Injects `fault` into the step thread (tests and chaos drills only).
+    ///
+    /// # Errors
+    /// [`EngineError::Unavailable`] when the engine has already stopped.
+    pub fn inject_fault(&self, fault: Fault) -> Result<(), EngineError> {
+        let guard = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        let sent = guard.as_ref().is_some_and(|t| t.send(Command::Fault(fault)).is_ok());
+        if sent { Ok(()) } else { Err(EngineError::Unavailable("engine is not running".into())) }
     }
 
     /// Aborts every request (finish_reason `abort`) and stops the step thread, waiting

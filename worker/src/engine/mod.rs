@@ -7,7 +7,7 @@
 //! Module map:
 //! - [`request`]: the public request/output/error types and their validation.
 //! - [`handle`]: [`EngineHandle`] (`start`, `submit`, `stats`, `model_info`, `is_alive`,
-//!   `shutdown`), [`OutputStream`] (drop = abort), configs.
+//!   `shutdown`, `inject_fault`), [`OutputStream`] (drop = abort), configs.
 //! - [`backend`]: the `Backend` trait (CPU reference, CUDA) that runs one forward step.
 //! - [`model`]: model formats (GGUF, Hugging Face safetensors), config, tokenizer, chat template.
 //! - [`codec`]: the tokenizer/chat-template interface the engine uses.
@@ -30,7 +30,7 @@ mod step_loop;
 #[cfg(test)]
 mod test_double;
 
-pub use handle::{EngineHandle, EngineParts, ModelInfo, OutputStream, RuntimeConfig};
+pub use handle::{EngineHandle, EngineParts, Fault, ModelInfo, OutputStream, RuntimeConfig};
 pub use metrics::{EngineStats, FinishedCounts, LatencyHistogram};
 pub use request::*;
 pub use start::{BackendKind, EngineArgs, EngineConfig};

@@ -28,6 +28,8 @@ use tokio::sync::mpsc::error::TrySendError;
 const IDLE_TICK: Duration = Duration::from_secs(1);
 /// Wait between flush attempts when only slow consumers are left.
 const FLUSH_RETRY: Duration = Duration::from_millis(2);
+/// How long shutdown waits for slow readers to take their final outputs.
+const SHUTDOWN_FLUSH: Duration = Duration::from_secs(2);
 
 /// A validated, tokenized request on its way to the step thread.
 #[derive(Debug)]
@@ -54,6 +56,8 @@ pub(crate) struct NewRequest {
 pub(crate) enum Command {
     Submit(Box<NewRequest>),
     Shutdown,
+    /// Opt-in fault injection (tests, chaos drills): see [`super::handle::Fault`].
+    Fault(super::handle::Fault),
 }
 
 struct SeqState {
@@ -142,7 +146,11 @@ impl EngineCore {
                 // Only outputs waiting for slow consumers.
                 match rx.recv_timeout(FLUSH_RETRY) {
                     Ok(c) => Some(c),
-                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Timeout) => {
+                        // The loop is responsive; only slow consumers hold it.
+                        self.stats.mark_step_ok(Instant::now());
+                        None
+                    }
                     Err(RecvTimeoutError::Disconnected) => {
                         handles_gone = true;
                         None
@@ -152,11 +160,17 @@ impl EngineCore {
                 None
             };
             let mut shutdown = false;
+            let mut killed = false;
             let mut next = first;
             loop {
                 match next.take() {
                     Some(Command::Submit(r)) => self.add_request(*r),
                     Some(Command::Shutdown) => shutdown = true,
+                    Some(Command::Fault(super::handle::Fault::KillStepThread)) => killed = true,
+                    Some(Command::Fault(super::handle::Fault::Stall(d))) => {
+                        tracing::warn!(secs = d.as_secs_f64(), "fault injection: stalling the step thread");
+                        std::thread::sleep(d);
+                    }
                     None => {}
                 }
                 match rx.try_recv() {
@@ -172,18 +186,18 @@ impl EngineCore {
                 self.abort_all();
                 break;
             }
+            if killed {
+                tracing::error!("fault injection: engine step thread killed; failing all requests");
+                self.die();
+                return;
+            }
             // 2. Dropped streams and deadlines.
             self.reap();
             // 3. One step.
             if !self.sched.is_idle() {
                 if let Err(e) = self.step() {
                     tracing::error!(error = %e, backend = self.backend.name(), "engine step failed; failing all requests");
-                    self.stats.alive.store(false, Ordering::Relaxed);
-                    // Dropping the senders ends every stream without a finish reason.
-                    self.reqs.clear();
-                    self.seqs.clear();
-                    self.stats.in_flight.store(0, Ordering::Relaxed);
-                    self.publish();
+                    self.die();
                     return;
                 }
                 self.stats.mark_step_ok(Instant::now());
@@ -193,6 +207,20 @@ impl EngineCore {
             self.publish();
         }
         self.stats.alive.store(false, Ordering::Relaxed);
+        self.publish();
+    }
+
+    /// Marks the engine dead and ends every stream without a finish reason (dropping the
+    /// senders), so callers retry or migrate; the KV blocks are freed.
+    fn die(&mut self) {
+        self.stats.alive.store(false, Ordering::Relaxed);
+        self.reqs.clear();
+        let live: Vec<SeqId> = self.seqs.keys().copied().collect();
+        for s in live {
+            self.sched.remove(s);
+        }
+        self.seqs.clear();
+        self.stats.in_flight.store(0, Ordering::Relaxed);
         self.publish();
     }
 
@@ -287,7 +315,13 @@ impl EngineCore {
         for s in live {
             self.finish_seq(s, FinishReason::Abort, EngineOutput::default());
         }
+        // Give readers a bounded chance to take the final outputs from full channels.
+        let deadline = Instant::now() + SHUTDOWN_FLUSH;
         self.flush();
+        while !self.reqs.is_empty() && Instant::now() < deadline {
+            std::thread::sleep(FLUSH_RETRY);
+            self.flush();
+        }
     }
 
     fn step(&mut self) -> Result<(), super::backend::BackendError> {
