@@ -88,9 +88,10 @@ pub struct CpuBackend {
     eps: f32,
     vocab: usize,
     inv_freq: Vec<f32>,
-    embed: Vec<f32>,
-    /// `[vocab, hidden]` output projection (a copy of the embedding when tied).
-    lm_head: Weight,
+    /// `[vocab, hidden]` token embedding (also the output projection when tied).
+    embed: Weight,
+    /// `[vocab, hidden]` untied output projection.
+    lm_head: Option<Weight>,
     norm: Vec<f32>,
     layers: Vec<Layer>,
     block_size: usize,
@@ -131,7 +132,7 @@ impl CpuBackend {
         let q_dim = first.q_proj.out_features;
         let kv_dim = first.k_proj.out_features;
         let inter = first.gate_proj.out_features;
-        if q_dim % hd != 0 || kv_dim % hd != 0 || kv_dim == 0 || (q_dim / hd) % (kv_dim / hd) != 0 {
+        if !q_dim.is_multiple_of(hd) || !kv_dim.is_multiple_of(hd) || kv_dim == 0 || !(q_dim / hd).is_multiple_of(kv_dim / hd) {
             return Err(EngineError::Internal("weight shapes do not match head_dim".into()));
         }
         if block_size == 0 {
@@ -147,7 +148,7 @@ impl CpuBackend {
             });
         }
         let vocab = weights.embed_tokens.out_features;
-        let lm_head = Weight::new(weights.lm_head.as_ref().map_or_else(|| weights.embed_tokens.data.clone(), |l| l.data.clone()), vocab, hidden);
+        let lm_head = weights.lm_head.map(|l| Weight::new(l.data, vocab, hidden));
         let layers = weights
             .layers
             .into_iter()
@@ -178,7 +179,7 @@ impl CpuBackend {
             eps: config.rms_norm_eps,
             vocab,
             inv_freq: config.rope_inv_freq(),
-            embed: weights.embed_tokens.data,
+            embed: Weight::new(weights.embed_tokens.data, vocab, hidden),
             lm_head,
             norm: weights.norm,
             layers,
@@ -197,7 +198,7 @@ impl CpuBackend {
     /// rounds weights to f16 (≈1e-3 relative), so greedy outputs may differ from the
     /// f32 reference at near-ties. Off by default.
     pub fn with_f16_decode_weights(mut self) -> Self {
-        let mut all: Vec<&mut Weight> = vec![&mut self.lm_head];
+        let mut all: Vec<&mut Weight> = vec![self.lm_head.as_mut().unwrap_or(&mut self.embed)];
         for l in &mut self.layers {
             all.extend([&mut l.qkv, &mut l.o_proj, &mut l.gate_up, &mut l.down]);
         }
@@ -276,7 +277,7 @@ impl Backend for CpuBackend {
         s.act.resize(n * inter, 0.0);
         for (t, &id) in batch.token_ids.iter().enumerate() {
             let id = id as usize;
-            s.x[t * h..(t + 1) * h].copy_from_slice(&self.embed[id * h..(id + 1) * h]);
+            s.x[t * h..(t + 1) * h].copy_from_slice(&self.embed.f32[id * h..(id + 1) * h]);
         }
         rope_tables(&batch.positions, &self.inv_freq, &mut s.cos, &mut s.sin);
         let mut tokens: Vec<TokenCtx<'_>> = Vec::with_capacity(n);
@@ -323,7 +324,7 @@ impl Backend for CpuBackend {
         }
         rms_norm(&s.last, &self.norm, self.eps, &mut s.h[..rows * h]);
         let mut data = vec![0f32; rows * self.vocab];
-        self.lm_head.mm(&s.h[..rows * h], rows, &mut data, &mut s.mm);
+        self.lm_head.as_ref().unwrap_or(&self.embed).mm(&s.h[..rows * h], rows, &mut data, &mut s.mm);
         Ok(Logits { rows, vocab_size: self.vocab, data })
     }
 

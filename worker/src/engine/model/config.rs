@@ -191,13 +191,13 @@ impl ModelConfig {
         if self.hidden_size == 0 || self.intermediate_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 {
             return Err(load_err("zero-sized model dimension"));
         }
-        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0 {
+        if self.num_key_value_heads == 0 || !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(load_err(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads, self.num_key_value_heads
             )));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return Err(load_err(format!("head_dim {} must be even and > 0", self.head_dim)));
         }
         if let Some(f) = &self.rope_freq_factors

@@ -14,7 +14,7 @@ use memmap2::Mmap;
 
 pub use dequant::GgmlType;
 
-use super::llama::{self, LlamaWeights, WeightSource};
+use super::llama::{self, HostTensor, LlamaWeights, WeightSource};
 use super::{ChatTemplate, LoadedModel, ModelConfig, ProgressFn, Tokenizer, load_err};
 use crate::engine::EngineError;
 
@@ -362,7 +362,7 @@ struct GgufWeights<'a> {
 }
 
 impl WeightSource for GgufWeights<'_> {
-    fn tensor(&mut self, hf_name: &str) -> Result<Option<(Vec<usize>, Vec<f32>)>, EngineError> {
+    fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, EngineError> {
         let Some(name) = gguf_name(hf_name) else { return Ok(None) };
         if !self.file.tensors.contains_key(&name) {
             return Ok(None);

@@ -86,6 +86,9 @@ pub struct LlamaWeights {
     pub shard: ShardInfo,
 }
 
+/// A tensor read from a checkpoint: row-major shape and f32 values.
+pub type HostTensor = (Vec<usize>, Vec<f32>);
+
 /// Where [`LlamaWeights::load`] reads tensors from: given a Hugging Face tensor name,
 /// the tensor's row-major shape and f32 data in the HF layout, or `None` when absent.
 pub trait WeightSource {
@@ -93,7 +96,7 @@ pub trait WeightSource {
     ///
     /// # Errors
     /// [`EngineError::Internal`] on read/format failures.
-    fn tensor(&mut self, hf_name: &str) -> Result<Option<(Vec<usize>, Vec<f32>)>, EngineError>;
+    fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, EngineError>;
 }
 
 fn fetch(src: &mut dyn WeightSource, name: &str, shape: &[usize]) -> Result<Vec<f32>, EngineError> {
@@ -162,7 +165,7 @@ impl LlamaWeights {
         if self.shard.world_size != 1 || world_size == 0 || rank >= world_size {
             return Err(load_err("shard: bad rank/world_size or already sharded"));
         }
-        if cfg.num_key_value_heads % world_size != 0 || cfg.intermediate_size % world_size != 0 {
+        if !cfg.num_key_value_heads.is_multiple_of(world_size) || !cfg.intermediate_size.is_multiple_of(world_size) {
             return Err(load_err(format!(
                 "tensor_parallel_size {world_size} must divide num_key_value_heads {} and intermediate_size {}",
                 cfg.num_key_value_heads, cfg.intermediate_size

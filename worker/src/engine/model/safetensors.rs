@@ -13,7 +13,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata};
 
 use super::config::{HfLlamaConfig, TokenIds};
-use super::llama::{LlamaWeights, WeightSource};
+use super::llama::{HostTensor, LlamaWeights, WeightSource};
 use super::{ChatTemplate, LoadedModel, ModelConfig, ProgressFn, Tokenizer, load_err};
 use crate::engine::EngineError;
 
@@ -108,7 +108,7 @@ struct Source<'a> {
 }
 
 impl WeightSource for Source<'_> {
-    fn tensor(&mut self, hf_name: &str) -> Result<Option<(Vec<usize>, Vec<f32>)>, EngineError> {
+    fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, EngineError> {
         Ok(self.files.tensor_f32(hf_name)?.map(|(shape, data, n)| {
             self.done += n as u64;
             (self.progress)(self.done, self.total);

@@ -173,7 +173,7 @@ impl Tokenizer {
             }
             special.push(ty == TOKEN_TYPE_CONTROL);
         }
-        inner.add_tokens(added);
+        inner.add_tokens(added).map_err(|e| load_err(format!("tokenizer added tokens: {e}")))?;
         let id = |key: &str| file.get(key).and_then(GgufValue::as_u64).and_then(|v| u32::try_from(v).ok());
         let mut eos_ids = Vec::new();
         for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {

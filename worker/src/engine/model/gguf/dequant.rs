@@ -52,7 +52,7 @@ impl GgmlType {
     /// Bytes needed for `n` elements, `None` when `n` is not a whole number of blocks.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
         let (per, bytes) = self.block_layout();
-        if n % per != 0 {
+        if !n.is_multiple_of(per) {
             return None;
         }
         (n / per).checked_mul(bytes)
