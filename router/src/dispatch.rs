@@ -147,11 +147,14 @@ impl Dispatcher {
 
     fn pick(&self, model: &str, tried: &[String], hint: &RequestHint) -> Result<(Arc<ReplicaRoute>, InFlightGuard), DispatchError> {
         let snap = self.inner.routes.snapshot();
-        select(&snap, model, tried, self.inner.routes.now_ms(), self.inner.policy.as_ref(), hint).map_err(|e| match e {
-            SelectError::UnknownModel => DispatchError::UnknownModel(model.to_owned()),
-            SelectError::NoneReady => DispatchError::NoReplica(model.to_owned()),
-            SelectError::AllFull => DispatchError::Overloaded,
-        })
+        let picked = select(&snap, model, tried, self.inner.routes.now_ms(), self.inner.policy.as_ref(), hint)
+            .map_err(|e| match e {
+                SelectError::UnknownModel => DispatchError::UnknownModel(model.to_owned()),
+                SelectError::NoneReady => DispatchError::NoReplica(model.to_owned()),
+                SelectError::AllFull => DispatchError::Overloaded,
+            })?;
+        self.inner.metrics.dispatched(&picked.0.replica_id);
+        Ok(picked)
     }
 
     /// Opens the worker stream and waits for its first message.

@@ -63,6 +63,8 @@ pub struct Metrics {
     pub in_flight: Gauge,
     /// `prism_route_table_version`: version of the route table in use.
     pub route_version: Gauge<u64, AtomicU64>,
+    /// `prism_router_replica_dispatches_total{replica_id}`: requests (and migrations) sent to each replica.
+    dispatches: Family<Vec<(String, String)>, Counter>,
 }
 
 impl Default for Metrics {
@@ -81,6 +83,7 @@ impl Metrics {
         let migrations = Counter::default();
         let in_flight = Gauge::default();
         let route_version = Gauge::<u64, AtomicU64>::default();
+        let dispatches = Family::<Vec<(String, String)>, Counter>::default();
         registry.register("prism_router_requests", "Requests by outcome", requests.clone());
         registry.register(
             "prism_router_request_duration_seconds",
@@ -91,13 +94,23 @@ impl Metrics {
         registry.register("prism_router_migrations", "Streams migrated to another replica mid-stream", migrations.clone());
         registry.register("prism_router_in_flight", "Requests being served", in_flight.clone());
         registry.register("prism_route_table_version", "Version of the route table in use", route_version.clone());
-        Self { registry: Arc::new(registry), requests, duration, retries, migrations, in_flight, route_version }
+        registry.register(
+            "prism_router_replica_dispatches",
+            "Requests and migrations sent to each replica",
+            dispatches.clone(),
+        );
+        Self { registry: Arc::new(registry), requests, duration, retries, migrations, in_flight, route_version, dispatches }
     }
 
     /// Records one finished request.
     pub fn observe(&self, outcome: Outcome, seconds: f64) {
         self.requests.get_or_create(&vec![("outcome".to_owned(), outcome.as_str().to_owned())]).inc();
         self.duration.observe(seconds);
+    }
+
+    /// Counts one dispatch (new request, retry or migration) to `replica_id`.
+    pub fn dispatched(&self, replica_id: &str) {
+        self.dispatches.get_or_create(&vec![("replica_id".to_owned(), replica_id.to_owned())]).inc();
     }
 
     /// The text exposition format.

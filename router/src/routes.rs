@@ -209,7 +209,18 @@ impl Routes {
         let live: std::collections::HashSet<&str> =
             models.values().flatten().map(|r| r.replica_id.as_str()).collect();
         self.inner.stats.retain(|k, v| live.contains(k.as_str()) || v.in_flight.load(Ordering::Relaxed) > 0);
-        tracing::info!(version = table.version, replicas = live.len(), "route table updated");
+        // Load-only updates arrive about once a second per worker: log membership/state changes only.
+        let key = |m: &BTreeMap<String, Vec<Arc<ReplicaRoute>>>| -> Vec<(String, i32)> {
+            let mut v: Vec<_> = m.values().flatten().map(|r| (r.replica_id.clone(), r.state as i32)).collect();
+            v.sort_unstable();
+            v
+        };
+        if key(&self.snapshot().models) == key(&models) {
+            tracing::debug!(version = table.version, replicas = live.len(), "route table updated (load)");
+        } else {
+            let draining = models.values().flatten().filter(|r| r.state == ReplicaState::Draining).count();
+            tracing::info!(version = table.version, replicas = live.len(), draining, "route table updated");
+        }
         self.store(RouteSnapshot { version: table.version, models, loaded: true });
     }
 
