@@ -213,15 +213,17 @@ impl EngineCore {
     /// Marks the engine dead and ends every stream without a finish reason (dropping the
     /// senders), so callers retry or migrate; the KV blocks are freed.
     fn die(&mut self) {
-        self.stats.alive.store(false, Ordering::Relaxed);
+        // Count first: dropping the senders below ends the streams, and a reader that
+        // then sees `is_alive() == false` must also see nothing in flight.
+        self.stats.in_flight.store(0, Ordering::Relaxed);
         self.reqs.clear();
         let live: Vec<SeqId> = self.seqs.keys().copied().collect();
         for s in live {
             self.sched.remove(s);
         }
         self.seqs.clear();
-        self.stats.in_flight.store(0, Ordering::Relaxed);
         self.publish();
+        self.stats.alive.store(false, Ordering::Relaxed);
     }
 
     fn publish(&self) {

@@ -57,11 +57,19 @@ pub struct PagedEchoBackend {
     block_size: usize,
     /// Steps run so far (tests assert batching actually happened).
     pub steps: usize,
+    /// Time each step takes (simulated compute).
+    pub step_time: std::time::Duration,
 }
 
 impl PagedEchoBackend {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self { cache: vec![None; num_blocks * block_size], num_blocks, block_size, steps: 0 }
+        Self {
+            cache: vec![None; num_blocks * block_size],
+            num_blocks,
+            block_size,
+            steps: 0,
+            step_time: std::time::Duration::ZERO,
+        }
     }
 }
 
@@ -72,6 +80,7 @@ fn mix(h: u64, x: u64) -> u64 {
 impl Backend for PagedEchoBackend {
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits, BackendError> {
         self.steps += 1;
+        std::thread::sleep(self.step_time);
         for (i, &slot) in batch.slot_mapping.iter().enumerate() {
             let cell = self
                 .cache
@@ -331,11 +340,64 @@ mod tests {
         r.deadline = Some(Instant::now());
         let (c, _) = drain(e.submit(r).expect("submit"));
         assert_eq!(c[0].2, Some(FinishReason::Abort));
-        let s = e.submit(req("long", greedy(400))).expect("submit");
+        // A slow backend (1 ms/step) so 400 tokens cannot finish before the shutdown.
+        let mut backend = PagedEchoBackend::new(256, 4);
+        backend.step_time = Duration::from_millis(1);
+        let parts = EngineParts {
+            backend: Box::new(backend),
+            codec: Arc::new(ByteCodec::new()),
+            eos_ids: vec![EOS],
+            model_max_len: 512,
+        };
+        let e = EngineHandle::start_with_parts(parts, RuntimeConfig::default()).expect("starts");
+        let mut s = e.submit(req("long", greedy(400))).expect("submit");
+        let first = s.blocking_recv().expect("a first output");
+        let reader = std::thread::spawn(move || drain(s));
         e.shutdown();
-        let (c, _) = drain(s);
+        let (c, _) = reader.join().expect("reader");
+        assert!(c[0].0.len() + first.token_ids.len() < 400);
         assert_eq!(c[0].2, Some(FinishReason::Abort));
         assert!(!e.is_alive());
         assert!(matches!(e.submit(req("late", greedy(3))), Err(EngineError::Unavailable(_))));
+    }
+
+    struct FailingBackend;
+
+    impl Backend for FailingBackend {
+        fn forward(&mut self, _: &StepBatch) -> Result<Logits, BackendError> {
+            Err(BackendError::Device("simulated device loss".into()))
+        }
+        fn num_kv_blocks(&self) -> usize {
+            8
+        }
+        fn block_size(&self) -> usize {
+            4
+        }
+        fn kv_bytes_per_token(&self) -> usize {
+            8
+        }
+        fn name(&self) -> &'static str {
+            "failing"
+        }
+    }
+
+    #[test]
+    fn backend_failure_ends_streams_without_finish_and_marks_dead() {
+        let parts = EngineParts {
+            backend: Box::new(FailingBackend),
+            codec: Arc::new(ByteCodec::new()),
+            eos_ids: vec![EOS],
+            model_max_len: 32,
+        };
+        let e = EngineHandle::start_with_parts(parts, RuntimeConfig::default()).expect("starts");
+        let (c, outs) = drain(e.submit(req("doomed", greedy(4))).expect("submit"));
+        assert!(outs.is_empty() && c.is_empty(), "no output, no finish reason: {outs:?}");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while e.is_alive() {
+            assert!(Instant::now() < deadline, "engine still alive after a failed step");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(e.stats().requests_in_flight, 0);
+        assert!(matches!(e.submit(req("next", greedy(2))), Err(EngineError::Unavailable(_))));
     }
 }
