@@ -14,6 +14,9 @@
 //!   CPU analogue of SIGKILL of a shard) turns its worker's `/readyz` and `grpc.health.v1`
 //!   not-ready within 5 s, the router stops listing it, and every later request succeeds on
 //!   the other worker (per-worker counters).
+//! - Freezing the other engine (`stall-engine`, the SIGSTOP analogue) while it has work turns
+//!   its worker not-ready within 5 s (`--engine-stall-timeout 3`); the request fails fast with
+//!   UNAVAILABLE, and the router, now without a Ready replica, reports not-ready.
 //!
 //! Budget: 2-core CI. The deployment runs `max_num_seqs` 4 and `max_num_batched_tokens` 32 so
 //! each engine step is short (an abort is seen at the next step boundary), prompts are a few
@@ -89,7 +92,7 @@ impl Cluster {
         for i in 1..=2 {
             let node = format!("w{i}");
             let (gp, wp) = (free_port()?, free_port()?);
-            let args = vec![
+            let mut args = vec![
                 s("--head"),
                 head.clone(),
                 s("--node-id"),
@@ -102,6 +105,11 @@ impl Cluster {
                 s("33554432"),
                 s("--enable-fault-injection"),
             ];
+            if i == 2 {
+                // Steps here take well under a second (32-token chunks), so 3 s of held work
+                // without a completed step is a stall.
+                args.extend([s("--engine-stall-timeout"), s("3")]);
+            }
             let proc = Proc::spawn(&node, &bin("prism-worker")?, &args, &[])?;
             workers.push(Worker {
                 node,
@@ -475,6 +483,34 @@ async fn scenario(c: &Cluster) -> Result<()> {
     let rec = st.into_inner().replicas.into_iter().find(|r| r.replica_id == replica).context("killed replica")?;
     assert_eq!(rec.state, ReplicaState::Failed as i32, "head sees the killed replica Failed: {rec:?}");
     assert_eq!(http_status(&format!("{}/readyz", c.router_http)).await?, 200, "router still has a Ready replica");
+
+    // 4. Freeze w2's step thread (SIGSTOP analogue) while it has work: w2 turns not-ready
+    //    within 5 s of the work arriving, the request fails fast instead of hanging, and the
+    //    router, left without a Ready replica, reports not-ready on HTTP and gRPC.
+    let replica = placed.get(&live.node).context("no replica on w2")?.clone();
+    let stall = reqwest::Client::new()
+        .post(format!("{}/debug/replicas/{replica}/stall-engine?seconds=20", live.http))
+        .send()
+        .await?;
+    assert_eq!(stall.status().as_u16(), 200, "stall-engine: {}", stall.text().await?);
+    let sent = Instant::now();
+    let stuck = tokio::spawn(run_stream(c.router_grpc.clone(), greedy(8, true, Vec::new())));
+    let not_ready = eventually(Duration::from_secs(6), "w2 /readyz fails on the stalled engine", || async {
+        Ok((http_status(&format!("{}/readyz", live.http)).await? == 503).then_some(sent.elapsed()))
+    })
+    .await?;
+    eprintln!("stalled engine: w2 /readyz 503 {not_ready:?} after the request was sent");
+    assert!(not_ready <= Duration::from_secs(5), "stall detected after {not_ready:?}");
+    let outcome = tokio::time::timeout(Duration::from_secs(10), stuck).await.context("request on the frozen replica hung")??;
+    let err = outcome.err().context("a request on the only (frozen) replica cannot succeed")?;
+    let code = err.downcast_ref::<tonic::Status>().map(tonic::Status::code);
+    assert_eq!(code, Some(tonic::Code::Unavailable), "fails fast with UNAVAILABLE: {err:#}");
+    eventually(Duration::from_secs(10), "router not ready without a Ready replica", || async {
+        let http = http_status(&format!("{}/readyz", c.router_http)).await?;
+        let grpc = grpc_health(&c.router_grpc, "").await?;
+        Ok((http == 503 && grpc == ServingStatus::NotServing as i32).then_some(()))
+    })
+    .await?;
     Ok(())
 }
 
