@@ -107,6 +107,10 @@ struct Scratch {
     argmax: DevBuf,
     /// u32 step metadata: ids, positions, slots, block-table offsets, logit rows, block tables.
     meta: DevBuf,
+    /// f32 split-context attention partials (`[n, q_heads, splits, head_dim + 2]`).
+    part: DevBuf,
+    /// Capacity of `part` in f32 values.
+    part_cap: usize,
     /// f32 `[head_dim / 2]` RoPE inverse frequencies.
     inv_freq: DevBuf,
     host_meta: Vec<u32>,
@@ -134,6 +138,22 @@ impl std::fmt::Debug for CudaBackend {
             .field("block_size", &self.block_size)
             .finish_non_exhaustive()
     }
+}
+
+/// Split-context attention is used while `tokens × kv_heads × splits` stays under this many
+/// blocks (two waves on a 132-SM H200); partial buffers are sized for it.
+const SPLIT_TARGET_BLOCKS: usize = 264;
+/// Token-splits the partial buffer holds (`tokens × splits`).
+const PART_ROWS: usize = 2 * SPLIT_TARGET_BLOCKS;
+
+/// Context splits for attention: enough blocks to fill the GPU when few tokens are in the
+/// step, each split at least 64 positions, at most 32.
+fn attn_splits(n: usize, kv_heads: usize, max_ctx: usize) -> usize {
+    let blocks = n * kv_heads;
+    if blocks >= SPLIT_TARGET_BLOCKS {
+        return 1;
+    }
+    SPLIT_TARGET_BLOCKS.div_ceil(blocks).min(max_ctx.div_ceil(64)).clamp(1, 32)
 }
 
 fn invalid(msg: impl Into<String>) -> BackendError {
@@ -174,9 +194,10 @@ impl CudaBackend {
         if opts.block_size == 0 {
             return Err(EngineError::InvalidRequest { field: "block_size", message: "block_size must be >= 1".into() });
         }
-        if !(d.head_dim == 64 || d.head_dim == 128) || d.q_heads % d.kv_heads != 0 || d.q_heads / d.kv_heads > 8 {
+        let group_ok = d.kv_heads > 0 && d.q_heads % d.kv_heads == 0 && matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8);
+        if !(d.head_dim == 64 || d.head_dim == 128) || !group_ok {
             return Err(EngineError::Internal(format!(
-                "cuda backend supports head_dim 64/128 and <= 8 query heads per KV head (got {} and {}/{})",
+                "cuda backend supports head_dim 64/128 and 1, 2, 4 or 8 query heads per KV head (got {} and {}/{})",
                 d.head_dim, d.q_heads, d.kv_heads
             )));
         }
@@ -197,6 +218,8 @@ impl CudaBackend {
             logits: alloc(r * d.vocab * 4)?,
             argmax: alloc(r * 4)?,
             meta: alloc((4 * t + r + 65_536) * 4)?,
+            part: alloc(PART_ROWS * d.q_heads * (d.head_dim + 2) * 4)?,
+            part_cap: PART_ROWS * d.q_heads * (d.head_dim + 2),
             inv_freq: alloc(inv_freq.len() * 4)?,
             host_meta: Vec::new(),
         };
@@ -379,8 +402,15 @@ impl CudaBackend {
         let norm_threads = if d.hidden >= 2048 { 1024 } else { 256 };
         let (qh, kvh, hd, bs) = (d.q_heads as i32, d.kv_heads as i32, d.head_dim as i32, self.block_size as i32);
         let scale = 1.0 / (d.head_dim as f32).sqrt();
-        let attn_fn = if d.head_dim == 64 { &g.k.attention_hd64 } else { &g.k.attention_hd128 };
+        let group = d.q_heads / d.kv_heads;
+        let attn_fn = &g.k.attention[usize::from(d.head_dim == 128) * 4 + group.trailing_zeros() as usize];
         let (n_i, inter) = (n as i32, d.inter as i32);
+        let max_ctx = batch.seqs.iter().map(|q| q.context_len).max().unwrap_or(1);
+        let mut splits = attn_splits(n, d.kv_heads, max_ctx);
+        if n * d.q_heads * splits * (d.head_dim + 2) > s.part_cap {
+            splits = 1;
+        }
+        let splits_i = splits as i32;
         for (li, lw) in self.w.layers.iter().enumerate() {
             // Residual add of the previous layer's down_proj output fused with this norm.
             let delta = if li == 0 { null } else { s.proj.ptr };
@@ -395,11 +425,20 @@ impl CudaBackend {
             // SAFETY: slots validated < num_blocks · block_size.
             unsafe { b.launch(per_row(n, 128)) }.map_err(launch_err("rope_kv_write"))?;
             let mut b = st.launch_builder(attn_fn);
-            b.arg(&s.attn.ptr).arg(&s.qkv.ptr).arg(&kc).arg(&vc).arg(&pos).arg(&tok_bt).arg(&bts);
+            b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&s.qkv.ptr).arg(&kc).arg(&vc).arg(&pos).arg(&tok_bt).arg(&bts);
             b.arg(&qh).arg(&kvh).arg(&bs).arg(&scale);
-            let cfg = LaunchConfig { grid_dim: (n as u32, d.kv_heads as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: block tables validated to cover each position with valid block ids.
+            let grid = (n as u32, d.kv_heads as u32, splits as u32);
+            let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: block tables validated to cover each position with valid block ids;
+            // `part` holds n × q_heads × splits × (head_dim + 2) f32 (checked below).
             unsafe { b.launch(cfg) }.map_err(launch_err("paged_attention"))?;
+            if splits > 1 {
+                let mut b = st.launch_builder(&g.k.attn_combine);
+                b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&qh).arg(&hd).arg(&splits_i);
+                let cfg = LaunchConfig { grid_dim: (n as u32, d.q_heads as u32, 1), block_dim: (d.head_dim as u32, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: as above.
+                unsafe { b.launch(cfg) }.map_err(launch_err("attn_combine"))?;
+            }
             g.gemm(s.proj.ptr, s.attn.ptr, lw.o_proj, GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
             let mut b = st.launch_builder(&g.k.add_rmsnorm);
             b.arg(&s.x.ptr).arg(&s.proj.ptr).arg(&lw.post_norm).arg(&s.hn.ptr).arg(&null).arg(&h).arg(&eps);

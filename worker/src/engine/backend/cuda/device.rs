@@ -63,8 +63,10 @@ pub struct Kernels {
     pub embed_gather: CudaFunction,
     pub add_rmsnorm: CudaFunction,
     pub rope_kv_write: CudaFunction,
-    pub attention_hd64: CudaFunction,
-    pub attention_hd128: CudaFunction,
+    /// Paged attention by head_dim (64, 128) and query heads per KV head (1, 2, 4, 8):
+    /// index `hd_index * 4 + log2(group)`.
+    pub attention: Vec<CudaFunction>,
+    pub attn_combine: CudaFunction,
     pub silu_mul: CudaFunction,
     pub argmax_rows: CudaFunction,
     pub fill_uniform: CudaFunction,
@@ -140,8 +142,12 @@ impl Gpu {
             embed_gather: f("embed_gather")?,
             add_rmsnorm: f("add_rmsnorm")?,
             rope_kv_write: f("rope_kv_write")?,
-            attention_hd64: f("paged_attention_hd64")?,
-            attention_hd128: f("paged_attention_hd128")?,
+            attention: [64, 128]
+                .iter()
+                .flat_map(|hd| [1, 2, 4, 8].map(move |g| format!("paged_attention_hd{hd}_g{g}")))
+                .map(|name| f(&name))
+                .collect::<Result<_, _>>()?,
+            attn_combine: f("attn_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
             fill_uniform: f("fill_uniform")?,

@@ -89,67 +89,95 @@ extern "C" __global__ void rope_kv_write(bf16* qkv, const u32* pos, const u32* s
 
 #define ATTN_WARPS 8
 #define ATTN_MAX_G 8
+#define ATTN_UNROLL 4
 
-// Paged causal GQA attention (PagedAttention), one query token per block row and one KV head
-// per block column: grid (n tokens, kv_heads), ATTN_WARPS warps. The block handles the
-// G = qh / kvh query heads sharing the KV head; warps stride over context positions with an
-// online softmax (f32), then merge. Each lane holds EPL = hd / 32 dims.
-// tok_bt[t] is the offset in bts of token t's sequence block table; pos[t] its position.
-template <int EPL>
-__device__ void attn_impl(bf16* out, const bf16* qkv, const bf16* kc, const bf16* vc, const u32* pos,
+// Paged causal GQA attention (PagedAttention), split over the context (flash-decoding) when
+// there are few query tokens: grid (n tokens, kv_heads, splits), ATTN_WARPS warps. A block
+// handles the G = qh / kvh query heads sharing one KV head over its share of positions
+// 0..=pos[t]; each warp takes ATTN_UNROLL positions at a time (their loads in flight together)
+// with an online softmax in f32; the warps merge in shared memory. With one split the block
+// writes bf16 output; otherwise it writes (max, sum, acc[hd]) partials that attn_combine merges.
+// Each lane holds EPL = hd / 32 dims. tok_bt[t]: offset in bts of token t's block table.
+template <int EPL, int G>
+__device__ void attn_impl(bf16* out, float* part, const bf16* qkv, const bf16* kc, const bf16* vc, const u32* pos,
                           const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
     const int hd = EPL * 32;
-    int t = blockIdx.x, g = blockIdx.y;
-    int G = qh / kvh;
+    int t = blockIdx.x, g = blockIdx.y, z = blockIdx.z, S = gridDim.z;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     u64 qkv_dim = (u64)(qh + 2 * kvh) * hd;
     u64 kvd = (u64)kvh * hd;
     const bf16* qrow = qkv + (u64)t * qkv_dim + (u64)g * G * hd;
-    float q[ATTN_MAX_G][EPL], acc[ATTN_MAX_G][EPL], m[ATTN_MAX_G], l[ATTN_MAX_G];
+    float q[G][EPL], acc[G][EPL], m[G], l[G];
 #pragma unroll
-    for (int gi = 0; gi < ATTN_MAX_G; gi++) {
+    for (int gi = 0; gi < G; gi++) {
         m[gi] = NEG_INF;
         l[gi] = 0.f;
 #pragma unroll
         for (int e = 0; e < EPL; e++) {
-            q[gi][e] = gi < G ? bf2f(qrow[gi * hd + lane * EPL + e]) * scale : 0.f;
+            q[gi][e] = bf2f(qrow[gi * hd + lane * EPL + e]) * scale;
             acc[gi][e] = 0.f;
         }
     }
     int L = (int)pos[t] + 1;
+    int chunk = (L + S - 1) / S;
+    int p_begin = z * chunk, p_end = min(L, p_begin + chunk);
     const u32* bt = bts + tok_bt[t];
-    for (int p = w; p < L; p += ATTN_WARPS) {
-        u64 slot = (u64)bt[p / bs] * bs + (p % bs);
-        const bf16* kp = kc + slot * kvd + (u64)g * hd + lane * EPL;
-        const bf16* vp = vc + slot * kvd + (u64)g * hd + lane * EPL;
-        float k[EPL], v[EPL];
+    for (int p0 = p_begin + w * ATTN_UNROLL; p0 < p_end; p0 += ATTN_WARPS * ATTN_UNROLL) {
+        float k[ATTN_UNROLL][EPL], v[ATTN_UNROLL][EPL];
 #pragma unroll
-        for (int e = 0; e < EPL; e++) {
-            k[e] = bf2f(kp[e]);
-            v[e] = bf2f(vp[e]);
+        for (int u = 0; u < ATTN_UNROLL; u++) {
+            int p = p0 + u;
+            if (p < p_end) {
+                u64 slot = (u64)bt[p / bs] * bs + (p % bs);
+                const bf16* kp = kc + slot * kvd + (u64)g * hd + lane * EPL;
+                const bf16* vp = vc + slot * kvd + (u64)g * hd + lane * EPL;
+#pragma unroll
+                for (int e = 0; e < EPL; e += 2) {
+                    float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(kp + e));
+                    float2 vf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vp + e));
+                    k[u][e] = kf.x; k[u][e + 1] = kf.y;
+                    v[u][e] = vf.x; v[u][e + 1] = vf.y;
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < EPL; e++) { k[u][e] = 0.f; v[u][e] = 0.f; }
+            }
         }
 #pragma unroll
-        for (int gi = 0; gi < ATTN_MAX_G; gi++) {
-            if (gi < G) {
-                float s = 0.f;
+        for (int gi = 0; gi < G; gi++) {
+            {
+                float s[ATTN_UNROLL];
+                float mx = m[gi];
 #pragma unroll
-                for (int e = 0; e < EPL; e++) s += q[gi][e] * k[e];
-                s = warp_sum(s);
-                float mn = fmaxf(m[gi], s);
-                float corr = __expf(m[gi] - mn);
-                float pe = __expf(s - mn);
-                l[gi] = l[gi] * corr + pe;
+                for (int u = 0; u < ATTN_UNROLL; u++) {
+                    float d = 0.f;
 #pragma unroll
-                for (int e = 0; e < EPL; e++) acc[gi][e] = acc[gi][e] * corr + pe * v[e];
-                m[gi] = mn;
+                    for (int e = 0; e < EPL; e++) d += q[gi][e] * k[u][e];
+                    d = warp_sum(d);
+                    s[u] = (p0 + u < p_end) ? d : NEG_INF;
+                    mx = fmaxf(mx, s[u]);
+                }
+                float corr = __expf(m[gi] - mx);
+                float lsum = l[gi] * corr;
+#pragma unroll
+                for (int e = 0; e < EPL; e++) acc[gi][e] *= corr;
+#pragma unroll
+                for (int u = 0; u < ATTN_UNROLL; u++) {
+                    float pe = __expf(s[u] - mx);
+                    lsum += pe;
+#pragma unroll
+                    for (int e = 0; e < EPL; e++) acc[gi][e] += pe * v[u][e];
+                }
+                l[gi] = lsum;
+                m[gi] = mx;
             }
         }
     }
     __shared__ float sm_m[ATTN_WARPS][ATTN_MAX_G], sm_l[ATTN_WARPS][ATTN_MAX_G];
     __shared__ float sm_acc[ATTN_WARPS * 1024];
 #pragma unroll
-    for (int gi = 0; gi < ATTN_MAX_G; gi++) {
-        if (gi < G) {
+    for (int gi = 0; gi < G; gi++) {
+        {
             if (lane == 0) {
                 sm_m[w][gi] = m[gi];
                 sm_l[w][gi] = l[gi];
@@ -169,20 +197,71 @@ __device__ void attn_impl(bf16* out, const bf16* qkv, const bf16* kc, const bf16
             den += sm_l[ww][gi] * f;
             num += sm_acc[ww * G * hd + gi * hd + d] * f;
         }
-        out[(u64)t * qh * hd + (u64)(g * G + gi) * hd + d] = f2bf(num / den);
+        int head = g * G + gi;
+        if (S == 1) {
+            out[(u64)t * qh * hd + (u64)head * hd + d] = f2bf(num / den);
+        } else {
+            float* pp = part + (((u64)t * qh + head) * S + z) * (hd + 2);
+            if (d == 0) { pp[0] = M; pp[1] = den; }
+            pp[2 + d] = num;
+        }
     }
 }
 
-extern "C" __global__ void paged_attention_hd64(bf16* out, const bf16* qkv, const bf16* kc, const bf16* vc,
-                                                const u32* pos, const u32* tok_bt, const u32* bts, int qh,
-                                                int kvh, int bs, float scale) {
-    attn_impl<2>(out, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g1(bf16* out, float* part, const bf16* qkv,
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
+    attn_impl<2, 1>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
 }
 
-extern "C" __global__ void paged_attention_hd128(bf16* out, const bf16* qkv, const bf16* kc, const bf16* vc,
-                                                 const u32* pos, const u32* tok_bt, const u32* bts, int qh,
-                                                 int kvh, int bs, float scale) {
-    attn_impl<4>(out, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g2(bf16* out, float* part, const bf16* qkv,
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
+    attn_impl<2, 2>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g4(bf16* out, float* part, const bf16* qkv,
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
+    attn_impl<2, 4>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g8(bf16* out, float* part, const bf16* qkv,
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
+    attn_impl<2, 8>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g1(bf16* out, float* part, const bf16* qkv,
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
+    attn_impl<4, 1>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g2(bf16* out, float* part, const bf16* qkv,
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
+    attn_impl<4, 2>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g4(bf16* out, float* part, const bf16* qkv,
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
+    attn_impl<4, 4>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g8(bf16* out, float* part, const bf16* qkv,
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
+    attn_impl<4, 8>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+}
+
+// Merges the S context splits of paged attention: grid (n tokens, q heads), hd threads.
+extern "C" __global__ void attn_combine(bf16* out, const float* part, int qh, int hd, int S) {
+    int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    const float* pp = part + ((u64)t * qh + head) * S * (hd + 2);
+    float M = NEG_INF;
+    for (int z = 0; z < S; z++) M = fmaxf(M, pp[z * (hd + 2)]);
+    float den = 0.f, num = 0.f;
+    for (int z = 0; z < S; z++) {
+        float lz = pp[z * (hd + 2) + 1];
+        float f = lz > 0.f ? __expf(pp[z * (hd + 2)] - M) : 0.f;
+        den += lz * f;
+        num += pp[z * (hd + 2) + 2 + d] * f;
+    }
+    out[(u64)t * qh * hd + (u64)head * hd + d] = f2bf(num / den);
 }
 
 // act[t, i] = silu(gu[t, i]) * gu[t, inter + i]. Grid-stride over n * inter.
