@@ -470,14 +470,16 @@ pub async fn stream(grpc: &str, req: GenerateRequest) -> Result<StreamResult> {
     Ok(out)
 }
 
-/// Undisturbed greedy outputs of every prompt in [`PROMPTS`] (`max_tokens`, EOS ignored).
+/// Undisturbed greedy outputs of every prompt in [`PROMPTS`] (`max_tokens`, EOS ignored),
+/// one concurrent request per prompt.
 ///
 /// # Errors
 /// Any request failure.
 pub async fn reference(grpc: &str, max_tokens: u32) -> Result<Vec<Vec<u32>>> {
+    let runs = PROMPTS.iter().map(|p| stream(grpc, greedy_request(p, max_tokens, true)));
     let mut out = Vec::new();
-    for p in PROMPTS {
-        let r = stream(grpc, greedy_request(p, max_tokens, true)).await?;
+    for r in futures::future::join_all(runs).await {
+        let r = r?;
         if r.tokens.len() != max_tokens as usize {
             bail!("reference run gave {} tokens, expected {max_tokens}", r.tokens.len());
         }
