@@ -50,6 +50,13 @@ pub struct Args {
     /// Period of the reconciler's tick (it also runs on every change).
     #[arg(long, env = "PRISM_HEAD_RECONCILE_INTERVAL", default_value = "1s", value_parser = parse_duration)]
     pub reconcile_interval: Duration,
+
+    /// A replica that was Ready and then failed (engine died or stalled) is replaced this
+    /// long after it failed, as Ray Serve restarts unhealthy replicas. Replicas that fail
+    /// while starting (bad model path, out of memory) stay Failed with their reason, so a
+    /// broken spec never becomes a restart loop.
+    #[arg(long, env = "PRISM_HEAD_REPLICA_RESTART_DELAY", default_value = "10s", value_parser = parse_duration)]
+    pub replica_restart_delay: Duration,
 }
 
 /// Where cluster state lives.
@@ -78,6 +85,8 @@ pub struct HeadConfig {
     pub drain_timeout: Duration,
     /// Reconciler tick period.
     pub reconcile_interval: Duration,
+    /// Delay before a replica that failed after being Ready is replaced.
+    pub replica_restart_delay: Duration,
 }
 
 /// Invalid flag values.
@@ -153,6 +162,7 @@ impl TryFrom<Args> for HeadConfig {
             head_id,
             drain_timeout: a.drain_timeout,
             reconcile_interval: a.reconcile_interval,
+            replica_restart_delay: a.replica_restart_delay,
         })
     }
 }
@@ -170,6 +180,7 @@ impl HeadConfig {
             head_id: format!("head-{}", &u[..8]),
             drain_timeout: Duration::from_secs(30),
             reconcile_interval: Duration::from_secs(1),
+            replica_restart_delay: Duration::from_secs(10),
         }
     }
 }

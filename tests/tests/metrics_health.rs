@@ -85,6 +85,10 @@ impl Cluster {
                 format!("127.0.0.1:{hp}"),
                 s("--http-listen"),
                 format!("127.0.0.1:{hhp}"),
+                // Failed replicas are replaced only after the scenario has checked that
+                // traffic avoids them (step 5 checks the replacement).
+                s("--replica-restart-delay"),
+                s("25s"),
             ],
             &[],
         )?;
@@ -344,13 +348,14 @@ async fn scenario(c: &Cluster) -> Result<()> {
             Ok((http_status(&format!("{}/readyz", w.http)).await? == 200).then_some(()))
         })
         .await?;
-        assert_eq!(grpc_health(&w.grpc, "").await?, ServingStatus::Serving as i32, "{} grpc health", w.node);
-        assert_eq!(
-            grpc_health(&w.grpc, "prism.v1.WorkerService").await?,
-            ServingStatus::Serving as i32,
-            "{} grpc health (service)",
-            w.node
-        );
+        // grpc.health is refreshed by the worker's health loop (every 500 ms), /readyz live.
+        eventually(Duration::from_secs(5), "worker grpc health SERVING", || async {
+            let serving = ServingStatus::Serving as i32;
+            let all = grpc_health(&w.grpc, "").await?;
+            let svc = grpc_health(&w.grpc, "prism.v1.WorkerService").await?;
+            Ok((all == serving && svc == serving).then_some(()))
+        })
+        .await?;
         assert_eq!(http_status(&format!("{}/debug/replicas/nope/kill-engine", w.http)).await?, 405, "GET is not a kill");
     }
     eventually(Duration::from_secs(5), "router grpc health SERVING", || async {
@@ -511,6 +516,24 @@ async fn scenario(c: &Cluster) -> Result<()> {
         Ok((http == 503 && grpc == ServingStatus::NotServing as i32).then_some(()))
     })
     .await?;
+
+    // 5. Replicas that failed after being Ready are replaced once the head's restart delay
+    //    has passed (as Ray Serve restarts unhealthy replicas): two new Ready replicas with
+    //    new ids, and requests succeed again through the same router.
+    let failed: Vec<String> = placed.values().cloned().collect();
+    eventually(Duration::from_secs(90), "failed replicas replaced and Ready", || async {
+        let st = HeadServiceClient::connect(c.head.clone()).await?.cluster_status(ClusterStatusRequest {}).await?;
+        let ready: Vec<_> = st
+            .into_inner()
+            .replicas
+            .into_iter()
+            .filter(|r| r.state == ReplicaState::Ready as i32 && !failed.contains(&r.replica_id))
+            .collect();
+        Ok((ready.len() == 2 && c.router_ready_replicas().await? == 2).then_some(()))
+    })
+    .await?;
+    let (tokens, finish) = run_stream(c.router_grpc.clone(), greedy(8, true, Vec::new())).await?;
+    assert_eq!((tokens.len(), finish), (8, FinishReason::Length as i32), "served again after replacement");
     Ok(())
 }
 

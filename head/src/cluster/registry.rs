@@ -223,6 +223,12 @@ impl Cluster {
                 (ReplicaState::Starting | ReplicaState::Ready, ReplicaState::Starting | ReplicaState::Ready | ReplicaState::Failed) => {
                     rec.state = rs as i32;
                     rec.reason = if rs == ReplicaState::Failed { rep.reason.clone() } else { String::new() };
+                    if rs == ReplicaState::Ready && rec.ready_unix_ms == 0 {
+                        rec.ready_unix_ms = unix_ms();
+                    }
+                    if rs == ReplicaState::Failed && cur != ReplicaState::Failed {
+                        rec.failed_unix_ms = unix_ms();
+                    }
                 }
                 (ReplicaState::Starting | ReplicaState::Ready, ReplicaState::Draining | ReplicaState::Stopping) => {
                     rec.state = ReplicaState::Draining as i32;

@@ -103,11 +103,15 @@ impl ClusterView {
             .sum()
     }
 
-    /// The planner's inputs. `connected` holds the nodes with a live worker session.
+    /// The planner's inputs. `connected` holds the nodes with a live worker session;
+    /// a replica that failed after being Ready is due for replacement `restart_delay`
+    /// after it failed.
     pub fn planner_inputs(
         &self,
         connected: &HashSet<NodeId>,
+        restart_delay: std::time::Duration,
     ) -> (Vec<NodeView>, Vec<DeploymentView>, Vec<ReplicaView>) {
+        let now = crate::cluster::unix_ms();
         let nodes = self
             .nodes
             .iter()
@@ -156,6 +160,9 @@ impl ClusterView {
                     state: r.state(),
                     reason: r.reason.clone(),
                     generation: r.generation,
+                    restart_due: r.state() == ReplicaState::Failed
+                        && r.ready_unix_ms > 0
+                        && now.saturating_sub(r.failed_unix_ms) >= restart_delay.as_millis() as u64,
                 }
             })
             .collect();

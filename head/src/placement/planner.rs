@@ -76,6 +76,9 @@ pub struct ReplicaView {
     pub reason: String,
     /// Spec generation it was created for.
     pub generation: u64,
+    /// Failed after having been Ready, and its restart delay has passed: stop it and
+    /// create a replacement (startup failures keep `false`, so they never loop).
+    pub restart_due: bool,
 }
 
 /// Where a replica goes.
@@ -227,7 +230,7 @@ pub fn plan(
         if !is_active(r.state) {
             continue;
         }
-        if r.generation < d.generation {
+        if r.generation < d.generation || (r.state == ReplicaState::Failed && r.restart_due) {
             actions.push(Action::Remove { replica: r.id.clone() });
             continue;
         }
@@ -389,6 +392,7 @@ mod tests {
                         state: ReplicaState::Pending,
                         reason: String::new(),
                         generation: *generation,
+                        restart_due: false,
                     };
                     set(&mut r, placement);
                     replicas.push(r);
@@ -570,6 +574,14 @@ mod tests {
         rs[0].state = ReplicaState::Failed;
         // Not retried in a loop.
         assert!(plan(&nodes, &deps, &rs).is_empty());
+        // Once its restart is due (it failed after being Ready), it is removed and replaced
+        // on the slot it frees.
+        rs[0].restart_due = true;
+        let acts = plan(&nodes, &deps, &rs);
+        assert_eq!(acts.len(), 2, "{acts:?}");
+        assert_eq!(acts[0], Action::Remove { replica: rs[0].id.clone() });
+        assert!(matches!(&acts[1], Action::Create { placement: Placement::Assigned { slots, .. }, .. } if *slots == vec![0]));
+        rs[0].restart_due = false;
         // A new generation replaces it, and its GPU is free again.
         let mut d2 = dep("m", 1, 1);
         d2.generation = 2;

@@ -70,7 +70,7 @@ async fn pass(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
     mark_dead_nodes(cluster, st).await?;
     stop_drained(cluster, st).await?;
     let connected = st.sessions.keys().cloned().collect();
-    let (nodes, deps, replicas) = st.view.planner_inputs(&connected);
+    let (nodes, deps, replicas) = st.view.planner_inputs(&connected, cluster.cfg.replica_restart_delay);
     let actions = plan(&nodes, &deps, &replicas);
     for a in actions {
         apply(cluster, st, a).await?;
