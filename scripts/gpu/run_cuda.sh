@@ -21,6 +21,8 @@ timeout 240 python3 scripts/gpu/hf_reference.py "$MODEL" 2>&1 | tee "$OUT/hf_ref
 cp "$MODEL/config.json" "$OUT/hf_config.json" 2>/dev/null || true
 if [ -f "$MODEL/reference.json" ]; then
   timeout 180 "$BIN/cuda_check" "$MODEL" "$OUT/cuda_check.json" 2>&1 | tee "$OUT/cuda_check.log" || rc=1
+  # The engine's batching-changes-nothing body on CUDA (alone / batched / 7-token chunks / preemption).
+  timeout 180 "$BIN/cuda_engine_parity" "$MODEL" "$OUT/cuda_engine_parity.json" 2>&1 | tee "$OUT/cuda_engine_parity.log" || rc=1
 fi
 timeout 300 "$BIN/cuda_bench" "$OUT/cuda_bench.json" 2>&1 | tee "$OUT/cuda_bench.log" || rc=1
 exit $rc

@@ -151,9 +151,29 @@ mod bench {
                 json!({"ms": step * 1e3, "tokens_per_s": len as f64 / step, "tflops": flops / step / 1e12, "mfu": mfu}),
             );
         }
+        let replays = be.graph_replays;
+        let plans = be.gemm_plans().to_vec();
+        for p in &plans {
+            println!(
+                "gemm {}x{} (f32 out {}): {} candidates, {} batch-invariant, chosen {:?} invariant {} \
+                 t(M=1) {:.1} us t(M={}) {:.1} us; cublasGemmEx default invariant {} t(M=1) {:.1} us",
+                p.out, p.inp, p.f32_out, p.candidates, p.invariant, p.chosen, p.chosen_invariant, p.t_m1_us, p.m_mid,
+                p.t_mid_us, p.cublas_default_invariant, p.cublas_t_m1_us
+            );
+        }
+        let name = be.device_name().to_owned();
+        drop(be);
+        // The same decode steps without CUDA graphs (eager launches), for the comparison.
+        let mut eager = CudaBackend::synthetic(&shape, &CudaOptions { cuda_graphs: false, ..opts.clone() })?;
+        for ctx in [128usize, 1024] {
+            let b = batch(1, ctx, 1, true);
+            let t = time_greedy(&mut eager, &b, 5, 50)?;
+            println!("decode b=1 ctx={ctx} without CUDA graphs: {:.3} ms/step", t * 1e3);
+            results.insert(format!("decode_b1_ctx{ctx}_no_graphs"), json!({"ms_per_step": t * 1e3}));
+        }
         let report = json!({
-            "device": be.device_name(), "init_seconds": init_s, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
-            "kv_tokens": be.num_kv_blocks() * BS, "results": results,
+            "device": name, "init_seconds": init_s, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
+            "kv_tokens": eager.num_kv_blocks() * BS, "results": results, "graph_replays": replays, "gemm_plans": plans,
         });
         std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
         Ok(())

@@ -61,7 +61,15 @@ pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
     if e.max_num_batched_tokens > 0 {
         cfg.max_num_batched_tokens = e.max_num_batched_tokens as usize;
     }
-    cfg.kv_cache_bytes = Some(spec.kv_cache_bytes);
+    if e.gpu_memory_utilization > 0.0 {
+        cfg.gpu_memory_utilization = e.gpu_memory_utilization;
+    }
+    // The worker's default budget is for CPU replicas; a CUDA replica sizes its KV cache from
+    // gpu_memory_utilization unless the deployment set a budget itself.
+    cfg.kv_cache_bytes = match &spec.placement {
+        Placement::Cpu => Some(spec.kv_cache_bytes),
+        Placement::Cuda(_) => (e.kv_cache_bytes > 0).then_some(e.kv_cache_bytes),
+    };
     cfg.backend = match &spec.placement {
         Placement::Cpu => BackendKind::Cpu,
         Placement::Cuda(devices) => BackendKind::Cuda { devices: devices.clone() },
@@ -84,5 +92,33 @@ impl EngineLauncher for LocalLauncher {
         }
         let handle = EngineHandle::start(engine_config(spec), None)?;
         Ok(Arc::new(handle))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prism_common::proto::v1 as pb;
+
+    fn spec(placement: Placement, kv: u64, util: f32) -> LaunchSpec {
+        LaunchSpec {
+            replica_id: prism_common::ReplicaId::from("r1".to_owned()),
+            engine: pb::EngineConfig { model: "/m".into(), kv_cache_bytes: kv, gpu_memory_utilization: util, ..Default::default() },
+            placement,
+            kv_cache_bytes: 64 << 20,
+        }
+    }
+
+    #[test]
+    fn cuda_replicas_size_kv_from_gpu_memory_unless_the_deployment_set_a_budget() {
+        let cpu = engine_config(&spec(Placement::Cpu, 0, 0.0));
+        assert_eq!(cpu.kv_cache_bytes, Some(64 << 20));
+        let gpu = engine_config(&spec(Placement::Cuda(vec![0]), 0, 0.0));
+        assert_eq!(gpu.kv_cache_bytes, None);
+        assert!((gpu.gpu_memory_utilization - 0.9).abs() < 1e-6);
+        let gpu = engine_config(&spec(Placement::Cuda(vec![1]), 1 << 30, 0.5));
+        assert_eq!(gpu.kv_cache_bytes, Some(1 << 30));
+        assert!((gpu.gpu_memory_utilization - 0.5).abs() < 1e-6);
+        assert_eq!(gpu.backend, BackendKind::Cuda { devices: vec![1] });
     }
 }

@@ -40,8 +40,11 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Most tokens per step.
     pub max_num_batched_tokens: usize,
-    /// CPU KV-cache budget in bytes; `None` = [`DEFAULT_KV_CACHE_BYTES`].
+    /// KV-cache budget in bytes. CPU: `None` = [`DEFAULT_KV_CACHE_BYTES`]; CUDA: `None` =
+    /// sized from `gpu_memory_utilization` after the weights are loaded.
     pub kv_cache_bytes: Option<u64>,
+    /// Fraction of the GPU's memory a CUDA replica may use (vLLM's knob; default 0.9).
+    pub gpu_memory_utilization: f32,
     /// Backend.
     pub backend: BackendKind,
     /// Most unfinished requests before `submit` answers `Overloaded`.
@@ -60,6 +63,7 @@ impl EngineConfig {
             max_num_seqs: rt.max_num_seqs,
             max_num_batched_tokens: rt.max_num_batched_tokens,
             kv_cache_bytes: None,
+            gpu_memory_utilization: 0.9,
             backend: BackendKind::Cpu,
             max_pending_requests: rt.max_pending_requests,
         }
@@ -132,7 +136,9 @@ impl EngineHandle {
             return Err(EngineError::InvalidRequest { field: "block_size", message: "block_size must be >= 1".into() });
         }
         let source = ModelSource::detect(&cfg.model)?;
-        let loaded = model::load_model(&source, progress)?;
+        // The CPU backend reads GGUF blocks directly; other backends take f32.
+        let options = model::LoadOptions { keep_quantized: matches!(cfg.backend, BackendKind::Cpu) };
+        let loaded = model::load_model_with(&source, progress, options)?;
         let model_max_len = loaded.config.max_position_embeddings;
         let eos_ids = loaded.config.eos_token_ids.clone();
         let kv_bytes = cfg.kv_cache_bytes.unwrap_or(DEFAULT_KV_CACHE_BYTES);
@@ -150,6 +156,7 @@ impl EngineHandle {
                     device,
                     block_size: cfg.block_size,
                     kv_cache_bytes: cfg.kv_cache_bytes,
+                    gpu_memory_utilization: cfg.gpu_memory_utilization,
                     max_num_batched_tokens: cfg.max_num_batched_tokens,
                     max_num_seqs: cfg.max_num_seqs,
                     ..Default::default()

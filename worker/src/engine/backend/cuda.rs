@@ -8,15 +8,28 @@
 //! each query token attends over its sequence's block table up to its own position),
 //! SiLU·mul and a greedy argmax on the device. The residual stream stays in f32.
 //!
+//! Batch invariance (deterministic inference): a sequence's logits do not depend on what else
+//! is in the step or how its prompt is chunked. GEMMs use one cuBLASLt algorithm per weight
+//! shape for every row count, checked bitwise row-invariant on the device at load
+//! ([`gemm`]); attention splits each token's context into fixed 128-position chunks merged in
+//! chunk order; every other kernel is per row.
+//!
+//! CUDA graphs: a pure decode step is padded to a batch-size bucket (1, 2, 4, … up to
+//! `max_num_seqs`; padding tokens write no KV) and replayed from a graph captured per
+//! (bucket, context-chunk bucket) on its second use; metadata goes to fixed device addresses
+//! before each replay, so a replay allocates and compiles nothing.
+//!
 //! The KV cache is preallocated after the weights and the step scratch from
 //! `gpu_memory_utilization` (vLLM's rule: `total · utilization − in use`) unless an explicit
 //! byte budget is given; its capacity in tokens is logged.
 //!
-//! Not here yet: CUDA graphs for decode buckets, tensor parallelism (NCCL), and
-//! tensor-core attention for long prefills.
+//! Not here yet: tensor parallelism (NCCL) and tensor-core attention for long prefills.
 
 pub mod device;
+pub mod gemm;
 mod weights;
+
+use std::collections::HashMap;
 
 use device::{DevBuf, GemmShape, Gpu, per_row};
 
@@ -43,6 +56,8 @@ pub struct CudaOptions {
     pub max_num_batched_tokens: usize,
     /// Most sequences in one step (logit rows).
     pub max_num_seqs: usize,
+    /// Replay decode steps from CUDA graphs captured per batch-size bucket.
+    pub cuda_graphs: bool,
 }
 
 impl Default for CudaOptions {
@@ -54,6 +69,7 @@ impl Default for CudaOptions {
             kv_cache_bytes: None,
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
+            cuda_graphs: true,
         }
     }
 }
@@ -107,7 +123,7 @@ struct Scratch {
     argmax: DevBuf,
     /// u32 step metadata: ids, positions, slots, block-table offsets, logit rows, block tables.
     meta: DevBuf,
-    /// f32 split-context attention partials (`[n, q_heads, splits, head_dim + 2]`).
+    /// f32 chunked-context attention partials (`[n, q_heads, chunks, head_dim + 2]`).
     part: DevBuf,
     /// Capacity of `part` in f32 values.
     part_cap: usize,
@@ -116,9 +132,21 @@ struct Scratch {
     host_meta: Vec<u32>,
 }
 
+/// A captured decode step (graphs hold raw driver handles; used from one thread at a time).
+struct Graph(cudarc::driver::CudaGraph);
+// SAFETY: the graph is only launched from the thread that runs the backend, one at a time.
+unsafe impl Send for Graph {}
+
 /// bf16 Llama on one CUDA device with a paged KV cache.
 pub struct CudaBackend {
     gpu: Gpu,
+    lt: gemm::LtGemm,
+    /// Decode graphs by (bucket, context-chunk bucket); `None` = seen once, not captured yet.
+    graphs: HashMap<(usize, usize), Option<Graph>>,
+    /// Decode batch-size buckets (ascending); empty when graphs are off.
+    buckets: Vec<usize>,
+    /// Graph replays so far (benchmarks and tests).
+    pub graph_replays: u64,
     d: Dims,
     w: DeviceWeights,
     s: Scratch,
@@ -140,21 +168,10 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
-/// Split-context attention is used while `tokens × kv_heads × splits` stays under this many
-/// blocks (two waves on a 132-SM H200); partial buffers are sized for it.
-const SPLIT_TARGET_BLOCKS: usize = 264;
-/// Token-splits the partial buffer holds (`tokens × splits`).
-const PART_ROWS: usize = 2 * SPLIT_TARGET_BLOCKS;
-
-/// Context splits for attention: enough blocks to fill the GPU when few tokens are in the
-/// step, each split at least 64 positions, at most 32.
-fn attn_splits(n: usize, kv_heads: usize, max_ctx: usize) -> usize {
-    let blocks = n * kv_heads;
-    if blocks >= SPLIT_TARGET_BLOCKS {
-        return 1;
-    }
-    SPLIT_TARGET_BLOCKS.div_ceil(blocks).min(max_ctx.div_ceil(64)).clamp(1, 32)
-}
+/// Positions per attention context chunk (`ATTN_CHUNK` in `kernels/llama.cu`).
+const ATTN_CHUNK: usize = 128;
+/// Bytes of the attention partial buffer; larger steps are split into several launches.
+const PART_BYTES: usize = 64 << 20;
 
 fn invalid(msg: impl Into<String>) -> BackendError {
     BackendError::InvalidBatch(msg.into())
@@ -218,12 +235,30 @@ impl CudaBackend {
             logits: alloc(r * d.vocab * 4)?,
             argmax: alloc(r * 4)?,
             meta: alloc((4 * t + r + 65_536) * 4)?,
-            part: alloc(PART_ROWS * d.q_heads * (d.head_dim + 2) * 4)?,
-            part_cap: PART_ROWS * d.q_heads * (d.head_dim + 2),
+            part: alloc(PART_BYTES)?,
+            part_cap: PART_BYTES / 4,
             inv_freq: alloc(inv_freq.len() * 4)?,
             host_meta: Vec::new(),
         };
         gpu.upload(&s.inv_freq, 0, inv_freq).map_err(engine_err)?;
+        // One batch-invariant GEMM algorithm per weight shape (checked on this device).
+        let mut lt = gemm::LtGemm::new(&gpu).map_err(engine_err)?;
+        if let Some(l0) = w.layers.first() {
+            for (wp, out, inp) in [
+                (l0.qkv, d.qkv_dim(), d.hidden),
+                (l0.o_proj, d.hidden, d.q_dim()),
+                (l0.gate_up, 2 * d.inter, d.hidden),
+                (l0.down, d.hidden, d.inter),
+            ] {
+                lt.plan(&gpu, wp, out, inp, false, t).map_err(engine_err)?;
+            }
+        }
+        lt.plan(&gpu, w.lm_head, d.vocab, d.hidden, true, r).map_err(engine_err)?;
+        let buckets: Vec<usize> = if opts.cuda_graphs {
+            (0..16).map(|i| 1usize << i).take_while(|&b| b <= r.min(t)).collect()
+        } else {
+            Vec::new()
+        };
         let per_token = d.layers * 2 * d.kv_dim() * bf;
         let per_block = per_token * opts.block_size;
         let (free, total) = gpu.mem_info().map_err(engine_err)?;
@@ -260,12 +295,30 @@ impl CudaBackend {
             kv_bytes = num_blocks * per_block,
             "CUDA backend ready"
         );
-        Ok(Self { gpu, d, w, s, block_size: opts.block_size, num_blocks, k_cache, v_cache })
+        Ok(Self {
+            gpu,
+            lt,
+            graphs: HashMap::new(),
+            buckets,
+            graph_replays: 0,
+            d,
+            w,
+            s,
+            block_size: opts.block_size,
+            num_blocks,
+            k_cache,
+            v_cache,
+        })
     }
 
     /// Device name (e.g. "NVIDIA H200").
     pub fn device_name(&self) -> &str {
         &self.gpu.name
+    }
+
+    /// The GEMM plans chosen at load (algorithm, invariance check, timings).
+    pub fn gemm_plans(&self) -> &[gemm::GemmPlanInfo] {
+        &self.lt.infos
     }
 
     /// Bytes of weights on the device.
@@ -349,23 +402,31 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Uploads the step metadata; returns device addresses of (ids, pos, slots, tok_bt,
-    /// rows, bts) and the number of logit rows.
-    fn upload_meta(&mut self, b: &StepBatch) -> Result<([u64; 6], usize), BackendError> {
+    /// Uploads the step metadata, padded to `pad_to` tokens (padding: token 0 at position 0,
+    /// no KV slot, the first sequence's block table, its own logit row); returns device
+    /// addresses of (ids, pos, slots, tok_bt, rows, bts) and the number of logit rows.
+    fn upload_meta(&mut self, b: &StepBatch, pad_to: usize) -> Result<([u64; 6], usize), BackendError> {
         let n = b.token_ids.len();
+        let pad = pad_to.saturating_sub(n);
+        let np = n + pad;
         let m = &mut self.s.host_meta;
         m.clear();
         m.extend_from_slice(&b.token_ids);
+        m.extend(std::iter::repeat_n(0, pad));
         m.extend_from_slice(&b.positions);
+        m.extend(std::iter::repeat_n(0, pad));
         m.extend_from_slice(&b.slot_mapping);
+        m.extend(std::iter::repeat_n(u32::MAX, pad));
         let mut bt_off = 0u32;
         for s in &b.seqs {
             m.extend(std::iter::repeat_n(bt_off, s.query_len));
             bt_off += s.block_table.len() as u32;
         }
+        m.extend(std::iter::repeat_n(0, pad));
         let rows_at = m.len();
         m.extend(b.seqs.iter().filter(|s| s.want_logits).map(|s| (s.query_start + s.query_len - 1) as u32));
         let rows = m.len() - rows_at;
+        m.extend((n..np).map(|i| i as u32));
         let bts_at = m.len();
         for s in &b.seqs {
             m.extend_from_slice(&s.block_table);
@@ -373,93 +434,147 @@ impl CudaBackend {
         let need = m.len() * 4;
         if need > self.s.meta.bytes {
             self.gpu.sync()?;
+            // Captured graphs hold the old addresses.
+            self.graphs.clear();
             self.s.meta = DevBuf::zeroed(&self.gpu, need * 2)?;
         }
         self.gpu.upload(&self.s.meta, 0, &self.s.host_meta)?;
         let base = self.s.meta.ptr;
         let at = |i: usize| base + (i * 4) as u64;
-        Ok(([at(0), at(n), at(2 * n), at(3 * n), at(rows_at), at(bts_at)], rows))
+        Ok(([at(0), at(np), at(2 * np), at(3 * np), at(rows_at), at(bts_at)], rows))
     }
 
-    /// Runs the layers and the lm_head into `s.logits` (rows × vocab f32); returns rows.
+    /// Runs the layers and the lm_head into `s.logits`; returns the number of valid logit rows
+    /// (rows are in batch order). Pure decode steps replay a CUDA graph of their bucket.
     fn run(&mut self, batch: &StepBatch) -> Result<usize, BackendError> {
         self.validate(batch)?;
         self.gpu.bind()?;
         let n = batch.token_ids.len();
-        let ([ids, pos, slots, tok_bt, rows_ptr, bts], rows) = self.upload_meta(batch)?;
+        let max_ctx = batch.seqs.iter().map(|q| q.context_len).max().unwrap_or(1);
+        let chunks = max_ctx.div_ceil(ATTN_CHUNK).max(1);
+        let per_token = self.d.q_heads * (self.d.head_dim + 2);
+        let decode = batch.seqs.iter().all(|q| q.query_len == 1 && q.want_logits);
+        let bucket = if decode { self.buckets.iter().copied().find(|&b| b >= n) } else { None };
+        if let Some(bucket) = bucket {
+            let c_cap = chunks.next_power_of_two();
+            if bucket * c_cap * per_token <= self.s.part_cap {
+                let (ptrs, _) = self.upload_meta(batch, bucket)?;
+                let key = (bucket, c_cap);
+                match self.graphs.get(&key) {
+                    Some(Some(g)) => {
+                        g.0.launch().map_err(|e| device::dev_err("graph launch", e))?;
+                        self.graph_replays += 1;
+                    }
+                    Some(None) => {
+                        // Second use: capture (everything it launches is loaded by now).
+                        self.gpu
+                            .stream
+                            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                            .map_err(|e| device::dev_err("begin_capture", e))?;
+                        let res = self.enqueue(bucket, bucket, ptrs, c_cap);
+                        let graph = self
+                            .gpu
+                            .stream
+                            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+                            .map_err(|e| device::dev_err("end_capture", e))?;
+                        res?;
+                        let graph = graph.ok_or_else(|| BackendError::Device("empty graph capture".into()))?;
+                        graph.launch().map_err(|e| device::dev_err("graph launch", e))?;
+                        self.graphs.insert(key, Some(Graph(graph)));
+                        self.graph_replays += 1;
+                    }
+                    None => {
+                        self.enqueue(bucket, bucket, ptrs, c_cap)?;
+                        self.graphs.insert(key, None);
+                    }
+                }
+                return Ok(n);
+            }
+        }
+        let (ptrs, rows) = self.upload_meta(batch, n)?;
+        self.enqueue(n, rows, ptrs, chunks)?;
+        Ok(rows)
+    }
+
+    /// Enqueues one forward pass over `n` tokens (`rows` logit rows, `chunks` context chunks
+    /// per token at most) on the stream; no host synchronisation, no allocation (capturable).
+    fn enqueue(&mut self, n: usize, rows: usize, ptrs: [u64; 6], chunks: usize) -> Result<(), BackendError> {
+        let [ids, pos, slots, tok_bt, rows_ptr, bts] = ptrs;
         let d = self.d;
-        let (g, s) = (&self.gpu, &self.s);
+        let Self { gpu: g, lt, s, w, k_cache, v_cache, block_size, .. } = self;
         let st = &g.stream;
         let launch_err = |name: &'static str| move |e| device::dev_err(name, e);
         let (h, eps) = (d.hidden as i32, d.eps);
         let null = 0u64;
         {
             let mut b = st.launch_builder(&g.k.embed_gather);
-            b.arg(&s.x.ptr).arg(&self.w.embed).arg(&ids).arg(&h);
+            b.arg(&s.x.ptr).arg(&w.embed).arg(&ids).arg(&h);
             // SAFETY: x holds n × hidden f32; ids are validated < vocab.
             unsafe { b.launch(per_row(n, 256)) }.map_err(launch_err("embed_gather"))?;
         }
         let norm_threads = if d.hidden >= 2048 { 1024 } else { 256 };
-        let (qh, kvh, hd, bs) = (d.q_heads as i32, d.kv_heads as i32, d.head_dim as i32, self.block_size as i32);
+        let (qh, kvh, hd, bs) = (d.q_heads as i32, d.kv_heads as i32, d.head_dim as i32, *block_size as i32);
         let scale = 1.0 / (d.head_dim as f32).sqrt();
         let group = d.q_heads / d.kv_heads;
         let attn_fn = &g.k.attention[usize::from(d.head_dim == 128) * 4 + group.trailing_zeros() as usize];
         let (n_i, inter) = (n as i32, d.inter as i32);
-        let max_ctx = batch.seqs.iter().map(|q| q.context_len).max().unwrap_or(1);
-        let mut splits = attn_splits(n, d.kv_heads, max_ctx);
-        if n * d.q_heads * splits * (d.head_dim + 2) > s.part_cap {
-            splits = 1;
-        }
-        let splits_i = splits as i32;
-        for (li, lw) in self.w.layers.iter().enumerate() {
+        // Tokens per attention launch so that their partials fit (all of them with one chunk).
+        let per_launch = if chunks == 1 { n } else { (s.part_cap / (chunks * d.q_heads * (d.head_dim + 2))).clamp(1, n) };
+        let chunks_i = chunks as i32;
+        for (li, lw) in w.layers.iter().enumerate() {
             // Residual add of the previous layer's down_proj output fused with this norm.
             let delta = if li == 0 { null } else { s.proj.ptr };
             let mut b = st.launch_builder(&g.k.add_rmsnorm);
             b.arg(&s.x.ptr).arg(&delta).arg(&lw.input_norm).arg(&s.hn.ptr).arg(&null).arg(&h).arg(&eps);
             // SAFETY: all buffers hold n rows of hidden.
             unsafe { b.launch(per_row(n, norm_threads)) }.map_err(launch_err("add_rmsnorm"))?;
-            g.gemm(s.qkv.ptr, s.hn.ptr, lw.qkv, GemmShape { n, out: d.qkv_dim(), inp: d.hidden }, false)?;
-            let (kc, vc) = (self.k_cache[li].ptr, self.v_cache[li].ptr);
+            lt.matmul(g, s.qkv.ptr, s.hn.ptr, lw.qkv, GemmShape { n, out: d.qkv_dim(), inp: d.hidden }, false)?;
+            let (kc, vc) = (k_cache[li].ptr, v_cache[li].ptr);
             let mut b = st.launch_builder(&g.k.rope_kv_write);
             b.arg(&s.qkv.ptr).arg(&pos).arg(&slots).arg(&s.inv_freq.ptr).arg(&kc).arg(&vc).arg(&qh).arg(&kvh).arg(&hd);
-            // SAFETY: slots validated < num_blocks · block_size.
+            // SAFETY: slots validated < num_blocks · block_size (u32::MAX = padding, skipped).
             unsafe { b.launch(per_row(n, 128)) }.map_err(launch_err("rope_kv_write"))?;
-            let mut b = st.launch_builder(attn_fn);
-            b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&s.qkv.ptr).arg(&kc).arg(&vc).arg(&pos).arg(&tok_bt).arg(&bts);
-            b.arg(&qh).arg(&kvh).arg(&bs).arg(&scale);
-            let grid = (n as u32, d.kv_heads as u32, splits as u32);
-            let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: block tables validated to cover each position with valid block ids;
-            // `part` holds n × q_heads × splits × (head_dim + 2) f32 (checked below).
-            unsafe { b.launch(cfg) }.map_err(launch_err("paged_attention"))?;
-            if splits > 1 {
-                let mut b = st.launch_builder(&g.k.attn_combine);
-                b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&qh).arg(&hd).arg(&splits_i);
-                let cfg = LaunchConfig { grid_dim: (n as u32, d.q_heads as u32, 1), block_dim: (d.head_dim as u32, 1, 1), shared_mem_bytes: 0 };
-                // SAFETY: as above.
-                unsafe { b.launch(cfg) }.map_err(launch_err("attn_combine"))?;
+            let mut t0 = 0usize;
+            while t0 < n {
+                let cnt = per_launch.min(n - t0);
+                let t0_i = t0 as i32;
+                let mut b = st.launch_builder(attn_fn);
+                b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&s.qkv.ptr).arg(&kc).arg(&vc).arg(&pos).arg(&tok_bt).arg(&bts);
+                b.arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0_i);
+                let cfg = LaunchConfig { grid_dim: (cnt as u32, d.kv_heads as u32, chunks as u32), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: block tables validated to cover each position with valid block ids;
+                // `part` holds cnt × q_heads × chunks × (head_dim + 2) f32 (per_launch above).
+                unsafe { b.launch(cfg) }.map_err(launch_err("paged_attention"))?;
+                if chunks > 1 {
+                    let mut b = st.launch_builder(&g.k.attn_combine);
+                    b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&pos).arg(&qh).arg(&hd).arg(&chunks_i).arg(&t0_i);
+                    let cfg = LaunchConfig { grid_dim: (cnt as u32, d.q_heads as u32, 1), block_dim: (d.head_dim as u32, 1, 1), shared_mem_bytes: 0 };
+                    // SAFETY: as above.
+                    unsafe { b.launch(cfg) }.map_err(launch_err("attn_combine"))?;
+                }
+                t0 += cnt;
             }
-            g.gemm(s.proj.ptr, s.attn.ptr, lw.o_proj, GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
+            lt.matmul(g, s.proj.ptr, s.attn.ptr, lw.o_proj, GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
             let mut b = st.launch_builder(&g.k.add_rmsnorm);
             b.arg(&s.x.ptr).arg(&s.proj.ptr).arg(&lw.post_norm).arg(&s.hn.ptr).arg(&null).arg(&h).arg(&eps);
             // SAFETY: as above.
             unsafe { b.launch(per_row(n, norm_threads)) }.map_err(launch_err("add_rmsnorm"))?;
-            g.gemm(s.gu.ptr, s.hn.ptr, lw.gate_up, GemmShape { n, out: 2 * d.inter, inp: d.hidden }, false)?;
+            lt.matmul(g, s.gu.ptr, s.hn.ptr, lw.gate_up, GemmShape { n, out: 2 * d.inter, inp: d.hidden }, false)?;
             let mut b = st.launch_builder(&g.k.silu_mul);
             b.arg(&s.act.ptr).arg(&s.gu.ptr).arg(&n_i).arg(&inter);
             // SAFETY: gu holds n × 2·inter, act n × inter.
             unsafe { b.launch(device::grid_stride(n * d.inter)) }.map_err(launch_err("silu_mul"))?;
-            g.gemm(s.proj.ptr, s.act.ptr, lw.down, GemmShape { n, out: d.hidden, inp: d.inter }, false)?;
+            lt.matmul(g, s.proj.ptr, s.act.ptr, lw.down, GemmShape { n, out: d.hidden, inp: d.inter }, false)?;
         }
         if rows > 0 {
             // Last residual add + final norm, only for the rows that want logits.
             let mut b = st.launch_builder(&g.k.add_rmsnorm);
-            b.arg(&s.x.ptr).arg(&s.proj.ptr).arg(&self.w.norm).arg(&s.hn.ptr).arg(&rows_ptr).arg(&h).arg(&eps);
+            b.arg(&s.x.ptr).arg(&s.proj.ptr).arg(&w.norm).arg(&s.hn.ptr).arg(&rows_ptr).arg(&h).arg(&eps);
             // SAFETY: rows index tokens < n; hn holds at least rows × hidden.
             unsafe { b.launch(per_row(rows, norm_threads)) }.map_err(launch_err("final_norm"))?;
-            g.gemm(s.logits.ptr, s.hn.ptr, self.w.lm_head, GemmShape { n: rows, out: d.vocab, inp: d.hidden }, true)?;
+            lt.matmul(g, s.logits.ptr, s.hn.ptr, w.lm_head, GemmShape { n: rows, out: d.vocab, inp: d.hidden }, true)?;
         }
-        Ok(rows)
+        Ok(())
     }
 }
 

@@ -71,6 +71,7 @@ pub struct Kernels {
     pub argmax_rows: CudaFunction,
     pub fill_uniform: CudaFunction,
     pub fill_const: CudaFunction,
+    pub count_neq_u16: CudaFunction,
 }
 
 /// One GPU: context, stream, cuBLAS handle and kernels.
@@ -152,6 +153,7 @@ impl Gpu {
             argmax_rows: f("argmax_rows")?,
             fill_uniform: f("fill_uniform")?,
             fill_const: f("fill_const")?,
+            count_neq_u16: f("count_neq_u16")?,
         };
         let name = ctx.name().unwrap_or_else(|_| "cuda".into());
         Ok(Self { ctx, stream, blas, k, name, arch })

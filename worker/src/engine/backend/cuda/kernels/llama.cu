@@ -79,6 +79,7 @@ extern "C" __global__ void rope_kv_write(bf16* qkv, const u32* pos, const u32* s
         hp[j + half] = f2bf(x2 * c + x1 * s);
     }
     __syncthreads();
+    if (slots[t] == 0xffffffffu) return;  // padding token of a CUDA-graph bucket
     u64 slot = slots[t];
     int kvd = kvh * hd;
     for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
@@ -90,19 +91,31 @@ extern "C" __global__ void rope_kv_write(bf16* qkv, const u32* pos, const u32* s
 #define ATTN_WARPS 8
 #define ATTN_MAX_G 8
 #define ATTN_UNROLL 4
+// Fixed context chunk (positions) of the split-KV attention. Batch invariance: a token's
+// reduction order depends only on its own position, never on the step's shape.
+#define ATTN_CHUNK 128
 
-// Paged causal GQA attention (PagedAttention), split over the context (flash-decoding) when
-// there are few query tokens: grid (n tokens, kv_heads, splits), ATTN_WARPS warps. A block
-// handles the G = qh / kvh query heads sharing one KV head over its share of positions
-// 0..=pos[t]; each warp takes ATTN_UNROLL positions at a time (their loads in flight together)
-// with an online softmax in f32; the warps merge in shared memory. With one split the block
-// writes bf16 output; otherwise it writes (max, sum, acc[hd]) partials that attn_combine merges.
-// Each lane holds EPL = hd / 32 dims. tok_bt[t]: offset in bts of token t's block table.
+// Paged causal GQA attention (PagedAttention) split over the context in fixed chunks of
+// ATTN_CHUNK positions (flash-decoding with position-aligned splits): grid (tokens, kv_heads,
+// chunks), ATTN_WARPS warps. Block (t, g, z) handles the G = qh / kvh query heads sharing KV
+// head g over positions [z·CHUNK, min(pos[t]+1, (z+1)·CHUNK)); blocks past the token's own
+// context exit. Each warp takes ATTN_UNROLL positions at a time (loads in flight together) with
+// an online softmax in f32; the warps merge in shared memory in warp order. A token whose
+// context fits one chunk writes bf16 output; otherwise each chunk writes (max, sum, acc[hd])
+// partials that attn_combine folds in chunk order. Every order above depends only on the
+// token's position, so the result is the same whatever else is in the step.
+// Token index t = t0 + blockIdx.x; partial rows are relative to t0. Each lane holds EPL = hd/32
+// dims. tok_bt[t]: offset in bts of token t's block table.
 template <int EPL, int G>
 __device__ void attn_impl(bf16* out, float* part, const bf16* qkv, const bf16* kc, const bf16* vc, const u32* pos,
-                          const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
+                          const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
     const int hd = EPL * 32;
-    int t = blockIdx.x, g = blockIdx.y, z = blockIdx.z, S = gridDim.z;
+    int tr = blockIdx.x, t = t0 + tr, g = blockIdx.y, z = blockIdx.z, S = gridDim.z;
+    int L = (int)pos[t] + 1;
+    int p_begin = z * ATTN_CHUNK;
+    if (p_begin >= L) return;
+    int p_end = min(L, p_begin + ATTN_CHUNK);
+    bool single = L <= ATTN_CHUNK;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     u64 qkv_dim = (u64)(qh + 2 * kvh) * hd;
     u64 kvd = (u64)kvh * hd;
@@ -118,9 +131,6 @@ __device__ void attn_impl(bf16* out, float* part, const bf16* qkv, const bf16* k
             acc[gi][e] = 0.f;
         }
     }
-    int L = (int)pos[t] + 1;
-    int chunk = (L + S - 1) / S;
-    int p_begin = z * chunk, p_end = min(L, p_begin + chunk);
     const u32* bt = bts + tok_bt[t];
     for (int p0 = p_begin + w * ATTN_UNROLL; p0 < p_end; p0 += ATTN_WARPS * ATTN_UNROLL) {
         float k[ATTN_UNROLL][EPL], v[ATTN_UNROLL][EPL];
@@ -198,10 +208,10 @@ __device__ void attn_impl(bf16* out, float* part, const bf16* qkv, const bf16* k
             num += sm_acc[ww * G * hd + gi * hd + d] * f;
         }
         int head = g * G + gi;
-        if (S == 1) {
+        if (single) {
             out[(u64)t * qh * hd + (u64)head * hd + d] = f2bf(num / den);
         } else {
-            float* pp = part + (((u64)t * qh + head) * S + z) * (hd + 2);
+            float* pp = part + (((u64)tr * qh + head) * S + z) * (hd + 2);
             if (d == 0) { pp[0] = M; pp[1] = den; }
             pp[2 + d] = num;
         }
@@ -209,59 +219,72 @@ __device__ void attn_impl(bf16* out, float* part, const bf16* qkv, const bf16* k
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g1(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
-    attn_impl<2, 1>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
+    attn_impl<2, 1>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g2(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
-    attn_impl<2, 2>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
+    attn_impl<2, 2>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g4(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
-    attn_impl<2, 4>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
+    attn_impl<2, 4>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g8(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
-    attn_impl<2, 8>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
+    attn_impl<2, 8>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g1(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
-    attn_impl<4, 1>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
+    attn_impl<4, 1>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g2(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
-    attn_impl<4, 2>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
+    attn_impl<4, 2>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g4(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
-    attn_impl<4, 4>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
+    attn_impl<4, 4>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g8(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale) {
-    attn_impl<4, 8>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
+    attn_impl<4, 8>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
 }
 
-// Merges the S context splits of paged attention: grid (n tokens, q heads), hd threads.
-extern "C" __global__ void attn_combine(bf16* out, const float* part, int qh, int hd, int S) {
-    int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
-    const float* pp = part + ((u64)t * qh + head) * S * (hd + 2);
-    float M = NEG_INF;
-    for (int z = 0; z < S; z++) M = fmaxf(M, pp[z * (hd + 2)]);
-    float den = 0.f, num = 0.f;
-    for (int z = 0; z < S; z++) {
-        float lz = pp[z * (hd + 2) + 1];
-        float f = lz > 0.f ? __expf(pp[z * (hd + 2)] - M) : 0.f;
-        den += lz * f;
-        num += pp[z * (hd + 2) + 2 + d] * f;
+// Folds the context chunks of paged attention in chunk order (a left fold starting from chunk
+// 0 exactly, so the result depends only on the token's own context): grid (tokens, q heads), hd
+// threads. Tokens whose context fits one chunk were written by the attention kernel.
+extern "C" __global__ void attn_combine(bf16* out, const float* part, const u32* pos, int qh, int hd, int S, int t0) {
+    int tr = blockIdx.x, t = t0 + tr, head = blockIdx.y, d = threadIdx.x;
+    int C = ((int)pos[t] + ATTN_CHUNK) / ATTN_CHUNK;
+    if (C <= 1) return;
+    const float* pp = part + ((u64)tr * qh + head) * S * (hd + 2);
+    float M = pp[0], den = pp[1], num = pp[2 + d];
+    for (int z = 1; z < C; z++) {
+        const float* pz = pp + z * (hd + 2);
+        float Mz = pz[0];
+        float Mn = fmaxf(M, Mz);
+        float a = __expf(M - Mn), b = __expf(Mz - Mn);
+        den = den * a + pz[1] * b;
+        num = num * a + pz[2 + d] * b;
+        M = Mn;
     }
     out[(u64)t * qh * hd + (u64)head * hd + d] = f2bf(num / den);
+}
+
+// Counts 16-bit words that differ between a and b (GEMM batch-invariance check). Grid-stride.
+extern "C" __global__ void count_neq_u16(const unsigned short* a, const unsigned short* b, u64 n, u32* count) {
+    u32 c = 0;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) c += a[i] != b[i];
+    c = (u32)warp_sum((float)c);
+    if ((threadIdx.x & 31) == 0 && c) atomicAdd(count, c);
 }
 
 // act[t, i] = silu(gu[t, i]) * gu[t, inter + i]. Grid-stride over n * inter.
