@@ -38,15 +38,31 @@ pub fn build(st: &State) -> Vec<RouteEntry> {
         .collect()
 }
 
+/// Served model names of every deployment, sorted (routers answer 503, not 404, for a
+/// model whose replicas are all gone, e.g. while every worker is down).
+pub fn models(st: &State) -> Vec<String> {
+    let mut names: Vec<String> = st
+        .view
+        .deployments
+        .values()
+        .filter_map(|d| d.record.spec.as_ref()?.engine.as_ref().map(|e| e.served_model_name.clone()))
+        .filter(|n| !n.is_empty())
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    names
+}
+
 /// Publishes a new table when the routes changed.
 pub fn publish(cluster: &Cluster, st: &State) {
     let routes = build(st);
+    let models = models(st);
     let cur = cluster.routes.borrow().clone();
-    if cur.routes == routes {
+    if cur.routes == routes && cur.models == models {
         return;
     }
     // Monotonic across leaders too: a new leader never publishes a lower version.
     let version = (cur.version + 1).max(crate::cluster::unix_ms());
-    cluster.routes.send_replace(Arc::new(RouteTable { version, routes }));
+    cluster.routes.send_replace(Arc::new(RouteTable { version, routes, models }));
     cluster.metrics.route_updates.inc();
 }

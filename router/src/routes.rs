@@ -182,9 +182,12 @@ impl Routes {
     }
 
     /// Replaces the table with one received from the head. Entries that are neither Ready
-    /// nor Draining are dropped; stats of replicas no longer listed are forgotten.
+    /// nor Draining are dropped; models listed without entries stay known (no replica: 503);
+    /// stats of replicas no longer listed are forgotten.
     pub fn apply(&self, table: RouteTable) {
-        let mut models: BTreeMap<String, Vec<Arc<ReplicaRoute>>> = BTreeMap::new();
+        // Deployed models with no usable replica stay known (503, not 404).
+        let mut models: BTreeMap<String, Vec<Arc<ReplicaRoute>>> =
+            table.models.into_iter().map(|m| (m, Vec::new())).collect();
         for e in table.routes {
             let state = ReplicaState::try_from(e.state).unwrap_or(ReplicaState::Unspecified);
             if !matches!(state, ReplicaState::Ready | ReplicaState::Draining) || e.endpoint.is_empty() {
@@ -291,6 +294,7 @@ mod tests {
     fn apply_keeps_ready_and_draining_and_stats() {
         let routes = Routes::new(4, Metrics::new());
         routes.apply(RouteTable {
+            models: vec![],
             version: 3,
             routes: vec![
                 entry("a", "m", ReplicaState::Ready),
@@ -305,7 +309,8 @@ mod tests {
         assert_eq!(m[0].reported_tokens, 7);
         assert_eq!(m[0].max_in_flight, 4);
         m[0].stats.in_flight.store(2, Ordering::Relaxed);
-        routes.apply(RouteTable { version: 4, routes: vec![entry("a", "m", ReplicaState::Ready)] });
+        routes.apply(RouteTable { version: 4, routes: vec![entry("a", "m", ReplicaState::Ready)], models: vec!["gone".into()] });
+        assert!(routes.snapshot().models["gone"].is_empty());
         assert_eq!(routes.snapshot().models["m"][0].stats.in_flight.load(Ordering::Relaxed), 2);
         assert!(routes.snapshot().any_ready());
     }
