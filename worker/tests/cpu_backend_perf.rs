@@ -1,6 +1,8 @@
 //! Quick CPU-backend throughput check on the bundled model (ignored by default; the real
 //! benchmark is `prism bench engine`): prefill of a 512-token prompt and batch-1 / batch-8
-//! decode, printed as tokens/s. Run: `cargo test -p prism-worker --test cpu_backend_perf -- --ignored --nocapture`.
+//! decode, printed as tokens/s, with the weights kept in their GGUF blocks (as the engine
+//! loads them; `PRISM_CPU_F32=1` dequantizes them to f32 at load instead).
+//! Run: `cargo test -p prism-worker --test cpu_backend_perf -- --ignored --nocapture`.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -8,7 +10,7 @@ use std::time::Instant;
 use anyhow::Result;
 use prism_worker::engine::backend::cpu::CpuBackend;
 use prism_worker::engine::backend::{Backend, SeqStep, StepBatch};
-use prism_worker::engine::model::{ModelSource, load_model};
+use prism_worker::engine::model::{LoadOptions, ModelSource, load_model_with};
 
 fn step(seqs: &[(u32, usize, usize)], bs: usize) -> StepBatch {
     // (token, start position, query_len) per sequence; sequence i uses blocks from i * 64.
@@ -35,14 +37,11 @@ fn cpu_backend_throughput() -> Result<()> {
         eprintln!("SKIPPED: model missing");
         return Ok(());
     }
-    let m = load_model(&ModelSource::detect(path)?, None)?;
+    let keep_quantized = std::env::var_os("PRISM_CPU_F32").is_none();
+    let m = load_model_with(&ModelSource::detect(path)?, None, LoadOptions { keep_quantized })?;
     let bs = 16;
-    let f16 = std::env::var_os("PRISM_CPU_F16").is_some();
     let mut be = CpuBackend::new(m.weights, &m.config, 512 * 16 * 92160, bs)?;
-    if f16 {
-        be = be.with_f16_decode_weights();
-    }
-    eprintln!("f16 decode weights: {f16}");
+    eprintln!("weights kept quantized: {keep_quantized}; weight matrices {} MiB", be.weight_bytes() >> 20);
     let t = Instant::now();
     be.forward(&step(&[(1000, 0, 512)], bs))?;
     let dt = t.elapsed().as_secs_f64();

@@ -14,7 +14,7 @@ use memmap2::Mmap;
 
 pub use dequant::GgmlType;
 
-use super::llama::{self, HostTensor, LlamaWeights, WeightSource};
+use super::llama::{self, HostTensor, LlamaWeights, QuantizedData, QuantizedTensor, WeightSource};
 use super::{ChatTemplate, LoadedModel, ModelConfig, ProgressFn, Tokenizer, load_err};
 use crate::engine::EngineError;
 
@@ -377,13 +377,36 @@ impl WeightSource for GgufWeights<'_> {
         (self.progress)(self.done, self.total);
         Ok(Some((shape, data)))
     }
+
+    fn quantized(&mut self, hf_name: &str) -> Result<Option<QuantizedTensor>, EngineError> {
+        let Some(name) = gguf_name(hf_name) else { return Ok(None) };
+        if !self.file.tensors.contains_key(&name) {
+            return Ok(None);
+        }
+        let (info, bytes) = self.file.tensor_bytes(&name)?;
+        let shape = info.shape();
+        if !QuantizedData::supports(info.ty) || shape.len() != 2 || !shape[1].is_multiple_of(dequant::QK) {
+            return Ok(None);
+        }
+        let mut q = QuantizedData { ty: info.ty, bytes: bytes.to_vec() };
+        let row_bytes = q.row_bytes(shape[1]);
+        if hf_name.ends_with("q_proj.weight") {
+            llama::unpermute_qk_bytes(&mut q.bytes, self.cfg.num_attention_heads, row_bytes);
+        } else if hf_name.ends_with("k_proj.weight") {
+            llama::unpermute_qk_bytes(&mut q.bytes, self.cfg.num_key_value_heads, row_bytes);
+        }
+        self.done += bytes.len() as u64;
+        (self.progress)(self.done, self.total);
+        Ok(Some((shape, q)))
+    }
 }
 
-/// Loads a llama-architecture GGUF file.
+/// Loads a llama-architecture GGUF file; with `keep_quantized`, Q4_0/Q4_1/Q8_0 matrices
+/// keep their blocks ([`super::Linear::quant`]) instead of being dequantized to f32.
 ///
 /// # Errors
 /// [`EngineError::Internal`] on malformed files, other architectures or tokenizers, missing tensors.
-pub fn load(path: &Path, progress: ProgressFn<'_>) -> Result<LoadedModel, EngineError> {
+pub fn load(path: &Path, progress: ProgressFn<'_>, keep_quantized: bool) -> Result<LoadedModel, EngineError> {
     let file = GgufFile::open(path)?;
     let config = file.model_config()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
@@ -397,7 +420,7 @@ pub fn load(path: &Path, progress: ProgressFn<'_>) -> Result<LoadedModel, Engine
         .filter_map(|n| file.tensor_bytes(n).ok().map(|(_, b)| b.len() as u64))
         .sum();
     let mut src = GgufWeights { file: &file, cfg: &config, done: 0, total, progress };
-    let weights = LlamaWeights::load(&config, &mut src)?;
+    let weights = LlamaWeights::load_with(&config, &mut src, keep_quantized)?;
     Ok(LoadedModel { config, tokenizer, chat_template, weights })
 }
 

@@ -1,12 +1,41 @@
-//! Llama-family weights on the host in f32, Hugging Face layout and names (candle's
-//! `llama.rs`, transformers' `LlamaForCausalLM`), and their split into tensor-parallel
+//! Llama-family weights on the host, Hugging Face layout and names (candle's
+//! `llama.rs`, transformers' `LlamaForCausalLM`): f32, or — when loaded with
+//! `keep_quantized` — a matrix may keep its GGUF blocks as stored ([`QuantizedData`]), which
+//! [`Linear::to_f32`] dequantizes on demand to the same values a load-time dequantization
+//! gives. Also their split into tensor-parallel
 //! shards (Megatron-LM, Shoeybi et al. 2019): q/k/v and gate/up are column-parallel
 //! (output rows split, whole heads per rank), o_proj and down_proj row-parallel (input
 //! columns split; each rank's product is a partial sum that an all-reduce completes),
 //! embeddings, norms and lm_head replicated.
 
+use std::borrow::Cow;
+
+use super::gguf::dequant::{self, GgmlType, QK};
 use super::{ModelConfig, load_err};
 use crate::engine::EngineError;
+
+/// A matrix kept in its GGUF block format (Q4_0, Q4_1 or Q8_0): each row is
+/// `in_features / 32` whole blocks, rows stored one after another (Q/K rows already
+/// un-permuted to the Hugging Face layout).
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantizedData {
+    /// Block format.
+    pub ty: GgmlType,
+    /// `out_features * row_bytes` bytes.
+    pub bytes: Vec<u8>,
+}
+
+impl QuantizedData {
+    /// Whether the CPU kernels read `ty` blocks directly.
+    pub fn supports(ty: GgmlType) -> bool {
+        matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+    }
+
+    /// Bytes of one row of `in_features` weights.
+    pub fn row_bytes(&self, in_features: usize) -> usize {
+        in_features / QK * self.ty.block_layout().1
+    }
+}
 
 /// A linear layer's weight, `[out_features, in_features]` row-major (`y = x · Wᵀ`).
 #[derive(Clone, Debug, PartialEq)]
@@ -15,27 +44,89 @@ pub struct Linear {
     pub out_features: usize,
     /// Input features (columns).
     pub in_features: usize,
-    /// `out_features * in_features` values.
+    /// `out_features * in_features` values; empty when `quant` holds the weight.
     pub data: Vec<f32>,
+    /// The weight in its GGUF block format (then `data` is empty), when loaded with
+    /// `keep_quantized`.
+    pub quant: Option<QuantizedData>,
 }
 
 impl Linear {
-    /// Rows `start..end` (a column-parallel slice).
-    pub fn rows(&self, start: usize, end: usize) -> Linear {
-        Linear {
-            out_features: end - start,
-            in_features: self.in_features,
-            data: self.data[start * self.in_features..end * self.in_features].to_vec(),
+    /// An f32 weight.
+    pub fn new(out_features: usize, in_features: usize, data: Vec<f32>) -> Self {
+        Self { out_features, in_features, data, quant: None }
+    }
+
+    /// The f32 values (`data`, or the blocks dequantized exactly as at load time).
+    pub fn to_f32(&self) -> Cow<'_, [f32]> {
+        match &self.quant {
+            None => Cow::Borrowed(&self.data),
+            Some(q) => {
+                let mut out = vec![0f32; self.out_features * self.in_features];
+                dequant::dequantize(q.ty, &q.bytes, &mut out);
+                Cow::Owned(out)
+            }
         }
     }
 
-    /// Columns `start..end` of every row (a row-parallel slice).
+    /// This weight with f32 `data` (a no-op when it already is f32).
+    pub fn dequantized(self) -> Linear {
+        match self.quant {
+            None => self,
+            Some(_) => Linear::new(self.out_features, self.in_features, self.to_f32().into_owned()),
+        }
+    }
+
+    /// Row `r` in f32 (an embedding lookup).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let inp = self.in_features;
+        match &self.quant {
+            None => out.copy_from_slice(&self.data[r * inp..(r + 1) * inp]),
+            Some(q) => {
+                let rb = q.row_bytes(inp);
+                dequant::dequantize(q.ty, &q.bytes[r * rb..(r + 1) * rb], out);
+            }
+        }
+    }
+
+    /// Rows `start..end` (a column-parallel slice).
+    pub fn rows(&self, start: usize, end: usize) -> Linear {
+        if let Some(q) = &self.quant {
+            let rb = q.row_bytes(self.in_features);
+            return Linear {
+                out_features: end - start,
+                in_features: self.in_features,
+                data: Vec::new(),
+                quant: Some(QuantizedData { ty: q.ty, bytes: q.bytes[start * rb..end * rb].to_vec() }),
+            };
+        }
+        Linear::new(end - start, self.in_features, self.data[start * self.in_features..end * self.in_features].to_vec())
+    }
+
+    /// Columns `start..end` of every row (a row-parallel slice). A quantized weight stays
+    /// quantized when the cut falls on block boundaries, and is dequantized otherwise.
     pub fn cols(&self, start: usize, end: usize) -> Linear {
+        if let Some(q) = &self.quant {
+            if start.is_multiple_of(QK) && end.is_multiple_of(QK) {
+                let (rb, bb) = (q.row_bytes(self.in_features), q.ty.block_layout().1);
+                let mut bytes = Vec::with_capacity(self.out_features * (end - start) / QK * bb);
+                for r in q.bytes.chunks_exact(rb) {
+                    bytes.extend_from_slice(&r[start / QK * bb..end / QK * bb]);
+                }
+                return Linear {
+                    out_features: self.out_features,
+                    in_features: end - start,
+                    data: Vec::new(),
+                    quant: Some(QuantizedData { ty: q.ty, bytes }),
+                };
+            }
+            return self.clone().dequantized().cols(start, end);
+        }
         let mut data = Vec::with_capacity(self.out_features * (end - start));
         for r in self.data.chunks_exact(self.in_features) {
             data.extend_from_slice(&r[start..end]);
         }
-        Linear { out_features: self.out_features, in_features: end - start, data }
+        Linear::new(self.out_features, end - start, data)
     }
 }
 
@@ -89,6 +180,9 @@ pub struct LlamaWeights {
 /// A tensor read from a checkpoint: row-major shape and f32 values.
 pub type HostTensor = (Vec<usize>, Vec<f32>);
 
+/// A matrix read from a checkpoint in its block format: row-major shape and blocks.
+pub type QuantizedTensor = (Vec<usize>, QuantizedData);
+
 /// Where [`LlamaWeights::load`] reads tensors from: given a Hugging Face tensor name,
 /// the tensor's row-major shape and f32 data in the HF layout, or `None` when absent.
 pub trait WeightSource {
@@ -97,6 +191,15 @@ pub trait WeightSource {
     /// # Errors
     /// [`EngineError::Internal`] on read/format failures.
     fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, EngineError>;
+
+    /// Reads a matrix in its block format, `None` when the source does not store it in
+    /// one that [`QuantizedData::supports`] (then [`WeightSource::tensor`] is used).
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] on read/format failures.
+    fn quantized(&mut self, _hf_name: &str) -> Result<Option<QuantizedTensor>, EngineError> {
+        Ok(None)
+    }
 }
 
 fn fetch(src: &mut dyn WeightSource, name: &str, shape: &[usize]) -> Result<Vec<f32>, EngineError> {
@@ -107,8 +210,17 @@ fn fetch(src: &mut dyn WeightSource, name: &str, shape: &[usize]) -> Result<Vec<
     Ok(data)
 }
 
-fn linear(src: &mut dyn WeightSource, name: &str, out: usize, inp: usize) -> Result<Linear, EngineError> {
-    Ok(Linear { out_features: out, in_features: inp, data: fetch(src, name, &[out, inp])? })
+fn linear(src: &mut dyn WeightSource, name: &str, out: usize, inp: usize, quant: bool) -> Result<Linear, EngineError> {
+    if quant
+        && inp.is_multiple_of(QK)
+        && let Some((shape, q)) = src.quantized(name)?
+    {
+        if shape != [out, inp] || q.bytes.len() != out * q.row_bytes(inp) {
+            return Err(load_err(format!("tensor {name}: shape {shape:?}, expected {:?}", [out, inp])));
+        }
+        return Ok(Linear { out_features: out, in_features: inp, data: Vec::new(), quant: Some(q) });
+    }
+    Ok(Linear::new(out, inp, fetch(src, name, &[out, inp])?))
 }
 
 impl LlamaWeights {
@@ -118,34 +230,72 @@ impl LlamaWeights {
     /// # Errors
     /// [`EngineError::Internal`] on a missing tensor or a shape mismatch.
     pub fn load(cfg: &ModelConfig, src: &mut dyn WeightSource) -> Result<Self, EngineError> {
+        Self::load_with(cfg, src, false)
+    }
+
+    /// As [`LlamaWeights::load`]; with `keep_quantized`, matrices that the source stores
+    /// in a supported block format keep it ([`Linear::quant`]) instead of being
+    /// dequantized to f32.
+    ///
+    /// # Errors
+    /// As [`LlamaWeights::load`].
+    pub fn load_with(cfg: &ModelConfig, src: &mut dyn WeightSource, keep_quantized: bool) -> Result<Self, EngineError> {
         let (h, i, q, kv, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim(), cfg.vocab_size);
-        let embed_tokens = linear(src, "model.embed_tokens.weight", v, h)?;
+        let kq = keep_quantized;
+        let embed_tokens = linear(src, "model.embed_tokens.weight", v, h, kq)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}");
             layers.push(LayerWeights {
                 input_layernorm: fetch(src, &format!("{p}.input_layernorm.weight"), &[h])?,
-                q_proj: linear(src, &format!("{p}.self_attn.q_proj.weight"), q, h)?,
-                k_proj: linear(src, &format!("{p}.self_attn.k_proj.weight"), kv, h)?,
-                v_proj: linear(src, &format!("{p}.self_attn.v_proj.weight"), kv, h)?,
-                o_proj: linear(src, &format!("{p}.self_attn.o_proj.weight"), h, q)?,
+                q_proj: linear(src, &format!("{p}.self_attn.q_proj.weight"), q, h, kq)?,
+                k_proj: linear(src, &format!("{p}.self_attn.k_proj.weight"), kv, h, kq)?,
+                v_proj: linear(src, &format!("{p}.self_attn.v_proj.weight"), kv, h, kq)?,
+                o_proj: linear(src, &format!("{p}.self_attn.o_proj.weight"), h, q, kq)?,
                 post_attention_layernorm: fetch(src, &format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate_proj: linear(src, &format!("{p}.mlp.gate_proj.weight"), i, h)?,
-                up_proj: linear(src, &format!("{p}.mlp.up_proj.weight"), i, h)?,
-                down_proj: linear(src, &format!("{p}.mlp.down_proj.weight"), h, i)?,
+                gate_proj: linear(src, &format!("{p}.mlp.gate_proj.weight"), i, h, kq)?,
+                up_proj: linear(src, &format!("{p}.mlp.up_proj.weight"), i, h, kq)?,
+                down_proj: linear(src, &format!("{p}.mlp.down_proj.weight"), h, i, kq)?,
             });
         }
         let norm = fetch(src, "model.norm.weight", &[h])?;
         let lm_head = if cfg.tie_word_embeddings {
             None
+        } else if kq && h.is_multiple_of(QK) && src.quantized("lm_head.weight")?.is_some() {
+            Some(linear(src, "lm_head.weight", v, h, true)?)
         } else {
             match src.tensor("lm_head.weight")? {
-                Some((shape, data)) if shape == [v, h] => Some(Linear { out_features: v, in_features: h, data }),
+                Some((shape, data)) if shape == [v, h] => Some(Linear::new(v, h, data)),
                 Some((shape, _)) => return Err(load_err(format!("lm_head.weight: shape {shape:?}"))),
                 None => None,
             }
         };
         Ok(Self { embed_tokens, layers, norm, lm_head, shard: ShardInfo { rank: 0, world_size: 1 } })
+    }
+
+    /// Every matrix with f32 `data` (a model loaded with `keep_quantized`, dequantized).
+    pub fn dequantized(self) -> Self {
+        let layers = self
+            .layers
+            .into_iter()
+            .map(|l| LayerWeights {
+                q_proj: l.q_proj.dequantized(),
+                k_proj: l.k_proj.dequantized(),
+                v_proj: l.v_proj.dequantized(),
+                o_proj: l.o_proj.dequantized(),
+                gate_proj: l.gate_proj.dequantized(),
+                up_proj: l.up_proj.dequantized(),
+                down_proj: l.down_proj.dequantized(),
+                ..l
+            })
+            .collect();
+        Self {
+            embed_tokens: self.embed_tokens.dequantized(),
+            layers,
+            norm: self.norm,
+            lm_head: self.lm_head.map(Linear::dequantized),
+            shard: self.shard,
+        }
     }
 
     /// The output projection (`lm_head`, or the embedding when tied).
@@ -210,12 +360,17 @@ pub fn unpermute_qk(data: &mut [f32], n_heads: usize, cols: usize) {
     permute_rows(data, n_heads, cols, false);
 }
 
+/// [`unpermute_qk`] on rows of `row_bytes` bytes (a matrix in a block format).
+pub fn unpermute_qk_bytes(data: &mut [u8], n_heads: usize, row_bytes: usize) {
+    permute_rows(data, n_heads, row_bytes, false);
+}
+
 /// The forward permutation (HF → GGUF), as `convert_hf_to_gguf.py`'s `permute`.
 pub fn permute_qk(data: &mut [f32], n_heads: usize, cols: usize) {
     permute_rows(data, n_heads, cols, true);
 }
 
-fn permute_rows(data: &mut [f32], n_heads: usize, cols: usize, to_gguf: bool) {
+fn permute_rows<T: Copy>(data: &mut [T], n_heads: usize, cols: usize, to_gguf: bool) {
     if n_heads == 0 || cols == 0 {
         return;
     }
@@ -254,8 +409,29 @@ mod tests {
 
     #[test]
     fn linear_slices() {
-        let l = Linear { out_features: 2, in_features: 3, data: vec![1., 2., 3., 4., 5., 6.] };
+        let l = Linear::new(2, 3, vec![1., 2., 3., 4., 5., 6.]);
         assert_eq!(l.rows(1, 2).data, vec![4., 5., 6.]);
         assert_eq!(l.cols(1, 3).data, vec![2., 3., 5., 6.]);
+    }
+
+    #[test]
+    fn quantized_slices_match_f32_slices() {
+        // 2 rows x 64 columns of Q4_1 (2 blocks per row, 20 bytes each).
+        let bytes: Vec<u8> = (0..80u32).map(|i| (i * 37 % 251) as u8 & 0x3b).collect();
+        let q = Linear {
+            out_features: 2,
+            in_features: 64,
+            data: Vec::new(),
+            quant: Some(QuantizedData { ty: GgmlType::Q4_1, bytes }),
+        };
+        let f = q.clone().dequantized();
+        assert_eq!(f.data.len(), 128);
+        assert_eq!(q.rows(1, 2).to_f32().as_ref(), f.rows(1, 2).data.as_slice());
+        assert!(q.cols(32, 64).quant.is_some());
+        assert_eq!(q.cols(32, 64).to_f32().as_ref(), f.cols(32, 64).data.as_slice());
+        assert_eq!(q.cols(8, 40).data, f.cols(8, 40).data);
+        let mut row = vec![0f32; 64];
+        q.row_f32(1, &mut row);
+        assert_eq!(row.as_slice(), &f.data[64..]);
     }
 }
