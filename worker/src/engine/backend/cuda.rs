@@ -211,7 +211,7 @@ impl CudaBackend {
         if opts.block_size == 0 {
             return Err(EngineError::InvalidRequest { field: "block_size", message: "block_size must be >= 1".into() });
         }
-        let group_ok = d.kv_heads > 0 && d.q_heads % d.kv_heads == 0 && matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8);
+        let group_ok = d.kv_heads > 0 && d.q_heads.is_multiple_of(d.kv_heads) && matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8);
         if !(d.head_dim == 64 || d.head_dim == 128) || !group_ok {
             return Err(EngineError::Internal(format!(
                 "cuda backend supports head_dim 64/128 and 1, 2, 4 or 8 query heads per KV head (got {} and {}/{})",

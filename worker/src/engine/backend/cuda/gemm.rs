@@ -195,6 +195,7 @@ impl LtGemm {
         s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= WORKSPACE_BYTES
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn matmul_with(&mut self, gpu: &Gpu, algo: &lt::cublasLtMatmulAlgo_t, y: u64, x: u64, w: u64, s: GemmShape, f32_out: bool) -> Result<(), BackendError> {
         let [a, b, d] = self.layouts_for(s.n, s.out, s.inp, f32_out)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
