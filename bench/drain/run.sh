@@ -4,7 +4,7 @@
 # 4 closed-loop greedy streaming clients checked token by token the whole time.
 # Each trial SIGTERMs the next worker (30 s grace), times SIGTERM -> the router's ListModels
 # showing one ready replica fewer, checks exit 0 and that nothing was dispatched to the
-# drained replica after the update, then restarts + uncordons the worker.
+# drained replica after the update, then restarts the worker (schedulable again on register).
 #
 # Usage: bench/drain/run.sh [TRIALS]   (default 20; writes bench/drain/results.json)
 set -euo pipefail

@@ -62,12 +62,12 @@ fn proc_wait(p: &mut e2e_support::Proc, limit: Duration) -> Result<std::process:
     p.wait_exit(limit)
 }
 
-/// Brings `node` back: restart the process, uncordon it (a drained node stays cordoned
-/// until an operator says otherwise), wait until the deployment is whole again.
+/// Brings `node` back: restart the process (same node id, as a StatefulSet pod comes
+/// back); a node drained by its own worker is schedulable again without `uncordon`, so
+/// the deployment becomes whole again.
 async fn bring_back(cluster: &mut Cluster, node: &str, replicas: usize) -> Result<()> {
     cluster.restart_worker(node)?;
     cluster.wait_worker_ready(node, Duration::from_secs(30)).await?;
-    cluster.cli(&["uncordon", node])?;
     cluster.wait_ready(replicas, Duration::from_secs(120)).await
 }
 

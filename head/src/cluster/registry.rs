@@ -106,8 +106,14 @@ impl Cluster {
             });
             rec.inventory = Some(inv);
             rec.last_seen_unix_ms = unix_ms();
-            if rec.state() != NodeState::Draining {
+            // A Draining node that is not cordoned was drained by its own worker (SIGTERM,
+            // spot notice): a new session is a new worker process, schedulable again. If it
+            // is still draining, its drain progress follows and marks the node again.
+            // An operator's drain (cordoned) lasts until `uncordon`.
+            if rec.state() != NodeState::Draining || !rec.cordoned {
                 rec.state = NodeState::Ready as i32;
+                rec.drain_deadline_unix_ms = 0;
+                rec.drain_reason.clear();
             }
             self.put_node(&mut st, rec).await?;
             let leader = self.cfg.advertise_address.clone();
@@ -299,15 +305,16 @@ impl Cluster {
             }
     }
 
-    /// A worker-initiated drain (SIGTERM, spot notice): cordon the node and mark its
-    /// replicas Draining so routers stop using them and replacements start elsewhere.
+    /// A worker-initiated drain (SIGTERM, spot notice): mark the node and its replicas
+    /// Draining so routers stop using them and replacements start elsewhere.
     async fn handle_worker_drain(&self, st: &mut State, node: &NodeId, d: DrainProgress) -> HeadResult<()> {
         let Some(mut rec) = st.view.nodes.get(node).map(|e| e.record.clone()) else { return Ok(()) };
         if d.done || rec.state() == NodeState::Draining {
             return Ok(());
         }
+        // Not cordoned: Draining alone keeps placement away, and the next worker process on
+        // this node (same node id, e.g. a StatefulSet pod) becomes schedulable on register.
         rec.state = NodeState::Draining as i32;
-        rec.cordoned = true;
         rec.drain_deadline_unix_ms = d.deadline_unix_ms;
         rec.drain_reason.clone_from(&d.reason);
         self.put_node(st, rec).await?;
