@@ -140,11 +140,22 @@ impl Cluster {
         mut inbound: Streaming<WorkerMessage>,
         cancel: CancellationToken,
     ) {
+        // Workers report load about once a second, so a session silent for `worker_timeout`
+        // belongs to a frozen (SIGSTOP, hung host) or partitioned worker whose TCP connection
+        // is still open: it ends as if the stream had gone at its last message (case C12).
+        let mut last_message = Instant::now();
+        let mut gone_since = None;
         loop {
             let m = tokio::select! {
                 () = cancel.cancelled() => break,
-                m = inbound.message() => m,
+                m = tokio::time::timeout_at(last_message + self.cfg.worker_timeout, inbound.message()) => m,
             };
+            let Ok(m) = m else {
+                tracing::warn!(node = %node, timeout = ?self.cfg.worker_timeout, "worker session silent; treating it as gone");
+                gone_since = Some(last_message);
+                break;
+            };
+            last_message = Instant::now();
             let msg = match m {
                 Ok(Some(WorkerMessage { msg: Some(msg) })) => msg,
                 Ok(Some(_)) => continue,
@@ -167,7 +178,7 @@ impl Cluster {
         let mut st = self.state.lock().await;
         if st.sessions.get(&node).is_some_and(|s| s.id == id) {
             st.sessions.remove(&node);
-            st.disconnected_since.insert(node.clone(), Instant::now());
+            st.disconnected_since.insert(node.clone(), gone_since.unwrap_or_else(Instant::now));
             tracing::warn!(node = %node, session = id, "worker session ended");
             self.after_change(&mut st);
         }
