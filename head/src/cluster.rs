@@ -27,6 +27,12 @@ use crate::error::{HeadError, HeadResult};
 use crate::metrics::Metrics;
 use crate::placement::planner::holds_slots;
 use registry::Session;
+
+/// Extra time a new leader gives the known workers to reconnect before `worker_timeout`
+/// starts: workers back off up to 5 s between attempts while no head answers, so without
+/// it a head restarted after a short outage declared live workers Dead (and evicted their
+/// replicas, streams included) moments before they reconnected.
+pub const LEADER_ADOPTION_GRACE: Duration = Duration::from_secs(5);
 use view::{ClusterView, Entry};
 
 /// Who leads, as seen by this head.
@@ -143,7 +149,8 @@ impl Cluster {
     }
 
     /// Called when leadership is gained: reloads the view, drops reservations no replica
-    /// holds, and gives every node `worker_timeout` from now to (re)connect.
+    /// holds, and gives every node [`LEADER_ADOPTION_GRACE`] + `worker_timeout` from now to
+    /// (re)connect.
     ///
     /// # Errors
     /// Store failures (the caller retries).
@@ -151,7 +158,7 @@ impl Cluster {
         let mut st = self.state.lock().await;
         st.view = ClusterView::load(self.store.as_ref()).await?;
         self.gc_reservations(&st).await?;
-        let now = Instant::now();
+        let now = Instant::now() + LEADER_ADOPTION_GRACE;
         let nodes: Vec<NodeId> = st.view.nodes.keys().cloned().collect();
         st.disconnected_since = nodes.into_iter().map(|n| (n, now)).collect();
         st.sessions.clear();

@@ -31,6 +31,10 @@ use crate::routes::{ReplicaRoute, Routes};
 const DEFAULT_EXPECTED_DECODE: u64 = 256;
 /// At most this many migrations per request.
 const MAX_MIGRATIONS: u32 = 3;
+/// Longest wait of a stream to be migrated for a replica that can take it.
+const MIGRATION_WAIT: Duration = Duration::from_secs(30);
+/// Route-table poll period during that wait.
+const MIGRATION_POLL: Duration = Duration::from_millis(50);
 
 /// Why a request could not be served.
 #[derive(Debug, thiserror::Error)]
@@ -357,6 +361,28 @@ impl Pump {
         }
     }
 
+    /// A replica to continue on; waits (up to [`MIGRATION_WAIT`], within the deadline) while
+    /// none can take the stream, e.g. while a replacement starts after every other replica
+    /// went away. `None` when none came.
+    async fn pick_for_migration(&mut self) -> Option<(Arc<ReplicaRoute>, InFlightGuard)> {
+        let until = (Instant::now() + MIGRATION_WAIT).min(self.deadline);
+        loop {
+            if let Ok(p) = self.dispatcher.pick(&self.req.model, &self.tried, &self.hint) {
+                return Some(p);
+            }
+            // Every other replica was tried: allow the earlier ones again (they may be back;
+            // a failed one stays ejected for a while).
+            self.tried.clear();
+            if let Ok(p) = self.dispatcher.pick(&self.req.model, &self.tried, &self.hint) {
+                return Some(p);
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            tokio::time::sleep(MIGRATION_POLL).await;
+        }
+    }
+
     /// Resubmits prompt + generated tokens to another replica; `None` when not possible.
     async fn migrate(
         &mut self,
@@ -367,14 +393,7 @@ impl Pump {
         }
         while self.migrations < MAX_MIGRATIONS && Instant::now() < self.deadline {
             self.migrations += 1;
-            let (replica, guard) = match self.dispatcher.pick(&self.req.model, &self.tried, &self.hint) {
-                Ok(p) => p,
-                Err(_) => {
-                    // Every other replica was tried: allow the earlier ones again (they may be back).
-                    self.tried.clear();
-                    self.dispatcher.pick(&self.req.model, &self.tried, &self.hint).ok()?
-                }
-            };
+            let (replica, guard) = self.pick_for_migration().await?;
             self.tried.push(replica.replica_id.clone());
             match self.dispatcher.start(&replica, &self.req, &self.generated, self.prompt_tokens, self.deadline).await {
                 Ok((s, first)) => return Some((s, replica, guard, first)),

@@ -495,8 +495,9 @@ pub struct LoadReport {
     pub ok: usize,
     /// Client-visible errors.
     pub errors: Vec<String>,
-    /// Streams whose tokens differ from the reference (prompt index, got, expected).
-    pub mismatches: Vec<(usize, Vec<u32>, Vec<u32>)>,
+    /// Streams that differ from the reference: tokens, usage or finish reason (prompt
+    /// index, description).
+    pub mismatches: Vec<(usize, String)>,
     /// Every result (prompt index, stream).
     pub results: Vec<(usize, StreamResult)>,
 }
@@ -560,12 +561,21 @@ impl Load {
                         let res = stream(&grpc, greedy_request(PROMPTS[p], max_tokens, true)).await;
                         let Ok(mut rep) = report.lock() else { return };
                         match res {
-                            Ok(r) if r.tokens == reference[p] && r.completion_tokens == max_tokens => {
+                            // Usage and finish_reason describe the whole request, also after a migration.
+                            Ok(r) if r.tokens == reference[p]
+                                && r.completion_tokens == max_tokens
+                                && r.prompt_tokens as usize == PROMPTS[p].len()
+                                && r.finish == FinishReason::Length as i32 =>
+                            {
                                 rep.ok += 1;
                                 rep.results.push((p, r));
                             }
                             Ok(r) => {
-                                rep.mismatches.push((p, r.tokens.clone(), reference[p].clone()));
+                                let what = format!(
+                                    "tokens {:?} (expected {:?}), usage {}+{}, finish {}",
+                                    r.tokens, reference[p], r.prompt_tokens, r.completion_tokens, r.finish
+                                );
+                                rep.mismatches.push((p, what));
                                 rep.results.push((p, r));
                             }
                             Err(e) => rep.errors.push(format!("{e:#}")),
