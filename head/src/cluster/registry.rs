@@ -140,22 +140,32 @@ impl Cluster {
         mut inbound: Streaming<WorkerMessage>,
         cancel: CancellationToken,
     ) {
-        // Workers report load about once a second, so a session silent for `worker_timeout`
-        // belongs to a frozen (SIGSTOP, hung host) or partitioned worker whose TCP connection
-        // is still open: it ends as if the stream had gone at its last message (case C12).
+        // Workers report load about once a second, so once a session has sent a load report,
+        // silence for `worker_timeout` means a frozen (SIGSTOP, hung host) or partitioned
+        // worker whose TCP connection is still open: the session ends as if the stream had
+        // gone at its last message (case C12). Sessions that never report load (test
+        // doubles) are only ended by their stream.
         let mut last_message = Instant::now();
+        let mut reports_load = false;
         let mut gone_since = None;
         loop {
+            let silence = last_message + self.cfg.worker_timeout;
             let m = tokio::select! {
+                // A message already queued wins over the silence timer (the head may have
+                // been busy handling the previous one).
+                biased;
                 () = cancel.cancelled() => break,
-                m = tokio::time::timeout_at(last_message + self.cfg.worker_timeout, inbound.message()) => m,
-            };
-            let Ok(m) = m else {
-                tracing::warn!(node = %node, timeout = ?self.cfg.worker_timeout, "worker session silent; treating it as gone");
-                gone_since = Some(last_message);
-                break;
+                m = inbound.message() => m,
+                () = tokio::time::sleep_until(silence), if reports_load => {
+                    tracing::warn!(node = %node, timeout = ?self.cfg.worker_timeout, "worker session silent; treating it as gone");
+                    gone_since = Some(last_message);
+                    break;
+                }
             };
             last_message = Instant::now();
+            if let Ok(Some(WorkerMessage { msg: Some(worker_message::Msg::Load(_)) })) = &m {
+                reports_load = true;
+            }
             let msg = match m {
                 Ok(Some(WorkerMessage { msg: Some(msg) })) => msg,
                 Ok(Some(_)) => continue,
