@@ -2,8 +2,12 @@
 //! and tokenizes on the caller's thread, then hands the request to the step thread
 //! ([`super::step_loop`]) through a channel; outputs come back on a bounded stream whose
 //! drop aborts the request at the next step boundary.
+//!
+//! Each replica runs its compute on its own rayon pool (built here, `install`ed around every
+//! forward pass), so one replica's long step cannot starve another replica's steps in a
+//! shared global pool; the pool's threads exit when the step thread does.
 
-use super::backend::Backend;
+use super::backend::{Backend, StepControl, StopKind};
 use super::codec::TextCodec;
 use super::kv_cache::BlockPool;
 use super::metrics::{EngineStats, StatsRecorder};
@@ -36,6 +40,9 @@ pub struct RuntimeConfig {
     pub max_pending_requests: usize,
     /// Capacity of each request's output channel (outputs are merged when it is full).
     pub output_buffer: usize,
+    /// Threads of this replica's compute pool; `None` = one per core
+    /// (`std::thread::available_parallelism`).
+    pub engine_threads: Option<usize>,
 }
 
 impl Default for RuntimeConfig {
@@ -47,6 +54,7 @@ impl Default for RuntimeConfig {
             max_num_batched_tokens: 2048,
             max_pending_requests: 4096,
             output_buffer: 64,
+            engine_threads: None,
         }
     }
 }
@@ -62,6 +70,9 @@ pub struct EngineParts {
     pub eos_ids: Vec<u32>,
     /// The model's own context window (tokens).
     pub model_max_len: usize,
+    /// Stop requests and progress shared with the backend (a backend that polls it between
+    /// layers stops within a layer; others at the end of their step).
+    pub control: StepControl,
 }
 
 /// A fault to inject into a running engine (opt-in: the worker exposes it only with
@@ -72,7 +83,8 @@ pub enum Fault {
     /// The step thread ends as if the backend had failed: every stream ends without a
     /// finish reason and [`EngineHandle::is_alive`] turns false.
     KillStepThread,
-    /// The step thread sleeps this long before its next step (a frozen shard).
+    /// The step thread sleeps this long before its next step (a frozen shard); a stop
+    /// request ([`EngineHandle::stop`], [`EngineHandle::shutdown`]) ends the sleep early.
     Stall(std::time::Duration),
 }
 
@@ -154,7 +166,12 @@ impl EngineHandle {
             max_num_batched_tokens: cfg.max_num_batched_tokens.max(1),
             block_size,
         };
-        let stats = Arc::new(StatsRecorder::default());
+        let stats = Arc::new(StatsRecorder::with_control(parts.control.clone()));
+        let threads = cfg
+            .engine_threads
+            .filter(|n| *n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get));
+        let compute = build_compute_pool(threads, &stats)?;
         let core = EngineCore::new(
             Scheduler::new(sched_cfg, pool.clone()),
             parts.backend,
@@ -162,6 +179,7 @@ impl EngineHandle {
             &parts.eos_ids,
             max_model_len,
             stats.clone(),
+            compute,
         );
         let (tx, rx) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -174,6 +192,7 @@ impl EngineHandle {
             max_model_len,
             num_blocks,
             block_size,
+            compute_threads = threads,
             "engine started"
         );
         Ok(Self {
@@ -292,9 +311,33 @@ impl EngineHandle {
         if sent { Ok(()) } else { Err(EngineError::Unavailable("engine is not running".into())) }
     }
 
+    /// Stops a failed replica's engine without waiting (callable from async code): a
+    /// running forward pass ends at its next layer (CPU backend) or step boundary, every
+    /// stream ends without a finish reason (callers retry or migrate), the step thread exits
+    /// and the replica's compute threads with it. Later `submit`s get `Unavailable`.
+    /// [`EngineHandle::shutdown`] afterwards only waits for the thread.
+    pub fn stop(&self) {
+        self.inner.stats.control.request_stop(StopKind::Fail);
+        self.inner.stats.alive.store(false, Ordering::Relaxed);
+        let tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(tx) = tx {
+            // Wakes an idle step loop; it sees the stop request first.
+            let _ = tx.send(Command::Shutdown);
+        }
+    }
+
+    /// Whether the step thread has exited (after [`EngineHandle::stop`], a shutdown, or a
+    /// backend failure). Its compute pool's threads exit right after it
+    /// ([`EngineStats::compute_threads_alive`]).
+    pub fn step_thread_finished(&self) -> bool {
+        self.inner.thread.lock().unwrap_or_else(PoisonError::into_inner).as_ref().is_none_or(JoinHandle::is_finished)
+    }
+
     /// Aborts every request (finish_reason `abort`) and stops the step thread, waiting
-    /// for it (never call from the step thread). Later `submit`s get `Unavailable`.
+    /// for it (never call from the step thread); a running forward pass is interrupted at
+    /// its next layer (CPU backend). Later `submit`s get `Unavailable`.
     pub fn shutdown(&self) {
+        self.inner.stats.control.request_stop(StopKind::Shutdown);
         let tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(tx) = tx {
             let _ = tx.send(Command::Shutdown);
@@ -307,6 +350,23 @@ impl EngineHandle {
         }
         self.inner.stats.alive.store(false, Ordering::Relaxed);
     }
+}
+
+/// The replica's compute pool: `threads` threads named `prism-compute-N`, counted live in
+/// `stats.compute_threads` so tests and operators can see them exit.
+fn build_compute_pool(threads: usize, stats: &Arc<StatsRecorder>) -> Result<rayon::ThreadPool, EngineError> {
+    let (up, down) = (Arc::clone(stats), Arc::clone(stats));
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .thread_name(|i| format!("prism-compute-{i}"))
+        .start_handler(move |_| {
+            up.compute_threads.fetch_add(1, Ordering::SeqCst);
+        })
+        .exit_handler(move |_| {
+            down.compute_threads.fetch_sub(1, Ordering::SeqCst);
+        })
+        .build()
+        .map_err(|e| EngineError::Internal(format!("build the engine's compute pool: {e}")))
 }
 
 /// The outputs of one request. Dropping it aborts the request at the next step

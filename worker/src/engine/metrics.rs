@@ -6,6 +6,7 @@
 //! Histograms use vLLM's bucket bounds and report per-bucket (non-cumulative) counts, the
 //! shape `prometheus_client`'s `MetricEncoder::encode_histogram` takes.
 
+use super::backend::StepControl;
 use super::request::FinishReason;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -94,6 +95,14 @@ pub struct EngineStats {
     /// Last time the step loop completed a step or an idle tick (at least once a second
     /// while healthy); `None` before the first.
     pub last_step_ok_at: Option<Instant>,
+    /// Last time the engine made progress: a completed step or idle tick (as
+    /// `last_step_ok_at`), or a layer of a running step on backends that report layers
+    /// (the CPU backend). The stall check uses this, so one legitimately long step that is
+    /// still advancing does not count as a stall.
+    pub last_progress_at: Option<Instant>,
+    /// Threads of this replica's compute pool that are still running (0 once the engine
+    /// has stopped and its pool is gone).
+    pub compute_threads_alive: usize,
     /// Whether the step thread is running and healthy.
     pub alive: bool,
     /// Time to first token.
@@ -125,6 +134,10 @@ pub struct StatsRecorder {
     pub(crate) finished_abort: AtomicU64,
     pub(crate) in_flight: AtomicUsize,
     pub(crate) alive: AtomicBool,
+    /// Live threads of the replica's compute pool (counted by the pool's start/exit handlers).
+    pub(crate) compute_threads: AtomicUsize,
+    /// Stop requests and layer-level progress, shared with the backend.
+    pub(crate) control: StepControl,
     hist: Mutex<Histograms>,
 }
 
@@ -141,6 +154,8 @@ impl Default for StatsRecorder {
             finished_abort: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
             alive: AtomicBool::new(true),
+            compute_threads: AtomicUsize::new(0),
+            control: StepControl::default(),
             hist: Mutex::new(Histograms {
                 ttft: LatencyHistogram::new(TTFT_BUCKETS),
                 itl: LatencyHistogram::new(ITL_BUCKETS),
@@ -152,6 +167,11 @@ impl Default for StatsRecorder {
 }
 
 impl StatsRecorder {
+    /// A recorder sharing `control` with the backend.
+    pub(crate) fn with_control(control: StepControl) -> Self {
+        Self { control, ..Self::default() }
+    }
+
     fn with_hist(&self, f: impl FnOnce(&mut Histograms)) {
         f(&mut self.hist.lock().unwrap_or_else(PoisonError::into_inner));
     }
@@ -169,6 +189,7 @@ impl StatsRecorder {
     }
 
     pub(crate) fn mark_step_ok(&self, at: Instant) {
+        self.control.mark_progress();
         self.with_hist(|h| h.last_step_ok_at = Some(at));
     }
 
@@ -205,6 +226,8 @@ impl StatsRecorder {
             },
             requests_in_flight: self.in_flight.load(Ordering::Relaxed),
             last_step_ok_at: h.last_step_ok_at,
+            last_progress_at: h.last_step_ok_at.map(|t| t.max(self.control.last_progress())),
+            compute_threads_alive: self.compute_threads.load(Ordering::Relaxed),
             alive: self.alive.load(Ordering::Relaxed),
             ttft: h.ttft.clone(),
             itl: h.itl.clone(),

@@ -1,7 +1,11 @@
 //! Engine configuration (clap flags with `PRISM_*` env vars, vLLM's knob names) and
 //! [`EngineHandle::start`]: load the model, build the backend, start the step thread.
+//!
+//! Per-backend defaults live in one place, [`BackendKind`]: the step token budget
+//! (`max_num_batched_tokens`) and the size of the replica's compute pool.
 
-use super::backend::Backend;
+use super::backend::cpu::AllReduce;
+use super::backend::{Backend, BackendError, StepControl};
 use super::codec::ModelCodec;
 use super::handle::{EngineHandle, EngineParts, RuntimeConfig};
 use super::model::{self, ModelSource, ProgressFn};
@@ -11,6 +15,17 @@ use std::sync::Arc;
 
 /// Default CPU KV-cache budget: 1 GiB (about 23k tokens of SmolLM2-135M).
 pub const DEFAULT_KV_CACHE_BYTES: u64 = 1 << 30;
+
+/// CPU default of `max_num_batched_tokens`: small prefill chunks keep each step short
+/// (Sarathi-Serve's point: decodes keep flowing between chunks, and no single step runs
+/// long enough on a loaded CPU to look like a stall). A 512-token chunk of SmolLM2-135M is
+/// about 2-4 s on 2 cores; 2048 was 4× that and starved everything else on the node.
+pub const CPU_MAX_NUM_BATCHED_TOKENS: usize = 512;
+/// GPU default of `max_num_batched_tokens` (vLLM's chunked-prefill default for online
+/// serving is of this order; a 2048-token step takes milliseconds on a GPU).
+pub const CUDA_MAX_NUM_BATCHED_TOKENS: usize = 2048;
+/// Compute threads of a CUDA replica's pool (host-side work only: sampling, copies).
+pub const CUDA_ENGINE_THREADS: usize = 2;
 
 /// Which backend runs the model.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -23,6 +38,26 @@ pub enum BackendKind {
         /// GPU ordinals, one per tensor-parallel rank.
         devices: Vec<u32>,
     },
+}
+
+impl BackendKind {
+    /// The step token budget used when the deployment does not set one:
+    /// [`CPU_MAX_NUM_BATCHED_TOKENS`] or [`CUDA_MAX_NUM_BATCHED_TOKENS`].
+    pub fn default_max_num_batched_tokens(&self) -> usize {
+        match self {
+            Self::Cpu => CPU_MAX_NUM_BATCHED_TOKENS,
+            Self::Cuda { .. } => CUDA_MAX_NUM_BATCHED_TOKENS,
+        }
+    }
+
+    /// Threads of a replica's compute pool when not set: every core for the CPU backend
+    /// (the matrix products run there), [`CUDA_ENGINE_THREADS`] for CUDA.
+    pub fn default_engine_threads(&self) -> usize {
+        match self {
+            Self::Cpu => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            Self::Cuda { .. } => CUDA_ENGINE_THREADS,
+        }
+    }
 }
 
 /// Everything needed to start one engine replica.
@@ -38,8 +73,11 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Most sequences running at once.
     pub max_num_seqs: usize,
-    /// Most tokens per step.
+    /// Most tokens per step. [`EngineConfig::new`] sets the CPU default; callers that pick
+    /// another backend and have no explicit value use [`BackendKind::default_max_num_batched_tokens`].
     pub max_num_batched_tokens: usize,
+    /// Threads of this replica's own compute pool; `None` = [`BackendKind::default_engine_threads`].
+    pub engine_threads: Option<usize>,
     /// KV-cache budget in bytes. CPU: `None` = [`DEFAULT_KV_CACHE_BYTES`]; CUDA: `None` =
     /// sized from `gpu_memory_utilization` after the weights are loaded.
     pub kv_cache_bytes: Option<u64>,
@@ -52,19 +90,22 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// Defaults (vLLM's): block 16, 256 sequences, 2048 batched tokens, CPU backend.
+    /// Defaults: block 16, 256 sequences (vLLM's), CPU backend with its token budget
+    /// ([`CPU_MAX_NUM_BATCHED_TOKENS`]), a compute pool of every core.
     pub fn new(model: impl Into<PathBuf>) -> Self {
         let rt = RuntimeConfig::default();
+        let backend = BackendKind::Cpu;
         Self {
             model: model.into(),
             served_model_name: rt.served_model_name,
             max_model_len: None,
             block_size: 16,
             max_num_seqs: rt.max_num_seqs,
-            max_num_batched_tokens: rt.max_num_batched_tokens,
+            max_num_batched_tokens: backend.default_max_num_batched_tokens(),
+            engine_threads: None,
             kv_cache_bytes: None,
             gpu_memory_utilization: 0.9,
-            backend: BackendKind::Cpu,
+            backend,
             max_pending_requests: rt.max_pending_requests,
         }
     }
@@ -76,6 +117,7 @@ impl EngineConfig {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_pending_requests: self.max_pending_requests,
+            engine_threads: Some(self.engine_threads.unwrap_or_else(|| self.backend.default_engine_threads())),
             ..RuntimeConfig::default()
         }
     }
@@ -99,9 +141,13 @@ pub struct EngineArgs {
     /// Most sequences running at once.
     #[arg(long, env = "PRISM_MAX_NUM_SEQS", default_value_t = 256)]
     pub max_num_seqs: usize,
-    /// Most tokens (prefill chunks + decodes) per step.
-    #[arg(long, env = "PRISM_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
-    pub max_num_batched_tokens: usize,
+    /// Most tokens (prefill chunks + decodes) per step (default: 512 on the CPU backend, where
+    /// short chunks keep steps short; 2048 on CUDA).
+    #[arg(long, env = "PRISM_MAX_NUM_BATCHED_TOKENS")]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Threads of the replica's own compute pool (default: every core).
+    #[arg(long, env = "PRISM_ENGINE_THREADS")]
+    pub engine_threads: Option<usize>,
     /// CPU KV-cache budget in bytes (default 1 GiB).
     #[arg(long, env = "PRISM_KV_CACHE_BYTES")]
     pub kv_cache_bytes: Option<u64>,
@@ -112,14 +158,16 @@ impl From<EngineArgs> for EngineConfig {
         let name = a.served_model_name.unwrap_or_else(|| {
             a.model.file_stem().map_or_else(|| "model".to_owned(), |s| s.to_string_lossy().into_owned())
         });
+        let base = Self::new(a.model);
         Self {
             served_model_name: name,
             max_model_len: a.max_model_len,
             block_size: a.block_size,
             max_num_seqs: a.max_num_seqs,
-            max_num_batched_tokens: a.max_num_batched_tokens,
+            max_num_batched_tokens: a.max_num_batched_tokens.unwrap_or(base.max_num_batched_tokens),
+            engine_threads: a.engine_threads,
             kv_cache_bytes: a.kv_cache_bytes,
-            ..Self::new(a.model)
+            ..base
         }
     }
 }
@@ -142,13 +190,12 @@ impl EngineHandle {
         let model_max_len = loaded.config.max_position_embeddings;
         let eos_ids = loaded.config.eos_token_ids.clone();
         let kv_bytes = cfg.kv_cache_bytes.unwrap_or(DEFAULT_KV_CACHE_BYTES);
+        let control = StepControl::default();
         let backend: Box<dyn Backend> = match &cfg.backend {
-            BackendKind::Cpu => Box::new(super::backend::cpu::CpuBackend::new(
-                loaded.weights,
-                &loaded.config,
-                kv_bytes,
-                cfg.block_size,
-            )?),
+            BackendKind::Cpu => Box::new(
+                super::backend::cpu::CpuBackend::new(loaded.weights, &loaded.config, kv_bytes, cfg.block_size)?
+                    .with_all_reduce(Box::new(LayerCheckpoint(control.clone()))),
+            ),
             #[cfg(feature = "cuda")]
             BackendKind::Cuda { devices } => {
                 let device = devices.first().copied().unwrap_or(0) as usize;
@@ -169,7 +216,20 @@ impl EngineHandle {
             }
         };
         let codec = Arc::new(ModelCodec { tokenizer: loaded.tokenizer, chat_template: loaded.chat_template });
-        let parts = EngineParts { backend, codec, eos_ids, model_max_len };
+        let parts = EngineParts { backend, codec, eos_ids, model_max_len, control };
         Self::start_with_parts(parts, cfg.runtime())
+    }
+}
+
+/// The CPU backend's per-layer hook: it calls its all-reduce after o_proj and after
+/// down_proj of every layer. A single-shard replica has nothing to sum, so this "all-reduce"
+/// is the identity that checks the replica's [`StepControl`]: it records progress and stops
+/// the forward pass ([`BackendError::Cancelled`]) when the engine is stopping. (A
+/// tensor-parallel CPU replica would wrap its real all-reduce the same way.)
+struct LayerCheckpoint(StepControl);
+
+impl AllReduce for LayerCheckpoint {
+    fn all_reduce_sum(&mut self, _buf: &mut [f32]) -> Result<(), BackendError> {
+        self.0.checkpoint()
     }
 }

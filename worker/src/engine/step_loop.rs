@@ -8,8 +8,16 @@
 //! `try_send` (the thread never blocks on a slow client: outputs of a full stream are
 //! merged and sent later). A backend failure ends every stream without a finish reason
 //! and marks the engine dead.
+//!
+//! Stopping: the loop checks the replica's [`StepControl`] before every step, and the
+//! backend checks it between layers, so a stop request ([`StopKind::Shutdown`]: abort
+//! every request; [`StopKind::Fail`]: end streams without a finish reason) takes effect
+//! within one layer's time even during a long prefill. The forward pass runs on the
+//! replica's own compute pool (`install`), which is dropped, and its threads end, when
+//! the loop returns. Gauges (running, waiting) are published as soon as requests are
+//! admitted and scheduled, before the step runs, so `/metrics` shows work in progress.
 
-use super::backend::Backend;
+use super::backend::{Backend, BackendError, StepControl, StopKind};
 use super::codec::TextCodec;
 use super::detokenizer::Detokenizer;
 use super::metrics::StatsRecorder;
@@ -95,6 +103,8 @@ pub(crate) struct EngineCore {
     pub eos_ids: HashSet<u32>,
     pub max_model_len: usize,
     pub stats: Arc<StatsRecorder>,
+    /// This replica's compute threads (dropped with the core when the loop returns).
+    compute: rayon::ThreadPool,
     reqs: HashMap<u64, ReqState>,
     seqs: HashMap<SeqId, SeqState>,
     next_req: u64,
@@ -109,6 +119,7 @@ impl EngineCore {
         eos_ids: &[u32],
         max_model_len: usize,
         stats: Arc<StatsRecorder>,
+        compute: rayon::ThreadPool,
     ) -> Self {
         Self {
             sched,
@@ -117,6 +128,7 @@ impl EngineCore {
             eos_ids: eos_ids.iter().copied().collect(),
             max_model_len,
             stats,
+            compute,
             reqs: HashMap::new(),
             seqs: HashMap::new(),
             next_req: 0,
@@ -129,6 +141,9 @@ impl EngineCore {
     pub fn run(mut self, rx: Receiver<Command>) {
         let mut handles_gone = false;
         loop {
+            if self.stop_if_requested() {
+                return;
+            }
             // 1. Commands: block only when there is nothing to do.
             let first = if self.reqs.is_empty() {
                 if handles_gone {
@@ -164,12 +179,15 @@ impl EngineCore {
             let mut next = first;
             loop {
                 match next.take() {
-                    Some(Command::Submit(r)) => self.add_request(*r),
+                    Some(Command::Submit(r)) => {
+                        self.add_request(*r);
+                        self.publish();
+                    }
                     Some(Command::Shutdown) => shutdown = true,
                     Some(Command::Fault(super::handle::Fault::KillStepThread)) => killed = true,
                     Some(Command::Fault(super::handle::Fault::Stall(d))) => {
                         tracing::warn!(secs = d.as_secs_f64(), "fault injection: stalling the step thread");
-                        std::thread::sleep(d);
+                        stall(&self.stats.control, d);
                     }
                     None => {}
                 }
@@ -181,6 +199,9 @@ impl EngineCore {
                         break;
                     }
                 }
+            }
+            if self.stop_if_requested() {
+                return;
             }
             if shutdown {
                 self.abort_all();
@@ -196,6 +217,9 @@ impl EngineCore {
             // 3. One step.
             if !self.sched.is_idle() {
                 if let Err(e) = self.step() {
+                    if matches!(e, BackendError::Cancelled) && self.stop_if_requested() {
+                        return;
+                    }
                     tracing::error!(error = %e, backend = self.backend.name(), "engine step failed; failing all requests");
                     self.die();
                     return;
@@ -208,6 +232,26 @@ impl EngineCore {
         }
         self.stats.alive.store(false, Ordering::Relaxed);
         self.publish();
+    }
+
+    /// Acts on a stop request, if there is one: `Shutdown` aborts every request (finish
+    /// reason `abort`), `Fail` ends every stream without one. Returns whether the loop must
+    /// end.
+    fn stop_if_requested(&mut self) -> bool {
+        match self.stats.control.stop_requested() {
+            None => false,
+            Some(StopKind::Shutdown) => {
+                self.abort_all();
+                self.stats.alive.store(false, Ordering::Relaxed);
+                self.publish();
+                true
+            }
+            Some(StopKind::Fail) => {
+                tracing::warn!(backend = self.backend.name(), "engine stopped: replica failed; ending all streams");
+                self.die();
+                true
+            }
+        }
     }
 
     /// Marks the engine dead and ends every stream without a finish reason (dropping the
@@ -331,10 +375,13 @@ impl EngineCore {
         for s in out.unschedulable {
             self.finish_seq(s, FinishReason::Length, EngineOutput::default());
         }
+        // Gauges before the (possibly long) forward pass.
+        self.publish();
         if out.scheduled.is_empty() {
             return Ok(());
         }
-        let logits = self.backend.forward(&out.batch)?;
+        let backend = &mut self.backend;
+        let logits = self.compute.install(|| backend.forward(&out.batch))?;
         self.sched.commit(&out.scheduled);
         let now = Instant::now();
         let mut row = 0;
@@ -469,6 +516,18 @@ impl EngineCore {
                 self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
             }
         }
+    }
+}
+
+/// Sleeps `d` (fault injection: a frozen step thread), waking early on a stop request.
+fn stall(control: &StepControl, d: Duration) {
+    let end = Instant::now() + d;
+    while control.stop_requested().is_none() {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(10)));
     }
 }
 

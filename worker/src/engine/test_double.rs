@@ -4,7 +4,7 @@
 //! ids in a paged cache and reads each sequence's context back through its block table,
 //! so a wrong slot mapping, block table or chunk boundary changes its output.
 
-use super::backend::{Backend, BackendError, Logits, StepBatch};
+use super::backend::{Backend, BackendError, Logits, StepBatch, StepControl};
 use super::codec::TextCodec;
 use super::request::{ChatMessage, EngineError};
 
@@ -57,9 +57,14 @@ pub struct PagedEchoBackend {
     block_size: usize,
     /// Steps run so far (tests assert batching actually happened).
     pub steps: usize,
-    /// Time each step takes (simulated compute).
+    /// Time each step takes (simulated compute), in [`SIM_LAYERS`] slices.
     pub step_time: std::time::Duration,
+    /// Polled between the simulated layers, as the CPU backend does.
+    pub control: Option<StepControl>,
 }
+
+/// Slices ("layers") of a simulated step.
+pub const SIM_LAYERS: u32 = 10;
 
 impl PagedEchoBackend {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
@@ -69,6 +74,7 @@ impl PagedEchoBackend {
             block_size,
             steps: 0,
             step_time: std::time::Duration::ZERO,
+            control: None,
         }
     }
 }
@@ -80,7 +86,14 @@ fn mix(h: u64, x: u64) -> u64 {
 impl Backend for PagedEchoBackend {
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits, BackendError> {
         self.steps += 1;
-        std::thread::sleep(self.step_time);
+        for _ in 0..SIM_LAYERS {
+            if !self.step_time.is_zero() {
+                std::thread::sleep(self.step_time / SIM_LAYERS);
+            }
+            if let Some(c) = &self.control {
+                c.checkpoint()?;
+            }
+        }
         for (i, &slot) in batch.slot_mapping.iter().enumerate() {
             let cell = self
                 .cache
@@ -144,6 +157,7 @@ mod tests {
             codec: Arc::new(ByteCodec::new()),
             eos_ids: vec![EOS],
             model_max_len: 512,
+            control: Default::default(),
         };
         EngineHandle::start_with_parts(parts, rt).expect("engine starts")
     }
@@ -348,6 +362,7 @@ mod tests {
             codec: Arc::new(ByteCodec::new()),
             eos_ids: vec![EOS],
             model_max_len: 512,
+            control: Default::default(),
         };
         let e = EngineHandle::start_with_parts(parts, RuntimeConfig::default()).expect("starts");
         let mut s = e.submit(req("long", greedy(400))).expect("submit");
@@ -388,6 +403,7 @@ mod tests {
             codec: Arc::new(ByteCodec::new()),
             eos_ids: vec![EOS],
             model_max_len: 32,
+            control: Default::default(),
         };
         let e = EngineHandle::start_with_parts(parts, RuntimeConfig::default()).expect("starts");
         let (c, outs) = drain(e.submit(req("doomed", greedy(4))).expect("submit"));

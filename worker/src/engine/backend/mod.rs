@@ -6,10 +6,100 @@
 //! `block_table[p / block_size] * block_size + p % block_size`.
 //!
 //! Implementations: `cpu` (f32 reference, all cores) and `cuda` (bf16, feature `cuda`).
+//!
+//! [`StepControl`] lets the engine stop a forward pass that is already running (a replica
+//! declared failed or shut down must release its cores at once, not after a step of
+//! minutes) and lets backends report progress inside a long step, so that a slow but
+//! advancing step is not mistaken for a frozen one.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Why a replica's engine was told to stop (see [`StepControl::request_stop`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopKind {
+    /// Orderly shutdown: requests end with finish_reason `abort`.
+    Shutdown,
+    /// The replica failed (stalled, declared dead by its agent): streams end without a
+    /// finish reason so callers retry or migrate them.
+    Fail,
+}
+
+#[derive(Debug)]
+struct ControlInner {
+    /// 0 = run, 1 = [`StopKind::Shutdown`], 2 = [`StopKind::Fail`].
+    stop: AtomicU8,
+    epoch: Instant,
+    /// Nanoseconds after `epoch` of the last progress mark.
+    last_progress_ns: AtomicU64,
+}
+
+/// Cooperative cancellation and progress of one replica's steps: a cheap `Clone` shared by
+/// the handle, the step loop and the backend. Backends call [`StepControl::checkpoint`]
+/// between layers (a few atomic operations): it records progress and fails with
+/// [`BackendError::Cancelled`] once a stop was requested, so an interrupted forward pass
+/// returns within one layer's time.
+#[derive(Clone, Debug)]
+pub struct StepControl(Arc<ControlInner>);
+
+impl Default for StepControl {
+    fn default() -> Self {
+        Self(Arc::new(ControlInner {
+            stop: AtomicU8::new(0),
+            epoch: Instant::now(),
+            last_progress_ns: AtomicU64::new(0),
+        }))
+    }
+}
+
+impl StepControl {
+    /// Asks the running step (if any) and the step loop to stop. The first request wins:
+    /// a later one does not change its kind.
+    pub fn request_stop(&self, kind: StopKind) {
+        let v = match kind {
+            StopKind::Shutdown => 1,
+            StopKind::Fail => 2,
+        };
+        let _ = self.0.stop.compare_exchange(0, v, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// The stop requested, if any.
+    pub fn stop_requested(&self) -> Option<StopKind> {
+        match self.0.stop.load(Ordering::SeqCst) {
+            0 => None,
+            1 => Some(StopKind::Shutdown),
+            _ => Some(StopKind::Fail),
+        }
+    }
+
+    /// Records progress now (a layer, a step, or an idle tick).
+    pub fn mark_progress(&self) {
+        let ns = u64::try_from(self.0.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.0.last_progress_ns.fetch_max(ns, Ordering::Relaxed);
+    }
+
+    /// When progress was last recorded (the control's creation before the first mark).
+    pub fn last_progress(&self) -> Instant {
+        self.0.epoch + Duration::from_nanos(self.0.last_progress_ns.load(Ordering::Relaxed))
+    }
+
+    /// Called by backends between layers: records progress.
+    ///
+    /// # Errors
+    /// [`BackendError::Cancelled`] once a stop was requested.
+    pub fn checkpoint(&self) -> Result<(), BackendError> {
+        if self.stop_requested().is_some() {
+            return Err(BackendError::Cancelled);
+        }
+        self.mark_progress();
+        Ok(())
+    }
+}
 
 /// Per-sequence part of a step (vLLM's varlen layout).
 #[derive(Clone, Debug)]
@@ -69,6 +159,10 @@ pub enum BackendError {
     /// The batch is inconsistent with the cache (scheduler bug).
     #[error("invalid batch: {0}")]
     InvalidBatch(String),
+    /// The step was interrupted because the engine is stopping ([`StepControl`]); the KV
+    /// of the interrupted step is garbage and the engine does not run another one.
+    #[error("cancelled: the engine is stopping")]
+    Cancelled,
 }
 
 /// A model loaded on a device with its paged KV cache, ready to run steps.
