@@ -13,8 +13,9 @@
 //! preemption therefore never change a row's value. Tiles (`F` weight rows × `R`
 //! activation rows, `F·R = 8` independent FMA chains) only decide which outputs are
 //! computed together: each weight block is decoded once per tile and used for `R` rows.
-//! An AVX2+FMA+F16C kernel is chosen at run time; the scalar fallback follows the same
-//! order with `f32::mul_add`.
+//! An AVX-512 kernel (sixteen lanes, its own fixed order) or an AVX2+FMA+F16C kernel is
+//! chosen at run time (`PRISM_CPU_NO_AVX512=1` forces AVX2); the scalar fallback follows
+//! the AVX2 order with `f32::mul_add`.
 //!
 //! Threads: rayon over chunks of output features; inside a chunk, tiles of rows outside,
 //! features inside (the chunk's weights stay in cache while row tiles stream).
@@ -176,16 +177,26 @@ impl OutPtr {
     }
 }
 
-/// Whether the AVX2 kernel can run here.
-fn has_avx2() -> bool {
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+/// Which kernel runs (chosen once per call from the CPU's features).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+fn best_isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
+        use std::is_x86_feature_detected as has;
+        if has!("avx2") && has!("fma") && has!("f16c") {
+            return if has!("avx512f") && std::env::var_os("PRISM_CPU_NO_AVX512").is_none() { Isa::Avx512 } else { Isa::Avx2 };
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    Isa::Scalar
 }
 
 /// `y[n, out] = x[n, inp] · Wᵀ` (see the module docs for the accumulation order).
@@ -201,21 +212,34 @@ pub fn matmul(x: &[f32], n: usize, w: &PackedWeight, y: &mut [f32]) {
     let threads = rayon::current_num_threads().max(1);
     let chunk = (w.out / (threads * 8)).clamp(16, 512).next_multiple_of(8);
     let yp = OutPtr(y.as_mut_ptr());
-    let avx2 = has_avx2();
-    (0..w.out.div_ceil(chunk)).into_par_iter().for_each(|c| {
-        let j0 = c * chunk;
+    let isa = best_isa();
+    // Long batches (prefill) go in blocks of rows so a block of activations stays in L2
+    // while a chunk of weights is applied to it; a row's value does not depend on this.
+    let chunks = w.out.div_ceil(chunk);
+    let row_blocks = n.div_ceil(ROW_BLOCK);
+    (0..chunks * row_blocks).into_par_iter().for_each(|task| {
+        let (rb, c) = (task / chunks, task % chunks);
+        let (t0, j0) = (rb * ROW_BLOCK, c * chunk);
+        let rows = ROW_BLOCK.min(n - t0);
         let j1 = (j0 + chunk).min(w.out);
-        // SAFETY: `x` holds `n * inp` values and `y` `n * out` (asserted above); the
-        // weight holds `out` rows of `row_bytes`; this task writes only columns `j0..j1`.
-        unsafe { run_chunk(w, x.as_ptr(), n, j0, j1, yp.get(), avx2) };
+        // SAFETY: `x` holds `n * inp` values and `y` `n * out` (asserted above), so rows
+        // `t0..t0 + rows` exist in both; the weight holds `out` rows of `row_bytes`; this
+        // task writes only columns `j0..j1` of those rows.
+        unsafe {
+            let x = x.as_ptr().add(t0 * w.inp);
+            run_chunk(w, x, rows, j0, j1, yp.get().add(t0 * w.out), isa);
+        }
     });
 }
+
+/// Rows per task for long batches.
+const ROW_BLOCK: usize = 64;
 
 /// Computes `y[.., j0..j1]` for all `n` rows.
 ///
 /// # Safety
 /// `x` points at `n * w.inp` values, `y` at `n * w.out`, `j0 <= j1 <= w.out`.
-unsafe fn run_chunk(w: &PackedWeight, x: *const f32, n: usize, j0: usize, j1: usize, y: *mut f32, avx2: bool) {
+unsafe fn run_chunk(w: &PackedWeight, x: *const f32, n: usize, j0: usize, j1: usize, y: *mut f32, isa: Isa) {
     let job = Job {
         w: w.base(),
         w_stride: w.row_bytes(),
@@ -227,8 +251,21 @@ unsafe fn run_chunk(w: &PackedWeight, x: *const f32, n: usize, j0: usize, j1: us
         y_stride: w.out,
     };
     #[cfg(target_arch = "x86_64")]
-    if avx2 {
-        // SAFETY: the CPU has AVX2, FMA and F16C (checked by the caller); pointers as above.
+    if isa == Isa::Avx512 {
+        // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (`best_isa`); pointers as above.
+        unsafe {
+            match w.fmt {
+                Format::F32 => avx512::run::<avx512::F32>(&job, n, j0, j1),
+                Format::Q4_0 => avx512::run::<avx512::Q40>(&job, n, j0, j1),
+                Format::Q4_1 => avx512::run::<avx512::Q41>(&job, n, j0, j1),
+                Format::Q8_0 => avx512::run::<avx512::Q80>(&job, n, j0, j1),
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: the CPU has AVX2, FMA and F16C (`best_isa`); pointers as above.
         unsafe {
             match w.fmt {
                 Format::F32 => avx2::run::<avx2::F32>(&job, n, j0, j1),
@@ -239,7 +276,6 @@ unsafe fn run_chunk(w: &PackedWeight, x: *const f32, n: usize, j0: usize, j1: us
         }
         return;
     }
-    let _ = avx2;
     // SAFETY: pointers as above.
     unsafe { scalar_run(&job, w.fmt, n, j0, j1) };
 }
@@ -574,22 +610,40 @@ mod tests {
                 Linear::new(out, inp, (0..out * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect())
             };
             let w = PackedWeight::stack(vec![w]);
-            let n = 21;
+            let n = 70; // more than one ROW_BLOCK
             let x = input(n, inp);
             let all = run(&x, n, &w);
             for t in 0..n {
                 let one = run(&x[t * inp..(t + 1) * inp], 1, &w);
                 assert_eq!(one.as_slice(), &all[t * out..(t + 1) * out], "row {t} of ({out}, {inp})");
             }
-            for (a, b) in [(0, 5), (5, 7), (7, 21)] {
+            for (a, b) in [(0, 5), (5, 7), (7, 21), (21, 70)] {
                 let part = run(&x[a * inp..b * inp], b - a, &w);
                 assert_eq!(part.as_slice(), &all[a * out..b * out]);
             }
-            // The scalar fallback follows the same order.
-            let mut ys = vec![0f32; n * out];
-            // SAFETY: shapes as `matmul` checks them.
-            unsafe { run_chunk(&w, x.as_ptr(), n, 0, out, ys.as_mut_ptr(), false) };
-            assert_eq!(ys, all);
+            // Every kernel is row-count independent, and the scalar fallback follows the
+            // AVX2 kernel's order exactly.
+            let isas = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+            let by_isa = |isa: Isa, x: &[f32], n: usize| {
+                let mut y = vec![0f32; n * out];
+                // SAFETY: shapes as `matmul` checks them; only ISAs this CPU has run.
+                unsafe { run_chunk(&w, x.as_ptr(), n, 0, out, y.as_mut_ptr(), isa) };
+                y
+            };
+            let have = |isa: Isa| match (isa, best_isa()) {
+                (Isa::Scalar, _) | (_, Isa::Avx512) => true,
+                (Isa::Avx2, b) => b == Isa::Avx2,
+                (Isa::Avx512, _) => false,
+            };
+            for isa in isas.into_iter().filter(|&i| have(i)) {
+                let full = by_isa(isa, &x, n);
+                for t in [0, 9, 20, 69] {
+                    assert_eq!(by_isa(isa, &x[t * inp..(t + 1) * inp], 1).as_slice(), &full[t * out..(t + 1) * out], "{isa:?}");
+                }
+            }
+            if have(Isa::Avx2) {
+                assert_eq!(by_isa(Isa::Scalar, &x, n), by_isa(Isa::Avx2, &x, n));
+            }
         }
     }
 
@@ -626,7 +680,7 @@ mod bench {
     fn matmul_gflops() {
         let (out, inp) = (1536, 576);
         let w = PackedWeight::stack(vec![tests_support::q4_1(out, inp)]);
-        for n in [1usize, 8, 32, 512] {
+        for n in [512usize, 1, 8, 32, 512, 64] {
             let x = vec![0.5f32; n * inp];
             let mut y = vec![0f32; n * out];
             let reps = (2048 / n).max(4);
