@@ -283,11 +283,12 @@ impl Cluster {
     /// When it cannot be started.
     pub fn restart_worker(&mut self, node: &str) -> Result<()> {
         let w = self.worker(node)?;
-        if let Some(mut p) = w.proc.take() {
-            if !p.exited() {
-                bail!("{node} is still running");
-            }
+        if let Some(p) = w.proc.as_mut()
+            && !p.exited()
+        {
+            bail!("{node} is still running");
         }
+        w.proc = None;
         w.proc = Some(Proc::spawn(&w.node, &bin("prism-worker")?, &w.args, &[])?);
         Ok(())
     }
