@@ -34,7 +34,7 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// Concurrent requests of the spread check.
 const CONCURRENT: usize = 200;
 /// Requests of the C14 stream and the length of each (unique) prompt in tokens.
-const C14_REQUESTS: usize = 24;
+const C14_REQUESTS: usize = 32;
 const C14_PROMPT_TOKENS: usize = 128;
 /// The per-request deadline of the C12 phase.
 const DEADLINE: Duration = Duration::from_secs(3);
@@ -371,7 +371,11 @@ async fn c12_frozen_replica(c: &mut Cluster) -> Result<()> {
 
     // Thaw it; the cluster keeps serving.
     c.workers[1].proc.as_ref().context("w2 running")?.signal(Signal::SIGCONT)?;
+    let thawed = Instant::now();
     let t = timed_request(&c.grpc, 0).await;
     assert!(t.error.is_none(), "request after SIGCONT: {t:?}");
+    // The thawed worker reconnects and its replica comes back into rotation.
+    c.wait_ready(2, Duration::from_secs(60)).await.context("2 replicas Ready again after SIGCONT")?;
+    println!("C12: after SIGCONT both replicas Ready again within {:?}", thawed.elapsed());
     Ok(())
 }
