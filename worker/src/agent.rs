@@ -217,9 +217,11 @@ impl Agent {
     }
 
     /// Turns Ready / Draining replicas whose engine died or stalled into Failed: their
-    /// remaining requests are aborted (streams end UNAVAILABLE, so routers migrate them) and
-    /// the head hears it with the next status, which takes them out of the routes. Called
-    /// by the health loop (every 500 ms) and before each load report.
+    /// remaining requests are aborted (streams end UNAVAILABLE, so routers migrate them),
+    /// the engine is stopped (its running step interrupted, its threads ended, so it stops
+    /// competing for the CPU with the replica that replaces it) and the head hears it with
+    /// the next status, which takes them out of the routes. Called by the health loop
+    /// (every 500 ms) and before each load report.
     pub fn check_engines(&self) {
         for r in self.replicas.all() {
             let (state, _) = r.state();
@@ -231,6 +233,9 @@ impl Agent {
             {
                 tracing::warn!(replica = %r.id, reason = %why, "engine unhealthy: replica failed");
                 r.abort.cancel();
+                if let Some(engine) = r.engine() {
+                    engine.stop();
+                }
                 self.changed();
             }
         }
@@ -305,7 +310,13 @@ impl Agent {
             }
         };
         let kv_cache_bytes = if engine.kv_cache_bytes == 0 { self.cfg.kv_cache_bytes } else { engine.kv_cache_bytes };
-        let spec = LaunchSpec { replica_id: replica.id.clone(), engine, placement, kv_cache_bytes };
+        let spec = LaunchSpec {
+            replica_id: replica.id.clone(),
+            engine,
+            placement,
+            kv_cache_bytes,
+            engine_threads: self.cfg.engine_threads,
+        };
         let agent = Arc::clone(self);
         tokio::spawn(async move {
             tracing::info!(replica = %spec.replica_id, model = %spec.engine.model, "loading replica");

@@ -70,13 +70,21 @@ pub struct Args {
     #[arg(long, env = "PRISM_SPOT_NOTICE_FILE")]
     pub spot_notice_file: Option<PathBuf>,
 
-    /// Seconds an engine may hold work without completing a step before its replica counts
-    /// as stalled: readiness (`/readyz`, `grpc.health.v1`) fails and the replica is reported
-    /// Failed to the head, which takes it out of the routes. A dead engine thread is detected
-    /// at once, whatever this says. CPU steps of long prompt chunks take seconds (raise it
-    /// there); on GPUs a step takes milliseconds, so 5 is a good value.
+    /// Seconds an engine may hold work without making progress (completing a step, or on the
+    /// CPU backend a layer of a step) before its replica counts as stalled: readiness
+    /// (`/readyz`, `grpc.health.v1`) fails, the replica is reported Failed to the head, which
+    /// takes it out of the routes, and its engine is stopped (running step interrupted,
+    /// threads ended). A dead engine thread is detected at once, whatever this says. The
+    /// default (60) suits CPU nodes, where a loaded machine can take seconds per step; on
+    /// GPUs a step takes milliseconds: use about 5 there.
     #[arg(long, env = "PRISM_WORKER_ENGINE_STALL_TIMEOUT", default_value_t = 60.0)]
     pub engine_stall_timeout: f64,
+
+    /// Threads of each replica's own compute pool (default: every core for CPU replicas, 2
+    /// for CUDA ones). Replicas never share a pool, so one replica's long step cannot starve
+    /// another's.
+    #[arg(long, env = "PRISM_WORKER_ENGINE_THREADS")]
+    pub engine_threads: Option<usize>,
 
     /// Serve the fault-injection endpoints on the HTTP port (`POST
     /// /debug/replicas/{id}/kill-engine` ends a replica's engine step thread, `POST
@@ -144,6 +152,8 @@ pub struct WorkerConfig {
     pub engine_stall_timeout: Duration,
     /// Whether the `/debug/replicas/{id}/…` fault-injection endpoints are served.
     pub enable_fault_injection: bool,
+    /// Threads of each replica's compute pool; `None` = the backend's default.
+    pub engine_threads: Option<usize>,
 }
 
 impl WorkerConfig {
@@ -165,6 +175,7 @@ impl WorkerConfig {
             max_backoff: Duration::from_secs(2),
             engine_stall_timeout: Duration::from_secs(60),
             enable_fault_injection: false,
+            engine_threads: None,
         }
     }
 }
@@ -238,6 +249,7 @@ impl TryFrom<Args> for WorkerConfig {
             max_backoff: Duration::from_secs(5),
             engine_stall_timeout: Duration::from_secs_f64(stall),
             enable_fault_injection: a.enable_fault_injection,
+            engine_threads: a.engine_threads.filter(|n| *n > 0),
         })
     }
 }

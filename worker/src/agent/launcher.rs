@@ -31,12 +31,18 @@ impl ReplicaEngine for EngineHandle {
         EngineHandle::shutdown(self);
     }
 
+    fn stop(&self) {
+        EngineHandle::stop(self);
+    }
+
+    /// Time since the engine last made progress (a step, an idle tick, or a layer of a
+    /// running step), while it holds work.
     fn stalled_for(&self) -> Option<Duration> {
         let s = self.stats();
         if s.requests_in_flight == 0 {
             return None;
         }
-        s.last_step_ok_at.map(|t| t.elapsed())
+        s.last_progress_at.map(|t| t.elapsed())
     }
 
     fn inject_fault(&self, fault: Fault) -> Result<(), EngineError> {
@@ -58,9 +64,7 @@ pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
     if e.max_num_seqs > 0 {
         cfg.max_num_seqs = e.max_num_seqs as usize;
     }
-    if e.max_num_batched_tokens > 0 {
-        cfg.max_num_batched_tokens = e.max_num_batched_tokens as usize;
-    }
+    cfg.engine_threads = spec.engine_threads;
     if e.gpu_memory_utilization > 0.0 {
         cfg.gpu_memory_utilization = e.gpu_memory_utilization;
     }
@@ -73,6 +77,12 @@ pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
     cfg.backend = match &spec.placement {
         Placement::Cpu => BackendKind::Cpu,
         Placement::Cuda(devices) => BackendKind::Cuda { devices: devices.clone() },
+    };
+    // The deployment's explicit value, else the backend's default (512 on CPU, 2048 on CUDA).
+    cfg.max_num_batched_tokens = if e.max_num_batched_tokens > 0 {
+        e.max_num_batched_tokens as usize
+    } else {
+        cfg.backend.default_max_num_batched_tokens()
     };
     cfg
 }
@@ -106,7 +116,20 @@ mod tests {
             engine: pb::EngineConfig { model: "/m".into(), kv_cache_bytes: kv, gpu_memory_utilization: util, ..Default::default() },
             placement,
             kv_cache_bytes: 64 << 20,
+            engine_threads: None,
         }
+    }
+
+    #[test]
+    fn step_token_budget_defaults_per_backend_and_keeps_an_explicit_value() {
+        assert_eq!(engine_config(&spec(Placement::Cpu, 0, 0.0)).max_num_batched_tokens, 512);
+        assert_eq!(engine_config(&spec(Placement::Cuda(vec![0]), 0, 0.0)).max_num_batched_tokens, 2048);
+        let mut s = spec(Placement::Cpu, 0, 0.0);
+        s.engine.max_num_batched_tokens = 4096;
+        s.engine_threads = Some(3);
+        let cfg = engine_config(&s);
+        assert_eq!(cfg.max_num_batched_tokens, 4096);
+        assert_eq!(cfg.engine_threads, Some(3));
     }
 
     #[test]

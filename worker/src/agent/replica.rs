@@ -42,6 +42,10 @@ pub trait ReplicaEngine: Send + Sync + 'static {
     fn is_alive(&self) -> bool;
     /// Aborts everything and stops the engine thread (may block briefly).
     fn shutdown(&self);
+    /// Stops a failed engine without blocking (callable from async code): its running step
+    /// is interrupted, its streams end without a finish reason and its threads exit, so it
+    /// no longer takes CPU from the replica that replaces it. Default: nothing (doubles).
+    fn stop(&self) {}
     /// How long the engine has had work without completing a step (`None`: idle, or the
     /// engine cannot tell). Readiness fails past `--engine-stall-timeout`.
     fn stalled_for(&self) -> Option<Duration> {
@@ -86,6 +90,9 @@ pub struct LaunchSpec {
     pub placement: Placement,
     /// KV-cache budget for the CPU backend, bytes (the config's, or the worker default).
     pub kv_cache_bytes: u64,
+    /// Threads of the replica's compute pool (`--engine-threads`); `None` = the backend's
+    /// default (every core on CPU).
+    pub engine_threads: Option<usize>,
 }
 
 /// One hosted replica.
