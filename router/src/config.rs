@@ -18,6 +18,9 @@ pub enum ConfigError {
     /// A numeric flag is out of range.
     #[error("{0} must be greater than zero")]
     Zero(&'static str),
+    /// `--worker-header-timeout` below one second.
+    #[error("--worker-header-timeout must be at least 1 second")]
+    HeaderTimeout,
 }
 
 /// Command-line flags of `prism-router`.
@@ -54,6 +57,11 @@ pub struct Args {
     /// Seconds a replica stays out of rotation after its first UNAVAILABLE/timeout (doubles per failure, max 30 s).
     #[arg(long = "ejection-base", env = "PRISM_EJECTION_BASE", default_value_t = 2.0)]
     pub ejection_base_s: f64,
+    /// Seconds a worker may take to send response headers for a request before its replica
+    /// counts as unresponsive (ejected, request retried elsewhere); at least 1. A request's own
+    /// deadline never ejects a replica.
+    #[arg(long = "worker-header-timeout", env = "PRISM_WORKER_HEADER_TIMEOUT", default_value_t = 2.0)]
+    pub worker_header_timeout_s: f64,
 }
 
 /// One `--static-route` entry.
@@ -94,6 +102,8 @@ pub struct RouterConfig {
     pub static_routes: Vec<StaticRoute>,
     /// First ejection period of a failing replica.
     pub ejection_base: Duration,
+    /// Longest wait for a worker's response headers before its replica counts as unresponsive.
+    pub worker_header_timeout: Duration,
 }
 
 impl Default for RouterConfig {
@@ -106,6 +116,7 @@ impl Default for RouterConfig {
             max_in_flight_per_replica: 256,
             static_routes: Vec::new(),
             ejection_base: Duration::from_secs(2),
+            worker_header_timeout: Duration::from_secs(2),
         }
     }
 }
@@ -139,6 +150,9 @@ impl Args {
         if self.request_timeout_s.is_nan() || self.request_timeout_s <= 0.0 {
             return Err(ConfigError::Zero("--request-timeout"));
         }
+        if !(self.worker_header_timeout_s >= 1.0 && self.worker_header_timeout_s.is_finite()) {
+            return Err(ConfigError::HeaderTimeout);
+        }
         let heads = self
             .head
             .into_iter()
@@ -152,6 +166,7 @@ impl Args {
             max_in_flight_per_replica: self.max_in_flight_per_replica,
             static_routes,
             ejection_base: Duration::from_secs_f64(self.ejection_base_s.max(0.01)),
+            worker_header_timeout: Duration::from_secs_f64(self.worker_header_timeout_s),
         })
     }
 }

@@ -3,9 +3,17 @@
 //! - The replica comes from [`crate::balance::select`]; its load counts from this moment
 //!   (an [`InFlightGuard`] held until the stream ends or the client leaves).
 //! - Before the first token a failed replica (UNAVAILABLE, transport error, stale route) is
-//!   retried once on another replica; UNAVAILABLE and first-token timeouts take the replica
-//!   out of rotation with exponential backoff (ejection).
+//!   retried once on another replica; UNAVAILABLE takes the replica out of rotation with
+//!   exponential backoff (ejection).
 //! - The deadline goes to the worker twice: `timeout_ms` in the request and the gRPC timeout.
+//!   A request's own deadline (DEADLINE_EXCEEDED) never counts against a replica: a client
+//!   asking for 1 ms must not eject replicas for everyone. A frozen replica (SIGSTOP, hung
+//!   host: TCP still open) is found two other ways: (a) a worker answers a Generate call with
+//!   response headers at once (the engine queues the request), so no headers within
+//!   `header_timeout` (≥ 1 s) is UNAVAILABLE for that replica, retried elsewhere; (b) HTTP/2
+//!   keep-alive pings on every worker channel, idle or not, fail a connection whose peer
+//!   stops answering within [`KEEPALIVE_INTERVAL`] + [`KEEPALIVE_TIMEOUT`], which ends its
+//!   streams with UNAVAILABLE (ejection, migration).
 //! - After the first token the stream is pumped by a task; when the client drops the
 //!   receiver the task drops the worker stream, which cancels the request on the worker.
 //! - Mid-stream failure of a single-choice request is migrated (issue 7): the prompt plus the
@@ -35,6 +43,10 @@ const MAX_MIGRATIONS: u32 = 3;
 const MIGRATION_WAIT: Duration = Duration::from_secs(30);
 /// Route-table poll period during that wait.
 const MIGRATION_POLL: Duration = Duration::from_millis(50);
+/// HTTP/2 PING period on worker channels (also while idle).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// A PING unanswered this long closes the worker connection (its streams fail UNAVAILABLE).
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why a request could not be served.
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +85,10 @@ pub struct DispatchConfig {
     pub default_timeout: Duration,
     /// First ejection period after a failure.
     pub ejection_base: Duration,
+    /// Longest wait for a worker's response headers to a Generate call; past it (and before
+    /// the request's own deadline) the replica counts as unresponsive: UNAVAILABLE, ejected,
+    /// retried elsewhere.
+    pub header_timeout: Duration,
 }
 
 /// Sends requests to workers (cheap `Clone`).
@@ -94,9 +110,11 @@ fn retryable(s: &Status) -> bool {
     matches!(s.code(), Code::Unavailable | Code::Unknown | Code::NotFound | Code::ResourceExhausted | Code::Aborted)
 }
 
-/// Whether a status says the replica should leave rotation for a while.
+/// Whether a status says the replica should leave rotation for a while. DEADLINE_EXCEEDED
+/// is the request's own deadline and never counts (an unresponsive replica shows up as
+/// UNAVAILABLE: header timeout or keep-alive failure).
 fn ejects(s: &Status) -> bool {
-    matches!(s.code(), Code::Unavailable | Code::Unknown | Code::NotFound | Code::DeadlineExceeded)
+    matches!(s.code(), Code::Unavailable | Code::Unknown | Code::NotFound)
 }
 
 fn hint_for(req: &GenerateRequest) -> RequestHint {
@@ -141,8 +159,9 @@ impl Dispatcher {
             .map_err(|_| Status::unavailable("invalid worker endpoint"))?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(10))
-            .keep_alive_timeout(Duration::from_secs(5))
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
             .connect_lazy();
         let c = WorkerServiceClient::new(ch).max_decoding_message_size(64 * 1024 * 1024);
         self.inner.clients.insert(endpoint.to_owned(), c.clone());
@@ -184,15 +203,19 @@ impl Dispatcher {
         });
         wreq.set_timeout(remaining);
         let mut client = self.client(&replica.endpoint)?;
-        let fut = async move {
-            let mut s = client.generate(wreq).await?.into_inner();
-            match s.message().await? {
-                Some(first) => Ok((s, first)),
-                None => Err(Status::unavailable("worker closed the stream before answering")),
+        // Response headers: the request's deadline, or the header bound if that comes first.
+        let header_by = Instant::now() + self.inner.cfg.header_timeout;
+        let mut s = match tokio::time::timeout_at(deadline.min(header_by), client.generate(wreq)).await {
+            Ok(r) => r.map_err(|e| past_deadline(e, deadline))?.into_inner(),
+            Err(_) if header_by < deadline => {
+                return Err(Status::unavailable("the replica sent no response headers in time (frozen?)"));
             }
+            Err(_) => return Err(Status::deadline_exceeded("no answer from the replica before the deadline")),
         };
-        match tokio::time::timeout_at(deadline, fut).await {
-            Ok(r) => r,
+        match tokio::time::timeout_at(deadline, s.message()).await {
+            Ok(Ok(Some(first))) => Ok((s, first)),
+            Ok(Ok(None)) => Err(Status::unavailable("worker closed the stream before answering")),
+            Ok(Err(e)) => Err(past_deadline(e, deadline)),
             Err(_) => Err(Status::deadline_exceeded("no answer from the replica before the deadline")),
         }
     }
@@ -256,6 +279,16 @@ impl Dispatcher {
                 }
             }
         }
+    }
+}
+
+/// A worker's CANCELLED ("Timeout expired": its server enforcing the grpc-timeout we sent) at
+/// or after the request's deadline is that deadline, not a replica failure.
+fn past_deadline(s: Status, deadline: Instant) -> Status {
+    if s.code() == Code::Cancelled && Instant::now() + Duration::from_millis(5) >= deadline {
+        Status::deadline_exceeded("the request deadline was exceeded")
+    } else {
+        s
     }
 }
 
@@ -327,7 +360,7 @@ impl Pump {
                 }
                 Ok(Ok(None)) if self.finished >= self.choices() => return,
                 Ok(Ok(None)) => Status::unavailable("worker stream ended before the request finished"),
-                Ok(Err(s)) => s,
+                Ok(Err(s)) => past_deadline(s, self.deadline),
             };
             self.dispatcher.note_failure(&replica, &failure);
             self.tried.push(replica.replica_id.clone());
@@ -419,5 +452,16 @@ mod tests {
         assert_eq!(hint_for(&req).expected_tokens, 120);
         assert!(retryable(&Status::unavailable("x")));
         assert!(!retryable(&Status::invalid_argument("x")));
+    }
+
+    #[test]
+    fn own_deadline_never_ejects() {
+        assert!(!ejects(&Status::deadline_exceeded("x")));
+        assert!(!ejects(&Status::cancelled("x")));
+        assert!(ejects(&Status::unavailable("x")));
+        let past = Instant::now();
+        assert_eq!(past_deadline(Status::cancelled("Timeout expired"), past).code(), Code::DeadlineExceeded);
+        let later = Instant::now() + Duration::from_secs(60);
+        assert_eq!(past_deadline(Status::cancelled("x"), later).code(), Code::Cancelled);
     }
 }

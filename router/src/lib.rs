@@ -41,7 +41,11 @@ pub async fn run(
         routes.clone(),
         Box::new(balance::PowerOfTwoChoices),
         metrics.clone(),
-        dispatch::DispatchConfig { default_timeout: config.request_timeout, ejection_base: config.ejection_base },
+        dispatch::DispatchConfig {
+            default_timeout: config.request_timeout,
+            ejection_base: config.ejection_base,
+            header_timeout: config.worker_header_timeout,
+        },
     );
     let keys = auth::ApiKeys::new(config.api_keys.clone());
     let router_id = format!("router-{}", uuid::Uuid::new_v4().simple());

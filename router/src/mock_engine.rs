@@ -2,12 +2,14 @@
 //! tests and the router benchmark ONLY. It runs no model: token `i` of a sequence is id `i`
 //! (counting tokens resubmitted in `prior_output_ids`) with text `"t{i} "`, so a migrated
 //! stream can be checked for repeated or missing tokens. Behaviours (delay per token,
-//! frozen, failing before or after some tokens) are switchable at run time for fault tests.
+//! frozen streams, a frozen process, failing before or after some tokens) are switchable at
+//! run time for fault tests.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use futures::Stream;
@@ -16,9 +18,10 @@ use prism_common::proto::v1::{
     FinishReason, GenerateResponse, TokenLogprob, TopLogprob, Usage, WorkerDrainRequest, WorkerDrainResponse,
     WorkerGenerateRequest, WorkerHealthRequest, WorkerHealthResponse, generate_request,
 };
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::server::TcpIncoming;
+use tonic::transport::server::Connected;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
@@ -29,8 +32,12 @@ pub struct MockBehavior {
     pub tokens: u32,
     /// Pause before each token.
     pub token_delay: Duration,
-    /// Accept streams but never answer.
+    /// Accept streams (response headers sent) but never send a message.
     pub freeze: bool,
+    /// The whole process is frozen, as under SIGSTOP: connections are still accepted (the
+    /// kernel does that) but no byte is read or written, so no response headers and no
+    /// HTTP/2 PING answers. Clearing it thaws every connection.
+    pub freeze_process: bool,
     /// Fail every request with UNAVAILABLE before the first token.
     pub fail_before_first: bool,
     /// Fail with UNAVAILABLE after this many tokens of a stream.
@@ -54,8 +61,70 @@ pub struct MockStats {
 #[derive(Debug, Clone, Default)]
 pub struct MockEngineWorker {
     behavior: Arc<Mutex<MockBehavior>>,
+    gate: Arc<FreezeGate>,
     /// Shared counters.
     pub stats: Arc<MockStats>,
+}
+
+/// Process-freeze switch shared by every connection of a mock.
+#[derive(Debug, Default)]
+struct FreezeGate {
+    frozen: AtomicBool,
+    wakers: Mutex<Vec<Waker>>,
+}
+
+impl FreezeGate {
+    fn set(&self, frozen: bool) {
+        self.frozen.store(frozen, Ordering::SeqCst);
+        if !frozen {
+            let wakers = self.wakers.lock().map(|mut w| std::mem::take(&mut *w)).unwrap_or_default();
+            wakers.into_iter().for_each(Waker::wake);
+        }
+    }
+
+    /// `Pending` (and a wake-up at thaw) while frozen.
+    fn poll_open(&self, cx: &mut Context<'_>) -> Poll<()> {
+        if !self.frozen.load(Ordering::SeqCst) {
+            return Poll::Ready(());
+        }
+        if let Ok(mut w) = self.wakers.lock() {
+            w.push(cx.waker().clone());
+        }
+        // Re-check: a thaw between the load and the push must not be missed.
+        if self.frozen.load(Ordering::SeqCst) { Poll::Pending } else { Poll::Ready(()) }
+    }
+}
+
+/// A connection whose IO stalls while the mock's process is "frozen".
+struct FreezableIo {
+    inner: tokio::net::TcpStream,
+    gate: Arc<FreezeGate>,
+}
+
+impl Connected for FreezableIo {
+    type ConnectInfo = ();
+    fn connect_info(&self) -> Self::ConnectInfo {}
+}
+
+impl AsyncRead for FreezableIo {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        ready!(self.gate.poll_open(cx));
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for FreezableIo {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        ready!(self.gate.poll_open(cx));
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        ready!(self.gate.poll_open(cx));
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 struct ActiveGuard(Arc<MockStats>);
@@ -68,11 +137,15 @@ impl Drop for ActiveGuard {
 impl MockEngineWorker {
     /// A mock with the given behaviour.
     pub fn new(behavior: MockBehavior) -> Self {
-        Self { behavior: Arc::new(Mutex::new(behavior)), stats: Arc::default() }
+        let gate = Arc::new(FreezeGate::default());
+        gate.set(behavior.freeze_process);
+        Self { behavior: Arc::new(Mutex::new(behavior)), gate, stats: Arc::default() }
     }
 
-    /// Replaces the behaviour for requests that arrive from now on.
+    /// Replaces the behaviour for requests that arrive from now on (`freeze_process` takes
+    /// effect at once on every connection).
     pub fn set_behavior(&self, b: MockBehavior) {
+        self.gate.set(b.freeze_process);
         if let Ok(mut g) = self.behavior.lock() {
             *g = b;
         }
@@ -87,9 +160,17 @@ impl MockEngineWorker {
     /// # Errors
     /// Transport errors of the gRPC server.
     pub async fn serve(self, listener: tokio::net::TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let gate = self.gate.clone();
+        let incoming = futures::stream::unfold((listener, gate), |(l, gate)| async move {
+            let r = l.accept().await.map(|(tcp, _)| {
+                let _ = tcp.set_nodelay(true);
+                FreezableIo { inner: tcp, gate: gate.clone() }
+            });
+            Some((r, (l, gate)))
+        });
         tonic::transport::Server::builder()
             .add_service(WorkerServiceServer::new(self))
-            .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown.cancelled_owned())
+            .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
             .await?;
         Ok(())
     }
