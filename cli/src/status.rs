@@ -5,7 +5,7 @@ use crate::client::{self, status_error};
 use crate::table::Table;
 use anyhow::Result;
 use prism_common::proto::v1::{
-    ClusterStatusRequest, ClusterStatusResponse, LoadReport, NodeState, ReplicaState,
+    ClusterStatusRequest, ClusterStatusResponse, LoadReport, NodeRecord, NodeState, ReplicaState,
 };
 use std::collections::HashMap;
 
@@ -30,13 +30,40 @@ fn join_indices(indices: &[u32]) -> String {
     indices.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
 
+/// Drain progress of a node: time left to its deadline and requests still in flight on its
+/// replicas (running + waiting, from the latest load reports); `-` when not draining.
+fn drain_progress(node: &NodeRecord, status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
+    if node.drain_deadline_unix_ms == 0 {
+        return "-".to_owned();
+    }
+    let id = node.inventory.as_ref().map_or("", |i| i.node_id.as_str());
+    let mine: Vec<&str> =
+        status.replicas.iter().filter(|r| r.node_id == id).map(|r| r.replica_id.as_str()).collect();
+    let in_flight: u32 = status
+        .load
+        .iter()
+        .filter(|l| mine.contains(&l.replica_id.as_str()))
+        .map(|l| l.running + l.waiting)
+        .sum();
+    let left = node.drain_deadline_unix_ms.saturating_sub(now_unix_ms) / 1000;
+    format!("{left}s left, {in_flight} in flight")
+}
+
 /// Renders a `ClusterStatusResponse` as the text `prism status` prints.
 pub fn render(status: &ClusterStatusResponse) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    render_at(status, now)
+}
+
+/// [`render`] at a given wall-clock time (unix milliseconds), for tests.
+pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
     let mut out = String::new();
     let leader = if status.leader.is_empty() { "?" } else { status.leader.as_str() };
     out.push_str(&format!("Head leader: {leader}\n\n"));
 
-    let mut nodes = Table::new(&["NODE", "ADDRESS", "STATE", "SCHED", "GPUS", "LABELS"]);
+    let mut nodes = Table::new(&["NODE", "ADDRESS", "STATE", "SCHED", "DRAIN", "GPUS", "LABELS"]);
     for node in &status.nodes {
         let inv = node.inventory.clone().unwrap_or_default();
         let gpus = if inv.gpus.is_empty() {
@@ -53,7 +80,8 @@ pub fn render(status: &ClusterStatusResponse) -> String {
         let mut labels: Vec<String> = inv.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
         labels.sort();
         let sched = if node.cordoned { "cordoned" } else { "schedulable" };
-        nodes.row(vec![inv.node_id, inv.address, node_state_name(node.state), sched.into(), gpus, labels.join(",")]);
+        let drain = drain_progress(node, status, now_unix_ms);
+        nodes.row(vec![inv.node_id, inv.address, node_state_name(node.state), sched.into(), drain, gpus, labels.join(",")]);
     }
     out.push_str(&format!("Nodes ({}):\n", status.nodes.len()));
     out.push_str(&if nodes.is_empty() { "  (none)\n".to_owned() } else { nodes.render() });
@@ -121,7 +149,7 @@ pub async fn run(head_addr: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use prism_common::proto::v1::{GpuInfo, NodeInventory, NodeRecord, ReplicaRecord};
+    use prism_common::proto::v1::{GpuInfo, NodeInventory, ReplicaRecord};
 
     #[test]
     fn render_lists_nodes_replicas_and_load() {
@@ -163,6 +191,29 @@ mod tests {
         let replica_line = text.lines().find(|l| l.starts_with("smol-1234abcd")).unwrap_or_default();
         let cells: Vec<&str> = replica_line.split_whitespace().collect();
         assert_eq!(cells, ["smol-1234abcd", "smol", "w1", "0", "Ready", "3", "1", "25%"]);
+    }
+
+    #[test]
+    fn draining_node_shows_time_left_and_in_flight() {
+        let status = ClusterStatusResponse {
+            nodes: vec![NodeRecord {
+                inventory: Some(NodeInventory { node_id: "w2".into(), cpu_slots: 1, ..NodeInventory::default() }),
+                state: NodeState::Draining as i32,
+                drain_deadline_unix_ms: 100_000,
+                ..NodeRecord::default()
+            }],
+            replicas: vec![
+                ReplicaRecord { replica_id: "a".into(), node_id: "w2".into(), ..ReplicaRecord::default() },
+                ReplicaRecord { replica_id: "b".into(), node_id: "w9".into(), ..ReplicaRecord::default() },
+            ],
+            load: vec![
+                LoadReport { replica_id: "a".into(), running: 2, waiting: 1, ..LoadReport::default() },
+                LoadReport { replica_id: "b".into(), running: 7, ..LoadReport::default() },
+            ],
+            ..ClusterStatusResponse::default()
+        };
+        let text = render_at(&status, 58_000);
+        assert!(text.contains("42s left, 3 in flight"), "{text}");
     }
 
     #[test]
