@@ -42,6 +42,8 @@ const DEADLINE: Duration = Duration::from_secs(3);
 const HANG_SLACK: Duration = Duration::from_secs(1);
 /// Closed-loop clients of the C12 phase.
 const CLIENTS: usize = 4;
+/// How soon a frozen worker's replica must leave the router's rotation.
+const OUT_OF_ROTATION: Duration = Duration::from_secs(5);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn openai_python_client_against_prism_up() -> Result<()> {
@@ -317,7 +319,9 @@ async fn c12_frozen_replica(c: &mut Cluster) -> Result<()> {
     load.wait_count(8, Duration::from_secs(30)).await?;
     let frozen_at = Instant::now();
     c.workers[1].proc.as_ref().context("w2 running")?.signal(Signal::SIGSTOP)?;
-    let out_at = wait_route_change(&c.grpc, 2, Duration::from_secs(30)).await?;
+    // The head ends a worker session silent for --worker-timeout (2 s in the fixture; load
+    // reports come every second), which takes its replica out of the routes.
+    let out_at = wait_route_change(&c.grpc, 2, OUT_OF_ROTATION).await?;
     // Let every request started before the route change reach its deadline.
     let settle = out_at + DEADLINE + HANG_SLACK;
     tokio::time::sleep(settle.saturating_duration_since(Instant::now())).await;
