@@ -97,8 +97,8 @@ pub struct EngineStats {
     pub last_step_ok_at: Option<Instant>,
     /// Last time the engine made progress: a completed step or idle tick (as
     /// `last_step_ok_at`), or a layer of a running step on backends that report layers
-    /// (the CPU backend). The stall check uses this, so one legitimately long step that is
-    /// still advancing does not count as a stall.
+    /// (the CPU backend); the engine's start before any of these. The stall check uses
+    /// this, so one legitimately long step that is still advancing does not count as a stall.
     pub last_progress_at: Option<Instant>,
     /// Threads of this replica's compute pool that are still running (0 once the engine
     /// has stopped and its pool is gone).
@@ -226,7 +226,7 @@ impl StatsRecorder {
             },
             requests_in_flight: self.in_flight.load(Ordering::Relaxed),
             last_step_ok_at: h.last_step_ok_at,
-            last_progress_at: h.last_step_ok_at.map(|t| t.max(self.control.last_progress())),
+            last_progress_at: Some(self.control.last_progress()),
             compute_threads_alive: self.compute_threads.load(Ordering::Relaxed),
             alive: self.alive.load(Ordering::Relaxed),
             ttft: h.ttft.clone(),

@@ -13,6 +13,8 @@
 //! - [`codec`]: the tokenizer/chat-template interface the engine uses.
 //! - [`kv_cache`]: `BlockPool`, `BlockTable`.
 //! - [`scheduler`], [`sampler`], [`detokenizer`], `step_loop`: the step loop's parts.
+//! - [`backend::StepControl`]: stop requests and in-step progress shared by the handle, the
+//!   step loop and the backend; each replica computes on its own rayon pool.
 //! - [`metrics`]: engine statistics and latency histograms for the worker's `vllm:*` metrics.
 
 pub mod backend;
@@ -27,6 +29,8 @@ pub mod sampler;
 pub mod scheduler;
 mod start;
 mod step_loop;
+#[cfg(test)]
+mod stop_tests;
 #[cfg(test)]
 mod test_double;
 

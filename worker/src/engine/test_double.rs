@@ -57,14 +57,14 @@ pub struct PagedEchoBackend {
     block_size: usize,
     /// Steps run so far (tests assert batching actually happened).
     pub steps: usize,
-    /// Time each step takes (simulated compute), in [`SIM_LAYERS`] slices.
+    /// Time each step takes (simulated compute), in "layers" of at most [`SIM_LAYER`].
     pub step_time: std::time::Duration,
     /// Polled between the simulated layers, as the CPU backend does.
     pub control: Option<StepControl>,
 }
 
-/// Slices ("layers") of a simulated step.
-pub const SIM_LAYERS: u32 = 10;
+/// Longest simulated layer of a step.
+pub const SIM_LAYER: std::time::Duration = std::time::Duration::from_millis(100);
 
 impl PagedEchoBackend {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
@@ -86,9 +86,10 @@ fn mix(h: u64, x: u64) -> u64 {
 impl Backend for PagedEchoBackend {
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits, BackendError> {
         self.steps += 1;
-        for _ in 0..SIM_LAYERS {
+        let layers = self.step_time.as_nanos().div_ceil(SIM_LAYER.as_nanos()).max(1);
+        for _ in 0..layers {
             if !self.step_time.is_zero() {
-                std::thread::sleep(self.step_time / SIM_LAYERS);
+                std::thread::sleep(self.step_time.min(SIM_LAYER));
             }
             if let Some(c) = &self.control {
                 c.checkpoint()?;
