@@ -295,3 +295,48 @@ fn engine_seeded_sampling_is_reproducible() -> Result<()> {
     }
     Ok(())
 }
+
+/// QA's cascade (issues 2 and 8): a replica declared failed kept its 2048-token prefill
+/// running for minutes on shared threads. Now `stop` interrupts the real CPU forward pass
+/// at a layer boundary and the step thread and the replica's compute threads exit.
+#[test]
+fn engine_stop_interrupts_a_long_real_prefill_and_ends_its_threads() -> Result<()> {
+    ensure!(EngineConfig::new("m").max_num_batched_tokens == 512, "CPU default step budget");
+    let Some(e) = start(|c| {
+        c.max_num_batched_tokens = 2048; // the old default: one long step
+        c.engine_threads = Some(2);
+    })?
+    else {
+        return Ok(());
+    };
+    let prompt = Prompt::TokenIds(vec![100; 2000]);
+    let mut s = e.submit(req(prompt, greedy(20)))?;
+    let t0 = Instant::now();
+    while e.stats().running == 0 {
+        ensure!(t0.elapsed() < Duration::from_secs(10), "request not scheduled");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // Let the forward pass get into its layers.
+    let started = e.stats().last_progress_at;
+    while e.stats().last_progress_at == started {
+        ensure!(t0.elapsed() < Duration::from_secs(60), "no layer progress");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let stop_at = Instant::now();
+    e.stop();
+    while !(e.step_thread_finished() && e.stats().compute_threads_alive == 0) {
+        ensure!(stop_at.elapsed() < Duration::from_secs(10), "threads still running: {:?}", e.stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let stopped_in = stop_at.elapsed();
+    let st = e.stats();
+    ensure!(st.generation_tokens_total == 0, "the prefill step completed instead of being interrupted");
+    ensure!(st.free_blocks == st.total_blocks && st.requests_in_flight == 0, "{st:?}");
+    let mut finish = None;
+    while let Some(o) = s.blocking_recv() {
+        finish = finish.or(o.finish_reason);
+    }
+    ensure!(finish.is_none(), "a failed replica's stream ends without a finish reason");
+    eprintln!("stopped a 2000-token prefill in {stopped_in:?}");
+    Ok(())
+}
