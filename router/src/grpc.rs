@@ -23,6 +23,8 @@ pub struct InferenceApi {
     pub keys: ApiKeys,
     /// Router metrics.
     pub metrics: Metrics,
+    /// `ModelInfo.created` (Unix seconds): the router's start, deployment times being unknown here.
+    pub started_at: i64,
 }
 
 /// Dispatch error → gRPC status (the only such mapping for the gRPC API).
@@ -78,17 +80,7 @@ impl InferenceApi {
         let header_timeout =
             request.metadata().get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(grpc_timeout);
         let mut req = request.into_inner();
-        if req.model.is_empty() {
-            return Err(Status::invalid_argument("model must not be empty"));
-        }
-        if req.prompt.is_none() {
-            return Err(Status::invalid_argument("prompt must be set"));
-        }
-        if let Some(m) = req.sampling.as_ref().and_then(|s| s.max_tokens)
-            && m < 1
-        {
-            return Err(Status::invalid_argument(format!("max_tokens must be at least 1, got {m}")));
-        }
+        crate::validate::check_request(&req).map_err(|e| Status::invalid_argument(e.message))?;
         if let Some(t) = header_timeout {
             let ms = u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1);
             req.timeout_ms = Some(req.timeout_ms.filter(|&x| x > 0).map_or(ms, |x| x.min(ms)));
@@ -146,7 +138,7 @@ impl InferenceService for InferenceApi {
                     id: name.clone(),
                     ready_replicas: u32::try_from(ready).unwrap_or(u32::MAX),
                     max_model_len: rs.iter().map(|r| r.max_model_len).max().unwrap_or(0),
-                    created: 0,
+                    created: self.started_at,
                 })
             })
             .collect();

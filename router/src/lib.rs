@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod mock_engine;
 pub mod openai;
 pub mod routes;
+pub mod validate;
 
 use prism_common::proto::v1::inference_service_server::InferenceServiceServer;
 use tokio::net::TcpListener;
@@ -56,6 +57,7 @@ pub async fn run(
         metrics: metrics.clone(),
         keys: keys.clone(),
         max_body_bytes: config.max_body_bytes,
+        started_at: openai::unix_now(),
     };
     let app = openai::router(http_state);
     let http_shutdown = shutdown.clone();
@@ -89,7 +91,7 @@ pub async fn run(
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(prism_common::proto::FILE_DESCRIPTOR_SET)
         .build_v1()?;
-    let api = grpc::InferenceApi { dispatcher, keys, metrics };
+    let api = grpc::InferenceApi { dispatcher, keys, metrics, started_at: openai::unix_now() };
     let grpc = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection)

@@ -196,7 +196,9 @@ fn prompt_len(r: &WorkerGenerateRequest) -> Result<u32, Status> {
         None => 0,
     };
     if n == 0 {
-        return Err(Status::invalid_argument("prompt is empty"));
+        let mut s = Status::invalid_argument("prompt is empty");
+        s.metadata_mut().insert(crate::openai::errors::PARAM_METADATA, tonic::metadata::MetadataValue::from_static("prompt"));
+        return Err(s);
     }
     Ok(u32::try_from(n).unwrap_or(u32::MAX))
 }

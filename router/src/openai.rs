@@ -2,8 +2,10 @@
 //! `/v1/models`, plus `/health`, `/healthz`, `/readyz` and `/metrics`.
 //!
 //! Bodies are read by hand so that every failure is an OpenAI error object: no or wrong
-//! Content-Type → 415, over `max_body_bytes` → 413 before parsing, anything that is not a
-//! valid request object → 400. Streams are server-sent events in OpenAI's chunk format
+//! Content-Type → 415, over `max_body_bytes` → 413 before parsing, a body that ends before
+//! its Content-Length or stalls past [`BODY_READ_TIMEOUT`] → 400 / 408, anything that is not
+//! a valid request object → 400 with `param` naming the field (serde's error path). Wrong
+//! method on a known path → 405 and unknown paths → 404, both as error objects. Streams are server-sent events in OpenAI's chunk format
 //! ending with `data: [DONE]`; dropping the response body (client gone) drops the dispatch
 //! receiver, which cancels the request on the worker.
 
@@ -12,15 +14,16 @@ pub mod sse;
 pub mod types;
 
 use std::convert::Infallible;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::BytesMut;
+use futures::StreamExt;
 use prism_common::proto::v1::{FinishReason, GenerateResponse, TokenLogprob};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -29,7 +32,10 @@ use crate::auth::ApiKeys;
 use crate::dispatch::{DispatchError, Dispatched, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
 use errors::ApiError;
-use types::{ChatRequest, CompletionRequest};
+use types::{ChatRequest, CompletionRequest, SamplingFields};
+
+/// Longest time to receive a whole request body; a client that stalls mid-body gets 408.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Shared state of the HTTP handlers.
 #[derive(Clone)]
@@ -42,6 +48,8 @@ pub struct HttpState {
     pub keys: ApiKeys,
     /// Body size limit in bytes.
     pub max_body_bytes: usize,
+    /// `created` of models whose deployment time is unknown: the router's start (Unix seconds).
+    pub started_at: i64,
 }
 
 /// The HTTP application.
@@ -50,15 +58,20 @@ pub fn router(state: HttpState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this path")
+        })
         .with_state(state)
 }
 
-fn unix_now() -> i64 {
+/// Now in Unix seconds.
+pub fn unix_now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
 }
 
@@ -71,12 +84,9 @@ fn authorize(state: &HttpState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-/// Checks Content-Type and size, reads the body and parses it as a JSON object of type `T`.
-async fn read_json<T: DeserializeOwned>(state: &HttpState, headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
-    let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
-    if !ct.trim_start().to_ascii_lowercase().starts_with("application/json") {
-        return Err(ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json"));
-    }
+/// Reads the body: 413 over the limit, 400 when it ends early (a Content-Length not met,
+/// a broken connection), 408 when it does not arrive within [`BODY_READ_TIMEOUT`].
+async fn read_body(state: &HttpState, headers: &HeaderMap, body: Body) -> Result<BytesMut, ApiError> {
     let too_large = || {
         ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body exceeds {} bytes", state.max_body_bytes))
     };
@@ -85,13 +95,57 @@ async fn read_json<T: DeserializeOwned>(state: &HttpState, headers: &HeaderMap, 
     {
         return Err(too_large());
     }
-    let bytes = axum::body::to_bytes(body, state.max_body_bytes).await.map_err(|_| too_large())?;
+    let read = async {
+        let mut stream = body.into_data_stream();
+        let mut buf = BytesMut::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "incomplete request body"))?;
+            if buf.len() + chunk.len() > state.max_body_bytes {
+                return Err(too_large());
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(buf)
+    };
+    tokio::time::timeout(BODY_READ_TIMEOUT, read)
+        .await
+        .map_err(|_| ApiError::new(StatusCode::REQUEST_TIMEOUT, "request body not received in time"))?
+}
+
+/// The parameter a serde error is about: its path, or the field of "missing field `x`".
+fn error_param<E: std::fmt::Display>(e: &serde_path_to_error::Error<E>) -> Option<String> {
+    let path = e.path().to_string();
+    if !path.is_empty() && path != "." && path != "?" {
+        return Some(path);
+    }
+    let msg = e.inner().to_string();
+    let rest = msg.strip_prefix("missing field `")?;
+    rest.split('`').next().map(str::to_owned)
+}
+
+fn parse_as<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize::<_, T>(value).map_err(|e| {
+        let message = format!("invalid request: {}", e.inner());
+        ApiError { param: error_param(&e), ..ApiError::new(StatusCode::BAD_REQUEST, message) }
+    })
+}
+
+/// Checks Content-Type and size, reads the body and parses it as a JSON object of type `T`
+/// (whose sampling fields are checked first, so a type error in one names it).
+async fn read_json<T: DeserializeOwned>(state: &HttpState, headers: &HeaderMap, body: Body) -> Result<T, ApiError> {
+    let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    if !ct.trim_start().to_ascii_lowercase().starts_with("application/json") {
+        return Err(ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json"));
+    }
+    let bytes = read_body(state, headers, body).await?;
     let value: Value = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::invalid("body", format!("request body is not valid JSON: {e}")))?;
     if !value.is_object() {
         return Err(ApiError::invalid("body", "request body must be a JSON object"));
     }
-    serde_json::from_value(value).map_err(|e| ApiError::invalid("body", format!("invalid request: {e}")))
+    // `#[serde(flatten)]` loses the error path: check the flattened fields on their own.
+    parse_as::<SamplingFields>(&value)?;
+    parse_as::<T>(&value)
 }
 
 /// Which endpoint a response is shaped for.
@@ -299,6 +353,7 @@ async fn completions(State(state): State<HttpState>, headers: HeaderMap, body: B
     let prepared = async {
         authorize(&state, &headers)?;
         let req: CompletionRequest = read_json(&state, &headers, body).await?;
+        let proto = req.to_proto()?; // validates `n` before the shaper sizes its choices
         let shaper = Shaper::new(
             Kind::Completion,
             req.model.clone(),
@@ -306,7 +361,7 @@ async fn completions(State(state): State<HttpState>, headers: HeaderMap, body: B
             req.logprobs.is_some(),
             req.sampling.include_usage(),
         );
-        Ok::<_, ApiError>((req.to_proto()?, shaper, req.sampling.stream.unwrap_or(false)))
+        Ok::<_, ApiError>((proto, shaper, req.sampling.stream.unwrap_or(false)))
     }
     .await;
     serve(state, tracker, prepared).await
@@ -317,6 +372,7 @@ async fn chat_completions(State(state): State<HttpState>, headers: HeaderMap, bo
     let prepared = async {
         authorize(&state, &headers)?;
         let req: ChatRequest = read_json(&state, &headers, body).await?;
+        let proto = req.to_proto()?; // validates `n` before the shaper sizes its choices
         let shaper = Shaper::new(
             Kind::Chat,
             req.model.clone(),
@@ -324,7 +380,7 @@ async fn chat_completions(State(state): State<HttpState>, headers: HeaderMap, bo
             req.logprobs == Some(true),
             req.sampling.include_usage(),
         );
-        Ok::<_, ApiError>((req.to_proto()?, shaper, req.sampling.stream.unwrap_or(false)))
+        Ok::<_, ApiError>((proto, shaper, req.sampling.stream.unwrap_or(false)))
     }
     .await;
     serve(state, tracker, prepared).await
@@ -341,7 +397,15 @@ enum Answer {
 /// Dispatches; errors before the first token come back as `Err` with a proper status.
 async fn answer(state: &HttpState, prepared: Prepared) -> Result<Answer, ApiError> {
     let (req, mut shaper, stream) = prepared?;
-    let Dispatched { first, mut rest, .. } = state.dispatcher.dispatch(req).await?;
+    let kind = shaper.kind;
+    // A worker's `prompt` (empty, over the context length) is `messages` in a chat request.
+    let chat_param = |mut e: ApiError| {
+        if kind == Kind::Chat && e.param.as_deref() == Some("prompt") {
+            e.param = Some("messages".into());
+        }
+        e
+    };
+    let Dispatched { first, mut rest, .. } = state.dispatcher.dispatch(req).await.map_err(|e| chat_param(e.into()))?;
     if !stream {
         shaper.absorb(&first);
         while let Some(m) = rest.recv().await {
@@ -401,22 +465,41 @@ async fn serve(state: HttpState, mut tracker: RequestTracker, prepared: Prepared
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
-async fn models(State(state): State<HttpState>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&state, &headers) {
-        return e.into_response();
-    }
+/// The OpenAI model objects of models with a Ready replica, by served name.
+fn model_objects(state: &HttpState) -> Vec<(String, Value)> {
     let snap = state.dispatcher.routes().snapshot();
-    let data: Vec<Value> = snap
-        .models
+    snap.models
         .iter()
         .filter(|(_, rs)| rs.iter().any(|r| r.is_ready()))
         .map(|(name, rs)| {
             let max_len = rs.iter().map(|r| r.max_model_len).max().unwrap_or(0);
-            json!({"id": name, "object": "model", "created": 0, "owned_by": "prism", "root": name,
-                   "max_model_len": if max_len > 0 { json!(max_len) } else { Value::Null }})
+            let obj = json!({"id": name, "object": "model", "created": state.started_at, "owned_by": "prism",
+                   "root": name, "parent": null,
+                   "max_model_len": if max_len > 0 { json!(max_len) } else { Value::Null }});
+            (name.clone(), obj)
         })
-        .collect();
+        .collect()
+}
+
+/// `GET /v1/models`.
+async fn models(State(state): State<HttpState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&state, &headers) {
+        return e.into_response();
+    }
+    let data: Vec<Value> = model_objects(&state).into_iter().map(|(_, v)| v).collect();
     axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `GET /v1/models/{id}`: the model object, or 404.
+async fn model(State(state): State<HttpState>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    if let Err(e) = authorize(&state, &headers) {
+        return e.into_response();
+    }
+    match model_objects(&state).into_iter().find(|(name, _)| *name == id) {
+        Some((_, v)) => axum::Json(v).into_response(),
+        None => ApiError { param: Some("model".into()), ..ApiError::new(StatusCode::NOT_FOUND, format!("the model `{id}` does not exist")) }
+            .into_response(),
+    }
 }
 
 async fn health(State(state): State<HttpState>) -> Response {

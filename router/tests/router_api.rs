@@ -494,3 +494,133 @@ async fn deadline_propagates_to_the_worker() -> anyhow::Result<()> {
     assert!((4000..=5000).contains(&t), "timeout_ms {t}");
     Ok(())
 }
+
+#[tokio::test]
+async fn unsupported_openai_params_are_400_naming_the_field() -> anyhow::Result<()> {
+    let c = cluster(1).await?;
+    let chat = |extra: Value| {
+        let mut b = json!({"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+        if let (Some(b), Some(e)) = (b.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        b
+    };
+    let cmpl = |extra: Value| {
+        let mut b = json!({"model": "mock", "prompt": "a", "max_tokens": 1});
+        if let (Some(b), Some(e)) = (b.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        b
+    };
+    let cases = [
+        ("/v1/completions", cmpl(json!({"suffix": "x"})), "suffix"),
+        ("/v1/chat/completions", chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
+        ("/v1/chat/completions", chat(json!({"functions": [{"name": "f"}]})), "functions"),
+        ("/v1/chat/completions", chat(json!({"tool_choice": "auto"})), "tool_choice"),
+        ("/v1/chat/completions", chat(json!({"response_format": {"type": "json_object"}})), "response_format"),
+        ("/v1/completions", cmpl(json!({"logit_bias": {"50256": -100}})), "logit_bias"),
+        ("/v1/completions", cmpl(json!({"logit_bias": [1, 2]})), "logit_bias"),
+        ("/v1/completions", cmpl(json!({"best_of": 3})), "best_of"),
+        ("/v1/completions", cmpl(json!({"n": 2, "best_of": 1})), "best_of"),
+        ("/v1/chat/completions", chat(json!({"echo": true})), "echo"),
+        ("/v1/chat/completions", chat(json!({"add_generation_prompt": false})), "add_generation_prompt"),
+        ("/v1/chat/completions", chat(json!({"continue_final_message": true})), "continue_final_message"),
+        ("/v1/completions", cmpl(json!({"min_tokens": 5})), "min_tokens"),
+        ("/v1/completions", cmpl(json!({"include_stop_str_in_output": true})), "include_stop_str_in_output"),
+        // n: one limit for both APIs.
+        ("/v1/completions", cmpl(json!({"n": 17})), "n"),
+        // Type errors name the field (also flattened sampling fields).
+        ("/v1/completions", cmpl(json!({"temperature": "hot"})), "temperature"),
+        ("/v1/completions", cmpl(json!({"n": "two"})), "n"),
+        ("/v1/chat/completions", chat(json!({"logprobs": "yes"})), "logprobs"),
+        ("/v1/completions", json!({"prompt": "a"}), "model"),
+    ];
+    for (path, body, param) in cases {
+        let (s, v) = post(&c, path, body.clone()).await?;
+        assert_eq!(s, 400, "{path} {body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{path} {body}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert!(v["error"]["code"].is_null() || v["error"]["code"].is_string(), "{v}");
+    }
+    // Accepted no-op forms.
+    for body in [
+        chat(json!({"tool_choice": "none", "tools": [], "response_format": {"type": "text"}, "logit_bias": {},
+                    "best_of": 1, "min_tokens": 0, "include_stop_str_in_output": false, "add_generation_prompt": true})),
+        chat(json!({"n": 16, "max_tokens": 1})),
+    ] {
+        let (s, v) = post(&c, "/v1/chat/completions", body).await?;
+        assert_eq!(s, 200, "{v}");
+    }
+    assert_eq!(c.mocks[0].stats.requests.load(Ordering::Relaxed), 2, "rejected requests never reach a worker");
+    Ok(())
+}
+
+#[tokio::test]
+async fn malformed_chat_messages_are_400_over_http_and_grpc() -> anyhow::Result<()> {
+    let c = cluster(1).await?;
+    let bad = [
+        json!([{"role": "wizard", "content": "hi"}]),
+        json!([{"role": "", "content": "hi"}]),
+        json!([{"role": "user"}]),
+        json!([{"role": "user", "content": null}]),
+        json!([{"role": "user", "content": []}]),
+        json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        json!([{"role": "user", "content": [{"type": "text"}]}]),
+        json!([{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+        json!([{"role": "user", "content": 5}]),
+        json!([]),
+    ];
+    for messages in bad {
+        let (s, v) = post(&c, "/v1/chat/completions", json!({"model": "mock", "messages": messages})).await?;
+        assert_eq!(s, 400, "{messages}: {v}");
+        assert_eq!(v["error"]["param"], "messages", "{messages}: {v}");
+    }
+    let (s, v) = post(&c, "/v1/chat/completions", json!({"model": "mock", "max_tokens": 1, "messages": [
+        {"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": null}, {"role": "tool", "content": "42"}, {"role": "user", "content": "ok"}]})).await?;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(c.mocks[0].stats.requests.load(Ordering::Relaxed), 1);
+
+    use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
+    use prism_common::proto::v1::{ChatMessage, ChatMessages, GenerateRequest, SamplingParams, generate_request::Prompt};
+    let mut g = InferenceServiceClient::connect(c.grpc.clone()).await?;
+    let msg = |role: &str| ChatMessage { role: role.into(), content: "hi".into() };
+    for (messages, n) in [(vec![], None), (vec![msg("")], None), (vec![msg("user")], Some(17)), (vec![msg("user")], Some(128))] {
+        let req = GenerateRequest {
+            model: "mock".into(),
+            prompt: Some(Prompt::Chat(ChatMessages { messages })),
+            sampling: Some(SamplingParams { n, ..Default::default() }),
+            ..Default::default()
+        };
+        let Err(e) = g.generate(req).await else { panic!("accepted") };
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    }
+    assert_eq!(c.mocks[0].stats.requests.load(Ordering::Relaxed), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn error_objects_models_and_405() -> anyhow::Result<()> {
+    let c = cluster(1).await?;
+    let http = reqwest::Client::new();
+    let r = http.get(format!("{}/v1/completions", c.http)).send().await?;
+    assert_eq!(r.status().as_u16(), 405);
+    let v: Value = r.json().await?;
+    assert!(v["error"]["message"].is_string() && v["error"]["code"].is_string(), "{v}");
+    let (s, v) = post(&c, "/v1/completions", json!({"model": "nope", "prompt": "a"})).await?;
+    assert_eq!((s, v["error"]["code"].clone(), v["error"]["param"].clone()), (404, json!("model_not_found"), json!("model")));
+    // Worker-side "prompt is empty" names the prompt (`prism-param` metadata).
+    let (s, v) = post(&c, "/v1/completions", json!({"model": "mock", "prompt": ""})).await?;
+    assert_eq!((s, v["error"]["param"].clone(), v["error"]["code"].clone()), (400, json!("prompt"), Value::Null));
+
+    let list = http.get(format!("{}/v1/models", c.http)).send().await?.json::<Value>().await?;
+    let created = list["data"][0]["created"].as_i64().unwrap_or(0);
+    assert!(created > 1_700_000_000, "created is a real time: {list}");
+    let one = http.get(format!("{}/v1/models/mock", c.http)).send().await?;
+    assert_eq!(one.status().as_u16(), 200);
+    assert_eq!(one.json::<Value>().await?, list["data"][0]);
+    let r = http.get(format!("{}/v1/models/nope", c.http)).send().await?;
+    assert_eq!(r.status().as_u16(), 404);
+    assert_eq!(r.json::<Value>().await?["error"]["code"], "model_not_found");
+    Ok(())
+}

@@ -15,8 +15,8 @@ pub struct ApiError {
     pub status: StatusCode,
     /// Human-readable message (never contains prompt text).
     pub message: String,
-    /// Parameter at fault, when known.
-    pub param: Option<&'static str>,
+    /// Parameter at fault, when known (a top-level field or a path such as `messages[0].role`).
+    pub param: Option<String>,
     /// Seconds for `Retry-After` (429/503).
     pub retry_after: Option<u32>,
 }
@@ -28,8 +28,20 @@ impl ApiError {
     }
 
     /// 400 naming a parameter.
-    pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
-        Self { param: Some(param), ..Self::new(StatusCode::BAD_REQUEST, message) }
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self { param: Some(param.into()), ..Self::new(StatusCode::BAD_REQUEST, message) }
+    }
+
+    /// OpenAI's string `code` for this error, or `None` (JSON null).
+    fn code(&self) -> Option<&'static str> {
+        match self.status {
+            StatusCode::UNAUTHORIZED => Some("invalid_api_key"),
+            StatusCode::NOT_FOUND if self.param.as_deref() == Some("model") => Some("model_not_found"),
+            StatusCode::TOO_MANY_REQUESTS => Some("rate_limit_exceeded"),
+            StatusCode::METHOD_NOT_ALLOWED => Some("method_not_allowed"),
+            StatusCode::PAYLOAD_TOO_LARGE => Some("request_too_large"),
+            _ => None,
+        }
     }
 
     /// OpenAI's `type` for this status.
@@ -63,7 +75,7 @@ impl ApiError {
             "message": self.message,
             "type": self.kind(),
             "param": self.param,
-            "code": self.status.as_u16(),
+            "code": self.code(),
         }})
     }
 }
@@ -94,11 +106,21 @@ pub fn http_status(code: Code) -> StatusCode {
     }
 }
 
+/// gRPC metadata key in which a worker names the request field an INVALID_ARGUMENT is about
+/// (e.g. `prompt` for an empty prompt or one over the context length).
+pub const PARAM_METADATA: &str = "prism-param";
+
+impl From<crate::validate::Invalid> for ApiError {
+    fn from(e: crate::validate::Invalid) -> Self {
+        Self::invalid(e.param, e.message)
+    }
+}
+
 impl From<DispatchError> for ApiError {
     fn from(e: DispatchError) -> Self {
         let message = e.to_string();
         match e {
-            DispatchError::UnknownModel(_) => Self { param: Some("model"), ..Self::new(StatusCode::NOT_FOUND, message) },
+            DispatchError::UnknownModel(_) => Self { param: Some("model".into()), ..Self::new(StatusCode::NOT_FOUND, message) },
             DispatchError::NoReplica(_) => {
                 Self { retry_after: Some(1), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, message) }
             }
@@ -107,7 +129,11 @@ impl From<DispatchError> for ApiError {
             DispatchError::Worker(s) => {
                 let status = http_status(s.code());
                 let retry_after = matches!(status, StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE).then_some(1);
-                Self { retry_after, ..Self::new(status, s.message().to_owned()) }
+                // The worker names the field of an INVALID_ARGUMENT in `prism-param` metadata.
+                let param = (status == StatusCode::BAD_REQUEST)
+                    .then(|| s.metadata().get(PARAM_METADATA).and_then(|v| v.to_str().ok()).map(str::to_owned))
+                    .flatten();
+                Self { retry_after, param, ..Self::new(status, s.message().to_owned()) }
             }
         }
     }

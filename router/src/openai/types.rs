@@ -1,11 +1,15 @@
 //! OpenAI request bodies (completions and chat completions, with vLLM's extra sampling
 //! fields) and their validation into `prism.v1` requests. Every rejection is a 400 that
-//! names the field.
+//! names the field. OpenAI/vLLM parameters Prism does not implement (tools, logit_bias,
+//! response formats other than text, …) are rejected by name rather than ignored; limits
+//! shared with gRPC (`n`, roles, …) are checked in [`crate::validate`].
 
 use prism_common::proto::v1::{ChatMessage, ChatMessages, GenerateRequest, SamplingParams, TokenIds, generate_request};
 use serde::Deserialize;
+use serde_json::Value;
 
 use super::errors::ApiError;
+use crate::validate::{MAX_LOGPROBS, check_request};
 
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
@@ -78,6 +82,24 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
     /// Relative deadline in milliseconds (Prism extension).
     pub timeout_ms: Option<u64>,
+    /// Token id → bias map; must be a map, and only an empty one is accepted (unsupported).
+    pub logit_bias: Option<Value>,
+    /// Candidates per choice; only `best_of == n` is supported.
+    pub best_of: Option<u32>,
+    /// vLLM minimum tokens before EOS/stop; only 0 is supported.
+    pub min_tokens: Option<u32>,
+    /// vLLM: keep the stop string in the output; only `false` is supported.
+    pub include_stop_str_in_output: Option<bool>,
+    /// Only `{"type": "text"}` is supported.
+    pub response_format: Option<Value>,
+    /// Tool calling is unsupported: only absent, null or an empty list.
+    pub tools: Option<Value>,
+    /// Legacy function calling is unsupported: only absent, null or an empty list.
+    pub functions: Option<Value>,
+    /// Only absent, null or `"none"`.
+    pub tool_choice: Option<Value>,
+    /// Legacy: only absent, null or `"none"`.
+    pub function_call: Option<Value>,
 }
 
 /// `POST /v1/completions` body.
@@ -94,35 +116,51 @@ pub struct CompletionRequest {
     pub logprobs: Option<u32>,
     /// Echo the prompt (unsupported when true).
     pub echo: Option<bool>,
-}
-
-/// Chat content: a string or a list of parts (text parts only).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum ContentSpec {
-    /// Plain text.
-    Text(String),
-    /// Content parts.
-    Parts(Vec<ContentPart>),
-}
-
-/// One content part.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ContentPart {
-    /// Part type (`text` supported).
-    #[serde(rename = "type")]
-    pub kind: String,
-    /// The text of a `text` part.
-    pub text: Option<String>,
+    /// Text after the completion (unsupported: only absent, null or empty).
+    pub suffix: Option<Value>,
 }
 
 /// One chat message.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessageIn {
-    /// system, user, assistant, tool …
+    /// system, user, assistant, developer or tool.
     pub role: String,
-    /// Content; `null` allowed (assistant turns).
-    pub content: Option<ContentSpec>,
+    /// A string or a non-empty list of `{"type": "text", "text": …}` parts; missing or
+    /// `null` only on assistant turns (read as empty). Checked in [`ChatMessageIn::text`].
+    pub content: Option<Value>,
+}
+
+impl ChatMessageIn {
+    /// The message text (parts concatenated).
+    ///
+    /// # Errors
+    /// 400 (`messages`) for missing content on a non-assistant turn, `[]`, a part that is not
+    /// a text part, or content of another JSON type.
+    pub fn text(&self, i: usize) -> Result<String, ApiError> {
+        let bad = |m: String| ApiError::invalid("messages", m);
+        match &self.content {
+            None | Some(Value::Null) if self.role == "assistant" => Ok(String::new()),
+            None | Some(Value::Null) => Err(bad(format!("messages[{i}].content is required"))),
+            Some(Value::String(t)) => Ok(t.clone()),
+            Some(Value::Array(parts)) if parts.is_empty() => {
+                Err(bad(format!("messages[{i}].content must not be an empty list")))
+            }
+            Some(Value::Array(parts)) => {
+                let mut s = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                        (Some("text"), Some(Value::String(t))) => s.push_str(t),
+                        (Some("text"), _) => {
+                            return Err(bad(format!("messages[{i}].content[{j}].text must be a string")));
+                        }
+                        _ => return Err(bad("only text content parts are supported".to_owned())),
+                    }
+                }
+                Ok(s)
+            }
+            Some(_) => Err(bad(format!("messages[{i}].content must be a string or a list of text parts"))),
+        }
+    }
 }
 
 /// `POST /v1/chat/completions` body.
@@ -139,6 +177,12 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     /// Alternatives per token (0..=20; needs `logprobs: true`).
     pub top_logprobs: Option<u32>,
+    /// vLLM: echo the last message (unsupported when true).
+    pub echo: Option<bool>,
+    /// vLLM: append the assistant turn header (only `true`, the default, is supported).
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM: continue the final assistant message (unsupported when true).
+    pub continue_final_message: Option<bool>,
 }
 
 fn range(param: &'static str, v: Option<f32>, lo: f32, hi: f32) -> Result<(), ApiError> {
@@ -190,14 +234,12 @@ impl SamplingFields {
             Some(s) => Some(u64::try_from(s).map_err(|_| ApiError::invalid("seed", "seed must be >= 0"))?),
             None => None,
         };
+        self.check_unsupported()?;
         let n = self.n.unwrap_or(1);
-        if !(1..=16).contains(&n) {
-            return Err(ApiError::invalid("n", format!("n must be in [1, 16], got {n}")));
-        }
         if let Some(k) = logprobs
-            && k > 20
+            && k > MAX_LOGPROBS
         {
-            return Err(ApiError::invalid("logprobs", format!("at most 20 top logprobs, got {k}")));
+            return Err(ApiError::invalid("logprobs", format!("at most {MAX_LOGPROBS} top logprobs, got {k}")));
         }
         let stop = match &self.stop {
             None => vec![],
@@ -226,17 +268,53 @@ impl SamplingFields {
         })
     }
 
+    /// Rejects parameters Prism does not implement (OpenAI / vLLM ones that would change
+    /// the output if honoured), naming each.
+    fn check_unsupported(&self) -> Result<(), ApiError> {
+        let unsupported = |p: &str, why: &str| ApiError::invalid(p, format!("{p} is not supported{why}"));
+        match &self.logit_bias {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(m)) if m.is_empty() => {}
+            Some(Value::Object(_)) => return Err(unsupported("logit_bias", "")),
+            Some(_) => return Err(ApiError::invalid("logit_bias", "logit_bias must be a map of token id to bias")),
+        }
+        if let Some(b) = self.best_of
+            && b != self.n.unwrap_or(1)
+        {
+            return Err(unsupported("best_of", " (only best_of equal to n)"));
+        }
+        if self.min_tokens.is_some_and(|m| m > 0) {
+            return Err(unsupported("min_tokens", " (only 0)"));
+        }
+        if self.include_stop_str_in_output == Some(true) {
+            return Err(unsupported("include_stop_str_in_output", ""));
+        }
+        match &self.response_format {
+            None | Some(Value::Null) => {}
+            Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
+            Some(_) => return Err(unsupported("response_format", " (only {\"type\": \"text\"})")),
+        }
+        for (name, v) in [("tools", &self.tools), ("functions", &self.functions)] {
+            match v {
+                None | Some(Value::Null) => {}
+                Some(Value::Array(a)) if a.is_empty() => {}
+                Some(_) => return Err(unsupported(name, "")),
+            }
+        }
+        for (name, v) in [("tool_choice", &self.tool_choice), ("function_call", &self.function_call)] {
+            match v {
+                None | Some(Value::Null) => {}
+                Some(Value::String(s)) if s == "none" => {}
+                Some(_) => return Err(unsupported(name, " (only \"none\")")),
+            }
+        }
+        Ok(())
+    }
+
     /// Whether the client asked for a usage chunk at the end of the stream.
     pub fn include_usage(&self) -> bool {
         self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
     }
-}
-
-fn check_model(model: &str) -> Result<(), ApiError> {
-    if model.is_empty() {
-        return Err(ApiError::invalid("model", "model must not be empty"));
-    }
-    Ok(())
 }
 
 impl CompletionRequest {
@@ -245,9 +323,13 @@ impl CompletionRequest {
     /// # Errors
     /// 400 naming the invalid field.
     pub fn to_proto(&self) -> Result<GenerateRequest, ApiError> {
-        check_model(&self.model)?;
         if self.echo == Some(true) {
             return Err(ApiError::invalid("echo", "echo is not supported"));
+        }
+        match &self.suffix {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s.is_empty() => {}
+            Some(_) => return Err(ApiError::invalid("suffix", "suffix is not supported")),
         }
         let prompt = match &self.prompt {
             PromptSpec::Text(t) => generate_request::Prompt::Text(t.clone()),
@@ -256,18 +338,15 @@ impl CompletionRequest {
             PromptSpec::IdLists(v) if v.len() == 1 => generate_request::Prompt::TokenIds(TokenIds { ids: v[0].clone() }),
             _ => return Err(ApiError::invalid("prompt", "exactly one prompt per request is supported")),
         };
-        if let generate_request::Prompt::TokenIds(t) = &prompt
-            && t.ids.is_empty()
-        {
-            return Err(ApiError::invalid("prompt", "prompt is empty"));
-        }
-        Ok(GenerateRequest {
+        let req = GenerateRequest {
             model: self.model.clone(),
             prompt: Some(prompt),
             sampling: Some(self.sampling.to_proto(self.logprobs)?),
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
-        })
+        };
+        check_request(&req)?;
+        Ok(req)
     }
 }
 
@@ -277,39 +356,32 @@ impl ChatRequest {
     /// # Errors
     /// 400 naming the invalid field.
     pub fn to_proto(&self) -> Result<GenerateRequest, ApiError> {
-        check_model(&self.model)?;
-        if self.messages.is_empty() {
-            return Err(ApiError::invalid("messages", "messages must not be empty"));
+        if self.echo == Some(true) {
+            return Err(ApiError::invalid("echo", "echo is not supported"));
+        }
+        if self.add_generation_prompt == Some(false) {
+            return Err(ApiError::invalid("add_generation_prompt", "add_generation_prompt: false is not supported"));
+        }
+        if self.continue_final_message == Some(true) {
+            return Err(ApiError::invalid("continue_final_message", "continue_final_message is not supported"));
         }
         if self.top_logprobs.is_some() && self.logprobs != Some(true) {
             return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true"));
         }
         let mut messages = Vec::with_capacity(self.messages.len());
-        for m in &self.messages {
-            let content = match &m.content {
-                None => String::new(),
-                Some(ContentSpec::Text(t)) => t.clone(),
-                Some(ContentSpec::Parts(parts)) => {
-                    let mut s = String::new();
-                    for p in parts {
-                        if p.kind != "text" {
-                            return Err(ApiError::invalid("messages", format!("content part type `{}` is not supported", p.kind)));
-                        }
-                        s.push_str(p.text.as_deref().unwrap_or(""));
-                    }
-                    s
-                }
-            };
-            messages.push(ChatMessage { role: m.role.clone(), content });
+        for (i, m) in self.messages.iter().enumerate() {
+            messages.push(ChatMessage { role: m.role.clone(), content: m.text(i)? });
         }
         let logprobs = (self.logprobs == Some(true)).then(|| self.top_logprobs.unwrap_or(0));
-        Ok(GenerateRequest {
+        let req = GenerateRequest {
             model: self.model.clone(),
             prompt: Some(generate_request::Prompt::Chat(ChatMessages { messages })),
             sampling: Some(self.sampling.to_proto(logprobs)?),
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
-        })
+        };
+        check_request(&req)?;
+        Ok(req)
     }
 }
 
@@ -327,7 +399,7 @@ mod tests {
         assert_eq!(r.sampling.expect("sampling").max_tokens, None);
         for bad in [0, -1] {
             let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": bad})).expect_err("invalid");
-            assert_eq!(e.param, Some("max_tokens"));
+            assert_eq!(e.param.as_deref(), Some("max_tokens"));
             assert_eq!(e.status.as_u16(), 400);
         }
     }
