@@ -9,7 +9,8 @@ use prism_common::proto::v1::{self as pb, head_message, worker_message};
 use prism_common::proto::v1::head_service_server::{HeadService, HeadServiceServer};
 use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
 use prism_worker::agent::replica::{EngineLauncher, EngineLoad, LaunchSpec, OutputStream, ReplicaEngine};
-use prism_worker::engine::{EngineError, EngineOutput, EngineRequest, FinishReason, Usage};
+use prism_worker::agent::launcher::engine_config;
+use prism_worker::engine::{EngineError, EngineHandle, EngineOutput, EngineRequest, Fault, FinishReason, Usage};
 use prism_worker::{WorkerConfig, run, run_with_launcher};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -229,7 +230,7 @@ fn generate_req(replica: &str, prompt: &str, max_tokens: i64) -> pb::WorkerGener
                 temperature: Some(0.0),
                 max_tokens: Some(max_tokens),
                 ignore_eos: true,
-                skip_special_tokens: true,
+                skip_special_tokens: Some(true),
                 ..Default::default()
             }),
             request_id: String::new(),
@@ -249,6 +250,75 @@ fn model_path() -> PathBuf {
 }
 
 // ------------------------------------------------------------------ real model
+
+/// The real engine, keeping a handle so the test can watch its threads.
+#[derive(Clone, Default)]
+struct WatchedLauncher(Arc<Mutex<Option<EngineHandle>>>);
+
+impl EngineLauncher for WatchedLauncher {
+    fn launch(&self, spec: &LaunchSpec) -> Result<Arc<dyn ReplicaEngine>, EngineError> {
+        let h = EngineHandle::start(engine_config(spec), None)?;
+        if let Ok(mut slot) = self.0.lock() {
+            *slot = Some(h.clone());
+        }
+        Ok(Arc::new(h))
+    }
+}
+
+/// QA's cascade: a stalled engine's replica is failed after `--engine-stall-timeout`, and its
+/// engine stops with it (no thread keeps computing for the dead replica), the stream ends
+/// UNAVAILABLE so the router migrates it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn agent_stalled_engine_is_failed_and_its_threads_end() -> Result<()> {
+    let model = model_path();
+    if !model.exists() {
+        eprintln!("skipping: {} not present", model.display());
+        return Ok(());
+    }
+    let head = RecordingHead::default();
+    let head_stop = CancellationToken::new();
+    let addr = serve_head(head.clone(), head_stop.clone()).await?;
+    let mut cfg = WorkerConfig::for_test(addr, "node-stall");
+    cfg.engine_stall_timeout = Duration::from_secs(1);
+    cfg.engine_threads = Some(2);
+    let launcher = WatchedLauncher::default();
+    let w = start_worker(cfg, Some(Arc::new(launcher.clone()))).await?;
+    head.wait_for(Duration::from_secs(10), |m| matches!(m.msg, Some(worker_message::Msg::Register(_))).then_some(()))
+        .await?;
+    head.send(start_cmd("stall-1", &model.to_string_lossy())).await?;
+    head.wait_for(Duration::from_secs(180), |m| replica_state(m, "stall-1").filter(|s| s.0 == pb::ReplicaState::Ready))
+        .await?;
+    let engine = launcher.0.lock().ok().and_then(|g| g.clone()).context("engine launched")?;
+    assert_eq!(compute_threads_started(&engine), 2);
+    engine.inject_fault(Fault::Stall(Duration::from_secs(600)))?;
+    let mut client = WorkerServiceClient::connect(w.grpc.clone()).await?;
+    let s = client.generate(generate_req("stall-1", "Hello there", 8)).await?.into_inner();
+    let stream = tokio::spawn(collect(s));
+    let (_, reason) = head
+        .wait_for(Duration::from_secs(10), |m| replica_state(m, "stall-1").filter(|s| s.0 == pb::ReplicaState::Failed))
+        .await?;
+    assert!(reason.contains("has not completed a step"), "{reason}");
+    let failed_at = std::time::Instant::now();
+    while !(engine.step_thread_finished() && engine.stats().compute_threads_alive == 0) {
+        assert!(failed_at.elapsed() < Duration::from_secs(5), "engine threads still running: {:?}", engine.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (toks, err) = tokio::time::timeout(Duration::from_secs(10), stream).await??;
+    assert!(toks.is_empty(), "the stalled engine produced nothing");
+    assert_eq!(err.map(|e| e.code()), Some(tonic::Code::Unavailable));
+    w.stop(Duration::from_secs(10)).await?;
+    head_stop.cancel();
+    Ok(())
+}
+
+/// Compute threads the engine started (all of its pool, once up).
+fn compute_threads_started(engine: &EngineHandle) -> usize {
+    let t0 = std::time::Instant::now();
+    while engine.stats().compute_threads_alive < 2 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    engine.stats().compute_threads_alive
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn agent_registers_starts_real_model_generates_and_stops() -> Result<()> {
