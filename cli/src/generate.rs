@@ -46,7 +46,7 @@ impl SamplingArgs {
             max_tokens: self.max_tokens,
             seed: self.seed,
             stop: self.stop.clone(),
-            skip_special_tokens: true,
+            skip_special_tokens: Some(true),
             ..SamplingParams::default()
         }
     }
@@ -199,6 +199,6 @@ mod tests {
         assert_eq!(p.max_tokens, Some(32));
         assert_eq!(p.top_p, None);
         assert_eq!(p.stop, vec!["\n".to_owned()]);
-        assert!(p.skip_special_tokens);
+        assert_eq!(p.skip_special_tokens, Some(true));
     }
 }

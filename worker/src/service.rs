@@ -25,11 +25,16 @@ const STREAM_BUFFER: usize = 32;
 pub fn engine_error_to_status(e: &EngineError) -> Status {
     match e {
         EngineError::InvalidRequest { field, message } => {
-            if message.contains(field) {
+            let mut s = if message.contains(field) {
                 Status::invalid_argument(message.clone())
             } else {
                 Status::invalid_argument(format!("{field}: {message}"))
+            };
+            // The router names the field in its OpenAI error object (`param`).
+            if let Ok(v) = tonic::metadata::MetadataValue::try_from(*field) {
+                s.metadata_mut().insert("prism-param", v);
             }
+            s
         }
         EngineError::Overloaded(m) => Status::resource_exhausted(format!("engine overloaded: {m}")),
         EngineError::Unavailable(m) => Status::unavailable(format!("engine unavailable: {m}")),
@@ -56,7 +61,7 @@ pub fn sampling_from_proto(p: Option<pb::SamplingParams>) -> SamplingParams {
         ignore_eos: p.ignore_eos,
         n: p.n.unwrap_or(d.n),
         logprobs: p.logprobs,
-        skip_special_tokens: p.skip_special_tokens,
+        skip_special_tokens: p.skip_special_tokens.unwrap_or(d.skip_special_tokens),
     }
 }
 

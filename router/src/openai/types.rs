@@ -264,7 +264,7 @@ impl SamplingFields {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             n: Some(n),
             logprobs,
-            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            skip_special_tokens: Some(self.skip_special_tokens.unwrap_or(true)),
         })
     }
 

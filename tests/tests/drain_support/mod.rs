@@ -430,7 +430,7 @@ pub fn greedy_request(prompt: &[u32], max_tokens: u32, ignore_eos: bool) -> Gene
             temperature: Some(0.0),
             max_tokens: Some(i64::from(max_tokens)),
             ignore_eos,
-            skip_special_tokens: true,
+            skip_special_tokens: Some(true),
             ..SamplingParams::default()
         }),
         ..GenerateRequest::default()

@@ -449,7 +449,7 @@ pub async fn check_reference_greedy(grpc: &str, served: &str) -> Result<()> {
                 temperature: Some(0.0),
                 max_tokens: Some(i64::try_from(case.output_ids.len())?),
                 ignore_eos: true,
-                skip_special_tokens: true,
+                skip_special_tokens: Some(true),
                 ..prism_common::proto::v1::SamplingParams::default()
             }),
             ..prism_common::proto::v1::GenerateRequest::default()

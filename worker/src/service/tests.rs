@@ -21,6 +21,8 @@ fn unset_sampling_fields_take_engine_defaults() {
     assert_eq!(s.logprobs, None);
     let none = sampling_from_proto(None);
     assert!(none.skip_special_tokens, "no sampling message = engine defaults");
+    let unset = sampling_from_proto(Some(pb::SamplingParams::default()));
+    assert!(unset.skip_special_tokens, "unset skip_special_tokens = true");
 }
 
 #[test]
@@ -40,7 +42,7 @@ fn set_sampling_fields_pass_through() {
         ignore_eos: true,
         n: Some(3),
         logprobs: Some(0),
-        skip_special_tokens: false,
+        skip_special_tokens: Some(false),
     };
     let s = sampling_from_proto(Some(p));
     assert_eq!(s.temperature, 0.0);
@@ -110,6 +112,7 @@ fn engine_errors_map_to_grpc_codes() {
     let inv = engine_error_to_status(&EngineError::InvalidRequest { field: "max_tokens", message: "must be >= 1".into() });
     assert_eq!(inv.code(), Code::InvalidArgument);
     assert!(inv.message().contains("max_tokens"), "message names the field");
+    assert_eq!(inv.metadata().get("prism-param").and_then(|v| v.to_str().ok()), Some("max_tokens"));
     assert_eq!(engine_error_to_status(&EngineError::Overloaded("q".into())).code(), Code::ResourceExhausted);
     assert_eq!(engine_error_to_status(&EngineError::Unavailable("x".into())).code(), Code::Unavailable);
     assert_eq!(engine_error_to_status(&EngineError::Internal("x".into())).code(), Code::Internal);
