@@ -1,14 +1,16 @@
 //! `prism chat`: an interactive conversation. Each turn sends the whole history as
 //! `ChatMessages` over gRPC (the model's chat template renders it) and streams the reply.
-//! `/reset` clears the history, `/exit` or end of input quits.
+//! `/reset` clears the history, `/exit` or end of input quits. Input lines are read as
+//! bytes and converted lossily (invalid UTF-8 becomes U+FFFD, the session goes on); the
+//! `>>>` prompt is shown only when stdin is a terminal.
 
 use crate::client;
 use crate::generate::{self, SamplingArgs};
 use anyhow::Result;
 use clap::Args;
 use prism_common::proto::v1::{ChatMessage, ChatMessages, GenerateRequest, generate_request::Prompt};
-use std::io::Write;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use std::io::{IsTerminal, Write};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader};
 
 /// `prism chat` flags.
 #[derive(Args, Debug)]
@@ -26,6 +28,15 @@ pub struct ChatArgs {
     pub sampling: SamplingArgs,
 }
 
+/// The next input line without its line ending, invalid UTF-8 replaced; `None` at end of input.
+async fn next_line<R: AsyncBufRead + Unpin>(r: &mut R) -> std::io::Result<Option<String>> {
+    let mut buf = Vec::new();
+    if r.read_until(b'\n', &mut buf).await? == 0 {
+        return Ok(None);
+    }
+    Ok(Some(String::from_utf8_lossy(&buf).trim_end_matches(['\n', '\r']).to_owned()))
+}
+
 fn initial_history(system: Option<&str>) -> Vec<ChatMessage> {
     system.map(|s| ChatMessage { role: "system".into(), content: s.to_owned() }).into_iter().collect()
 }
@@ -39,14 +50,19 @@ pub async fn run(router_addr: &str, args: ChatArgs) -> Result<()> {
     let mut client = client::router(router_addr).await?;
     let model = generate::resolve_model(&mut client, args.model).await?;
     let mut history = initial_history(args.system.as_deref());
-    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    let interactive = std::io::stdin().is_terminal();
+    let mut input = BufReader::new(tokio::io::stdin());
     let mut stdout = std::io::stdout();
     eprintln!("Chatting with {model}. /reset clears the history, /exit quits.");
     loop {
-        write!(stdout, ">>> ")?;
-        stdout.flush()?;
-        let Some(line) = lines.next_line().await? else {
-            writeln!(stdout)?;
+        if interactive {
+            write!(stdout, ">>> ")?;
+            stdout.flush()?;
+        }
+        let Some(line) = next_line(&mut input).await? else {
+            if interactive {
+                writeln!(stdout)?;
+            }
             return Ok(());
         };
         let line = line.trim();
@@ -81,5 +97,20 @@ pub async fn run(router_addr: &str, args: ChatArgs) -> Result<()> {
                 history.pop();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn invalid_utf8_lines_are_kept_lossily() {
+        let data: &[u8] = b"hi \xff\xfe there\r\nnext\nlast";
+        let mut r = BufReader::new(data);
+        assert_eq!(next_line(&mut r).await.ok().flatten().as_deref(), Some("hi \u{fffd}\u{fffd} there"));
+        assert_eq!(next_line(&mut r).await.ok().flatten().as_deref(), Some("next"));
+        assert_eq!(next_line(&mut r).await.ok().flatten().as_deref(), Some("last"));
+        assert_eq!(next_line(&mut r).await.ok().flatten(), None);
     }
 }
