@@ -62,6 +62,10 @@ pub struct Args {
     /// deadline never ejects a replica.
     #[arg(long = "worker-header-timeout", env = "PRISM_WORKER_HEADER_TIMEOUT", default_value_t = 2.0)]
     pub worker_header_timeout_s: f64,
+    /// Seconds an HTTP client has to send a request head; a connection still sending it
+    /// after that is closed (half-sent requests cannot hold connections).
+    #[arg(long = "http-header-read-timeout", env = "PRISM_HTTP_HEADER_READ_TIMEOUT", default_value_t = 10.0)]
+    pub http_header_read_timeout_s: f64,
 }
 
 /// One `--static-route` entry.
@@ -104,6 +108,8 @@ pub struct RouterConfig {
     pub ejection_base: Duration,
     /// Longest wait for a worker's response headers before its replica counts as unresponsive.
     pub worker_header_timeout: Duration,
+    /// Time an HTTP client has to send a request head.
+    pub http_header_read_timeout: Duration,
 }
 
 impl Default for RouterConfig {
@@ -117,6 +123,7 @@ impl Default for RouterConfig {
             static_routes: Vec::new(),
             ejection_base: Duration::from_secs(2),
             worker_header_timeout: Duration::from_secs(2),
+            http_header_read_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -150,6 +157,9 @@ impl Args {
         if self.request_timeout_s.is_nan() || self.request_timeout_s <= 0.0 {
             return Err(ConfigError::Zero("--request-timeout"));
         }
+        if !(self.http_header_read_timeout_s > 0.0 && self.http_header_read_timeout_s.is_finite()) {
+            return Err(ConfigError::Zero("--http-header-read-timeout"));
+        }
         if !(self.worker_header_timeout_s >= 1.0 && self.worker_header_timeout_s.is_finite()) {
             return Err(ConfigError::HeaderTimeout);
         }
@@ -167,6 +177,7 @@ impl Args {
             static_routes,
             ejection_base: Duration::from_secs_f64(self.ejection_base_s.max(0.01)),
             worker_header_timeout: Duration::from_secs_f64(self.worker_header_timeout_s),
+            http_header_read_timeout: Duration::from_secs_f64(self.http_header_read_timeout_s),
         })
     }
 }

@@ -9,6 +9,7 @@ pub mod balance;
 pub mod config;
 pub mod dispatch;
 pub mod grpc;
+pub mod http_server;
 pub mod metrics;
 pub mod mock_engine;
 pub mod openai;
@@ -61,13 +62,7 @@ pub async fn run(
     };
     let app = openai::router(http_state);
     let http_shutdown = shutdown.clone();
-    let http = async move {
-        // TCP_NODELAY: small responses written in parts must not wait for delayed ACKs.
-        let listener = axum::serve::ListenerExt::tap_io(http_listener, |tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        axum::serve(listener, app).with_graceful_shutdown(http_shutdown.cancelled_owned()).await
-    };
+    let http = http_server::serve(http_listener, app, config.http_header_read_timeout, http_shutdown);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     // grpc.health.v1 follows readiness: SERVING while at least one replica is Ready.

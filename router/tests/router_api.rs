@@ -624,3 +624,27 @@ async fn error_objects_models_and_405() -> anyhow::Result<()> {
     assert_eq!(r.json::<Value>().await?["error"]["code"], "model_not_found");
     Ok(())
 }
+
+#[tokio::test]
+async fn half_sent_heads_are_closed_and_truncated_bodies_are_400() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let c = cluster_with(vec![MockBehavior::default()], |cfg| cfg.http_header_read_timeout = Duration::from_millis(500)).await?;
+    let addr = c.http.trim_start_matches("http://").to_owned();
+    // Half a request head, then silence: the router closes the connection after the timeout.
+    let mut s = tokio::net::TcpStream::connect(&addr).await?;
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl").await?;
+    let t = Instant::now();
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await??;
+    assert!(t.elapsed() < Duration::from_secs(3), "closed after {:?}", t.elapsed());
+    // Content-Length 100, 10 bytes, then EOF: 400 incomplete body, not 413.
+    let mut s = tokio::net::TcpStream::connect(&addr).await?;
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":").await?;
+    s.shutdown().await?;
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await??;
+    let text = String::from_utf8_lossy(&buf);
+    assert!(text.starts_with("HTTP/1.1 400"), "{text}");
+    assert!(text.contains("incomplete request body"), "{text}");
+    Ok(())
+}
