@@ -490,6 +490,8 @@ async fn deadline_propagates_to_the_worker() -> anyhow::Result<()> {
     let (s, _) = post(&c, "/v1/completions", json!({"model": "mock", "prompt": "a", "max_tokens": 1, "timeout_ms": 5000})).await?;
     assert_eq!(s, 200);
     let last = c.mocks[0].stats.last_request.lock().map(|g| g.clone()).ok().flatten().expect("request");
+    let sampling = last.request.as_ref().and_then(|r| r.sampling.clone()).expect("sampling");
+    assert_eq!(sampling.skip_special_tokens, Some(true), "OpenAI default made explicit for the worker");
     let t = last.request.and_then(|r| r.timeout_ms).expect("timeout_ms set");
     assert!((4000..=5000).contains(&t), "timeout_ms {t}");
     Ok(())
