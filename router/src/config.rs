@@ -60,11 +60,11 @@ pub struct Args {
     /// Seconds a worker may take to send response headers for a request before its replica
     /// counts as unresponsive (ejected, request retried elsewhere); at least 1. A request's own
     /// deadline never ejects a replica.
-    #[arg(long = "worker-header-timeout", env = "PRISM_WORKER_HEADER_TIMEOUT", default_value_t = 2.0)]
+    #[arg(long = "worker-header-timeout", env = "PRISM_ROUTER_WORKER_HEADER_TIMEOUT", default_value_t = 2.0)]
     pub worker_header_timeout_s: f64,
     /// Seconds an HTTP client has to send a request head; a connection still sending it
     /// after that is closed (half-sent requests cannot hold connections).
-    #[arg(long = "http-header-read-timeout", env = "PRISM_HTTP_HEADER_READ_TIMEOUT", default_value_t = 10.0)]
+    #[arg(long = "http-header-read-timeout", env = "PRISM_ROUTER_HTTP_HEADER_READ_TIMEOUT", default_value_t = 10.0)]
     pub http_header_read_timeout_s: f64,
 }
 
