@@ -99,10 +99,6 @@ impl std::fmt::Debug for CpuBackend {
     }
 }
 
-fn invalid(msg: impl Into<String>) -> BackendError {
-    BackendError::InvalidBatch(msg.into())
-}
-
 impl CpuBackend {
     /// Takes ownership of the weights (fusing q/k/v and gate/up; quantized matrices stay
     /// quantized) and allocates
@@ -184,39 +180,7 @@ impl CpuBackend {
     }
 
     fn validate(&self, b: &StepBatch) -> Result<(), BackendError> {
-        let n = b.token_ids.len();
-        if b.positions.len() != n || b.slot_mapping.len() != n {
-            return Err(invalid("token_ids, positions and slot_mapping differ in length"));
-        }
-        let slots = self.num_blocks * self.block_size;
-        if let Some(&id) = b.token_ids.iter().find(|&&id| id as usize >= self.vocab) {
-            return Err(invalid(format!("token id {id} >= vocab {}", self.vocab)));
-        }
-        if b.slot_mapping.iter().any(|&s| s as usize >= slots) {
-            return Err(invalid("slot out of range"));
-        }
-        let mut next = 0;
-        for s in &b.seqs {
-            if s.query_start != next || s.query_len == 0 || s.query_len > s.context_len {
-                return Err(invalid("sequences must tile the batch in order with query_len in 1..=context_len"));
-            }
-            next += s.query_len;
-            if next > n || s.block_table.len() * self.block_size < s.context_len {
-                return Err(invalid("block table does not cover context_len"));
-            }
-            if s.block_table.iter().any(|&blk| blk as usize >= self.num_blocks) {
-                return Err(invalid("block id out of range"));
-            }
-            for i in 0..s.query_len {
-                if b.positions[s.query_start + i] as usize != s.context_len - s.query_len + i {
-                    return Err(invalid("positions must be context_len - query_len + i"));
-                }
-            }
-        }
-        if next != n {
-            return Err(invalid("sequences do not cover every token"));
-        }
-        Ok(())
+        b.validate(self.vocab, self.num_blocks, self.block_size).map(|_| ())
     }
 
     fn reduce(all_reduce: &mut Option<Box<dyn AllReduce>>, buf: &mut [f32]) -> Result<(), BackendError> {

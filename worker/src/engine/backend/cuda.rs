@@ -366,36 +366,7 @@ impl CudaBackend {
         if n > self.s.max_tokens {
             return Err(invalid(format!("{n} tokens > max_num_batched_tokens {}", self.s.max_tokens)));
         }
-        let slots = self.num_blocks * self.block_size;
-        if let Some(&id) = b.token_ids.iter().find(|&&id| id as usize >= self.d.vocab) {
-            return Err(invalid(format!("token id {id} >= vocab {}", self.d.vocab)));
-        }
-        if b.slot_mapping.iter().any(|&s| s as usize >= slots) {
-            return Err(invalid("slot out of range"));
-        }
-        let mut next = 0;
-        let mut rows = 0;
-        for s in &b.seqs {
-            if s.query_start != next || s.query_len == 0 || s.query_len > s.context_len {
-                return Err(invalid("sequences must tile the batch in order with query_len in 1..=context_len"));
-            }
-            next += s.query_len;
-            if next > n || s.block_table.len() * self.block_size < s.context_len {
-                return Err(invalid("block table does not cover context_len"));
-            }
-            if s.block_table.iter().any(|&blk| blk as usize >= self.num_blocks) {
-                return Err(invalid("block id out of range"));
-            }
-            for i in 0..s.query_len {
-                if b.positions[s.query_start + i] as usize != s.context_len - s.query_len + i {
-                    return Err(invalid("positions must be context_len - query_len + i"));
-                }
-            }
-            rows += usize::from(s.want_logits);
-        }
-        if next != n {
-            return Err(invalid("sequences do not cover every token"));
-        }
+        let rows = b.validate(self.d.vocab, self.num_blocks, self.block_size)?;
         if rows > self.s.max_rows {
             return Err(invalid(format!("{rows} logit rows > max_num_seqs {}", self.s.max_rows)));
         }

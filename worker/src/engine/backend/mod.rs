@@ -143,6 +143,53 @@ pub struct Logits {
     pub data: Vec<f32>,
 }
 
+impl StepBatch {
+    /// Checks the batch against a backend's cache geometry (shared by every backend):
+    /// equal-length token/position/slot arrays, token ids `< vocab`, slots and block ids in
+    /// range, sequences tiling the tokens in order with `query_len` in `1..=context_len`,
+    /// block tables covering `context_len`, positions `context_len - query_len + i`.
+    /// Returns the number of logit rows (sequences with `want_logits`).
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidBatch`] naming the first violation.
+    pub fn validate(&self, vocab: usize, num_blocks: usize, block_size: usize) -> Result<usize, BackendError> {
+        let invalid = |m: &str| BackendError::InvalidBatch(m.to_owned());
+        let n = self.token_ids.len();
+        if self.positions.len() != n || self.slot_mapping.len() != n {
+            return Err(invalid("token_ids, positions and slot_mapping differ in length"));
+        }
+        if let Some(&id) = self.token_ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(BackendError::InvalidBatch(format!("token id {id} >= vocab {vocab}")));
+        }
+        if self.slot_mapping.iter().any(|&s| s as usize >= num_blocks * block_size) {
+            return Err(invalid("slot out of range"));
+        }
+        let (mut next, mut rows) = (0, 0);
+        for s in &self.seqs {
+            if s.query_start != next || s.query_len == 0 || s.query_len > s.context_len {
+                return Err(invalid("sequences must tile the batch in order with query_len in 1..=context_len"));
+            }
+            next += s.query_len;
+            if next > n || s.block_table.len() * block_size < s.context_len {
+                return Err(invalid("block table does not cover context_len"));
+            }
+            if s.block_table.iter().any(|&blk| blk as usize >= num_blocks) {
+                return Err(invalid("block id out of range"));
+            }
+            for i in 0..s.query_len {
+                if self.positions[s.query_start + i] as usize != s.context_len - s.query_len + i {
+                    return Err(invalid("positions must be context_len - query_len + i"));
+                }
+            }
+            rows += usize::from(s.want_logits);
+        }
+        if next != n {
+            return Err(invalid("sequences do not cover every token"));
+        }
+        Ok(rows)
+    }
+}
+
 impl Logits {
     /// Row `i` (`vocab_size` values). Panics if `i >= rows` (caller bug, not input-derived).
     pub fn row(&self, i: usize) -> &[f32] {
