@@ -96,6 +96,9 @@ pub struct EngineArgs {
     pub backend: Option<String>,
     /// Router admission limit per replica.
     pub max_in_flight: Option<u32>,
+    /// CUDA: batch-invariant (deterministic) kernels — a request's output does not depend on
+    /// what else is batched with it; slower (default false).
+    pub batch_invariant: Option<bool>,
 }
 
 /// Placement strategy of a deployment's replicas.
@@ -171,6 +174,7 @@ impl DeploymentFile {
                 kv_cache_bytes: e.kv_cache_bytes.unwrap_or(0),
                 backend: e.backend.clone().unwrap_or_default(),
                 max_in_flight: e.max_in_flight.unwrap_or(0),
+                batch_invariant: e.batch_invariant.unwrap_or(false),
             }),
             replicas: self.replicas,
             min_replicas: self.min_replicas.unwrap_or(0),

@@ -47,6 +47,10 @@ pub struct UpArgs {
     /// Fraction of GPU memory for weights + KV cache (GPU backend).
     #[arg(long, env = "PRISM_GPU_MEMORY_UTILIZATION")]
     pub gpu_memory_utilization: Option<f32>,
+    /// CUDA: batch-invariant (deterministic) kernels: a request's output never depends on what
+    /// else is batched with it (slower; vLLM's VLLM_BATCH_INVARIANT).
+    #[arg(long)]
+    pub batch_invariant: bool,
     /// Most sequences per batch.
     #[arg(long, env = "PRISM_MAX_NUM_SEQS")]
     pub max_num_seqs: Option<u32>,
@@ -190,6 +194,7 @@ fn spec(args: &UpArgs, model: &Path, served: &str) -> DeploymentSpec {
             kv_cache_bytes: args.kv_cache_bytes.unwrap_or(0),
             backend: String::new(),
             max_in_flight: 0,
+            batch_invariant: args.batch_invariant,
         }),
         replicas: args.replicas,
         placement: PlacementStrategy::Spread as i32,

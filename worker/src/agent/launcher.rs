@@ -65,6 +65,7 @@ pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
         cfg.max_num_seqs = e.max_num_seqs as usize;
     }
     cfg.engine_threads = spec.engine_threads;
+    cfg.batch_invariant = e.batch_invariant;
     if e.gpu_memory_utilization > 0.0 {
         cfg.gpu_memory_utilization = e.gpu_memory_utilization;
     }

@@ -85,6 +85,8 @@ pub struct EngineConfig {
     pub gpu_memory_utilization: f32,
     /// Backend.
     pub backend: BackendKind,
+    /// CUDA: batch-invariant (deterministic) kernels; see `CudaOptions::batch_invariant`.
+    pub batch_invariant: bool,
     /// Most unfinished requests before `submit` answers `Overloaded`.
     pub max_pending_requests: usize,
 }
@@ -106,6 +108,7 @@ impl EngineConfig {
             kv_cache_bytes: None,
             gpu_memory_utilization: 0.9,
             backend,
+            batch_invariant: false,
             max_pending_requests: rt.max_pending_requests,
         }
     }
@@ -206,6 +209,7 @@ impl EngineHandle {
                     gpu_memory_utilization: cfg.gpu_memory_utilization,
                     max_num_batched_tokens: cfg.max_num_batched_tokens,
                     max_num_seqs: cfg.max_num_seqs,
+                    batch_invariant: cfg.batch_invariant,
                     ..Default::default()
                 };
                 Box::new(super::backend::cuda::CudaBackend::new(loaded.weights, &loaded.config, &opts)?)

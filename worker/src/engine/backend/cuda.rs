@@ -27,6 +27,7 @@
 
 pub mod device;
 pub mod gemm;
+pub mod gemv;
 mod weights;
 
 use std::collections::HashMap;
@@ -58,6 +59,12 @@ pub struct CudaOptions {
     pub max_num_seqs: usize,
     /// Replay decode steps from CUDA graphs captured per batch-size bucket.
     pub cuda_graphs: bool,
+    /// Batch-invariant (deterministic) mode: one fixed cuBLASLt algorithm per weight shape for
+    /// every row count and no GEMV fast path, so a sequence's logits never depend on what else
+    /// is in the step (vLLM's `VLLM_BATCH_INVARIANT`, SGLang's deterministic inference). Off by
+    /// default: the fast mode uses fused decode GEMVs for steps of at most
+    /// [`gemv::GEMV_MAX_M`] tokens and cuBLASLt's per-`M` heuristic choice above that.
+    pub batch_invariant: bool,
 }
 
 impl Default for CudaOptions {
@@ -70,6 +77,7 @@ impl Default for CudaOptions {
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
             cuda_graphs: true,
+            batch_invariant: false,
         }
     }
 }
@@ -141,6 +149,9 @@ unsafe impl Send for Graph {}
 pub struct CudaBackend {
     gpu: Gpu,
     lt: gemm::LtGemm,
+    gemv: gemv::Gemv,
+    /// [`CudaOptions::batch_invariant`].
+    invariant: bool,
     /// Decode graphs by (bucket, context-chunk bucket); `None` = seen once, not captured yet.
     graphs: HashMap<(usize, usize), Option<Graph>>,
     /// Decode batch-size buckets (ascending); empty when graphs are off.
@@ -243,7 +254,8 @@ impl CudaBackend {
         gpu.upload(&s.inv_freq, 0, inv_freq).map_err(engine_err)?;
         // One batch-invariant GEMM algorithm per weight shape (checked on this device).
         let mut lt = gemm::LtGemm::new(&gpu).map_err(engine_err)?;
-        if let Some(l0) = w.layers.first() {
+        let gemv = gemv::Gemv::new(&gpu, d.hidden).map_err(engine_err)?;
+        if let (true, Some(l0)) = (opts.batch_invariant, w.layers.first()) {
             for (wp, out, inp) in [
                 (l0.qkv, d.qkv_dim(), d.hidden),
                 (l0.o_proj, d.hidden, d.q_dim()),
@@ -253,7 +265,9 @@ impl CudaBackend {
                 lt.plan(&gpu, wp, out, inp, false, t).map_err(engine_err)?;
             }
         }
-        lt.plan(&gpu, w.lm_head, d.vocab, d.hidden, true, r).map_err(engine_err)?;
+        if opts.batch_invariant {
+            lt.plan(&gpu, w.lm_head, d.vocab, d.hidden, true, r).map_err(engine_err)?;
+        }
         let buckets: Vec<usize> = if opts.cuda_graphs {
             (0..16).map(|i| 1usize << i).take_while(|&b| b <= r.min(t)).collect()
         } else {
@@ -298,6 +312,8 @@ impl CudaBackend {
         Ok(Self {
             gpu,
             lt,
+            gemv,
+            invariant: opts.batch_invariant,
             graphs: HashMap::new(),
             buckets,
             graph_replays: 0,
@@ -472,7 +488,13 @@ impl CudaBackend {
     fn enqueue(&mut self, n: usize, rows: usize, ptrs: [u64; 6], chunks: usize) -> Result<(), BackendError> {
         let [ids, pos, slots, tok_bt, rows_ptr, bts] = ptrs;
         let d = self.d;
-        let Self { gpu: g, lt, s, w, k_cache, v_cache, block_size, .. } = self;
+        // Fast mode, few tokens: fused GEMVs (norms, residual adds and SiLU·mul inside).
+        let small = !self.invariant && n <= gemv::GEMV_MAX_M;
+        let invariant = self.invariant;
+        let Self { gpu: g, lt, gemv, s, w, k_cache, v_cache, block_size, .. } = self;
+        let mut matmul = |g: &Gpu, y: u64, x: u64, wp: u64, shape: GemmShape, f32_out: bool| {
+            if invariant { lt.matmul(g, y, x, wp, shape, f32_out) } else { lt.matmul_heuristic(g, y, x, wp, shape, f32_out) }
+        };
         let st = &g.stream;
         let launch_err = |name: &'static str| move |e| device::dev_err(name, e);
         let (h, eps) = (d.hidden as i32, d.eps);
@@ -493,13 +515,17 @@ impl CudaBackend {
         let per_launch = if chunks == 1 { n } else { (s.part_cap / (chunks * d.q_heads * (d.head_dim + 2))).clamp(1, n) };
         let chunks_i = chunks as i32;
         for (li, lw) in w.layers.iter().enumerate() {
-            // Residual add of the previous layer's down_proj output fused with this norm.
-            let delta = if li == 0 { null } else { s.proj.ptr };
-            let mut b = st.launch_builder(&g.k.add_rmsnorm);
-            b.arg(&s.x.ptr).arg(&delta).arg(&lw.input_norm).arg(&s.hn.ptr).arg(&null).arg(&h).arg(&eps);
-            // SAFETY: all buffers hold n rows of hidden.
-            unsafe { b.launch(per_row(n, norm_threads)) }.map_err(launch_err("add_rmsnorm"))?;
-            lt.matmul(g, s.qkv.ptr, s.hn.ptr, lw.qkv, GemmShape { n, out: d.qkv_dim(), inp: d.hidden }, false)?;
+            if small {
+                gemv.launch(g, gemv::GemvKind::NormBf16, n, s.qkv.ptr, lw.qkv, s.x.ptr, lw.input_norm, d.qkv_dim(), d.hidden, eps)?;
+            } else {
+                // Residual add of the previous layer's down_proj output fused with this norm.
+                let delta = if li == 0 { null } else { s.proj.ptr };
+                let mut b = st.launch_builder(&g.k.add_rmsnorm);
+                b.arg(&s.x.ptr).arg(&delta).arg(&lw.input_norm).arg(&s.hn.ptr).arg(&null).arg(&h).arg(&eps);
+                // SAFETY: all buffers hold n rows of hidden.
+                unsafe { b.launch(per_row(n, norm_threads)) }.map_err(launch_err("add_rmsnorm"))?;
+                matmul(g, s.qkv.ptr, s.hn.ptr, lw.qkv, GemmShape { n, out: d.qkv_dim(), inp: d.hidden }, false)?;
+            }
             let (kc, vc) = (k_cache[li].ptr, v_cache[li].ptr);
             let mut b = st.launch_builder(&g.k.rope_kv_write);
             b.arg(&s.qkv.ptr).arg(&pos).arg(&slots).arg(&s.inv_freq.ptr).arg(&kc).arg(&vc).arg(&qh).arg(&kvh).arg(&hd);
@@ -525,25 +551,37 @@ impl CudaBackend {
                 }
                 t0 += cnt;
             }
-            lt.matmul(g, s.proj.ptr, s.attn.ptr, lw.o_proj, GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
+            if small {
+                gemv.launch(g, gemv::GemvKind::Residual, n, s.x.ptr, lw.o_proj, s.attn.ptr, null, d.hidden, d.q_dim(), eps)?;
+                gemv.launch(g, gemv::GemvKind::NormGateUpSilu, n, s.act.ptr, lw.gate_up, s.x.ptr, lw.post_norm, d.inter, d.hidden, eps)?;
+                gemv.launch(g, gemv::GemvKind::Residual, n, s.x.ptr, lw.down, s.act.ptr, null, d.hidden, d.inter, eps)?;
+                continue;
+            }
+            matmul(g, s.proj.ptr, s.attn.ptr, lw.o_proj, GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
             let mut b = st.launch_builder(&g.k.add_rmsnorm);
             b.arg(&s.x.ptr).arg(&s.proj.ptr).arg(&lw.post_norm).arg(&s.hn.ptr).arg(&null).arg(&h).arg(&eps);
             // SAFETY: as above.
             unsafe { b.launch(per_row(n, norm_threads)) }.map_err(launch_err("add_rmsnorm"))?;
-            lt.matmul(g, s.gu.ptr, s.hn.ptr, lw.gate_up, GemmShape { n, out: 2 * d.inter, inp: d.hidden }, false)?;
+            matmul(g, s.gu.ptr, s.hn.ptr, lw.gate_up, GemmShape { n, out: 2 * d.inter, inp: d.hidden }, false)?;
             let mut b = st.launch_builder(&g.k.silu_mul);
             b.arg(&s.act.ptr).arg(&s.gu.ptr).arg(&n_i).arg(&inter);
             // SAFETY: gu holds n × 2·inter, act n × inter.
             unsafe { b.launch(device::grid_stride(n * d.inter)) }.map_err(launch_err("silu_mul"))?;
-            lt.matmul(g, s.proj.ptr, s.act.ptr, lw.down, GemmShape { n, out: d.hidden, inp: d.inter }, false)?;
+            matmul(g, s.proj.ptr, s.act.ptr, lw.down, GemmShape { n, out: d.hidden, inp: d.inter }, false)?;
         }
         if rows > 0 {
-            // Last residual add + final norm, only for the rows that want logits.
+            // Last residual add (already done by the small path's down GEMV) + final norm,
+            // only for the rows that want logits.
+            let delta = if small { null } else { s.proj.ptr };
             let mut b = st.launch_builder(&g.k.add_rmsnorm);
-            b.arg(&s.x.ptr).arg(&s.proj.ptr).arg(&w.norm).arg(&s.hn.ptr).arg(&rows_ptr).arg(&h).arg(&eps);
+            b.arg(&s.x.ptr).arg(&delta).arg(&w.norm).arg(&s.hn.ptr).arg(&rows_ptr).arg(&h).arg(&eps);
             // SAFETY: rows index tokens < n; hn holds at least rows × hidden.
             unsafe { b.launch(per_row(rows, norm_threads)) }.map_err(launch_err("final_norm"))?;
-            lt.matmul(g, s.logits.ptr, s.hn.ptr, w.lm_head, GemmShape { n: rows, out: d.vocab, inp: d.hidden }, true)?;
+            if small {
+                gemv.launch(g, gemv::GemvKind::LogitsF32, rows, s.logits.ptr, w.lm_head, s.hn.ptr, null, d.vocab, d.hidden, eps)?;
+            } else {
+                matmul(g, s.logits.ptr, s.hn.ptr, w.lm_head, GemmShape { n: rows, out: d.vocab, inp: d.hidden }, true)?;
+            }
         }
         Ok(())
     }
@@ -559,6 +597,21 @@ impl Backend for CudaBackend {
             self.gpu.sync()?;
         }
         Ok(Logits { rows, vocab_size: self.d.vocab, data })
+    }
+
+    fn has_device_greedy(&self) -> bool {
+        true
+    }
+
+    /// [`CudaBackend::forward_greedy`]: `argmax_rows` on the device (NaN skipped, lowest id on
+    /// ties, as the host sampler); a step without logit rows is synchronised here, so its
+    /// faults surface in this step as with `forward`.
+    fn forward_greedy(&mut self, batch: &StepBatch) -> Result<Vec<u32>, BackendError> {
+        let ids = CudaBackend::forward_greedy(self, batch)?;
+        if ids.is_empty() {
+            self.gpu.sync()?;
+        }
+        Ok(ids)
     }
 
     fn num_kv_blocks(&self) -> usize {

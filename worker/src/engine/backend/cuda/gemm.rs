@@ -73,6 +73,8 @@ pub struct LtGemm {
     ws: DevBuf,
     layouts: HashMap<(u64, u64, bool), lt::cublasLtMatrixLayout_t>,
     plans: HashMap<(usize, usize, bool), Plan>,
+    /// Fast mode: cuBLASLt's first heuristic answer per (M, out, inp, f32 output).
+    fast: HashMap<(usize, usize, usize, bool), lt::cublasLtMatmulAlgo_t>,
     /// Plans as chosen (for reports).
     pub infos: Vec<GemmPlanInfo>,
 }
@@ -127,7 +129,7 @@ impl LtGemm {
             )
         })?;
         let ws = DevBuf::zeroed(gpu, WORKSPACE_BYTES)?;
-        Ok(Self { handle, desc, ws, layouts: HashMap::new(), plans: HashMap::new(), infos: Vec::new() })
+        Ok(Self { handle, desc, ws, layouts: HashMap::new(), plans: HashMap::new(), fast: HashMap::new(), infos: Vec::new() })
     }
 
     fn layout(&mut self, rows: u64, cols: u64, f32_t: bool) -> Result<lt::cublasLtMatrixLayout_t, BackendError> {
@@ -233,6 +235,30 @@ impl LtGemm {
             .get(&(s.out, s.inp, f32_out))
             .map(|p| p.algo)
             .ok_or_else(|| BackendError::Device(format!("no GEMM plan for {}x{}", s.out, s.inp)))?;
+        self.matmul_with(gpu, &algo, y, x, w, s, f32_out)
+    }
+
+    /// Fast mode: `y = x · wᵀ` with cuBLASLt's best heuristic algorithm for this exact `M`
+    /// (cached per shape; what cuBLAS itself would pick, so rows may change with `M`: not
+    /// batch-invariant). Uses the handle's fixed workspace, so it is safe inside a CUDA-graph
+    /// capture.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] when cuBLASLt has no algorithm or fails.
+    pub fn matmul_heuristic(&mut self, gpu: &Gpu, y: u64, x: u64, w: u64, s: GemmShape, f32_out: bool) -> Result<(), BackendError> {
+        let key = (s.n, s.out, s.inp, f32_out);
+        let algo = match self.fast.get(&key) {
+            Some(a) => *a,
+            None => {
+                let a = self
+                    .heuristics(s.n, s.out, s.inp, f32_out, 1)?
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| BackendError::Device(format!("cuBLASLt has no algorithm for {}x{} at M {}", s.out, s.inp, s.n)))?;
+                self.fast.insert(key, a);
+                a
+            }
+        };
         self.matmul_with(gpu, &algo, y, x, w, s, f32_out)
     }
 

@@ -1,0 +1,197 @@
+// Decode GEMV kernels of Prism's CUDA backend (fast mode, steps of at most GEMV_MAX_M tokens).
+// Compiled at run time by NVRTC as its own module. Storage bf16, arithmetic f32.
+//
+// y[m, j] = sum_k x[m, k] · W[j, k] for m < M tokens, W row-major [out, inp] bf16 (HF nn.Linear).
+// A decode step reads every weight once, so these kernels are HBM-bound: each warp streams R
+// weight rows with 16-byte non-allocating loads (U loads per row in flight), multiplies them
+// with the M activation rows (from shared memory when the RMSNorm prologue built them, else
+// through the read-only cache), and reduces over its lanes. Modes (template MODE):
+//   0: y bf16 [M, out]                                         (qkv)
+//   1: y f32  [M, out]                                         (lm_head logits)
+//   2: x f32  [M, out] += bf16(y)  (residual add fused)        (o_proj, down_proj)
+//   3: act bf16 [M, out] = silu(bf16(g)) · bf16(u) where g, u are rows j and out + j of a fused
+//      [gate; up] weight [2·out, inp]                          (gate_up + SiLU·mul fused)
+// NORM: the activation rows are bf16(x[m] · rsqrt(mean(x[m]²) + eps) · gain) computed from the
+// f32 residual stream by each block (RMSNorm fused as a prologue; Zhang & Sennrich 2019).
+// The rounding points mirror the unfused path (GEMM outputs rounded to bf16 before the residual
+// add and before SiLU·mul), so both paths compute the same function up to summation order.
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define GEMV_WARPS 8
+#define GEMV_R 2
+#define GEMV_U 4
+
+__device__ __forceinline__ float gv_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// 16-byte streaming load that does not allocate in L1 (weights are read once per step).
+__device__ __forceinline__ uint4 ld_weight(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// 8 bf16 → 8 f32 (bf16 is the top half of an f32).
+__device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
+    f[0] = __uint_as_float(v.x << 16); f[1] = __uint_as_float(v.x & 0xffff0000u);
+    f[2] = __uint_as_float(v.y << 16); f[3] = __uint_as_float(v.y & 0xffff0000u);
+    f[4] = __uint_as_float(v.z << 16); f[5] = __uint_as_float(v.z & 0xffff0000u);
+    f[6] = __uint_as_float(v.w << 16); f[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+
+__device__ __forceinline__ float rbf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Block: GEMV_WARPS warps; warp w of block b owns logical rows j0 = (b·GEMV_WARPS + w)·R ..+R.
+// Requires inp % 8 == 0 and 16-byte aligned rows. Dynamic shared memory (NORM only):
+// M · inp bf16 activation rows + GEMV_WARPS · M f32.
+template <int M, int MODE, bool NORM>
+__device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, const void* __restrict__ xin,
+                                          const bf16* __restrict__ gain, int out, int inp, float eps) {
+    constexpr int NW = MODE == 3 ? 2 * GEMV_R : GEMV_R;
+    extern __shared__ uint4 gv_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int j0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_R;
+
+    // Weight row pointers (rows past `out` are clamped and their results dropped).
+    const bf16* wrow[NW];
+#pragma unroll
+    for (int r = 0; r < NW; r++) {
+        int j = j0 + (r % GEMV_R);
+        j = j < out ? j : out - 1;
+        int phys = (MODE == 3 && r >= GEMV_R) ? out + j : j;
+        wrow[r] = w + (u64)phys * inp;
+    }
+    // Issue the first weight loads before the prologue so HBM is busy while it runs.
+    uint4 wv[GEMV_U][NW];
+#pragma unroll
+    for (int u = 0; u < GEMV_U; u++) {
+        int k = lane * 8 + u * 256;
+#pragma unroll
+        for (int r = 0; r < NW; r++) wv[u][r] = k < inp ? ld_weight(wrow[r] + k) : make_uint4(0, 0, 0, 0);
+    }
+
+    const bf16* xs = reinterpret_cast<const bf16*>(gv_smem);
+    if (NORM) {
+        const float* x = reinterpret_cast<const float*>(xin);
+        bf16* xw = reinterpret_cast<bf16*>(gv_smem);
+        float* red = reinterpret_cast<float*>(xw + (u64)M * inp);
+        float ss[M];
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float s = 0.f;
+            for (int i = threadIdx.x; i < inp; i += blockDim.x) {
+                float v = x[(u64)m * inp + i];
+                s += v * v;
+            }
+            s = gv_warp_sum(s);
+            if (lane == 0) red[warp * M + m] = s;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float s = 0.f;
+#pragma unroll
+            for (int ww = 0; ww < GEMV_WARPS; ww++) s += red[ww * M + m];
+            ss[m] = rsqrtf(s / (float)inp + eps);
+        }
+#pragma unroll
+        for (int m = 0; m < M; m++)
+            for (int i = threadIdx.x; i < inp; i += blockDim.x)
+                xw[(u64)m * inp + i] = __float2bfloat16_rn(x[(u64)m * inp + i] * ss[m] * __bfloat162float(gain[i]));
+        __syncthreads();
+    }
+    if (j0 >= out) return;
+
+    const bf16* xg = reinterpret_cast<const bf16*>(xin);
+    float acc[NW][M];
+#pragma unroll
+    for (int r = 0; r < NW; r++)
+#pragma unroll
+        for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+
+    for (int k0 = lane * 8; k0 < inp; k0 += 256 * GEMV_U) {
+#pragma unroll
+        for (int u = 0; u < GEMV_U; u++) {
+            int k = k0 + u * 256;
+            if (k < inp) {
+                float wf[NW][8];
+#pragma unroll
+                for (int r = 0; r < NW; r++) unpack8(wv[u][r], wf[r]);
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    uint4 xv = NORM ? *reinterpret_cast<const uint4*>(xs + (u64)m * inp + k)
+                                    : __ldg(reinterpret_cast<const uint4*>(xg + (u64)m * inp + k));
+                    float xf[8];
+                    unpack8(xv, xf);
+#pragma unroll
+                    for (int r = 0; r < NW; r++) {
+                        float a = acc[r][m];
+#pragma unroll
+                        for (int e = 0; e < 8; e++) a = fmaf(wf[r][e], xf[e], a);
+                        acc[r][m] = a;
+                    }
+                }
+            }
+            // Refill this slot with the loads of the next outer iteration.
+            int kn = k + 256 * GEMV_U;
+#pragma unroll
+            for (int r = 0; r < NW; r++) wv[u][r] = kn < inp ? ld_weight(wrow[r] + kn) : make_uint4(0, 0, 0, 0);
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < NW; r++)
+#pragma unroll
+        for (int m = 0; m < M; m++) acc[r][m] = gv_warp_sum(acc[r][m]);
+    if (lane != 0) return;
+#pragma unroll
+    for (int r = 0; r < GEMV_R; r++) {
+        int j = j0 + r;
+        if (j >= out) break;
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            u64 o = (u64)m * out + j;
+            if (MODE == 0) {
+                reinterpret_cast<bf16*>(y)[o] = __float2bfloat16_rn(acc[r][m]);
+            } else if (MODE == 1) {
+                reinterpret_cast<float*>(y)[o] = acc[r][m];
+            } else if (MODE == 2) {
+                reinterpret_cast<float*>(y)[o] += rbf(acc[r][m]);
+            } else {
+                float g = rbf(acc[r][m]), up = rbf(acc[GEMV_R + r][m]);
+                reinterpret_cast<bf16*>(y)[o] = __float2bfloat16_rn(g / (1.f + __expf(-g)) * up);
+            }
+        }
+    }
+}
+
+#define GEMV_KERNEL(NAME, M, MODE, NORM)                                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) NAME(                                   \
+        void* y, const bf16* w, const void* x, const bf16* gain, int out, int inp, float eps) {           \
+        gemv_impl<M, MODE, NORM>(y, w, x, gain, out, inp, eps);                                           \
+    }
+
+#define GEMV_FAMILY(M)                                  \
+    GEMV_KERNEL(gemv_qkv_m##M, M, 0, true)              \
+    GEMV_KERNEL(gemv_logits_m##M, M, 1, false)          \
+    GEMV_KERNEL(gemv_residual_m##M, M, 2, false)        \
+    GEMV_KERNEL(gemv_gate_up_m##M, M, 3, true)          \
+    GEMV_KERNEL(gemv_bf16_m##M, M, 0, false)
+
+GEMV_FAMILY(1)
+GEMV_FAMILY(2)
+GEMV_FAMILY(3)
+GEMV_FAMILY(4)
+GEMV_FAMILY(5)
+GEMV_FAMILY(6)
+GEMV_FAMILY(7)
+GEMV_FAMILY(8)
