@@ -69,6 +69,72 @@ pub struct FinishedCounts {
     pub abort: u64,
 }
 
+/// KV-cache waste sampled after every forward step: `(allocated slots − tokens stored) /
+/// allocated slots`, where allocated slots are the blocks held by sequences times the block
+/// size and stored tokens are the tokens whose K/V the cache holds (vLLM's PagedAttention
+/// paper, §6, measures the same "internal fragmentation"). Steps that hold no block are not
+/// sampled.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KvWasteStats {
+    /// Steps sampled.
+    pub steps: u64,
+    /// Mean of the per-step waste fractions (each step counts once).
+    pub mean: f64,
+    /// Per-step waste weighted by the step's forward-pass time (a time average).
+    pub time_weighted: f64,
+    /// Largest per-step waste fraction.
+    pub max: f64,
+    /// Waste of the last sampled step.
+    pub last: f64,
+    /// Sum over steps of allocated slots (tokens).
+    pub allocated_slot_steps: u64,
+    /// Sum over steps of stored tokens.
+    pub stored_token_steps: u64,
+}
+
+#[derive(Debug, Default)]
+struct KvWasteAcc {
+    steps: u64,
+    sum: f64,
+    weighted_sum: f64,
+    weight: f64,
+    max: f64,
+    last: f64,
+    allocated: u64,
+    stored: u64,
+}
+
+impl KvWasteAcc {
+    fn observe(&mut self, allocated: usize, stored: usize, step: Duration) {
+        if allocated == 0 {
+            return;
+        }
+        let w = allocated.saturating_sub(stored) as f64 / allocated as f64;
+        let secs = step.as_secs_f64();
+        self.steps += 1;
+        self.sum += w;
+        self.weighted_sum += w * secs;
+        self.weight += secs;
+        self.max = self.max.max(w);
+        self.last = w;
+        self.allocated += allocated as u64;
+        self.stored += stored.min(allocated) as u64;
+    }
+
+    fn snapshot(&self) -> KvWasteStats {
+        let div = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        KvWasteStats {
+            steps: self.steps,
+            mean: div(self.sum, self.steps as f64),
+            time_weighted: div(self.weighted_sum, self.weight),
+            max: self.max,
+            last: self.last,
+            allocated_slot_steps: self.allocated,
+            stored_token_steps: self.stored,
+        }
+    }
+}
+
 /// A snapshot of the engine's state and counters.
 #[derive(Clone, Debug, Default)]
 pub struct EngineStats {
@@ -111,6 +177,13 @@ pub struct EngineStats {
     pub itl: LatencyHistogram,
     /// End-to-end request latency.
     pub e2e: LatencyHistogram,
+    /// KV-cache waste per step since start.
+    pub kv_waste: KvWasteStats,
+    /// Forward steps run since start.
+    pub steps_total: u64,
+    /// Of those, steps whose tokens were picked by the backend's device argmax
+    /// (`Backend::forward_greedy`) without copying logits to the host.
+    pub device_greedy_steps_total: u64,
 }
 
 #[derive(Debug)]
@@ -119,6 +192,7 @@ struct Histograms {
     itl: LatencyHistogram,
     e2e: LatencyHistogram,
     last_step_ok_at: Option<Instant>,
+    kv_waste: KvWasteAcc,
 }
 
 /// Shared counters written by the step thread, read by [`super::EngineHandle::stats`].
@@ -133,6 +207,8 @@ pub struct StatsRecorder {
     pub(crate) finished_length: AtomicU64,
     pub(crate) finished_abort: AtomicU64,
     pub(crate) in_flight: AtomicUsize,
+    pub(crate) steps: AtomicU64,
+    pub(crate) device_greedy_steps: AtomicU64,
     pub(crate) alive: AtomicBool,
     /// Live threads of the replica's compute pool (counted by the pool's start/exit handlers).
     pub(crate) compute_threads: AtomicUsize,
@@ -153,6 +229,8 @@ impl Default for StatsRecorder {
             finished_length: AtomicU64::new(0),
             finished_abort: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
+            steps: AtomicU64::new(0),
+            device_greedy_steps: AtomicU64::new(0),
             alive: AtomicBool::new(true),
             compute_threads: AtomicUsize::new(0),
             control: StepControl::default(),
@@ -161,6 +239,7 @@ impl Default for StatsRecorder {
                 itl: LatencyHistogram::new(ITL_BUCKETS),
                 e2e: LatencyHistogram::new(E2E_BUCKETS),
                 last_step_ok_at: None,
+                kv_waste: KvWasteAcc::default(),
             }),
         }
     }
@@ -186,6 +265,17 @@ impl StatsRecorder {
 
     pub(crate) fn observe_e2e(&self, d: Duration) {
         self.with_hist(|h| h.e2e.observe(d));
+    }
+
+    /// Records one forward step: its KV occupancy after the step (`allocated` slots held by
+    /// sequences, `stored` tokens in them), the forward pass's duration, and whether the
+    /// tokens came from the device argmax.
+    pub(crate) fn observe_step(&self, allocated: usize, stored: usize, forward: Duration, device_greedy: bool) {
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        if device_greedy {
+            self.device_greedy_steps.fetch_add(1, Ordering::Relaxed);
+        }
+        self.with_hist(|h| h.kv_waste.observe(allocated, stored, forward));
     }
 
     pub(crate) fn mark_step_ok(&self, at: Instant) {
@@ -232,6 +322,9 @@ impl StatsRecorder {
             ttft: h.ttft.clone(),
             itl: h.itl.clone(),
             e2e: h.e2e.clone(),
+            kv_waste: h.kv_waste.snapshot(),
+            steps_total: r(&self.steps),
+            device_greedy_steps_total: r(&self.device_greedy_steps),
         }
     }
 }
@@ -250,5 +343,19 @@ mod tests {
         assert_eq!(h.buckets, vec![(0.1, 1), (1.0, 2), (f64::INFINITY, 1)]);
         assert_eq!(h.count, 4);
         assert!((h.sum - 6.25).abs() < 1e-9);
+    }
+
+    #[test]
+    fn kv_waste_mean_time_weighted_and_max() {
+        let mut a = KvWasteAcc::default();
+        a.observe(0, 0, Duration::from_secs(9)); // nothing held: not a sample
+        a.observe(16, 12, Duration::from_millis(100)); // 0.25
+        a.observe(32, 32, Duration::from_millis(300)); // 0
+        let s = a.snapshot();
+        assert_eq!((s.steps, s.allocated_slot_steps, s.stored_token_steps), (2, 48, 44));
+        assert!((s.mean - 0.125).abs() < 1e-12);
+        assert!((s.time_weighted - 0.0625).abs() < 1e-12);
+        assert_eq!((s.max, s.last), (0.25, 0.0));
+        assert_eq!(KvWasteAcc::default().snapshot(), KvWasteStats::default());
     }
 }

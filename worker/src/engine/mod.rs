@@ -35,6 +35,6 @@ mod stop_tests;
 mod test_double;
 
 pub use handle::{EngineHandle, EngineParts, Fault, ModelInfo, OutputStream, RuntimeConfig};
-pub use metrics::{EngineStats, FinishedCounts, LatencyHistogram};
+pub use metrics::{EngineStats, FinishedCounts, KvWasteStats, LatencyHistogram};
 pub use request::*;
 pub use start::{BackendKind, EngineArgs, EngineConfig};

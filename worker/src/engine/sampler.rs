@@ -99,6 +99,25 @@ impl Sampler {
         &self.cfg
     }
 
+    /// Whether [`Sampler::sample`] of this sequence is a plain argmax of the raw logits, so a
+    /// backend may pick the token on the device without returning the logits: greedy
+    /// (temperature below [`GREEDY_TEMPERATURE`]; top-k/top-p/min-p do not matter then), no
+    /// repetition/frequency/presence penalty and no logprobs. NaN logits are skipped and ties
+    /// go to the lowest id, as in [`argmax`]; a device argmax must follow the same rule.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.cfg.temperature < GREEDY_TEMPERATURE && !self.has_penalties() && self.cfg.logprobs.is_none()
+    }
+
+    /// Records a token chosen by a device argmax for a [`Sampler::is_plain_greedy`] sequence,
+    /// returning what [`Sampler::sample`] would have returned for logits whose argmax is
+    /// `token`. Greedy sampling draws no random number, so the RNG state stays as `sample`
+    /// leaves it; the caller still calls [`Sampler::observe`] as for any sampled token.
+    /// Debug builds assert the sequence is plain greedy (a caller bug otherwise).
+    pub fn accept_greedy(&mut self, token: u32) -> Sampled {
+        debug_assert!(self.is_plain_greedy(), "accept_greedy on a sequence that needs the logits");
+        Sampled { token, logprob: None, top: Vec::new() }
+    }
+
     fn has_penalties(&self) -> bool {
         self.cfg.repetition_penalty != 1.0
             || self.cfg.frequency_penalty != 0.0
@@ -312,6 +331,28 @@ mod tests {
         assert_eq!(s.sample(&l).token, 0, "2.0 - 0.08 > 1.9");
         s.observe(0);
         assert_eq!(s.sample(&l).token, 1, "2.0 - 0.12 < 1.9");
+    }
+
+    #[test]
+    fn plain_greedy_is_exactly_argmax_and_accept_matches_sample() {
+        let plain = |c: SamplingConfig| Sampler::new(c, Some(5), &[], &[]).is_plain_greedy();
+        assert!(plain(cfg(0.0)));
+        assert!(plain(SamplingConfig { temperature: 1e-7, top_k: 3, top_p: 0.5, min_p: 0.2, ..cfg(0.0) }));
+        assert!(!plain(cfg(0.7)), "temperature");
+        assert!(!plain(SamplingConfig { logprobs: Some(0), ..cfg(0.0) }), "logprobs");
+        assert!(!plain(SamplingConfig { repetition_penalty: 1.1, ..cfg(0.0) }));
+        assert!(!plain(SamplingConfig { frequency_penalty: 0.1, ..cfg(0.0) }));
+        assert!(!plain(SamplingConfig { presence_penalty: -0.1, ..cfg(0.0) }));
+        // The same rows through `sample` and through a host argmax + `accept_greedy`.
+        let rows: [&[f32]; 4] = [&[0.1, f32::NAN, 3.0, 3.0], &[f32::NAN, f32::NAN], &[-1.0, -0.5], &[f32::NEG_INFINITY; 3]];
+        let mut a = Sampler::new(cfg(0.0), Some(9), &[1, 2], &[3]);
+        let mut b = Sampler::new(cfg(0.0), Some(9), &[1, 2], &[3]);
+        for r in rows {
+            let (x, y) = (a.sample(r), b.accept_greedy(argmax(r)));
+            assert_eq!(x, y);
+            a.observe(x.token);
+            b.observe(y.token);
+        }
     }
 
     #[test]

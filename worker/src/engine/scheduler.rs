@@ -140,6 +140,18 @@ impl Scheduler {
         &self.pool
     }
 
+    /// KV occupancy now: `(allocated, stored)`, the slots of every block held by a sequence
+    /// (`blocks × block_size`) and the tokens whose K/V those blocks hold (each sequence's
+    /// computed tokens). Read-only; after [`Scheduler::commit`] the difference is each running
+    /// sequence's unfilled tail of its last block (< `block_size` per sequence).
+    pub fn kv_occupancy(&self) -> (usize, usize) {
+        let bs = self.cfg.block_size;
+        self.seqs.values().fold((0, 0), |(alloc, stored), s| {
+            let cap = s.blocks.capacity(bs);
+            (alloc + cap, stored + s.num_computed.min(cap))
+        })
+    }
+
     fn preempt(&mut self, seq: SeqId, out: &mut ScheduleOutput) {
         if let Some(s) = self.seqs.get_mut(&seq) {
             s.blocks.release();
@@ -344,6 +356,21 @@ mod tests {
         s.remove(2);
         assert_eq!(s.pool().num_free(), 3);
         assert!(s.is_idle());
+    }
+
+    #[test]
+    fn kv_occupancy_counts_held_slots_and_computed_tokens() {
+        let mut s = sched(4, 100, 16);
+        assert_eq!(s.kv_occupancy(), (0, 0));
+        s.add(1, (0..5).collect());
+        s.add(2, (0..8).collect());
+        step(&mut s); // 2 blocks (8 slots) holding 5 tokens + 2 blocks holding 8
+        assert_eq!(s.kv_occupancy(), (16, 13));
+        assert_eq!(s.kv_occupancy().0, (s.pool().num_blocks() - s.pool().num_free()) * 4);
+        step(&mut s); // seq 2 decodes position 8: a third block
+        assert_eq!(s.kv_occupancy(), (20, 15));
+        s.remove(2);
+        assert_eq!(s.kv_occupancy(), (8, 6));
     }
 
     #[test]

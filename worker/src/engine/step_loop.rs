@@ -4,9 +4,11 @@
 //!
 //! Each iteration: take new commands (blocking only when idle) → drop requests whose
 //! stream was dropped and abort those past their deadline → schedule → one backend
-//! forward → sample, detokenize, check stop conditions → queue outputs → flush them with
-//! `try_send` (the thread never blocks on a slow client: outputs of a full stream are
-//! merged and sent later). A backend failure ends every stream without a finish reason
+//! forward (`forward_greedy` instead when the backend has a device argmax and every row of
+//! the step is plain greedy: only the token ids come back, not `rows × vocab` f32 logits) →
+//! record the step's KV occupancy (waste statistics) → sample, detokenize, check stop
+//! conditions → queue outputs → flush them with `try_send` (the thread never blocks on a
+//! slow client: outputs of a full stream are merged and sent later). A backend failure ends every stream without a finish reason
 //! and marks the engine dead.
 //!
 //! Stopping: the loop checks the replica's [`StepControl`] before every step, and the
@@ -380,20 +382,39 @@ impl EngineCore {
         if out.scheduled.is_empty() {
             return Ok(());
         }
+        // Device argmax when every row's sampler is a plain argmax of the logits (the
+        // sampler says so); otherwise full logits to the host.
+        let greedy = self.backend.has_device_greedy()
+            && out
+                .scheduled
+                .iter()
+                .filter(|s| s.want_logits)
+                .all(|sc| self.seqs.get(&sc.seq).is_none_or(|s| s.sampler.is_plain_greedy()));
         let backend = &mut self.backend;
-        let logits = self.compute.install(|| backend.forward(&out.batch))?;
+        let started = Instant::now();
+        let result = if greedy {
+            StepResult::Greedy(self.compute.install(|| backend.forward_greedy(&out.batch))?)
+        } else {
+            StepResult::Logits(self.compute.install(|| backend.forward(&out.batch))?)
+        };
+        let forward_time = started.elapsed();
         self.sched.commit(&out.scheduled);
+        let (allocated, stored) = self.sched.kv_occupancy();
+        self.stats.observe_step(allocated, stored, forward_time, greedy);
         let now = Instant::now();
+        let rows = result.rows();
         let mut row = 0;
         for sc in out.scheduled.iter().filter(|s| s.want_logits) {
-            if row >= logits.rows {
+            if row >= rows {
                 return Err(super::backend::BackendError::InvalidBatch(format!(
-                    "backend returned {} logit rows, more were asked for",
-                    logits.rows
+                    "backend returned {rows} logit rows, more were asked for"
                 )));
             }
             let sampled = match self.seqs.get_mut(&sc.seq) {
-                Some(s) => s.sampler.sample(logits.row(row)),
+                Some(s) => match &result {
+                    StepResult::Logits(l) => s.sampler.sample(l.row(row)),
+                    StepResult::Greedy(ids) => s.sampler.accept_greedy(ids[row]),
+                },
                 None => {
                     row += 1;
                     continue;
@@ -515,6 +536,22 @@ impl EngineCore {
             if self.reqs.remove(&k).is_some() {
                 self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
             }
+        }
+    }
+}
+
+/// What one forward step returned: full logits (sampled on the host) or, when every row is
+/// plain greedy and the backend has a device argmax, one token per row.
+enum StepResult {
+    Logits(super::backend::Logits),
+    Greedy(Vec<u32>),
+}
+
+impl StepResult {
+    fn rows(&self) -> usize {
+        match self {
+            Self::Logits(l) => l.rows,
+            Self::Greedy(ids) => ids.len(),
         }
     }
 }

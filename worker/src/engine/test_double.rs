@@ -61,6 +61,9 @@ pub struct PagedEchoBackend {
     pub step_time: std::time::Duration,
     /// Polled between the simulated layers, as the CPU backend does.
     pub control: Option<StepControl>,
+    /// Reported as [`Backend::has_device_greedy`], so the step loop takes its greedy path
+    /// (`forward_greedy`: the trait's host argmax over these same logits).
+    pub device_greedy: bool,
 }
 
 /// Longest simulated layer of a step.
@@ -75,6 +78,7 @@ impl PagedEchoBackend {
             steps: 0,
             step_time: std::time::Duration::ZERO,
             control: None,
+            device_greedy: false,
         }
     }
 }
@@ -128,6 +132,9 @@ impl Backend for PagedEchoBackend {
         }
         Ok(Logits { rows, vocab_size: VOCAB, data })
     }
+    fn has_device_greedy(&self) -> bool {
+        self.device_greedy
+    }
     fn num_kv_blocks(&self) -> usize {
         self.num_blocks
     }
@@ -153,8 +160,12 @@ mod tests {
     use std::time::{Duration, Instant};
 
     fn engine(num_blocks: usize, block_size: usize, rt: RuntimeConfig) -> EngineHandle {
+        engine_with(PagedEchoBackend::new(num_blocks, block_size), rt)
+    }
+
+    fn engine_with(backend: PagedEchoBackend, rt: RuntimeConfig) -> EngineHandle {
         let parts = EngineParts {
-            backend: Box::new(PagedEchoBackend::new(num_blocks, block_size)),
+            backend: Box::new(backend),
             codec: Arc::new(ByteCodec::new()),
             eos_ids: vec![EOS],
             model_max_len: 512,
@@ -235,6 +246,74 @@ mod tests {
         assert_eq!(alone, run_all(&tiny, true));
         assert!(tiny.stats().num_preemptions_total > 0, "{:?}", tiny.stats());
         wait_idle(&tiny);
+    }
+
+    fn greedy_engine(num_blocks: usize, rt: RuntimeConfig) -> EngineHandle {
+        let mut b = PagedEchoBackend::new(num_blocks, 4);
+        b.device_greedy = true;
+        engine_with(b, rt)
+    }
+
+    #[test]
+    fn device_greedy_path_changes_no_token() {
+        let host = run_all(&engine(256, 4, RuntimeConfig::default()), true);
+        let e = greedy_engine(256, RuntimeConfig::default());
+        assert_eq!(host, run_all(&e, false));
+        assert_eq!(host, run_all(&e, true));
+        let st = e.stats();
+        assert!(st.steps_total > 0 && st.device_greedy_steps_total == st.steps_total, "{st:?}");
+        let chunked = greedy_engine(256, RuntimeConfig { max_num_batched_tokens: 7, ..RuntimeConfig::default() });
+        assert_eq!(host, run_all(&chunked, true));
+        let tiny = greedy_engine(16, RuntimeConfig::default());
+        assert_eq!(host, run_all(&tiny, true));
+        assert!(tiny.stats().num_preemptions_total > 0);
+        wait_idle(&tiny);
+        // Without the capability every step copies logits.
+        let plain = engine(256, 4, RuntimeConfig::default());
+        run_all(&plain, true);
+        assert_eq!(plain.stats().device_greedy_steps_total, 0);
+    }
+
+    #[test]
+    fn device_greedy_falls_back_when_a_row_needs_logits() {
+        // Greedy rows batched with a seeded sampled row, a logprobs row and a penalised
+        // greedy row: every token equals the host-sampled run's, stop strings and ids included.
+        let params = || {
+            vec![
+                greedy(20),
+                SamplingParams { temperature: 1.3, seed: Some(11), ..greedy(20) },
+                SamplingParams { logprobs: Some(2), ..greedy(12) },
+                SamplingParams { presence_penalty: 1.5, ..greedy(20) },
+                SamplingParams { stop: vec!["q".into()], stop_token_ids: vec![b'Z'.into()], ..greedy(30) },
+                greedy(3),
+                greedy(40),
+            ]
+        };
+        let run = |e: &EngineHandle| {
+            let streams: Vec<_> =
+                params().into_iter().zip(PROMPTS.iter().cycle()).map(|(p, t)| e.submit(req(t, p)).expect("submit")).collect();
+            streams.into_iter().map(|s| drain(s).0).collect::<Vec<_>>()
+        };
+        let host = run(&engine(256, 4, RuntimeConfig::default()));
+        let e = greedy_engine(256, RuntimeConfig::default());
+        let dev = run(&e);
+        assert_eq!(host, dev);
+        let st = e.stats();
+        assert!(st.device_greedy_steps_total > 0, "greedy-only steps once the others finished: {st:?}");
+        assert!(st.device_greedy_steps_total < st.steps_total, "mixed steps copy logits: {st:?}");
+        // Greedy alone after the mixed batch: still the host's tokens.
+        assert_eq!(host[0], drain(e.submit(req(PROMPTS[0], greedy(20))).expect("submit")).0);
+    }
+
+    #[test]
+    fn kv_waste_is_recorded_per_step() {
+        let e = engine(256, 4, RuntimeConfig::default());
+        run_all(&e, true);
+        let w = e.stats().kv_waste;
+        assert!(w.steps > 0 && w.allocated_slot_steps > w.stored_token_steps, "{w:?}");
+        assert!(w.max < 1.0 && w.mean > 0.0 && w.mean <= w.max && w.time_weighted <= w.max, "{w:?}");
+        // Each sequence wastes less than one block after every step.
+        assert!(w.allocated_slot_steps - w.stored_token_steps < w.steps * 5 * 4, "{w:?}");
     }
 
     #[test]

@@ -223,6 +223,27 @@ pub trait Backend: Send {
     /// `BackendError::Device` on device failure; `InvalidBatch` on inconsistent input.
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits, BackendError>;
 
+    /// Whether [`Backend::forward_greedy`] is cheaper than [`Backend::forward`] (the argmax
+    /// runs on the device and the logits never reach the host). The step loop uses it only
+    /// then, and only for steps whose every logit row belongs to a plain-greedy sequence
+    /// (`Sampler::is_plain_greedy`). Default: `false`.
+    fn has_device_greedy(&self) -> bool {
+        false
+    }
+
+    /// Runs one step exactly as [`Backend::forward`] (same K/V writes, same logits) and
+    /// returns, per logit row in batch order, the index of the largest logit: NaN skipped,
+    /// ties to the lowest id, 0 when every value is NaN or -inf (`sampler::argmax`'s
+    /// rule). The default runs `forward` and takes the argmax on the
+    /// host; backends with [`Backend::has_device_greedy`] copy back only `rows × 4` bytes.
+    ///
+    /// # Errors
+    /// As [`Backend::forward`].
+    fn forward_greedy(&mut self, batch: &StepBatch) -> Result<Vec<u32>, BackendError> {
+        let logits = self.forward(batch)?;
+        Ok((0..logits.rows).map(|r| crate::engine::sampler::argmax(logits.row(r))).collect())
+    }
+
     /// Number of KV-cache blocks allocated.
     fn num_kv_blocks(&self) -> usize;
 
