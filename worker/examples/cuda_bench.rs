@@ -10,7 +10,11 @@
 //! - decode throughput at batch 8, 32, 128, 256 with 1,024-token contexts (block tables over
 //!   distinct blocks; KV contents are whatever the cache holds — timing does not depend on them);
 //! - prefill tokens/s for one 512- and one 2,048-token prompt and MFU against 790 TFLOP/s
-//!   (FLOPs = 2 · matmul parameters · tokens + causal attention 2 · L² · hidden per layer).
+//!   (FLOPs = 2 · matmul parameters · tokens + causal attention 2 · L² · hidden per layer);
+//! - fast mode only: the fused decode-GEMV path (steps of ≤ 8 tokens) against the cuBLASLt path
+//!   (the same sequences inside a 9-sequence step): max |Δ logit| and argmax agreement.
+//!
+//! `--invariant` (second argument) runs the batch-invariant mode instead of the default fast mode.
 
 #[cfg(feature = "cuda")]
 fn main() -> anyhow::Result<()> {
@@ -64,8 +68,10 @@ mod bench {
 
     pub fn main() -> anyhow::Result<()> {
         let out = std::env::args().nth(1).unwrap_or_else(|| "cuda_bench.json".into());
+        let invariant = std::env::args().any(|a| a == "--invariant");
         let shape = SyntheticShape::llama3_8b(1234);
         let opts = CudaOptions {
+            batch_invariant: invariant,
             gpu_memory_utilization: 0.9,
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
@@ -88,6 +94,78 @@ mod bench {
             kv_tok
         );
         let mut results = serde_json::Map::new();
+        let mut check_ok = true;
+        if !invariant {
+            // GEMV path (n <= 8) vs cuBLASLt path (same sequences as the first rows of a 9-row step).
+            let big = batch(9, 300, 1, true);
+            let lb = be.forward(&big)?;
+            let vocab = lb.vocab_size;
+            be.set_gemv_max_tokens(4);
+            for bsz in [1usize, 2, 3, 4] {
+                let small = batch(bsz, 300, 1, true);
+                let ls = be.forward(&small)?;
+                let (mut max_diff, mut max_abs, mut agree) = (0f32, 0f32, 0usize);
+                for r in 0..bsz {
+                    let a = &ls.data[r * vocab..(r + 1) * vocab];
+                    let b = &lb.data[r * vocab..(r + 1) * vocab];
+                    let am = |x: &[f32]| x.iter().enumerate().fold((0, f32::MIN), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0;
+                    agree += usize::from(am(a) == am(b));
+                    for (x, y) in a.iter().zip(b) {
+                        max_diff = max_diff.max((x - y).abs());
+                        max_abs = max_abs.max(y.abs());
+                    }
+                }
+                let ok = max_diff.is_finite() && max_abs > 0.0 && max_diff <= 0.05 * max_abs;
+                check_ok &= ok;
+                println!(
+                    "{} gemv vs cublasLt decode b={bsz}: max |dlogit| {max_diff:.4} (max |logit| {max_abs:.3}), argmax agree {agree}/{bsz}",
+                    if ok { "PASS" } else { "FAIL" }
+                );
+                results.insert(format!("gemv_check_b{bsz}"), json!({"max_abs_diff": max_diff, "max_abs_logit": max_abs, "argmax_agree": agree, "pass": ok}));
+            }
+        }
+        if !invariant {
+            // GEMV threshold sweep: small decode batches with the fused GEMVs up to `gm` tokens
+            // (0 = always cuBLASLt).
+            for bsz in [1usize, 2, 3, 4] {
+                let b = batch(bsz, 1024, 1, true);
+                let mut row = serde_json::Map::new();
+                for gm in [0usize, 1, 2, 4] {
+                    if gm != 0 && gm < bsz {
+                        continue;
+                    }
+                    be.set_gemv_max_tokens(gm);
+                    let t = time_greedy(&mut be, &b, 5, 30)?;
+                    println!("decode b={bsz} ctx=1024 gemv_max_tokens={gm}: {:.3} ms/step", t * 1e3);
+                    row.insert(format!("gemv_max_{gm}"), json!(t * 1e3));
+                }
+                results.insert(format!("gemv_sweep_b{bsz}_ctx1024_ms"), serde_json::Value::Object(row));
+            }
+            be.set_gemv_max_tokens(CudaOptions::default().gemv_max_tokens);
+            for pdl in [false, true] {
+                be.set_pdl(pdl);
+                for ctx in [128usize, 1024] {
+                    let t = time_greedy(&mut be, &batch(1, ctx, 1, true), 5, 50)?;
+                    println!("decode b=1 ctx={ctx} pdl={pdl}: {:.3} ms/step", t * 1e3);
+                    results.insert(format!("decode_b1_ctx{ctx}_pdl_{pdl}"), json!(t * 1e3));
+                }
+            }
+            // Per-kernel device time of one eager step (CUDA events between launches).
+            for (bsz, ctx) in [(1usize, 1024usize), (256, 1024)] {
+                let b = batch(bsz, ctx, 1, true);
+                be.profile_step(&b)?;
+                let prof = be.profile_step(&b)?;
+                let total: f64 = prof.iter().map(|p| p.1).sum();
+                println!("profile decode b={bsz} ctx={ctx}: {total:.0} us of kernels");
+                for (name, us, cnt) in &prof {
+                    println!("  {name:<20} {us:>9.1} us  {cnt:>3} launches  {:>7.2} us each", us / *cnt as f64);
+                }
+                results.insert(
+                    format!("profile_b{bsz}_ctx{ctx}"),
+                    json!(prof.iter().map(|p| json!({"kernel": p.0, "us": p.1, "launches": p.2})).collect::<Vec<_>>()),
+                );
+            }
+        }
         // Batch-1 decode.
         for ctx in [128usize, 1024] {
             let b = batch(1, ctx, 1, true);
@@ -172,10 +250,12 @@ mod bench {
             results.insert(format!("decode_b1_ctx{ctx}_no_graphs"), json!({"ms_per_step": t * 1e3}));
         }
         let report = json!({
+            "mode": if invariant { "batch_invariant" } else { "fast" },
             "device": name, "init_seconds": init_s, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
             "kv_tokens": eager.num_kv_blocks() * BS, "results": results, "graph_replays": replays, "gemm_plans": plans,
         });
         std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
+        anyhow::ensure!(check_ok, "GEMV path disagrees with the cuBLASLt path");
         Ok(())
     }
 }

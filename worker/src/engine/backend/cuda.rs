@@ -65,6 +65,9 @@ pub struct CudaOptions {
     /// default: the fast mode uses fused decode GEMVs for steps of at most
     /// [`gemv::GEMV_MAX_M`] tokens and cuBLASLt's per-`M` heuristic choice above that.
     pub batch_invariant: bool,
+    /// Fast mode: steps of at most this many tokens (≤ [`gemv::GEMV_MAX_M`]) run the fused
+    /// decode GEMVs; larger steps use cuBLASLt.
+    pub gemv_max_tokens: usize,
 }
 
 impl Default for CudaOptions {
@@ -78,6 +81,7 @@ impl Default for CudaOptions {
             max_num_seqs: 256,
             cuda_graphs: true,
             batch_invariant: false,
+            gemv_max_tokens: 2,
         }
     }
 }
@@ -152,6 +156,10 @@ pub struct CudaBackend {
     gemv: gemv::Gemv,
     /// [`CudaOptions::batch_invariant`].
     invariant: bool,
+    /// [`CudaOptions::gemv_max_tokens`] (0 in batch-invariant mode).
+    gemv_max: usize,
+    /// Per-launch events while [`CudaBackend::profile_step`] runs.
+    prof: Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
     /// Decode graphs by (bucket, context-chunk bucket); `None` = seen once, not captured yet.
     graphs: HashMap<(usize, usize), Option<Graph>>,
     /// Decode batch-size buckets (ascending); empty when graphs are off.
@@ -314,6 +322,8 @@ impl CudaBackend {
             lt,
             gemv,
             invariant: opts.batch_invariant,
+            gemv_max: if opts.batch_invariant { 0 } else { opts.gemv_max_tokens.min(gemv::GEMV_MAX_M) },
+            prof: None,
             graphs: HashMap::new(),
             buckets,
             graph_replays: 0,
@@ -360,6 +370,55 @@ impl CudaBackend {
         unsafe { b.launch(cfg) }.map_err(|e| device::dev_err("argmax_rows", e))?;
         let mut out = vec![0u32; rows];
         self.gpu.download(&mut out, self.s.argmax.ptr)?;
+        Ok(out)
+    }
+
+    /// Sets [`CudaOptions::gemv_max_tokens`] (benchmarks; ignored in batch-invariant mode).
+    /// Captured graphs are dropped.
+    pub fn set_gemv_max_tokens(&mut self, m: usize) {
+        if !self.invariant {
+            self.gemv_max = m.min(gemv::GEMV_MAX_M);
+            self.graphs.clear();
+        }
+    }
+
+    /// Turns programmatic dependent launch of the decode GEMVs on or off (benchmarks); captured
+    /// graphs are dropped.
+    pub fn set_pdl(&mut self, on: bool) {
+        self.gemv.pdl = on;
+        self.graphs.clear();
+    }
+
+    /// Runs one step eagerly (no graph) with a CUDA event after every launch and returns the
+    /// device time per kernel name summed over the step: (name, µs, launches), in first-launch
+    /// order. For benchmarks: the events cost a little time themselves.
+    ///
+    /// # Errors
+    /// As [`Backend::forward`].
+    pub fn profile_step(&mut self, batch: &StepBatch) -> Result<Vec<(String, f64, usize)>, BackendError> {
+        self.validate(batch)?;
+        self.gpu.bind()?;
+        let n = batch.token_ids.len();
+        let max_ctx = batch.seqs.iter().map(|q| q.context_len).max().unwrap_or(1);
+        let chunks = max_ctx.div_ceil(ATTN_CHUNK).max(1);
+        let (ptrs, rows) = self.upload_meta(batch, n)?;
+        let start = self.gpu.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| device::dev_err("event", e))?;
+        self.prof = Some(vec![("start", start)]);
+        let res = self.enqueue(n, rows, ptrs, chunks);
+        let marks = self.prof.take().unwrap_or_default();
+        res?;
+        self.gpu.sync()?;
+        let mut out: Vec<(String, f64, usize)> = Vec::new();
+        for w in marks.windows(2) {
+            let us = f64::from(w[0].1.elapsed_ms(&w[1].1).map_err(|e| device::dev_err("elapsed", e))?) * 1e3;
+            match out.iter_mut().find(|o| o.0 == w[1].0) {
+                Some(o) => {
+                    o.1 += us;
+                    o.2 += 1;
+                }
+                None => out.push((w[1].0.to_owned(), us, 1)),
+            }
+        }
         Ok(out)
     }
 
@@ -488,12 +547,23 @@ impl CudaBackend {
     fn enqueue(&mut self, n: usize, rows: usize, ptrs: [u64; 6], chunks: usize) -> Result<(), BackendError> {
         let [ids, pos, slots, tok_bt, rows_ptr, bts] = ptrs;
         let d = self.d;
-        // Fast mode, few tokens: fused GEMVs (norms, residual adds and SiLU·mul inside).
-        let small = !self.invariant && n <= gemv::GEMV_MAX_M;
+        // Fast mode, few tokens: fused GEMVs (norms, RoPE + K/V write, residual adds and
+        // SiLU·mul inside).
+        let small = n <= self.gemv_max;
         let invariant = self.invariant;
-        let Self { gpu: g, lt, gemv, s, w, k_cache, v_cache, block_size, .. } = self;
+        let Self { gpu: g, lt, gemv, s, w, k_cache, v_cache, block_size, prof, .. } = self;
         let mut matmul = |g: &Gpu, y: u64, x: u64, wp: u64, shape: GemmShape, f32_out: bool| {
             if invariant { lt.matmul(g, y, x, wp, shape, f32_out) } else { lt.matmul_heuristic(g, y, x, wp, shape, f32_out) }
+        };
+        let mut mark = |name: &'static str| -> Result<(), BackendError> {
+            if let Some(p) = prof.as_mut() {
+                let e = g
+                    .stream
+                    .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(|e| device::dev_err("event", e))?;
+                p.push((name, e));
+            }
+            Ok(())
         };
         let st = &g.stream;
         let launch_err = |name: &'static str| move |e| device::dev_err(name, e);
@@ -505,6 +575,7 @@ impl CudaBackend {
             // SAFETY: x holds n × hidden f32; ids are validated < vocab.
             unsafe { b.launch(per_row(n, 256)) }.map_err(launch_err("embed_gather"))?;
         }
+        mark("embed")?;
         let norm_threads = if d.hidden >= 2048 { 1024 } else { 256 };
         let (qh, kvh, hd, bs) = (d.q_heads as i32, d.kv_heads as i32, d.head_dim as i32, *block_size as i32);
         let scale = 1.0 / (d.head_dim as f32).sqrt();
@@ -515,8 +586,20 @@ impl CudaBackend {
         let per_launch = if chunks == 1 { n } else { (s.part_cap / (chunks * d.q_heads * (d.head_dim + 2))).clamp(1, n) };
         let chunks_i = chunks as i32;
         for (li, lw) in w.layers.iter().enumerate() {
+            let (kc, vc) = (k_cache[li].ptr, v_cache[li].ptr);
             if small {
-                gemv.launch(g, gemv::GemvKind::NormBf16, n, s.qkv.ptr, lw.qkv, s.x.ptr, lw.input_norm, d.qkv_dim(), d.hidden, eps)?;
+                let rope = gemv::RopeArgs {
+                    pos,
+                    slots,
+                    inv_freq: s.inv_freq.ptr,
+                    k_cache: kc,
+                    v_cache: vc,
+                    q_heads: qh,
+                    kv_heads: kvh,
+                    head_dim: hd,
+                };
+                gemv.launch(g, gemv::GemvKind::QkvRope, n, s.qkv.ptr, lw.qkv, s.x.ptr, lw.input_norm, d.qkv_dim(), d.hidden, eps, &rope)?;
+                mark("gemv_qkv_rope_kv")?;
             } else {
                 // Residual add of the previous layer's down_proj output fused with this norm.
                 let delta = if li == 0 { null } else { s.proj.ptr };
@@ -524,13 +607,15 @@ impl CudaBackend {
                 b.arg(&s.x.ptr).arg(&delta).arg(&lw.input_norm).arg(&s.hn.ptr).arg(&null).arg(&h).arg(&eps);
                 // SAFETY: all buffers hold n rows of hidden.
                 unsafe { b.launch(per_row(n, norm_threads)) }.map_err(launch_err("add_rmsnorm"))?;
+                mark("add_rmsnorm")?;
                 matmul(g, s.qkv.ptr, s.hn.ptr, lw.qkv, GemmShape { n, out: d.qkv_dim(), inp: d.hidden }, false)?;
+                mark("gemm_qkv")?;
+                let mut b = st.launch_builder(&g.k.rope_kv_write);
+                b.arg(&s.qkv.ptr).arg(&pos).arg(&slots).arg(&s.inv_freq.ptr).arg(&kc).arg(&vc).arg(&qh).arg(&kvh).arg(&hd);
+                // SAFETY: slots validated < num_blocks · block_size (u32::MAX = padding, skipped).
+                unsafe { b.launch(per_row(n, 128)) }.map_err(launch_err("rope_kv_write"))?;
+                mark("rope_kv_write")?;
             }
-            let (kc, vc) = (k_cache[li].ptr, v_cache[li].ptr);
-            let mut b = st.launch_builder(&g.k.rope_kv_write);
-            b.arg(&s.qkv.ptr).arg(&pos).arg(&slots).arg(&s.inv_freq.ptr).arg(&kc).arg(&vc).arg(&qh).arg(&kvh).arg(&hd);
-            // SAFETY: slots validated < num_blocks · block_size (u32::MAX = padding, skipped).
-            unsafe { b.launch(per_row(n, 128)) }.map_err(launch_err("rope_kv_write"))?;
             let mut t0 = 0usize;
             while t0 < n {
                 let cnt = per_launch.min(n - t0);
@@ -542,32 +627,43 @@ impl CudaBackend {
                 // SAFETY: block tables validated to cover each position with valid block ids;
                 // `part` holds cnt × q_heads × chunks × (head_dim + 2) f32 (per_launch above).
                 unsafe { b.launch(cfg) }.map_err(launch_err("paged_attention"))?;
+                mark("attention")?;
                 if chunks > 1 {
                     let mut b = st.launch_builder(&g.k.attn_combine);
                     b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&pos).arg(&qh).arg(&hd).arg(&chunks_i).arg(&t0_i);
                     let cfg = LaunchConfig { grid_dim: (cnt as u32, d.q_heads as u32, 1), block_dim: (d.head_dim as u32, 1, 1), shared_mem_bytes: 0 };
                     // SAFETY: as above.
                     unsafe { b.launch(cfg) }.map_err(launch_err("attn_combine"))?;
+                    mark("attn_combine")?;
                 }
                 t0 += cnt;
             }
             if small {
-                gemv.launch(g, gemv::GemvKind::Residual, n, s.x.ptr, lw.o_proj, s.attn.ptr, null, d.hidden, d.q_dim(), eps)?;
-                gemv.launch(g, gemv::GemvKind::NormGateUpSilu, n, s.act.ptr, lw.gate_up, s.x.ptr, lw.post_norm, d.inter, d.hidden, eps)?;
-                gemv.launch(g, gemv::GemvKind::Residual, n, s.x.ptr, lw.down, s.act.ptr, null, d.hidden, d.inter, eps)?;
+                let none = gemv::RopeArgs::default();
+                gemv.launch(g, gemv::GemvKind::Residual, n, s.x.ptr, lw.o_proj, s.attn.ptr, null, d.hidden, d.q_dim(), eps, &none)?;
+                mark("gemv_o_proj")?;
+                gemv.launch(g, gemv::GemvKind::NormGateUpSilu, n, s.act.ptr, lw.gate_up, s.x.ptr, lw.post_norm, d.inter, d.hidden, eps, &none)?;
+                mark("gemv_gate_up_silu")?;
+                gemv.launch(g, gemv::GemvKind::Residual, n, s.x.ptr, lw.down, s.act.ptr, null, d.hidden, d.inter, eps, &none)?;
+                mark("gemv_down")?;
                 continue;
             }
             matmul(g, s.proj.ptr, s.attn.ptr, lw.o_proj, GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
+            mark("gemm_o_proj")?;
             let mut b = st.launch_builder(&g.k.add_rmsnorm);
             b.arg(&s.x.ptr).arg(&s.proj.ptr).arg(&lw.post_norm).arg(&s.hn.ptr).arg(&null).arg(&h).arg(&eps);
             // SAFETY: as above.
             unsafe { b.launch(per_row(n, norm_threads)) }.map_err(launch_err("add_rmsnorm"))?;
+            mark("add_rmsnorm")?;
             matmul(g, s.gu.ptr, s.hn.ptr, lw.gate_up, GemmShape { n, out: 2 * d.inter, inp: d.hidden }, false)?;
+            mark("gemm_gate_up")?;
             let mut b = st.launch_builder(&g.k.silu_mul);
             b.arg(&s.act.ptr).arg(&s.gu.ptr).arg(&n_i).arg(&inter);
             // SAFETY: gu holds n × 2·inter, act n × inter.
             unsafe { b.launch(device::grid_stride(n * d.inter)) }.map_err(launch_err("silu_mul"))?;
+            mark("silu_mul")?;
             matmul(g, s.proj.ptr, s.act.ptr, lw.down, GemmShape { n, out: d.hidden, inp: d.inter }, false)?;
+            mark("gemm_down")?;
         }
         if rows > 0 {
             // Last residual add (already done by the small path's down GEMV) + final norm,
@@ -577,11 +673,13 @@ impl CudaBackend {
             b.arg(&s.x.ptr).arg(&delta).arg(&w.norm).arg(&s.hn.ptr).arg(&rows_ptr).arg(&h).arg(&eps);
             // SAFETY: rows index tokens < n; hn holds at least rows × hidden.
             unsafe { b.launch(per_row(rows, norm_threads)) }.map_err(launch_err("final_norm"))?;
+            mark("final_norm")?;
             if small {
-                gemv.launch(g, gemv::GemvKind::LogitsF32, rows, s.logits.ptr, w.lm_head, s.hn.ptr, null, d.vocab, d.hidden, eps)?;
+                gemv.launch(g, gemv::GemvKind::LogitsF32, rows, s.logits.ptr, w.lm_head, s.hn.ptr, null, d.vocab, d.hidden, eps, &gemv::RopeArgs::default())?;
             } else {
                 matmul(g, s.logits.ptr, s.hn.ptr, w.lm_head, GemmShape { n: rows, out: d.vocab, inp: d.hidden }, true)?;
             }
+            mark("lm_head")?;
         }
         Ok(())
     }

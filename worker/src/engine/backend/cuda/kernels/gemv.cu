@@ -11,6 +11,11 @@
 //   2: x f32  [M, out] += bf16(y)  (residual add fused)        (o_proj, down_proj)
 //   3: act bf16 [M, out] = silu(bf16(g)) · bf16(u) where g, u are rows j and out + j of a fused
 //      [gate; up] weight [2·out, inp]                          (gate_up + SiLU·mul fused)
+//   4: fused QKV with RoPE and the paged K/V write: logical row j pairs weight rows
+//      r0 = head·hd + i and r1 = r0 + hd/2 (i = j mod hd/2), the two halves RoPE (rotate-half,
+//      HF layout) mixes; q and k heads are rotated by pos[m]·inv_freq[i], all rows are written
+//      to qkv [M, out·2] bf16 and the K/V heads also to the token's cache slot (slot u32::MAX =
+//      graph padding: no write) — the work of `rope_kv_write` in llama.cu, same formula.
 // NORM: the activation rows are bf16(x[m] · rsqrt(mean(x[m]²) + eps) · gain) computed from the
 // f32 residual stream by each block (RMSNorm fused as a prologue; Zhang & Sennrich 2019).
 // The rounding points mirror the unfused path (GEMM outputs rounded to bf16 before the residual
@@ -50,34 +55,82 @@ __device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
 
 __device__ __forceinline__ float rbf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// Block: GEMV_WARPS warps; warp w of block b owns logical rows j0 = (b·GEMV_WARPS + w)·R ..+R.
-// Requires inp % 8 == 0 and 16-byte aligned rows. Dynamic shared memory (NORM only):
-// M · inp bf16 activation rows + GEMV_WARPS · M f32.
+// Extra arguments of MODE 4 (unused otherwise).
+struct RopeKv {
+    const u32* pos;
+    const u32* slots;
+    const float* inv_freq;
+    bf16* kc;
+    bf16* vc;
+    int qh, kvh, hd;
+};
+
+// Physical weight row of slot r (< NW) for logical row j.
+template <int MODE>
+__device__ __forceinline__ int phys_row(int j, int r, int out, int hd) {
+    if (MODE == 3) return r >= GEMV_R ? out + j : j;
+    if (MODE == 4) {
+        int half = hd >> 1;
+        int base = (j / half) * hd + (j % half);
+        return r >= GEMV_R ? base + half : base;
+    }
+    return j;
+}
+
+// Programmatic dependent launch (Hopper): the host launches these kernels with the
+// programmatic-stream-serialization attribute, so a GEMV's blocks may start while the previous
+// kernel finishes; they issue their first weight loads (which depend on nothing), then wait for
+// the previous grid (griddepcontrol.wait) before touching activations. Each kernel lets its own
+// successor launch early (griddepcontrol.launch_dependents). Without the attribute both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// Groups of R logical rows are dealt to warps block-first (group g → block g mod grid, warp
+// (g / grid) mod GEMV_WARPS, …) so every block, and so every SM, gets the same share of a
+// small matrix; blocks are persistent (grid ≤ resident blocks) so the norm prologue runs once
+// per block. Requires
+// inp % 8 == 0 and 16-byte aligned rows. Dynamic shared memory (NORM only): M · inp bf16
+// activation rows + GEMV_WARPS · M f32. `out` counts logical rows (MODE 4: qkv_dim / 2).
 template <int M, int MODE, bool NORM>
 __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, const void* __restrict__ xin,
-                                          const bf16* __restrict__ gain, int out, int inp, float eps) {
-    constexpr int NW = MODE == 3 ? 2 * GEMV_R : GEMV_R;
+                                          const bf16* __restrict__ gain, int out, int inp, float eps, RopeKv rk) {
+    constexpr int NW = (MODE == 3 || MODE == 4) ? 2 * GEMV_R : GEMV_R;
     extern __shared__ uint4 gv_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int j0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_R;
+    const int groups = (out + GEMV_R - 1) / GEMV_R;
+    int grp = blockIdx.x + gridDim.x * warp;
+    int j0 = (grp < groups ? grp : groups - 1) * GEMV_R;
+    pdl_launch_dependents();
 
     // Weight row pointers (rows past `out` are clamped and their results dropped).
     const bf16* wrow[NW];
-#pragma unroll
-    for (int r = 0; r < NW; r++) {
-        int j = j0 + (r % GEMV_R);
-        j = j < out ? j : out - 1;
-        int phys = (MODE == 3 && r >= GEMV_R) ? out + j : j;
-        wrow[r] = w + (u64)phys * inp;
-    }
-    // Issue the first weight loads before the prologue so HBM is busy while it runs.
     uint4 wv[GEMV_U][NW];
+    auto start_tile = [&]() {
 #pragma unroll
-    for (int u = 0; u < GEMV_U; u++) {
-        int k = lane * 8 + u * 256;
+        for (int r = 0; r < NW; r++) {
+            int j = j0 + (r % GEMV_R);
+            j = j < out ? j : out - 1;
+            wrow[r] = w + (u64)phys_row<MODE>(j, r, out, rk.hd) * inp;
+        }
 #pragma unroll
-        for (int r = 0; r < NW; r++) wv[u][r] = k < inp ? ld_weight(wrow[r] + k) : make_uint4(0, 0, 0, 0);
-    }
+        for (int u = 0; u < GEMV_U; u++) {
+            int k = lane * 8 + u * 256;
+#pragma unroll
+            for (int r = 0; r < NW; r++) wv[u][r] = k < inp ? ld_weight(wrow[r] + k) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    // Issue the first weight loads before waiting on the previous kernel and before the
+    // prologue, so HBM is busy meanwhile.
+    start_tile();
+    pdl_wait();
 
     const bf16* xs = reinterpret_cast<const bf16*>(gv_smem);
     if (NORM) {
@@ -109,9 +162,10 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
                 xw[(u64)m * inp + i] = __float2bfloat16_rn(x[(u64)m * inp + i] * ss[m] * __bfloat162float(gain[i]));
         __syncthreads();
     }
-    if (j0 >= out) return;
 
     const bf16* xg = reinterpret_cast<const bf16*>(xin);
+    if (grp >= groups) return;
+  for (;;) {
     float acc[NW][M];
 #pragma unroll
     for (int r = 0; r < NW; r++)
@@ -152,7 +206,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
     for (int r = 0; r < NW; r++)
 #pragma unroll
         for (int m = 0; m < M; m++) acc[r][m] = gv_warp_sum(acc[r][m]);
-    if (lane != 0) return;
+    if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < GEMV_R; r++) {
         int j = j0 + r;
@@ -160,7 +214,31 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
 #pragma unroll
         for (int m = 0; m < M; m++) {
             u64 o = (u64)m * out + j;
-            if (MODE == 0) {
+            if (MODE == 4) {
+                int half = rk.hd >> 1, head = j / half, i = j % half;
+                int r0 = head * rk.hd + i;
+                float a = rbf(acc[r][m]), b = rbf(acc[GEMV_R + r][m]);
+                if (head < rk.qh + rk.kvh) {
+                    float sn, cs;
+                    sincosf((float)rk.pos[m] * rk.inv_freq[i], &sn, &cs);
+                    float a2 = a * cs - b * sn, b2 = b * cs + a * sn;
+                    a = a2;
+                    b = b2;
+                }
+                bf16 ab = __float2bfloat16_rn(a), bb = __float2bfloat16_rn(b);
+                bf16* row = reinterpret_cast<bf16*>(y) + (u64)m * (2 * out);
+                row[r0] = ab;
+                row[r0 + half] = bb;
+                u32 slot = rk.slots[m];
+                if (head >= rk.qh && slot != 0xffffffffu) {
+                    int kvd = rk.kvh * rk.hd;
+                    bool is_v = head >= rk.qh + rk.kvh;
+                    int col = r0 - (is_v ? rk.qh + rk.kvh : rk.qh) * rk.hd;
+                    bf16* cache = is_v ? rk.vc : rk.kc;
+                    cache[(u64)slot * kvd + col] = ab;
+                    cache[(u64)slot * kvd + col + half] = bb;
+                }
+            } else if (MODE == 0) {
                 reinterpret_cast<bf16*>(y)[o] = __float2bfloat16_rn(acc[r][m]);
             } else if (MODE == 1) {
                 reinterpret_cast<float*>(y)[o] = acc[r][m];
@@ -172,26 +250,38 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
             }
         }
     }
+    }
+    grp += gridDim.x * GEMV_WARPS;
+    if (grp >= groups) return;
+    j0 = grp * GEMV_R;
+    start_tile();
+  }
 }
 
 #define GEMV_KERNEL(NAME, M, MODE, NORM)                                                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) NAME(                                   \
         void* y, const bf16* w, const void* x, const bf16* gain, int out, int inp, float eps) {           \
-        gemv_impl<M, MODE, NORM>(y, w, x, gain, out, inp, eps);                                           \
+        RopeKv rk = {nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 2};                               \
+        gemv_impl<M, MODE, NORM>(y, w, x, gain, out, inp, eps, rk);                                       \
+    }
+
+// MODE 4: `out` = qkv_dim / 2 logical rows (RoPE pairs).
+#define GEMV_QKV_ROPE(M)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_qkv_rope_m##M(                     \
+        void* y, const bf16* w, const void* x, const bf16* gain, int out, int inp, float eps,             \
+        const u32* pos, const u32* slots, const float* inv_freq, bf16* kc, bf16* vc, int qh, int kvh,     \
+        int hd) {                                                                                          \
+        RopeKv rk = {pos, slots, inv_freq, kc, vc, qh, kvh, hd};                                          \
+        gemv_impl<M, 4, true>(y, w, x, gain, out, inp, eps, rk);                                          \
     }
 
 #define GEMV_FAMILY(M)                                  \
-    GEMV_KERNEL(gemv_qkv_m##M, M, 0, true)              \
+    GEMV_QKV_ROPE(M)                                    \
     GEMV_KERNEL(gemv_logits_m##M, M, 1, false)          \
     GEMV_KERNEL(gemv_residual_m##M, M, 2, false)        \
-    GEMV_KERNEL(gemv_gate_up_m##M, M, 3, true)          \
-    GEMV_KERNEL(gemv_bf16_m##M, M, 0, false)
+    GEMV_KERNEL(gemv_gate_up_m##M, M, 3, true)
 
 GEMV_FAMILY(1)
 GEMV_FAMILY(2)
 GEMV_FAMILY(3)
 GEMV_FAMILY(4)
-GEMV_FAMILY(5)
-GEMV_FAMILY(6)
-GEMV_FAMILY(7)
-GEMV_FAMILY(8)
