@@ -1,0 +1,378 @@
+// Paged decode attention of Prism's CUDA backend (one query token per row), compiled at run time
+// by NVRTC as its own module (sm_80 or newer: cp.async, ldmatrix, bf16 mma.sync).
+// Storage bf16, softmax and accumulation f32, output bf16.
+//
+// Layouts (as backend/cuda.rs):
+//   qkv    bf16 [T, (qh + 2·kvh)·HD]  fused rows [q heads | k heads | v heads]; q already RoPE'd
+//   kc, vc bf16 [num_blocks, bs, kvh, HD]  paged caches; this step's K/V already written
+//   pos    u32 [T]   position of each token (its context is L = pos + 1 positions)
+//   tok_bt u32 [T]   offset into bts of the token's block table;  bts u32 concatenated tables
+//   out    bf16 [T, qh·HD]
+// Slot of position p: bts[tok_bt[t] + p / bs] · bs + p % bs.
+//
+// Algorithm (FlashDecoding, Dao et al. 2023, with FlashAttention-2's register-level softmax):
+// grid (splits, kvh, T), DA_THREADS threads. CTA (z, g, t) computes the G = qh / kvh query heads
+// that share KV head g over split z of token t's context, so K/V are read once for the whole
+// group (GQA). The context is cut into DA_TILE-position tiles and a token's tiles into splits:
+//   tiles = ceil(L / 64), tiles_per_split = ceil(tiles / cap), splits = ceil(tiles / tiles_per_split)
+// where cap (1..DA_MAX_SPLITS) is a launch argument. The split of a token depends only on its own
+// L and cap, never on gridDim or the other tokens: with a constant cap the result is batch
+// invariant. Tiles are copied into shared memory with 16-byte cp.async, double-buffered (the
+// next tile is in flight while the current one is computed), each warp owns 16 positions of a tile and computes
+//   S[16 × 16] = Q[16 heads (G used, rest zero) × HD] · K_tileᵀ      (mma m16n8k16, bf16 → f32)
+// then an online softmax in f32 (log2 domain, exp2) over its positions and
+//   O[16 × HD] += bf16(P)[16 × 16] · V_tile[16 × HD]                (mma m16n8k16)
+// (fragment layouts: PTX ISA, "Matrix fragments for mma.m16n8k16" and "ldmatrix"). The four
+// warps merge in warp order through shared memory. A one-split token writes bf16 output; else
+// each split writes (max, sum, acc[HD]) f32 partials and the CTA that finishes last (atomic
+// counter per (token, kv head), reset by that CTA so CUDA-graph replays start from zero) folds
+// the splits in split order 0, 1, … and writes the output. Every reduction order above is fixed
+// by (L, cap), so results are deterministic. A grid with fewer splits than a token needs is still
+// correct (CTAs loop over splits z, z + gridDim.x, …); one with more lets the extra CTAs exit.
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define DA_WARPS 4
+#define DA_THREADS (DA_WARPS * 32)
+#define DA_TILE (DA_WARPS * 16)
+#define DA_MAX_SPLITS 16
+#define DA_NEG_INF __int_as_float(0xff800000)
+#define DA_LOG2E 1.4426950408889634f
+
+__device__ __forceinline__ u32 da_smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16-byte async copy global → shared; src_bytes 0 writes zeros (tail positions of a tile).
+__device__ __forceinline__ void da_cp16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void da_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void da_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Four 8×8 b16 matrices from shared memory; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void da_ldsm4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void da_ldsm4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+
+// D = A·B + C for m16n8k16 (bf16 in, f32 accumulate) where rows 8..15 of A are zero: the A
+// registers a1, a3 (rows groupID + 8) are 0 and the outputs of those rows (d2, d3) are dropped,
+// so only (d0, d1) += row groupID, columns 2·(lane % 4) + {0, 1}.
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 550  // x0, x1 set but never used
+__device__ __forceinline__ void da_mma_top(float& d0, float& d1, u32 a0, u32 a2, u32 b0, u32 b1) {
+    float x0, x1;  // rows 8..15: discarded
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};\n"
+        : "=f"(d0), "=f"(d1), "=f"(x0), "=f"(x1)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(d0), "f"(d1), "f"(0.f), "f"(0.f));
+}
+#pragma nv_diagnostic pop
+
+__device__ __forceinline__ u32 da_pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&v);
+}
+
+// Positions per split and number of splits of a context of L positions (see the file header).
+__device__ __forceinline__ void da_split(int L, int cap, int& chunk, int& nsplits) {
+    int tiles = (L + DA_TILE - 1) / DA_TILE;
+    int tps = (tiles + cap - 1) / cap;
+    chunk = tps * DA_TILE;
+    nsplits = (tiles + tps - 1) / tps;
+}
+
+// Byte offset of 16-byte chunk c of row r in a [DA_TILE][HD] bf16 tile, XOR-swizzled by r % 8 so
+// that ldmatrix (8 rows, same chunk) and cp.async touch 8 distinct bank groups.
+template <int HD>
+__device__ __forceinline__ u32 da_tile_off(int r, int c) {
+    return (u32)(r * HD * 2 + ((c ^ (r & 7)) << 4));
+}
+
+// part_o: f32 [T·kvh, DA_MAX_SPLITS, G, HD]; part_ml: f32 [T·kvh, DA_MAX_SPLITS, G, 2] (max in
+// log2 units, sum); cnt: u32 [T·kvh], zero between launches.
+// Dynamic shared memory: 2 stages · (K + V tile) = 4 · DA_TILE · HD · 2 bytes.
+template <int HD, int G>
+__device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* __restrict__ part_o,
+                                                 float* __restrict__ part_ml, u32* __restrict__ cnt,
+                                                 const bf16* __restrict__ qkv, const bf16* __restrict__ kc,
+                                                 const bf16* __restrict__ vc, const u32* __restrict__ pos,
+                                                 const u32* __restrict__ tok_bt, const u32* __restrict__ bts, int qh,
+                                                 int kvh, int bs, float scale, int cap) {
+    static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
+    static_assert(G >= 1 && G <= 8, "1..8 query heads per KV head");
+    constexpr int CPR = HD / 8;                  // 16-byte chunks per K/V row
+    constexpr int RPP = DA_THREADS / CPR;        // rows per pass of the copy loop
+    constexpr int TILE_BYTES = DA_TILE * HD * 2; // one K (or V) tile
+    constexpr int OSTRIDE = HD + 8;              // f32 row stride of the warp-merge buffer
+    extern __shared__ __align__(128) unsigned char da_smem[];
+    __shared__ float s_m[DA_WARPS][8], s_l[DA_WARPS][8];
+    __shared__ float s_w[DA_MAX_SPLITS][8], s_lz[DA_MAX_SPLITS][8], s_den[8];
+    __shared__ int s_last;
+
+    const int z0 = blockIdx.x, g = blockIdx.y, t = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;  // mma groupID (query head row) and thread in group
+    cap = min(max(cap, 1), DA_MAX_SPLITS);
+    const int L = (int)pos[t] + 1;
+    int chunk, nsplits;
+    da_split(L, cap, chunk, nsplits);
+    if (z0 >= nsplits) return;
+
+    const u64 kvd = (u64)kvh * HD;
+    const u32* bt = bts + tok_bt[t];
+    const bf16* kbase = kc + (u64)g * HD;
+    const bf16* vbase = vc + (u64)g * HD;
+    const float sl2 = scale * DA_LOG2E;
+
+    // Q as mma A fragments (rows = query heads of the group, zero past G): for k-step ks,
+    // qa[ks][0] holds head gid, dims 16ks + 2tig + {0,1}; qa[ks][1] dims 16ks + 8 + 2tig + {0,1}.
+    u32 qa[HD / 16][2];
+    {
+        const bf16* qrow = qkv + (u64)t * (u64)(qh + 2 * kvh) * HD + (u64)(g * G + gid) * HD;
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+            qa[ks][0] = gid < G ? *reinterpret_cast<const u32*>(qrow + ks * 16 + 2 * tig) : 0u;
+            qa[ks][1] = gid < G ? *reinterpret_cast<const u32*>(qrow + ks * 16 + 8 + 2 * tig) : 0u;
+        }
+    }
+
+    const u32 sbase = da_smem_addr(da_smem);
+    float* s_o = reinterpret_cast<float*>(da_smem);  // [DA_WARPS][8][OSTRIDE], after the tiles
+    const u64 tk = (u64)t * kvh + g;
+    // Copy-loop coordinates and the ldmatrix row offsets (swizzle: see da_tile_off; the chunk
+    // index of k-step ks is XORed in as ks << 5 since 2ks and the low bit are disjoint).
+    const int cp_row = tid / CPR, cp_col = (tid % CPR) * 8;
+    const u32 cp_off = da_tile_off<HD>(cp_row, tid % CPR);
+    const int mi = lane >> 3;
+    const int krow = w * 16 + ((mi >> 1) << 3) + (lane & 7);
+    const int vrow = w * 16 + ((mi & 1) << 3) + (lane & 7);
+    const u32 k_off = da_tile_off<HD>(krow, mi & 1);
+    const u32 v_off = da_tile_off<HD>(vrow, mi >> 1);
+
+    for (int z = z0; z < nsplits; z += gridDim.x) {
+        const int p_begin = z * chunk;
+        const int p_end = min(L, p_begin + chunk);
+        const int n_tiles = (p_end - p_begin + DA_TILE - 1) / DA_TILE;
+
+        // Copies positions tile0 .. tile0 + DA_TILE of K and V into stage `st` (zeros past
+        // p_end). Thread: chunk tid % CPR of rows tid / CPR + j·RPP; r % 8 is the same for all j.
+        auto issue = [&](int tile0, int st) {
+            const u32 dst = sbase + (u32)(st * 2 * TILE_BYTES) + cp_off;
+#pragma unroll
+            for (int j = 0; j < DA_TILE / RPP; j++) {
+                const int p = tile0 + cp_row + j * RPP;
+                const bool ok = p < p_end;
+                const u64 slot = ok ? (u64)(bt[p / bs] * (u32)bs + (u32)(p % bs)) : 0ull;
+                const u64 src = slot * kvd + cp_col;
+                const u32 d = dst + (u32)(j * RPP * HD * 2);
+                da_cp16(d, kbase + src, ok ? 16 : 0);
+                da_cp16(d + TILE_BYTES, vbase + src, ok ? 16 : 0);
+            }
+            da_cp_commit();
+        };
+
+        float m = DA_NEG_INF;  // running max of head row gid (log2 units), same in the 4 lanes
+        float l = 0.f;         // this lane's part of the running sum
+        float o[HD / 8][2];    // head gid, dims 8n + 2tig + {0,1}
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = 0.f;
+
+        issue(p_begin, 0);
+        for (int i = 0; i < n_tiles; i++) {
+            const int tile0 = p_begin + i * DA_TILE;
+            const int st = i & 1;
+            if (i + 1 < n_tiles) {
+                issue(tile0 + DA_TILE, (i + 1) & 1);
+                da_cp_wait<1>();
+            } else {
+                da_cp_wait<0>();
+            }
+            __syncthreads();
+            const int pw = tile0 + w * 16;  // this warp's first position
+            if (pw < p_end) {
+                const u32 sk = sbase + (u32)(st * 2 * TILE_BYTES);
+                const u32 sv = sk + TILE_BYTES;
+                // S = Q · Kᵀ: n-tile j covers positions pw + 8j .. +7.
+                float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+                for (int ks = 0; ks < HD / 16; ks++) {
+                    u32 b0, b1, b2, b3;
+                    da_ldsm4(sk + (k_off ^ (u32)(ks << 5)), b0, b1, b2, b3);
+                    da_mma_top(s[0][0], s[0][1], qa[ks][0], qa[ks][1], b0, b1);
+                    da_mma_top(s[1][0], s[1][1], qa[ks][0], qa[ks][1], b2, b3);
+                }
+                // Online softmax over this warp's 16 positions (lane holds 4 of them).
+                float mx = DA_NEG_INF;
+#pragma unroll
+                for (int j = 0; j < 2; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int p = pw + 8 * j + 2 * tig + e;
+                        s[j][e] = p < p_end ? s[j][e] * sl2 : DA_NEG_INF;
+                        mx = fmaxf(mx, s[j][e]);
+                    }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mn = fmaxf(m, mx);  // finite: position pw is valid
+                const float corr = exp2f(m - mn);
+                m = mn;
+                float ps = 0.f;
+#pragma unroll
+                for (int j = 0; j < 2; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        s[j][e] = exp2f(s[j][e] - mn);
+                        ps += s[j][e];
+                    }
+                l = l * corr + ps;
+#pragma unroll
+                for (int n = 0; n < HD / 8; n++) {
+                    o[n][0] *= corr;
+                    o[n][1] *= corr;
+                }
+                // P as the A fragment of P·V (k = positions): n-tile 0 → k 0..7, n-tile 1 → k 8..15.
+                const u32 pa0 = da_pack_bf16(s[0][0], s[0][1]);
+                const u32 pa2 = da_pack_bf16(s[1][0], s[1][1]);
+#pragma unroll
+                for (int nd = 0; nd < HD / 16; nd++) {
+                    u32 b0, b1, b2, b3;
+                    da_ldsm4_t(sv + (v_off ^ (u32)(nd << 5)), b0, b1, b2, b3);
+                    da_mma_top(o[2 * nd][0], o[2 * nd][1], pa0, pa2, b0, b1);
+                    da_mma_top(o[2 * nd + 1][0], o[2 * nd + 1][1], pa0, pa2, b2, b3);
+                }
+            }
+            __syncthreads();  // stage st is refilled by the next iteration's issue
+        }
+
+        // Merge the warps in warp order (shared memory reused: every warp is past its tiles).
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (gid < G) {
+            float* row = s_o + (w * 8 + gid) * OSTRIDE;
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++)
+                *reinterpret_cast<float2*>(row + 8 * n + 2 * tig) = make_float2(o[n][0], o[n][1]);
+            if (tig == 0) {
+                s_m[w][gid] = m;
+                s_l[w][gid] = l;
+            }
+        }
+        __syncthreads();
+        for (int idx = tid; idx < G * HD; idx += DA_THREADS) {
+            const int gi = idx / HD, d = idx % HD;
+            float M = DA_NEG_INF;
+#pragma unroll
+            for (int ww = 0; ww < DA_WARPS; ww++) M = fmaxf(M, s_m[ww][gi]);
+            float den = 0.f, num = 0.f;
+#pragma unroll
+            for (int ww = 0; ww < DA_WARPS; ww++) {
+                const float f = s_l[ww][gi] > 0.f ? exp2f(s_m[ww][gi] - M) : 0.f;
+                den += s_l[ww][gi] * f;
+                num += s_o[(ww * 8 + gi) * OSTRIDE + d] * f;
+            }
+            if (nsplits == 1) {
+                out[(u64)t * qh * HD + (u64)(g * G + gi) * HD + d] = __float2bfloat16_rn(num / den);
+            } else {
+                const u64 row = (tk * DA_MAX_SPLITS + z) * G + gi;
+                part_o[row * HD + d] = num;
+                if (d == 0) {
+                    part_ml[row * 2] = M;
+                    part_ml[row * 2 + 1] = den;
+                }
+            }
+        }
+        __syncthreads();  // shared memory is reused by the next split of this CTA
+    }
+    if (nsplits == 1) return;
+
+    // The CTA that finishes last for (t, g) folds the splits (threadFenceReduction pattern of
+    // the CUDA samples: partials, fence, counter; the last one reads them through L2).
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        const u32 participants = (u32)min(nsplits, (int)gridDim.x);
+        const u32 prev = atomicAdd(cnt + tk, 1u);
+        const int last = prev + 1 == participants;
+        if (last) atomicExch(cnt + tk, 0u);  // ready for the next launch or graph replay
+        __threadfence();
+        s_last = last;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    // Split weights 2^(m_z − M) per head (all (m, l) loaded at once: nsplits · G ≤ 128).
+    if (tid < nsplits * G) {
+        const u64 row = tk * DA_MAX_SPLITS * G + tid;  // split tid / G, head tid % G
+        s_w[tid / G][tid % G] = __ldcg(part_ml + row * 2);
+        s_lz[tid / G][tid % G] = __ldcg(part_ml + row * 2 + 1);
+    }
+    __syncthreads();
+    if (tid < G) {
+        float M = DA_NEG_INF;
+        for (int z = 0; z < nsplits; z++) M = fmaxf(M, s_w[z][tid]);
+        float den = 0.f;
+        for (int z = 0; z < nsplits; z++) {
+            const float f = exp2f(s_w[z][tid] - M);
+            s_w[z][tid] = f;
+            den += s_lz[z][tid] * f;
+        }
+        s_den[tid] = den;
+    }
+    __syncthreads();
+    // Each thread folds 4 consecutive dims of one head over the splits in split order, with all
+    // of its loads issued together.
+    for (int e = tid; e < G * HD / 4; e += DA_THREADS) {
+        const int gi = e / (HD / 4), d = (e % (HD / 4)) * 4;
+        const float* src = part_o + (tk * DA_MAX_SPLITS * G + gi) * HD + d;
+        float4 v[DA_MAX_SPLITS];
+#pragma unroll
+        for (int z = 0; z < DA_MAX_SPLITS; z++)
+            v[z] = z < nsplits ? __ldcg(reinterpret_cast<const float4*>(src + (u64)z * G * HD)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+        for (int z = 0; z < DA_MAX_SPLITS; z++) {
+            const float f = z < nsplits ? s_w[z][gi] : 0.f;
+            a0 += v[z].x * f;
+            a1 += v[z].y * f;
+            a2 += v[z].z * f;
+            a3 += v[z].w * f;
+        }
+        const float inv = 1.f / s_den[gi];
+        bf16* o4 = out + (u64)t * qh * HD + (u64)(g * G + gi) * HD + d;
+        *reinterpret_cast<uint2*>(o4) = make_uint2(da_pack_bf16(a0 * inv, a1 * inv), da_pack_bf16(a2 * inv, a3 * inv));
+    }
+}
+
+// Kernels attn_decode_hd{HD}_g{G}. Defining DA_HD and DA_G (NVRTC -D options) compiles only that
+// one, which keeps the run-time compile short; otherwise all eight are compiled.
+#define DA_KERNEL_(HD, G)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(DA_THREADS, 3) attn_decode_hd##HD##_g##G(                          \
+        bf16* out, float* part_o, float* part_ml, u32* cnt, const bf16* qkv, const bf16* kc, const bf16* vc,        \
+        const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int cap) {         \
+        attn_decode_impl<HD, G>(out, part_o, part_ml, cnt, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, cap); \
+    }
+#define DA_KERNEL(HD, G) DA_KERNEL_(HD, G)
+
+#if defined(DA_HD) && defined(DA_G)
+DA_KERNEL(DA_HD, DA_G)
+#else
+DA_KERNEL(64, 1)
+DA_KERNEL(64, 2)
+DA_KERNEL(64, 4)
+DA_KERNEL(64, 8)
+DA_KERNEL(128, 1)
+DA_KERNEL(128, 2)
+DA_KERNEL(128, 4)
+DA_KERNEL(128, 8)
+#endif
