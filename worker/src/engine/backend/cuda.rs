@@ -26,6 +26,7 @@
 //! Not here yet: tensor parallelism (NCCL) and tensor-core attention for long prefills.
 
 pub mod attn_decode;
+pub mod attn_prefill;
 pub mod device;
 pub mod gemm;
 pub mod gemv;
