@@ -8,8 +8,8 @@
 //! each query token attends over its sequence's block table up to its own position),
 //! SiLU·mul and a greedy argmax on the device. The residual stream stays in f32.
 //!
-//! Batch invariance (deterministic inference): a sequence's logits do not depend on what else
-//! is in the step or how its prompt is chunked. GEMMs use one cuBLASLt algorithm per weight
+//! Batch invariance (deterministic inference, opt-in): a sequence's logits do not depend on what
+//! else is in the step or how its prompt is chunked. GEMMs use one cuBLASLt algorithm per weight
 //! shape for every row count, checked bitwise row-invariant on the device at load
 //! ([`gemm`]); attention splits each token's context into fixed 128-position chunks merged in
 //! chunk order; every other kernel is per row.
@@ -23,7 +23,15 @@
 //! `gpu_memory_utilization` (vLLM's rule: `total · utilization − in use`) unless an explicit
 //! byte budget is given; its capacity in tokens is logged.
 //!
-//! Not here yet: tensor parallelism (NCCL) and tensor-core attention for long prefills.
+//! Two modes. The default fast mode runs steps of at most `gemv_max_tokens` tokens through
+//! fused decode GEMVs (`gemv.rs`: norms, RoPE + K/V write, residual adds and SiLU·mul inside),
+//! larger steps through cuBLASLt's per-M heuristic, and attention through tensor-core kernels
+//! (`attn_decode.rs`: FlashDecoding over the paged cache, all query heads of a KV head per
+//! K/V read; `attn_prefill.rs`: FlashAttention-2 over prefill chunks). The batch-invariant mode
+//! (`CudaOptions::batch_invariant`) keeps the fixed-algorithm GEMMs and the split-KV kernel
+//! below, trading speed for logits that never depend on the rest of the step.
+//!
+//! Not here yet: tensor parallelism (NCCL).
 
 pub mod attn_decode;
 pub mod attn_prefill;
@@ -41,8 +49,8 @@ use crate::engine::EngineError;
 use crate::engine::model::{LlamaWeights, ModelConfig};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 pub use device::cuda_available;
-pub use weights::SyntheticShape;
 use weights::DeviceWeights;
+pub use weights::SyntheticShape;
 
 /// Options for [`CudaBackend::new`].
 #[derive(Clone, Debug)]
@@ -160,6 +168,13 @@ pub struct CudaBackend {
     invariant: bool,
     /// [`CudaOptions::gemv_max_tokens`] (0 in batch-invariant mode).
     gemv_max: usize,
+    /// Fast mode: tensor-core paged attention for decode rows and for prefill chunks (batch
+    /// invariance keeps the split-KV kernel of `llama.cu` for every row).
+    dattn: Option<attn_decode::DecodeAttention>,
+    pattn: Option<attn_prefill::PrefillAttention>,
+    /// This step's attention work: runs of decode rows (first token, count) and prefill chunks.
+    plan_decode: Vec<(usize, usize)>,
+    plan_prefill: Vec<attn_prefill::PrefillSeq>,
     /// Per-launch events while [`CudaBackend::profile_step`] runs.
     prof: Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
     /// Decode graphs by (bucket, context-chunk bucket); `None` = seen once, not captured yet.
@@ -210,7 +225,11 @@ impl CudaBackend {
     /// [`EngineError::Internal`] when CUDA is unavailable, the shapes are unsupported
     /// (head_dim must be 64 or 128, at most 8 query heads per KV head) or memory runs out;
     /// [`EngineError::InvalidRequest`] when the KV budget holds no block.
-    pub fn new(weights: LlamaWeights, config: &ModelConfig, opts: &CudaOptions) -> Result<Self, EngineError> {
+    pub fn new(
+        weights: LlamaWeights,
+        config: &ModelConfig,
+        opts: &CudaOptions,
+    ) -> Result<Self, EngineError> {
         let gpu = Gpu::new(opts.device).map_err(engine_err)?;
         let (w, d) = DeviceWeights::upload(&gpu, &weights, config).map_err(engine_err)?;
         drop(weights);
@@ -228,11 +247,22 @@ impl CudaBackend {
         Self::finish(gpu, w, d, &shape.inv_freq(), opts)
     }
 
-    fn finish(gpu: Gpu, w: DeviceWeights, d: Dims, inv_freq: &[f32], opts: &CudaOptions) -> Result<Self, EngineError> {
+    fn finish(
+        gpu: Gpu,
+        w: DeviceWeights,
+        d: Dims,
+        inv_freq: &[f32],
+        opts: &CudaOptions,
+    ) -> Result<Self, EngineError> {
         if opts.block_size == 0 {
-            return Err(EngineError::InvalidRequest { field: "block_size", message: "block_size must be >= 1".into() });
+            return Err(EngineError::InvalidRequest {
+                field: "block_size",
+                message: "block_size must be >= 1".into(),
+            });
         }
-        let group_ok = d.kv_heads > 0 && d.q_heads.is_multiple_of(d.kv_heads) && matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8);
+        let group_ok = d.kv_heads > 0
+            && d.q_heads.is_multiple_of(d.kv_heads)
+            && matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8);
         if !(d.head_dim == 64 || d.head_dim == 128) || !group_ok {
             return Err(EngineError::Internal(format!(
                 "cuda backend supports head_dim 64/128 and 1, 2, 4 or 8 query heads per KV head (got {} and {}/{})",
@@ -265,6 +295,19 @@ impl CudaBackend {
         // One batch-invariant GEMM algorithm per weight shape (checked on this device).
         let mut lt = gemm::LtGemm::new(&gpu).map_err(engine_err)?;
         let gemv = gemv::Gemv::new(&gpu, d.hidden).map_err(engine_err)?;
+        let (dattn, pattn) = if opts.batch_invariant {
+            (None, None)
+        } else {
+            let shape = attn_decode::AttnShape {
+                q_heads: d.q_heads,
+                kv_heads: d.kv_heads,
+                head_dim: d.head_dim,
+            };
+            (
+                Some(attn_decode::DecodeAttention::new(&gpu, shape, r).map_err(engine_err)?),
+                Some(attn_prefill::PrefillAttention::new(&gpu, t).map_err(engine_err)?),
+            )
+        };
         if let (true, Some(l0)) = (opts.batch_invariant, w.layers.first()) {
             for (wp, out, inp) in [
                 (l0.qkv, d.qkv_dim(), d.hidden),
@@ -276,10 +319,14 @@ impl CudaBackend {
             }
         }
         if opts.batch_invariant {
-            lt.plan(&gpu, w.lm_head, d.vocab, d.hidden, true, r).map_err(engine_err)?;
+            lt.plan(&gpu, w.lm_head, d.vocab, d.hidden, true, r)
+                .map_err(engine_err)?;
         }
         let buckets: Vec<usize> = if opts.cuda_graphs {
-            (0..16).map(|i| 1usize << i).take_while(|&b| b <= r.min(t)).collect()
+            (0..16)
+                .map(|i| 1usize << i)
+                .take_while(|&b| b <= r.min(t))
+                .collect()
         } else {
             Vec::new()
         };
@@ -292,14 +339,19 @@ impl CudaBackend {
                 let used = total - free;
                 let allowed = (total as f64 * f64::from(opts.gpu_memory_utilization)) as u64;
                 // Leave 256 MiB for cuBLAS workspaces and the driver.
-                allowed.saturating_sub(used as u64).saturating_sub(256 << 20)
+                allowed
+                    .saturating_sub(used as u64)
+                    .saturating_sub(256 << 20)
             }
         };
         let num_blocks = usize::try_from(budget / per_block as u64).unwrap_or(usize::MAX);
         if num_blocks == 0 {
             return Err(EngineError::InvalidRequest {
                 field: "gpu_memory_utilization",
-                message: format!("KV budget {budget} B holds no block of {} tokens ({per_token} B/token)", opts.block_size),
+                message: format!(
+                    "KV budget {budget} B holds no block of {} tokens ({per_token} B/token)",
+                    opts.block_size
+                ),
             });
         }
         let layer_bytes = num_blocks * opts.block_size * d.kv_dim() * bf;
@@ -324,8 +376,16 @@ impl CudaBackend {
             lt,
             gemv,
             invariant: opts.batch_invariant,
-            gemv_max: if opts.batch_invariant { 0 } else { opts.gemv_max_tokens.min(gemv::GEMV_MAX_M) },
+            gemv_max: if opts.batch_invariant {
+                0
+            } else {
+                opts.gemv_max_tokens.min(gemv::GEMV_MAX_M)
+            },
             prof: None,
+            dattn,
+            pattn,
+            plan_decode: Vec::new(),
+            plan_prefill: Vec::new(),
             graphs: HashMap::new(),
             buckets,
             graph_replays: 0,
@@ -367,12 +427,62 @@ impl CudaBackend {
         let cfg = per_row(rows, 1024);
         let vocab = self.d.vocab as i32;
         let mut b = self.gpu.stream.launch_builder(&self.gpu.k.argmax_rows);
-        b.arg(&self.s.argmax.ptr).arg(&self.s.logits.ptr).arg(&vocab);
+        b.arg(&self.s.argmax.ptr)
+            .arg(&self.s.logits.ptr)
+            .arg(&vocab);
         // SAFETY: logits hold rows × vocab f32, argmax rows u32.
         unsafe { b.launch(cfg) }.map_err(|e| device::dev_err("argmax_rows", e))?;
         let mut out = vec![0u32; rows];
         self.gpu.download(&mut out, self.s.argmax.ptr)?;
         Ok(out)
+    }
+
+    /// Splits the step's rows into runs of decode rows (one query token; `rows` tokens when
+    /// the step is a pure decode padded to a graph bucket) and prefill chunks, and uploads the
+    /// prefill work list once for all layers.
+    fn plan_attention(&mut self, batch: &StepBatch, rows: usize) -> Result<(), BackendError> {
+        self.plan_decode.clear();
+        self.plan_prefill.clear();
+        let Some(pattn) = self.pattn.as_mut() else {
+            return Ok(());
+        };
+        let mut bt_off = 0usize;
+        for q in &batch.seqs {
+            if q.query_len == 1 {
+                match self.plan_decode.last_mut() {
+                    Some((t0, cnt)) if *t0 + *cnt == q.query_start => *cnt += 1,
+                    _ => self.plan_decode.push((q.query_start, 1)),
+                }
+            } else if q.query_len > 1 {
+                self.plan_prefill.push(attn_prefill::PrefillSeq {
+                    query_start: q.query_start,
+                    query_len: q.query_len,
+                    context_len: q.context_len,
+                    bt_offset: bt_off,
+                });
+            }
+            bt_off += q.block_table.len();
+        }
+        if self.plan_prefill.is_empty() {
+            // Pure decode: one run over every row, graph padding included.
+            self.plan_decode.clear();
+            self.plan_decode.push((0, rows));
+        } else {
+            let dims = attn_prefill::PrefillDims {
+                q_heads: self.d.q_heads,
+                kv_heads: self.d.kv_heads,
+                head_dim: self.d.head_dim,
+                block_size: self.block_size,
+            };
+            pattn.prepare(&self.gpu, &self.plan_prefill, dims)?;
+        }
+        Ok(())
+    }
+
+    /// Selects a compiled decode-GEMV variant (benchmarks; see `gemv.rs`). Graphs are dropped.
+    pub fn set_gemv_variant(&mut self, v: usize) {
+        self.gemv.variant = v;
+        self.graphs.clear();
     }
 
     /// Sets [`CudaOptions::gemv_max_tokens`] (benchmarks; ignored in batch-invariant mode).
@@ -397,14 +507,22 @@ impl CudaBackend {
     ///
     /// # Errors
     /// As [`Backend::forward`].
-    pub fn profile_step(&mut self, batch: &StepBatch) -> Result<Vec<(String, f64, usize)>, BackendError> {
+    pub fn profile_step(
+        &mut self,
+        batch: &StepBatch,
+    ) -> Result<Vec<(String, f64, usize)>, BackendError> {
         self.validate(batch)?;
         self.gpu.bind()?;
         let n = batch.token_ids.len();
         let max_ctx = batch.seqs.iter().map(|q| q.context_len).max().unwrap_or(1);
         let chunks = max_ctx.div_ceil(ATTN_CHUNK).max(1);
+        self.plan_attention(batch, n)?;
         let (ptrs, rows) = self.upload_meta(batch, n)?;
-        let start = self.gpu.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| device::dev_err("event", e))?;
+        let start = self
+            .gpu
+            .stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| device::dev_err("event", e))?;
         self.prof = Some(vec![("start", start)]);
         let res = self.enqueue(n, rows, ptrs, chunks);
         let marks = self.prof.take().unwrap_or_default();
@@ -412,7 +530,11 @@ impl CudaBackend {
         self.gpu.sync()?;
         let mut out: Vec<(String, f64, usize)> = Vec::new();
         for w in marks.windows(2) {
-            let us = f64::from(w[0].1.elapsed_ms(&w[1].1).map_err(|e| device::dev_err("elapsed", e))?) * 1e3;
+            let us = f64::from(
+                w[0].1
+                    .elapsed_ms(&w[1].1)
+                    .map_err(|e| device::dev_err("elapsed", e))?,
+            ) * 1e3;
             match out.iter_mut().find(|o| o.0 == w[1].0) {
                 Some(o) => {
                     o.1 += us;
@@ -438,14 +560,22 @@ impl CudaBackend {
             return Err(invalid("empty batch"));
         }
         if b.positions.len() != n || b.slot_mapping.len() != n {
-            return Err(invalid("token_ids, positions and slot_mapping differ in length"));
+            return Err(invalid(
+                "token_ids, positions and slot_mapping differ in length",
+            ));
         }
         if n > self.s.max_tokens {
-            return Err(invalid(format!("{n} tokens > max_num_batched_tokens {}", self.s.max_tokens)));
+            return Err(invalid(format!(
+                "{n} tokens > max_num_batched_tokens {}",
+                self.s.max_tokens
+            )));
         }
         let rows = b.validate(self.d.vocab, self.num_blocks, self.block_size)?;
         if rows > self.s.max_rows {
-            return Err(invalid(format!("{rows} logit rows > max_num_seqs {}", self.s.max_rows)));
+            return Err(invalid(format!(
+                "{rows} logit rows > max_num_seqs {}",
+                self.s.max_rows
+            )));
         }
         Ok(())
     }
@@ -453,7 +583,11 @@ impl CudaBackend {
     /// Uploads the step metadata, padded to `pad_to` tokens (padding: token 0 at position 0,
     /// no KV slot, the first sequence's block table, its own logit row); returns device
     /// addresses of (ids, pos, slots, tok_bt, rows, bts) and the number of logit rows.
-    fn upload_meta(&mut self, b: &StepBatch, pad_to: usize) -> Result<([u64; 6], usize), BackendError> {
+    fn upload_meta(
+        &mut self,
+        b: &StepBatch,
+        pad_to: usize,
+    ) -> Result<([u64; 6], usize), BackendError> {
         let n = b.token_ids.len();
         let pad = pad_to.saturating_sub(n);
         let np = n + pad;
@@ -472,7 +606,12 @@ impl CudaBackend {
         }
         m.extend(std::iter::repeat_n(0, pad));
         let rows_at = m.len();
-        m.extend(b.seqs.iter().filter(|s| s.want_logits).map(|s| (s.query_start + s.query_len - 1) as u32));
+        m.extend(
+            b.seqs
+                .iter()
+                .filter(|s| s.want_logits)
+                .map(|s| (s.query_start + s.query_len - 1) as u32),
+        );
         let rows = m.len() - rows_at;
         m.extend((n..np).map(|i| i as u32));
         let bts_at = m.len();
@@ -489,7 +628,17 @@ impl CudaBackend {
         self.gpu.upload(&self.s.meta, 0, &self.s.host_meta)?;
         let base = self.s.meta.ptr;
         let at = |i: usize| base + (i * 4) as u64;
-        Ok(([at(0), at(np), at(2 * np), at(3 * np), at(rows_at), at(bts_at)], rows))
+        Ok((
+            [
+                at(0),
+                at(np),
+                at(2 * np),
+                at(3 * np),
+                at(rows_at),
+                at(bts_at),
+            ],
+            rows,
+        ))
     }
 
     /// Runs the layers and the lm_head into `s.logits`; returns the number of valid logit rows
@@ -502,15 +651,22 @@ impl CudaBackend {
         let chunks = max_ctx.div_ceil(ATTN_CHUNK).max(1);
         let per_token = self.d.q_heads * (self.d.head_dim + 2);
         let decode = batch.seqs.iter().all(|q| q.query_len == 1 && q.want_logits);
-        let bucket = if decode { self.buckets.iter().copied().find(|&b| b >= n) } else { None };
+        let bucket = if decode {
+            self.buckets.iter().copied().find(|&b| b >= n)
+        } else {
+            None
+        };
+        self.plan_attention(batch, bucket.unwrap_or(n))?;
         if let Some(bucket) = bucket {
             let c_cap = chunks.next_power_of_two();
-            if bucket * c_cap * per_token <= self.s.part_cap {
+            // (The split-KV partials bound only the batch-invariant kernel.)
+            if self.dattn.is_some() || bucket * c_cap * per_token <= self.s.part_cap {
                 let (ptrs, _) = self.upload_meta(batch, bucket)?;
                 let key = (bucket, c_cap);
                 match self.graphs.get(&key) {
                     Some(Some(g)) => {
-                        g.0.launch().map_err(|e| device::dev_err("graph launch", e))?;
+                        g.0.launch()
+                            .map_err(|e| device::dev_err("graph launch", e))?;
                         self.graph_replays += 1;
                     }
                     Some(None) => {
@@ -526,8 +682,11 @@ impl CudaBackend {
                             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
                             .map_err(|e| device::dev_err("end_capture", e))?;
                         res?;
-                        let graph = graph.ok_or_else(|| BackendError::Device("empty graph capture".into()))?;
-                        graph.launch().map_err(|e| device::dev_err("graph launch", e))?;
+                        let graph = graph
+                            .ok_or_else(|| BackendError::Device("empty graph capture".into()))?;
+                        graph
+                            .launch()
+                            .map_err(|e| device::dev_err("graph launch", e))?;
                         self.graphs.insert(key, Some(Graph(graph)));
                         self.graph_replays += 1;
                     }
@@ -546,16 +705,41 @@ impl CudaBackend {
 
     /// Enqueues one forward pass over `n` tokens (`rows` logit rows, `chunks` context chunks
     /// per token at most) on the stream; no host synchronisation, no allocation (capturable).
-    fn enqueue(&mut self, n: usize, rows: usize, ptrs: [u64; 6], chunks: usize) -> Result<(), BackendError> {
+    fn enqueue(
+        &mut self,
+        n: usize,
+        rows: usize,
+        ptrs: [u64; 6],
+        chunks: usize,
+    ) -> Result<(), BackendError> {
         let [ids, pos, slots, tok_bt, rows_ptr, bts] = ptrs;
         let d = self.d;
         // Fast mode, few tokens: fused GEMVs (norms, RoPE + K/V write, residual adds and
         // SiLU·mul inside).
         let small = n <= self.gemv_max;
         let invariant = self.invariant;
-        let Self { gpu: g, lt, gemv, s, w, k_cache, v_cache, block_size, prof, .. } = self;
+        let Self {
+            gpu: g,
+            lt,
+            gemv,
+            s,
+            w,
+            k_cache,
+            v_cache,
+            block_size,
+            prof,
+            dattn,
+            pattn,
+            plan_decode,
+            plan_prefill,
+            ..
+        } = self;
         let mut matmul = |g: &Gpu, y: u64, x: u64, wp: u64, shape: GemmShape, f32_out: bool| {
-            if invariant { lt.matmul(g, y, x, wp, shape, f32_out) } else { lt.matmul_heuristic(g, y, x, wp, shape, f32_out) }
+            if invariant {
+                lt.matmul(g, y, x, wp, shape, f32_out)
+            } else {
+                lt.matmul_heuristic(g, y, x, wp, shape, f32_out)
+            }
         };
         let mut mark = |name: &'static str| -> Result<(), BackendError> {
             if let Some(p) = prof.as_mut() {
@@ -579,13 +763,23 @@ impl CudaBackend {
         }
         mark("embed")?;
         let norm_threads = if d.hidden >= 2048 { 1024 } else { 256 };
-        let (qh, kvh, hd, bs) = (d.q_heads as i32, d.kv_heads as i32, d.head_dim as i32, *block_size as i32);
+        let (qh, kvh, hd, bs) = (
+            d.q_heads as i32,
+            d.kv_heads as i32,
+            d.head_dim as i32,
+            *block_size as i32,
+        );
         let scale = 1.0 / (d.head_dim as f32).sqrt();
         let group = d.q_heads / d.kv_heads;
-        let attn_fn = &g.k.attention[usize::from(d.head_dim == 128) * 4 + group.trailing_zeros() as usize];
+        let attn_fn =
+            &g.k.attention[usize::from(d.head_dim == 128) * 4 + group.trailing_zeros() as usize];
         let (n_i, inter) = (n as i32, d.inter as i32);
         // Tokens per attention launch so that their partials fit (all of them with one chunk).
-        let per_launch = if chunks == 1 { n } else { (s.part_cap / (chunks * d.q_heads * (d.head_dim + 2))).clamp(1, n) };
+        let per_launch = if chunks == 1 {
+            n
+        } else {
+            (s.part_cap / (chunks * d.q_heads * (d.head_dim + 2))).clamp(1, n)
+        };
         let chunks_i = chunks as i32;
         for (li, lw) in w.layers.iter().enumerate() {
             let (kc, vc) = (k_cache[li].ptr, v_cache[li].ptr);
@@ -600,40 +794,137 @@ impl CudaBackend {
                     kv_heads: kvh,
                     head_dim: hd,
                 };
-                gemv.launch(g, gemv::GemvKind::QkvRope, n, s.qkv.ptr, lw.qkv, s.x.ptr, lw.input_norm, d.qkv_dim(), d.hidden, eps, &rope)?;
+                gemv.launch(
+                    g,
+                    gemv::GemvKind::QkvRope,
+                    n,
+                    s.qkv.ptr,
+                    lw.qkv,
+                    s.x.ptr,
+                    lw.input_norm,
+                    d.qkv_dim(),
+                    d.hidden,
+                    eps,
+                    &rope,
+                )?;
                 mark("gemv_qkv_rope_kv")?;
             } else {
                 // Residual add of the previous layer's down_proj output fused with this norm.
                 let delta = if li == 0 { null } else { s.proj.ptr };
                 let mut b = st.launch_builder(&g.k.add_rmsnorm);
-                b.arg(&s.x.ptr).arg(&delta).arg(&lw.input_norm).arg(&s.hn.ptr).arg(&null).arg(&h).arg(&eps);
+                b.arg(&s.x.ptr)
+                    .arg(&delta)
+                    .arg(&lw.input_norm)
+                    .arg(&s.hn.ptr)
+                    .arg(&null)
+                    .arg(&h)
+                    .arg(&eps);
                 // SAFETY: all buffers hold n rows of hidden.
                 unsafe { b.launch(per_row(n, norm_threads)) }.map_err(launch_err("add_rmsnorm"))?;
                 mark("add_rmsnorm")?;
-                matmul(g, s.qkv.ptr, s.hn.ptr, lw.qkv, GemmShape { n, out: d.qkv_dim(), inp: d.hidden }, false)?;
+                matmul(
+                    g,
+                    s.qkv.ptr,
+                    s.hn.ptr,
+                    lw.qkv,
+                    GemmShape {
+                        n,
+                        out: d.qkv_dim(),
+                        inp: d.hidden,
+                    },
+                    false,
+                )?;
                 mark("gemm_qkv")?;
                 let mut b = st.launch_builder(&g.k.rope_kv_write);
-                b.arg(&s.qkv.ptr).arg(&pos).arg(&slots).arg(&s.inv_freq.ptr).arg(&kc).arg(&vc).arg(&qh).arg(&kvh).arg(&hd);
+                b.arg(&s.qkv.ptr)
+                    .arg(&pos)
+                    .arg(&slots)
+                    .arg(&s.inv_freq.ptr)
+                    .arg(&kc)
+                    .arg(&vc)
+                    .arg(&qh)
+                    .arg(&kvh)
+                    .arg(&hd);
                 // SAFETY: slots validated < num_blocks · block_size (u32::MAX = padding, skipped).
                 unsafe { b.launch(per_row(n, 128)) }.map_err(launch_err("rope_kv_write"))?;
                 mark("rope_kv_write")?;
             }
-            let mut t0 = 0usize;
+            if let (Some(da), Some(pa)) = (dattn.as_ref(), pattn.as_mut()) {
+                let (qd, qkvd) = ((d.q_dim() * 2) as u64, (d.qkv_dim() * 2) as u64);
+                for &(t0, cnt) in plan_decode.iter() {
+                    let t = t0 as u64;
+                    let args = attn_decode::DecodeArgs {
+                        n_tokens: cnt,
+                        max_ctx: chunks * ATTN_CHUNK,
+                        split_cap: da.occupancy_split_cap(cnt),
+                        out: s.attn.ptr + t * qd,
+                        qkv: s.qkv.ptr + t * qkvd,
+                        k_cache: kc,
+                        v_cache: vc,
+                        pos: pos + t * 4,
+                        tok_bt: tok_bt + t * 4,
+                        bts,
+                        block_size: *block_size,
+                        scale,
+                    };
+                    da.launch(g, &args)?;
+                    mark("attn_decode")?;
+                }
+                if !plan_prefill.is_empty() {
+                    let ptrs = attn_prefill::PrefillPtrs {
+                        out: s.attn.ptr,
+                        qkv: s.qkv.ptr,
+                        k_cache: kc,
+                        v_cache: vc,
+                        bts,
+                    };
+                    let dims = attn_prefill::PrefillDims {
+                        q_heads: d.q_heads,
+                        kv_heads: d.kv_heads,
+                        head_dim: d.head_dim,
+                        block_size: *block_size,
+                    };
+                    pa.launch(g, plan_prefill, &ptrs, dims, scale)?;
+                    mark("attn_prefill")?;
+                }
+            }
+            let mut t0 = if dattn.is_some() { n } else { 0 };
             while t0 < n {
                 let cnt = per_launch.min(n - t0);
                 let t0_i = t0 as i32;
                 let mut b = st.launch_builder(attn_fn);
-                b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&s.qkv.ptr).arg(&kc).arg(&vc).arg(&pos).arg(&tok_bt).arg(&bts);
+                b.arg(&s.attn.ptr)
+                    .arg(&s.part.ptr)
+                    .arg(&s.qkv.ptr)
+                    .arg(&kc)
+                    .arg(&vc)
+                    .arg(&pos)
+                    .arg(&tok_bt)
+                    .arg(&bts);
                 b.arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0_i);
-                let cfg = LaunchConfig { grid_dim: (cnt as u32, d.kv_heads as u32, chunks as u32), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                let cfg = LaunchConfig {
+                    grid_dim: (cnt as u32, d.kv_heads as u32, chunks as u32),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
                 // SAFETY: block tables validated to cover each position with valid block ids;
                 // `part` holds cnt × q_heads × chunks × (head_dim + 2) f32 (per_launch above).
                 unsafe { b.launch(cfg) }.map_err(launch_err("paged_attention"))?;
                 mark("attention")?;
                 if chunks > 1 {
                     let mut b = st.launch_builder(&g.k.attn_combine);
-                    b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&pos).arg(&qh).arg(&hd).arg(&chunks_i).arg(&t0_i);
-                    let cfg = LaunchConfig { grid_dim: (cnt as u32, d.q_heads as u32, 1), block_dim: (d.head_dim as u32, 1, 1), shared_mem_bytes: 0 };
+                    b.arg(&s.attn.ptr)
+                        .arg(&s.part.ptr)
+                        .arg(&pos)
+                        .arg(&qh)
+                        .arg(&hd)
+                        .arg(&chunks_i)
+                        .arg(&t0_i);
+                    let cfg = LaunchConfig {
+                        grid_dim: (cnt as u32, d.q_heads as u32, 1),
+                        block_dim: (d.head_dim as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
                     // SAFETY: as above.
                     unsafe { b.launch(cfg) }.map_err(launch_err("attn_combine"))?;
                     mark("attn_combine")?;
@@ -642,29 +933,105 @@ impl CudaBackend {
             }
             if small {
                 let none = gemv::RopeArgs::default();
-                gemv.launch(g, gemv::GemvKind::Residual, n, s.x.ptr, lw.o_proj, s.attn.ptr, null, d.hidden, d.q_dim(), eps, &none)?;
+                gemv.launch(
+                    g,
+                    gemv::GemvKind::Residual,
+                    n,
+                    s.x.ptr,
+                    lw.o_proj,
+                    s.attn.ptr,
+                    null,
+                    d.hidden,
+                    d.q_dim(),
+                    eps,
+                    &none,
+                )?;
                 mark("gemv_o_proj")?;
-                gemv.launch(g, gemv::GemvKind::NormGateUpSilu, n, s.act.ptr, lw.gate_up, s.x.ptr, lw.post_norm, d.inter, d.hidden, eps, &none)?;
+                gemv.launch(
+                    g,
+                    gemv::GemvKind::NormGateUpSilu,
+                    n,
+                    s.act.ptr,
+                    lw.gate_up,
+                    s.x.ptr,
+                    lw.post_norm,
+                    d.inter,
+                    d.hidden,
+                    eps,
+                    &none,
+                )?;
                 mark("gemv_gate_up_silu")?;
-                gemv.launch(g, gemv::GemvKind::Residual, n, s.x.ptr, lw.down, s.act.ptr, null, d.hidden, d.inter, eps, &none)?;
+                gemv.launch(
+                    g,
+                    gemv::GemvKind::Residual,
+                    n,
+                    s.x.ptr,
+                    lw.down,
+                    s.act.ptr,
+                    null,
+                    d.hidden,
+                    d.inter,
+                    eps,
+                    &none,
+                )?;
                 mark("gemv_down")?;
                 continue;
             }
-            matmul(g, s.proj.ptr, s.attn.ptr, lw.o_proj, GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
+            matmul(
+                g,
+                s.proj.ptr,
+                s.attn.ptr,
+                lw.o_proj,
+                GemmShape {
+                    n,
+                    out: d.hidden,
+                    inp: d.q_dim(),
+                },
+                false,
+            )?;
             mark("gemm_o_proj")?;
             let mut b = st.launch_builder(&g.k.add_rmsnorm);
-            b.arg(&s.x.ptr).arg(&s.proj.ptr).arg(&lw.post_norm).arg(&s.hn.ptr).arg(&null).arg(&h).arg(&eps);
+            b.arg(&s.x.ptr)
+                .arg(&s.proj.ptr)
+                .arg(&lw.post_norm)
+                .arg(&s.hn.ptr)
+                .arg(&null)
+                .arg(&h)
+                .arg(&eps);
             // SAFETY: as above.
             unsafe { b.launch(per_row(n, norm_threads)) }.map_err(launch_err("add_rmsnorm"))?;
             mark("add_rmsnorm")?;
-            matmul(g, s.gu.ptr, s.hn.ptr, lw.gate_up, GemmShape { n, out: 2 * d.inter, inp: d.hidden }, false)?;
+            matmul(
+                g,
+                s.gu.ptr,
+                s.hn.ptr,
+                lw.gate_up,
+                GemmShape {
+                    n,
+                    out: 2 * d.inter,
+                    inp: d.hidden,
+                },
+                false,
+            )?;
             mark("gemm_gate_up")?;
             let mut b = st.launch_builder(&g.k.silu_mul);
             b.arg(&s.act.ptr).arg(&s.gu.ptr).arg(&n_i).arg(&inter);
             // SAFETY: gu holds n × 2·inter, act n × inter.
-            unsafe { b.launch(device::grid_stride(n * d.inter)) }.map_err(launch_err("silu_mul"))?;
+            unsafe { b.launch(device::grid_stride(n * d.inter)) }
+                .map_err(launch_err("silu_mul"))?;
             mark("silu_mul")?;
-            matmul(g, s.proj.ptr, s.act.ptr, lw.down, GemmShape { n, out: d.hidden, inp: d.inter }, false)?;
+            matmul(
+                g,
+                s.proj.ptr,
+                s.act.ptr,
+                lw.down,
+                GemmShape {
+                    n,
+                    out: d.hidden,
+                    inp: d.inter,
+                },
+                false,
+            )?;
             mark("gemm_down")?;
         }
         if rows > 0 {
@@ -672,14 +1039,43 @@ impl CudaBackend {
             // only for the rows that want logits.
             let delta = if small { null } else { s.proj.ptr };
             let mut b = st.launch_builder(&g.k.add_rmsnorm);
-            b.arg(&s.x.ptr).arg(&delta).arg(&w.norm).arg(&s.hn.ptr).arg(&rows_ptr).arg(&h).arg(&eps);
+            b.arg(&s.x.ptr)
+                .arg(&delta)
+                .arg(&w.norm)
+                .arg(&s.hn.ptr)
+                .arg(&rows_ptr)
+                .arg(&h)
+                .arg(&eps);
             // SAFETY: rows index tokens < n; hn holds at least rows × hidden.
             unsafe { b.launch(per_row(rows, norm_threads)) }.map_err(launch_err("final_norm"))?;
             mark("final_norm")?;
             if small {
-                gemv.launch(g, gemv::GemvKind::LogitsF32, rows, s.logits.ptr, w.lm_head, s.hn.ptr, null, d.vocab, d.hidden, eps, &gemv::RopeArgs::default())?;
+                gemv.launch(
+                    g,
+                    gemv::GemvKind::LogitsF32,
+                    rows,
+                    s.logits.ptr,
+                    w.lm_head,
+                    s.hn.ptr,
+                    null,
+                    d.vocab,
+                    d.hidden,
+                    eps,
+                    &gemv::RopeArgs::default(),
+                )?;
             } else {
-                matmul(g, s.logits.ptr, s.hn.ptr, w.lm_head, GemmShape { n: rows, out: d.vocab, inp: d.hidden }, true)?;
+                matmul(
+                    g,
+                    s.logits.ptr,
+                    s.hn.ptr,
+                    w.lm_head,
+                    GemmShape {
+                        n: rows,
+                        out: d.vocab,
+                        inp: d.hidden,
+                    },
+                    true,
+                )?;
             }
             mark("lm_head")?;
         }
@@ -696,7 +1092,11 @@ impl Backend for CudaBackend {
         } else {
             self.gpu.sync()?;
         }
-        Ok(Logits { rows, vocab_size: self.d.vocab, data })
+        Ok(Logits {
+            rows,
+            vocab_size: self.d.vocab,
+            data,
+        })
     }
 
     fn has_device_greedy(&self) -> bool {

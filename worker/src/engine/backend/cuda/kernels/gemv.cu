@@ -29,6 +29,10 @@ typedef unsigned long long u64;
 #define GEMV_WARPS 8
 #define GEMV_R 2
 #define GEMV_U 4
+// Loads in flight per lane (weight rows × chunks); 0 = GEMV_U chunks whatever the rows.
+#ifndef GEMV_DEPTH
+#define GEMV_DEPTH 0
+#endif
 
 __device__ __forceinline__ float gv_warp_sum(float v) {
 #pragma unroll
@@ -103,6 +107,7 @@ template <int M, int MODE, bool NORM>
 __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, const void* __restrict__ xin,
                                           const bf16* __restrict__ gain, int out, int inp, float eps, RopeKv rk) {
     constexpr int NW = (MODE == 3 || MODE == 4) ? 2 * GEMV_R : GEMV_R;
+    constexpr int U = GEMV_DEPTH > 0 ? (GEMV_DEPTH / NW > 0 ? GEMV_DEPTH / NW : 1) : GEMV_U;
     extern __shared__ uint4 gv_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int groups = (out + GEMV_R - 1) / GEMV_R;
@@ -112,7 +117,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
 
     // Weight row pointers (rows past `out` are clamped and their results dropped).
     const bf16* wrow[NW];
-    uint4 wv[GEMV_U][NW];
+    uint4 wv[U][NW];
     auto start_tile = [&]() {
 #pragma unroll
         for (int r = 0; r < NW; r++) {
@@ -121,7 +126,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
             wrow[r] = w + (u64)phys_row<MODE>(j, r, out, rk.hd) * inp;
         }
 #pragma unroll
-        for (int u = 0; u < GEMV_U; u++) {
+        for (int u = 0; u < U; u++) {
             int k = lane * 8 + u * 256;
 #pragma unroll
             for (int r = 0; r < NW; r++) wv[u][r] = k < inp ? ld_weight(wrow[r] + k) : make_uint4(0, 0, 0, 0);
@@ -172,9 +177,9 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
 #pragma unroll
         for (int m = 0; m < M; m++) acc[r][m] = 0.f;
 
-    for (int k0 = lane * 8; k0 < inp; k0 += 256 * GEMV_U) {
+    for (int k0 = lane * 8; k0 < inp; k0 += 256 * U) {
 #pragma unroll
-        for (int u = 0; u < GEMV_U; u++) {
+        for (int u = 0; u < U; u++) {
             int k = k0 + u * 256;
             if (k < inp) {
                 float wf[NW][8];
@@ -196,7 +201,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
                 }
             }
             // Refill this slot with the loads of the next outer iteration.
-            int kn = k + 256 * GEMV_U;
+            int kn = k + 256 * U;
 #pragma unroll
             for (int r = 0; r < NW; r++) wv[u][r] = kn < inp ? ld_weight(wrow[r] + kn) : make_uint4(0, 0, 0, 0);
         }
