@@ -139,16 +139,21 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
 
     const bf16* xs = reinterpret_cast<const bf16*>(gv_smem);
     if (NORM) {
-        const float* x = reinterpret_cast<const float*>(xin);
-        bf16* xw = reinterpret_cast<bf16*>(gv_smem);
-        float* red = reinterpret_cast<float*>(xw + (u64)M * inp);
+        // Vectorised and unrolled so each thread's loads are in flight together (a plain
+        // strided loop issues them one L2 round trip at a time: ~9 µs per kernel measured).
+        const float4* x4 = reinterpret_cast<const float4*>(xin);
+        const uint2* g4 = reinterpret_cast<const uint2*>(gain);
+        uint2* xw4 = reinterpret_cast<uint2*>(gv_smem);
+        float* red = reinterpret_cast<float*>(reinterpret_cast<bf16*>(gv_smem) + (u64)M * inp);
+        const int n4 = inp >> 2;
         float ss[M];
 #pragma unroll
         for (int m = 0; m < M; m++) {
             float s = 0.f;
-            for (int i = threadIdx.x; i < inp; i += blockDim.x) {
-                float v = x[(u64)m * inp + i];
-                s += v * v;
+#pragma unroll 4
+            for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+                float4 v = x4[(u64)m * n4 + i];
+                s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
             }
             s = gv_warp_sum(s);
             if (lane == 0) red[warp * M + m] = s;
@@ -162,9 +167,21 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
             ss[m] = rsqrtf(s / (float)inp + eps);
         }
 #pragma unroll
-        for (int m = 0; m < M; m++)
-            for (int i = threadIdx.x; i < inp; i += blockDim.x)
-                xw[(u64)m * inp + i] = __float2bfloat16_rn(x[(u64)m * inp + i] * ss[m] * __bfloat162float(gain[i]));
+        for (int m = 0; m < M; m++) {
+#pragma unroll 4
+            for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+                float4 v = x4[(u64)m * n4 + i];
+                uint2 gw = g4[i];
+                float g0 = __uint_as_float(gw.x << 16), g1 = __uint_as_float(gw.x & 0xffff0000u);
+                float g2 = __uint_as_float(gw.y << 16), g3 = __uint_as_float(gw.y & 0xffff0000u);
+                __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * ss[m] * g0, v.y * ss[m] * g1);
+                __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * ss[m] * g2, v.w * ss[m] * g3);
+                uint2 o;
+                o.x = *reinterpret_cast<unsigned int*>(&lo);
+                o.y = *reinterpret_cast<unsigned int*>(&hi);
+                xw4[(u64)m * n4 + i] = o;
+            }
+        }
         __syncthreads();
     }
 
