@@ -183,7 +183,8 @@ mod bench {
                     );
                 }
             }
-            for pdl in [false, true] {
+            // PDL on, then back to the default (off) for everything after the sweep.
+            for pdl in [true, false] {
                 be.set_pdl(pdl);
                 for ctx in [128usize, 1024] {
                     let t = time_greedy(&mut be, &batch(1, ctx, 1, true), 5, 50)?;
