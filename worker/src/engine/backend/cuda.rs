@@ -209,6 +209,35 @@ const ATTN_CHUNK: usize = 128;
 /// Bytes of the attention partial buffer; larger steps are split into several launches.
 const PART_BYTES: usize = 64 << 20;
 
+/// Enqueues `add_rmsnorm` (`kernels/llama.cu`) over `blocks` rows: row `r = rows[b]` (or `b`
+/// when `rows` is 0) of the f32 residual stream `x [*, hidden]` gets `delta[r]` (bf16) added when
+/// `delta` is not 0, and `out[b] = bf16(x[r] · rsqrt(mean(x[r]²) + eps) · gain)`.
+#[allow(clippy::too_many_arguments)]
+fn add_rmsnorm(
+    g: &Gpu,
+    x: u64,
+    delta: u64,
+    gain: u64,
+    out: u64,
+    rows: u64,
+    blocks: usize,
+    d: Dims,
+    threads: u32,
+) -> Result<(), cudarc::driver::DriverError> {
+    let (h, eps) = (d.hidden as i32, d.eps);
+    let mut b = g.stream.launch_builder(&g.k.add_rmsnorm);
+    b.arg(&x)
+        .arg(&delta)
+        .arg(&gain)
+        .arg(&out)
+        .arg(&rows)
+        .arg(&h)
+        .arg(&eps);
+    // SAFETY: the caller passes x, delta with every indexed row of `hidden` values, gain
+    // `hidden`, out `blocks` rows, and rows (when set) `blocks` indices of rows of x.
+    unsafe { b.launch(per_row(blocks, threads)) }.map(|_| ())
+}
+
 fn invalid(msg: impl Into<String>) -> BackendError {
     BackendError::InvalidBatch(msg.into())
 }
@@ -811,16 +840,18 @@ impl CudaBackend {
             } else {
                 // Residual add of the previous layer's down_proj output fused with this norm.
                 let delta = if li == 0 { null } else { s.proj.ptr };
-                let mut b = st.launch_builder(&g.k.add_rmsnorm);
-                b.arg(&s.x.ptr)
-                    .arg(&delta)
-                    .arg(&lw.input_norm)
-                    .arg(&s.hn.ptr)
-                    .arg(&null)
-                    .arg(&h)
-                    .arg(&eps);
-                // SAFETY: all buffers hold n rows of hidden.
-                unsafe { b.launch(per_row(n, norm_threads)) }.map_err(launch_err("add_rmsnorm"))?;
+                add_rmsnorm(
+                    g,
+                    s.x.ptr,
+                    delta,
+                    lw.input_norm,
+                    s.hn.ptr,
+                    null,
+                    n,
+                    d,
+                    norm_threads,
+                )
+                .map_err(|e| device::dev_err("add_rmsnorm", e))?;
                 mark("add_rmsnorm")?;
                 matmul(
                     g,
@@ -990,16 +1021,18 @@ impl CudaBackend {
                 false,
             )?;
             mark("gemm_o_proj")?;
-            let mut b = st.launch_builder(&g.k.add_rmsnorm);
-            b.arg(&s.x.ptr)
-                .arg(&s.proj.ptr)
-                .arg(&lw.post_norm)
-                .arg(&s.hn.ptr)
-                .arg(&null)
-                .arg(&h)
-                .arg(&eps);
-            // SAFETY: as above.
-            unsafe { b.launch(per_row(n, norm_threads)) }.map_err(launch_err("add_rmsnorm"))?;
+            add_rmsnorm(
+                g,
+                s.x.ptr,
+                s.proj.ptr,
+                lw.post_norm,
+                s.hn.ptr,
+                null,
+                n,
+                d,
+                norm_threads,
+            )
+            .map_err(|e| device::dev_err("add_rmsnorm", e))?;
             mark("add_rmsnorm")?;
             matmul(
                 g,
@@ -1038,16 +1071,18 @@ impl CudaBackend {
             // Last residual add (already done by the small path's down GEMV) + final norm,
             // only for the rows that want logits.
             let delta = if small { null } else { s.proj.ptr };
-            let mut b = st.launch_builder(&g.k.add_rmsnorm);
-            b.arg(&s.x.ptr)
-                .arg(&delta)
-                .arg(&w.norm)
-                .arg(&s.hn.ptr)
-                .arg(&rows_ptr)
-                .arg(&h)
-                .arg(&eps);
-            // SAFETY: rows index tokens < n; hn holds at least rows × hidden.
-            unsafe { b.launch(per_row(rows, norm_threads)) }.map_err(launch_err("final_norm"))?;
+            add_rmsnorm(
+                g,
+                s.x.ptr,
+                delta,
+                w.norm,
+                s.hn.ptr,
+                rows_ptr,
+                rows,
+                d,
+                norm_threads,
+            )
+            .map_err(|e| device::dev_err("final_norm", e))?;
             mark("final_norm")?;
             if small {
                 gemv.launch(

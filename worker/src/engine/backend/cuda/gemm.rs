@@ -84,21 +84,42 @@ pub struct LtGemm {
 unsafe impl Send for LtGemm {}
 
 fn lt_err(what: &str, s: lt::cublasStatus_t) -> Result<(), BackendError> {
-    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS { Ok(()) } else { Err(dev_err(what, s)) }
+    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(dev_err(what, s))
+    }
 }
 
 fn dtype(f32_out: bool) -> lt::cudaDataType {
-    if f32_out { lt::cudaDataType::CUDA_R_32F } else { lt::cudaDataType::CUDA_R_16BF }
+    if f32_out {
+        lt::cudaDataType::CUDA_R_32F
+    } else {
+        lt::cudaDataType::CUDA_R_16BF
+    }
 }
 
-fn algo_cfg(algo: &lt::cublasLtMatmulAlgo_t, attr: lt::cublasLtMatmulAlgoConfigAttributes_t) -> i32 {
+fn algo_cfg(
+    algo: &lt::cublasLtMatmulAlgo_t,
+    attr: lt::cublasLtMatmulAlgoConfigAttributes_t,
+) -> i32 {
     let mut v: u32 = 0;
     let mut written = 0usize;
     // SAFETY: reads one 4-byte attribute of a valid algo into `v`.
     let s = unsafe {
-        lt::cublasLtMatmulAlgoConfigGetAttribute(algo, attr, (&mut v) as *mut u32 as *mut _, 4, &mut written)
+        lt::cublasLtMatmulAlgoConfigGetAttribute(
+            algo,
+            attr,
+            (&mut v) as *mut u32 as *mut _,
+            4,
+            &mut written,
+        )
     };
-    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS { v as i32 } else { -1 }
+    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        v as i32
+    } else {
+        -1
+    }
 }
 
 impl LtGemm {
@@ -116,7 +137,11 @@ impl LtGemm {
         lt_err("cublasLtCreate", unsafe { lt::cublasLtCreate(&mut handle) })?;
         let mut desc = std::ptr::null_mut();
         lt_err("cublasLtMatmulDescCreate", unsafe {
-            lt::cublasLtMatmulDescCreate(&mut desc, lt::cublasComputeType_t::CUBLAS_COMPUTE_32F, lt::cudaDataType::CUDA_R_32F)
+            lt::cublasLtMatmulDescCreate(
+                &mut desc,
+                lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                lt::cudaDataType::CUDA_R_32F,
+            )
         })?;
         let trans_a = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T as i32;
         // SAFETY: sets the 4-byte TRANSA attribute of the descriptor created above.
@@ -129,10 +154,23 @@ impl LtGemm {
             )
         })?;
         let ws = DevBuf::zeroed(gpu, WORKSPACE_BYTES)?;
-        Ok(Self { handle, desc, ws, layouts: HashMap::new(), plans: HashMap::new(), fast: HashMap::new(), infos: Vec::new() })
+        Ok(Self {
+            handle,
+            desc,
+            ws,
+            layouts: HashMap::new(),
+            plans: HashMap::new(),
+            fast: HashMap::new(),
+            infos: Vec::new(),
+        })
     }
 
-    fn layout(&mut self, rows: u64, cols: u64, f32_t: bool) -> Result<lt::cublasLtMatrixLayout_t, BackendError> {
+    fn layout(
+        &mut self,
+        rows: u64,
+        cols: u64,
+        f32_t: bool,
+    ) -> Result<lt::cublasLtMatrixLayout_t, BackendError> {
         if let Some(l) = self.layouts.get(&(rows, cols, f32_t)) {
             return Ok(*l);
         }
@@ -146,7 +184,13 @@ impl LtGemm {
     }
 
     /// (A = weight, B = activations, D = output) layouts for `m` rows.
-    fn layouts_for(&mut self, m: usize, out: usize, inp: usize, f32_out: bool) -> Result<[lt::cublasLtMatrixLayout_t; 3], BackendError> {
+    fn layouts_for(
+        &mut self,
+        m: usize,
+        out: usize,
+        inp: usize,
+        f32_out: bool,
+    ) -> Result<[lt::cublasLtMatrixLayout_t; 3], BackendError> {
         Ok([
             self.layout(inp as u64, out as u64, false)?,
             self.layout(inp as u64, m as u64, false)?,
@@ -154,11 +198,20 @@ impl LtGemm {
         ])
     }
 
-    fn heuristics(&mut self, m: usize, out: usize, inp: usize, f32_out: bool, want: usize) -> Result<Vec<lt::cublasLtMatmulAlgo_t>, BackendError> {
+    fn heuristics(
+        &mut self,
+        m: usize,
+        out: usize,
+        inp: usize,
+        f32_out: bool,
+        want: usize,
+    ) -> Result<Vec<lt::cublasLtMatmulAlgo_t>, BackendError> {
         let [a, b, d] = self.layouts_for(m, out, inp, f32_out)?;
         let mut pref = std::ptr::null_mut();
         // SAFETY: out-pointer to a local.
-        lt_err("cublasLtMatmulPreferenceCreate", unsafe { lt::cublasLtMatmulPreferenceCreate(&mut pref) })?;
+        lt_err("cublasLtMatmulPreferenceCreate", unsafe {
+            lt::cublasLtMatmulPreferenceCreate(&mut pref)
+        })?;
         let ws = WORKSPACE_BYTES as u64;
         // SAFETY: 8-byte attribute of the preference created above.
         let s = unsafe {
@@ -170,11 +223,25 @@ impl LtGemm {
             )
         };
         // SAFETY: a zeroed result array is a valid out-buffer for the heuristic query.
-        let mut res: Vec<lt::cublasLtMatmulHeuristicResult_t> = vec![unsafe { std::mem::zeroed() }; want];
+        let mut res: Vec<lt::cublasLtMatmulHeuristicResult_t> =
+            vec![unsafe { std::mem::zeroed() }; want];
         let mut got = 0i32;
         let q = if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             // SAFETY: layouts and descriptor are valid; `res` holds `want` entries.
-            unsafe { lt::cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, d, d, pref, want as i32, res.as_mut_ptr(), &mut got) }
+            unsafe {
+                lt::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    self.desc,
+                    a,
+                    b,
+                    d,
+                    d,
+                    pref,
+                    want as i32,
+                    res.as_mut_ptr(),
+                    &mut got,
+                )
+            }
         } else {
             s
         };
@@ -184,21 +251,44 @@ impl LtGemm {
         Ok(res
             .into_iter()
             .take(got.max(0) as usize)
-            .filter(|r| r.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= WORKSPACE_BYTES)
+            .filter(|r| {
+                r.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                    && r.workspaceSize <= WORKSPACE_BYTES
+            })
             .map(|r| r.algo)
             .collect())
     }
 
-    fn valid(&mut self, algo: &lt::cublasLtMatmulAlgo_t, m: usize, out: usize, inp: usize, f32_out: bool) -> bool {
-        let Ok([a, b, d]) = self.layouts_for(m, out, inp, f32_out) else { return false };
+    fn valid(
+        &mut self,
+        algo: &lt::cublasLtMatmulAlgo_t,
+        m: usize,
+        out: usize,
+        inp: usize,
+        f32_out: bool,
+    ) -> bool {
+        let Ok([a, b, d]) = self.layouts_for(m, out, inp, f32_out) else {
+            return false;
+        };
         // SAFETY: zeroed out-struct; valid handle, descriptor, layouts, algo.
         let mut r: lt::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
-        let s = unsafe { lt::cublasLtMatmulAlgoCheck(self.handle, self.desc, a, b, d, d, algo, &mut r) };
+        let s = unsafe {
+            lt::cublasLtMatmulAlgoCheck(self.handle, self.desc, a, b, d, d, algo, &mut r)
+        };
         s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= WORKSPACE_BYTES
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn matmul_with(&mut self, gpu: &Gpu, algo: &lt::cublasLtMatmulAlgo_t, y: u64, x: u64, w: u64, s: GemmShape, f32_out: bool) -> Result<(), BackendError> {
+    fn matmul_with(
+        &mut self,
+        gpu: &Gpu,
+        algo: &lt::cublasLtMatmulAlgo_t,
+        y: u64,
+        x: u64,
+        w: u64,
+        s: GemmShape,
+        f32_out: bool,
+    ) -> Result<(), BackendError> {
         let [a, b, d] = self.layouts_for(s.n, s.out, s.inp, f32_out)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the caller passes buffers of at least n·inp (x), out·inp (w), n·out (y)
@@ -229,7 +319,15 @@ impl LtGemm {
     ///
     /// # Errors
     /// [`BackendError::Device`] when the shape was not planned or cuBLASLt fails.
-    pub fn matmul(&mut self, gpu: &Gpu, y: u64, x: u64, w: u64, s: GemmShape, f32_out: bool) -> Result<(), BackendError> {
+    pub fn matmul(
+        &mut self,
+        gpu: &Gpu,
+        y: u64,
+        x: u64,
+        w: u64,
+        s: GemmShape,
+        f32_out: bool,
+    ) -> Result<(), BackendError> {
         let algo = self
             .plans
             .get(&(s.out, s.inp, f32_out))
@@ -245,7 +343,15 @@ impl LtGemm {
     ///
     /// # Errors
     /// [`BackendError::Device`] when cuBLASLt has no algorithm or fails.
-    pub fn matmul_heuristic(&mut self, gpu: &Gpu, y: u64, x: u64, w: u64, s: GemmShape, f32_out: bool) -> Result<(), BackendError> {
+    pub fn matmul_heuristic(
+        &mut self,
+        gpu: &Gpu,
+        y: u64,
+        x: u64,
+        w: u64,
+        s: GemmShape,
+        f32_out: bool,
+    ) -> Result<(), BackendError> {
         let key = (s.n, s.out, s.inp, f32_out);
         let algo = match self.fast.get(&key) {
             Some(a) => *a,
@@ -254,7 +360,12 @@ impl LtGemm {
                     .heuristics(s.n, s.out, s.inp, f32_out, 1)?
                     .into_iter()
                     .next()
-                    .ok_or_else(|| BackendError::Device(format!("cuBLASLt has no algorithm for {}x{} at M {}", s.out, s.inp, s.n)))?;
+                    .ok_or_else(|| {
+                        BackendError::Device(format!(
+                            "cuBLASLt has no algorithm for {}x{} at M {}",
+                            s.out, s.inp, s.n
+                        ))
+                    })?;
                 self.fast.insert(key, a);
                 a
             }
@@ -266,7 +377,15 @@ impl LtGemm {
     ///
     /// # Errors
     /// [`BackendError::Device`] on device failure or when no algorithm is valid.
-    pub fn plan(&mut self, gpu: &Gpu, w: u64, out: usize, inp: usize, f32_out: bool, m_max: usize) -> Result<(), BackendError> {
+    pub fn plan(
+        &mut self,
+        gpu: &Gpu,
+        w: u64,
+        out: usize,
+        inp: usize,
+        f32_out: bool,
+        m_max: usize,
+    ) -> Result<(), BackendError> {
         if self.plans.contains_key(&(out, inp, f32_out)) {
             return Ok(());
         }
@@ -276,7 +395,12 @@ impl LtGemm {
         gpu.fill_uniform(x.ptr, m_max * inp, 0x5eed ^ out as u32, 1.0)?;
         let y_ref = DevBuf::zeroed(gpu, m_max * out * ob)?;
         let y = DevBuf::zeroed(gpu, m_max * out * ob)?;
-        let mut ms: Vec<usize> = [1, 2, 3, 5, 8, 13, 16, 31, 64, 100, 129, 255, 512, 1000, m_max].into_iter().filter(|&m| m <= m_max).collect();
+        let mut ms: Vec<usize> = [
+            1, 2, 3, 5, 8, 13, 16, 31, 64, 100, 129, 255, 512, 1000, m_max,
+        ]
+        .into_iter()
+        .filter(|&m| m <= m_max)
+        .collect();
         ms.dedup();
         let counters = DevBuf::zeroed(gpu, ms.len() * 4)?;
         let m_mid = m_max.min(512);
@@ -287,10 +411,16 @@ impl LtGemm {
             for a in self.heuristics(m.min(m_max), out, inp, f32_out, 16)? {
                 let mut no_split = a;
                 let one: u32 = 1;
-                let none: u32 = lt::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
+                let none: u32 =
+                    lt::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
                 // SAFETY: 4-byte config attributes of a local copy of a valid algo.
                 unsafe {
-                    lt::cublasLtMatmulAlgoConfigSetAttribute(&mut no_split, lt::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, (&one) as *const u32 as *const _, 4);
+                    lt::cublasLtMatmulAlgoConfigSetAttribute(
+                        &mut no_split,
+                        lt::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                        (&one) as *const u32 as *const _,
+                        4,
+                    );
                     lt::cublasLtMatmulAlgoConfigSetAttribute(&mut no_split, lt::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, (&none) as *const u32 as *const _, 4);
                 }
                 for c in [a, no_split] {
@@ -300,28 +430,73 @@ impl LtGemm {
                 }
             }
         }
-        cands.retain(|c| self.valid(c, 1, out, inp, f32_out) && self.valid(c, m_max, out, inp, f32_out) && self.valid(c, m_mid, out, inp, f32_out));
+        cands.retain(|c| {
+            self.valid(c, 1, out, inp, f32_out)
+                && self.valid(c, m_max, out, inp, f32_out)
+                && self.valid(c, m_mid, out, inp, f32_out)
+        });
         if cands.is_empty() {
-            return Err(BackendError::Device(format!("cuBLASLt has no algorithm for {out}x{inp} valid for M 1..{m_max}")));
+            return Err(BackendError::Device(format!(
+                "cuBLASLt has no algorithm for {out}x{inp} valid for M 1..{m_max}"
+            )));
         }
         let mut scored = Vec::new();
         let mut n_inv = 0;
         for c in &cands {
             let c = *c;
-            let inv = self.check_invariance(gpu, &ms, &counters, &y_ref, &y, out, ob, |me, m, yp| {
-                me.matmul_with(gpu, &c, yp, x.ptr, w, GemmShape { n: m, out, inp }, f32_out)
-            })?;
+            let inv =
+                self.check_invariance(gpu, &ms, &counters, &y_ref, &y, out, ob, |me, m, yp| {
+                    me.matmul_with(gpu, &c, yp, x.ptr, w, GemmShape { n: m, out, inp }, f32_out)
+                })?;
             let Some(inv) = inv else { continue };
             n_inv += usize::from(inv);
-            let t1 = self.time(gpu, |me| me.matmul_with(gpu, &c, y.ptr, x.ptr, w, GemmShape { n: 1, out, inp }, f32_out))?;
-            let ts = self.time(gpu, |me| me.matmul_with(gpu, &c, y.ptr, x.ptr, w, GemmShape { n: m_small, out, inp }, f32_out))?;
-            let tm = self.time(gpu, |me| me.matmul_with(gpu, &c, y.ptr, x.ptr, w, GemmShape { n: m_mid, out, inp }, f32_out))?;
+            let t1 = self.time(gpu, |me| {
+                me.matmul_with(
+                    gpu,
+                    &c,
+                    y.ptr,
+                    x.ptr,
+                    w,
+                    GemmShape { n: 1, out, inp },
+                    f32_out,
+                )
+            })?;
+            let ts = self.time(gpu, |me| {
+                me.matmul_with(
+                    gpu,
+                    &c,
+                    y.ptr,
+                    x.ptr,
+                    w,
+                    GemmShape {
+                        n: m_small,
+                        out,
+                        inp,
+                    },
+                    f32_out,
+                )
+            })?;
+            let tm = self.time(gpu, |me| {
+                me.matmul_with(
+                    gpu,
+                    &c,
+                    y.ptr,
+                    x.ptr,
+                    w,
+                    GemmShape { n: m_mid, out, inp },
+                    f32_out,
+                )
+            })?;
             scored.push((c, inv, t1, tm, ts));
         }
         let cublas_inv = self
-            .check_invariance(gpu, &ms, &counters, &y_ref, &y, out, ob, |_, m, yp| gpu.gemm(yp, x.ptr, w, GemmShape { n: m, out, inp }, f32_out))?
+            .check_invariance(gpu, &ms, &counters, &y_ref, &y, out, ob, |_, m, yp| {
+                gpu.gemm(yp, x.ptr, w, GemmShape { n: m, out, inp }, f32_out)
+            })?
             .unwrap_or(false);
-        let cublas_t1 = self.time(gpu, |_| gpu.gemm(y.ptr, x.ptr, w, GemmShape { n: 1, out, inp }, f32_out))?;
+        let cublas_t1 = self.time(gpu, |_| {
+            gpu.gemm(y.ptr, x.ptr, w, GemmShape { n: 1, out, inp }, f32_out)
+        })?;
         let any_inv = scored.iter().any(|s| s.1);
         let pool: Vec<_> = scored.iter().filter(|s| s.1 || !any_inv).collect();
         let best1 = pool.iter().map(|s| s.2).fold(f64::INFINITY, f64::min);
@@ -330,11 +505,15 @@ impl LtGemm {
         // Decode (M = 1) counts four times: it is the latency-critical, bandwidth-bound case
         // (measured: the decode-best down_proj algorithm is 25% faster at M = 1 than the
         // balanced pick, which cost 0.35 ms per Llama-3-8B step).
-        let score = |c: &&&(lt::cublasLtMatmulAlgo_t, bool, f64, f64, f64)| 4.0 * c.2 / best1 + c.4 / bests + c.3 / bestm;
+        let score = |c: &&&(lt::cublasLtMatmulAlgo_t, bool, f64, f64, f64)| {
+            4.0 * c.2 / best1 + c.4 / bests + c.3 / bestm
+        };
         let chosen = pool
             .iter()
             .min_by(|a, b| score(a).total_cmp(&score(b)))
-            .ok_or_else(|| BackendError::Device(format!("no runnable cuBLASLt algorithm for {out}x{inp}")))?;
+            .ok_or_else(|| {
+                BackendError::Device(format!("no runnable cuBLASLt algorithm for {out}x{inp}"))
+            })?;
         use lt::cublasLtMatmulAlgoConfigAttributes_t as A;
         let info = GemmPlanInfo {
             out,
@@ -363,10 +542,14 @@ impl LtGemm {
         if chosen.1 {
             tracing::info!(?info, "GEMM plan (batch-invariant)");
         } else {
-            tracing::warn!(?info, "GEMM plan: no candidate was batch-invariant; using the fastest");
+            tracing::warn!(
+                ?info,
+                "GEMM plan: no candidate was batch-invariant; using the fastest"
+            );
         }
         self.infos.push(info);
-        self.plans.insert((out, inp, f32_out), Plan { algo: chosen.0 });
+        self.plans
+            .insert((out, inp, f32_out), Plan { algo: chosen.0 });
         gpu.sync()
     }
 
@@ -389,13 +572,27 @@ impl LtGemm {
             return Ok(None);
         }
         // SAFETY: counters holds ms.len() u32.
-        unsafe { cudarc::driver::result::memset_d8_async(counters.ptr, 0, ms.len() * 4, gpu.stream.cu_stream()) }
-            .map_err(|e| dev_err("memset", e))?;
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                counters.ptr,
+                0,
+                ms.len() * 4,
+                gpu.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| dev_err("memset", e))?;
         for (i, &m) in ms.iter().enumerate() {
             // Poison, run, compare.
             // SAFETY: y holds m_max · out · ob bytes.
-            unsafe { cudarc::driver::result::memset_d8_async(y.ptr, 0xff, m * out * ob, gpu.stream.cu_stream()) }
-                .map_err(|e| dev_err("memset", e))?;
+            unsafe {
+                cudarc::driver::result::memset_d8_async(
+                    y.ptr,
+                    0xff,
+                    m * out * ob,
+                    gpu.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| dev_err("memset", e))?;
             if f(self, m, y.ptr).is_err() {
                 return Ok(None);
             }
@@ -413,7 +610,11 @@ impl LtGemm {
     }
 
     /// Median-free quick timing: 2 warm-up runs, then the mean of 10 (host clock around a sync).
-    fn time(&mut self, gpu: &Gpu, mut f: impl FnMut(&mut Self) -> Result<(), BackendError>) -> Result<f64, BackendError> {
+    fn time(
+        &mut self,
+        gpu: &Gpu,
+        mut f: impl FnMut(&mut Self) -> Result<(), BackendError>,
+    ) -> Result<f64, BackendError> {
         for _ in 0..2 {
             f(self)?;
         }

@@ -72,7 +72,9 @@ impl SyntheticShape {
     /// RoPE inverse frequencies (no scaling).
     pub fn inv_freq(&self) -> Vec<f32> {
         let hd = self.hidden / self.heads;
-        (0..hd / 2).map(|i| (1.0 / f64::from(self.rope_theta).powf(2.0 * i as f64 / hd as f64)) as f32).collect()
+        (0..hd / 2)
+            .map(|i| (1.0 / f64::from(self.rope_theta).powf(2.0 * i as f64 / hd as f64)) as f32)
+            .collect()
     }
 }
 
@@ -94,7 +96,11 @@ fn layout(d: &Dims, tied: bool) -> Layout {
         o
     };
     let embed = take(d.vocab * d.hidden);
-    let lm_head = if tied { None } else { Some(take(d.vocab * d.hidden)) };
+    let lm_head = if tied {
+        None
+    } else {
+        Some(take(d.vocab * d.hidden))
+    };
     let norm = take(d.hidden);
     let layers = (0..d.layers)
         .map(|_| {
@@ -108,7 +114,13 @@ fn layout(d: &Dims, tied: bool) -> Layout {
             ]
         })
         .collect();
-    Layout { total: at, embed, lm_head, norm, layers }
+    Layout {
+        total: at,
+        embed,
+        lm_head,
+        norm,
+        layers,
+    }
 }
 
 impl DeviceWeights {
@@ -141,8 +153,15 @@ impl DeviceWeights {
     ///
     /// # Errors
     /// [`BackendError::Device`] on allocation or copy failure; `InvalidBatch` never.
-    pub fn upload(gpu: &Gpu, w: &LlamaWeights, cfg: &ModelConfig) -> Result<(Self, Dims), BackendError> {
-        let first = w.layers.first().ok_or_else(|| BackendError::Device("model has no layers".into()))?;
+    pub fn upload(
+        gpu: &Gpu,
+        w: &LlamaWeights,
+        cfg: &ModelConfig,
+    ) -> Result<(Self, Dims), BackendError> {
+        let first = w
+            .layers
+            .first()
+            .ok_or_else(|| BackendError::Device("model has no layers".into()))?;
         let hd = cfg.head_dim;
         let d = Dims {
             hidden: cfg.hidden_size,
