@@ -40,9 +40,13 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     --mount=type=cache,target=/src/target,sharing=locked \
     cargo build --release --locked \
       -p prism-head -p prism-worker -p prism-router -p prism-cli \
- && mkdir -p /out \
+ && mkdir -p /out /out-cuda \
  && cp target/release/prism-head target/release/prism-worker \
-       target/release/prism-router target/release/prism /out/
+       target/release/prism-router target/release/prism /out/ \
+ && cargo build --release --locked -p prism-worker --features cuda \
+ && cp target/release/prism-worker /out-cuda/
+# The second build is the GPU worker: cudarc loads the CUDA libraries at run time, so it
+# builds without CUDA; on a node without a GPU it falls back to the CPU backend.
 
 # ---------------------------------------------------------------- CPU runtime
 FROM ${DEBIAN_IMAGE} AS cpu-runtime
@@ -77,13 +81,20 @@ LABEL org.opencontainers.image.title="prism-cuda" \
       org.opencontainers.image.description="Prism LLM serving with the CUDA backend (CUDA 13.0 runtime)" \
       org.opencontainers.image.licenses="Apache-2.0"
 # Ubuntu 24.04 images ship a uid-1000 "ubuntu" user; Prism uses its own.
-RUN groupadd --system --gid 10001 prism \
+# The kernels are compiled at run time by NVRTC (in the runtime image) and include
+# cuda_bf16.h, which only the toolkit's cudart headers package ships.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends 'cuda-cudart-dev-13-0=13.0.*' \
+ && rm -rf /var/lib/apt/lists/* \
+ && test -f /usr/local/cuda/include/cuda_bf16.h \
+ && groupadd --system --gid 10001 prism \
  && useradd --system --uid 10001 --gid prism --home-dir /var/lib/prism \
       --create-home --shell /usr/sbin/nologin prism \
  && mkdir -p /models \
  && chown prism:prism /models
 COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 COPY --from=build /out/ /usr/local/bin/
+COPY --from=build /out-cuda/prism-worker /usr/local/bin/prism-worker
 ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility

@@ -160,7 +160,7 @@ impl DecodeAttention {
         let (hd, g) = (shape.head_dim, shape.group());
         let opts = CompileOptions {
             arch: Some(gpu.arch),
-            include_paths: vec!["/usr/local/cuda/include".into()],
+            include_paths: super::device::nvrtc_include_paths(),
             options: vec![format!("-DDA_HD={hd}"), format!("-DDA_G={g}")],
             ..Default::default()
         };

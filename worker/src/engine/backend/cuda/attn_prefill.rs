@@ -226,7 +226,7 @@ impl PrefillAttention {
         };
         let opts = CompileOptions {
             arch: Some(gpu.arch),
-            include_paths: vec!["/usr/local/cuda/include".into()],
+            include_paths: super::device::nvrtc_include_paths(),
             ..Default::default()
         };
         let ptx = compile_ptx_with_opts(src, opts)

@@ -19,6 +19,28 @@ use super::super::BackendError;
 /// The kernels' CUDA C source (bf16 storage, f32 math).
 pub const KERNELS_SRC: &str = include_str!("kernels/llama.cu");
 
+/// Include directories for NVRTC (the kernels include `cuda_bf16.h`, which ships with the CUDA
+/// toolkit's headers, not with the driver or libnvrtc): the first of `$PRISM_CUDA_INCLUDE`,
+/// `$CUDA_HOME/include`, `$CUDA_PATH/include`, `/usr/local/cuda/include` that holds
+/// `cuda_bf16.h` (else `/usr/local/cuda/include`, and NVRTC's error names the missing header).
+pub fn nvrtc_include_paths() -> Vec<String> {
+    let candidates = [
+        std::env::var("PRISM_CUDA_INCLUDE").ok(),
+        std::env::var("CUDA_HOME")
+            .ok()
+            .map(|h| format!("{h}/include")),
+        std::env::var("CUDA_PATH")
+            .ok()
+            .map(|h| format!("{h}/include")),
+    ];
+    let dir = candidates
+        .into_iter()
+        .flatten()
+        .find(|d| std::path::Path::new(d).join("cuda_bf16.h").is_file())
+        .unwrap_or_else(|| "/usr/local/cuda/include".to_owned());
+    vec![dir]
+}
+
 /// Maps any CUDA-side error into [`BackendError::Device`].
 pub fn dev_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
     BackendError::Device(format!("{what}: {e:?}"))
@@ -149,7 +171,7 @@ impl Gpu {
         let arch = arch_for(major, minor);
         let opts = CompileOptions {
             arch: Some(arch),
-            include_paths: vec!["/usr/local/cuda/include".into()],
+            include_paths: nvrtc_include_paths(),
             ..Default::default()
         };
         let ptx = compile_ptx_with_opts(KERNELS_SRC, opts)

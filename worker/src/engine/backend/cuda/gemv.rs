@@ -121,7 +121,7 @@ impl Gemv {
         for (define, per_sm_cap) in VARIANTS {
             let opts = CompileOptions {
                 arch: Some(gpu.arch),
-                include_paths: vec!["/usr/local/cuda/include".into()],
+                include_paths: super::device::nvrtc_include_paths(),
                 options: vec![define.to_owned()],
                 ..Default::default()
             };
