@@ -15,6 +15,7 @@
 
 ARG RUST_VERSION=1.95
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+ARG CUDA_DEVEL_IMAGE=nvidia/cuda:13.0.1-devel-ubuntu24.04
 ARG DEBIAN_IMAGE=debian:bookworm-slim
 
 # ---------------------------------------------------------------- build
@@ -75,19 +76,16 @@ CMD ["--help"]
 FROM cpu-runtime AS cpu-demo
 COPY --chown=root:root models/SmolLM2-135M-Instruct.Q4_1.gguf /opt/prism/models/
 
+# ---------------------------------------------------------------- CUDA headers (build-time only)
+FROM ${CUDA_DEVEL_IMAGE} AS build-cuda-headers
+
 # ---------------------------------------------------------------- CUDA runtime (workers)
 FROM ${CUDA_IMAGE} AS cuda-runtime
 LABEL org.opencontainers.image.title="prism-cuda" \
       org.opencontainers.image.description="Prism LLM serving with the CUDA backend (CUDA 13.0 runtime)" \
       org.opencontainers.image.licenses="Apache-2.0"
 # Ubuntu 24.04 images ship a uid-1000 "ubuntu" user; Prism uses its own.
-# The kernels are compiled at run time by NVRTC (in the runtime image) and include
-# cuda_bf16.h, which only the toolkit's cudart headers package ships.
-RUN apt-get update \
- && apt-get install -y --no-install-recommends 'cuda-cudart-dev-13-0=13.0.*' \
- && rm -rf /var/lib/apt/lists/* \
- && test -f /usr/local/cuda/include/cuda_bf16.h \
- && groupadd --system --gid 10001 prism \
+RUN groupadd --system --gid 10001 prism \
  && useradd --system --uid 10001 --gid prism --home-dir /var/lib/prism \
       --create-home --shell /usr/sbin/nologin prism \
  && mkdir -p /models \
@@ -95,6 +93,9 @@ RUN apt-get update \
 COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 COPY --from=build /out/ /usr/local/bin/
 COPY --from=build /out-cuda/prism-worker /usr/local/bin/prism-worker
+# The kernels are compiled at run time by NVRTC (in the runtime image) and include
+# cuda_bf16.h, which only the toolkit's headers ship: copied from the devel image.
+COPY --from=build-cuda-headers /usr/local/cuda/include/ /usr/local/cuda/include/
 ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility

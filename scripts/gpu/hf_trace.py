@@ -290,6 +290,9 @@ def main() -> None:
     ap.add_argument("--prism", help="cuda_trace output JSON to compare weights, probe logits and throughput")
     ap.add_argument("--weight-seed", type=int, default=None, help="default: the Prism JSON's, else 1234")
     ap.add_argument("--skip-trace", action="store_true", help="only build and compare")
+    ap.add_argument("--save", help="also save the model as a Hugging Face checkpoint (bf16 safetensors) in this "
+                    "directory, with tests/fixtures/hf-tiny's tokenizer files (the probe uses token ids), for "
+                    "cuda_trace --model")
     a = ap.parse_args()
     dev = torch.device("cuda")
     trace = json.loads(Path(a.trace).read_text())
@@ -307,6 +310,25 @@ def main() -> None:
     model, info, self_ok = build(seed, dev)
     ok &= self_ok
     report["model"] = info
+    if a.save:
+        import shutil
+        t = time.perf_counter()
+        model.save_pretrained(a.save, safe_serialization=True, max_shard_size="5GB")
+        fixture = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "hf-tiny"
+        for f in ["tokenizer.json", "tokenizer_config.json"]:
+            shutil.copy(fixture / f, Path(a.save) / f)
+        # config.json in the classic field names Prism reads (transformers 5 writes rope_parameters).
+        c = model.config
+        Path(a.save, "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.hidden_size // c.num_attention_heads, "num_hidden_layers": c.num_hidden_layers,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": c.vocab_size,
+            "max_position_embeddings": 8192, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16"}, indent=1))
+        report["saved"] = {"dir": a.save, "seconds": time.perf_counter() - t}
+        print(f"saved the HF checkpoint to {a.save} in {time.perf_counter() - t:.1f}s", flush=True)
     if prism is not None:
         if prism.get("weight_seed") != seed:
             print(f"FAIL weight seed: Prism {prism.get('weight_seed')} HF {seed}")

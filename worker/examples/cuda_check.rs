@@ -205,6 +205,7 @@ mod check {
 
     /// One model in one backend mode. Returns the JSON section and whether it passed.
     fn check_mode(
+        dir: &Path,
         loaded: &LoadedModel,
         r: &Reference,
         kind: Kind,
@@ -226,7 +227,14 @@ mod check {
             ..CudaOptions::default()
         };
         let t0 = std::time::Instant::now();
-        let mut cuda = CudaBackend::new(loaded.weights.clone(), c, &opts)?;
+        // The batch-invariant run uploads the f32 host weights (`CudaBackend::new`); the fast
+        // run loads the checkpoint the way the engine does, straight from the safetensors.
+        let mut cuda = if invariant {
+            CudaBackend::new(loaded.weights.clone(), c, &opts)?
+        } else {
+            let m = prism_worker::engine::model::safetensors::open_dir_model(dir)?;
+            CudaBackend::from_safetensors(&m.files, &m.config, &opts, &|_, _| {})?
+        };
         let init_s = t0.elapsed().as_secs_f64();
         if cuda.num_kv_blocks() < n * per_seq {
             bail!("KV cache too small: {} blocks", cuda.num_kv_blocks());
@@ -383,7 +391,7 @@ mod check {
         let mut modes = Vec::new();
         let mut pass = true;
         for invariant in [true, false] {
-            let (v, ok) = check_mode(&loaded, &r, kind, invariant, &cpu_errs)?;
+            let (v, ok) = check_mode(dir, &loaded, &r, kind, invariant, &cpu_errs)?;
             modes.push(v);
             pass &= ok;
         }

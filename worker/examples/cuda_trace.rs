@@ -7,7 +7,11 @@
 //! ```text
 //! cuda_trace TRACE.json OUT.json [--max-num-seqs 256] [--max-num-batched-tokens 2048]
 //!     [--limit N] [--timeout-s 300] [--weight-seed 1234] [--check-weights] [--no-warmup]
-//!     [--gpu-memory-utilization 0.9]
+//!     [--gpu-memory-utilization 0.9] [--model HF_DIR] [--probe-only]
+//!
+//! `--model HF_DIR` loads a Hugging Face checkpoint with `CudaBackend::from_safetensors` instead
+//! of generating the weights (with `hf_trace.py --save HF_DIR` it holds the same weights, so the
+//! probe logits must equal the synthetic run's bit for bit); `--probe-only` stops after the probe.
 //! ```
 //!
 //! Reports (stdout and OUT.json): output tokens, wall time from the first submit to the last
@@ -78,11 +82,13 @@ mod trace {
         check_weights: bool,
         warmup: bool,
         gpu_memory_utilization: f32,
+        model: Option<PathBuf>,
+        probe_only: bool,
     }
 
     const USAGE: &str = "usage: cuda_trace TRACE.json OUT.json [--max-num-seqs N] [--max-num-batched-tokens N] \
                          [--limit N] [--timeout-s S] [--weight-seed N] [--check-weights] [--no-warmup] \
-                         [--gpu-memory-utilization F]";
+                         [--gpu-memory-utilization F] [--model HF_DIR] [--probe-only]";
 
     fn parse_args() -> Result<Args> {
         let mut pos = Vec::new();
@@ -98,6 +104,8 @@ mod trace {
             check_weights: false,
             warmup: true,
             gpu_memory_utilization: 0.9,
+            model: None,
+            probe_only: false,
         };
         let mut it = std::env::args().skip(1);
         while let Some(arg) = it.next() {
@@ -110,6 +118,8 @@ mod trace {
                 "--weight-seed" => a.weight_seed = val(&arg)?.parse()?,
                 "--gpu-memory-utilization" => a.gpu_memory_utilization = val(&arg)?.parse()?,
                 "--check-weights" => a.check_weights = true,
+                "--model" => a.model = Some(PathBuf::from(val(&arg)?)),
+                "--probe-only" => a.probe_only = true,
                 "--no-warmup" => a.warmup = false,
                 s if s.starts_with("--") => bail!("unknown option {s}\n{USAGE}"),
                 _ => pos.push(PathBuf::from(arg)),
@@ -488,8 +498,16 @@ mod trace {
             ..CudaOptions::default()
         };
         let t_init = Instant::now();
-        let mut be = CudaBackend::synthetic(&shape, &opts)?;
+        let mut be = match &a.model {
+            Some(dir) => {
+                let m = prism_worker::engine::model::safetensors::open_dir_model(dir)?;
+                CudaBackend::from_safetensors(&m.files, &m.config, &opts, &|_, _| {})?
+            }
+            None => CudaBackend::synthetic(&shape, &opts)?,
+        };
         let init_s = t_init.elapsed().as_secs_f64();
+        report.insert("weights_from".into(), json!(a.model.as_ref().map_or("synthetic".to_owned(), |d| d.display().to_string())));
+        report.insert("init_seconds".into(), json!(init_s));
         let (num_blocks, kv_bytes_per_token) = (be.num_kv_blocks(), be.kv_bytes_per_token());
         println!(
             "device {} init {init_s:.1}s: weights {:.2} GB, KV {num_blocks} blocks of {BLOCK_SIZE} ({} tokens); \
@@ -507,6 +525,15 @@ mod trace {
         let (pv, ok) = probe(&mut be, &probe_tokens, &probe_file)?;
         pass &= ok;
         report.insert("probe".into(), pv);
+        if a.probe_only {
+            report.insert("pass".into(), json!(pass));
+            std::fs::write(&a.out, serde_json::to_string_pretty(&Value::Object(report))?)?;
+            println!("cuda_trace: probe only: {}", if pass { "PASS" } else { "FAIL" });
+            if !pass {
+                bail!("probe failed");
+            }
+            return Ok(());
+        }
 
         if a.warmup {
             let t = Instant::now();

@@ -187,6 +187,27 @@ impl EngineHandle {
             return Err(EngineError::InvalidRequest { field: "block_size", message: "block_size must be >= 1".into() });
         }
         let source = ModelSource::detect(&cfg.model)?;
+        // A CUDA replica of a Hugging Face checkpoint uploads the tensors straight from the
+        // mmapped files (no f32 copy of the model on the host).
+        #[cfg(feature = "cuda")]
+        if let (BackendKind::Cuda { devices }, ModelSource::HfDir(dir)) = (&cfg.backend, &source) {
+            let m = model::safetensors::open_dir_model(dir)?;
+            let noop = |_: u64, _: u64| {};
+            let backend = super::backend::cuda::CudaBackend::from_safetensors(
+                &m.files,
+                &m.config,
+                &cuda_options(&cfg, devices),
+                progress.unwrap_or(&noop),
+            )?;
+            let parts = EngineParts {
+                backend: Box::new(backend),
+                eos_ids: m.config.eos_token_ids.clone(),
+                model_max_len: m.config.max_position_embeddings,
+                codec: Arc::new(ModelCodec { tokenizer: m.tokenizer, chat_template: m.chat_template }),
+                control: StepControl::default(),
+            };
+            return Self::start_with_parts(parts, cfg.runtime());
+        }
         // The CPU backend reads GGUF blocks directly; other backends take f32.
         let options = model::LoadOptions { keep_quantized: matches!(cfg.backend, BackendKind::Cpu) };
         let loaded = model::load_model_with(&source, progress, options)?;
@@ -200,20 +221,11 @@ impl EngineHandle {
                     .with_all_reduce(Box::new(LayerCheckpoint(control.clone()))),
             ),
             #[cfg(feature = "cuda")]
-            BackendKind::Cuda { devices } => {
-                let device = devices.first().copied().unwrap_or(0) as usize;
-                let opts = super::backend::cuda::CudaOptions {
-                    device,
-                    block_size: cfg.block_size,
-                    kv_cache_bytes: cfg.kv_cache_bytes,
-                    gpu_memory_utilization: cfg.gpu_memory_utilization,
-                    max_num_batched_tokens: cfg.max_num_batched_tokens,
-                    max_num_seqs: cfg.max_num_seqs,
-                    batch_invariant: cfg.batch_invariant,
-                    ..Default::default()
-                };
-                Box::new(super::backend::cuda::CudaBackend::new(loaded.weights, &loaded.config, &opts)?)
-            }
+            BackendKind::Cuda { devices } => Box::new(super::backend::cuda::CudaBackend::new(
+                loaded.weights,
+                &loaded.config,
+                &cuda_options(&cfg, devices),
+            )?),
             #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda { .. } => {
                 return Err(EngineError::Internal("the CUDA backend is not built into this worker".into()));
@@ -222,6 +234,21 @@ impl EngineHandle {
         let codec = Arc::new(ModelCodec { tokenizer: loaded.tokenizer, chat_template: loaded.chat_template });
         let parts = EngineParts { backend, codec, eos_ids, model_max_len, control };
         Self::start_with_parts(parts, cfg.runtime())
+    }
+}
+
+/// The CUDA backend's options for a replica on `devices` (the first one: one shard).
+#[cfg(feature = "cuda")]
+fn cuda_options(cfg: &EngineConfig, devices: &[u32]) -> super::backend::cuda::CudaOptions {
+    super::backend::cuda::CudaOptions {
+        device: devices.first().copied().unwrap_or(0) as usize,
+        block_size: cfg.block_size,
+        kv_cache_bytes: cfg.kv_cache_bytes,
+        gpu_memory_utilization: cfg.gpu_memory_utilization,
+        max_num_batched_tokens: cfg.max_num_batched_tokens,
+        max_num_seqs: cfg.max_num_seqs,
+        batch_invariant: cfg.batch_invariant,
+        ..Default::default()
     }
 }
 

@@ -265,6 +265,25 @@ impl CudaBackend {
         Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
     }
 
+    /// Loads a Hugging Face checkpoint straight from its mmapped `.safetensors` files, one
+    /// tensor at a time (bf16 tensors copied as stored), so the host never holds an f32 copy
+    /// of the model (an 8B model in f32 is 32 GB). Same weights and results as
+    /// [`CudaBackend::new`] on the same checkpoint.
+    ///
+    /// # Errors
+    /// As [`CudaBackend::new`]; missing tensors or shapes that disagree with `config` are
+    /// [`EngineError::Internal`].
+    pub fn from_safetensors(
+        files: &crate::engine::model::safetensors::SafetensorsFiles,
+        config: &ModelConfig,
+        opts: &CudaOptions,
+        progress: &dyn Fn(u64, u64),
+    ) -> Result<Self, EngineError> {
+        let gpu = Gpu::new(opts.device).map_err(engine_err)?;
+        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, progress).map_err(engine_err)?;
+        Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
+    }
+
     /// A model of the given shape with seeded random bf16 weights generated on the device
     /// (benchmarks at real model sizes without shipping checkpoints).
     ///
@@ -405,7 +424,10 @@ impl CudaBackend {
             lt,
             gemv,
             invariant: opts.batch_invariant,
-            gemv_max: if opts.batch_invariant {
+            // The GEMVs need 8-element (16-byte) rows and RoPE pairs inside a head.
+            gemv_max: if opts.batch_invariant
+                || !(d.hidden.is_multiple_of(8) && d.inter.is_multiple_of(8) && d.q_dim().is_multiple_of(8))
+            {
                 0
             } else {
                 opts.gemv_max_tokens.min(gemv::GEMV_MAX_M)

@@ -1,14 +1,17 @@
 //! Llama weights on the device in bf16: one allocation for everything (fixed addresses),
 //! q/k/v stacked into one `[q + 2·kv, hidden]` matrix and gate/up into `[2·inter, hidden]`
-//! (one GEMM each, as vLLM's `QKVParallelLinear` / `MergedColumnParallelLinear`). Filled either
-//! from f32 host weights (rounded to nearest-even bf16) or with seeded random values generated
-//! on the device ([`SyntheticShape`], benchmarks at real sizes).
+//! (one GEMM each, as vLLM's `QKVParallelLinear` / `MergedColumnParallelLinear`). Filled from
+//! f32 host weights (rounded to nearest-even bf16), straight from a Hugging Face checkpoint's
+//! mmapped `.safetensors` one tensor at a time (bf16 copied as stored: no f32 copy of the model
+//! on the host), or with seeded random values generated on the device ([`SyntheticShape`],
+//! benchmarks at real sizes).
 
 use half::bf16;
 
 use super::Dims;
 use super::device::{DevBuf, Gpu};
 use crate::engine::backend::BackendError;
+use crate::engine::model::safetensors::SafetensorsFiles;
 use crate::engine::model::{LlamaWeights, ModelConfig};
 
 /// Device addresses of one decoder layer's weights.
@@ -147,6 +150,68 @@ impl DeviceWeights {
             bytes: buf.bytes,
             _buf: buf,
         }
+    }
+
+    /// Uploads a Hugging Face Llama checkpoint tensor by tensor from its mmapped files (bf16
+    /// as stored, f32/f16 rounded to bf16); the host holds one tensor (or one fused q/k/v or
+    /// gate/up matrix) at a time. `progress(done, total)` reports bytes read.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] for a missing tensor, a shape that disagrees with `cfg`, an
+    /// unsupported dtype, or an allocation / copy failure.
+    pub fn from_safetensors(
+        gpu: &Gpu,
+        files: &SafetensorsFiles,
+        cfg: &ModelConfig,
+        progress: &dyn Fn(u64, u64),
+    ) -> Result<(Self, Dims), BackendError> {
+        let d = Dims {
+            hidden: cfg.hidden_size,
+            q_heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            inter: cfg.intermediate_size,
+            vocab: cfg.vocab_size,
+            layers: cfg.num_hidden_layers,
+            eps: cfg.rms_norm_eps,
+        };
+        let tied = cfg.tie_word_embeddings || !files.contains("lm_head.weight");
+        let l = layout(&d, tied);
+        let buf = DevBuf::zeroed(gpu, l.total * 2)?;
+        let total = files.total_bytes();
+        let mut done = 0u64;
+        let mut staging: Vec<bf16> = Vec::new();
+        let mut put = |off: usize, parts: &[(&str, &[usize])]| -> Result<(), BackendError> {
+            staging.clear();
+            for (name, shape) in parts {
+                done += files
+                    .append_bf16(name, shape, &mut staging)
+                    .map_err(|e| BackendError::Device(e.to_string()))? as u64;
+            }
+            gpu.upload(&buf, off * 2, &staging)?;
+            // The staging vector is reused: wait for the (pageable, staged) copy.
+            gpu.sync()?;
+            progress(done, total);
+            Ok(())
+        };
+        let (h, q, kv, i, v) = (d.hidden, d.q_dim(), d.kv_dim(), d.inter, d.vocab);
+        put(l.embed, &[("model.embed_tokens.weight", &[v, h])])?;
+        if let Some(o) = l.lm_head {
+            put(o, &[("lm_head.weight", &[v, h])])?;
+        }
+        put(l.norm, &[("model.norm.weight", &[h])])?;
+        for (li, o) in l.layers.iter().enumerate() {
+            let n = |t: &str| format!("model.layers.{li}.{t}.weight");
+            let (ln1, qn, kn, vn) = (n("input_layernorm"), n("self_attn.q_proj"), n("self_attn.k_proj"), n("self_attn.v_proj"));
+            let (on, ln2, gn, un, dn) = (n("self_attn.o_proj"), n("post_attention_layernorm"), n("mlp.gate_proj"), n("mlp.up_proj"), n("mlp.down_proj"));
+            put(o[0], &[(&ln1, &[h])])?;
+            put(o[1], &[(&qn, &[q, h]), (&kn, &[kv, h]), (&vn, &[kv, h])])?;
+            put(o[2], &[(&on, &[h, q])])?;
+            put(o[3], &[(&ln2, &[h])])?;
+            put(o[4], &[(&gn, &[i, h]), (&un, &[i, h])])?;
+            put(o[5], &[(&dn, &[h, i])])?;
+        }
+        Ok((Self::from_layout(buf, &l), d))
     }
 
     /// Uploads f32 host weights as bf16.
