@@ -190,7 +190,9 @@ impl EngineHandle {
         // A CUDA replica of a Hugging Face checkpoint uploads the tensors straight from the
         // mmapped files (no f32 copy of the model on the host).
         #[cfg(feature = "cuda")]
-        if let (BackendKind::Cuda { devices }, ModelSource::HfDir(dir)) = (&cfg.backend, &source) {
+        if let (BackendKind::Cuda { devices }, ModelSource::HfDir(dir)) = (&cfg.backend, &source)
+            && devices.len() <= 1
+        {
             let m = model::safetensors::open_dir_model(dir)?;
             let noop = |_: u64, _: u64| {};
             let backend = super::backend::cuda::CudaBackend::from_safetensors(
@@ -220,6 +222,14 @@ impl EngineHandle {
                 super::backend::cpu::CpuBackend::new(loaded.weights, &loaded.config, kv_bytes, cfg.block_size)?
                     .with_all_reduce(Box::new(LayerCheckpoint(control.clone()))),
             ),
+            #[cfg(feature = "cuda")]
+            // A GPU group of several devices: tensor-parallel shards (NCCL).
+            BackendKind::Cuda { devices } if devices.len() > 1 => Box::new(super::backend::cuda::tp::CudaTpBackend::new(
+                loaded.weights,
+                &loaded.config,
+                &cuda_options(&cfg, devices),
+                devices,
+            )?),
             #[cfg(feature = "cuda")]
             BackendKind::Cuda { devices } => Box::new(super::backend::cuda::CudaBackend::new(
                 loaded.weights,

@@ -31,13 +31,15 @@
 //! (`CudaOptions::batch_invariant`) keeps the fixed-algorithm GEMMs and the split-KV kernel
 //! below, trading speed for logits that never depend on the rest of the step.
 //!
-//! Not here yet: tensor parallelism (NCCL).
+//! Tensor parallelism: [`tp::CudaTpBackend`] runs one shard of this backend per GPU of a replica's
+//! group with NCCL all-reduces after o_proj and down_proj (graphs and the fused GEMVs off there).
 
 pub mod attn_decode;
 pub mod attn_prefill;
 pub mod device;
 pub mod gemm;
 pub mod gemv;
+pub mod tp;
 mod weights;
 
 use std::collections::HashMap;
@@ -175,6 +177,8 @@ pub struct CudaBackend {
     /// This step's attention work: runs of decode rows (first token, count) and prefill chunks.
     plan_decode: Vec<(usize, usize)>,
     plan_prefill: Vec<attn_prefill::PrefillSeq>,
+    /// Tensor-parallel shard: its communicator (all-reduce after o_proj and down_proj).
+    tp: Option<tp::TpComm>,
     /// Per-launch events while [`CudaBackend::profile_step`] runs.
     prof: Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
     /// Decode graphs by (bucket, context-chunk bucket); `None` = seen once, not captured yet.
@@ -280,8 +284,31 @@ impl CudaBackend {
         progress: &dyn Fn(u64, u64),
     ) -> Result<Self, EngineError> {
         let gpu = Gpu::new(opts.device).map_err(engine_err)?;
-        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, progress).map_err(engine_err)?;
+        let (w, d) =
+            DeviceWeights::from_safetensors(&gpu, files, config, progress).map_err(engine_err)?;
         Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
+    }
+
+    /// One tensor-parallel shard: `weights` is the shard's slice ([`LlamaWeights::shard`]) and
+    /// `comm` its rank's communicator. The fused GEMV path and CUDA graphs are off (the residual
+    /// adds wait for the all-reduce; NCCL launches are not captured).
+    ///
+    /// # Errors
+    /// As [`CudaBackend::new`].
+    pub(crate) fn new_shard(
+        weights: LlamaWeights,
+        config: &ModelConfig,
+        opts: &CudaOptions,
+        comm: tp::TpComm,
+    ) -> Result<Self, EngineError> {
+        let opts = CudaOptions {
+            cuda_graphs: false,
+            ..opts.clone()
+        };
+        let mut be = Self::new(weights, config, &opts)?;
+        be.gemv_max = 0;
+        be.tp = Some(comm);
+        Ok(be)
     }
 
     /// A model of the given shape with seeded random bf16 weights generated on the device
@@ -426,13 +453,16 @@ impl CudaBackend {
             invariant: opts.batch_invariant,
             // The GEMVs need 8-element (16-byte) rows and RoPE pairs inside a head.
             gemv_max: if opts.batch_invariant
-                || !(d.hidden.is_multiple_of(8) && d.inter.is_multiple_of(8) && d.q_dim().is_multiple_of(8))
+                || !(d.hidden.is_multiple_of(8)
+                    && d.inter.is_multiple_of(8)
+                    && d.q_dim().is_multiple_of(8))
             {
                 0
             } else {
                 opts.gemv_max_tokens.min(gemv::GEMV_MAX_M)
             },
             prof: None,
+            tp: None,
             dattn,
             pattn,
             plan_decode: Vec::new(),
@@ -770,6 +800,7 @@ impl CudaBackend {
         let small = n <= self.gemv_max;
         let invariant = self.invariant;
         let Self {
+            tp,
             gpu: g,
             lt,
             gemv,
@@ -1043,6 +1074,11 @@ impl CudaBackend {
                 false,
             )?;
             mark("gemm_o_proj")?;
+            if let Some(t) = tp.as_ref() {
+                // Row-parallel o_proj: each shard holds a partial sum.
+                t.all_reduce_bf16(g, s.proj.ptr, n * d.hidden)?;
+                mark("all_reduce")?;
+            }
             add_rmsnorm(
                 g,
                 s.x.ptr,
@@ -1088,8 +1124,13 @@ impl CudaBackend {
                 false,
             )?;
             mark("gemm_down")?;
+            if let Some(t) = tp.as_ref() {
+                t.all_reduce_bf16(g, s.proj.ptr, n * d.hidden)?;
+                mark("all_reduce")?;
+            }
         }
-        if rows > 0 {
+        // Tensor parallelism: rank 0 computes the logits (lm_head is replicated).
+        if rows > 0 && tp.as_ref().is_none_or(|t| t.rank == 0) {
             // Last residual add (already done by the small path's down GEMV) + final norm,
             // only for the rows that want logits.
             let delta = if small { null } else { s.proj.ptr };

@@ -186,7 +186,8 @@ impl DeviceWeights {
             for (name, shape) in parts {
                 done += files
                     .append_bf16(name, shape, &mut staging)
-                    .map_err(|e| BackendError::Device(e.to_string()))? as u64;
+                    .map_err(|e| BackendError::Device(e.to_string()))?
+                    as u64;
             }
             gpu.upload(&buf, off * 2, &staging)?;
             // The staging vector is reused: wait for the (pageable, staged) copy.
@@ -202,8 +203,19 @@ impl DeviceWeights {
         put(l.norm, &[("model.norm.weight", &[h])])?;
         for (li, o) in l.layers.iter().enumerate() {
             let n = |t: &str| format!("model.layers.{li}.{t}.weight");
-            let (ln1, qn, kn, vn) = (n("input_layernorm"), n("self_attn.q_proj"), n("self_attn.k_proj"), n("self_attn.v_proj"));
-            let (on, ln2, gn, un, dn) = (n("self_attn.o_proj"), n("post_attention_layernorm"), n("mlp.gate_proj"), n("mlp.up_proj"), n("mlp.down_proj"));
+            let (ln1, qn, kn, vn) = (
+                n("input_layernorm"),
+                n("self_attn.q_proj"),
+                n("self_attn.k_proj"),
+                n("self_attn.v_proj"),
+            );
+            let (on, ln2, gn, un, dn) = (
+                n("self_attn.o_proj"),
+                n("post_attention_layernorm"),
+                n("mlp.gate_proj"),
+                n("mlp.up_proj"),
+                n("mlp.down_proj"),
+            );
             put(o[0], &[(&ln1, &[h])])?;
             put(o[1], &[(&qn, &[q, h]), (&kn, &[kv, h]), (&vn, &[kv, h])])?;
             put(o[2], &[(&on, &[h, q])])?;
