@@ -165,7 +165,8 @@ unsafe impl Send for Graph {}
 pub struct CudaBackend {
     gpu: Gpu,
     lt: gemm::LtGemm,
-    gemv: gemv::Gemv,
+    /// Fused decode GEMVs (fast mode only; `None` when they cannot be built for this model).
+    gemv: Option<gemv::Gemv>,
     /// [`CudaOptions::batch_invariant`].
     invariant: bool,
     /// [`CudaOptions::gemv_max_tokens`] (0 in batch-invariant mode).
@@ -369,8 +370,26 @@ impl CudaBackend {
         gpu.upload(&s.inv_freq, 0, inv_freq).map_err(engine_err)?;
         // One batch-invariant GEMM algorithm per weight shape (checked on this device).
         let mut lt = gemm::LtGemm::new(&gpu).map_err(engine_err)?;
-        let gemv = gemv::Gemv::new(&gpu, d.hidden).map_err(engine_err)?;
-        let (dattn, pattn) = if opts.batch_invariant {
+        // The GEMVs need 8-element (16-byte) rows; their norm prologue keeps GEMV_MAX_M
+        // activation rows in shared memory (a model too wide for it runs without them).
+        let gemv_shapes_ok =
+            d.hidden.is_multiple_of(8) && d.inter.is_multiple_of(8) && d.q_dim().is_multiple_of(8);
+        let gemv = if opts.batch_invariant || !gemv_shapes_ok {
+            None
+        } else {
+            gemv::Gemv::new(&gpu, d.hidden)
+                .map_err(|e| tracing::warn!(error = %e, "decode GEMVs unavailable; using cuBLASLt for every step"))
+                .ok()
+        };
+        let gemv_max = if gemv.is_some() {
+            opts.gemv_max_tokens.min(gemv::GEMV_MAX_M)
+        } else {
+            0
+        };
+        // The tensor-core attention kernels use bf16 mma (sm_80 and later); older GPUs keep the
+        // split-KV kernel.
+        let sm: u32 = gpu.arch.trim_start_matches("sm_").parse().unwrap_or(0);
+        let (dattn, pattn) = if opts.batch_invariant || sm < 80 {
             (None, None)
         } else {
             let shape = attn_decode::AttnShape {
@@ -451,16 +470,7 @@ impl CudaBackend {
             lt,
             gemv,
             invariant: opts.batch_invariant,
-            // The GEMVs need 8-element (16-byte) rows and RoPE pairs inside a head.
-            gemv_max: if opts.batch_invariant
-                || !(d.hidden.is_multiple_of(8)
-                    && d.inter.is_multiple_of(8)
-                    && d.q_dim().is_multiple_of(8))
-            {
-                0
-            } else {
-                opts.gemv_max_tokens.min(gemv::GEMV_MAX_M)
-            },
+            gemv_max,
             prof: None,
             tp: None,
             dattn,
@@ -562,14 +572,16 @@ impl CudaBackend {
 
     /// Selects a compiled decode-GEMV variant (benchmarks; see `gemv.rs`). Graphs are dropped.
     pub fn set_gemv_variant(&mut self, v: usize) {
-        self.gemv.variant = v;
+        if let Some(g) = self.gemv.as_mut() {
+            g.variant = v;
+        }
         self.graphs.clear();
     }
 
     /// Sets [`CudaOptions::gemv_max_tokens`] (benchmarks; ignored in batch-invariant mode).
     /// Captured graphs are dropped.
     pub fn set_gemv_max_tokens(&mut self, m: usize) {
-        if !self.invariant {
+        if self.gemv.is_some() && self.tp.is_none() {
             self.gemv_max = m.min(gemv::GEMV_MAX_M);
             self.graphs.clear();
         }
@@ -578,7 +590,9 @@ impl CudaBackend {
     /// Turns programmatic dependent launch of the decode GEMVs on or off (benchmarks); captured
     /// graphs are dropped.
     pub fn set_pdl(&mut self, on: bool) {
-        self.gemv.pdl = on;
+        if let Some(g) = self.gemv.as_mut() {
+            g.pdl = on;
+        }
         self.graphs.clear();
     }
 
@@ -816,6 +830,7 @@ impl CudaBackend {
             plan_prefill,
             ..
         } = self;
+        let no_gemv = || BackendError::Device("decode GEMVs not built".into());
         let mut matmul = |g: &Gpu, y: u64, x: u64, wp: u64, shape: GemmShape, f32_out: bool| {
             if invariant {
                 lt.matmul(g, y, x, wp, shape, f32_out)
@@ -876,7 +891,7 @@ impl CudaBackend {
                     kv_heads: kvh,
                     head_dim: hd,
                 };
-                gemv.launch(
+                gemv.as_ref().ok_or_else(no_gemv)?.launch(
                     g,
                     gemv::GemvKind::QkvRope,
                     n,
@@ -1017,7 +1032,7 @@ impl CudaBackend {
             }
             if small {
                 let none = gemv::RopeArgs::default();
-                gemv.launch(
+                gemv.as_ref().ok_or_else(no_gemv)?.launch(
                     g,
                     gemv::GemvKind::Residual,
                     n,
@@ -1031,7 +1046,7 @@ impl CudaBackend {
                     &none,
                 )?;
                 mark("gemv_o_proj")?;
-                gemv.launch(
+                gemv.as_ref().ok_or_else(no_gemv)?.launch(
                     g,
                     gemv::GemvKind::NormGateUpSilu,
                     n,
@@ -1045,7 +1060,7 @@ impl CudaBackend {
                     &none,
                 )?;
                 mark("gemv_gate_up_silu")?;
-                gemv.launch(
+                gemv.as_ref().ok_or_else(no_gemv)?.launch(
                     g,
                     gemv::GemvKind::Residual,
                     n,
@@ -1148,7 +1163,7 @@ impl CudaBackend {
             .map_err(|e| device::dev_err("final_norm", e))?;
             mark("final_norm")?;
             if small {
-                gemv.launch(
+                gemv.as_ref().ok_or_else(no_gemv)?.launch(
                     g,
                     gemv::GemvKind::LogitsF32,
                     rows,

@@ -7,9 +7,14 @@
 //!
 //! Execution: every step runs on all ranks at once, one host thread per rank (scoped threads),
 //! each enqueueing its shard's whole forward pass on its own stream; the collectives meet on
-//! the devices. The batch is validated once before any rank starts, so either every rank
-//! enqueues the step or none does (a rank that stopped half-way would leave the others
-//! waiting in an all-reduce). CUDA graphs and the fused decode GEMVs are off in this mode.
+//! the devices. The batch is validated on every rank before any starts, so bad input never
+//! leaves a rank half-way. A rank that fails anyway (device fault, out of memory, panic) aborts
+//! every communicator (`ncclCommAbort`, which releases ranks blocked in a collective) and the
+//! replica refuses every later step, so the engine reports it dead instead of hanging. CUDA
+//! graphs and the fused decode GEMVs are off in this mode.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
@@ -24,6 +29,8 @@ pub(crate) struct TpComm {
     comm: nccl_sys::ncclComm_t,
     /// This shard's rank.
     pub rank: usize,
+    /// Set once the communicators were aborted (then they must not be destroyed).
+    aborted: Arc<AtomicBool>,
 }
 
 // SAFETY: the communicator is used by one thread at a time (the rank's step thread); NCCL
@@ -32,8 +39,11 @@ unsafe impl Send for TpComm {}
 
 impl Drop for TpComm {
     fn drop(&mut self) {
-        // SAFETY: created by ncclCommInitAll, destroyed once; the stream is idle (the backend
-        // synchronises before it is dropped).
+        if self.aborted.load(Ordering::SeqCst) {
+            return;
+        }
+        // SAFETY: created by ncclCommInitAll, destroyed once; no collective is pending (every
+        // step ends with every rank's stream synchronised).
         let _ = unsafe { nccl::comm_destroy(self.comm) };
     }
 }
@@ -67,9 +77,33 @@ impl TpComm {
     }
 }
 
+/// A raw communicator handle shared with the rank threads (only for `ncclCommAbort`).
+#[derive(Clone, Copy)]
+struct RawComm(nccl_sys::ncclComm_t);
+// SAFETY: ncclCommAbort may be called from any thread, also while a collective is blocked.
+unsafe impl Send for RawComm {}
+// SAFETY: as above; the handle is only passed to ncclCommAbort.
+unsafe impl Sync for RawComm {}
+
+/// Aborts every communicator once (releases ranks blocked in a collective).
+fn abort_all(raw: &[RawComm], aborted: &AtomicBool) {
+    if aborted.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    tracing::error!("tensor-parallel rank failed: aborting the NCCL communicators");
+    for c in raw {
+        // SAFETY: valid communicators, aborted once (guarded by `aborted`), never destroyed
+        // afterwards (TpComm::drop checks the same flag).
+        let _ = unsafe { nccl::comm_abort(c.0) };
+    }
+}
+
 /// A tensor-parallel CUDA replica: one shard per device of its GPU group.
 pub struct CudaTpBackend {
     shards: Vec<CudaBackend>,
+    /// Every rank's communicator (aborted together when a rank fails).
+    raw: Vec<RawComm>,
+    aborted: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for CudaTpBackend {
@@ -82,11 +116,16 @@ impl std::fmt::Debug for CudaTpBackend {
 
 impl CudaTpBackend {
     /// Splits `weights` over `devices` (ranks in that order) and builds one shard per device
-    /// with `opts` (its `device` field is ignored).
+    /// with `opts` (its `device` field is ignored; an explicit `kv_cache_bytes` is the
+    /// replica's total, split evenly over the ranks). Shards are cut and uploaded one at a
+    /// time, so the host holds the f32 model plus one shard.
     ///
     /// # Errors
     /// [`EngineError::Internal`] when NCCL is missing or fails, the group size does not divide
-    /// the KV heads and the FFN size, or a shard cannot be built.
+    /// the KV heads and the FFN size, or a shard cannot be built;
+    /// [`EngineError::InvalidRequest`] for `batch_invariant` with more than 2 ranks (NCCL's
+    /// summation order over 3+ ranks depends on the message size, so results would depend on
+    /// the batch).
     pub fn new(
         weights: LlamaWeights,
         config: &ModelConfig,
@@ -99,16 +138,20 @@ impl CudaTpBackend {
                 "tensor parallelism needs at least 2 devices".into(),
             ));
         }
+        if opts.batch_invariant && world > 2 {
+            return Err(EngineError::InvalidRequest {
+                field: "batch_invariant",
+                message: format!(
+                    "batch_invariant is not supported with tensor_parallel_size {world} (at most 2)"
+                ),
+            });
+        }
         // SAFETY: only opens the library (cudarc panics on a missing library otherwise).
         if !unsafe { nccl_sys::is_culib_present() } {
             return Err(EngineError::Internal(
                 "tensor_parallel_size > 1 needs NCCL (libnccl.so.2 not found)".into(),
             ));
         }
-        let shards_w: Vec<LlamaWeights> = (0..world)
-            .map(|r| weights.shard(config, r, world))
-            .collect::<Result<_, _>>()?;
-        drop(weights);
         let ordinals: Vec<i32> = devices.iter().map(|&d| d as i32).collect();
         let mut comms = vec![std::ptr::null_mut(); world];
         // SAFETY: `comms` has one slot per device in `ordinals`.
@@ -116,24 +159,39 @@ impl CudaTpBackend {
             .map_err(|e| {
                 EngineError::Internal(format!("ncclCommInitAll over devices {devices:?}: {e:?}"))
             })?;
+        let aborted = Arc::new(AtomicBool::new(false));
+        let raw: Vec<RawComm> = comms.iter().map(|&c| RawComm(c)).collect();
         let mut comms: Vec<Option<TpComm>> = comms
             .into_iter()
             .enumerate()
-            .map(|(rank, comm)| Some(TpComm { comm, rank }))
+            .map(|(rank, comm)| {
+                Some(TpComm {
+                    comm,
+                    rank,
+                    aborted: aborted.clone(),
+                })
+            })
             .collect();
         let mut shards = Vec::with_capacity(world);
-        for (rank, w) in shards_w.into_iter().enumerate() {
+        for (rank, &device) in devices.iter().enumerate() {
             let o = CudaOptions {
-                device: devices[rank] as usize,
+                device: device as usize,
+                kv_cache_bytes: opts.kv_cache_bytes.map(|b| b / world as u64),
                 ..opts.clone()
             };
             let comm = comms[rank]
                 .take()
                 .ok_or_else(|| EngineError::Internal("communicator used twice".into()))?;
+            let w = weights.shard(config, rank, world)?;
             shards.push(CudaBackend::new_shard(w, config, &o, comm)?);
         }
+        drop(weights);
         tracing::info!(devices = ?devices, kv_blocks = shards.iter().map(|s| s.num_blocks).min(), "CUDA tensor-parallel replica ready");
-        Ok(Self { shards })
+        Ok(Self {
+            shards,
+            raw,
+            aborted,
+        })
     }
 
     /// Runs `batch` on every rank at once; rank 0's result (`f`) is returned after every rank
@@ -143,19 +201,16 @@ impl CudaTpBackend {
         batch: &StepBatch,
         f: impl FnOnce(&mut CudaBackend) -> Result<T, BackendError> + Send,
     ) -> Result<T, BackendError> {
-        // Same checks on every rank; all pass or none starts.
-        let blocks = self.num_kv_blocks();
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(BackendError::Device(
+                "tensor-parallel replica failed earlier (communicators aborted)".into(),
+            ));
+        }
+        // Same checks on every rank (each against its own cache); all pass or none starts.
         for s in &self.shards {
             s.validate(batch)?;
-            if batch
-                .seqs
-                .iter()
-                .flat_map(|q| &q.block_table)
-                .any(|&b| b as usize >= blocks)
-            {
-                return Err(BackendError::InvalidBatch(format!("block id >= {blocks}")));
-            }
         }
+        let (raw, aborted) = (&self.raw, &*self.aborted);
         let (first, rest) = self
             .shards
             .split_first_mut()
@@ -165,20 +220,30 @@ impl CudaTpBackend {
                 .iter_mut()
                 .map(|s| {
                     sc.spawn(move || -> Result<(), BackendError> {
-                        s.run(batch)?;
-                        s.synchronize()
+                        let r = s.run(batch).and_then(|_| s.synchronize());
+                        if r.is_err() {
+                            abort_all(raw, aborted);
+                        }
+                        r
                     })
                 })
                 .collect();
-            let r0 = f(first);
-            let mut res = r0;
+            let mut res = f(first);
+            if res.is_err() {
+                abort_all(raw, aborted);
+            }
             for h in others {
-                let r = h
-                    .join()
-                    .map_err(|_| BackendError::Device("tensor-parallel rank panicked".into()))?;
+                let r = h.join().unwrap_or_else(|_| {
+                    abort_all(raw, aborted);
+                    Err(BackendError::Device("tensor-parallel rank panicked".into()))
+                });
                 if let (Ok(_), Err(e)) = (&res, r) {
                     res = Err(e);
                 }
+            }
+            // What a rank computed after an abort must not be returned as a result.
+            if res.is_ok() && aborted.load(Ordering::SeqCst) {
+                res = Err(BackendError::Device("tensor-parallel step aborted".into()));
             }
             res
         })
@@ -215,6 +280,7 @@ impl Backend for CudaTpBackend {
     }
 
     fn forward_greedy(&mut self, batch: &StepBatch) -> Result<Vec<u32>, BackendError> {
-        self.step(batch, |s| s.forward_greedy(batch))
+        // The trait method: it synchronises even for a step without logit rows.
+        self.step(batch, |s| Backend::forward_greedy(s, batch))
     }
 }
