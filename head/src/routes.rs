@@ -31,11 +31,18 @@ pub fn build(st: &State) -> Vec<RouteEntry> {
                 state: r.state,
                 load: st.loads.get(id).cloned(),
                 node_id: r.node_id.clone(),
-                max_model_len: engine.map_or(0, |e| e.max_model_len),
+                max_model_len: max_model_len(r.max_model_len, engine.map_or(0, |e| e.max_model_len)),
                 max_in_flight: engine.map_or(0, |e| e.max_in_flight),
             }
         })
         .collect()
+}
+
+/// A route's context length: what the replica's engine reported (the deployment's value or
+/// the model's own, capped to its KV cache, as vLLM reports it), else the deployment's
+/// `max_model_len` (a replica whose worker has not reported it yet); 0 = unknown.
+fn max_model_len(reported: u32, configured: u32) -> u32 {
+    if reported > 0 { reported } else { configured }
 }
 
 /// Served model names of every deployment, sorted (routers answer 503, not 404, for a
@@ -65,4 +72,47 @@ pub fn publish(cluster: &Cluster, st: &State) {
     let version = (cur.version + 1).max(crate::cluster::unix_ms());
     cluster.routes.send_replace(Arc::new(RouteTable { version, routes, models }));
     cluster.metrics.route_updates.inc();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::view::Entry;
+    use prism_common::ReplicaId;
+    use prism_common::proto::v1::{DeploymentRecord, DeploymentSpec, EngineConfig, ReplicaRecord};
+
+    fn state(configured: u32, replicas: &[(&str, ReplicaState, u32)]) -> State {
+        let mut st = State::default();
+        let engine = EngineConfig { served_model_name: "m".into(), max_model_len: configured, ..EngineConfig::default() };
+        let spec = DeploymentSpec { name: "d".into(), engine: Some(engine), ..DeploymentSpec::default() };
+        let record = DeploymentRecord { spec: Some(spec), ..DeploymentRecord::default() };
+        st.view.deployments.insert(DeploymentName::from("d"), Entry { record, mod_revision: 1 });
+        for (id, state, reported) in replicas {
+            let record = ReplicaRecord {
+                replica_id: (*id).into(),
+                deployment: "d".into(),
+                served_model_name: "m".into(),
+                state: *state as i32,
+                max_model_len: *reported,
+                ..ReplicaRecord::default()
+            };
+            st.view.replicas.insert(ReplicaId::from(*id), Entry { record, mod_revision: 1 });
+        }
+        st
+    }
+
+    fn lens(st: &State) -> Vec<(String, u32)> {
+        build(st).into_iter().map(|r| (r.replica_id, r.max_model_len)).collect()
+    }
+
+    /// The engine's reported value wins (it is the deployment's or the model's own, capped to
+    /// the KV cache); a replica that has not reported one yet gets the deployment's.
+    #[test]
+    fn routes_carry_the_reported_max_model_len_else_the_deployments() {
+        let ready = ReplicaState::Ready;
+        let st = state(0, &[("a", ready, 8192), ("b", ready, 0), ("c", ReplicaState::Starting, 8192)]);
+        assert_eq!(lens(&st), [("a".to_owned(), 8192), ("b".to_owned(), 0)]);
+        let st = state(2048, &[("a", ready, 1456), ("b", ReplicaState::Draining, 0)]);
+        assert_eq!(lens(&st), [("a".to_owned(), 1456), ("b".to_owned(), 2048)]);
+    }
 }

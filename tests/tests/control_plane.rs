@@ -132,6 +132,7 @@ async fn session(
                         state: ReplicaState::Ready as i32,
                         reason: String::new(),
                         gpu_indices: s.gpu_indices,
+                        max_model_len: 0,
                     },
                 );
             }

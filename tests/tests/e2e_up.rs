@@ -1,5 +1,5 @@
 //! End to end through `prism up` (issue 5): one `prism up` child process on free ports
-//! serving the bundled model. Checks `/v1/models`, greedy tokens against the reference
+//! serving the bundled model. Checks `/v1/models` (with the engine's max_model_len), greedy tokens against the reference
 //! fixture, streamed vs non-streamed chat, "capital of France" → Paris, the CLI's
 //! `generate` and `status`, and that SIGINT exits 0 within 10 s leaving no process behind.
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
@@ -12,6 +12,24 @@ use serde_json::{Value, json};
 use std::time::Duration;
 
 const SERVED: &str = "SmolLM2-135M-Instruct";
+
+/// The context length `prism up` serves the bundled model with when no `--max-model-len` is
+/// given, as vLLM reports it: the model's own (GGUF `llama.context_length` = 8192) capped to
+/// what the CPU KV cache holds — `prism up`'s 256 MiB budget in 16-token blocks of 30 layers
+/// · K and V · 3 KV heads · 64 dims · 4 bytes (f32) = 46 080 bytes per token: 364 blocks.
+const SERVED_MAX_MODEL_LEN: u64 = {
+    let bytes_per_block: u64 = 16 * 30 * 2 * 3 * 64 * 4;
+    let capacity = (256 << 20) / bytes_per_block * 16;
+    if capacity < 8192 { capacity } else { 8192 }
+};
+
+/// `/v1/models` shows the engine's effective context length although the deployment set none
+/// (it travels worker status → replica record → route table → router).
+async fn check_max_model_len(http: &str) -> Result<()> {
+    let models: Value = reqwest::get(format!("{http}/v1/models")).await?.json().await?;
+    assert_eq!(models["data"][0]["max_model_len"].as_u64(), Some(SERVED_MAX_MODEL_LEN), "/v1/models: {models}");
+    Ok(())
+}
 
 fn chat_body(question: &str, stream: bool) -> Value {
     json!({
@@ -83,6 +101,7 @@ async fn prism_up_serves_the_model_end_to_end_and_stops_on_sigint() -> Result<()
 
     let checks = async {
         check_models(&ep.http, SERVED).await.context("/v1/models")?;
+        check_max_model_len(&ep.http).await.context("/v1/models max_model_len")?;
         check_reference_greedy(&ep.grpc, SERVED).await.context("greedy reference")?;
         check_stream_matches_non_stream(&ep.http).await.context("stream vs non-stream")?;
         check_paris(&ep.http).await.context("Paris")?;

@@ -235,6 +235,11 @@ impl Cluster {
             };
             let cur = e.record.state();
             let mut rec = e.record.clone();
+            // The engine's effective context length, published with the route (kept when a
+            // status comes from a worker that has not loaded the engine yet).
+            if rep.max_model_len > 0 {
+                rec.max_model_len = rep.max_model_len;
+            }
             if let Some(s) = st.sessions.get_mut(node) {
                 s.started.insert(rid.clone());
             }

@@ -45,6 +45,10 @@ impl ReplicaEngine for EngineHandle {
         s.last_progress_at.map(|t| t.elapsed())
     }
 
+    fn max_model_len(&self) -> Option<usize> {
+        Some(self.model_info().max_model_len)
+    }
+
     fn inject_fault(&self, fault: Fault) -> Result<(), EngineError> {
         EngineHandle::inject_fault(self, fault)
     }

@@ -51,6 +51,11 @@ pub trait ReplicaEngine: Send + Sync + 'static {
     fn stalled_for(&self) -> Option<Duration> {
         None
     }
+    /// Effective context length in tokens (prompt + completion), as the engine enforces it
+    /// (`ModelInfo::max_model_len`); `None` when unknown (doubles).
+    fn max_model_len(&self) -> Option<usize> {
+        None
+    }
     /// Injects a fault (opt-in, `--enable-fault-injection`).
     ///
     /// # Errors
@@ -220,15 +225,17 @@ impl Replica {
         })
     }
 
-    /// Status entry for the head.
+    /// Status entry for the head, with the engine's effective `max_model_len` once loaded.
     pub fn status(&self) -> pb::ReplicaStatus {
         let (state, reason) = self.state();
+        let max_model_len = self.engine.get().and_then(|e| e.max_model_len()).map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX));
         pb::ReplicaStatus {
             replica_id: self.id.0.clone(),
             deployment: self.deployment.clone(),
             state: state as i32,
             reason,
             gpu_indices: self.gpu_indices.clone(),
+            max_model_len,
         }
     }
 }
@@ -300,6 +307,39 @@ mod tests {
             .expect("idle within 2 s")
             .expect("join");
         assert_eq!((r.in_flight(), r.tokens_in_flight()), (0, 0));
+    }
+
+    /// A double whose engine enforces a 1456-token context.
+    struct Capped;
+    impl ReplicaEngine for Capped {
+        fn submit(&self, _req: EngineRequest) -> Result<OutputStream, EngineError> {
+            Err(EngineError::Unavailable("test double".into()))
+        }
+        fn load(&self) -> EngineLoad {
+            EngineLoad::default()
+        }
+        fn is_alive(&self) -> bool {
+            true
+        }
+        fn shutdown(&self) {}
+        fn max_model_len(&self) -> Option<usize> {
+            Some(1456)
+        }
+    }
+
+    /// The status sent to the head carries the engine's effective context length once it is
+    /// loaded (0 before, and for engines that cannot tell).
+    #[test]
+    fn status_reports_the_engines_max_model_len_once_loaded() {
+        let r = Replica::new("r1".into(), "d".into(), "m".into(), vec![0]);
+        assert_eq!(r.status().max_model_len, 0);
+        r.set_engine(Arc::new(Capped));
+        r.set_state(ReplicaState::Ready, "");
+        let s = r.status();
+        assert_eq!((s.state(), s.max_model_len), (ReplicaState::Ready, 1456));
+        let unknown = Replica::new("r2".into(), "d".into(), "m".into(), vec![0]);
+        unknown.set_engine(Arc::new(Idle));
+        assert_eq!(unknown.status().max_model_len, 0);
     }
 
     fn anyhow_like(e: Refusal) -> String {
