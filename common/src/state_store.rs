@@ -176,6 +176,16 @@ pub enum StoreError {
     /// Invalid argument (empty key, non-positive TTL …).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The embedded store's file is already open in another store: another Prism process
+    /// (or another store in this one) holds the exclusive lock on `lock`, the lock file next to
+    /// `path`. Two stores on one file would overwrite each other's state.
+    #[error("state store file {} is in use by another Prism process (it holds the lock {}); stop that process or use another file", path.display(), lock.display())]
+    Locked {
+        /// The snapshot file.
+        path: std::path::PathBuf,
+        /// Its lock file (`<path>.lock`).
+        lock: std::path::PathBuf,
+    },
     /// Anything else (I/O on the persistence file, unexpected responses).
     #[error("state store internal error: {0}")]
     Internal(String),

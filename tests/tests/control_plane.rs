@@ -398,6 +398,48 @@ async fn two_heads_one_leader_and_failover_within_ttl() -> Result<()> {
     Ok(())
 }
 
+/// Two heads on one embedded state file: the second exits at once with an error naming the
+/// file (the first holds the lock on `<file>.lock`) and leaves the first one's state alone;
+/// once the first is killed (-9) a new head opens the file and keeps its deployment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_head_on_one_embedded_file_fails_fast() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("state.json");
+    let store = format!("embedded:{}", file.display());
+    let port = free_port()?;
+    let mut first = Head::start(&store, port)?;
+    let mut c = first.wait_leader(Duration::from_secs(20)).await?;
+    c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("llama", 1, 1)) }).await?;
+    let child = Command::new(bin_path("prism-head")?)
+        .args(["--listen", &format!("127.0.0.1:{}", free_port()?)])
+        .args(["--http-listen", &format!("127.0.0.1:{}", free_port()?)])
+        .args(["--store", &store])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("spawning the second prism-head")?;
+    let mut second = ProcessGuard::new("second head", child);
+    let exit = poll_until(Duration::from_secs(10), "the second head to exit", || {
+        let exit = second.try_wait().ok().flatten();
+        async move { exit }
+    })
+    .await?;
+    let mut stderr = String::new();
+    if let Some(mut pipe) = second.child_mut().and_then(|c| c.stderr.take()) {
+        std::io::Read::read_to_string(&mut pipe, &mut stderr)?;
+    }
+    assert!(!exit.success(), "the second head must fail: {exit:?}\n{stderr}");
+    assert!(stderr.contains(&file.display().to_string()) && stderr.contains("another Prism process"), "{stderr}");
+    let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
+    assert_eq!(deps.len(), 1, "the first head still serves its state");
+    first.proc.kill();
+    let third = Head::start(&store, port)?;
+    let mut c = third.wait_leader(Duration::from_secs(20)).await?;
+    let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
+    assert_eq!(deps.len(), 1, "the deployment survives on the reopened file");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_head_restart_keeps_deployments_and_adopts_replicas() -> Result<()> {
     let dir = tempfile::tempdir()?;

@@ -371,6 +371,9 @@ async fn embedded_persists_across_reopen() -> Result<()> {
     // A third open sees the write made after the reopen.
     let s = EmbeddedStore::open(&path)?;
     ensure!(s.get("/prism/v1/deployments/d").await?.is_some());
+    // While it is open the file is locked (one file, one store).
+    ensure!(matches!(EmbeddedStore::open(&path), Err(StoreError::Locked { .. })));
+    drop(s);
     // A corrupt file is an error, not an empty store.
     std::fs::write(&path, b"{not json")?;
     ensure!(matches!(EmbeddedStore::open(&path), Err(StoreError::Internal(_))));

@@ -9,6 +9,14 @@
 //! fsynced and renamed over `<path>`. Keys bound to leases are *not* persisted (their holders
 //! live in this process and die with it), so a reopened store has no leases; the revision
 //! continues from the snapshot, and watches from revisions before the reopen get a `Resync`.
+//!
+//! One file serves one store at a time: `open` takes an exclusive advisory lock
+//! (`flock(LOCK_EX | LOCK_NB)` through `std::fs::File::try_lock`) on `<path>.lock` and holds it
+//! until the last clone of the store is dropped, so a second Prism process on the same file
+//! fails fast with [`StoreError::Locked`] instead of overwriting the first one's state. The
+//! kernel releases the lock when the holder exits, also on SIGKILL. Dropping the last clone
+//! first closes the store (under its mutex, so a lease expiry being persisted finishes first;
+//! nothing is written after) and then unlocks, so the file can be reopened at once.
 
 use super::{
     Compare, LeaseId, MAX_TXN_OPS, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, TxnResult,
@@ -34,11 +42,32 @@ const EXPIRY_TICK: Duration = Duration::from_millis(50);
 #[derive(Clone)]
 pub struct EmbeddedStore {
     inner: Arc<Inner>,
+    /// Persisted stores: the lock on `<path>.lock`, shared by the clones (not by watches or
+    /// the expiry task, which hold the state only weakly or briefly).
+    _lock: Option<Arc<StoreLock>>,
 }
 
 struct Inner {
     state: Mutex<State>,
     path: Option<PathBuf>,
+}
+
+/// The exclusive lock on a persisted store's `<path>.lock`, released when the last clone of
+/// the store is dropped.
+struct StoreLock {
+    /// The locked file: held, never read.
+    _file: std::fs::File,
+    inner: Weak<Inner>,
+}
+
+impl Drop for StoreLock {
+    fn drop(&mut self) {
+        // Close before `_file` unlocks: a write still running (a lease expiry) ends first and
+        // none follows, so the next holder of the lock owns the file alone.
+        if let Some(inner) = self.inner.upgrade() {
+            inner.lock().closed = true;
+        }
+    }
 }
 
 /// One committed change.
@@ -65,6 +94,8 @@ struct State {
     leases: HashMap<LeaseId, Lease>,
     next_lease: LeaseId,
     live: broadcast::Sender<Change>,
+    /// Every handle is gone and the file lock released (or about to be): never persist again.
+    closed: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -95,9 +126,13 @@ impl EmbeddedStore {
     /// Must be called inside a tokio runtime.
     ///
     /// # Errors
-    /// [`StoreError::Internal`] when the file cannot be read or parsed, or outside a runtime.
+    /// [`StoreError::Locked`] when another store (in this or another process) has `path`
+    /// open; [`StoreError::Internal`] when the file or its lock file cannot be read or
+    /// parsed, or outside a runtime.
     pub fn open(path: impl AsRef<Path>) -> StoreResult<Self> {
         let path = path.as_ref().to_path_buf();
+        // Lock before reading: the snapshot read must be the one this store then owns.
+        let lock = lock_file(&path)?;
         let state = match std::fs::read(&path) {
             Ok(bytes) => {
                 let snap: Snapshot = serde_json::from_slice(&bytes).map_err(|e| {
@@ -122,6 +157,8 @@ impl EmbeddedStore {
             }
         };
         let store = Self::build(state, Some(path))?;
+        let lock = StoreLock { _file: lock, inner: Arc::downgrade(&store.inner) };
+        let store = Self { _lock: Some(Arc::new(lock)), ..store };
         // Write at once so a store opened on a fresh path exists on disk, and keys that were
         // bound to (now gone) leases in an older format never linger.
         store.inner.persist(&store.inner.lock())?;
@@ -134,7 +171,7 @@ impl EmbeddedStore {
         let inner = Arc::new(Inner { state: Mutex::new(state), path });
         let weak = Arc::downgrade(&inner);
         handle.spawn(expiry_loop(weak));
-        Ok(Self { inner })
+        Ok(Self { inner, _lock: None })
     }
 
     /// The current store revision.
@@ -145,6 +182,26 @@ impl EmbeddedStore {
     /// The file this store persists to, if any.
     pub fn path(&self) -> Option<&Path> {
         self.inner.path.as_deref()
+    }
+}
+
+/// Opens (creating if needed) `<path>.lock` and takes an exclusive, non-blocking lock on it.
+/// The file is never removed: deleting it while another process waits to open it would let
+/// two processes lock two different files of one name.
+///
+/// # Errors
+/// [`StoreError::Locked`] when another open file description holds the lock;
+/// [`StoreError::Internal`] when the lock file cannot be created or locked.
+fn lock_file(path: &Path) -> StoreResult<std::fs::File> {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".lock");
+    let lock = PathBuf::from(name);
+    let io = |e: std::io::Error| StoreError::Internal(format!("lock {}: {e}", lock.display()));
+    let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lock).map_err(io)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::Locked { path: path.to_path_buf(), lock }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
     }
 }
 
@@ -180,6 +237,7 @@ impl State {
             leases: HashMap::new(),
             next_lease: 1,
             live,
+            closed: false,
         }
     }
 
@@ -308,7 +366,7 @@ impl Inner {
     }
 
     fn persist(&self, state: &State) -> StoreResult<()> {
-        let Some(path) = &self.path else { return Ok(()) };
+        let Some(path) = self.path.as_ref().filter(|_| !state.closed) else { return Ok(()) };
         let snap = Snapshot {
             revision: state.revision,
             entries: state
@@ -605,6 +663,39 @@ mod tests {
         let r = s.put("/h/new", vec![], None).await?;
         let mut w = s.watch("/h/", Some(r)).await?;
         assert_eq!(w.next().await.map(|e| e.revision()), Some(r));
+        Ok(())
+    }
+
+    /// One file, one store: a second open of the same path fails with `Locked` naming the file
+    /// (and writes nothing), while the first store or any clone of it lives; once the last
+    /// clone is dropped the file opens again, with the first store's keys.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_open_of_one_file_fails_until_the_first_store_is_dropped() -> StoreResult<()> {
+        let dir = tempfile::tempdir().map_err(|e| StoreError::Internal(e.to_string()))?;
+        let path = dir.path().join("state.json");
+        let first = EmbeddedStore::open(&path)?;
+        let rev = first.put("/k", b"first".to_vec(), None).await?;
+        let lease = first.grant_lease(1).await?;
+        first.put("/leased", vec![], Some(lease)).await?;
+        let clone = first.clone();
+        let _watch = first.watch("/", None).await?;
+        drop(first);
+        match EmbeddedStore::open(&path) {
+            Err(StoreError::Locked { path: p, lock }) => {
+                assert_eq!(p, path);
+                assert_eq!(lock, dir.path().join("state.json.lock"));
+                let msg = StoreError::Locked { path: p, lock }.to_string();
+                assert!(msg.contains(&path.display().to_string()), "{msg}");
+            }
+            other => panic!("expected Locked while a clone lives, got {:?}", other.err()),
+        }
+        assert_eq!(clone.get("/k").await?.map(|v| v.value), Some(b"first".to_vec()));
+        drop(clone);
+        // At once (no wait for the lease expiry task), while a watch still exists.
+        let again = EmbeddedStore::open(&path)?;
+        let k = again.get("/k").await?;
+        assert_eq!(k.map(|v| (v.value, v.mod_revision)), Some((b"first".to_vec(), rev)));
+        assert!(again.get("/leased").await?.is_none());
         Ok(())
     }
 }
