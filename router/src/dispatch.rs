@@ -5,6 +5,12 @@
 //! - Before the first token a failed replica (UNAVAILABLE, transport error, stale route) is
 //!   retried once on another replica; UNAVAILABLE takes the replica out of rotation with
 //!   exponential backoff (ejection).
+//! - A replica that leaves the route table while a request waits for its first token (the
+//!   head evicted it: its worker stopped heartbeating for `worker_timeout`, e.g. SIGSTOP or a
+//!   partition, or it was stopped) fails that attempt at once with UNAVAILABLE, so it is
+//!   retried elsewhere like any failure before the first token (nothing was streamed, so the
+//!   retry is safe); dropping the worker stream cancels the request there. A Draining replica
+//!   is still listed and keeps what it accepted (its worker finishes or hands it back).
 //! - The deadline goes to the worker twice: `timeout_ms` in the request and the gRPC timeout.
 //!   A request's own deadline (DEADLINE_EXCEEDED) never counts against a replica: a client
 //!   asking for 1 ms must not eject replicas for everyone. A frozen replica (SIGSTOP, hung
@@ -203,20 +209,49 @@ impl Dispatcher {
         });
         wreq.set_timeout(remaining);
         let mut client = self.client(&replica.endpoint)?;
+        // Until the first token, an eviction of the replica by the head ends the attempt.
+        let gone = self.left_routes(replica);
+        tokio::pin!(gone);
         // Response headers: the request's deadline, or the header bound if that comes first.
         let header_by = Instant::now() + self.inner.cfg.header_timeout;
-        let mut s = match tokio::time::timeout_at(deadline.min(header_by), client.generate(wreq)).await {
+        let headers = tokio::select! {
+            r = tokio::time::timeout_at(deadline.min(header_by), client.generate(wreq)) => r,
+            () = &mut gone => return Err(left_routes_status()),
+        };
+        let mut s = match headers {
             Ok(r) => r.map_err(|e| past_deadline(e, deadline))?.into_inner(),
             Err(_) if header_by < deadline => {
                 return Err(Status::unavailable("the replica sent no response headers in time (frozen?)"));
             }
             Err(_) => return Err(Status::deadline_exceeded("no answer from the replica before the deadline")),
         };
-        match tokio::time::timeout_at(deadline, s.message()).await {
+        let first = tokio::select! {
+            r = tokio::time::timeout_at(deadline, s.message()) => r,
+            // Returning drops `s`: the worker (if it ever runs again) cancels the request.
+            () = &mut gone => return Err(left_routes_status()),
+        };
+        match first {
             Ok(Ok(Some(first))) => Ok((s, first)),
             Ok(Ok(None)) => Err(Status::unavailable("worker closed the stream before answering")),
             Ok(Err(e)) => Err(past_deadline(e, deadline)),
             Err(_) => Err(Status::deadline_exceeded("no answer from the replica before the deadline")),
+        }
+    }
+
+    /// Resolves once the route table no longer lists `replica` (checked now and after every
+    /// table update); pending forever while it stays listed, Draining included.
+    async fn left_routes(&self, replica: &ReplicaRoute) {
+        let routes = &self.inner.routes;
+        // Subscribe before the first check so an update in between is not missed.
+        let mut updates = routes.subscribe();
+        loop {
+            if !routes.lists(&replica.model, &replica.replica_id) {
+                tracing::info!(replica = %replica.replica_id, "replica left the route table before the first token; attempt abandoned");
+                return;
+            }
+            if updates.changed().await.is_err() {
+                return std::future::pending().await; // the table is gone with the router
+            }
         }
     }
 
@@ -290,6 +325,12 @@ fn past_deadline(s: Status, deadline: Instant) -> Status {
     } else {
         s
     }
+}
+
+/// The failure of an attempt whose replica was evicted before its first token: UNAVAILABLE
+/// (retried elsewhere; the replica is gone from the table anyway).
+fn left_routes_status() -> Status {
+    Status::unavailable("the replica left the route table before its first token")
 }
 
 fn status_error(s: Status) -> DispatchError {

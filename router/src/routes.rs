@@ -5,6 +5,8 @@
 //! static) while a background task reconnects with exponential backoff. Per-replica runtime
 //! state (requests and tokens in flight counted from dispatch, ejection after failures) lives
 //! in [`ReplicaStats`], kept across table updates so in-flight guards stay attached.
+//! Every update bumps a [`tokio::sync::watch`] counter ([`Routes::subscribe`]) so requests
+//! waiting on a replica learn at once when it leaves the table.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -14,6 +16,7 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 use prism_common::proto::v1::head_service_client::HeadServiceClient;
 use prism_common::proto::v1::{ReplicaState, RouteTable, WatchRoutesRequest};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::StaticRoute;
@@ -112,6 +115,8 @@ struct Inner {
     epoch: Instant,
     default_max_in_flight: u32,
     metrics: Metrics,
+    /// Bumped on every stored table (load-only updates included).
+    updates: watch::Sender<u64>,
 }
 
 /// Shared handle on the route table (cheap `Clone`).
@@ -130,6 +135,7 @@ impl Routes {
                 epoch: Instant::now(),
                 default_max_in_flight,
                 metrics,
+                updates: watch::Sender::new(0),
             }),
         }
     }
@@ -147,6 +153,17 @@ impl Routes {
         }
     }
 
+    /// A receiver woken by every table update (membership, state or load); its value is
+    /// an update counter, not the head's version.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.inner.updates.subscribe()
+    }
+
+    /// Whether the current table lists `replica_id` (Ready or Draining) for `model`.
+    pub fn lists(&self, model: &str, replica_id: &str) -> bool {
+        self.snapshot().models.get(model).is_some_and(|rs| rs.iter().any(|r| r.replica_id == replica_id))
+    }
+
     fn stats_for(&self, replica_id: &str) -> Arc<ReplicaStats> {
         self.inner.stats.entry(replica_id.to_owned()).or_default().clone()
     }
@@ -158,6 +175,7 @@ impl Routes {
             Ok(mut g) => *g = snap,
             Err(p) => *p.into_inner() = snap,
         }
+        self.inner.updates.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// Installs fixed routes (`static-{model}-{i}` replica ids, all Ready).
@@ -313,6 +331,22 @@ mod tests {
         assert!(routes.snapshot().models["gone"].is_empty());
         assert_eq!(routes.snapshot().models["m"][0].stats.in_flight.load(Ordering::Relaxed), 2);
         assert!(routes.snapshot().any_ready());
+    }
+
+    #[test]
+    fn updates_wake_subscribers_and_lists_follows_the_table() {
+        let routes = Routes::new(4, Metrics::new());
+        let mut rx = routes.subscribe();
+        routes.apply(RouteTable { version: 1, routes: vec![entry("a", "m", ReplicaState::Ready)], models: vec![] });
+        assert!(rx.has_changed().unwrap_or(false));
+        rx.mark_unchanged();
+        assert!(routes.lists("m", "a"));
+        assert!(!routes.lists("other", "a"));
+        routes.apply(RouteTable { version: 2, routes: vec![entry("a", "m", ReplicaState::Draining)], models: vec![] });
+        assert!(rx.has_changed().unwrap_or(false));
+        assert!(routes.lists("m", "a"), "a Draining replica stays listed");
+        routes.apply(RouteTable { version: 3, routes: vec![entry("b", "m", ReplicaState::Ready)], models: vec![] });
+        assert!(!routes.lists("m", "a"));
     }
 
     #[test]
