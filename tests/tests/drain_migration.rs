@@ -45,6 +45,21 @@ async fn disturb(cluster: &mut Cluster, signal: Signal, deadline: Duration, max_
     let load = Load::start(&cluster.grpc, 4, max_tokens, reference);
     load.wait_more(2, Duration::from_secs(90)).await?;
     let node = busy_worker(cluster, 2.0).await?;
+    // Disturb only once that worker's streams are decoding: since the router retries a request
+    // whose replica leaves the routes before its first token (no migration needed), a
+    // signal during prefill could leave nothing to migrate. Inter-token gaps are recorded per
+    // token, so their count advancing means some stream there is past its first token.
+    let http = cluster.worker(&node)?.http.clone();
+    let itl = |http: String| async move {
+        let text = reqwest::get(format!("{http}/metrics")).await?.text().await?;
+        anyhow::Ok(metric_value(&text, "vllm:inter_token_latency_seconds_count"))
+    };
+    let itl0 = itl(http.clone()).await?;
+    eventually(Duration::from_secs(60), "the busy worker's streams decoding", || {
+        let http = http.clone();
+        async move { Ok((itl(http).await? >= itl0 + 8.0).then_some(())) }
+    })
+    .await?;
     let t0 = Instant::now();
     cluster.worker(&node)?.proc.as_ref().context("proc")?.signal(signal)?;
     let mut proc = cluster.worker(&node)?.proc.take().context("proc")?;
