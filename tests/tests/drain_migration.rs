@@ -45,19 +45,19 @@ async fn disturb(cluster: &mut Cluster, signal: Signal, deadline: Duration, max_
     let load = Load::start(&cluster.grpc, 4, max_tokens, reference);
     load.wait_more(2, Duration::from_secs(90)).await?;
     let node = busy_worker(cluster, 2.0).await?;
-    // Disturb only once that worker's streams are decoding: since the router retries a request
-    // whose replica leaves the routes before its first token (no migration needed), a
-    // signal during prefill could leave nothing to migrate. Inter-token gaps are recorded per
-    // token, so their count advancing means some stream there is past its first token.
+    // Disturb right after a stream on that worker produced its first token: it then has
+    // (almost) all of its tokens left, so it outlives the deadline and must be migrated. (The
+    // router retries a request whose replica leaves the routes before its first token, and a
+    // stream near its end finishes inside the deadline: neither migrates.)
     let http = cluster.worker(&node)?.http.clone();
-    let itl = |http: String| async move {
+    let ttft = |http: String| async move {
         let text = reqwest::get(format!("{http}/metrics")).await?.text().await?;
-        anyhow::Ok(metric_value(&text, "vllm:inter_token_latency_seconds_count"))
+        anyhow::Ok(metric_value(&text, "vllm:time_to_first_token_seconds_count"))
     };
-    let itl0 = itl(http.clone()).await?;
-    eventually(Duration::from_secs(60), "the busy worker's streams decoding", || {
+    let first0 = ttft(http.clone()).await?;
+    eventually(Duration::from_secs(60), "a fresh stream decoding on the busy worker", || {
         let http = http.clone();
-        async move { Ok((itl(http).await? >= itl0 + 8.0).then_some(())) }
+        async move { Ok((ttft(http).await? > first0).then_some(())) }
     })
     .await?;
     let t0 = Instant::now();
