@@ -272,7 +272,8 @@ impl Drop for InFlightGuard {
 mod tests {
     use super::*;
 
-    struct Idle;
+    /// An engine double that accepts nothing; `Idle(Some(n))` enforces an `n`-token context.
+    struct Idle(Option<usize>);
     impl ReplicaEngine for Idle {
         fn submit(&self, _req: EngineRequest) -> Result<OutputStream, EngineError> {
             Err(EngineError::Unavailable("test double".into()))
@@ -284,13 +285,16 @@ mod tests {
             true
         }
         fn shutdown(&self) {}
+        fn max_model_len(&self) -> Option<usize> {
+            self.0
+        }
     }
 
     #[tokio::test]
     async fn admits_only_when_ready_and_counts_in_flight() {
         let r = Arc::new(Replica::new("r1".into(), "d".into(), "m".into(), vec![0]));
         assert_eq!(r.admit().err(), Some(Refusal::NotReady(ReplicaState::Starting)));
-        r.set_engine(Arc::new(Idle));
+        r.set_engine(Arc::new(Idle(None)));
         r.set_state(ReplicaState::Ready, "");
         let (mut g, _) = r.admit().map_err(|e| anyhow_like(e)).expect("ready replica admits");
         g.add_tokens(7);
@@ -309,36 +313,18 @@ mod tests {
         assert_eq!((r.in_flight(), r.tokens_in_flight()), (0, 0));
     }
 
-    /// A double whose engine enforces a 1456-token context.
-    struct Capped;
-    impl ReplicaEngine for Capped {
-        fn submit(&self, _req: EngineRequest) -> Result<OutputStream, EngineError> {
-            Err(EngineError::Unavailable("test double".into()))
-        }
-        fn load(&self) -> EngineLoad {
-            EngineLoad::default()
-        }
-        fn is_alive(&self) -> bool {
-            true
-        }
-        fn shutdown(&self) {}
-        fn max_model_len(&self) -> Option<usize> {
-            Some(1456)
-        }
-    }
-
     /// The status sent to the head carries the engine's effective context length once it is
     /// loaded (0 before, and for engines that cannot tell).
     #[test]
     fn status_reports_the_engines_max_model_len_once_loaded() {
         let r = Replica::new("r1".into(), "d".into(), "m".into(), vec![0]);
         assert_eq!(r.status().max_model_len, 0);
-        r.set_engine(Arc::new(Capped));
+        r.set_engine(Arc::new(Idle(Some(1456))));
         r.set_state(ReplicaState::Ready, "");
         let s = r.status();
         assert_eq!((s.state(), s.max_model_len), (ReplicaState::Ready, 1456));
         let unknown = Replica::new("r2".into(), "d".into(), "m".into(), vec![0]);
-        unknown.set_engine(Arc::new(Idle));
+        unknown.set_engine(Arc::new(Idle(None)));
         assert_eq!(unknown.status().max_model_len, 0);
     }
 
