@@ -164,13 +164,12 @@ mod tests {
     }
 
     fn engine_with(backend: PagedEchoBackend, rt: RuntimeConfig) -> EngineHandle {
-        let parts = EngineParts {
-            backend: Box::new(backend),
-            codec: Arc::new(ByteCodec::new()),
-            eos_ids: vec![EOS],
-            model_max_len: 512,
-            control: Default::default(),
-        };
+        engine_on(Box::new(backend), 512, rt)
+    }
+
+    /// An engine over any backend with the byte codec and EOS.
+    fn engine_on(backend: Box<dyn Backend>, model_max_len: usize, rt: RuntimeConfig) -> EngineHandle {
+        let parts = EngineParts { backend, codec: Arc::new(ByteCodec::new()), eos_ids: vec![EOS], model_max_len, control: Default::default() };
         EngineHandle::start_with_parts(parts, rt).expect("engine starts")
     }
 
@@ -437,14 +436,7 @@ mod tests {
         // A slow backend (1 ms/step) so 400 tokens cannot finish before the shutdown.
         let mut backend = PagedEchoBackend::new(256, 4);
         backend.step_time = Duration::from_millis(1);
-        let parts = EngineParts {
-            backend: Box::new(backend),
-            codec: Arc::new(ByteCodec::new()),
-            eos_ids: vec![EOS],
-            model_max_len: 512,
-            control: Default::default(),
-        };
-        let e = EngineHandle::start_with_parts(parts, RuntimeConfig::default()).expect("starts");
+        let e = engine_with(backend, RuntimeConfig::default());
         let mut s = e.submit(req("long", greedy(400))).expect("submit");
         let first = s.blocking_recv().expect("a first output");
         let reader = std::thread::spawn(move || drain(s));
@@ -478,14 +470,7 @@ mod tests {
 
     #[test]
     fn backend_failure_ends_streams_without_finish_and_marks_dead() {
-        let parts = EngineParts {
-            backend: Box::new(FailingBackend),
-            codec: Arc::new(ByteCodec::new()),
-            eos_ids: vec![EOS],
-            model_max_len: 32,
-            control: Default::default(),
-        };
-        let e = EngineHandle::start_with_parts(parts, RuntimeConfig::default()).expect("starts");
+        let e = engine_on(Box::new(FailingBackend), 32, RuntimeConfig::default());
         let (c, outs) = drain(e.submit(req("doomed", greedy(4))).expect("submit"));
         assert!(outs.is_empty() && c.is_empty(), "no output, no finish reason: {outs:?}");
         let deadline = Instant::now() + Duration::from_secs(5);

@@ -830,7 +830,11 @@ impl CudaBackend {
             plan_prefill,
             ..
         } = self;
-        let no_gemv = || BackendError::Device("decode GEMVs not built".into());
+        // The small path's fused decode GEMVs over `m` tokens (see `gemv.rs` for the kinds).
+        let gv = |kind: gemv::GemvKind, m: usize, y: u64, wp: u64, x: u64, gain: u64, out: usize, inp: usize, rope: &gemv::RopeArgs| {
+            let gemv = gemv.as_ref().ok_or_else(|| BackendError::Device("decode GEMVs not built".into()))?;
+            gemv.launch(g, kind, m, y, wp, x, gain, out, inp, d.eps, rope)
+        };
         let mut matmul = |g: &Gpu, y: u64, x: u64, wp: u64, shape: GemmShape, f32_out: bool| {
             if invariant {
                 lt.matmul(g, y, x, wp, shape, f32_out)
@@ -850,7 +854,7 @@ impl CudaBackend {
         };
         let st = &g.stream;
         let launch_err = |name: &'static str| move |e| device::dev_err(name, e);
-        let (h, eps) = (d.hidden as i32, d.eps);
+        let h = d.hidden as i32;
         let null = 0u64;
         {
             let mut b = st.launch_builder(&g.k.embed_gather);
@@ -891,19 +895,7 @@ impl CudaBackend {
                     kv_heads: kvh,
                     head_dim: hd,
                 };
-                gemv.as_ref().ok_or_else(no_gemv)?.launch(
-                    g,
-                    gemv::GemvKind::QkvRope,
-                    n,
-                    s.qkv.ptr,
-                    lw.qkv,
-                    s.x.ptr,
-                    lw.input_norm,
-                    d.qkv_dim(),
-                    d.hidden,
-                    eps,
-                    &rope,
-                )?;
+                gv(gemv::GemvKind::QkvRope, n, s.qkv.ptr, lw.qkv, s.x.ptr, lw.input_norm, d.qkv_dim(), d.hidden, &rope)?;
                 mark("gemv_qkv_rope_kv")?;
             } else {
                 // Residual add of the previous layer's down_proj output fused with this norm.
@@ -1032,47 +1024,11 @@ impl CudaBackend {
             }
             if small {
                 let none = gemv::RopeArgs::default();
-                gemv.as_ref().ok_or_else(no_gemv)?.launch(
-                    g,
-                    gemv::GemvKind::Residual,
-                    n,
-                    s.x.ptr,
-                    lw.o_proj,
-                    s.attn.ptr,
-                    null,
-                    d.hidden,
-                    d.q_dim(),
-                    eps,
-                    &none,
-                )?;
+                gv(gemv::GemvKind::Residual, n, s.x.ptr, lw.o_proj, s.attn.ptr, null, d.hidden, d.q_dim(), &none)?;
                 mark("gemv_o_proj")?;
-                gemv.as_ref().ok_or_else(no_gemv)?.launch(
-                    g,
-                    gemv::GemvKind::NormGateUpSilu,
-                    n,
-                    s.act.ptr,
-                    lw.gate_up,
-                    s.x.ptr,
-                    lw.post_norm,
-                    d.inter,
-                    d.hidden,
-                    eps,
-                    &none,
-                )?;
+                gv(gemv::GemvKind::NormGateUpSilu, n, s.act.ptr, lw.gate_up, s.x.ptr, lw.post_norm, d.inter, d.hidden, &none)?;
                 mark("gemv_gate_up_silu")?;
-                gemv.as_ref().ok_or_else(no_gemv)?.launch(
-                    g,
-                    gemv::GemvKind::Residual,
-                    n,
-                    s.x.ptr,
-                    lw.down,
-                    s.act.ptr,
-                    null,
-                    d.hidden,
-                    d.inter,
-                    eps,
-                    &none,
-                )?;
+                gv(gemv::GemvKind::Residual, n, s.x.ptr, lw.down, s.act.ptr, null, d.hidden, d.inter, &none)?;
                 mark("gemv_down")?;
                 continue;
             }
@@ -1163,19 +1119,7 @@ impl CudaBackend {
             .map_err(|e| device::dev_err("final_norm", e))?;
             mark("final_norm")?;
             if small {
-                gemv.as_ref().ok_or_else(no_gemv)?.launch(
-                    g,
-                    gemv::GemvKind::LogitsF32,
-                    rows,
-                    s.logits.ptr,
-                    w.lm_head,
-                    s.hn.ptr,
-                    null,
-                    d.vocab,
-                    d.hidden,
-                    eps,
-                    &gemv::RopeArgs::default(),
-                )?;
+                gv(gemv::GemvKind::LogitsF32, rows, s.logits.ptr, w.lm_head, s.hn.ptr, null, d.vocab, d.hidden, &gemv::RopeArgs::default())?;
             } else {
                 matmul(
                     g,
