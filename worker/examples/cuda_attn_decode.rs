@@ -31,6 +31,11 @@ fn main() {
 }
 
 #[cfg(feature = "cuda")]
+#[path = "support/splitmix.rs"]
+#[allow(dead_code)]
+mod splitmix;
+
+#[cfg(feature = "cuda")]
 mod check {
     use std::time::Instant;
 
@@ -51,25 +56,7 @@ mod check {
     const SENTINEL: f32 = 1000.0;
     const MAX_TOKENS: usize = 256;
 
-    /// splitmix64.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-        fn shuffle<T>(&mut self, v: &mut [T]) {
-            for i in (1..v.len()).rev() {
-                v.swap(i, self.below(i + 1));
-            }
-        }
-    }
+    use crate::splitmix::Rng;
 
     fn bf16_to_f32(b: u16) -> f32 {
         f32::from_bits(u32::from(b) << 16)

@@ -29,6 +29,11 @@ fn main() {
 }
 
 #[cfg(feature = "cuda")]
+#[path = "support/splitmix.rs"]
+#[allow(dead_code)]
+mod splitmix;
+
+#[cfg(feature = "cuda")]
 mod check {
     use anyhow::Context;
     use cudarc::driver::sys::CUevent_flags;
@@ -49,21 +54,7 @@ mod check {
     /// Host reference only below this many multiply-adds (keeps the run short).
     const HOST_MAX_MACS: f64 = 4e9;
 
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        /// Uniform in [-a, a) as bf16 bits.
-        fn bf(&mut self, a: f32) -> u16 {
-            let u = (self.next() >> 40) as f32 / 16_777_216.0;
-            bf16::from_f32((2.0 * u - 1.0) * a).to_bits()
-        }
-    }
+    use crate::splitmix::Rng;
 
     fn f(b: u16) -> f32 {
         bf16::from_bits(b).to_f32()
