@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""llama.cpp (llama-cpp-python) side of the engine benchmark (`worker/benches/engine.rs`):
+"""llama.cpp (llama-cpp-python) side of the engine benchmark (`worker/engine/benches/engine.rs`):
 prefill tokens/s for a 512-token prompt, TTFT, and batch-1 greedy decode tokens/s on the
 same GGUF file and the same number of threads. llama-cpp-python's high-level API runs one
 sequence at a time, so only batch 1 is measured here.

@@ -2,10 +2,12 @@
 //! helpers, and the `StateStore` trait with its embedded implementation. It depends on no
 //! backend (no etcd-client, cudarc or axum), as TiKV's trait crates do.
 
-pub mod ids;
 pub mod proto;
 pub mod shutdown;
 pub mod state_store;
 pub mod telemetry;
 
-pub use ids::{DeploymentName, NodeId, ReplicaId, RequestId};
+/// The newtype ids live in `prism-ids` (shared with the engine, which has no protocol
+/// dependency); re-exported here so `prism_common::ids::NodeId` keeps working.
+pub use prism_ids as ids;
+pub use prism_ids::{DeploymentName, NodeId, ReplicaId, RequestId};

@@ -5,7 +5,7 @@ transformers 5.17, no network).
 Builds `LlamaForCausalLM` at Llama-3-8B shapes (32 layers, hidden 4096, 32 heads, 8 KV heads,
 head_dim 128, FFN 14336, vocab 128256, rope_theta 500000, untied lm_head, RMS eps 1e-5), bf16,
 sdpa attention, on cuda, with exactly the weights of Prism's `CudaBackend::synthetic`
-(worker/src/engine/backend/cuda/weights.rs, `DeviceWeights::synthetic`):
+(worker/engine/src/backend/cuda/weights.rs, `DeviceWeights::synthetic`):
 
 - every matrix is `fill_uniform` of kernels/llama.cu over its flat row-major [out, in] index i:
   z = i * 0x9E3779B97F4A7C15 + (seed << 32) + seed, then splitmix64's finaliser

@@ -4,7 +4,7 @@ each .cu file to a cubin for sm_90 exactly as the backend does at run time (same
 layout), then prints NVRTC's log and ptxas' register / spill report per kernel.
 
 Usage: python3 scripts/gpu/nvrtc_check.py [--cuda /opt/cuda-local/nvidia/cu13] [FILE.cu ...]
-Default files: worker/src/engine/backend/cuda/kernels/*.cu. Exit 1 on any compile error.
+Default files: worker/engine/src/backend/cuda/kernels/*.cu. Exit 1 on any compile error.
 Set-up (once): pip download --no-deps nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cuda-nvcc
 nvidia-cuda-cccl and unzip the wheels into one folder (the default path above).
 """
@@ -15,7 +15,7 @@ def main():
     root = "/opt/cuda-local/nvidia/cu13"
     if args[:1] == ["--cuda"]:
         root, args = args[1], args[2:]
-    files = args or sorted(glob.glob(os.path.join(os.path.dirname(__file__), "../../worker/src/engine/backend/cuda/kernels/*.cu")))
+    files = args or sorted(glob.glob(os.path.join(os.path.dirname(__file__), "../../worker/engine/src/backend/cuda/kernels/*.cu")))
     lib = ctypes.CDLL(os.path.join(root, "lib/libnvrtc.so.13"))
     ok = True
     for f in files:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on the GPU machine for the CUDA backend (issue 6): HF reference + correctness check,
 # then the Llama-3-8B-shape benchmark. Binaries come prebuilt in .gpu-bin/ (built on the build
-# machine: cargo build --release -p prism-worker --features cuda --examples). Logs and JSON go
+# machine: cargo build --release -p prism-engine --features cuda --examples). Logs and JSON go
 # to $OUT (or ./gpu-out). Every step has its own timeout.
 #   usage (from the repo root): bash scripts/gpu/run_cuda.sh
 set -uo pipefail

@@ -9,7 +9,7 @@
 #      (-> $OUT/hf_trace.json)
 #   4. one SUMMARY line: Prism tok/s, HF tok/s, ratio (target >= 25x), KV waste (target < 4%).
 # Binaries prebuilt on the build machine:
-#   cargo build --release -p prism-worker --features cuda --examples && cp target/release/examples/cuda_trace .gpu-bin/
+#   cargo build --release -p prism-engine --features cuda --examples && cp target/release/examples/cuda_trace .gpu-bin/
 # usage (from the repo root): [OUT=dir] [BIN=.gpu-bin] [HF_BATCHES=2] [CUDA_TRACE_ARGS='--limit 64'] bash scripts/gpu/run_trace.sh
 # Exit status 1 when any step failed or FAILed a check.
 set -uo pipefail

@@ -6,7 +6,7 @@
 
 use crate::agent::Agent;
 use crate::metrics::WorkerMetrics;
-use crate::engine::Fault;
+use prism_engine::Fault;
 use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;

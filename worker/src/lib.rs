@@ -7,7 +7,6 @@
 
 pub mod agent;
 pub mod config;
-pub mod engine;
 pub mod http;
 pub mod metrics;
 pub mod service;

@@ -5,7 +5,7 @@
 
 use crate::agent::replica::{InFlightGuard, OutputStream, Refusal};
 use crate::agent::{Agent, DrainSource};
-use crate::engine::{
+use prism_engine::{
     ChatMessage, EngineError, EngineOutput, EngineRequest, FinishReason, Prompt, SamplingParams, TokenLogprob,
 };
 use crate::metrics::WorkerMetrics;

@@ -10,7 +10,7 @@ use prism_common::proto::v1::head_service_server::{HeadService, HeadServiceServe
 use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
 use prism_worker::agent::replica::{EngineLauncher, EngineLoad, LaunchSpec, OutputStream, ReplicaEngine};
 use prism_worker::agent::launcher::engine_config;
-use prism_worker::engine::{EngineError, EngineHandle, EngineOutput, EngineRequest, Fault, FinishReason, Usage};
+use prism_engine::{EngineError, EngineHandle, EngineOutput, EngineRequest, Fault, FinishReason, Usage};
 use prism_worker::{WorkerConfig, run, run_with_launcher};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

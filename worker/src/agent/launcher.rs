@@ -2,7 +2,7 @@
 //! engine crate's `EngineHandle` and adapts it to [`ReplicaEngine`].
 
 use super::replica::{EngineLauncher, EngineLoad, LaunchSpec, OutputStream, Placement, ReplicaEngine};
-use crate::engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault};
+use prism_engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault};
 use futures::StreamExt;
 use std::path::Path;
 use std::sync::Arc;

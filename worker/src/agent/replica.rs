@@ -2,7 +2,7 @@
 //! the agent can be tested with a double), its state as reported to the head, and the
 //! in-flight accounting that drain and stop wait on (RAII [`InFlightGuard`]).
 
-use crate::engine::{EngineError, EngineOutput, EngineRequest, Fault};
+use prism_engine::{EngineError, EngineOutput, EngineRequest, Fault};
 use futures::stream::BoxStream;
 use prism_common::ReplicaId;
 use prism_common::proto::v1::{self as pb, ReplicaState};
@@ -29,7 +29,7 @@ pub struct EngineLoad {
 }
 
 /// What the agent needs from an engine replica. Implemented for the real
-/// `engine::EngineHandle` (see `agent/launcher.rs`) and by test doubles.
+/// `prism_engine::EngineHandle` (see `agent/launcher.rs`) and by test doubles.
 pub trait ReplicaEngine: Send + Sync + 'static {
     /// Validates and enqueues a request.
     ///

@@ -1,7 +1,7 @@
 //! Unit tests: proto ↔ engine conversion and the engine-error mapping.
 
 use super::*;
-use crate::engine::{TopLogprob, Usage};
+use prism_engine::{TopLogprob, Usage};
 use tonic::Code;
 
 fn wreq(req: pb::GenerateRequest) -> pb::WorkerGenerateRequest {

@@ -1,0 +1,706 @@
+//! `y[n, out] = x[n, inp] · Wᵀ` for weights kept as stored: f32 rows or GGUF blocks of 32
+//! (Q4_0, Q4_1, Q8_0), dequantized in registers to exactly the f32 values that
+//! [`dequantize`] gives at load time, so a quantized weight and its load-time f32
+//! dequantization produce bit-identical outputs. The design is llama.cpp's `ggml_vec_dot_*`
+//! row kernels, kept in f32 arithmetic (no activation quantization) so results stay those
+//! of the f32 reference.
+//!
+//! **Fixed accumulation order.** Every output `y[t, j]` is computed the same way whatever
+//! the number of rows `n` and however the work is tiled: eight f32 lanes, lane `l`
+//! accumulating `w[32b + 8s + l] · x[32b + 8s + l]` with one FMA for block `b = 0, 1, …`
+//! and sub-vector `s = 0..4` in that order, then a fixed pairwise lane reduction, then the
+//! (f32-only) tail of `inp % 32` elements in order. Batching, chunked prefill and
+//! preemption therefore never change a row's value. Tiles (`F` weight rows × `R`
+//! activation rows, `F·R = 8` independent FMA chains) only decide which outputs are
+//! computed together: each weight block is decoded once per tile and used for `R` rows.
+//! An AVX-512 kernel (sixteen lanes, its own fixed order) or an AVX2+FMA+F16C kernel is
+//! chosen at run time (`PRISM_CPU_NO_AVX512=1` forces AVX2); the scalar fallback follows
+//! the AVX2 order with `f32::mul_add`.
+//!
+//! Threads: rayon over chunks of output features; inside a chunk, tiles of rows outside,
+//! features inside (the chunk's weights stay in cache while row tiles stream).
+
+use rayon::prelude::*;
+
+use crate::model::Linear;
+use crate::model::gguf::dequant::{GgmlType, QK, dequantize};
+
+/// How a [`PackedWeight`] stores its rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// f32 values (any `inp`).
+    F32,
+    /// GGUF Q4_0 blocks (`inp` a multiple of 32).
+    Q4_0,
+    /// GGUF Q4_1 blocks.
+    Q4_1,
+    /// GGUF Q8_0 blocks.
+    Q8_0,
+}
+
+impl Format {
+    /// Bytes of one block of 32 weights.
+    fn block_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4 * QK,
+            Self::Q4_0 => 2 + QK / 2,
+            Self::Q4_1 => 4 + QK / 2,
+            Self::Q8_0 => 2 + QK,
+        }
+    }
+
+    fn ggml(self) -> GgmlType {
+        match self {
+            Self::F32 => GgmlType::F32,
+            Self::Q4_0 => GgmlType::Q4_0,
+            Self::Q4_1 => GgmlType::Q4_1,
+            Self::Q8_0 => GgmlType::Q8_0,
+        }
+    }
+
+    fn from_ggml(ty: GgmlType) -> Option<Self> {
+        match ty {
+            GgmlType::Q4_0 => Some(Self::Q4_0),
+            GgmlType::Q4_1 => Some(Self::Q4_1),
+            GgmlType::Q8_0 => Some(Self::Q8_0),
+            _ => None,
+        }
+    }
+}
+
+/// A `[out, inp]` weight matrix in f32 or GGUF blocks, rows stored one after another.
+pub struct PackedWeight {
+    out: usize,
+    inp: usize,
+    fmt: Format,
+    /// f32 rows (`Format::F32`).
+    f32: Vec<f32>,
+    /// Block rows (quantized formats).
+    bytes: Vec<u8>,
+}
+
+impl std::fmt::Debug for PackedWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackedWeight").field("out", &self.out).field("inp", &self.inp).field("fmt", &self.fmt).finish()
+    }
+}
+
+impl PackedWeight {
+    /// Stacks the rows of `parts` (all with the same `in_features`) into one matrix, e.g.
+    /// q/k/v into a fused QKV weight. Quantized parts stay quantized when all share one
+    /// supported block format; otherwise everything is dequantized to f32.
+    pub fn stack(parts: Vec<Linear>) -> Self {
+        let inp = parts.first().map_or(0, |l| l.in_features);
+        let out = parts.iter().map(|l| l.out_features).sum();
+        let fmt = parts
+            .iter()
+            .map(|l| l.quant.as_ref().and_then(|q| Format::from_ggml(q.ty)))
+            .reduce(|a, b| if a == b { a } else { None })
+            .flatten()
+            .filter(|_| inp.is_multiple_of(QK));
+        match fmt {
+            Some(fmt) => {
+                let mut bytes = Vec::with_capacity(out * inp / QK * fmt.block_bytes());
+                for l in parts {
+                    if let Some(q) = l.quant {
+                        bytes.extend_from_slice(&q.bytes);
+                    }
+                }
+                Self { out, inp, fmt, f32: Vec::new(), bytes }
+            }
+            None => {
+                let mut f32 = Vec::with_capacity(out * inp);
+                for l in parts {
+                    match l.quant {
+                        None => f32.extend_from_slice(&l.data),
+                        Some(_) => f32.extend_from_slice(&l.to_f32()),
+                    }
+                }
+                Self { out, inp, fmt: Format::F32, f32, bytes: Vec::new() }
+            }
+        }
+    }
+
+    /// Output features (rows).
+    pub fn out_features(&self) -> usize {
+        self.out
+    }
+
+    /// Storage format.
+    pub fn format(&self) -> Format {
+        self.fmt
+    }
+
+    /// Bytes held by the weight.
+    pub fn size_bytes(&self) -> usize {
+        self.f32.len() * 4 + self.bytes.len()
+    }
+
+    fn row_bytes(&self) -> usize {
+        match self.fmt {
+            Format::F32 => self.inp * 4,
+            f => self.inp / QK * f.block_bytes(),
+        }
+    }
+
+    /// Row `r` as f32 (an embedding lookup), exactly the load-time dequantized values.
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        match self.fmt {
+            Format::F32 => out.copy_from_slice(&self.f32[r * self.inp..(r + 1) * self.inp]),
+            f => {
+                let rb = self.row_bytes();
+                dequantize(f.ggml(), &self.bytes[r * rb..(r + 1) * rb], out);
+            }
+        }
+    }
+
+    fn base(&self) -> *const u8 {
+        match self.fmt {
+            Format::F32 => self.f32.as_ptr().cast(),
+            _ => self.bytes.as_ptr(),
+        }
+    }
+}
+
+/// A raw output pointer shared by the rayon tasks (each writes disjoint elements).
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint columns of `y` and the owner waits for all of them.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer (a method, so closures capture the `Sync` wrapper, not the field).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+/// Which kernel runs (chosen once per call from the CPU's features).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+fn best_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::is_x86_feature_detected as has;
+        if has!("avx2") && has!("fma") && has!("f16c") {
+            return if has!("avx512f") && std::env::var_os("PRISM_CPU_NO_AVX512").is_none() { Isa::Avx512 } else { Isa::Avx2 };
+        }
+    }
+    Isa::Scalar
+}
+
+/// `y[n, out] = x[n, inp] · Wᵀ` (see the module docs for the accumulation order).
+///
+/// # Panics
+/// When `x` or `y` do not have `n * inp` / `n * out` elements.
+pub fn matmul(x: &[f32], n: usize, w: &PackedWeight, y: &mut [f32]) {
+    assert_eq!(x.len(), n * w.inp, "matmul: x has the wrong length");
+    assert_eq!(y.len(), n * w.out, "matmul: y has the wrong length");
+    if n == 0 || w.out == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = (w.out / (threads * 8)).clamp(16, 512).next_multiple_of(8);
+    let yp = OutPtr(y.as_mut_ptr());
+    let isa = best_isa();
+    // Long batches (prefill) go in blocks of rows so a block of activations stays in L2
+    // while a chunk of weights is applied to it; a row's value does not depend on this.
+    let chunks = w.out.div_ceil(chunk);
+    let row_blocks = n.div_ceil(ROW_BLOCK);
+    (0..chunks * row_blocks).into_par_iter().for_each(|task| {
+        let (rb, c) = (task / chunks, task % chunks);
+        let (t0, j0) = (rb * ROW_BLOCK, c * chunk);
+        let rows = ROW_BLOCK.min(n - t0);
+        let j1 = (j0 + chunk).min(w.out);
+        // SAFETY: `x` holds `n * inp` values and `y` `n * out` (asserted above), so rows
+        // `t0..t0 + rows` exist in both; the weight holds `out` rows of `row_bytes`; this
+        // task writes only columns `j0..j1` of those rows.
+        unsafe {
+            let x = x.as_ptr().add(t0 * w.inp);
+            run_chunk(w, x, rows, j0, j1, yp.get().add(t0 * w.out), isa);
+        }
+    });
+}
+
+/// Rows per task for long batches.
+const ROW_BLOCK: usize = 64;
+
+/// Computes `y[.., j0..j1]` for all `n` rows.
+///
+/// # Safety
+/// `x` points at `n * w.inp` values, `y` at `n * w.out`, `j0 <= j1 <= w.out`.
+unsafe fn run_chunk(w: &PackedWeight, x: *const f32, n: usize, j0: usize, j1: usize, y: *mut f32, isa: Isa) {
+    let job = Job {
+        w: w.base(),
+        w_stride: w.row_bytes(),
+        nblocks: w.inp / QK,
+        tail: if w.fmt == Format::F32 { w.inp % QK } else { 0 },
+        x,
+        x_stride: w.inp,
+        y,
+        y_stride: w.out,
+    };
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: the CPU has AVX-512F, AVX2, FMA and F16C (`best_isa`); pointers as above.
+        unsafe {
+            match w.fmt {
+                Format::F32 => avx512::run::<avx512::F32>(&job, n, j0, j1),
+                Format::Q4_0 => avx512::run::<avx512::Q40>(&job, n, j0, j1),
+                Format::Q4_1 => avx512::run::<avx512::Q41>(&job, n, j0, j1),
+                Format::Q8_0 => avx512::run::<avx512::Q80>(&job, n, j0, j1),
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: the CPU has AVX2, FMA and F16C (`best_isa`); pointers as above.
+        unsafe {
+            match w.fmt {
+                Format::F32 => avx2::run::<avx2::F32>(&job, n, j0, j1),
+                Format::Q4_0 => avx2::run::<avx2::Q40>(&job, n, j0, j1),
+                Format::Q4_1 => avx2::run::<avx2::Q41>(&job, n, j0, j1),
+                Format::Q8_0 => avx2::run::<avx2::Q80>(&job, n, j0, j1),
+            }
+        }
+        return;
+    }
+    // SAFETY: pointers as above.
+    unsafe { scalar_run(&job, w.fmt, n, j0, j1) };
+}
+
+/// One matmul's pointers and strides (bytes for `w`, elements for `x`/`y`).
+struct Job {
+    w: *const u8,
+    w_stride: usize,
+    nblocks: usize,
+    tail: usize,
+    x: *const f32,
+    x_stride: usize,
+    y: *mut f32,
+    y_stride: usize,
+}
+
+/// The fixed lane reduction: `(l0+l4) + (l2+l6)` and `(l1+l5) + (l3+l7)`, then their sum.
+#[inline(always)]
+fn reduce_lanes(l: &[f32; 8]) -> f32 {
+    let q = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+    let r = [q[0] + q[2], q[1] + q[3]];
+    r[0] + r[1]
+}
+
+/// Scalar fallback with the AVX2 kernel's order.
+///
+/// # Safety
+/// As [`run_chunk`].
+unsafe fn scalar_run(job: &Job, fmt: Format, n: usize, j0: usize, j1: usize) {
+    let mut wb = [0f32; QK];
+    let bb = fmt.block_bytes();
+    for t in 0..n {
+        // SAFETY: row `t` of `x` holds `x_stride` values.
+        let x = unsafe { std::slice::from_raw_parts(job.x.add(t * job.x_stride), job.x_stride) };
+        for j in j0..j1 {
+            // SAFETY: row `j` of the weight holds `w_stride` bytes.
+            let wrow = unsafe { std::slice::from_raw_parts(job.w.add(j * job.w_stride), job.w_stride) };
+            let mut acc = [0f32; 8];
+            for b in 0..job.nblocks {
+                dequantize(fmt.ggml(), &wrow[b * bb..(b + 1) * bb], &mut wb);
+                for s in 0..4 {
+                    for (l, a) in acc.iter_mut().enumerate() {
+                        let k = 8 * s + l;
+                        *a = wb[k].mul_add(x[b * QK + k], *a);
+                    }
+                }
+            }
+            let mut sum = reduce_lanes(&acc);
+            sum = scalar_tail(job, wrow, x, sum);
+            // SAFETY: `y[t, j]` lies inside `y` and only this task writes column `j`.
+            unsafe { *job.y.add(t * job.y_stride + j) = sum };
+        }
+    }
+}
+
+/// Adds the f32 tail (`inp % 32` elements after the last whole block) in order.
+#[inline(always)]
+fn scalar_tail(job: &Job, wrow: &[u8], x: &[f32], mut sum: f32) -> f32 {
+    let start = job.nblocks * QK;
+    for k in start..start + job.tail {
+        let wv = f32::from_le_bytes([wrow[4 * k], wrow[4 * k + 1], wrow[4 * k + 2], wrow[4 * k + 3]]);
+        sum = wv.mul_add(x[k], sum);
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! The AVX2+FMA+F16C tile kernel. Loads go through `lddqu` (an LLVM builtin): std's
+    //! `loadu` intrinsics copy through `copy_nonoverlapping`, whose debug-build precondition
+    //! checks (the dev profile keeps debug assertions) would spill every accumulator.
+    use std::arch::x86_64::*;
+
+    use super::{Job, QK};
+
+    /// Eight f32 at `p`, unaligned.
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: 32 readable bytes at `p` (caller); AVX present.
+        unsafe { _mm256_castsi256_ps(_mm256_lddqu_si256(p.cast())) }
+    }
+
+    /// Sixteen bytes at `p`, unaligned.
+    #[inline(always)]
+    unsafe fn load16b(p: *const u8) -> __m128i {
+        // SAFETY: 16 readable bytes at `p` (caller).
+        unsafe { _mm_lddqu_si128(p.cast()) }
+    }
+
+    /// Decodes one block of 32 weights into four vectors of eight.
+    pub(super) trait Block {
+        /// Bytes per block.
+        const BYTES: usize;
+        /// # Safety
+        /// `p` points at one whole block; the CPU has AVX2, FMA and F16C.
+        unsafe fn load(p: *const u8) -> [__m256; 4];
+    }
+
+    pub(super) struct F32;
+    pub(super) struct Q40;
+    pub(super) struct Q41;
+    pub(super) struct Q80;
+
+    impl Block for F32 {
+        const BYTES: usize = 4 * QK;
+        #[inline(always)]
+        unsafe fn load(p: *const u8) -> [__m256; 4] {
+            let p = p.cast::<f32>();
+            // SAFETY: 32 f32 at `p` (caller).
+            unsafe { [load8(p), load8(p.wrapping_add(8)), load8(p.wrapping_add(16)), load8(p.wrapping_add(24))] }
+        }
+    }
+
+    /// The f16 at `p` as f32, broadcast.
+    #[inline(always)]
+    unsafe fn scale(p: *const u8) -> __m256 {
+        // SAFETY: two bytes at `p` (caller); F16C present.
+        unsafe {
+            let bits = i32::from(u16::from_le_bytes([*p, *p.wrapping_add(1)]));
+            _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
+        }
+    }
+
+    impl Block for Q40 {
+        const BYTES: usize = 2 + QK / 2;
+        #[inline(always)]
+        unsafe fn load(p: *const u8) -> [__m256; 4] {
+            // SAFETY: one 18-byte block at `p` (caller).
+            unsafe {
+                let d = scale(p);
+                let qs = load16b(p.wrapping_add(2));
+                let m = _mm_set1_epi8(0x0F);
+                let eight = _mm_set1_epi8(8);
+                let lo = _mm_sub_epi8(_mm_and_si128(qs, m), eight);
+                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), m), eight);
+                let f = |v: __m128i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
+                [f(lo), f(_mm_srli_si128(lo, 8)), f(hi), f(_mm_srli_si128(hi, 8))]
+            }
+        }
+    }
+
+    impl Block for Q41 {
+        const BYTES: usize = 4 + QK / 2;
+        #[inline(always)]
+        unsafe fn load(p: *const u8) -> [__m256; 4] {
+            // SAFETY: one 20-byte block at `p` (caller).
+            unsafe {
+                let d = scale(p);
+                let mn = scale(p.wrapping_add(2));
+                let qs = load16b(p.wrapping_add(4));
+                let m = _mm_set1_epi8(0x0F);
+                let lo = _mm_and_si128(qs, m);
+                let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m);
+                // q·d is exact in f32 (4-bit × 11-bit), so one FMA rounds like `q * d + m`.
+                let f = |v: __m128i| _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), d, mn);
+                [f(lo), f(_mm_srli_si128(lo, 8)), f(hi), f(_mm_srli_si128(hi, 8))]
+            }
+        }
+    }
+
+    impl Block for Q80 {
+        const BYTES: usize = 2 + QK;
+        #[inline(always)]
+        unsafe fn load(p: *const u8) -> [__m256; 4] {
+            // SAFETY: one 34-byte block at `p` (caller).
+            unsafe {
+                let d = scale(p);
+                let (a, b) = (load16b(p.wrapping_add(2)), load16b(p.wrapping_add(18)));
+                let f = |v: __m128i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
+                [f(a), f(_mm_srli_si128(a, 8)), f(b), f(_mm_srli_si128(b, 8))]
+            }
+        }
+    }
+
+    /// Lane reduction in [`super::reduce_lanes`]'s order.
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        // SAFETY: AVX present (caller).
+        unsafe {
+            let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let r = _mm_add_ps(q, _mm_movehl_ps(q, q));
+            _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)))
+        }
+    }
+
+    /// `F` weight rows from `j` × `R` activation rows from `t`. Pointer arithmetic is
+    /// wrapping (no overflow checks in the dev profile's hot loop; every address stays
+    /// inside the buffers by the caller's contract), so the accumulators live in registers.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // const-size loops that unroll into registers
+    unsafe fn tile<B: Block, const F: usize, const R: usize>(job: &Job, t: usize, j: usize) {
+        let ws = job.w_stride;
+        let xs = job.x_stride;
+        let w0 = job.w.wrapping_add(j.wrapping_mul(ws));
+        let x0 = job.x.wrapping_add(t.wrapping_mul(xs));
+        let mut wp: [*const u8; F] = std::array::from_fn(|f| w0.wrapping_add(f.wrapping_mul(ws)));
+        let mut xp: [*const f32; R] = std::array::from_fn(|r| x0.wrapping_add(r.wrapping_mul(xs)));
+        // SAFETY: rows `t..t+R` and `j..j+F` exist and hold `nblocks` blocks (caller);
+        // AVX2/FMA present.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); R]; F];
+            for _ in 0..job.nblocks {
+                for f in 0..F {
+                    let wv = B::load(wp[f]);
+                    for r in 0..R {
+                        let x = xp[r];
+                        let mut a = acc[f][r];
+                        a = _mm256_fmadd_ps(wv[0], load8(x), a);
+                        a = _mm256_fmadd_ps(wv[1], load8(x.wrapping_add(8)), a);
+                        a = _mm256_fmadd_ps(wv[2], load8(x.wrapping_add(16)), a);
+                        a = _mm256_fmadd_ps(wv[3], load8(x.wrapping_add(24)), a);
+                        acc[f][r] = a;
+                    }
+                }
+                for p in &mut wp {
+                    *p = p.wrapping_add(B::BYTES);
+                }
+                for p in &mut xp {
+                    *p = p.wrapping_add(QK);
+                }
+            }
+            for f in 0..F {
+                for r in 0..R {
+                    let mut sum = hsum(acc[f][r]);
+                    if job.tail > 0 {
+                        let wrow = std::slice::from_raw_parts(w0.add(f * ws), ws);
+                        let x = std::slice::from_raw_parts(x0.add(r * xs), xs);
+                        sum = super::scalar_tail(job, wrow, x, sum);
+                    }
+                    *job.y.add((t + r) * job.y_stride + j + f) = sum;
+                }
+            }
+        }
+    }
+
+    /// Features `j0..j1` of one row tile: `F` at a time, then the rest one by one.
+    #[inline(always)]
+    unsafe fn features<B: Block, const F: usize, const R: usize>(job: &Job, t: usize, j0: usize, j1: usize) {
+        let mut j = j0;
+        // SAFETY: forwarded from `run`.
+        unsafe {
+            while j + F <= j1 {
+                tile::<B, F, R>(job, t, j);
+                j += F;
+            }
+            while j < j1 {
+                tile::<B, 1, R>(job, t, j);
+                j += 1;
+            }
+        }
+    }
+
+    /// All `n` rows × features `j0..j1`.
+    ///
+    /// # Safety
+    /// As [`super::run_chunk`]; the CPU has AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn run<B: Block>(job: &Job, n: usize, j0: usize, j1: usize) {
+        let mut t = 0;
+        // SAFETY: forwarded.
+        unsafe {
+            while t < n {
+                let rem = n - t;
+                if rem >= 8 {
+                    features::<B, 1, 8>(job, t, j0, j1);
+                    t += 8;
+                } else if rem >= 4 {
+                    features::<B, 2, 4>(job, t, j0, j1);
+                    t += 4;
+                } else if rem >= 2 {
+                    features::<B, 4, 2>(job, t, j0, j1);
+                    t += 2;
+                } else {
+                    features::<B, 8, 1>(job, t, j0, j1);
+                    t += 1;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::QuantizedData;
+
+    fn q4_1_linear(out: usize, inp: usize) -> Linear {
+        let nb = out * inp / QK;
+        let mut bytes = Vec::with_capacity(nb * 20);
+        for b in 0..nb {
+            bytes.extend(half::f16::from_f32(0.01 + (b % 7) as f32 * 0.003).to_le_bytes());
+            bytes.extend(half::f16::from_f32(-0.05 - (b % 5) as f32 * 0.01).to_le_bytes());
+            bytes.extend((0..16).map(|i| ((b * 31 + i * 17) % 256) as u8));
+        }
+        Linear { out_features: out, in_features: inp, data: Vec::new(), quant: Some(QuantizedData { ty: GgmlType::Q4_1, bytes }) }
+    }
+
+    fn input(n: usize, inp: usize) -> Vec<f32> {
+        (0..n * inp).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect()
+    }
+
+    fn run(x: &[f32], n: usize, w: &PackedWeight) -> Vec<f32> {
+        let mut y = vec![0f32; n * w.out];
+        matmul(x, n, w, &mut y);
+        y
+    }
+
+    #[test]
+    fn close_to_f64_and_quantized_equals_its_f32_dequantization() {
+        let (out, inp) = (70, 96);
+        let q = q4_1_linear(out, inp);
+        let f = q.clone().dequantized();
+        let (pq, pf) = (PackedWeight::stack(vec![q]), PackedWeight::stack(vec![f.clone()]));
+        assert_eq!((pq.format(), pf.format()), (Format::Q4_1, Format::F32));
+        for n in [1, 3, 8, 13] {
+            let x = input(n, inp);
+            let (yq, yf) = (run(&x, n, &pq), run(&x, n, &pf));
+            assert_eq!(yq, yf, "n={n}: quantized and dequantized weights must give identical values");
+            for t in 0..n {
+                for j in 0..out {
+                    let r: f64 = (0..inp).map(|k| f64::from(x[t * inp + k]) * f64::from(f.data[j * inp + k])).sum();
+                    assert!((f64::from(yq[t * out + j]) - r).abs() < 1e-4, "n={n} t={t} j={j}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_batch() {
+        for (out, inp) in [(37, 96), (20, 45)] {
+            let w = if inp % QK == 0 { q4_1_linear(out, inp) } else {
+                Linear::new(out, inp, (0..out * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect())
+            };
+            let w = PackedWeight::stack(vec![w]);
+            let n = 70; // more than one ROW_BLOCK
+            let x = input(n, inp);
+            let all = run(&x, n, &w);
+            for t in 0..n {
+                let one = run(&x[t * inp..(t + 1) * inp], 1, &w);
+                assert_eq!(one.as_slice(), &all[t * out..(t + 1) * out], "row {t} of ({out}, {inp})");
+            }
+            for (a, b) in [(0, 5), (5, 7), (7, 21), (21, 70)] {
+                let part = run(&x[a * inp..b * inp], b - a, &w);
+                assert_eq!(part.as_slice(), &all[a * out..b * out]);
+            }
+            // Every kernel is row-count independent, and the scalar fallback follows the
+            // AVX2 kernel's order exactly.
+            let isas = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+            let by_isa = |isa: Isa, x: &[f32], n: usize| {
+                let mut y = vec![0f32; n * out];
+                // SAFETY: shapes as `matmul` checks them; only ISAs this CPU has run.
+                unsafe { run_chunk(&w, x.as_ptr(), n, 0, out, y.as_mut_ptr(), isa) };
+                y
+            };
+            let have = |isa: Isa| match (isa, best_isa()) {
+                (Isa::Scalar, _) | (_, Isa::Avx512) => true,
+                (Isa::Avx2, b) => b == Isa::Avx2,
+                (Isa::Avx512, _) => false,
+            };
+            for isa in isas.into_iter().filter(|&i| have(i)) {
+                let full = by_isa(isa, &x, n);
+                for t in [0, 9, 20, 69] {
+                    assert_eq!(by_isa(isa, &x[t * inp..(t + 1) * inp], 1).as_slice(), &full[t * out..(t + 1) * out], "{isa:?}");
+                }
+            }
+            if have(Isa::Avx2) {
+                assert_eq!(by_isa(Isa::Scalar, &x, n), by_isa(Isa::Avx2, &x, n));
+            }
+        }
+    }
+
+    #[test]
+    fn other_block_formats_match_their_dequantization() {
+        let (out, inp) = (9, 64);
+        for ty in [GgmlType::Q4_0, GgmlType::Q8_0] {
+            let bb = ty.block_layout().1;
+            let bytes: Vec<u8> = (0..out * inp / QK)
+                .flat_map(|b| {
+                    let mut v = half::f16::from_f32(0.02 + b as f32 * 0.001).to_le_bytes().to_vec();
+                    v.extend((0..bb - 2).map(|i| ((b * 7 + i * 29) % 256) as u8));
+                    v
+                })
+                .collect();
+            let q = Linear { out_features: out, in_features: inp, data: Vec::new(), quant: Some(QuantizedData { ty, bytes }) };
+            let f = q.clone().dequantized();
+            let x = input(5, inp);
+            let (pq, pf) = (PackedWeight::stack(vec![q.clone()]), PackedWeight::stack(vec![f]));
+            assert_eq!(run(&x, 5, &pq), run(&x, 5, &pf), "{ty:?}");
+            let mut row = vec![0f32; inp];
+            pq.row_f32(3, &mut row);
+            assert_eq!(row.as_slice(), &q.to_f32()[3 * inp..4 * inp]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod bench {
+    use super::*;
+
+    #[test]
+    #[ignore = "micro-benchmark"]
+    fn matmul_gflops() {
+        let (out, inp) = (1536, 576);
+        let w = PackedWeight::stack(vec![tests_support::q4_1(out, inp)]);
+        for n in [512usize, 1, 8, 32, 512, 64] {
+            let x = vec![0.5f32; n * inp];
+            let mut y = vec![0f32; n * out];
+            let reps = (2048 / n).max(4);
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                matmul(&x, n, &w, &mut y);
+            }
+            let dt = t.elapsed().as_secs_f64();
+            eprintln!("n={n}: {:.1} GFLOPS", reps as f64 * 2.0 * (n * out * inp) as f64 / dt / 1e9);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests_support {
+    use super::*;
+    use crate::model::QuantizedData;
+
+    pub(super) fn q4_1(out: usize, inp: usize) -> Linear {
+        let bytes = (0..out * inp / QK * 20).map(|i| (i % 251) as u8 & 0x3b).collect();
+        Linear { out_features: out, in_features: inp, data: Vec::new(), quant: Some(QuantizedData { ty: GgmlType::Q4_1, bytes }) }
+    }
+}

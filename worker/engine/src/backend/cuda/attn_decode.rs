@@ -1,0 +1,307 @@
+//! Paged decode attention on tensor cores (`kernels/attn_decode.cu`): one query token per row
+//! attends over its sequence's block table up to its own position. Follows FlashDecoding (Dao,
+//! Haziza, Massa, Sizov 2023: the context split across thread blocks, partials merged by their
+//! log-sum-exp) with FlashAttention-2's in-register online softmax (Dao 2023) and FlashInfer's
+//! treatment of GQA (Ye et al. 2024: the query heads of one KV head form the rows of a
+//! tensor-core tile, so K/V are read once per group).
+//!
+//! Decode attention is bound by reading the KV cache. The kernel streams 64-position K/V tiles
+//! into shared memory with 16-byte `cp.async` copies, double-buffered, and computes
+//! `S = Q·Kᵀ` and `O += P·V` with `mma.m16n8k16` (bf16 in, f32 accumulate): rows are the
+//! `G = q_heads / kv_heads` query heads (at most 8 of 16 rows used), so the arithmetic is
+//! negligible and the loads stay in flight. Softmax and accumulation are f32; the output is bf16.
+//!
+//! # Splits
+//! A token with context `L = pos + 1` has `tiles = ceil(L / 64)` tiles, cut into
+//! `splits = ceil(tiles / ceil(tiles / cap))` contiguous splits of equal tile count (the last
+//! may be shorter), where `cap` (1..=[`MAX_SPLITS`]) is [`DecodeArgs::split_cap`]. Each split is
+//! one thread block per (token, KV head); with more than one split, each writes f32 partials
+//! `(max, sum, acc[head_dim])` and the block that finishes last (an atomic counter per token and
+//! KV head, reset to zero by that block) merges them in split order and writes the output — no
+//! second kernel. Because the split of a token depends only on its own `L` and `cap`, a constant
+//! cap ([`INVARIANT_SPLIT_CAP`]) makes the result independent of the rest of the step (batch
+//! invariance); [`DecodeAttention::occupancy_split_cap`] instead picks fewer splits for large
+//! batches (fewer partials) and more for small ones (more blocks in flight).
+//!
+//! # CUDA graphs
+//! The launch configuration depends only on `(n_tokens, max_ctx, split_cap)`: the grid is
+//! `(grid_splits(max_ctx, cap), kv_heads, n_tokens)` blocks of 128 threads with 4·64·head_dim·2
+//! bytes of dynamic shared memory. Per-step data (positions, block tables) is read on the device,
+//! so a captured launch replays correctly with new metadata at the same addresses. Tokens with
+//! fewer splits than the grid let the extra blocks exit at once; a token with more splits than
+//! the grid (context above `max_ctx`) is still computed correctly, by blocks that loop over
+//! several splits, only more slowly. Padding tokens (position 0, a valid block table) are
+//! computed like any other.
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+
+use super::device::{DevBuf, Gpu, dev_err};
+use crate::backend::BackendError;
+
+/// The kernel's CUDA C source.
+pub const ATTN_DECODE_SRC: &str = include_str!("kernels/attn_decode.cu");
+
+/// Positions per tile (`DA_TILE` in the kernel file); splits are whole tiles.
+pub const TILE: usize = 64;
+/// Most splits of one token's context (`DA_MAX_SPLITS`); the partial buffers hold this many.
+pub const MAX_SPLITS: usize = 16;
+/// A split cap that does not depend on the step: with it the result of a token depends only on
+/// its own context (batch invariance).
+pub const INVARIANT_SPLIT_CAP: usize = MAX_SPLITS;
+/// Threads per block (`DA_THREADS`).
+const THREADS: u32 = 128;
+/// Blocks per SM the kernel is built for (`__launch_bounds__(DA_THREADS, 3)`).
+const BLOCKS_PER_SM: usize = 3;
+/// Waves of blocks [`DecodeAttention::occupancy_split_cap`] aims for.
+const TARGET_WAVES: usize = 4;
+
+/// Attention head layout of the (local) model shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Query heads.
+    pub q_heads: usize,
+    /// KV heads; `q_heads / kv_heads` must be 1, 2, 4 or 8.
+    pub kv_heads: usize,
+    /// Head dimension: 64 or 128.
+    pub head_dim: usize,
+}
+
+impl AttnShape {
+    fn group(&self) -> usize {
+        self.q_heads / self.kv_heads
+    }
+}
+
+/// Device pointers and sizes of one launch (all pointers are raw device addresses).
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeArgs {
+    /// Tokens (rows) in this launch, at most the `max_tokens` given to [`DecodeAttention::new`].
+    pub n_tokens: usize,
+    /// Upper bound of every token's context `pos + 1` (the caller's context bucket); sizes the
+    /// grid. A token above it is still correct, only slower.
+    pub max_ctx: usize,
+    /// Most splits per token, 1..=[`MAX_SPLITS`] (see the module docs).
+    pub split_cap: usize,
+    /// bf16 `[n_tokens, q_heads · head_dim]` output.
+    pub out: u64,
+    /// bf16 `[n_tokens, (q_heads + 2·kv_heads) · head_dim]` fused QKV rows (q already RoPE'd).
+    pub qkv: u64,
+    /// bf16 `[num_blocks, block_size, kv_heads, head_dim]` K cache of this layer.
+    pub k_cache: u64,
+    /// bf16 `[num_blocks, block_size, kv_heads, head_dim]` V cache of this layer.
+    pub v_cache: u64,
+    /// u32 `[n_tokens]` positions (context of token t is `pos[t] + 1` positions).
+    pub pos: u64,
+    /// u32 `[n_tokens]` offset into `bts` of each token's block table.
+    pub tok_bt: u64,
+    /// u32 concatenated block tables; each must cover positions `0..=pos[t]` with valid blocks.
+    pub bts: u64,
+    /// Positions per KV block.
+    pub block_size: usize,
+    /// Softmax scale, usually `1 / sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+/// Splits of a token with context `ctx` (positions) under `cap` (the kernel's `da_split`).
+pub fn splits_for(ctx: usize, cap: usize) -> usize {
+    let tiles = ctx.max(1).div_ceil(TILE);
+    let per_split = tiles.div_ceil(cap.clamp(1, MAX_SPLITS));
+    tiles.div_ceil(per_split)
+}
+
+/// Grid splits for contexts of at most `max_ctx`: the largest [`splits_for`] over `1..=max_ctx`.
+pub fn grid_splits(max_ctx: usize, cap: usize) -> usize {
+    max_ctx.max(1).div_ceil(TILE).min(cap.clamp(1, MAX_SPLITS))
+}
+
+/// The compiled decode-attention kernel for one head layout plus its scratch: f32 partials for
+/// `max_tokens × q_heads × MAX_SPLITS` (head_dim + 2 values each) and one u32 counter per
+/// (token, KV head).
+pub struct DecodeAttention {
+    f: CudaFunction,
+    shape: AttnShape,
+    max_tokens: usize,
+    num_sms: usize,
+    /// f32 `[max_tokens · kv_heads, MAX_SPLITS, G, head_dim]`.
+    part_o: DevBuf,
+    /// f32 `[max_tokens · kv_heads, MAX_SPLITS, G, 2]` (max in log2 units, sum).
+    part_ml: DevBuf,
+    /// u32 `[max_tokens · kv_heads]`, zero between launches.
+    cnt: DevBuf,
+}
+
+impl DecodeAttention {
+    /// Compiles `kernels/attn_decode.cu` for `shape` (only that instantiation) on `gpu` and
+    /// allocates the scratch for launches of up to `max_tokens` tokens.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] when the device is older than sm_80 (no bf16 `mma`), the shape is
+    /// unsupported (head_dim 64/128, 1/2/4/8 query heads per KV head), compilation or loading
+    /// fails, or memory runs out.
+    pub fn new(gpu: &Gpu, shape: AttnShape, max_tokens: usize) -> Result<Self, BackendError> {
+        let sm: u32 = gpu.arch.trim_start_matches("sm_").parse().unwrap_or(0);
+        if sm < 80 {
+            return Err(BackendError::Device(format!(
+                "decode attention needs sm_80 or newer (device is {})",
+                gpu.arch
+            )));
+        }
+        let ok = shape.kv_heads > 0
+            && shape.q_heads.is_multiple_of(shape.kv_heads)
+            && matches!(shape.group(), 1 | 2 | 4 | 8)
+            && matches!(shape.head_dim, 64 | 128);
+        if !ok {
+            return Err(BackendError::Device(format!(
+                "decode attention does not support {shape:?}"
+            )));
+        }
+        let (hd, g) = (shape.head_dim, shape.group());
+        let opts = CompileOptions {
+            arch: Some(gpu.arch),
+            include_paths: super::device::nvrtc_include_paths(),
+            options: vec![format!("-DDA_HD={hd}"), format!("-DDA_G={g}")],
+            ..Default::default()
+        };
+        let ptx = compile_ptx_with_opts(ATTN_DECODE_SRC, opts)
+            .map_err(|e| dev_err("NVRTC compile of attn_decode.cu", e))?;
+        let module = gpu
+            .ctx
+            .load_module(ptx)
+            .map_err(|e| dev_err("load_module attn_decode", e))?;
+        let f = module
+            .load_function(&format!("attn_decode_hd{hd}_g{g}"))
+            .map_err(|e| dev_err("load attn_decode", e))?;
+        f.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            Self::smem(hd) as i32,
+        )
+        .map_err(|e| dev_err("attn_decode shared memory", e))?;
+        let num_sms = gpu
+            .ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| dev_err("SM count", e))?;
+        let max_tokens = max_tokens.max(1);
+        let rows = max_tokens * shape.q_heads * MAX_SPLITS;
+        Ok(Self {
+            f,
+            shape,
+            max_tokens,
+            num_sms: usize::try_from(num_sms).unwrap_or(1).max(1),
+            part_o: DevBuf::zeroed(gpu, rows * hd * 4)?,
+            part_ml: DevBuf::zeroed(gpu, rows * 2 * 4)?,
+            cnt: DevBuf::zeroed(gpu, max_tokens * shape.kv_heads * 4)?,
+        })
+    }
+
+    /// Dynamic shared memory per block: two stages of a K and a V tile.
+    fn smem(head_dim: usize) -> usize {
+        2 * 2 * TILE * head_dim * 2
+    }
+
+    /// The head layout this instance was compiled for.
+    pub fn shape(&self) -> AttnShape {
+        self.shape
+    }
+
+    /// Bytes of device scratch (partials and counters).
+    pub fn scratch_bytes(&self) -> usize {
+        self.part_o.bytes + self.part_ml.bytes + self.cnt.bytes
+    }
+
+    /// A split cap for `n_tokens` tokens that aims at about `TARGET_WAVES` waves of blocks on
+    /// this device: many splits for small batches (latency), one for large ones (no partials).
+    /// Depends on the step, so results then vary with the batch (use [`INVARIANT_SPLIT_CAP`]
+    /// for batch invariance).
+    pub fn occupancy_split_cap(&self, n_tokens: usize) -> usize {
+        let want = TARGET_WAVES * BLOCKS_PER_SM * self.num_sms;
+        want.div_ceil((n_tokens * self.shape.kv_heads).max(1))
+            .clamp(1, MAX_SPLITS)
+    }
+
+    /// Enqueues the attention of `a.n_tokens` tokens on `gpu.stream`: no allocation, no host
+    /// synchronisation, capturable in a CUDA graph. `n_tokens == 0` enqueues nothing.
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidBatch`] when `n_tokens` exceeds `max_tokens` (or 65,535), the split
+    /// cap is outside 1..=[`MAX_SPLITS`] or `block_size` is 0; [`BackendError::Device`] on launch
+    /// failure.
+    pub fn launch(&self, gpu: &Gpu, a: &DecodeArgs) -> Result<(), BackendError> {
+        if a.n_tokens == 0 {
+            return Ok(());
+        }
+        if a.n_tokens > self.max_tokens || a.n_tokens > 65_535 {
+            return Err(BackendError::InvalidBatch(format!(
+                "decode attention: {} tokens > {} (scratch size)",
+                a.n_tokens, self.max_tokens
+            )));
+        }
+        if !(1..=MAX_SPLITS).contains(&a.split_cap) || a.block_size == 0 {
+            return Err(BackendError::InvalidBatch(format!(
+                "decode attention: split_cap {} (1..={MAX_SPLITS}), block_size {}",
+                a.split_cap, a.block_size
+            )));
+        }
+        let s = self.shape;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                grid_splits(a.max_ctx, a.split_cap) as u32,
+                s.kv_heads as u32,
+                a.n_tokens as u32,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: Self::smem(s.head_dim) as u32,
+        };
+        let (qh, kvh, bs, cap) = (
+            s.q_heads as i32,
+            s.kv_heads as i32,
+            a.block_size as i32,
+            a.split_cap as i32,
+        );
+        let mut b = gpu.stream.launch_builder(&self.f);
+        b.arg(&a.out)
+            .arg(&self.part_o.ptr)
+            .arg(&self.part_ml.ptr)
+            .arg(&self.cnt.ptr);
+        b.arg(&a.qkv)
+            .arg(&a.k_cache)
+            .arg(&a.v_cache)
+            .arg(&a.pos)
+            .arg(&a.tok_bt)
+            .arg(&a.bts);
+        b.arg(&qh).arg(&kvh).arg(&bs).arg(&a.scale).arg(&cap);
+        // SAFETY: argument types match the kernel; the caller passes buffers of the documented
+        // shapes whose block tables cover every token's context; the scratch holds n_tokens
+        // (checked above) rows; shared memory matches the attribute set in `new`.
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| dev_err("attn_decode", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_follow_the_rule_and_the_grid_covers_them() {
+        assert_eq!(splits_for(1, 16), 1);
+        assert_eq!(splits_for(64, 16), 1);
+        assert_eq!(splits_for(65, 16), 2);
+        assert_eq!(splits_for(1024, 16), 16);
+        assert_eq!(splits_for(1025, 16), 9);
+        assert_eq!(splits_for(4096, 16), 16);
+        assert_eq!(splits_for(4096, 1), 1);
+        assert_eq!(splits_for(1024, 4), 4);
+        for cap in 1..=MAX_SPLITS {
+            let mut most = 0;
+            for ctx in 1..=5000 {
+                let s = splits_for(ctx, cap);
+                assert!(s >= 1 && s <= cap);
+                most = most.max(s);
+                assert_eq!(most, grid_splits(ctx, cap), "ctx {ctx} cap {cap}");
+            }
+        }
+    }
+}

@@ -1,0 +1,331 @@
+//! Decode GEMVs (`kernels/gemv.cu`): the fast mode's matrix products for steps of at most
+//! [`GEMV_MAX_M`] tokens, with RMSNorm, the residual add and SiLU·mul fused in (see the kernel
+//! file for the modes). A decode step is bound by reading the weights from HBM; these kernels
+//! stream each weight row once with 16-byte loads and keep several in flight per warp, and the
+//! fusions remove four small kernels per layer (both norms, RoPE + the K/V cache write, and
+//! SiLU·mul; the residual adds move into the GEMV epilogues). Blocks are persistent (grid =
+//! resident blocks, looping over row tiles) so each block's norm prologue runs once; the
+//! prologue's loads are vectorised and unrolled (issued one L2 round trip at a time they cost
+//! ~9 µs per kernel on an H200).
+//!
+//! Above a few tokens these CUDA-core kernels become bound by re-reading the activations from
+//! L1 and by registers (measured on an H200: 8 tokens took 16.5 ms per Llama-3-8B step against
+//! 6.3 ms through cuBLASLt), so the backend uses them only up to
+//! `CudaOptions::gemv_max_tokens` tokens.
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+
+use super::device::{Gpu, dev_err};
+use crate::backend::BackendError;
+
+/// The kernels' CUDA C source.
+pub const GEMV_SRC: &str = include_str!("kernels/gemv.cu");
+
+/// Largest token count the GEMV kernels are instantiated for.
+pub const GEMV_MAX_M: usize = 4;
+/// Warps per block and rows per warp (`GEMV_WARPS`, `GEMV_R` in the kernel file).
+const WARPS: usize = 8;
+const ROWS_PER_WARP: usize = 2;
+
+/// What a GEMV computes (kernel `MODE` and prologue).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvKind {
+    /// Fused QKV: `rmsnorm(x)·Wᵀ` with RoPE and the K/V cache write (see [`RopeArgs`]).
+    QkvRope,
+    /// f32 `y = x·Wᵀ` (lm_head; `x` already normed).
+    LogitsF32,
+    /// f32 `x_res += bf16(x·Wᵀ)` (o_proj, down_proj).
+    Residual,
+    /// bf16 `act = silu(g)·u`, `[g; u] = rmsnorm(x)·[W_gate; W_up]ᵀ` (gate_up).
+    NormGateUpSilu,
+}
+
+/// Extra arguments of [`GemvKind::QkvRope`]: per-token positions and cache slots (u32, `m`
+/// each; slot `u32::MAX` = no write), RoPE inverse frequencies (f32 `[hd/2]`), this layer's K
+/// and V caches (bf16 `[blocks, block_size, kv_heads, hd]`) and the head counts.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RopeArgs {
+    pub pos: u64,
+    pub slots: u64,
+    pub inv_freq: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub q_heads: i32,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+}
+
+impl GemvKind {
+    fn index(self) -> usize {
+        match self {
+            Self::QkvRope => 0,
+            Self::LogitsF32 => 1,
+            Self::Residual => 2,
+            Self::NormGateUpSilu => 3,
+        }
+    }
+    fn name(self) -> &'static str {
+        [
+            "gemv_qkv_rope",
+            "gemv_logits",
+            "gemv_residual",
+            "gemv_gate_up",
+        ][self.index()]
+    }
+    fn norm(self) -> bool {
+        matches!(self, Self::QkvRope | Self::NormGateUpSilu)
+    }
+}
+
+/// One compiled variant: `fns[m - 1][kind]` with its grid size cap.
+struct Variant {
+    fns: Vec<[(CudaFunction, u32); 4]>,
+}
+
+/// Compile-time variants (NVRTC defines, blocks per SM; 0 = as many as fit):
+/// 0: 4 chunks in flight per weight row, every resident block;
+/// 1: 16 loads in flight per lane, one block per SM (room for the next kernel's blocks to start
+///    early under programmatic dependent launch).
+const VARIANTS: [(&str, u32); 2] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1)];
+
+/// The loaded GEMV kernels.
+pub struct Gemv {
+    variants: Vec<Variant>,
+    /// Variant in use (index into the compiled variants; benchmarks switch it).
+    pub variant: usize,
+    /// Input width the norm prologues' shared memory was sized for.
+    norm_inp: usize,
+    /// Launch with programmatic dependent launch (Hopper and later; opt-in with
+    /// `PRISM_CUDA_PDL=1`).
+    pub pdl: bool,
+}
+
+impl Gemv {
+    /// Compiles and loads `kernels/gemv.cu` for the device and sizes the norm kernels' dynamic
+    /// shared memory for activation rows of `norm_inp` (the model's hidden size).
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] on compile or load failure, or when `norm_inp` rows of
+    /// [`GEMV_MAX_M`] tokens do not fit in shared memory.
+    pub fn new(gpu: &Gpu, norm_inp: usize) -> Result<Self, BackendError> {
+        let sms = gpu
+            .ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| dev_err("SM count", e))?
+            .max(1) as u32;
+        let mut variants = Vec::new();
+        for (define, per_sm_cap) in VARIANTS {
+            let opts = CompileOptions {
+                arch: Some(gpu.arch),
+                include_paths: super::device::nvrtc_include_paths(),
+                options: vec![define.to_owned()],
+                ..Default::default()
+            };
+            let ptx = compile_ptx_with_opts(GEMV_SRC, opts)
+                .map_err(|e| dev_err("NVRTC compile of gemv.cu", e))?;
+            let module = gpu
+                .ctx
+                .load_module(ptx)
+                .map_err(|e| dev_err("load_module gemv", e))?;
+            let mut fns = Vec::with_capacity(GEMV_MAX_M);
+            for m in 1..=GEMV_MAX_M {
+                let f = |k: GemvKind| -> Result<(CudaFunction, u32), BackendError> {
+                    let name = format!("{}_m{m}", k.name());
+                    let f = module
+                        .load_function(&name)
+                        .map_err(|e| dev_err("load gemv", e))?;
+                    let bytes = if k.norm() { Self::smem(m, norm_inp) } else { 0 };
+                    if k.norm() {
+                        f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+                        .map_err(|e| dev_err("gemv shared memory", e))?;
+                    }
+                    let per_sm = f
+                        .occupancy_max_active_blocks_per_multiprocessor(
+                            (WARPS * 32) as u32,
+                            bytes,
+                            None,
+                        )
+                        .map_err(|e| dev_err("gemv occupancy", e))?
+                        .max(1);
+                    let per_sm = if per_sm_cap > 0 {
+                        per_sm.min(per_sm_cap)
+                    } else {
+                        per_sm
+                    };
+                    Ok((f, per_sm * sms))
+                };
+                fns.push([
+                    f(GemvKind::QkvRope)?,
+                    f(GemvKind::LogitsF32)?,
+                    f(GemvKind::Residual)?,
+                    f(GemvKind::NormGateUpSilu)?,
+                ]);
+            }
+            variants.push(Variant { fns });
+        }
+        let variant = std::env::var("PRISM_GEMV_VARIANT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&v| v < VARIANTS.len())
+            .unwrap_or(0);
+        let (major, _) = gpu
+            .ctx
+            .compute_capability()
+            .map_err(|e| dev_err("compute_capability", e))?;
+        // Off by default: measured on an H200 it did not help (4.34 vs 4.29 ms per batch-1
+        // step), since the persistent GEMV grids leave no room for the next kernel's blocks.
+        let pdl = major >= 9 && std::env::var("PRISM_CUDA_PDL").is_ok_and(|v| v == "1");
+        Ok(Self {
+            variants,
+            variant,
+            norm_inp,
+            pdl,
+        })
+    }
+
+    fn smem(m: usize, inp: usize) -> usize {
+        m * inp * 2 + WARPS * m * 4
+    }
+
+    /// Enqueues one GEMV over `m` tokens: `w` is `[out, inp]` bf16 (`[2·out, inp]` for
+    /// [`GemvKind::NormGateUpSilu`]), `x` the bf16 activations `[m, inp]` (f32 residual rows
+    /// for the norm kinds, with `gain` the norm weight `[inp]`), `y` as the kind says; `out` is
+    /// the weight's row count except for gate_up (`inter`). `rope` is used by
+    /// [`GemvKind::QkvRope`] only.
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidBatch`] when `m` is 0 or above [`GEMV_MAX_M`], `inp` is not a
+    /// multiple of 8, or a norm kind's `inp` differs from the one planned;
+    /// [`BackendError::Device`] on launch failure.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(
+        &self,
+        gpu: &Gpu,
+        kind: GemvKind,
+        m: usize,
+        y: u64,
+        w: u64,
+        x: u64,
+        gain: u64,
+        out: usize,
+        inp: usize,
+        eps: f32,
+        rope: &RopeArgs,
+    ) -> Result<(), BackendError> {
+        // 16-byte rows and activations; the norm prologue reads the gain 4 values at a time.
+        let aligned = w.is_multiple_of(16) && x.is_multiple_of(16) && gain.is_multiple_of(8);
+        if m == 0
+            || m > GEMV_MAX_M
+            || !aligned
+            || !inp.is_multiple_of(8)
+            || (kind.norm() && inp != self.norm_inp)
+        {
+            return Err(BackendError::InvalidBatch(format!(
+                "gemv: m {m}, inp {inp} not supported"
+            )));
+        }
+        let (f, resident) =
+            &self.variants[self.variant.min(self.variants.len() - 1)].fns[m - 1][kind.index()];
+        // Logical rows: RoPE pairs for the fused QKV.
+        let rows = if kind == GemvKind::QkvRope {
+            out / 2
+        } else {
+            out
+        };
+        let blocks = (rows.div_ceil(WARPS * ROWS_PER_WARP) as u32).min(*resident);
+        let shared = if kind.norm() {
+            Self::smem(m, inp) as u32
+        } else {
+            0
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: ((WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: shared,
+        };
+        let (out_i, inp_i) = (rows as i32, inp as i32);
+        if self.pdl {
+            use cudarc::driver::sys;
+            use std::ffi::c_void;
+            let p = |v: &u64| v as *const u64 as *mut c_void;
+            let pi = |v: &i32| v as *const i32 as *mut c_void;
+            let mut params: Vec<*mut c_void> = vec![
+                p(&y),
+                p(&w),
+                p(&x),
+                p(&gain),
+                pi(&out_i),
+                pi(&inp_i),
+                &eps as *const f32 as *mut c_void,
+            ];
+            if kind == GemvKind::QkvRope {
+                params.extend([
+                    p(&rope.pos),
+                    p(&rope.slots),
+                    p(&rope.inv_freq),
+                    p(&rope.k_cache),
+                    p(&rope.v_cache),
+                ]);
+                params.extend([pi(&rope.q_heads), pi(&rope.kv_heads), pi(&rope.head_dim)]);
+            }
+            // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let lc = sys::CUlaunchConfig {
+                gridDimX: cfg.grid_dim.0,
+                gridDimY: 1,
+                gridDimZ: 1,
+                blockDimX: cfg.block_dim.0,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: shared,
+                hStream: gpu.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: `params` points at locals that outlive the call (the driver copies the
+            // values at launch), in the kernel's parameter order and types; buffers as for the
+            // plain launch below.
+            let r = unsafe {
+                sys::cuLaunchKernelEx(
+                    &lc,
+                    f.cu_function(),
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            };
+            return if r == sys::CUresult::CUDA_SUCCESS {
+                Ok(())
+            } else {
+                Err(dev_err(kind.name(), r))
+            };
+        }
+        let mut b = gpu.stream.launch_builder(f);
+        b.arg(&y)
+            .arg(&w)
+            .arg(&x)
+            .arg(&gain)
+            .arg(&out_i)
+            .arg(&inp_i)
+            .arg(&eps);
+        if kind == GemvKind::QkvRope {
+            b.arg(&rope.pos)
+                .arg(&rope.slots)
+                .arg(&rope.inv_freq)
+                .arg(&rope.k_cache)
+                .arg(&rope.v_cache);
+            b.arg(&rope.q_heads).arg(&rope.kv_heads).arg(&rope.head_dim);
+        }
+        // SAFETY: the caller passes buffers of the documented shapes; rows past `out` are
+        // clamped in the kernel; shared memory matches the attribute set in `new`.
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| dev_err(kind.name(), e))
+    }
+}

@@ -1,0 +1,323 @@
+//! Llama weights on the device in bf16: one allocation for everything (fixed addresses),
+//! q/k/v stacked into one `[q + 2·kv, hidden]` matrix and gate/up into `[2·inter, hidden]`
+//! (one GEMM each, as vLLM's `QKVParallelLinear` / `MergedColumnParallelLinear`). Filled from
+//! f32 host weights (rounded to nearest-even bf16), straight from a Hugging Face checkpoint's
+//! mmapped `.safetensors` one tensor at a time (bf16 copied as stored: no f32 copy of the model
+//! on the host), or with seeded random values generated on the device ([`SyntheticShape`],
+//! benchmarks at real sizes).
+
+use half::bf16;
+
+use super::Dims;
+use super::device::{DevBuf, Gpu};
+use crate::backend::BackendError;
+use crate::model::safetensors::SafetensorsFiles;
+use crate::model::{LlamaWeights, ModelConfig};
+
+/// Device addresses of one decoder layer's weights.
+pub(crate) struct LayerPtrs {
+    pub input_norm: u64,
+    pub qkv: u64,
+    pub o_proj: u64,
+    pub post_norm: u64,
+    pub gate_up: u64,
+    pub down: u64,
+}
+
+/// All weights in one device buffer.
+pub(crate) struct DeviceWeights {
+    _buf: DevBuf,
+    pub embed: u64,
+    pub lm_head: u64,
+    pub norm: u64,
+    pub layers: Vec<LayerPtrs>,
+    /// Bytes of weights.
+    pub bytes: usize,
+}
+
+/// A Llama-family shape for [`super::CudaBackend::synthetic`] (e.g. [`SyntheticShape::llama3_8b`]).
+#[derive(Clone, Debug)]
+pub struct SyntheticShape {
+    /// Decoder layers.
+    pub layers: usize,
+    /// Model width.
+    pub hidden: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads (GQA).
+    pub kv_heads: usize,
+    /// MLP width.
+    pub intermediate: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// Weight seed.
+    pub seed: u32,
+}
+
+impl SyntheticShape {
+    /// Llama-3-8B: 32 layers, hidden 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256,
+    /// rope_theta 500000, untied lm_head.
+    pub fn llama3_8b(seed: u32) -> Self {
+        Self {
+            layers: 32,
+            hidden: 4096,
+            heads: 32,
+            kv_heads: 8,
+            intermediate: 14336,
+            vocab: 128_256,
+            rope_theta: 500_000.0,
+            seed,
+        }
+    }
+
+    /// RoPE inverse frequencies (no scaling).
+    pub fn inv_freq(&self) -> Vec<f32> {
+        let hd = self.hidden / self.heads;
+        (0..hd / 2)
+            .map(|i| (1.0 / f64::from(self.rope_theta).powf(2.0 * i as f64 / hd as f64)) as f32)
+            .collect()
+    }
+}
+
+/// Element offsets (bf16 units) of every tensor in the single buffer.
+struct Layout {
+    total: usize,
+    embed: usize,
+    lm_head: Option<usize>,
+    norm: usize,
+    layers: Vec<[usize; 6]>,
+}
+
+fn layout(d: &Dims, tied: bool) -> Layout {
+    let mut at = 0usize;
+    let mut take = |n: usize| {
+        let o = at;
+        // 256-byte alignment for every tensor.
+        at += n.div_ceil(128) * 128;
+        o
+    };
+    let embed = take(d.vocab * d.hidden);
+    let lm_head = if tied {
+        None
+    } else {
+        Some(take(d.vocab * d.hidden))
+    };
+    let norm = take(d.hidden);
+    let layers = (0..d.layers)
+        .map(|_| {
+            [
+                take(d.hidden),
+                take(d.qkv_dim() * d.hidden),
+                take(d.hidden * d.q_dim()),
+                take(d.hidden),
+                take(2 * d.inter * d.hidden),
+                take(d.hidden * d.inter),
+            ]
+        })
+        .collect();
+    Layout {
+        total: at,
+        embed,
+        lm_head,
+        norm,
+        layers,
+    }
+}
+
+impl DeviceWeights {
+    fn from_layout(buf: DevBuf, l: &Layout) -> Self {
+        let p = |o: usize| buf.ptr + (o * 2) as u64;
+        let layers = l
+            .layers
+            .iter()
+            .map(|o| LayerPtrs {
+                input_norm: p(o[0]),
+                qkv: p(o[1]),
+                o_proj: p(o[2]),
+                post_norm: p(o[3]),
+                gate_up: p(o[4]),
+                down: p(o[5]),
+            })
+            .collect();
+        let embed = p(l.embed);
+        Self {
+            embed,
+            lm_head: l.lm_head.map_or(embed, p),
+            norm: p(l.norm),
+            layers,
+            bytes: buf.bytes,
+            _buf: buf,
+        }
+    }
+
+    /// Uploads a Hugging Face Llama checkpoint tensor by tensor from its mmapped files (bf16
+    /// as stored, f32/f16 rounded to bf16); the host holds one tensor (or one fused q/k/v or
+    /// gate/up matrix) at a time. `progress(done, total)` reports bytes read.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] for a missing tensor, a shape that disagrees with `cfg`, an
+    /// unsupported dtype, or an allocation / copy failure.
+    pub fn from_safetensors(
+        gpu: &Gpu,
+        files: &SafetensorsFiles,
+        cfg: &ModelConfig,
+        progress: &dyn Fn(u64, u64),
+    ) -> Result<(Self, Dims), BackendError> {
+        let d = Dims {
+            hidden: cfg.hidden_size,
+            q_heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            inter: cfg.intermediate_size,
+            vocab: cfg.vocab_size,
+            layers: cfg.num_hidden_layers,
+            eps: cfg.rms_norm_eps,
+        };
+        let tied = cfg.tie_word_embeddings || !files.contains("lm_head.weight");
+        let l = layout(&d, tied);
+        let buf = DevBuf::zeroed(gpu, l.total * 2)?;
+        let total = files.total_bytes();
+        let mut done = 0u64;
+        let mut staging: Vec<bf16> = Vec::new();
+        let mut put = |off: usize, parts: &[(&str, &[usize])]| -> Result<(), BackendError> {
+            staging.clear();
+            for (name, shape) in parts {
+                done += files
+                    .append_bf16(name, shape, &mut staging)
+                    .map_err(|e| BackendError::Device(e.to_string()))?
+                    as u64;
+            }
+            gpu.upload(&buf, off * 2, &staging)?;
+            // The staging vector is reused: wait for the (pageable, staged) copy.
+            gpu.sync()?;
+            progress(done, total);
+            Ok(())
+        };
+        let (h, q, kv, i, v) = (d.hidden, d.q_dim(), d.kv_dim(), d.inter, d.vocab);
+        put(l.embed, &[("model.embed_tokens.weight", &[v, h])])?;
+        if let Some(o) = l.lm_head {
+            put(o, &[("lm_head.weight", &[v, h])])?;
+        }
+        put(l.norm, &[("model.norm.weight", &[h])])?;
+        for (li, o) in l.layers.iter().enumerate() {
+            let n = |t: &str| format!("model.layers.{li}.{t}.weight");
+            let (ln1, qn, kn, vn) = (
+                n("input_layernorm"),
+                n("self_attn.q_proj"),
+                n("self_attn.k_proj"),
+                n("self_attn.v_proj"),
+            );
+            let (on, ln2, gn, un, dn) = (
+                n("self_attn.o_proj"),
+                n("post_attention_layernorm"),
+                n("mlp.gate_proj"),
+                n("mlp.up_proj"),
+                n("mlp.down_proj"),
+            );
+            put(o[0], &[(&ln1, &[h])])?;
+            put(o[1], &[(&qn, &[q, h]), (&kn, &[kv, h]), (&vn, &[kv, h])])?;
+            put(o[2], &[(&on, &[h, q])])?;
+            put(o[3], &[(&ln2, &[h])])?;
+            put(o[4], &[(&gn, &[i, h]), (&un, &[i, h])])?;
+            put(o[5], &[(&dn, &[h, i])])?;
+        }
+        Ok((Self::from_layout(buf, &l), d))
+    }
+
+    /// Uploads f32 host weights as bf16.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] on allocation or copy failure; `InvalidBatch` never.
+    pub fn upload(
+        gpu: &Gpu,
+        w: &LlamaWeights,
+        cfg: &ModelConfig,
+    ) -> Result<(Self, Dims), BackendError> {
+        let first = w
+            .layers
+            .first()
+            .ok_or_else(|| BackendError::Device("model has no layers".into()))?;
+        let hd = cfg.head_dim;
+        let d = Dims {
+            hidden: cfg.hidden_size,
+            q_heads: first.q_proj.out_features / hd,
+            kv_heads: first.k_proj.out_features / hd,
+            head_dim: hd,
+            inter: first.gate_proj.out_features,
+            vocab: w.embed_tokens.out_features,
+            layers: w.layers.len(),
+            eps: cfg.rms_norm_eps,
+        };
+        let l = layout(&d, w.lm_head.is_none());
+        let buf = DevBuf::zeroed(gpu, l.total * 2)?;
+        let mut staging: Vec<bf16> = Vec::new();
+        let mut put = |off: usize, parts: &[&[f32]]| -> Result<(), BackendError> {
+            staging.clear();
+            for part in parts {
+                staging.extend(part.iter().map(|&v| bf16::from_f32(v)));
+            }
+            gpu.upload(&buf, off * 2, &staging)?;
+            // The staging vector is reused: wait for the (pageable, staged) copy.
+            gpu.sync()
+        };
+        put(l.embed, &[&w.embed_tokens.data])?;
+        if let (Some(o), Some(lm)) = (l.lm_head, &w.lm_head) {
+            put(o, &[&lm.data])?;
+        }
+        put(l.norm, &[&w.norm])?;
+        for (o, lw) in l.layers.iter().zip(&w.layers) {
+            put(o[0], &[&lw.input_layernorm])?;
+            put(o[1], &[&lw.q_proj.data, &lw.k_proj.data, &lw.v_proj.data])?;
+            put(o[2], &[&lw.o_proj.data])?;
+            put(o[3], &[&lw.post_attention_layernorm])?;
+            put(o[4], &[&lw.gate_proj.data, &lw.up_proj.data])?;
+            put(o[5], &[&lw.down_proj.data])?;
+        }
+        Ok((Self::from_layout(buf, &l), d))
+    }
+
+    /// Seeded random weights on the device: matrices uniform in ±sqrt(3)·0.02 (std 0.02),
+    /// norm gains 1.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] on allocation or launch failure.
+    pub fn synthetic(gpu: &Gpu, s: &SyntheticShape) -> Result<(Self, Dims), BackendError> {
+        let d = Dims {
+            hidden: s.hidden,
+            q_heads: s.heads,
+            kv_heads: s.kv_heads,
+            head_dim: s.hidden / s.heads,
+            inter: s.intermediate,
+            vocab: s.vocab,
+            layers: s.layers,
+            eps: 1e-5,
+        };
+        let l = layout(&d, false);
+        let buf = DevBuf::zeroed(gpu, l.total * 2)?;
+        let scale = 0.02 * 3f32.sqrt();
+        let mut seed = s.seed;
+        let mut fill = |off: usize, n: usize| {
+            seed = seed.wrapping_add(1);
+            gpu.fill_uniform(buf.ptr + (off * 2) as u64, n, seed, scale)
+        };
+        fill(l.embed, d.vocab * d.hidden)?;
+        if let Some(o) = l.lm_head {
+            fill(o, d.vocab * d.hidden)?;
+        }
+        for o in &l.layers {
+            fill(o[1], d.qkv_dim() * d.hidden)?;
+            fill(o[2], d.hidden * d.q_dim())?;
+            fill(o[4], 2 * d.inter * d.hidden)?;
+            fill(o[5], d.hidden * d.inter)?;
+        }
+        gpu.fill_const(buf.ptr + (l.norm * 2) as u64, d.hidden, 1.0)?;
+        for o in &l.layers {
+            gpu.fill_const(buf.ptr + (o[0] * 2) as u64, d.hidden, 1.0)?;
+            gpu.fill_const(buf.ptr + (o[3] * 2) as u64, d.hidden, 1.0)?;
+        }
+        gpu.sync()?;
+        Ok((Self::from_layout(buf, &l), d))
+    }
+}

@@ -1,0 +1,392 @@
+//! [`EngineHandle`]: the cloneable front door of one engine replica. `submit` validates
+//! and tokenizes on the caller's thread, then hands the request to the step thread
+//! ([`super::step_loop`]) through a channel; outputs come back on a bounded stream whose
+//! drop aborts the request at the next step boundary.
+//!
+//! Each replica runs its compute on its own rayon pool (built here, `install`ed around every
+//! forward pass), so one replica's long step cannot starve another replica's steps in a
+//! shared global pool; the pool's threads exit when the step thread does.
+
+use super::backend::{Backend, StepControl, StopKind};
+use super::codec::TextCodec;
+use super::kv_cache::BlockPool;
+use super::metrics::{EngineStats, StatsRecorder};
+use super::request::{
+    EngineError, EngineOutput, EngineRequest, Prompt, check_lengths, check_token_ids,
+};
+use super::scheduler::{Scheduler, SchedulerConfig};
+use super::step_loop::{Command, EngineCore, Fault, NewRequest};
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::thread::JoinHandle;
+use std::time::Instant;
+use tokio::sync::mpsc;
+
+/// Scheduler and admission limits (vLLM's names and defaults where it has them).
+#[derive(Clone, Debug)]
+pub struct RuntimeConfig {
+    /// Served model name (reported in [`ModelInfo`]).
+    pub served_model_name: String,
+    /// Context window; `None` = the model's. Capped at the KV cache's capacity.
+    pub max_model_len: Option<usize>,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Most tokens per step (prefill chunks + decodes).
+    pub max_num_batched_tokens: usize,
+    /// Most requests accepted and unfinished before `submit` answers `Overloaded`.
+    pub max_pending_requests: usize,
+    /// Capacity of each request's output channel (outputs are merged when it is full).
+    pub output_buffer: usize,
+    /// Threads of this replica's compute pool; `None` = one per core
+    /// (`std::thread::available_parallelism`).
+    pub engine_threads: Option<usize>,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            served_model_name: "model".to_owned(),
+            max_model_len: None,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_pending_requests: 4096,
+            output_buffer: 64,
+            engine_threads: None,
+        }
+    }
+}
+
+/// A backend and a codec, ready to run: what [`EngineHandle::start_with_parts`] takes
+/// (the model loader builds it; tests can build one from doubles).
+pub struct EngineParts {
+    /// The backend with its KV-cache memory allocated.
+    pub backend: Box<dyn Backend>,
+    /// Tokenizer and chat template.
+    pub codec: Arc<dyn TextCodec>,
+    /// End-of-sequence token ids.
+    pub eos_ids: Vec<u32>,
+    /// The model's own context window (tokens).
+    pub model_max_len: usize,
+    /// Stop requests and progress shared with the backend (a backend that polls it between
+    /// layers stops within a layer; others at the end of their step).
+    pub control: StepControl,
+}
+
+/// Static facts about the served model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// Name clients use.
+    pub served_model_name: String,
+    /// Effective context window (tokens): prompt + completion never exceed it.
+    pub max_model_len: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// End-of-sequence ids.
+    pub eos_ids: Vec<u32>,
+    /// KV-cache block size (tokens).
+    pub block_size: usize,
+    /// KV-cache blocks.
+    pub num_kv_blocks: usize,
+    /// KV-cache bytes per token (all layers, K and V).
+    pub kv_bytes_per_token: usize,
+    /// Backend name ("cpu", "cuda").
+    pub backend: &'static str,
+}
+
+struct Inner {
+    tx: Mutex<Option<Sender<Command>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    stats: Arc<StatsRecorder>,
+    pool: BlockPool,
+    codec: Arc<dyn TextCodec>,
+    info: ModelInfo,
+    cfg: RuntimeConfig,
+}
+
+/// Cloneable handle to one running engine. The step thread stops on
+/// [`EngineHandle::shutdown`], or when every handle is dropped and no request is left.
+#[derive(Clone)]
+pub struct EngineHandle {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle").field("model", &self.inner.info).finish_non_exhaustive()
+    }
+}
+
+impl EngineHandle {
+    /// Starts the step thread over ready-made parts.
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] when the thread cannot be spawned or the backend has no
+    /// KV-cache blocks.
+    pub fn start_with_parts(parts: EngineParts, cfg: RuntimeConfig) -> Result<Self, EngineError> {
+        let block_size = parts.backend.block_size();
+        let num_blocks = parts.backend.num_kv_blocks();
+        if num_blocks == 0 || block_size == 0 {
+            return Err(EngineError::Internal("the KV cache has no blocks; raise kv_cache_bytes".into()));
+        }
+        let capacity = num_blocks * block_size;
+        let wanted = cfg.max_model_len.unwrap_or(parts.model_max_len).min(parts.model_max_len);
+        let max_model_len = wanted.min(capacity);
+        if max_model_len < wanted {
+            tracing::warn!(wanted, capacity, "max_model_len capped to the KV cache's capacity");
+        }
+        let info = ModelInfo {
+            served_model_name: cfg.served_model_name.clone(),
+            max_model_len,
+            vocab_size: parts.codec.vocab_size(),
+            eos_ids: parts.eos_ids.clone(),
+            block_size,
+            num_kv_blocks: num_blocks,
+            kv_bytes_per_token: parts.backend.kv_bytes_per_token(),
+            backend: parts.backend.name(),
+        };
+        let pool = BlockPool::new(num_blocks);
+        let sched_cfg = SchedulerConfig {
+            max_num_seqs: cfg.max_num_seqs.max(1),
+            max_num_batched_tokens: cfg.max_num_batched_tokens.max(1),
+            block_size,
+        };
+        let stats = Arc::new(StatsRecorder::with_control(parts.control.clone()));
+        let threads = cfg
+            .engine_threads
+            .filter(|n| *n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get));
+        let compute = build_compute_pool(threads, &stats)?;
+        let core = EngineCore::new(
+            Scheduler::new(sched_cfg, pool.clone()),
+            parts.backend,
+            parts.codec.clone(),
+            &parts.eos_ids,
+            max_model_len,
+            stats.clone(),
+            compute,
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("prism-engine".into())
+            .spawn(move || core.run(rx))
+            .map_err(|e| EngineError::Internal(format!("spawn engine thread: {e}")))?;
+        tracing::info!(
+            model = %info.served_model_name,
+            backend = info.backend,
+            max_model_len,
+            num_blocks,
+            block_size,
+            compute_threads = threads,
+            "engine started"
+        );
+        Ok(Self {
+            inner: Arc::new(Inner {
+                tx: Mutex::new(Some(tx)),
+                thread: Mutex::new(Some(thread)),
+                stats,
+                pool,
+                codec: parts.codec,
+                info,
+                cfg,
+            }),
+        })
+    }
+
+    /// Validates, tokenizes and enqueues a request (tokenization runs on the caller's
+    /// thread: cheap for normal prompts).
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidRequest`] (see `request` for the rules), `Overloaded` when
+    /// `max_pending_requests` are in flight, `Unavailable` when the engine has stopped.
+    pub fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError> {
+        let inner = &self.inner;
+        if !self.is_alive() {
+            return Err(EngineError::Unavailable("engine is not running".into()));
+        }
+        let sampling = req.params.validate()?;
+        let codec = &inner.codec;
+        let prompt = match &req.prompt {
+            Prompt::Text(t) => codec.encode(t, true)?,
+            Prompt::TokenIds(ids) => ids.clone(),
+            Prompt::Chat(msgs) => codec.encode(&codec.render_chat(msgs)?, false)?,
+        };
+        check_token_ids(&prompt, inner.info.vocab_size, "prompt")?;
+        check_token_ids(&req.prior_output_ids, inner.info.vocab_size, "prior_output_ids")?;
+        if req.params.n > 1 && !req.prior_output_ids.is_empty() {
+            return Err(EngineError::InvalidRequest {
+                field: "prior_output_ids",
+                message: "prior_output_ids require n = 1".into(),
+            });
+        }
+        let max_new = check_lengths(
+            prompt.len(),
+            req.prior_output_ids.len(),
+            req.params.max_tokens,
+            inner.info.max_model_len,
+        )?;
+        let in_flight = inner.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        if in_flight >= inner.cfg.max_pending_requests {
+            inner.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return Err(EngineError::Overloaded(format!("{in_flight} requests in flight")));
+        }
+        let (tx, rx) = mpsc::channel(inner.cfg.output_buffer.max(1));
+        let p = req.params;
+        let new = NewRequest {
+            id: req.id,
+            prompt,
+            prior: req.prior_output_ids,
+            sampling,
+            seed: p.seed,
+            n: p.n,
+            stop: p.stop,
+            stop_token_ids: p.stop_token_ids,
+            ignore_eos: p.ignore_eos,
+            skip_special: p.skip_special_tokens,
+            max_new,
+            deadline: req.deadline,
+            arrival: Instant::now(),
+            tx,
+        };
+        let sent = {
+            let guard = inner.tx.lock().unwrap_or_else(PoisonError::into_inner);
+            guard.as_ref().is_some_and(|t| t.send(Command::Submit(Box::new(new))).is_ok())
+        };
+        if !sent {
+            inner.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return Err(EngineError::Unavailable("engine is shutting down".into()));
+        }
+        Ok(OutputStream { rx })
+    }
+
+    /// A snapshot of load, counters and latency histograms.
+    pub fn stats(&self) -> EngineStats {
+        self.inner.stats.snapshot(self.inner.pool.num_free(), self.inner.pool.num_blocks())
+    }
+
+    /// Static model facts.
+    pub fn model_info(&self) -> ModelInfo {
+        self.inner.info.clone()
+    }
+
+    /// The tokenizer/chat codec (for callers that count tokens or render templates).
+    pub fn codec(&self) -> Arc<dyn TextCodec> {
+        self.inner.codec.clone()
+    }
+
+    /// Whether the step thread is running and its last step succeeded.
+    pub fn is_alive(&self) -> bool {
+        self.inner.stats.alive.load(Ordering::Relaxed)
+            && self
+                .inner
+                .thread
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_ref()
+                .is_some_and(|t| !t.is_finished())
+    }
+
+    /// Injects `fault` into the step thread (tests and chaos drills only).
+    ///
+    /// # Errors
+    /// [`EngineError::Unavailable`] when the engine has already stopped.
+    pub fn inject_fault(&self, fault: Fault) -> Result<(), EngineError> {
+        let guard = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        let sent = guard.as_ref().is_some_and(|t| t.send(Command::Fault(fault)).is_ok());
+        if sent { Ok(()) } else { Err(EngineError::Unavailable("engine is not running".into())) }
+    }
+
+    /// Stops a failed replica's engine without waiting (callable from async code): a
+    /// running forward pass ends at its next layer (CPU backend) or step boundary, every
+    /// stream ends without a finish reason (callers retry or migrate), the step thread exits
+    /// and the replica's compute threads with it. Later `submit`s get `Unavailable`.
+    /// [`EngineHandle::shutdown`] afterwards only waits for the thread.
+    pub fn stop(&self) {
+        self.inner.stats.control.request_stop(StopKind::Fail);
+        self.inner.stats.alive.store(false, Ordering::Relaxed);
+        let tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(tx) = tx {
+            // Wakes an idle step loop; it sees the stop request first.
+            let _ = tx.send(Command::Shutdown);
+        }
+    }
+
+    /// Whether the step thread has exited (after [`EngineHandle::stop`], a shutdown, or a
+    /// backend failure). Its compute pool's threads exit right after it
+    /// ([`EngineStats::compute_threads_alive`]).
+    pub fn step_thread_finished(&self) -> bool {
+        self.inner.thread.lock().unwrap_or_else(PoisonError::into_inner).as_ref().is_none_or(JoinHandle::is_finished)
+    }
+
+    /// Aborts every request (finish_reason `abort`) and stops the step thread, waiting
+    /// for it (never call from the step thread); a running forward pass is interrupted at
+    /// its next layer (CPU backend). Later `submit`s get `Unavailable`.
+    pub fn shutdown(&self) {
+        self.inner.stats.control.request_stop(StopKind::Shutdown);
+        let tx = self.inner.tx.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(tx) = tx {
+            let _ = tx.send(Command::Shutdown);
+        }
+        let thread = self.inner.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(t) = thread
+            && t.join().is_err()
+        {
+            tracing::error!("engine thread panicked");
+        }
+        self.inner.stats.alive.store(false, Ordering::Relaxed);
+    }
+}
+
+/// The replica's compute pool: `threads` threads named `prism-compute-N`, counted live in
+/// `stats.compute_threads` so tests and operators can see them exit.
+fn build_compute_pool(threads: usize, stats: &Arc<StatsRecorder>) -> Result<rayon::ThreadPool, EngineError> {
+    let (up, down) = (Arc::clone(stats), Arc::clone(stats));
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .thread_name(|i| format!("prism-compute-{i}"))
+        .start_handler(move |_| {
+            up.compute_threads.fetch_add(1, Ordering::SeqCst);
+        })
+        .exit_handler(move |_| {
+            down.compute_threads.fetch_sub(1, Ordering::SeqCst);
+        })
+        .build()
+        .map_err(|e| EngineError::Internal(format!("build the engine's compute pool: {e}")))
+}
+
+/// The outputs of one request. Dropping it aborts the request at the next step
+/// boundary (its KV blocks are freed). The stream ends after the output carrying
+/// `usage`; a stream that ends without a `finish_reason` means the engine failed (the
+/// request may be retried or migrated elsewhere).
+#[derive(Debug)]
+pub struct OutputStream {
+    rx: mpsc::Receiver<EngineOutput>,
+}
+
+impl OutputStream {
+    /// The next output, or `None` at the end.
+    pub async fn recv(&mut self) -> Option<EngineOutput> {
+        self.rx.recv().await
+    }
+
+    /// Blocking variant for non-async callers (benchmarks, tests); never call inside a
+    /// tokio runtime thread.
+    pub fn blocking_recv(&mut self) -> Option<EngineOutput> {
+        self.rx.blocking_recv()
+    }
+
+    /// The underlying receiver (dropping it aborts just the same).
+    pub fn into_inner(self) -> mpsc::Receiver<EngineOutput> {
+        self.rx
+    }
+}
+
+impl futures::Stream for OutputStream {
+    type Item = EngineOutput;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<EngineOutput>> {
+        self.rx.poll_recv(cx)
+    }
+}

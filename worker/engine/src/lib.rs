@@ -1,0 +1,41 @@
+//! The inference engine of one replica, following vLLM's design: a paged KV cache
+//! (PagedAttention, Kwon et al., SOSP 2023), iteration-level continuous batching (Orca,
+//! OSDI 2022) with chunked prefill (Sarathi-Serve, OSDI 2024), per-request sampling and
+//! incremental detokenization. The step loop runs on its own OS thread and is reached
+//! through a cloneable [`EngineHandle`].
+//!
+//! Module map:
+//! - [`request`]: the public request/output/error types and their validation.
+//! - [`handle`]: [`EngineHandle`] (`start`, `submit`, `stats`, `model_info`, `is_alive`,
+//!   `shutdown`, `inject_fault`), [`OutputStream`] (drop = abort), configs.
+//! - [`backend`]: the `Backend` trait (CPU reference, CUDA) that runs one forward step.
+//! - [`model`]: model formats (GGUF, Hugging Face safetensors), config, tokenizer, chat template.
+//! - [`codec`]: the tokenizer/chat-template interface the engine uses.
+//! - [`kv_cache`]: `BlockPool`, `BlockTable`.
+//! - [`scheduler`], [`sampler`], [`detokenizer`], `step_loop`: the step loop's parts.
+//! - [`backend::StepControl`]: stop requests and in-step progress shared by the handle, the
+//!   step loop and the backend; each replica computes on its own rayon pool.
+//! - [`metrics`]: engine statistics and latency histograms for the worker's `vllm:*` metrics.
+
+pub mod backend;
+pub mod codec;
+pub mod detokenizer;
+pub mod handle;
+pub mod kv_cache;
+pub mod metrics;
+pub mod model;
+pub mod request;
+pub mod sampler;
+pub mod scheduler;
+mod config;
+mod step_loop;
+#[cfg(test)]
+mod stop_tests;
+#[cfg(test)]
+mod test_double;
+
+pub use handle::{EngineHandle, EngineParts, ModelInfo, OutputStream, RuntimeConfig};
+pub use step_loop::Fault;
+pub use metrics::{EngineStats, FinishedCounts, KvWasteStats, LatencyHistogram};
+pub use request::*;
+pub use config::{BackendKind, EngineArgs, EngineConfig};

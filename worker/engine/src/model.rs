@@ -1,0 +1,123 @@
+//! Model loading: one [`ModelSource`] (a GGUF file or a Hugging Face directory) turned into a
+//! [`LoadedModel`] — config, tokenizer, chat template and f32 host weights in the Hugging Face
+//! layout (`[out_features, in_features]` row-major, Q/K un-permuted), the shape candle's
+//! `llama.rs` and vLLM's model loader use.
+//!
+//! - [`config`]: [`ModelConfig`] (serde mirror of `config.json`, also built from GGUF metadata).
+//! - [`gguf`]: GGUF v3 reader and dequantization (F32/F16/BF16/Q8_0/Q4_0/Q4_1).
+//! - [`safetensors`]: Hugging Face `model.safetensors` / sharded index.
+//! - [`tokenizer`]: [`Tokenizer`] (tokenizers crate; built from GGUF metadata or `tokenizer.json`).
+//! - [`chat_template`]: [`ChatTemplate`] (minijinja with Hugging Face semantics).
+//! - [`llama`]: [`LlamaWeights`] and tensor-parallel sharding.
+
+pub mod chat_template;
+pub mod config;
+pub mod gguf;
+pub mod llama;
+pub mod safetensors;
+pub mod tokenizer;
+
+use std::path::{Path, PathBuf};
+
+pub use chat_template::ChatTemplate;
+pub use config::{ModelConfig, RopeScaling};
+pub use llama::{LayerWeights, LlamaWeights, Linear, QuantizedData};
+pub use tokenizer::Tokenizer;
+
+use crate::EngineError;
+
+/// Where a model comes from; detected from the path by [`ModelSource::detect`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A single GGUF file (llama architecture).
+    Gguf(PathBuf),
+    /// A Hugging Face model directory (`config.json`, `*.safetensors`, `tokenizer.json`).
+    HfDir(PathBuf),
+}
+
+impl ModelSource {
+    /// A directory is a Hugging Face checkout; a file is read as GGUF (its magic is checked at load).
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidRequest`] (field `model`) when the path does not exist.
+    pub fn detect(path: impl AsRef<Path>) -> Result<Self, EngineError> {
+        let path = path.as_ref();
+        let meta = std::fs::metadata(path).map_err(|e| EngineError::InvalidRequest {
+            field: "model",
+            message: format!("model path {}: {e}", path.display()),
+        })?;
+        if meta.is_dir() {
+            Ok(Self::HfDir(path.to_path_buf()))
+        } else {
+            Ok(Self::Gguf(path.to_path_buf()))
+        }
+    }
+
+    /// The path this source reads.
+    pub fn path(&self) -> &Path {
+        match self {
+            Self::Gguf(p) | Self::HfDir(p) => p,
+        }
+    }
+}
+
+/// A model ready to be handed to a backend: everything on the host, weights in f32.
+pub struct LoadedModel {
+    /// Architecture hyper-parameters and special token ids.
+    pub config: ModelConfig,
+    /// The tokenizer (encode, token bytes, special tokens).
+    pub tokenizer: Tokenizer,
+    /// The chat template, when the model ships one.
+    pub chat_template: Option<ChatTemplate>,
+    /// f32 host weights, Hugging Face layout.
+    pub weights: LlamaWeights,
+}
+
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedModel").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+/// Load progress callback: `(done, total)` in bytes of tensor data.
+pub type ProgressFn<'a> = &'a dyn Fn(u64, u64);
+
+/// How [`load_model_with`] represents weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Keep GGUF Q4_0/Q4_1/Q8_0 matrices in their blocks ([`Linear::quant`], read directly
+    /// by the CPU backend; about a fifth of the f32 memory) instead of dequantizing them.
+    pub keep_quantized: bool,
+}
+
+/// Loads a model with every weight in f32 (blocking; call from `spawn_blocking` or a
+/// plain thread).
+///
+/// # Errors
+/// [`EngineError::Internal`] on unreadable or malformed files, unsupported architectures or
+/// tensor types, and missing tensors; [`EngineError::InvalidRequest`] for a missing path.
+pub fn load_model(source: &ModelSource, progress: Option<ProgressFn<'_>>) -> Result<LoadedModel, EngineError> {
+    load_model_with(source, progress, LoadOptions::default())
+}
+
+/// As [`load_model`], with [`LoadOptions`].
+///
+/// # Errors
+/// As [`load_model`].
+pub fn load_model_with(
+    source: &ModelSource,
+    progress: Option<ProgressFn<'_>>,
+    options: LoadOptions,
+) -> Result<LoadedModel, EngineError> {
+    let noop = |_: u64, _: u64| {};
+    let progress: ProgressFn<'_> = progress.unwrap_or(&noop);
+    match source {
+        ModelSource::Gguf(path) => gguf::load(path, progress, options.keep_quantized),
+        ModelSource::HfDir(dir) => safetensors::load_dir(dir, progress),
+    }
+}
+
+/// Shorthand for a loading error.
+pub(crate) fn load_err(msg: impl std::fmt::Display) -> EngineError {
+    EngineError::Internal(format!("model load: {msg}"))
+}

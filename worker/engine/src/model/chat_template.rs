@@ -1,0 +1,225 @@
+//! [`ChatTemplate`]: Hugging Face chat templates (`tokenizer_config.json` `chat_template`,
+//! GGUF `tokenizer.chat_template`) rendered with minijinja the way transformers'
+//! `apply_chat_template` does: `trim_blocks` and `lstrip_blocks` on, loop controls,
+//! `raise_exception`, `strftime_now`, and the Python string/dict methods templates use
+//! (`strip`, `startswith`, `items`, ...). Context: `messages`, `add_generation_prompt`,
+//! `bos_token`, `eos_token`.
+
+use minijinja::value::{Value, ValueKind};
+use minijinja::{Environment, Error, ErrorKind, State, context};
+use serde::Serialize;
+
+use super::load_err;
+use crate::{ChatMessage, EngineError};
+
+const NAME: &str = "chat";
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").finish_non_exhaustive()
+    }
+}
+
+#[derive(Serialize)]
+struct Msg<'a> {
+    role: &'a str,
+    content: &'a str,
+}
+
+fn raise_exception(msg: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// Days since 1970-01-01 → (year, month 1..=12, day 1..=31) (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+/// `strftime_now(fmt)` (UTC), supporting `%Y %m %d %B %b %H %M %S %%`.
+fn strftime_now(fmt: String) -> String {
+    const MONTHS: [&str; 12] = [
+        "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+        "December",
+    ];
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+    let (y, m, d) = civil_from_days(secs.div_euclid(86_400));
+    let sod = secs.rem_euclid(86_400);
+    let month = MONTHS[(m as usize).saturating_sub(1) % 12];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('B') => out.push_str(month),
+            Some('b') => out.push_str(&month[..3]),
+            Some('H') => out.push_str(&format!("{:02}", sod / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", sod / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", sod % 60)),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+fn str_arg(args: &[Value], i: usize) -> Option<String> {
+    args.get(i).and_then(|v| v.as_str().map(str::to_owned))
+}
+
+/// Python methods on strings and dicts that chat templates call.
+fn py_method(_: &State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
+    let unknown = || Error::new(ErrorKind::UnknownMethod, format!("unknown method {method}"));
+    if let Some(s) = value.as_str() {
+        let chars = str_arg(args, 0);
+        let strip_set = |c: char| chars.as_deref().map_or(c.is_whitespace(), |set| set.contains(c));
+        return Ok(match method {
+            "strip" => Value::from(s.trim_matches(strip_set)),
+            "lstrip" => Value::from(s.trim_start_matches(strip_set)),
+            "rstrip" => Value::from(s.trim_end_matches(strip_set)),
+            "upper" => Value::from(s.to_uppercase()),
+            "lower" => Value::from(s.to_lowercase()),
+            "startswith" => Value::from(str_arg(args, 0).is_some_and(|p| s.starts_with(&p))),
+            "endswith" => Value::from(str_arg(args, 0).is_some_and(|p| s.ends_with(&p))),
+            "replace" => match (str_arg(args, 0), str_arg(args, 1)) {
+                (Some(a), Some(b)) => Value::from(s.replace(&a, &b)),
+                _ => return Err(unknown()),
+            },
+            "split" => match str_arg(args, 0) {
+                Some(sep) => Value::from(s.split(sep.as_str()).map(Value::from).collect::<Vec<_>>()),
+                None => Value::from(s.split_whitespace().map(Value::from).collect::<Vec<_>>()),
+            },
+            _ => return Err(unknown()),
+        });
+    }
+    if value.kind() == ValueKind::Map {
+        return match method {
+            "items" => {
+                let mut items = Vec::new();
+                for k in value.try_iter()? {
+                    let v = value.get_item(&k)?;
+                    items.push(Value::from(vec![k, v]));
+                }
+                Ok(Value::from(items))
+            }
+            "keys" => Ok(Value::from(value.try_iter()?.collect::<Vec<_>>())),
+            "values" => {
+                let mut vals = Vec::new();
+                for k in value.try_iter()? {
+                    vals.push(value.get_item(&k)?);
+                }
+                Ok(Value::from(vals))
+            }
+            "get" => {
+                let key = args.first().cloned().unwrap_or(Value::UNDEFINED);
+                let v = value.get_item(&key)?;
+                Ok(if v.is_undefined() { args.get(1).cloned().unwrap_or(Value::from(())) } else { v })
+            }
+            _ => Err(unknown()),
+        };
+    }
+    Err(unknown())
+}
+
+impl ChatTemplate {
+    /// Compiles a template. `bos_token`/`eos_token` are exposed to it as variables.
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] when the template does not parse.
+    pub fn new(source: &str, bos_token: String, eos_token: String) -> Result<Self, EngineError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.set_unknown_method_callback(py_method);
+        env.add_template_owned(NAME, source.to_owned()).map_err(|e| load_err(format!("chat template: {e}")))?;
+        Ok(Self { env, bos_token, eos_token })
+    }
+
+    /// Renders `messages`; with `add_generation_prompt` the template appends the assistant
+    /// turn's opening (e.g. `<|im_start|>assistant\n`).
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidRequest`] (field `messages`) when the template raises (e.g.
+    /// roles out of order) or fails to render.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, EngineError> {
+        let msgs: Vec<Msg<'_>> = messages.iter().map(|m| Msg { role: &m.role, content: &m.content }).collect();
+        let tmpl = self.env.get_template(NAME).map_err(|e| EngineError::Internal(format!("chat template: {e}")))?;
+        tmpl.render(context! {
+            messages => msgs,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+        })
+        .map_err(|e| EngineError::InvalidRequest { field: "messages", message: format!("chat template: {e}") })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMOLLM: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    fn msg(role: &str, content: &str) -> ChatMessage {
+        ChatMessage { role: role.into(), content: content.into() }
+    }
+
+    #[test]
+    fn renders_chatml_with_default_system() -> anyhow::Result<()> {
+        let t = ChatTemplate::new(SMOLLM, String::new(), "<|im_end|>".into())?;
+        let out = t.render(&[msg("user", "Hi")], true)?;
+        assert_eq!(
+            out,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        let out = t.render(&[msg("system", "S"), msg("user", "U")], false)?;
+        assert_eq!(out, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n");
+        Ok(())
+    }
+
+    #[test]
+    fn trims_blocks_and_supports_python_methods() -> anyhow::Result<()> {
+        let src = "{{ bos_token }}\n{% for m in messages %}\n  {% if m.role == 'user' %}\n[{{ m.content.strip() }}]\n  {% endif %}\n{% endfor %}";
+        let t = ChatTemplate::new(src, "<s>".into(), "</s>".into())?;
+        assert_eq!(t.render(&[msg("user", "  x ")], false)?, "<s>\n[x]\n");
+        Ok(())
+    }
+
+    #[test]
+    fn raise_exception_is_invalid_request() -> anyhow::Result<()> {
+        let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", String::new(), String::new())?;
+        assert!(matches!(t.render(&[], false), Err(EngineError::InvalidRequest { field: "messages", .. })));
+        Ok(())
+    }
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
+    }
+}

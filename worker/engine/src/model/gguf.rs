@@ -1,0 +1,447 @@
+//! GGUF v2/v3 reader (the llama.cpp file format, `ggml/docs/gguf.md`): header, typed
+//! metadata, tensor infos and the aligned data section, read from an mmap (memmap2).
+//! [`load`] turns a llama-architecture file into a [`LoadedModel`]: config from `llama.*`
+//! keys, tokenizer and chat template from `tokenizer.*`, tensors dequantized to f32 and Q/K
+//! un-permuted back to the Hugging Face layout (see [`super::llama::unpermute_qk`]).
+
+pub mod dequant;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::Path;
+
+use memmap2::Mmap;
+
+pub use dequant::GgmlType;
+
+use super::llama::{self, HostTensor, LlamaWeights, QuantizedData, QuantizedTensor, WeightSource};
+use super::{ChatTemplate, LoadedModel, ModelConfig, ProgressFn, Tokenizer, load_err};
+use crate::EngineError;
+
+const MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// A metadata value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GgufValue {
+    /// Any unsigned integer type.
+    U64(u64),
+    /// Any signed integer type.
+    I64(i64),
+    /// f32 or f64.
+    F64(f64),
+    /// bool.
+    Bool(bool),
+    /// UTF-8 string (lossy if the file holds invalid UTF-8).
+    Str(String),
+    /// Array of values.
+    Array(Vec<GgufValue>),
+}
+
+impl GgufValue {
+    /// As an unsigned integer (non-negative signed values too).
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            Self::U64(v) => Some(*v),
+            Self::I64(v) => u64::try_from(*v).ok(),
+            _ => None,
+        }
+    }
+    /// As a float (integers converted).
+    pub fn as_f64(&self) -> Option<f64> {
+        match self {
+            Self::F64(v) => Some(*v),
+            Self::U64(v) => Some(*v as f64),
+            Self::I64(v) => Some(*v as f64),
+            _ => None,
+        }
+    }
+    /// As a string.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Self::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+    /// As an array.
+    pub fn as_array(&self) -> Option<&[GgufValue]> {
+        match self {
+            Self::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+    /// As a bool.
+    pub fn as_bool(&self) -> Option<bool> {
+        match self {
+            Self::Bool(b) => Some(*b),
+            _ => None,
+        }
+    }
+}
+
+/// Where one tensor lives in the data section.
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    /// GGUF dims, innermost first (`ne[0]` is the row length).
+    pub dims: Vec<u64>,
+    /// Element type.
+    pub ty: GgmlType,
+    /// Offset from the start of the data section.
+    pub offset: u64,
+}
+
+impl TensorInfo {
+    /// Element count.
+    pub fn numel(&self) -> u64 {
+        self.dims.iter().product()
+    }
+    /// Shape in row-major (PyTorch) order: dims reversed, `[rows, cols]` for a matrix.
+    pub fn shape(&self) -> Vec<usize> {
+        self.dims.iter().rev().map(|&d| d as usize).collect()
+    }
+}
+
+/// An opened GGUF file.
+pub struct GgufFile {
+    mmap: Mmap,
+    /// Format version (2 or 3).
+    pub version: u32,
+    /// Metadata key → value.
+    pub metadata: HashMap<String, GgufValue>,
+    /// Tensor name → info.
+    pub tensors: HashMap<String, TensorInfo>,
+    data_start: usize,
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], EngineError> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| load_err("gguf: truncated file"))?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn arr<const N: usize>(&mut self) -> Result<[u8; N], EngineError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+    fn u32(&mut self) -> Result<u32, EngineError> {
+        Ok(u32::from_le_bytes(self.arr()?))
+    }
+    fn u64(&mut self) -> Result<u64, EngineError> {
+        Ok(u64::from_le_bytes(self.arr()?))
+    }
+    fn len(&mut self) -> Result<usize, EngineError> {
+        let n = self.u64()?;
+        // Every element needs at least one byte: a larger count is a corrupt file.
+        usize::try_from(n).ok().filter(|&n| n <= self.buf.len()).ok_or_else(|| load_err("gguf: bad length"))
+    }
+    fn string(&mut self) -> Result<String, EngineError> {
+        let n = self.len()?;
+        Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
+    }
+    fn value(&mut self, ty: u32, depth: u32) -> Result<GgufValue, EngineError> {
+        Ok(match ty {
+            0 => GgufValue::U64(u64::from(self.arr::<1>()?[0])),
+            1 => GgufValue::I64(i64::from(self.arr::<1>()?[0] as i8)),
+            2 => GgufValue::U64(u64::from(u16::from_le_bytes(self.arr()?))),
+            3 => GgufValue::I64(i64::from(i16::from_le_bytes(self.arr()?))),
+            4 => GgufValue::U64(u64::from(self.u32()?)),
+            5 => GgufValue::I64(i64::from(i32::from_le_bytes(self.arr()?))),
+            6 => GgufValue::F64(f64::from(f32::from_le_bytes(self.arr()?))),
+            7 => GgufValue::Bool(self.arr::<1>()?[0] != 0),
+            8 => GgufValue::Str(self.string()?),
+            9 => {
+                if depth > 4 {
+                    return Err(load_err("gguf: arrays nested too deep"));
+                }
+                let ety = self.u32()?;
+                let n = self.len()?;
+                let mut v = Vec::with_capacity(n.min(1 << 20));
+                for _ in 0..n {
+                    v.push(self.value(ety, depth + 1)?);
+                }
+                GgufValue::Array(v)
+            }
+            10 => GgufValue::U64(self.u64()?),
+            11 => GgufValue::I64(i64::from_le_bytes(self.arr()?)),
+            12 => GgufValue::F64(f64::from_le_bytes(self.arr()?)),
+            other => return Err(load_err(format!("gguf: unknown metadata type {other}"))),
+        })
+    }
+}
+
+impl GgufFile {
+    /// Opens and parses the header, metadata and tensor infos (tensor data stays mapped).
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] on I/O errors, a bad magic/version, truncation or
+    /// unsupported tensor types.
+    pub fn open(path: &Path) -> Result<Self, EngineError> {
+        let file = File::open(path).map_err(|e| load_err(format!("{}: {e}", path.display())))?;
+        // SAFETY: the file is opened read-only and not modified while mapped (model files
+        // are immutable by convention; a concurrent writer is an operator error).
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| load_err(format!("mmap {}: {e}", path.display())))?;
+        let mut r = Reader { buf: &mmap, pos: 0 };
+        if r.take(4)? != MAGIC {
+            return Err(load_err(format!("{} is not a GGUF file", path.display())));
+        }
+        let version = r.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(load_err(format!("unsupported GGUF version {version}")));
+        }
+        let n_tensors = r.len()?;
+        let n_kv = r.len()?;
+        let mut metadata = HashMap::with_capacity(n_kv);
+        for _ in 0..n_kv {
+            let key = r.string()?;
+            let ty = r.u32()?;
+            let v = r.value(ty, 0)?;
+            metadata.insert(key, v);
+        }
+        let mut tensors = HashMap::with_capacity(n_tensors);
+        for _ in 0..n_tensors {
+            let name = r.string()?;
+            let nd = r.u32()?;
+            if nd > 4 {
+                return Err(load_err(format!("gguf: tensor {name} has {nd} dims")));
+            }
+            let dims = (0..nd).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
+            let ty_id = r.u32()?;
+            let ty = GgmlType::from_id(ty_id)
+                .ok_or_else(|| load_err(format!("gguf: tensor {name} has unsupported type {ty_id}")))?;
+            let offset = r.u64()?;
+            tensors.insert(name, TensorInfo { dims, ty, offset });
+        }
+        let align = metadata.get("general.alignment").and_then(GgufValue::as_u64).unwrap_or(DEFAULT_ALIGNMENT).max(1);
+        let data_start = (r.pos as u64).div_ceil(align) * align;
+        let data_start = usize::try_from(data_start).map_err(|_| load_err("gguf: bad data offset"))?;
+        Ok(Self { mmap, version, metadata, tensors, data_start })
+    }
+
+    /// Metadata lookup.
+    pub fn get(&self, key: &str) -> Option<&GgufValue> {
+        self.metadata.get(key)
+    }
+
+    fn req_u(&self, key: &str) -> Result<usize, EngineError> {
+        self.get(key)
+            .and_then(GgufValue::as_u64)
+            .and_then(|v| usize::try_from(v).ok())
+            .ok_or_else(|| load_err(format!("gguf: missing or invalid {key}")))
+    }
+
+    /// Raw bytes of a tensor.
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] when the tensor is absent or out of the file's bounds.
+    pub fn tensor_bytes(&self, name: &str) -> Result<(&TensorInfo, &[u8]), EngineError> {
+        let info = self.tensors.get(name).ok_or_else(|| load_err(format!("gguf: missing tensor {name}")))?;
+        let numel = usize::try_from(info.numel()).map_err(|_| load_err("gguf: tensor too large"))?;
+        let len = info.ty.bytes_for(numel).ok_or_else(|| load_err(format!("gguf: {name}: partial block")))?;
+        let start = usize::try_from(info.offset)
+            .ok()
+            .and_then(|o| o.checked_add(self.data_start))
+            .ok_or_else(|| load_err("gguf: bad tensor offset"))?;
+        let bytes = start
+            .checked_add(len)
+            .and_then(|end| self.mmap.get(start..end))
+            .ok_or_else(|| load_err(format!("gguf: tensor {name} lies outside the file")))?;
+        Ok((info, bytes))
+    }
+
+    /// A tensor dequantized to f32, with its row-major shape.
+    ///
+    /// # Errors
+    /// As [`GgufFile::tensor_bytes`].
+    pub fn tensor_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), EngineError> {
+        let (info, bytes) = self.tensor_bytes(name)?;
+        let numel = info.numel() as usize;
+        let mut out = vec![0f32; numel];
+        dequant::dequantize(info.ty, bytes, &mut out);
+        Ok((info.shape(), out))
+    }
+
+    /// Builds the [`ModelConfig`] from `{arch}.*` keys (architecture "llama" only).
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] for other architectures or missing keys.
+    pub fn model_config(&self) -> Result<ModelConfig, EngineError> {
+        let arch = self.get("general.architecture").and_then(GgufValue::as_str).unwrap_or("");
+        if arch != "llama" {
+            return Err(load_err(format!("gguf: unsupported architecture {arch:?} (supported: llama)")));
+        }
+        let k = |s: &str| format!("{arch}.{s}");
+        let hidden = self.req_u(&k("embedding_length"))?;
+        let heads = self.req_u(&k("attention.head_count"))?;
+        let kv_heads = self.req_u(&k("attention.head_count_kv")).unwrap_or(heads);
+        let head_dim = match self.req_u(&k("attention.key_length")) {
+            Ok(d) => d,
+            Err(_) => hidden / heads.max(1),
+        };
+        let vocab = match self.req_u(&k("vocab_size")) {
+            Ok(v) => v,
+            Err(_) => self.get("tokenizer.ggml.tokens").and_then(GgufValue::as_array).map_or(0, <[_]>::len),
+        };
+        let f = |key: &str, default: f64| self.get(&k(key)).and_then(GgufValue::as_f64).unwrap_or(default) as f32;
+        let tok_u32 = |key: &str| self.get(key).and_then(GgufValue::as_u64).and_then(|v| u32::try_from(v).ok());
+        let mut eos = Vec::new();
+        for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            if let Some(id) = tok_u32(key)
+                && !eos.contains(&id)
+            {
+                eos.push(id);
+            }
+        }
+        let rope_freq_factors = if self.tensors.contains_key("rope_freqs.weight") {
+            Some(self.tensor_f32("rope_freqs.weight")?.1)
+        } else {
+            None
+        };
+        let cfg = ModelConfig {
+            hidden_size: hidden,
+            intermediate_size: self.req_u(&k("feed_forward_length"))?,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            num_hidden_layers: self.req_u(&k("block_count"))?,
+            rms_norm_eps: f("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta: f("rope.freq_base", 10_000.0),
+            rope_scaling: None,
+            rope_freq_factors,
+            vocab_size: vocab,
+            max_position_embeddings: self.req_u(&k("context_length")).unwrap_or(2048),
+            tie_word_embeddings: !self.tensors.contains_key("output.weight"),
+            bos_token_id: tok_u32("tokenizer.ggml.bos_token_id"),
+            eos_token_ids: eos,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+/// Hugging Face tensor name → GGUF tensor name (llama.cpp's `convert_hf_to_gguf.py` map).
+pub fn gguf_name(hf: &str) -> Option<String> {
+    let fixed = match hf {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_owned());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let suffix = match tail {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{suffix}"))
+}
+
+struct GgufWeights<'a> {
+    file: &'a GgufFile,
+    cfg: &'a ModelConfig,
+    done: u64,
+    total: u64,
+    progress: ProgressFn<'a>,
+}
+
+impl WeightSource for GgufWeights<'_> {
+    fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, EngineError> {
+        let Some(name) = gguf_name(hf_name) else { return Ok(None) };
+        if !self.file.tensors.contains_key(&name) {
+            return Ok(None);
+        }
+        let (shape, mut data) = self.file.tensor_f32(&name)?;
+        if hf_name.ends_with("q_proj.weight") {
+            llama::unpermute_qk(&mut data, self.cfg.num_attention_heads, self.cfg.hidden_size);
+        } else if hf_name.ends_with("k_proj.weight") {
+            llama::unpermute_qk(&mut data, self.cfg.num_key_value_heads, self.cfg.hidden_size);
+        }
+        self.done += self.file.tensor_bytes(&name).map(|(_, b)| b.len() as u64).unwrap_or(0);
+        (self.progress)(self.done, self.total);
+        Ok(Some((shape, data)))
+    }
+
+    fn quantized(&mut self, hf_name: &str) -> Result<Option<QuantizedTensor>, EngineError> {
+        let Some(name) = gguf_name(hf_name) else { return Ok(None) };
+        if !self.file.tensors.contains_key(&name) {
+            return Ok(None);
+        }
+        let (info, bytes) = self.file.tensor_bytes(&name)?;
+        let shape = info.shape();
+        if !QuantizedData::supports(info.ty) || shape.len() != 2 || !shape[1].is_multiple_of(dequant::QK) {
+            return Ok(None);
+        }
+        let mut q = QuantizedData { ty: info.ty, bytes: bytes.to_vec() };
+        let row_bytes = q.row_bytes(shape[1]);
+        if hf_name.ends_with("q_proj.weight") {
+            llama::unpermute_qk_bytes(&mut q.bytes, self.cfg.num_attention_heads, row_bytes);
+        } else if hf_name.ends_with("k_proj.weight") {
+            llama::unpermute_qk_bytes(&mut q.bytes, self.cfg.num_key_value_heads, row_bytes);
+        }
+        self.done += bytes.len() as u64;
+        (self.progress)(self.done, self.total);
+        Ok(Some((shape, q)))
+    }
+}
+
+/// Loads a llama-architecture GGUF file; with `keep_quantized`, Q4_0/Q4_1/Q8_0 matrices
+/// keep their blocks ([`super::Linear::quant`]) instead of being dequantized to f32.
+///
+/// # Errors
+/// [`EngineError::Internal`] on malformed files, other architectures or tokenizers, missing tensors.
+pub fn load(path: &Path, progress: ProgressFn<'_>, keep_quantized: bool) -> Result<LoadedModel, EngineError> {
+    let file = GgufFile::open(path)?;
+    let config = file.model_config()?;
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    let chat_template = match file.get("tokenizer.chat_template").and_then(GgufValue::as_str) {
+        Some(src) => Some(ChatTemplate::new(src, tokenizer.bos_text(), tokenizer.eos_text())?),
+        None => None,
+    };
+    let total = file
+        .tensors
+        .keys()
+        .filter_map(|n| file.tensor_bytes(n).ok().map(|(_, b)| b.len() as u64))
+        .sum();
+    let mut src = GgufWeights { file: &file, cfg: &config, done: 0, total, progress };
+    let weights = LlamaWeights::load_with(&config, &mut src, keep_quantized)?;
+    Ok(LoadedModel { config, tokenizer, chat_template, weights })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_names() {
+        assert_eq!(gguf_name("model.layers.12.mlp.down_proj.weight").as_deref(), Some("blk.12.ffn_down.weight"));
+        assert_eq!(gguf_name("model.embed_tokens.weight").as_deref(), Some("token_embd.weight"));
+        assert_eq!(gguf_name("model.layers.x"), None);
+    }
+
+    #[test]
+    fn rejects_non_gguf() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("prism-gguf-test-{}", std::process::id()));
+        std::fs::write(&dir, b"NOPE\x03\x00\x00\x00")?;
+        let r = GgufFile::open(&dir);
+        std::fs::remove_file(&dir)?;
+        assert!(matches!(r, Err(EngineError::Internal(_))));
+        Ok(())
+    }
+}

@@ -1,0 +1,294 @@
+//! Hugging Face model directories: `config.json`, `model.safetensors` or a sharded
+//! `model.safetensors.index.json`, `tokenizer.json`, `tokenizer_config.json` (chat template,
+//! special tokens) and `generation_config.json` (EOS ids). Tensors are mmapped (memmap2),
+//! read through the `safetensors` crate's header parser and converted from
+//! f32/f16/bf16 to f32.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::Path;
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata};
+
+use super::config::{HfLlamaConfig, TokenIds};
+use super::llama::{HostTensor, LlamaWeights, WeightSource};
+use super::{ChatTemplate, LoadedModel, ModelConfig, ProgressFn, Tokenizer, load_err};
+use crate::EngineError;
+
+/// One mmapped `.safetensors` file with its parsed header.
+struct Shard {
+    mmap: Mmap,
+    data_start: usize,
+    meta: Metadata,
+}
+
+/// A set of safetensors files addressed by tensor name.
+pub struct SafetensorsFiles {
+    shards: Vec<Shard>,
+    index: HashMap<String, usize>,
+}
+
+impl SafetensorsFiles {
+    /// Opens `model.safetensors`, or every file named by `model.safetensors.index.json`.
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] when neither exists or a header is invalid.
+    pub fn open_dir(dir: &Path) -> Result<Self, EngineError> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<String> = if index_path.exists() {
+            let raw = std::fs::read_to_string(&index_path).map_err(|e| load_err(format!("{}: {e}", index_path.display())))?;
+            let v: serde_json::Value = serde_json::from_str(&raw).map_err(|e| load_err(format!("safetensors index: {e}")))?;
+            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| load_err("safetensors index: no weight_map"))?;
+            let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_owned)).collect();
+            files.sort();
+            files.dedup();
+            files
+        } else {
+            vec!["model.safetensors".to_owned()]
+        };
+        let mut shards = Vec::with_capacity(files.len());
+        let mut index = HashMap::new();
+        for (i, name) in files.iter().enumerate() {
+            if name.contains('/') || name.contains("..") {
+                return Err(load_err(format!("safetensors index names a file outside the directory: {name}")));
+            }
+            let path = dir.join(name);
+            let file = File::open(&path).map_err(|e| load_err(format!("{}: {e}", path.display())))?;
+            // SAFETY: read-only mapping of a model file that is not modified while loaded.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| load_err(format!("mmap {}: {e}", path.display())))?;
+            let (n, meta) = safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| load_err(format!("{name}: {e}")))?;
+            for t in meta.tensors().keys() {
+                index.insert(t.clone(), i);
+            }
+            shards.push(Shard { mmap, data_start: 8 + n, meta });
+        }
+        Ok(Self { shards, index })
+    }
+
+    /// Whether a tensor of that name exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Total bytes of tensor data.
+    pub fn total_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| (s.mmap.len() - s.data_start) as u64).sum()
+    }
+
+    /// A tensor converted to f32 with its shape; `None` when absent. Returns the bytes read too.
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] for dtypes other than f32/f16/bf16.
+    pub fn tensor_f32(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f32>, usize)>, EngineError> {
+        let Some((info, bytes)) = self.raw(name)? else { return Ok(None) };
+        let data: Vec<f32> = match info.dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            other => return Err(load_err(format!("safetensors: {name} has unsupported dtype {other:?}"))),
+        };
+        Ok(Some((info.shape.clone(), data, bytes.len())))
+    }
+
+    /// The stored bytes of `name` with its header entry; `None` when absent.
+    fn raw(&self, name: &str) -> Result<Option<(&safetensors::tensor::TensorInfo, &[u8])>, EngineError> {
+        let Some(&i) = self.index.get(name) else { return Ok(None) };
+        let shard = &self.shards[i];
+        let info = shard.meta.info(name).ok_or_else(|| load_err(format!("safetensors: {name} vanished")))?;
+        let (a, b) = info.data_offsets;
+        let bytes = shard
+            .mmap
+            .get(shard.data_start + a..shard.data_start + b)
+            .ok_or_else(|| load_err(format!("safetensors: {name} out of bounds")))?;
+        Ok(Some((info, bytes)))
+    }
+
+    /// Appends tensor `name` to `out` as bf16 — copied as stored when the file holds bf16,
+    /// rounded to nearest-even from f32/f16 — after checking its shape; returns the bytes read.
+    /// A GPU backend loads a bf16 checkpoint this way without an f32 copy of the model.
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] when the tensor is missing, has another shape, or a dtype other
+    /// than f32/f16/bf16.
+    pub fn append_bf16(&self, name: &str, shape: &[usize], out: &mut Vec<bf16>) -> Result<usize, EngineError> {
+        let (info, bytes) = self.raw(name)?.ok_or_else(|| load_err(format!("missing tensor {name}")))?;
+        if info.shape != shape {
+            return Err(load_err(format!("tensor {name}: shape {:?}, expected {shape:?}", info.shape)));
+        }
+        match info.dtype {
+            Dtype::BF16 => out.extend(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]))),
+            Dtype::F16 => out.extend(bytes.chunks_exact(2).map(|c| bf16::from_f32(f16::from_le_bytes([c[0], c[1]]).to_f32()))),
+            Dtype::F32 => out.extend(bytes.chunks_exact(4).map(|c| bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))),
+            other => return Err(load_err(format!("safetensors: {name} has unsupported dtype {other:?}"))),
+        }
+        Ok(bytes.len())
+    }
+}
+
+/// A Hugging Face model directory opened without reading its weights: configuration,
+/// tokenizer, chat template and the mmapped `.safetensors` files (a GPU backend uploads the
+/// tensors from the files itself).
+pub struct HfDirModel {
+    /// Architecture hyper-parameters and special token ids.
+    pub config: ModelConfig,
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The chat template, when the model ships one.
+    pub chat_template: Option<ChatTemplate>,
+    /// The weights, mmapped.
+    pub files: SafetensorsFiles,
+}
+
+struct Source<'a> {
+    files: &'a SafetensorsFiles,
+    done: u64,
+    total: u64,
+    progress: ProgressFn<'a>,
+}
+
+impl WeightSource for Source<'_> {
+    fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, EngineError> {
+        Ok(self.files.tensor_f32(hf_name)?.map(|(shape, data, n)| {
+            self.done += n as u64;
+            (self.progress)(self.done, self.total);
+            (shape, data)
+        }))
+    }
+}
+
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>, EngineError> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => serde_json::from_str(&s).map(Some).map_err(|e| load_err(format!("{}: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(load_err(format!("{}: {e}", path.display()))),
+    }
+}
+
+/// `chat_template` in `tokenizer_config.json`: a string, or a list of `{name, template}`
+/// (the one named "default" is used).
+fn chat_template_source(tok_cfg: &serde_json::Value) -> Option<String> {
+    match tok_cfg.get("chat_template")? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
+        _ => None,
+    }
+}
+
+/// Loads a Hugging Face Llama-family model directory.
+///
+/// # Errors
+/// [`EngineError::Internal`] on missing/invalid files or unsupported architectures.
+pub fn load_dir(dir: &Path, progress: ProgressFn<'_>) -> Result<LoadedModel, EngineError> {
+    let HfDirModel { config, tokenizer, chat_template, files } = open_dir_model(dir)?;
+    let total = files.total_bytes();
+    let mut src = Source { files: &files, done: 0, total, progress };
+    let weights = LlamaWeights::load(&config, &mut src)?;
+    Ok(LoadedModel { config, tokenizer, chat_template, weights })
+}
+
+/// Opens a Hugging Face Llama-family model directory without reading its tensors.
+///
+/// # Errors
+/// As [`load_dir`].
+pub fn open_dir_model(dir: &Path) -> Result<HfDirModel, EngineError> {
+    let cfg_path = dir.join("config.json");
+    let raw = std::fs::read_to_string(&cfg_path).map_err(|e| load_err(format!("{}: {e}", cfg_path.display())))?;
+    let hf: HfLlamaConfig = serde_json::from_str(&raw).map_err(|e| load_err(format!("config.json: {e}")))?;
+    if let Some(arch) = hf.architectures.first()
+        && !matches!(arch.as_str(), "LlamaForCausalLM" | "MistralForCausalLM")
+    {
+        return Err(load_err(format!("unsupported architecture {arch}")));
+    }
+    let mut config = ModelConfig::from_hf(&hf)?;
+    if let Some(gen_cfg) = read_json(&dir.join("generation_config.json"))?
+        && let Some(eos) = gen_cfg.get("eos_token_id").and_then(|v| serde_json::from_value::<TokenIds>(v.clone()).ok())
+    {
+        for id in eos.to_vec() {
+            if !config.eos_token_ids.contains(&id) {
+                config.eos_token_ids.push(id);
+            }
+        }
+    }
+    let tokenizer = Tokenizer::from_hf_dir(dir, config.bos_token_id, &config.eos_token_ids)?;
+    config.bos_token_id = tokenizer.bos_id();
+    config.eos_token_ids = tokenizer.eos_ids().to_vec();
+    let chat_template = match read_json(&dir.join("tokenizer_config.json"))?.as_ref().and_then(chat_template_source) {
+        Some(src) => Some(ChatTemplate::new(&src, tokenizer.bos_text(), tokenizer.eos_text())?),
+        None => None,
+    };
+    let files = SafetensorsFiles::open_dir(dir)?;
+    if !files.contains("lm_head.weight") {
+        config.tie_word_embeddings = true;
+    }
+    Ok(HfDirModel { config, tokenizer, chat_template, files })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Writes `model.safetensors` by hand (8-byte header length, JSON header, data).
+    fn write_file(dir: &Path, tensors: &[(&str, &str, Vec<usize>, Vec<u8>)]) {
+        let mut header = serde_json::Map::new();
+        let mut data = Vec::new();
+        for (name, dtype, shape, bytes) in tensors {
+            let start = data.len();
+            data.extend_from_slice(bytes);
+            header.insert(
+                (*name).to_owned(),
+                serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [start, data.len()]}),
+            );
+        }
+        let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).expect("test file");
+        while !h.len().is_multiple_of(8) {
+            h.push(b' ');
+        }
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&h);
+        out.extend_from_slice(&data);
+        std::fs::write(dir.join("model.safetensors"), out).expect("test file");
+    }
+
+    #[test]
+    fn append_bf16_copies_bf16_and_rounds_f32_f16_like_the_f32_path() {
+        let dir = std::env::temp_dir().join(format!("prism-st-bf16-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("test file");
+        let vals = [1.0f32, -2.5, 3.140_625, 1.0e-3, 65_504.0, -0.333_333_34];
+        let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f16b: Vec<u8> = vals.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect();
+        let bf16b: Vec<u8> = vals.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect();
+        write_file(
+            &dir,
+            &[("a", "F32", vec![2, 3], f32b), ("b", "F16", vec![2, 3], f16b), ("c", "BF16", vec![2, 3], bf16b.clone())],
+        );
+        let files = SafetensorsFiles::open_dir(&dir).expect("test file");
+        for name in ["a", "b", "c"] {
+            let mut out = Vec::new();
+            let n = files.append_bf16(name, &[2, 3], &mut out).expect("test file");
+            assert!(n == 24 || n == 12, "{name}: {n} bytes");
+            // The f32 path rounded to bf16 gives the same values (bf16 is exact in f32).
+            let (_, f, _) = files.tensor_f32(name).expect("test file").expect("test file");
+            let want: Vec<bf16> = f.iter().map(|&v| bf16::from_f32(v)).collect();
+            assert_eq!(out, want, "{name}");
+        }
+        // bf16 is copied bit for bit.
+        let mut out = Vec::new();
+        files.append_bf16("c", &[2, 3], &mut out).expect("test file");
+        let bits: Vec<u8> = out.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(bits, bf16b);
+        // Appends after what is there (fused q/k/v).
+        files.append_bf16("a", &[2, 3], &mut out).expect("test file");
+        assert_eq!(out.len(), 12);
+        // Wrong shape and missing tensors are errors naming the tensor.
+        let e = files.append_bf16("a", &[3, 2], &mut Vec::new()).expect_err("must fail").to_string();
+        assert!(e.contains("tensor a: shape [2, 3], expected [3, 2]"), "{e}");
+        let e = files.append_bf16("zz", &[1], &mut Vec::new()).expect_err("must fail").to_string();
+        assert!(e.contains("missing tensor zz"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

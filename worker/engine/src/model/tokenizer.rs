@@ -1,0 +1,333 @@
+//! [`Tokenizer`]: the model's tokenizer behind the API the engine needs (encode, raw token
+//! bytes for incremental detokenization, special tokens). Built on the `tokenizers` crate,
+//! either from a Hugging Face `tokenizer.json` or programmatically from GGUF metadata
+//! (`tokenizer.ggml.model == "gpt2"`: byte-level BPE with the pre-tokenizer llama.cpp picks
+//! for `tokenizer.ggml.pre`, control/user-defined tokens as added tokens), so that ids match
+//! llama.cpp's and transformers' tokenizers.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use super::gguf::{GgufFile, GgufValue};
+use super::load_err;
+use crate::EngineError;
+
+/// GGUF `token_type` values (llama.cpp `llama_token_type`).
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// llama.cpp's Llama 3 pre-tokenizer regex (`LLAMA_VOCAB_PRE_TYPE_LLAMA3`).
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// llama.cpp's Qwen2 pre-tokenizer regex (`LLAMA_VOCAB_PRE_TYPE_QWEN2`).
+const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A tokenizer with the per-token tables the engine's detokenizer and sampler need.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Prepend BOS ourselves (GGUF `add_bos_token`); HF tokenizers do it in their post-processor.
+    add_bos: bool,
+    bos_id: Option<u32>,
+    eos_ids: Vec<u32>,
+    /// Raw bytes of every token id (`0..vocab_size`).
+    bytes: Vec<Vec<u8>>,
+    special: Vec<bool>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.bytes.len())
+            .field("bos_id", &self.bos_id)
+            .field("eos_ids", &self.eos_ids)
+            .field("add_bos", &self.add_bos)
+            .finish()
+    }
+}
+
+/// GPT-2's byte ↔ unicode table (`bytes_to_unicode` in openai/gpt-2 `encoder.py`): printable
+/// bytes map to themselves, the other 68 to U+0100 upwards. Returns char → byte.
+fn unicode_to_byte() -> HashMap<char, u8> {
+    let mut map = HashMap::with_capacity(256);
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        let printable = (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+        let c = if printable {
+            char::from(b)
+        } else {
+            n += 1;
+            char::from_u32(255 + n).unwrap_or('\u{FFFD}')
+        };
+        map.insert(c, b);
+    }
+    map
+}
+
+fn byte_level_bytes(token: &str, table: &HashMap<char, u8>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(token.len());
+    for c in token.chars() {
+        match table.get(&c) {
+            Some(&b) => out.push(b),
+            None => {
+                let mut buf = [0u8; 4];
+                out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+            }
+        }
+    }
+    out
+}
+
+/// SentencePiece-style token text → bytes (`▁` is a space, `<0xNN>` a raw byte).
+fn metaspace_bytes(token: &str) -> Vec<u8> {
+    if token.len() == 6
+        && token.starts_with("<0x")
+        && token.ends_with('>')
+        && let Ok(b) = u8::from_str_radix(&token[3..5], 16)
+    {
+        return vec![b];
+    }
+    token.replace('\u{2581}', " ").into_bytes()
+}
+
+fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, EngineError> {
+    let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+    let split = |re: &str| -> Result<PreTokenizerWrapper, EngineError> {
+        let s = Split::new(SplitPattern::Regex(re.to_owned()), SplitDelimiterBehavior::Isolated, false)
+            .map_err(|e| load_err(format!("tokenizer regex: {e}")))?;
+        Ok(PreTokenizerWrapper::Split(s))
+    };
+    Ok(match pre {
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![
+                PreTokenizerWrapper::Digits(Digits::new(true)),
+                byte_level(true),
+            ]))
+        }
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(LLAMA3_REGEX)?, byte_level(false)]))
+        }
+        "qwen2" | "deepseek-r1-qwen" => {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(QWEN2_REGEX)?, byte_level(false)]))
+        }
+        "default" | "gpt-2" | "gpt2" | "phi-2" | "" => byte_level(true),
+        other => {
+            tracing::warn!(pre = other, "unknown GGUF pre-tokenizer; using GPT-2's");
+            byte_level(true)
+        }
+    })
+}
+
+impl Tokenizer {
+    /// Builds a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata.
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] for tokenizer models other than "gpt2" or malformed metadata.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self, EngineError> {
+        let model = file.get("tokenizer.ggml.model").and_then(GgufValue::as_str).unwrap_or("");
+        if model != "gpt2" {
+            return Err(load_err(format!("gguf tokenizer model {model:?} is not supported (supported: gpt2)")));
+        }
+        let strs = |key: &str| -> Result<Vec<String>, EngineError> {
+            let arr = file.get(key).and_then(GgufValue::as_array).ok_or_else(|| load_err(format!("gguf: missing {key}")))?;
+            arr.iter()
+                .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| load_err(format!("gguf: {key}: not a string"))))
+                .collect()
+        };
+        let tokens = strs("tokenizer.ggml.tokens")?;
+        let merges: Vec<(String, String)> = strs("tokenizer.ggml.merges")?
+            .into_iter()
+            .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
+            .collect();
+        let types: Vec<i64> = match file.get("tokenizer.ggml.token_type").and_then(GgufValue::as_array) {
+            Some(a) => a.iter().map(|v| v.as_u64().map_or(1, |x| x as i64)).collect(),
+            None => vec![1; tokens.len()],
+        };
+        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| load_err(format!("tokenizer BPE: {e}")))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let pre = file.get("tokenizer.ggml.pre").and_then(GgufValue::as_str).unwrap_or("default");
+        inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre)?));
+        inner.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
+        let mut added = Vec::new();
+        let table = unicode_to_byte();
+        let mut bytes = Vec::with_capacity(tokens.len());
+        let mut special = Vec::with_capacity(tokens.len());
+        for (i, tok) in tokens.iter().enumerate() {
+            let ty = types.get(i).copied().unwrap_or(1);
+            let is_added = ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED;
+            if is_added {
+                added.push(AddedToken::from(tok.clone(), ty == TOKEN_TYPE_CONTROL).normalized(false));
+                bytes.push(tok.as_bytes().to_vec());
+            } else {
+                bytes.push(byte_level_bytes(tok, &table));
+            }
+            special.push(ty == TOKEN_TYPE_CONTROL);
+        }
+        inner.add_tokens(added).map_err(|e| load_err(format!("tokenizer added tokens: {e}")))?;
+        let id = |key: &str| file.get(key).and_then(GgufValue::as_u64).and_then(|v| u32::try_from(v).ok());
+        let mut eos_ids = Vec::new();
+        for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            if let Some(e) = id(key)
+                && !eos_ids.contains(&e)
+            {
+                eos_ids.push(e);
+            }
+        }
+        let bos_id = id("tokenizer.ggml.bos_token_id");
+        let add_bos = file.get("tokenizer.ggml.add_bos_token").and_then(GgufValue::as_bool).unwrap_or(false) && bos_id.is_some();
+        Ok(Self { inner, add_bos, bos_id, eos_ids, bytes, special })
+    }
+
+    /// Loads `tokenizer.json` (and special tokens from `tokenizer_config.json`) from a
+    /// Hugging Face model directory. `bos_id`/`eos_ids` come from the model config and
+    /// are completed with the tokenizer config's `bos_token`/`eos_token`.
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] when `tokenizer.json` is missing or invalid.
+    pub fn from_hf_dir(dir: &Path, bos_id: Option<u32>, eos_ids: &[u32]) -> Result<Self, EngineError> {
+        let path = dir.join("tokenizer.json");
+        let raw = std::fs::read_to_string(&path).map_err(|e| load_err(format!("{}: {e}", path.display())))?;
+        let inner = tokenizers::Tokenizer::from_bytes(raw.as_bytes()).map_err(|e| load_err(format!("tokenizer.json: {e}")))?;
+        let json: serde_json::Value = serde_json::from_str(&raw).map_err(|e| load_err(format!("tokenizer.json: {e}")))?;
+        let byte_level = json.get("decoder").is_some_and(|d| d.to_string().contains("\"ByteLevel\""));
+        let vocab_size = inner.get_vocab_size(true);
+        let added = inner.get_added_tokens_decoder();
+        let table = unicode_to_byte();
+        let mut bytes = Vec::with_capacity(vocab_size);
+        let mut special = Vec::with_capacity(vocab_size);
+        for id in 0..vocab_size as u32 {
+            if let Some(tok) = added.get(&id) {
+                bytes.push(tok.content.as_bytes().to_vec());
+                special.push(tok.special);
+            } else {
+                let text = inner.id_to_token(id).unwrap_or_default();
+                bytes.push(if byte_level { byte_level_bytes(&text, &table) } else { metaspace_bytes(&text) });
+                special.push(false);
+            }
+        }
+        let cfg: Option<serde_json::Value> = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|s| serde_json::from_str(&s).ok());
+        let named = |key: &str| -> Option<u32> {
+            let v = cfg.as_ref()?.get(key)?;
+            let text = v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str()))?;
+            inner.token_to_id(text)
+        };
+        let bos_id = bos_id.or_else(|| named("bos_token"));
+        let mut eos = eos_ids.to_vec();
+        if let Some(e) = named("eos_token")
+            && !eos.contains(&e)
+        {
+            eos.push(e);
+        }
+        Ok(Self { inner, add_bos: false, bos_id, eos_ids: eos, bytes, special })
+    }
+
+    /// Token ids of `text`. With `add_special_tokens`, BOS is prepended when the model asks
+    /// for it (GGUF `add_bos_token`, or the HF post-processor). Special-token text such as
+    /// `<|im_start|>` is always recognised.
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] if the tokenizer fails (no user text in the message).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, EngineError> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens && !self.add_bos)
+            .map_err(|e| EngineError::Internal(format!("tokenizer: {e}")))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if add_special_tokens
+            && self.add_bos
+            && let Some(bos) = self.bos_id
+        {
+            ids.push(bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Raw bytes of a token (special tokens: their text); empty for an unknown id.
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.bytes.get(id as usize).map_or(&[], Vec::as_slice)
+    }
+
+    /// The token's text (lossy when it is part of a multi-byte character).
+    pub fn token_str(&self, id: u32) -> String {
+        String::from_utf8_lossy(self.token_bytes(id)).into_owned()
+    }
+
+    /// Whether the id is a special (control) token: BOS, EOS, `<|im_start|>`, ...
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// Number of token ids the tokenizer knows.
+    pub fn vocab_size(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// BOS id, if any.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    /// End-of-sequence ids (EOS, EOT, ...).
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    /// Decodes ids to text (lossy UTF-8), optionally dropping special tokens.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> String {
+        let mut buf = Vec::new();
+        for &id in ids {
+            if !(skip_special_tokens && self.is_special(id)) {
+                buf.extend_from_slice(self.token_bytes(id));
+            }
+        }
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+
+    /// BOS token text (for chat templates' `bos_token`), empty when none.
+    pub fn bos_text(&self) -> String {
+        self.bos_id.map(|id| self.token_str(id)).unwrap_or_default()
+    }
+
+    /// First EOS token text (for chat templates' `eos_token`), empty when none.
+    pub fn eos_text(&self) -> String {
+        self.eos_ids.first().map(|&id| self.token_str(id)).unwrap_or_default()
+    }
+
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_byte_table_inverts() {
+        let t = unicode_to_byte();
+        assert_eq!(t.len(), 256);
+        assert_eq!(t.get(&'\u{120}'), Some(&b' ')); // 'Ġ'
+        assert_eq!(t.get(&'\u{10A}'), Some(&b'\n')); // 'Ċ'
+        assert_eq!(byte_level_bytes("\u{120}hello", &t), b" hello");
+    }
+
+    #[test]
+    fn metaspace() {
+        assert_eq!(metaspace_bytes("<0x0A>"), b"\n");
+        assert_eq!(metaspace_bytes("\u{2581}the"), b" the");
+    }
+}
