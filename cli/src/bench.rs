@@ -125,7 +125,10 @@ async fn serve(router_addr: &str, args: ServeArgs) -> Result<()> {
     latencies.sort();
     ttfts.sort();
     let secs = elapsed.as_secs_f64();
-    println!("prism bench serve: {} requests, concurrency {}, {} new tokens each", args.requests, args.concurrency, args.max_tokens);
+    println!(
+        "prism bench serve: {} requests, concurrency {}, {} new tokens each",
+        args.requests, args.concurrency, args.max_tokens
+    );
     println!("  ok / failed        {} / {}", latencies.len(), errors.len());
     println!("  duration           {secs:.2} s");
     println!("  requests/s         {:.2}", latencies.len() as f64 / secs);

@@ -36,7 +36,10 @@ async fn channel(addr: &str, what: &str) -> Result<Channel> {
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true);
     endpoint.connect().await.with_context(|| {
-        format!("cannot reach the {what} at {uri} (is `prism up` running? set --{what} or PRISM_{})", what.to_uppercase())
+        format!(
+            "cannot reach the {what} at {uri} (is `prism up` running? set --{what} or PRISM_{})",
+            what.to_uppercase()
+        )
     })
 }
 

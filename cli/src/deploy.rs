@@ -206,11 +206,8 @@ pub async fn run(head_addr: &str, args: DeployArgs) -> Result<()> {
         return Ok(());
     }
     let mut head = client::head(head_addr).await?;
-    let response = head
-        .apply_deployment(ApplyDeploymentRequest { spec: Some(spec) })
-        .await
-        .map_err(status_error)?
-        .into_inner();
+    let response =
+        head.apply_deployment(ApplyDeploymentRequest { spec: Some(spec) }).await.map_err(status_error)?.into_inner();
     let generation = response.deployment.map_or(0, |d| d.generation);
     let verb = if response.created { "created" } else { "updated" };
     println!("deployment {} {verb} (generation {generation}); watch it with `prism status`", file.name);

@@ -18,8 +18,7 @@ fn pretty(name: &str, prefix: &str) -> String {
 
 /// A replica state's display name (`Ready`, `Starting`, …).
 pub fn replica_state_name(state: i32) -> String {
-    ReplicaState::try_from(state)
-        .map_or_else(|_| format!("?{state}"), |s| pretty(s.as_str_name(), "REPLICA_STATE_"))
+    ReplicaState::try_from(state).map_or_else(|_| format!("?{state}"), |s| pretty(s.as_str_name(), "REPLICA_STATE_"))
 }
 
 fn node_state_name(state: i32) -> String {
@@ -37,23 +36,16 @@ fn drain_progress(node: &NodeRecord, status: &ClusterStatusResponse, now_unix_ms
         return "-".to_owned();
     }
     let id = node.inventory.as_ref().map_or("", |i| i.node_id.as_str());
-    let mine: Vec<&str> =
-        status.replicas.iter().filter(|r| r.node_id == id).map(|r| r.replica_id.as_str()).collect();
-    let in_flight: u32 = status
-        .load
-        .iter()
-        .filter(|l| mine.contains(&l.replica_id.as_str()))
-        .map(|l| l.running + l.waiting)
-        .sum();
+    let mine: Vec<&str> = status.replicas.iter().filter(|r| r.node_id == id).map(|r| r.replica_id.as_str()).collect();
+    let in_flight: u32 =
+        status.load.iter().filter(|l| mine.contains(&l.replica_id.as_str())).map(|l| l.running + l.waiting).sum();
     let left = node.drain_deadline_unix_ms.saturating_sub(now_unix_ms) / 1000;
     format!("{left}s left, {in_flight} in flight")
 }
 
 /// Renders a `ClusterStatusResponse` as the text `prism status` prints.
 pub fn render(status: &ClusterStatusResponse) -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     render_at(status, now)
 }
 
@@ -69,11 +61,8 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
         let gpus = if inv.gpus.is_empty() {
             format!("cpu x{}", inv.cpu_slots)
         } else {
-            let names: Vec<String> = inv
-                .gpus
-                .iter()
-                .map(|g| format!("{}:{} {}GiB", g.index, g.name, g.memory_bytes >> 30))
-                .collect();
+            let names: Vec<String> =
+                inv.gpus.iter().map(|g| format!("{}:{} {}GiB", g.index, g.name, g.memory_bytes >> 30)).collect();
             let sim = if inv.simulated_gpus { " (simulated)" } else { "" };
             format!("{}{sim}", names.join(", "))
         };
@@ -81,7 +70,15 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
         labels.sort();
         let sched = if node.cordoned { "cordoned" } else { "schedulable" };
         let drain = drain_progress(node, status, now_unix_ms);
-        nodes.row(vec![inv.node_id, inv.address, node_state_name(node.state), sched.into(), drain, gpus, labels.join(",")]);
+        nodes.row(vec![
+            inv.node_id,
+            inv.address,
+            node_state_name(node.state),
+            sched.into(),
+            drain,
+            gpus,
+            labels.join(","),
+        ]);
     }
     out.push_str(&format!("Nodes ({}):\n", status.nodes.len()));
     out.push_str(&if nodes.is_empty() { "  (none)\n".to_owned() } else { nodes.render() });

@@ -59,9 +59,6 @@ mod tests {
         let mut t = Table::new(&["NODE", "STATE"]);
         t.row(vec!["worker-long-name".into(), "Ready".into()]);
         t.row(vec!["w2".into(), "Dead".into()]);
-        assert_eq!(
-            t.render(),
-            "NODE              STATE\nworker-long-name  Ready\nw2                Dead\n"
-        );
+        assert_eq!(t.render(), "NODE              STATE\nworker-long-name  Ready\nw2                Dead\n");
     }
 }

@@ -124,7 +124,9 @@ pub struct Listeners {
 async fn bind(ip: std::net::IpAddr, port: u16, what: &str) -> Result<TcpListener> {
     let addr = SocketAddr::new(ip, port);
     TcpListener::bind(addr).await.with_context(|| {
-        format!("cannot listen on {addr} for the {what} (port taken? pick another with the matching --*-port flag, 0 = any)")
+        format!(
+            "cannot listen on {addr} for the {what} (port taken? pick another with the matching --*-port flag, 0 = any)"
+        )
     })
 }
 
@@ -353,7 +355,8 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints) -> 
             };
             bar.set_message(msg);
         }
-        if let Some(pending) = replicas.iter().find(|r| r.state == ReplicaState::Pending as i32 && !r.reason.is_empty()) {
+        if let Some(pending) = replicas.iter().find(|r| r.state == ReplicaState::Pending as i32 && !r.reason.is_empty())
+        {
             bar.set_message(format!("pending: {}", pending.reason));
         }
         if stage == 4 {
@@ -378,10 +381,13 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints) -> 
     let prompt = if args.demo { Some(DEMO_PROMPT.to_owned()) } else { args.prompt.clone() };
     if let Some(prompt) = prompt {
         println!(">>> {prompt}");
-        let sampling = SamplingArgs { temperature: Some(0.0), max_tokens: Some(args.prompt_max_tokens), ..Default::default() };
+        let sampling =
+            SamplingArgs { temperature: Some(0.0), max_tokens: Some(args.prompt_max_tokens), ..Default::default() };
         let request = GenerateRequest {
             model: served.to_owned(),
-            prompt: Some(Prompt::Chat(ChatMessages { messages: vec![ChatMessage { role: "user".into(), content: prompt }] })),
+            prompt: Some(Prompt::Chat(ChatMessages {
+                messages: vec![ChatMessage { role: "user".into(), content: prompt }],
+            })),
             sampling: Some(sampling.to_proto()),
             ..GenerateRequest::default()
         };

@@ -9,8 +9,8 @@
 //! This is called a *state store*, never a "KV store": KV means the attention cache here.
 
 pub mod embedded;
-pub mod keys;
 pub mod keep_alive;
+pub mod keys;
 
 use async_trait::async_trait;
 use futures::stream::BoxStream;

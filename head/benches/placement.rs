@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use prism_common::proto::v1::{
-    DeploymentRecord, DeploymentSpec, EngineConfig, GpuInfo, NodeInventory, NodeRecord, NodeState,
-    PlacementStrategy, ReplicaState,
+    DeploymentRecord, DeploymentSpec, EngineConfig, GpuInfo, NodeInventory, NodeRecord, NodeState, PlacementStrategy,
+    ReplicaState,
 };
 use prism_common::state_store::{EmbeddedStore, StateStore};
 use prism_head::cluster::registry::Session;
@@ -89,7 +89,8 @@ async fn reconciler_on_embedded_store() -> anyhow::Result<()> {
             let (tx, rx) = mpsc::channel(1024);
             receivers.push(rx);
             let cancel = tokio_util::sync::CancellationToken::new();
-            st.sessions.insert(id.into(), Session { id: u64::from(i), tx, cancel, started: HashSet::new(), synced: true });
+            st.sessions
+                .insert(id.into(), Session { id: u64::from(i), tx, cancel, started: HashSet::new(), synced: true });
         }
         for d in 0..DEPLOYMENTS {
             let name = format!("dep-{d}");

@@ -7,8 +7,8 @@ use std::time::Duration;
 use prism_common::DeploymentName;
 use prism_common::NodeId;
 use prism_common::proto::v1::{
-    ClusterStatusResponse, DeploymentRecord, DeploymentSpec, DrainCommand, NodeRecord, NodeState,
-    ReplicaRecord, head_message,
+    ClusterStatusResponse, DeploymentRecord, DeploymentSpec, DrainCommand, NodeRecord, NodeState, ReplicaRecord,
+    head_message,
 };
 use prism_common::state_store::{Compare, Txn, TxnOp, keys};
 use prost::Message;
@@ -54,10 +54,7 @@ pub fn validate_spec(mut spec: DeploymentSpec) -> HeadResult<DeploymentSpec> {
         ));
     }
     if !(0.0..=1.0).contains(&engine.gpu_memory_utilization) {
-        return bad(format!(
-            "engine.gpu_memory_utilization must be in [0, 1], got {}",
-            engine.gpu_memory_utilization
-        ));
+        return bad(format!("engine.gpu_memory_utilization must be in [0, 1], got {}", engine.gpu_memory_utilization));
     }
     if !matches!(engine.backend.as_str(), "" | "auto" | "cpu" | "cuda") {
         return bad(format!("engine.backend must be auto, cpu or cuda, got {:?}", engine.backend));
@@ -73,9 +70,7 @@ fn check_bounds(spec: &DeploymentSpec, replicas: u32) -> HeadResult<()> {
     let min = spec.min_replicas;
     let max = if spec.max_replicas == 0 { u32::MAX } else { spec.max_replicas };
     if min > max {
-        return Err(HeadError::InvalidArgument(format!(
-            "min_replicas {min} is greater than max_replicas {max}"
-        )));
+        return Err(HeadError::InvalidArgument(format!("min_replicas {min} is greater than max_replicas {max}")));
     }
     if replicas < min || replicas > max {
         return Err(HeadError::InvalidArgument(format!(
@@ -92,7 +87,11 @@ fn template_changed(a: &DeploymentSpec, b: &DeploymentSpec) -> bool {
 }
 
 impl Cluster {
-    async fn put_deployment(&self, st: &mut crate::cluster::State, rec: DeploymentRecord) -> HeadResult<DeploymentRecord> {
+    async fn put_deployment(
+        &self,
+        st: &mut crate::cluster::State,
+        rec: DeploymentRecord,
+    ) -> HeadResult<DeploymentRecord> {
         let name = DeploymentName::from(rec.spec.as_ref().map(|s| s.name.as_str()).unwrap_or_default());
         let key = keys::deployment(&name);
         let prev = st.view.deployments.get(&name).map_or(0, |e| e.mod_revision);
@@ -203,12 +202,13 @@ impl Cluster {
         };
         f(&mut rec);
         if st.view.nodes.get(&id).is_some_and(|e| e.record != rec)
-            && let Err(e) = self.put_node(&mut st, rec.clone()).await {
-                if matches!(e, HeadError::Conflict(_)) {
-                    self.reload(&mut st).await?;
-                }
-                return Err(e);
+            && let Err(e) = self.put_node(&mut st, rec.clone()).await
+        {
+            if matches!(e, HeadError::Conflict(_)) {
+                self.reload(&mut st).await?;
             }
+            return Err(e);
+        }
         self.after_change(&mut st);
         self.kick.notify_one();
         Ok((rec, st))

@@ -13,9 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use prism_common::proto::v1::{
-    HeadMessage, LoadReport, NodeRecord, ReplicaRecord, RouteTable, head_message,
-};
+use prism_common::proto::v1::{HeadMessage, LoadReport, NodeRecord, ReplicaRecord, RouteTable, head_message};
 use prism_common::state_store::{Compare, StateStore, Txn, TxnOp, keys};
 use prism_common::{NodeId, ReplicaId};
 use prost::Message;

@@ -113,12 +113,8 @@ impl StoreSpec {
             return Ok(Self::Embedded(PathBuf::from(path)));
         }
         if let Some(rest) = s.strip_prefix("etcd://") {
-            let eps: Vec<String> = rest
-                .split(',')
-                .map(str::trim)
-                .filter(|e| !e.is_empty())
-                .map(str::to_owned)
-                .collect();
+            let eps: Vec<String> =
+                rest.split(',').map(str::trim).filter(|e| !e.is_empty()).map(str::to_owned).collect();
             if eps.is_empty() || eps.iter().any(|e| !e.contains(':')) {
                 return Err(ConfigError::Store(s.to_owned()));
             }
@@ -143,11 +139,7 @@ impl TryFrom<Args> for HeadConfig {
             }
         }
         let advertise_address = a.advertise_address.unwrap_or_else(|| {
-            let ip = if a.listen.ip().is_unspecified() {
-                "127.0.0.1".to_owned()
-            } else {
-                a.listen.ip().to_string()
-            };
+            let ip = if a.listen.ip().is_unspecified() { "127.0.0.1".to_owned() } else { a.listen.ip().to_string() };
             format!("http://{ip}:{}", a.listen.port())
         });
         let head_id = a.head_id.unwrap_or_else(|| {
@@ -216,14 +208,8 @@ mod tests {
 
     #[test]
     fn store_specs() {
-        assert_eq!(
-            StoreSpec::parse("embedded:/tmp/x.json").ok(),
-            Some(StoreSpec::Embedded("/tmp/x.json".into()))
-        );
-        assert_eq!(
-            StoreSpec::parse("etcd://a:1,b:2").ok(),
-            Some(StoreSpec::Etcd(vec!["a:1".into(), "b:2".into()]))
-        );
+        assert_eq!(StoreSpec::parse("embedded:/tmp/x.json").ok(), Some(StoreSpec::Embedded("/tmp/x.json".into())));
+        assert_eq!(StoreSpec::parse("etcd://a:1,b:2").ok(), Some(StoreSpec::Etcd(vec!["a:1".into(), "b:2".into()])));
         assert!(StoreSpec::parse("etcd://").is_err());
         assert!(StoreSpec::parse("redis://x:1").is_err());
         assert!(StoreSpec::parse("embedded:").is_err());

@@ -10,8 +10,7 @@
 
 use futures::StreamExt;
 use prism_common::state_store::{
-    Compare, LeaseId, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, WatchEvent, keys,
-    spawn_keep_alive,
+    Compare, LeaseId, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, WatchEvent, keys, spawn_keep_alive,
 };
 use std::sync::Arc;
 use std::time::Duration;

@@ -76,13 +76,7 @@ pub async fn run_with_store(
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_not_serving::<HeadServiceServer<service::HeadGrpc>>().await;
 
-    let bridge = tokio::spawn(follow_election(
-        election.state,
-        lead_tx,
-        cluster.clone(),
-        reporter,
-        shutdown.clone(),
-    ));
+    let bridge = tokio::spawn(follow_election(election.state, lead_tx, cluster.clone(), reporter, shutdown.clone()));
     let reconciler = tokio::spawn(placement::reconciler::run(cluster.clone(), shutdown.clone()));
     let http = tokio::spawn(metrics::serve_http(cluster.clone(), http_listener, shutdown.clone()));
 

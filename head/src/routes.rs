@@ -83,7 +83,8 @@ mod tests {
 
     fn state(configured: u32, replicas: &[(&str, ReplicaState, u32)]) -> State {
         let mut st = State::default();
-        let engine = EngineConfig { served_model_name: "m".into(), max_model_len: configured, ..EngineConfig::default() };
+        let engine =
+            EngineConfig { served_model_name: "m".into(), max_model_len: configured, ..EngineConfig::default() };
         let spec = DeploymentSpec { name: "d".into(), engine: Some(engine), ..DeploymentSpec::default() };
         let record = DeploymentRecord { spec: Some(spec), ..DeploymentRecord::default() };
         st.view.deployments.insert(DeploymentName::from("d"), Entry { record, mod_revision: 1 });

@@ -143,8 +143,7 @@ impl Args {
     /// # Errors
     /// [`ConfigError`] for a malformed static route, no route source, or zero limits.
     pub fn into_config(self) -> Result<RouterConfig, ConfigError> {
-        let static_routes =
-            self.static_route.iter().map(|s| s.parse()).collect::<Result<Vec<StaticRoute>, _>>()?;
+        let static_routes = self.static_route.iter().map(|s| s.parse()).collect::<Result<Vec<StaticRoute>, _>>()?;
         if self.head.is_empty() && static_routes.is_empty() {
             return Err(ConfigError::NoRouteSource);
         }
@@ -163,11 +162,7 @@ impl Args {
         if !(self.worker_header_timeout_s >= 1.0 && self.worker_header_timeout_s.is_finite()) {
             return Err(ConfigError::HeaderTimeout);
         }
-        let heads = self
-            .head
-            .into_iter()
-            .map(|h| if h.contains("://") { h } else { format!("http://{h}") })
-            .collect();
+        let heads = self.head.into_iter().map(|h| if h.contains("://") { h } else { format!("http://{h}") }).collect();
         Ok(RouterConfig {
             heads,
             api_keys: self.api_key,

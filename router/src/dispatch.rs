@@ -31,7 +31,9 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
-use prism_common::proto::v1::{FinishReason, GenerateRequest, GenerateResponse, Usage, WorkerGenerateRequest, generate_request};
+use prism_common::proto::v1::{
+    FinishReason, GenerateRequest, GenerateResponse, Usage, WorkerGenerateRequest, generate_request,
+};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
@@ -131,10 +133,8 @@ fn hint_for(req: &GenerateRequest) -> RequestHint {
         None => 0,
     };
     let sampling = req.sampling.as_ref();
-    let decode = sampling
-        .and_then(|s| s.max_tokens)
-        .and_then(|m| u64::try_from(m).ok())
-        .unwrap_or(DEFAULT_EXPECTED_DECODE);
+    let decode =
+        sampling.and_then(|s| s.max_tokens).and_then(|m| u64::try_from(m).ok()).unwrap_or(DEFAULT_EXPECTED_DECODE);
     let n = u64::from(sampling.and_then(|s| s.n).unwrap_or(1).max(1));
     RequestHint { expected_tokens: prompt + decode * n }
 }
@@ -174,7 +174,12 @@ impl Dispatcher {
         Ok(c)
     }
 
-    fn pick(&self, model: &str, tried: &[String], hint: &RequestHint) -> Result<(Arc<ReplicaRoute>, InFlightGuard), DispatchError> {
+    fn pick(
+        &self,
+        model: &str,
+        tried: &[String],
+        hint: &RequestHint,
+    ) -> Result<(Arc<ReplicaRoute>, InFlightGuard), DispatchError> {
         let snap = self.inner.routes.snapshot();
         let picked = select(&snap, model, tried, self.inner.routes.now_ms(), self.inner.policy.as_ref(), hint)
             .map_err(|e| match e {
@@ -462,7 +467,12 @@ impl Pump {
         &mut self,
         failure: &Status,
     ) -> Option<(Streaming<GenerateResponse>, Arc<ReplicaRoute>, InFlightGuard, GenerateResponse)> {
-        if self.choices() != 1 || !matches!(failure.code(), Code::Unavailable | Code::Unknown | Code::Aborted | Code::Internal | Code::Cancelled | Code::NotFound) {
+        if self.choices() != 1
+            || !matches!(
+                failure.code(),
+                Code::Unavailable | Code::Unknown | Code::Aborted | Code::Internal | Code::Cancelled | Code::NotFound
+            )
+        {
             return None;
         }
         while self.migrations < MAX_MIGRATIONS && Instant::now() < self.deadline {

@@ -18,8 +18,8 @@ pub mod validate;
 
 use prism_common::proto::v1::inference_service_server::InferenceServiceServer;
 use tokio::net::TcpListener;
-use tonic::transport::server::TcpIncoming;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::TcpIncoming;
 
 pub use config::{Args, RouterConfig, StaticRoute};
 

@@ -91,7 +91,11 @@ impl Metrics {
             duration.clone(),
         );
         registry.register("prism_router_retries", "Retries on another replica before the first token", retries.clone());
-        registry.register("prism_router_migrations", "Streams migrated to another replica mid-stream", migrations.clone());
+        registry.register(
+            "prism_router_migrations",
+            "Streams migrated to another replica mid-stream",
+            migrations.clone(),
+        );
         registry.register("prism_router_in_flight", "Requests being served", in_flight.clone());
         registry.register("prism_route_table_version", "Version of the route table in use", route_version.clone());
         registry.register(
@@ -99,7 +103,16 @@ impl Metrics {
             "Requests and migrations sent to each replica",
             dispatches.clone(),
         );
-        Self { registry: Arc::new(registry), requests, duration, retries, migrations, in_flight, route_version, dispatches }
+        Self {
+            registry: Arc::new(registry),
+            requests,
+            duration,
+            retries,
+            migrations,
+            in_flight,
+            route_version,
+            dispatches,
+        }
     }
 
     /// Records one finished request.

@@ -21,8 +21,8 @@ use prism_common::proto::v1::{
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::server::Connected;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::Connected;
 use tonic::{Request, Response, Status};
 
 /// How the mock answers.
@@ -192,12 +192,15 @@ fn prompt_len(r: &WorkerGenerateRequest) -> Result<u32, Status> {
     let n = match &req.prompt {
         Some(generate_request::Prompt::Text(t)) => t.split_whitespace().count(),
         Some(generate_request::Prompt::TokenIds(t)) => t.ids.len(),
-        Some(generate_request::Prompt::Chat(c)) => c.messages.iter().map(|m| m.content.split_whitespace().count() + 3).sum(),
+        Some(generate_request::Prompt::Chat(c)) => {
+            c.messages.iter().map(|m| m.content.split_whitespace().count() + 3).sum()
+        }
         None => 0,
     };
     if n == 0 {
         let mut s = Status::invalid_argument("prompt is empty");
-        s.metadata_mut().insert(crate::openai::errors::PARAM_METADATA, tonic::metadata::MetadataValue::from_static("prompt"));
+        s.metadata_mut()
+            .insert(crate::openai::errors::PARAM_METADATA, tonic::metadata::MetadataValue::from_static("prompt"));
         return Err(s);
     }
     Ok(u32::try_from(n).unwrap_or(u32::MAX))

@@ -87,10 +87,10 @@ fn authorize(state: &HttpState, headers: &HeaderMap) -> Result<(), ApiError> {
 /// Reads the body: 413 over the limit, 400 when it ends early (a Content-Length not met,
 /// a broken connection), 408 when it does not arrive within [`BODY_READ_TIMEOUT`].
 async fn read_body(state: &HttpState, headers: &HeaderMap, body: Body) -> Result<BytesMut, ApiError> {
-    let too_large = || {
-        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body exceeds {} bytes", state.max_body_bytes))
-    };
-    if let Some(len) = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok())
+    let too_large =
+        || ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body exceeds {} bytes", state.max_body_bytes));
+    if let Some(len) =
+        headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok())
         && len > state.max_body_bytes
     {
         return Err(too_large());
@@ -279,7 +279,8 @@ impl Shaper {
 
     fn chunk(&self, choices: Vec<Value>) -> Value {
         let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
-        let mut v = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
+        let mut v =
+            json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
         if self.include_usage {
             v["usage"] = Value::Null;
         }
@@ -497,8 +498,11 @@ async fn model(State(state): State<HttpState>, headers: HeaderMap, Path(id): Pat
     }
     match model_objects(&state).into_iter().find(|(name, _)| *name == id) {
         Some((_, v)) => axum::Json(v).into_response(),
-        None => ApiError { param: Some("model".into()), ..ApiError::new(StatusCode::NOT_FOUND, format!("the model `{id}` does not exist")) }
-            .into_response(),
+        None => ApiError {
+            param: Some("model".into()),
+            ..ApiError::new(StatusCode::NOT_FOUND, format!("the model `{id}` does not exist"))
+        }
+        .into_response(),
     }
 }
 

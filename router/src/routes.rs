@@ -227,8 +227,7 @@ impl Routes {
                 stats,
             }));
         }
-        let live: std::collections::HashSet<&str> =
-            models.values().flatten().map(|r| r.replica_id.as_str()).collect();
+        let live: std::collections::HashSet<&str> = models.values().flatten().map(|r| r.replica_id.as_str()).collect();
         self.inner.stats.retain(|k, v| live.contains(k.as_str()) || v.in_flight.load(Ordering::Relaxed) > 0);
         // Load-only updates arrive about once a second per worker: log membership/state changes only.
         let key = |m: &BTreeMap<String, Vec<Arc<ReplicaRoute>>>| -> Vec<(String, i32)> {
@@ -327,7 +326,11 @@ mod tests {
         assert_eq!(m[0].reported_tokens, 7);
         assert_eq!(m[0].max_in_flight, 4);
         m[0].stats.in_flight.store(2, Ordering::Relaxed);
-        routes.apply(RouteTable { version: 4, routes: vec![entry("a", "m", ReplicaState::Ready)], models: vec!["gone".into()] });
+        routes.apply(RouteTable {
+            version: 4,
+            routes: vec![entry("a", "m", ReplicaState::Ready)],
+            models: vec!["gone".into()],
+        });
         assert!(routes.snapshot().models["gone"].is_empty());
         assert_eq!(routes.snapshot().models["m"][0].stats.in_flight.load(Ordering::Relaxed), 2);
         assert!(routes.snapshot().any_ready());

@@ -32,16 +32,28 @@ impl HeadService for FakeHead {
         use futures::StreamExt;
         Ok(Response::new(Box::pin(WatchStream::new(self.0.clone()).map(Ok))))
     }
-    async fn apply_deployment(&self, _: Request<ApplyDeploymentRequest>) -> Result<Response<ApplyDeploymentResponse>, Status> {
+    async fn apply_deployment(
+        &self,
+        _: Request<ApplyDeploymentRequest>,
+    ) -> Result<Response<ApplyDeploymentResponse>, Status> {
         Err(Status::unimplemented("fake head"))
     }
-    async fn delete_deployment(&self, _: Request<DeleteDeploymentRequest>) -> Result<Response<DeleteDeploymentResponse>, Status> {
+    async fn delete_deployment(
+        &self,
+        _: Request<DeleteDeploymentRequest>,
+    ) -> Result<Response<DeleteDeploymentResponse>, Status> {
         Err(Status::unimplemented("fake head"))
     }
-    async fn scale_deployment(&self, _: Request<ScaleDeploymentRequest>) -> Result<Response<ScaleDeploymentResponse>, Status> {
+    async fn scale_deployment(
+        &self,
+        _: Request<ScaleDeploymentRequest>,
+    ) -> Result<Response<ScaleDeploymentResponse>, Status> {
         Err(Status::unimplemented("fake head"))
     }
-    async fn list_deployments(&self, _: Request<ListDeploymentsRequest>) -> Result<Response<ListDeploymentsResponse>, Status> {
+    async fn list_deployments(
+        &self,
+        _: Request<ListDeploymentsRequest>,
+    ) -> Result<Response<ListDeploymentsResponse>, Status> {
         Err(Status::unimplemented("fake head"))
     }
     async fn list_nodes(&self, _: Request<ListNodesRequest>) -> Result<Response<ListNodesResponse>, Status> {
@@ -50,7 +62,10 @@ impl HeadService for FakeHead {
     async fn list_replicas(&self, _: Request<ListReplicasRequest>) -> Result<Response<ListReplicasResponse>, Status> {
         Err(Status::unimplemented("fake head"))
     }
-    async fn cluster_status(&self, _: Request<ClusterStatusRequest>) -> Result<Response<ClusterStatusResponse>, Status> {
+    async fn cluster_status(
+        &self,
+        _: Request<ClusterStatusRequest>,
+    ) -> Result<Response<ClusterStatusResponse>, Status> {
         Err(Status::unimplemented("fake head"))
     }
     async fn cordon_node(&self, _: Request<NodeRequest>) -> Result<Response<NodeResponse>, Status> {
@@ -65,7 +80,13 @@ impl HeadService for FakeHead {
 }
 
 fn entry(id: &str, endpoint: &str, state: ReplicaState) -> RouteEntry {
-    RouteEntry { replica_id: id.into(), model: "mock".into(), endpoint: endpoint.into(), state: state as i32, ..Default::default() }
+    RouteEntry {
+        replica_id: id.into(),
+        model: "mock".into(),
+        endpoint: endpoint.into(),
+        state: state as i32,
+        ..Default::default()
+    }
 }
 
 async fn wait_status(http: &str, want: u16) -> anyhow::Result<()> {
@@ -109,7 +130,11 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
 
     // Empty table: unknown model.
     wait_status(&http, 404).await?;
-    tx.send(RouteTable { models: vec![], version: 2, routes: vec![entry("ra", &ea, ReplicaState::Ready), entry("rb", &eb, ReplicaState::Draining)] })?;
+    tx.send(RouteTable {
+        models: vec![],
+        version: 2,
+        routes: vec![entry("ra", &ea, ReplicaState::Ready), entry("rb", &eb, ReplicaState::Draining)],
+    })?;
     wait_status(&http, 200).await?;
     for _ in 0..10 {
         wait_status(&http, 200).await?;

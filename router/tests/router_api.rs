@@ -56,13 +56,18 @@ async fn post(c: &Cluster, path: &str, body: Value) -> anyhow::Result<(u16, Valu
 /// Parses an SSE body into its `data:` payloads.
 fn events(body: &str) -> Vec<String> {
     assert!(body.ends_with("data: [DONE]\n\n"), "stream must end with [DONE]: {body:?}");
-    body.split("\n\n").filter(|e| !e.is_empty()).map(|e| e.strip_prefix("data: ").expect("data: prefix").to_owned()).collect()
+    body.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.strip_prefix("data: ").expect("data: prefix").to_owned())
+        .collect()
 }
 
 #[tokio::test]
 async fn openai_completion_and_chat_shapes() -> anyhow::Result<()> {
     let c = cluster(1).await?;
-    let (s, v) = post(&c, "/v1/completions", json!({"model": "mock", "prompt": "a b c", "max_tokens": 3, "logprobs": 2})).await?;
+    let (s, v) =
+        post(&c, "/v1/completions", json!({"model": "mock", "prompt": "a b c", "max_tokens": 3, "logprobs": 2}))
+            .await?;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["choices"][0]["text"], "t0 t1 t2 ");
@@ -77,10 +82,15 @@ async fn openai_completion_and_chat_shapes() -> anyhow::Result<()> {
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert_eq!(v["usage"]["completion_tokens"], 8);
 
-    let (s, v) = post(&c, "/v1/chat/completions", json!({
-        "model": "mock", "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_completion_tokens": 2,
-        "logprobs": true, "top_logprobs": 3
-    })).await?;
+    let (s, v) = post(
+        &c,
+        "/v1/chat/completions",
+        json!({
+            "model": "mock", "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_completion_tokens": 2,
+            "logprobs": true, "top_logprobs": 3
+        }),
+    )
+    .await?;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["choices"].as_array().map(Vec::len), Some(2));
@@ -152,9 +162,22 @@ async fn c16_bad_bodies_get_4xx_error_objects() -> anyhow::Result<()> {
     let r = http.post(&url).body(r#"{"model":"mock","prompt":"a"}"#).send().await?;
     assert_eq!(r.status().as_u16(), 415);
     assert!(r.json::<Value>().await?["error"]["message"].is_string());
-    for body in ["[]", "123", "null", "\"abc\"", r#"{"model": "mock", "prom"#, "{}", r#"{"model":"mock","prompt":"a","max_tokens":-1}"#] {
+    for body in [
+        "[]",
+        "123",
+        "null",
+        "\"abc\"",
+        r#"{"model": "mock", "prom"#,
+        "{}",
+        r#"{"model":"mock","prompt":"a","max_tokens":-1}"#,
+    ] {
         for path in ["/v1/completions", "/v1/chat/completions"] {
-            let r = http.post(format!("{}{path}", c.http)).header("content-type", "application/json").body(body).send().await?;
+            let r = http
+                .post(format!("{}{path}", c.http))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await?;
             assert_eq!(r.status().as_u16(), 400, "{path} {body}");
             let v: Value = r.json().await?;
             assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
@@ -278,7 +301,11 @@ async fn p2c_spreads_200_concurrent_requests_evenly() -> anyhow::Result<()> {
             let http = http.clone();
             let url = format!("{}/v1/completions", c.http);
             tokio::spawn(async move {
-                http.post(url).json(&json!({"model": "mock", "prompt": "a", "max_tokens": 3})).send().await.map(|r| r.status().as_u16())
+                http.post(url)
+                    .json(&json!({"model": "mock", "prompt": "a", "max_tokens": 3}))
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
             })
         })
         .collect();
@@ -306,7 +333,11 @@ async fn c14_long_prompts_spread_by_load_counted_at_dispatch() -> anyhow::Result
             let mut p = prompt.clone();
             p[0] = i; // unique prefix
             tokio::spawn(async move {
-                http.post(url).json(&json!({"model": "mock", "prompt": p, "max_tokens": 1})).send().await.map(|r| r.status().as_u16())
+                http.post(url)
+                    .json(&json!({"model": "mock", "prompt": p, "max_tokens": 1}))
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
             })
         })
         .collect();
@@ -391,7 +422,9 @@ async fn tiny_client_deadlines_do_not_eject_replicas() -> anyhow::Result<()> {
         });
         r.set_timeout(Duration::from_millis(ms));
         assert!(g.generate(r).await.is_err());
-        let (s, v) = post(&c, "/v1/completions", json!({"model": "mock", "prompt": "a", "max_tokens": 1, "timeout_ms": ms})).await?;
+        let (s, v) =
+            post(&c, "/v1/completions", json!({"model": "mock", "prompt": "a", "max_tokens": 1, "timeout_ms": ms}))
+                .await?;
         assert_eq!(s, 504, "{v}");
     }
     let before: Vec<u64> = c.mocks.iter().map(|m| m.stats.requests.load(Ordering::Relaxed)).collect();
@@ -411,7 +444,8 @@ async fn c15_no_replica_is_a_fast_503() -> anyhow::Result<()> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     let dead = format!("http://{}", l.local_addr()?);
     drop(l);
-    let c = cluster_with(vec![], |cfg| cfg.static_routes = vec![StaticRoute { model: "mock".into(), endpoint: dead }]).await?;
+    let c = cluster_with(vec![], |cfg| cfg.static_routes = vec![StaticRoute { model: "mock".into(), endpoint: dead }])
+        .await?;
     for _ in 0..5 {
         let t = Instant::now();
         let r = reqwest::Client::new()
@@ -442,8 +476,10 @@ async fn migration_continues_the_stream_token_exact() -> anyhow::Result<()> {
             .text()
             .await?;
         let evs = events(&body);
-        let chunks: Vec<Value> = evs[..evs.len() - 1].iter().map(|e| serde_json::from_str(e)).collect::<Result<_, _>>()?;
-        let text: String = chunks.iter().filter_map(|c| c["choices"].get(0).and_then(|ch| ch["text"].as_str())).collect();
+        let chunks: Vec<Value> =
+            evs[..evs.len() - 1].iter().map(|e| serde_json::from_str(e)).collect::<Result<_, _>>()?;
+        let text: String =
+            chunks.iter().filter_map(|c| c["choices"].get(0).and_then(|ch| ch["text"].as_str())).collect();
         assert_eq!(text, (0..10).map(|i| format!("t{i} ")).collect::<String>());
         assert_eq!(chunks[chunks.len() - 1]["usage"]["completion_tokens"], 10);
         assert_eq!(chunks[chunks.len() - 1]["usage"]["prompt_tokens"], 2);
@@ -487,7 +523,9 @@ async fn client_disconnect_cancels_the_worker_stream() -> anyhow::Result<()> {
 #[tokio::test]
 async fn deadline_propagates_to_the_worker() -> anyhow::Result<()> {
     let c = cluster(1).await?;
-    let (s, _) = post(&c, "/v1/completions", json!({"model": "mock", "prompt": "a", "max_tokens": 1, "timeout_ms": 5000})).await?;
+    let (s, _) =
+        post(&c, "/v1/completions", json!({"model": "mock", "prompt": "a", "max_tokens": 1, "timeout_ms": 5000}))
+            .await?;
     assert_eq!(s, 200);
     let last = c.mocks[0].stats.last_request.lock().map(|g| g.clone()).ok().flatten().expect("request");
     let sampling = last.request.as_ref().and_then(|r| r.sampling.clone()).expect("sampling");
@@ -577,17 +615,26 @@ async fn malformed_chat_messages_are_400_over_http_and_grpc() -> anyhow::Result<
         assert_eq!(s, 400, "{messages}: {v}");
         assert_eq!(v["error"]["param"], "messages", "{messages}: {v}");
     }
-    let (s, v) = post(&c, "/v1/chat/completions", json!({"model": "mock", "max_tokens": 1, "messages": [
+    let (s, v) = post(
+        &c,
+        "/v1/chat/completions",
+        json!({"model": "mock", "max_tokens": 1, "messages": [
         {"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-        {"role": "assistant", "content": null}, {"role": "tool", "content": "42"}, {"role": "user", "content": "ok"}]})).await?;
+        {"role": "assistant", "content": null}, {"role": "tool", "content": "42"}, {"role": "user", "content": "ok"}]}),
+    )
+    .await?;
     assert_eq!(s, 200, "{v}");
     assert_eq!(c.mocks[0].stats.requests.load(Ordering::Relaxed), 1);
 
     use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
-    use prism_common::proto::v1::{ChatMessage, ChatMessages, GenerateRequest, SamplingParams, generate_request::Prompt};
+    use prism_common::proto::v1::{
+        ChatMessage, ChatMessages, GenerateRequest, SamplingParams, generate_request::Prompt,
+    };
     let mut g = InferenceServiceClient::connect(c.grpc.clone()).await?;
     let msg = |role: &str| ChatMessage { role: role.into(), content: "hi".into() };
-    for (messages, n) in [(vec![], None), (vec![msg("")], None), (vec![msg("user")], Some(17)), (vec![msg("user")], Some(128))] {
+    for (messages, n) in
+        [(vec![], None), (vec![msg("")], None), (vec![msg("user")], Some(17)), (vec![msg("user")], Some(128))]
+    {
         let req = GenerateRequest {
             model: "mock".into(),
             prompt: Some(Prompt::Chat(ChatMessages { messages })),
@@ -610,7 +657,10 @@ async fn error_objects_models_and_405() -> anyhow::Result<()> {
     let v: Value = r.json().await?;
     assert!(v["error"]["message"].is_string() && v["error"]["code"].is_string(), "{v}");
     let (s, v) = post(&c, "/v1/completions", json!({"model": "nope", "prompt": "a"})).await?;
-    assert_eq!((s, v["error"]["code"].clone(), v["error"]["param"].clone()), (404, json!("model_not_found"), json!("model")));
+    assert_eq!(
+        (s, v["error"]["code"].clone(), v["error"]["param"].clone()),
+        (404, json!("model_not_found"), json!("model"))
+    );
     // Worker-side "prompt is empty" names the prompt (`prism-param` metadata).
     let (s, v) = post(&c, "/v1/completions", json!({"model": "mock", "prompt": ""})).await?;
     assert_eq!((s, v["error"]["param"].clone(), v["error"]["code"].clone()), (400, json!("prompt"), Value::Null));
@@ -630,7 +680,9 @@ async fn error_objects_models_and_405() -> anyhow::Result<()> {
 #[tokio::test]
 async fn half_sent_heads_are_closed_and_truncated_bodies_are_400() -> anyhow::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let c = cluster_with(vec![MockBehavior::default()], |cfg| cfg.http_header_read_timeout = Duration::from_millis(500)).await?;
+    let c =
+        cluster_with(vec![MockBehavior::default()], |cfg| cfg.http_header_read_timeout = Duration::from_millis(500))
+            .await?;
     let addr = c.http.trim_start_matches("http://").to_owned();
     // Half a request head, then silence: the router closes the connection after the timeout.
     let mut s = tokio::net::TcpStream::connect(&addr).await?;

@@ -38,14 +38,16 @@ fn assert_error_object(status: u16, body: &Value) {
 }
 
 async fn healthy(http: &str) -> Result<()> {
-    let (status, body) = post_json(&format!("{http}/v1/chat/completions"), &with(chat("Hi"), json!({"max_tokens": 4}))).await?;
+    let (status, body) =
+        post_json(&format!("{http}/v1/chat/completions"), &with(chat("Hi"), json!({"max_tokens": 4}))).await?;
     assert_eq!(status, 200, "server unhealthy after the case: {body}");
     Ok(())
 }
 
 async fn c01_max_tokens_null(http: &str) -> Result<()> {
     let url = format!("{http}/v1/chat/completions");
-    let (status, body) = post_json(&url, &with(chat("What is the capital of France?"), json!({"max_tokens": null}))).await?;
+    let (status, body) =
+        post_json(&url, &with(chat("What is the capital of France?"), json!({"max_tokens": null}))).await?;
     assert_eq!(status, 200, "{body}");
     let reason = body["choices"][0]["finish_reason"].as_str();
     assert!(matches!(reason, Some("stop" | "length")), "{body}");
@@ -61,7 +63,8 @@ async fn c01_max_tokens_null(http: &str) -> Result<()> {
 
 async fn c02_bad_max_tokens_while_decoding(http: &str) -> Result<()> {
     let url = format!("{http}/v1/completions");
-    let long = json!({"model": SERVED, "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": true, "temperature": 0});
+    let long =
+        json!({"model": SERVED, "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": true, "temperature": 0});
     let background = tokio::spawn({
         let url = url.clone();
         async move { post_json(&url, &long).await }
@@ -88,7 +91,8 @@ async fn c02_bad_max_tokens_while_decoding(http: &str) -> Result<()> {
 async fn c03_empty_prompts(http: &str) -> Result<()> {
     let url = format!("{http}/v1/completions");
     for prompt in [json!(""), json!([""])] {
-        let (status, body) = post_json(&url, &json!({"model": SERVED, "prompt": prompt.clone(), "max_tokens": 4})).await?;
+        let (status, body) =
+            post_json(&url, &json!({"model": SERVED, "prompt": prompt.clone(), "max_tokens": 4})).await?;
         assert_eq!(status, 400, "prompt {prompt}: {body}");
         assert_error_object(status, &body);
     }
@@ -164,7 +168,10 @@ async fn c05_chat_logprobs(http: &str) -> Result<()> {
                 .filter_map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok()))
                 .collect();
             let text = String::from_utf8_lossy(&bytes);
-            assert!(content.is_empty() || text.contains(content) || content.contains(text.trim_end_matches('\u{fffd}')), "chunk text {content:?} vs its logprob bytes {text:?}");
+            assert!(
+                content.is_empty() || text.contains(content) || content.contains(text.trim_end_matches('\u{fffd}')),
+                "chunk text {content:?} vs its logprob bytes {text:?}"
+            );
         }
         streamed.extend(chunk);
     }
@@ -184,10 +191,8 @@ async fn c06_utf8_streaming(http: &str) -> Result<()> {
         assert_eq!(status, 200, "{whole}");
         let text = whole["choices"][0]["text"].as_str().context("text")?.to_owned();
         let events = post_sse(&url, &with(body, json!({"stream": true}))).await?;
-        let deltas: Vec<String> = events
-            .iter()
-            .filter_map(|e| e["choices"].get(0)?.get("text")?.as_str().map(str::to_owned))
-            .collect();
+        let deltas: Vec<String> =
+            events.iter().filter_map(|e| e["choices"].get(0)?.get("text")?.as_str().map(str::to_owned)).collect();
         for d in &deltas {
             assert!(!d.contains('\u{fffd}'), "delta with U+FFFD: {d:?}");
         }
@@ -213,7 +218,8 @@ async fn c07_disconnects_free_everything(http: &str, metrics_url: &str) -> Resul
         let r = client.post(&url).json(&body).send().await;
         assert!(r.is_err() || r.is_ok_and(|r| r.status().as_u16() != 500), "round {round}");
         // Streamed: read the first bytes, then drop the connection.
-        let streaming = reqwest::Client::new().post(&url).json(&with(body.clone(), json!({"stream": true}))).send().await?;
+        let streaming =
+            reqwest::Client::new().post(&url).json(&with(body.clone(), json!({"stream": true}))).send().await?;
         assert_eq!(streaming.status().as_u16(), 200);
         let mut streaming = streaming;
         let _first = streaming.chunk().await?;

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use prism_common::proto::v1::head_service_client::HeadServiceClient;
 use prism_common::proto::v1::{
-    self as pb, ApplyDeploymentRequest, ClusterStatusRequest, DeploymentSpec, EngineConfig, GpuInfo,
-    ListNodesRequest, NodeInventory, ReplicaRecord, ReplicaState, ReplicaStatus, ScaleDeploymentRequest,
-    WorkerMessage, WorkerStatus, head_message, worker_message,
+    self as pb, ApplyDeploymentRequest, ClusterStatusRequest, DeploymentSpec, EngineConfig, GpuInfo, ListNodesRequest,
+    NodeInventory, ReplicaRecord, ReplicaState, ReplicaStatus, ScaleDeploymentRequest, WorkerMessage, WorkerStatus,
+    head_message, worker_message,
 };
 use prism_common::state_store::{StateStore, keys};
 use prism_tests::{EtcdFixture, ProcessGuard, bin_path, free_port, poll_until, wait_until};
@@ -247,11 +247,14 @@ async fn placement_gang_spread_pending_then_third_worker_etcd() -> Result<()> {
 
     // kill -9 of a worker: its replicas are Ready elsewhere within worker_timeout + 2 s.
     c.scale_deployment(ScaleDeploymentRequest { name: "llama".into(), replicas: 3 }).await?;
-    let rs = poll_until(Duration::from_secs(10), "back to 3", || {
-        let mut c = c.clone();
-        async move { replicas(&mut c, "llama").await.ok().filter(|rs| rs.len() == 3 && count(rs, ReplicaState::Ready) == 3) }
-    })
-    .await?;
+    let rs =
+        poll_until(Duration::from_secs(10), "back to 3", || {
+            let mut c = c.clone();
+            async move {
+                replicas(&mut c, "llama").await.ok().filter(|rs| rs.len() == 3 && count(rs, ReplicaState::Ready) == 3)
+            }
+        })
+        .await?;
     let victim = rs[0].node_id.clone();
     let on_victim: Vec<String> = rs.iter().filter(|r| r.node_id == victim).map(|r| r.replica_id.clone()).collect();
     let killed = Instant::now();
@@ -326,9 +329,11 @@ async fn bad_input_is_rejected_and_changes_nothing() -> Result<()> {
     let mut bounded = spec("big", 8, 1);
     bounded.max_replicas = 2;
     c.apply_deployment(ApplyDeploymentRequest { spec: Some(bounded) }).await?;
-    let e = c.scale_deployment(ScaleDeploymentRequest { name: "big".into(), replicas: 3 }).await.err().context("bounds")?;
+    let e =
+        c.scale_deployment(ScaleDeploymentRequest { name: "big".into(), replicas: 3 }).await.err().context("bounds")?;
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
-    let e = c.scale_deployment(ScaleDeploymentRequest { name: "nope".into(), replicas: 1 }).await.err().context("nf")?;
+    let e =
+        c.scale_deployment(ScaleDeploymentRequest { name: "nope".into(), replicas: 1 }).await.err().context("nf")?;
     assert_eq!(e.code(), tonic::Code::NotFound);
 
     // A worker with a malformed inventory: INVALID_ARGUMENT, nothing stored.
@@ -373,7 +378,11 @@ async fn two_heads_one_leader_and_failover_within_ttl() -> Result<()> {
         (!s.is_leader && s.leader == a.addr).then_some(c)
     })
     .await?;
-    let e = bc.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("m", 1, 1)) }).await.err().context("follower write")?;
+    let e = bc
+        .apply_deployment(ApplyDeploymentRequest { spec: Some(spec("m", 1, 1)) })
+        .await
+        .err()
+        .context("follower write")?;
     assert_eq!(e.code(), tonic::Code::Unavailable);
     assert_eq!(e.metadata().get("prism-leader").and_then(|v| v.to_str().ok()), Some(a.addr.as_str()));
     // A worker pointed at the follower is refused with the leader's address.
@@ -465,9 +474,9 @@ async fn embedded_head_restart_keeps_deployments_and_adopts_replicas() -> Result
     wait_until(Duration::from_secs(10), "worker reconnected", || {
         let mut c = c.clone();
         async move {
-            c.list_nodes(ListNodesRequest {}).await.is_ok_and(|n| {
-                n.into_inner().nodes.iter().any(|n| n.state() == pb::NodeState::Ready)
-            })
+            c.list_nodes(ListNodesRequest {})
+                .await
+                .is_ok_and(|n| n.into_inner().nodes.iter().any(|n| n.state() == pb::NodeState::Ready))
         }
     })
     .await?;

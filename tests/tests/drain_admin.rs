@@ -43,7 +43,11 @@ async fn drain_and_uncordon(cluster: &mut Cluster) -> Result<()> {
     })
     .await?;
     load.wait_more(3, Duration::from_secs(60)).await?;
-    assert_eq!(cluster.router_metric(&dispatch_metric(&replica)).await?, after_update, "dispatched after the route update");
+    assert_eq!(
+        cluster.router_metric(&dispatch_metric(&replica)).await?,
+        after_update,
+        "dispatched after the route update"
+    );
     let recs = cluster.replicas().await?;
     assert!(recs.iter().all(|r| r.node_id != "w3"), "placed on a drained node: {recs:?}");
     assert_eq!(recs.iter().filter(|r| r.state() == ReplicaState::Ready).count(), 2);

@@ -42,7 +42,8 @@ async fn head_restart(cluster: &mut Cluster) -> Result<()> {
     eventually(Duration::from_secs(60), "restarted head leads with the deployment", || {
         let head = head.clone();
         async move {
-            let st = HeadServiceClient::connect(head).await?.cluster_status(ClusterStatusRequest {}).await?.into_inner();
+            let st =
+                HeadServiceClient::connect(head).await?.cluster_status(ClusterStatusRequest {}).await?.into_inner();
             if st.is_leader && st.deployments.is_empty() {
                 bail!("head is leader with zero deployments");
             }
@@ -84,7 +85,9 @@ async fn workers_gone(cluster: &mut Cluster) -> Result<()> {
     let mut failures = 0;
     while t.elapsed() < Duration::from_secs(6) {
         let sent = Instant::now();
-        let res = tokio::time::timeout(Duration::from_secs(5), stream(&cluster.grpc, greedy_request(PROMPTS[0], 8, true))).await;
+        let res =
+            tokio::time::timeout(Duration::from_secs(5), stream(&cluster.grpc, greedy_request(PROMPTS[0], 8, true)))
+                .await;
         let took = sent.elapsed();
         match res {
             Ok(Err(e)) => {

@@ -18,7 +18,9 @@ use anyhow::{Context, Result, bail};
 use drain_support::{Cluster, ClusterOptions, Load, PROMPTS, SERVED, greedy_request, quantile, reference, stream};
 use e2e_support::model;
 use nix::sys::signal::Signal;
-use prism_common::proto::v1::{ChatMessage, ChatMessages, FinishReason, GenerateRequest, SamplingParams, generate_request};
+use prism_common::proto::v1::{
+    ChatMessage, ChatMessages, FinishReason, GenerateRequest, SamplingParams, generate_request,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -76,7 +78,10 @@ async fn sigterm_under_streaming_load_loses_nothing() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let trials: usize = std::env::var("PRISM_DRAIN_TRIALS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     let grace = Duration::from_secs(30);
-    let opts = ClusterOptions { worker_args: vec!["--drain-grace".into(), "30".into(), "--drain-margin".into(), "5".into()], ..Default::default() };
+    let opts = ClusterOptions {
+        worker_args: vec!["--drain-grace".into(), "30".into(), "--drain-margin".into(), "5".into()],
+        ..Default::default()
+    };
     let mut cluster = Cluster::start(&model, opts).await?;
     let outcome = async {
         let reference = Arc::new(reference(&cluster.grpc, MAX_TOKENS).await?);
@@ -135,9 +140,16 @@ async fn c09_long_stream_survives_sigterm() -> Result<()> {
         let req = GenerateRequest {
             model: SERVED.into(),
             prompt: Some(generate_request::Prompt::Chat(ChatMessages {
-                messages: vec![ChatMessage { role: "user".into(), content: "Explain in three sentences why the sky is blue.".into() }],
+                messages: vec![ChatMessage {
+                    role: "user".into(),
+                    content: "Explain in three sentences why the sky is blue.".into(),
+                }],
             })),
-            sampling: Some(SamplingParams { temperature: Some(0.0), max_tokens: Some(1000), ..SamplingParams::default() }),
+            sampling: Some(SamplingParams {
+                temperature: Some(0.0),
+                max_tokens: Some(1000),
+                ..SamplingParams::default()
+            }),
             ..GenerateRequest::default()
         };
         let grpc = cluster.grpc.clone();

@@ -180,7 +180,8 @@ fn check_status(cluster: &Cluster) -> Result<()> {
     let status = prism_cli(&["--head", &cluster.head, "status"])?;
     assert!(status.contains("Nodes (2):"), "{status}");
     for node in ["worker-1", "worker-2"] {
-        let line = status.lines().find(|l| l.starts_with(node)).with_context(|| format!("{node} missing:\n{status}"))?;
+        let line =
+            status.lines().find(|l| l.starts_with(node)).with_context(|| format!("{node} missing:\n{status}"))?;
         assert!(line.split_whitespace().any(|c| c == "Ready"), "{line}");
     }
     assert!(status.contains("Replicas (2):"), "{status}");

@@ -76,10 +76,8 @@ fn every_probe_path_and_port_is_served_by_the_binaries() -> Result<()> {
         bail!("the probe plan needs PyYAML and kubernetes-validate (tests/k8s/setup.sh)");
     };
     let bins = bin_dir()?;
-    let missing: Vec<_> = ["prism-head", "prism-worker", "prism-router"]
-        .into_iter()
-        .filter(|b| !bins.join(b).exists())
-        .collect();
+    let missing: Vec<_> =
+        ["prism-head", "prism-worker", "prism-router"].into_iter().filter(|b| !bins.join(b).exists()).collect();
     if !missing.is_empty() {
         let msg = format!("{missing:?} not built in {}: run `cargo build --workspace --bins`", bins.display());
         ensure!(std::env::var_os("CI").is_none(), "{msg}");

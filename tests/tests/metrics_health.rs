@@ -29,8 +29,8 @@ use e2e_support::{Proc, bin, eventually, model, prism_cli};
 use prism_common::proto::v1::head_service_client::HeadServiceClient;
 use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
 use prism_common::proto::v1::{
-    ClusterStatusRequest, FinishReason, GenerateRequest, ListModelsRequest, ReplicaState,
-    SamplingParams, TokenIds, generate_request,
+    ClusterStatusRequest, FinishReason, GenerateRequest, ListModelsRequest, ReplicaState, SamplingParams, TokenIds,
+    generate_request,
 };
 use prism_tests::free_port;
 use std::collections::BTreeMap;
@@ -356,7 +356,11 @@ async fn scenario(c: &Cluster) -> Result<()> {
             Ok((all == serving && svc == serving).then_some(()))
         })
         .await?;
-        assert_eq!(http_status(&format!("{}/debug/replicas/nope/kill-engine", w.http)).await?, 405, "GET is not a kill");
+        assert_eq!(
+            http_status(&format!("{}/debug/replicas/nope/kill-engine", w.http)).await?,
+            405,
+            "GET is not a kill"
+        );
     }
     eventually(Duration::from_secs(5), "router grpc health SERVING", || async {
         Ok((grpc_health(&c.router_grpc, "").await? == ServingStatus::Serving as i32).then_some(()))
@@ -453,7 +457,8 @@ async fn scenario(c: &Cluster) -> Result<()> {
     let placed = c.replica_by_node().await?;
     let (dead, live) = (&c.workers[0], &c.workers[1]);
     let replica = placed.get(&dead.node).context("no replica on w1")?.clone();
-    let kill = reqwest::Client::new().post(format!("{}/debug/replicas/{replica}/kill-engine", dead.http)).send().await?;
+    let kill =
+        reqwest::Client::new().post(format!("{}/debug/replicas/{replica}/kill-engine", dead.http)).send().await?;
     assert_eq!(kill.status().as_u16(), 200, "kill-engine: {}", kill.text().await?);
     let killed = Instant::now();
     let readyz_failed = eventually(Duration::from_secs(5), "w1 /readyz fails", || async {
@@ -506,7 +511,8 @@ async fn scenario(c: &Cluster) -> Result<()> {
     .await?;
     eprintln!("stalled engine: w2 /readyz 503 {not_ready:?} after the request was sent");
     assert!(not_ready <= Duration::from_secs(5), "stall detected after {not_ready:?}");
-    let outcome = tokio::time::timeout(Duration::from_secs(10), stuck).await.context("request on the frozen replica hung")??;
+    let outcome =
+        tokio::time::timeout(Duration::from_secs(10), stuck).await.context("request on the frozen replica hung")??;
     let err = outcome.err().context("a request on the only (frozen) replica cannot succeed")?;
     let code = err.downcast_ref::<tonic::Status>().map(tonic::Status::code);
     assert_eq!(code, Some(tonic::Code::Unavailable), "fails fast with UNAVAILABLE: {err:#}");

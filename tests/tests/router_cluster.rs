@@ -21,7 +21,9 @@ mod drain_support;
 mod e2e_support;
 
 use anyhow::{Context, Result, bail};
-use drain_support::{Cluster, ClusterOptions, PROMPTS, greedy_request, router_ready_replicas, stream, wait_route_change};
+use drain_support::{
+    Cluster, ClusterOptions, PROMPTS, greedy_request, router_ready_replicas, stream, wait_route_change,
+};
 use e2e_support::{PrismUp, metric_sum, model, workspace_root};
 use nix::sys::signal::Signal;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -55,8 +55,10 @@ async fn scenario(c: &mut Cluster, frozen: &mut Option<usize>) -> Result<()> {
     assert_eq!(reference.tokens.len(), MAX_TOKENS as usize, "reference run: {reference:?}");
     let https: Vec<String> = c.workers.iter().map(|w| w.http.clone()).collect();
     for h in &https {
-        eventually(Duration::from_secs(30), "worker idle", || async move { Ok((engine_requests(h).await? == 0.0).then_some(())) })
-            .await?;
+        eventually(Duration::from_secs(30), "worker idle", || async move {
+            Ok((engine_requests(h).await? == 0.0).then_some(()))
+        })
+        .await?;
     }
     let retries = c.router_metric("prism_router_retries_total").await?;
     let migrations = c.router_metric("prism_router_migrations_total").await?;
@@ -99,7 +101,11 @@ async fn scenario(c: &mut Cluster, frozen: &mut Option<usize>) -> Result<()> {
     assert_eq!(r.prompt_tokens as usize, PROMPT_TOKENS);
     assert!(took < bound, "request took {took:?}, over worker_timeout + slack + reference run ({bound:?})");
     assert_eq!(c.router_metric("prism_router_retries_total").await? - retries, 1.0, "one retry before the first token");
-    assert_eq!(c.router_metric("prism_router_migrations_total").await?, migrations, "no migration (no token came from the frozen worker)");
+    assert_eq!(
+        c.router_metric("prism_router_migrations_total").await?,
+        migrations,
+        "no migration (no token came from the frozen worker)"
+    );
     assert_eq!(router_ready_replicas(&c.grpc).await?, 1, "the frozen replica left the routes");
     Ok(())
 }

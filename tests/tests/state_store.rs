@@ -144,7 +144,16 @@ async fn concurrent_cas_one_winner(s: Store) -> Result<()> {
 async fn lease_expiry_deletes_keys(s: Store) -> Result<()> {
     let lease = s.grant_lease(TTL).await?;
     s.put("/prism/v1/nodes/leased", b"alive".to_vec(), Some(lease)).await?;
-    let r = s.txn(Txn { success: vec![TxnOp::Put { key: "/prism/v1/nodes/leased2".into(), value: b"x".to_vec(), lease: Some(lease) }], ..Txn::default() }).await?;
+    let r = s
+        .txn(Txn {
+            success: vec![TxnOp::Put {
+                key: "/prism/v1/nodes/leased2".into(),
+                value: b"x".to_vec(),
+                lease: Some(lease),
+            }],
+            ..Txn::default()
+        })
+        .await?;
     ensure!(r.succeeded);
     let v = s.get("/prism/v1/nodes/leased").await?.context("leased key")?;
     ensure!(v.lease == Some(lease));
@@ -200,19 +209,32 @@ async fn watch_replays_from_revision(s: Store) -> Result<()> {
     // Live-only watch opened now must not see the history.
     let mut live = s.watch(p, None).await?;
     let mut w = s.watch(p, Some(r_a)).await?;
-    ensure!(next_event(&mut w).await? == WatchEvent::Put { key: format!("{p}a"), value: b"A".to_vec(), mod_revision: r_a });
-    ensure!(next_event(&mut w).await? == WatchEvent::Put { key: format!("{p}b"), value: b"B".to_vec(), mod_revision: r_b });
+    ensure!(
+        next_event(&mut w).await? == WatchEvent::Put { key: format!("{p}a"), value: b"A".to_vec(), mod_revision: r_a }
+    );
+    ensure!(
+        next_event(&mut w).await? == WatchEvent::Put { key: format!("{p}b"), value: b"B".to_vec(), mod_revision: r_b }
+    );
     ensure!(next_event(&mut w).await? == WatchEvent::Delete { key: format!("{p}a"), mod_revision: r_del });
     // Resuming from the middle replays only the rest.
     let mut mid = s.watch(p, Some(r_b + 1)).await?;
     ensure!(next_event(&mut mid).await? == WatchEvent::Delete { key: format!("{p}a"), mod_revision: r_del });
     // A transaction's writes share one revision and arrive together.
     let t = s
-        .txn(Txn { success: vec![TxnOp::put(format!("{p}c"), b"C"), TxnOp::put(format!("{p}d"), b"D")], ..Txn::default() })
+        .txn(Txn {
+            success: vec![TxnOp::put(format!("{p}c"), b"C"), TxnOp::put(format!("{p}d"), b"D")],
+            ..Txn::default()
+        })
         .await?;
     for stream in [&mut w, &mut mid, &mut live] {
-        ensure!(next_event(stream).await? == WatchEvent::Put { key: format!("{p}c"), value: b"C".to_vec(), mod_revision: t.revision });
-        ensure!(next_event(stream).await? == WatchEvent::Put { key: format!("{p}d"), value: b"D".to_vec(), mod_revision: t.revision });
+        ensure!(
+            next_event(stream).await?
+                == WatchEvent::Put { key: format!("{p}c"), value: b"C".to_vec(), mod_revision: t.revision }
+        );
+        ensure!(
+            next_event(stream).await?
+                == WatchEvent::Put { key: format!("{p}d"), value: b"D".to_vec(), mod_revision: t.revision }
+        );
     }
     Ok(())
 }
@@ -366,7 +388,10 @@ async fn embedded_persists_across_reopen() -> Result<()> {
         other => anyhow::bail!("expected Resync, got {other:?}"),
     }
     let mut fresh = s.watch(keys::DEPLOYMENTS, Some(last_rev + 1)).await?;
-    ensure!(next_event(&mut fresh).await? == WatchEvent::Put { key: "/prism/v1/deployments/d".into(), value: b"D".to_vec(), mod_revision: d_rev });
+    ensure!(
+        next_event(&mut fresh).await?
+            == WatchEvent::Put { key: "/prism/v1/deployments/d".into(), value: b"D".to_vec(), mod_revision: d_rev }
+    );
     drop(s);
     // A third open sees the write made after the reopen.
     let s = EmbeddedStore::open(&path)?;
@@ -395,7 +420,10 @@ async fn etcd_watch_resumes_after_etcd_restart() -> Result<()> {
     let other = EtcdStore::connect(&etcd.endpoints()).await?;
     let r2 = other.put("/prism/v1/nodes/n2", b"2".to_vec(), None).await?;
     let ev = next_event(&mut w).await?;
-    ensure!(ev == WatchEvent::Put { key: "/prism/v1/nodes/n2".into(), value: b"2".to_vec(), mod_revision: r2 }, "got {ev:?}");
+    ensure!(
+        ev == WatchEvent::Put { key: "/prism/v1/nodes/n2".into(), value: b"2".to_vec(), mod_revision: r2 },
+        "got {ev:?}"
+    );
     // The original client's unary calls reconnect too.
     let r3 = poll_put(&store, "/prism/v1/nodes/n3").await?;
     ensure!(next_event(&mut w).await?.revision() == r3);
@@ -429,7 +457,10 @@ async fn etcd_watch_from_compacted_revision_resyncs() -> Result<()> {
         other => anyhow::bail!("expected Resync, got {other:?}"),
     }
     let r4 = store.put("/prism/v1/nodes/c", b"C".to_vec(), None).await?;
-    ensure!(next_event(&mut w).await? == WatchEvent::Put { key: "/prism/v1/nodes/c".into(), value: b"C".to_vec(), mod_revision: r4 });
+    ensure!(
+        next_event(&mut w).await?
+            == WatchEvent::Put { key: "/prism/v1/nodes/c".into(), value: b"C".to_vec(), mod_revision: r4 }
+    );
     Ok(())
 }
 

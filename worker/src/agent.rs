@@ -260,11 +260,8 @@ impl Agent {
         }
         for r in self.replicas.all() {
             let (state, reason) = r.state();
-            let problem = if r.engine().is_none() {
-                Some("engine not loaded".to_owned())
-            } else {
-                self.engine_problem(&r)
-            };
+            let problem =
+                if r.engine().is_none() { Some("engine not loaded".to_owned()) } else { self.engine_problem(&r) };
             if state != ReplicaState::Ready || problem.is_some() {
                 let reason = problem.unwrap_or(reason);
                 why.push(format!("replica {} is {} {}", r.id, state.as_str_name(), reason).trim_end().to_owned());

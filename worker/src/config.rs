@@ -200,13 +200,8 @@ impl TryFrom<Args> for WorkerConfig {
     type Error = ConfigError;
 
     fn try_from(a: Args) -> Result<Self, ConfigError> {
-        let heads: Vec<String> = a
-            .head
-            .iter()
-            .map(|h| h.trim())
-            .filter(|h| !h.is_empty())
-            .map(normalize_endpoint)
-            .collect();
+        let heads: Vec<String> =
+            a.head.iter().map(|h| h.trim()).filter(|h| !h.is_empty()).map(normalize_endpoint).collect();
         if heads.is_empty() {
             return Err(ConfigError::NoHead);
         }
@@ -228,8 +223,8 @@ impl TryFrom<Args> for WorkerConfig {
             return Err(ConfigError::BadStallTimeout(stall));
         }
         let node_id = a.node_id.unwrap_or_else(hostname);
-        let valid = !node_id.is_empty()
-            && node_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        let valid =
+            !node_id.is_empty() && node_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
         if !valid {
             return Err(ConfigError::BadNodeId(node_id));
         }
@@ -290,10 +285,7 @@ mod tests {
     #[test]
     fn rejects_bad_values() {
         assert!(matches!(parse(&["--labels", "novalue"]), Err(ConfigError::BadLabel(_))));
-        assert!(matches!(
-            parse(&["--drain-grace", "5", "--drain-margin", "5"]),
-            Err(ConfigError::BadDrain { .. })
-        ));
+        assert!(matches!(parse(&["--drain-grace", "5", "--drain-margin", "5"]), Err(ConfigError::BadDrain { .. })));
         assert!(matches!(parse(&["--node-id", "a b"]), Err(ConfigError::BadNodeId(_))));
         assert!(matches!(parse(&["--engine-stall-timeout", "0"]), Err(ConfigError::BadStallTimeout(_))));
     }

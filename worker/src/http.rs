@@ -6,11 +6,11 @@
 
 use crate::agent::Agent;
 use crate::metrics::WorkerMetrics;
-use prism_engine::Fault;
 use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
+use prism_engine::Fault;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -21,8 +21,8 @@ pub type ModelLabels = Vec<(&'static str, String)>;
 
 /// vLLM's TTFT buckets (seconds).
 const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-    80.0, 160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
 ];
 /// vLLM's inter-token latency buckets (seconds).
 const ITL_BUCKETS: &[f64] =
@@ -56,14 +56,25 @@ impl WorkerMetrics {
     /// Registers every metric; engine gauges are read from `replicas` at scrape time.
     pub fn new(replicas: ReplicaMap) -> Self {
         let mut registry = Registry::default();
-        let ttft = Family::<ModelLabels, Histogram>::new_with_constructor(|| Histogram::new(TTFT_BUCKETS.iter().copied()));
-        let itl = Family::<ModelLabels, Histogram>::new_with_constructor(|| Histogram::new(ITL_BUCKETS.iter().copied()));
-        let e2e = Family::<ModelLabels, Histogram>::new_with_constructor(|| Histogram::new(E2E_BUCKETS.iter().copied()));
+        let ttft =
+            Family::<ModelLabels, Histogram>::new_with_constructor(|| Histogram::new(TTFT_BUCKETS.iter().copied()));
+        let itl =
+            Family::<ModelLabels, Histogram>::new_with_constructor(|| Histogram::new(ITL_BUCKETS.iter().copied()));
+        let e2e =
+            Family::<ModelLabels, Histogram>::new_with_constructor(|| Histogram::new(E2E_BUCKETS.iter().copied()));
         let prompt_tokens = Family::<ModelLabels, Counter>::default();
         let generation_tokens = Family::<ModelLabels, Counter>::default();
         let request_success = Family::<ModelLabels, Counter>::default();
-        registry.register("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds", ttft.clone());
-        registry.register("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds", itl.clone());
+        registry.register(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds",
+            ttft.clone(),
+        );
+        registry.register(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds",
+            itl.clone(),
+        );
         registry.register(
             "vllm:e2e_request_latency_seconds",
             "Histogram of end to end request latency in seconds",
@@ -71,11 +82,7 @@ impl WorkerMetrics {
         );
         registry.register("vllm:prompt_tokens", "Number of prefill tokens processed", prompt_tokens.clone());
         registry.register("vllm:generation_tokens", "Number of generation tokens processed", generation_tokens.clone());
-        registry.register(
-            "vllm:request_success",
-            "Count of successfully processed requests",
-            request_success.clone(),
-        );
+        registry.register("vllm:request_success", "Count of successfully processed requests", request_success.clone());
         registry.register_collector(Box::new(EngineCollector { replicas }));
         Self { registry, ttft, itl, e2e, prompt_tokens, generation_tokens, request_success }
     }

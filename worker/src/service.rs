@@ -5,13 +5,13 @@
 
 use crate::agent::replica::{InFlightGuard, OutputStream, Refusal};
 use crate::agent::{Agent, DrainSource};
-use prism_engine::{
-    ChatMessage, EngineError, EngineOutput, EngineRequest, FinishReason, Prompt, SamplingParams, TokenLogprob,
-};
 use crate::metrics::WorkerMetrics;
 use futures::StreamExt;
 use prism_common::RequestId;
 use prism_common::proto::v1::{self as pb, worker_service_server::WorkerService};
+use prism_engine::{
+    ChatMessage, EngineError, EngineOutput, EngineRequest, FinishReason, Prompt, SamplingParams, TokenLogprob,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -74,9 +74,9 @@ pub fn engine_request_from_proto(r: pb::WorkerGenerateRequest, now: Instant) -> 
     let prompt = match req.prompt {
         Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t),
         Some(pb::generate_request::Prompt::TokenIds(t)) => Prompt::TokenIds(t.ids),
-        Some(pb::generate_request::Prompt::Chat(c)) => Prompt::Chat(
-            c.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect(),
-        ),
+        Some(pb::generate_request::Prompt::Chat(c)) => {
+            Prompt::Chat(c.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect())
+        }
         None => return Err(Status::invalid_argument("prompt: missing (text, token_ids or chat)")),
     };
     let id = if req.request_id.is_empty() { RequestId::random() } else { RequestId(req.request_id) };
@@ -253,7 +253,10 @@ impl WorkerService for WorkerGrpc {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn drain(&self, request: Request<pb::WorkerDrainRequest>) -> Result<Response<pb::WorkerDrainResponse>, Status> {
+    async fn drain(
+        &self,
+        request: Request<pb::WorkerDrainRequest>,
+    ) -> Result<Response<pb::WorkerDrainResponse>, Status> {
         let r = request.into_inner();
         let deadline =
             if r.deadline_ms == 0 { self.agent.cfg.sigterm_drain } else { Duration::from_millis(r.deadline_ms) };
@@ -262,7 +265,10 @@ impl WorkerService for WorkerGrpc {
         Ok(Response::new(pb::WorkerDrainResponse { in_flight }))
     }
 
-    async fn health(&self, _request: Request<pb::WorkerHealthRequest>) -> Result<Response<pb::WorkerHealthResponse>, Status> {
+    async fn health(
+        &self,
+        _request: Request<pb::WorkerHealthRequest>,
+    ) -> Result<Response<pb::WorkerHealthResponse>, Status> {
         let replicas = self
             .agent
             .replicas()

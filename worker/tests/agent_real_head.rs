@@ -5,8 +5,8 @@
 //! binary or the model is not built/present.
 
 use anyhow::{Context, Result, bail};
-use prism_common::proto::v1::{self as pb, head_service_client::HeadServiceClient};
 use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
+use prism_common::proto::v1::{self as pb, head_service_client::HeadServiceClient};
 use prism_worker::{WorkerConfig, run};
 use std::path::PathBuf;
 use std::process::{Child, Command};
@@ -74,7 +74,12 @@ async fn generate(endpoint: &str, replica: &str) -> Result<usize> {
             request: Some(pb::GenerateRequest {
                 model: "smol".into(),
                 prompt: Some(pb::generate_request::Prompt::Text("Hello".into())),
-                sampling: Some(pb::SamplingParams { temperature: Some(0.0), max_tokens: Some(6), ignore_eos: true, ..Default::default() }),
+                sampling: Some(pb::SamplingParams {
+                    temperature: Some(0.0),
+                    max_tokens: Some(6),
+                    ignore_eos: true,
+                    ..Default::default()
+                }),
                 ..Default::default()
             }),
             ..Default::default()

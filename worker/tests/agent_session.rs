@@ -5,12 +5,12 @@
 
 use anyhow::{Context, Result, bail};
 use futures::StreamExt;
-use prism_common::proto::v1::{self as pb, head_message, worker_message};
 use prism_common::proto::v1::head_service_server::{HeadService, HeadServiceServer};
 use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
-use prism_worker::agent::replica::{EngineLauncher, EngineLoad, LaunchSpec, OutputStream, ReplicaEngine};
-use prism_worker::agent::launcher::engine_config;
+use prism_common::proto::v1::{self as pb, head_message, worker_message};
 use prism_engine::{EngineError, EngineHandle, EngineOutput, EngineRequest, Fault, FinishReason, Usage};
+use prism_worker::agent::launcher::engine_config;
+use prism_worker::agent::replica::{EngineLauncher, EngineLoad, LaunchSpec, OutputStream, ReplicaEngine};
 use prism_worker::{WorkerConfig, run, run_with_launcher};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -55,7 +55,8 @@ impl RecordingHead {
     }
 
     async fn send(&self, m: head_message::Msg) -> Result<()> {
-        let tx = self.commands.lock().ok().and_then(|c| c.as_ref().map(|c| c.1.clone())).context("no worker session")?;
+        let tx =
+            self.commands.lock().ok().and_then(|c| c.as_ref().map(|c| c.1.clone())).context("no worker session")?;
         tx.send(Ok(pb::HeadMessage { msg: Some(m) })).await.context("session closed")?;
         Ok(())
     }
@@ -125,28 +126,49 @@ impl HeadService for RecordingHead {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn watch_routes(&self, _r: Request<pb::WatchRoutesRequest>) -> Result<Response<Self::WatchRoutesStream>, Status> {
+    async fn watch_routes(
+        &self,
+        _r: Request<pb::WatchRoutesRequest>,
+    ) -> Result<Response<Self::WatchRoutesStream>, Status> {
         Err(Status::unimplemented("test double"))
     }
-    async fn apply_deployment(&self, _r: Request<pb::ApplyDeploymentRequest>) -> Result<Response<pb::ApplyDeploymentResponse>, Status> {
+    async fn apply_deployment(
+        &self,
+        _r: Request<pb::ApplyDeploymentRequest>,
+    ) -> Result<Response<pb::ApplyDeploymentResponse>, Status> {
         Err(Status::unimplemented("test double"))
     }
-    async fn delete_deployment(&self, _r: Request<pb::DeleteDeploymentRequest>) -> Result<Response<pb::DeleteDeploymentResponse>, Status> {
+    async fn delete_deployment(
+        &self,
+        _r: Request<pb::DeleteDeploymentRequest>,
+    ) -> Result<Response<pb::DeleteDeploymentResponse>, Status> {
         Err(Status::unimplemented("test double"))
     }
-    async fn scale_deployment(&self, _r: Request<pb::ScaleDeploymentRequest>) -> Result<Response<pb::ScaleDeploymentResponse>, Status> {
+    async fn scale_deployment(
+        &self,
+        _r: Request<pb::ScaleDeploymentRequest>,
+    ) -> Result<Response<pb::ScaleDeploymentResponse>, Status> {
         Err(Status::unimplemented("test double"))
     }
-    async fn list_deployments(&self, _r: Request<pb::ListDeploymentsRequest>) -> Result<Response<pb::ListDeploymentsResponse>, Status> {
+    async fn list_deployments(
+        &self,
+        _r: Request<pb::ListDeploymentsRequest>,
+    ) -> Result<Response<pb::ListDeploymentsResponse>, Status> {
         Err(Status::unimplemented("test double"))
     }
     async fn list_nodes(&self, _r: Request<pb::ListNodesRequest>) -> Result<Response<pb::ListNodesResponse>, Status> {
         Err(Status::unimplemented("test double"))
     }
-    async fn list_replicas(&self, _r: Request<pb::ListReplicasRequest>) -> Result<Response<pb::ListReplicasResponse>, Status> {
+    async fn list_replicas(
+        &self,
+        _r: Request<pb::ListReplicasRequest>,
+    ) -> Result<Response<pb::ListReplicasResponse>, Status> {
         Err(Status::unimplemented("test double"))
     }
-    async fn cluster_status(&self, _r: Request<pb::ClusterStatusRequest>) -> Result<Response<pb::ClusterStatusResponse>, Status> {
+    async fn cluster_status(
+        &self,
+        _r: Request<pb::ClusterStatusRequest>,
+    ) -> Result<Response<pb::ClusterStatusResponse>, Status> {
         Err(Status::unimplemented("test double"))
     }
     async fn cordon_node(&self, _r: Request<pb::NodeRequest>) -> Result<Response<pb::NodeResponse>, Status> {
@@ -360,8 +382,10 @@ async fn agent_registers_starts_real_model_generates_and_stops() -> Result<()> {
     // Start the real model: Starting → Ready.
     let model_str = model.to_string_lossy().into_owned();
     head.send(start_cmd("smol-1", &model_str)).await?;
-    head.wait_for(Duration::from_secs(10), |m| replica_state(m, "smol-1").filter(|s| s.0 == pb::ReplicaState::Starting))
-        .await?;
+    head.wait_for(Duration::from_secs(10), |m| {
+        replica_state(m, "smol-1").filter(|s| s.0 == pb::ReplicaState::Starting)
+    })
+    .await?;
     head.wait_for(Duration::from_secs(180), |m| replica_state(m, "smol-1").filter(|s| s.0 == pb::ReplicaState::Ready))
         .await?;
     let (code, body) = http_get(&format!("{}/readyz", w.http)).await?;

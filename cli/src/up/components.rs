@@ -29,7 +29,12 @@ pub struct Cluster {
 ///
 /// # Errors
 /// Fails on an invalid store or configuration.
-pub async fn start(store: &str, args: &super::UpArgs, listeners: Listeners, root: &CancellationToken) -> Result<Cluster> {
+pub async fn start(
+    store: &str,
+    args: &super::UpArgs,
+    listeners: Listeners,
+    root: &CancellationToken,
+) -> Result<Cluster> {
     let (store, state_dir) = if store == "embedded" {
         let dir = tempfile::Builder::new().prefix("prism-up-").tempdir()?;
         (StoreSpec::Embedded(dir.path().join("state.json")), Some(dir))
@@ -50,7 +55,8 @@ pub async fn start(store: &str, args: &super::UpArgs, listeners: Listeners, root
     let head_token = root.child_token();
     let worker_token = root.child_token();
     let router_token = root.child_token();
-    let mut head = tokio::spawn(prism_head::run(head_config, listeners.head_grpc, listeners.head_http, head_token.clone()));
+    let mut head =
+        tokio::spawn(prism_head::run(head_config, listeners.head_grpc, listeners.head_http, head_token.clone()));
     // Worker and router start once the head leads, so neither logs a "not the leader" retry.
     tokio::select! {
         r = wait_for_leader(&head_url) => r?,

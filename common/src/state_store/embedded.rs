@@ -19,8 +19,8 @@
 //! nothing is written after) and then unlocks, so the file can be reopened at once.
 
 use super::{
-    Compare, LeaseId, MAX_TXN_OPS, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, TxnResult,
-    Versioned, WatchEvent, WatchStream,
+    Compare, LeaseId, MAX_TXN_OPS, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, TxnResult, Versioned,
+    WatchEvent, WatchStream,
 };
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
@@ -135,9 +135,8 @@ impl EmbeddedStore {
         let lock = lock_file(&path)?;
         let state = match std::fs::read(&path) {
             Ok(bytes) => {
-                let snap: Snapshot = serde_json::from_slice(&bytes).map_err(|e| {
-                    StoreError::Internal(format!("parse {}: {e}", path.display()))
-                })?;
+                let snap: Snapshot = serde_json::from_slice(&bytes)
+                    .map_err(|e| StoreError::Internal(format!("parse {}: {e}", path.display())))?;
                 let mut state = State::new(snap.revision);
                 state.compacted = snap.revision;
                 for e in snap.entries {
@@ -197,7 +196,8 @@ fn lock_file(path: &Path) -> StoreResult<std::fs::File> {
     name.push(".lock");
     let lock = PathBuf::from(name);
     let io = |e: std::io::Error| StoreError::Internal(format!("lock {}: {e}", lock.display()));
-    let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lock).map_err(io)?;
+    let file =
+        std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lock).map_err(io)?;
     match file.try_lock() {
         Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::Locked { path: path.to_path_buf(), lock }),
@@ -211,12 +211,7 @@ async fn expiry_loop(weak: Weak<Inner>) {
         let Some(inner) = weak.upgrade() else { return };
         let mut state = inner.lock();
         let now = Instant::now();
-        let expired: Vec<LeaseId> = state
-            .leases
-            .iter()
-            .filter(|(_, l)| l.deadline <= now)
-            .map(|(id, _)| *id)
-            .collect();
+        let expired: Vec<LeaseId> = state.leases.iter().filter(|(_, l)| l.deadline <= now).map(|(id, _)| *id).collect();
         for id in expired {
             tracing::debug!(lease = id, "embedded store: lease expired");
             if let Err(e) = inner.remove_lease(&mut state, id) {
@@ -286,9 +281,7 @@ impl State {
 
     fn holds(&self, compare: &Compare) -> bool {
         match compare {
-            Compare::ModRevision { key, revision } => {
-                self.data.get(key).map_or(0, |v| v.mod_revision) == *revision
-            }
+            Compare::ModRevision { key, revision } => self.data.get(key).map_or(0, |v| v.mod_revision) == *revision,
         }
     }
 
@@ -326,8 +319,7 @@ impl State {
                 (replay, r.max(self.revision + 1))
             }
             Some(r) if r > 0 => {
-                let resync =
-                    WatchEvent::Resync { entries: self.list(prefix), revision: self.revision };
+                let resync = WatchEvent::Resync { entries: self.list(prefix), revision: self.revision };
                 (vec![resync], self.revision + 1)
             }
             _ => (Vec::new(), self.revision + 1),
@@ -619,7 +611,10 @@ mod tests {
         let total = BROADCAST_CAPACITY + 500;
         for i in 1..total {
             let txn = Txn {
-                success: vec![TxnOp::put(format!("/w/{i}"), b"x".to_vec()), TxnOp::put(format!("/w/{i}b"), b"y".to_vec())],
+                success: vec![
+                    TxnOp::put(format!("/w/{i}"), b"x".to_vec()),
+                    TxnOp::put(format!("/w/{i}b"), b"y".to_vec()),
+                ],
                 ..Txn::default()
             };
             s.txn(txn).await?;

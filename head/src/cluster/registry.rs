@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prism_common::proto::v1::{
-    DrainProgress, HeadMessage, NodeInventory, NodeRecord, NodeState, RegisterAck, ReplicaState,
-    ReplicaStatus, StartReplica, StopReplica, WorkerMessage, head_message, worker_message,
+    DrainProgress, HeadMessage, NodeInventory, NodeRecord, NodeState, RegisterAck, ReplicaState, ReplicaStatus,
+    StartReplica, StopReplica, WorkerMessage, head_message, worker_message,
 };
 use prism_common::{NodeId, ReplicaId};
 use tokio::sync::mpsc;
@@ -100,10 +100,12 @@ impl Cluster {
         {
             let mut st = self.state.lock().await;
             self.require_leader(&st)?;
-            let mut rec = st.view.nodes.get(&node).map(|e| e.record.clone()).unwrap_or_else(|| NodeRecord {
-                state: NodeState::Ready as i32,
-                ..Default::default()
-            });
+            let mut rec = st
+                .view
+                .nodes
+                .get(&node)
+                .map(|e| e.record.clone())
+                .unwrap_or_else(|| NodeRecord { state: NodeState::Ready as i32, ..Default::default() });
             rec.inventory = Some(inv);
             rec.last_seen_unix_ms = unix_ms();
             // A Draining node that is not cordoned was drained by its own worker (SIGTERM,
@@ -229,7 +231,11 @@ impl Cluster {
             let Some(e) = st.view.replicas.get(rid).filter(|e| e.record.node_id == node.as_str()) else {
                 if !matches!(rs, ReplicaState::Stopped | ReplicaState::Failed) {
                     tracing::info!(node = %node, replica = %rid, "stopping a replica no record assigns to this node");
-                    self.send(st, node, head_message::Msg::Stop(StopReplica { replica_id: rid.to_string(), deadline_ms: 0 }));
+                    self.send(
+                        st,
+                        node,
+                        head_message::Msg::Stop(StopReplica { replica_id: rid.to_string(), deadline_ms: 0 }),
+                    );
                 }
                 continue;
             };
@@ -252,7 +258,10 @@ impl Cluster {
                     self.delete_replica(st, rid).await?;
                     continue;
                 }
-                (ReplicaState::Starting | ReplicaState::Ready, ReplicaState::Starting | ReplicaState::Ready | ReplicaState::Failed) => {
+                (
+                    ReplicaState::Starting | ReplicaState::Ready,
+                    ReplicaState::Starting | ReplicaState::Ready | ReplicaState::Failed,
+                ) => {
                     rec.state = rs as i32;
                     rec.reason = if rs == ReplicaState::Failed { rep.reason.clone() } else { String::new() };
                     if rs == ReplicaState::Ready && rec.ready_unix_ms == 0 {
@@ -326,9 +335,10 @@ impl Cluster {
             gpu_indices: rec.gpu_indices.clone(),
         };
         if self.send(st, &node, head_message::Msg::Start(start))
-            && let Some(s) = st.sessions.get_mut(&node) {
-                s.started.insert(rid.clone());
-            }
+            && let Some(s) = st.sessions.get_mut(&node)
+        {
+            s.started.insert(rid.clone());
+        }
     }
 
     /// A worker-initiated drain (SIGTERM, spot notice): mark the node and its replicas
@@ -352,7 +362,13 @@ impl Cluster {
     ///
     /// # Errors
     /// Store failures.
-    pub async fn mark_node_replicas_draining(&self, st: &mut State, node: &NodeId, rel: Duration, reason: &str) -> HeadResult<()> {
+    pub async fn mark_node_replicas_draining(
+        &self,
+        st: &mut State,
+        node: &NodeId,
+        rel: Duration,
+        reason: &str,
+    ) -> HeadResult<()> {
         let ids: Vec<ReplicaRecordRef> = st
             .view
             .replicas_on(node)

@@ -70,7 +70,8 @@ impl ClusterView {
         let (reps, _) = store.list(keys::REPLICAS).await?;
         for (k, val) in reps {
             let r: ReplicaRecord = decode(&k, &val.value)?;
-            v.replicas.insert(ReplicaId::from(r.replica_id.as_str()), Entry { record: r, mod_revision: val.mod_revision });
+            v.replicas
+                .insert(ReplicaId::from(r.replica_id.as_str()), Entry { record: r, mod_revision: val.mod_revision });
         }
         Ok(v)
     }

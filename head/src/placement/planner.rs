@@ -131,21 +131,12 @@ pub enum Action {
 
 /// States whose replica counts towards a deployment's desired count.
 fn is_active(s: ReplicaState) -> bool {
-    matches!(
-        s,
-        ReplicaState::Pending | ReplicaState::Starting | ReplicaState::Ready | ReplicaState::Failed
-    )
+    matches!(s, ReplicaState::Pending | ReplicaState::Starting | ReplicaState::Ready | ReplicaState::Failed)
 }
 
 /// States whose replica holds its slots.
 pub fn holds_slots(s: ReplicaState) -> bool {
-    matches!(
-        s,
-        ReplicaState::Starting
-            | ReplicaState::Ready
-            | ReplicaState::Draining
-            | ReplicaState::Stopping
-    )
+    matches!(s, ReplicaState::Starting | ReplicaState::Ready | ReplicaState::Draining | ReplicaState::Stopping)
 }
 
 /// Removal preference: lower goes first.
@@ -169,11 +160,7 @@ struct Capacity<'a> {
 impl<'a> Capacity<'a> {
     fn free(&self, n: &NodeView) -> Vec<u32> {
         let used = self.used.get(&n.id);
-        n.slots
-            .iter()
-            .copied()
-            .filter(|s| used.is_none_or(|u| !u.contains(s)))
-            .collect()
+        n.slots.iter().copied().filter(|s| used.is_none_or(|u| !u.contains(s))).collect()
     }
     fn dep_count(&self, d: &DeploymentName, n: &NodeId) -> u32 {
         self.per_dep.get(&(d.clone(), n.clone())).copied().unwrap_or(0)
@@ -192,35 +179,28 @@ fn selector_matches(n: &NodeView, sel: &BTreeMap<String, String>) -> bool {
 ///
 /// Pure and deterministic (nodes are considered in id order). Running it again on the
 /// state that results from applying its actions yields no actions.
-pub fn plan(
-    nodes: &[NodeView],
-    deployments: &[DeploymentView],
-    replicas: &[ReplicaView],
-) -> Vec<Action> {
+pub fn plan(nodes: &[NodeView], deployments: &[DeploymentView], replicas: &[ReplicaView]) -> Vec<Action> {
     let mut actions = Vec::new();
     let mut sorted_nodes: Vec<&NodeView> = nodes.iter().collect();
     sorted_nodes.sort_by(|a, b| a.id.cmp(&b.id));
     let node_by_id: HashMap<&NodeId, &NodeView> = nodes.iter().map(|n| (&n.id, n)).collect();
-    let deps: BTreeMap<&DeploymentName, &DeploymentView> =
-        deployments.iter().map(|d| (&d.name, d)).collect();
+    let deps: BTreeMap<&DeploymentName, &DeploymentView> = deployments.iter().map(|d| (&d.name, d)).collect();
 
     let mut cap = Capacity { nodes: sorted_nodes, used: HashMap::new(), per_dep: HashMap::new() };
     // Replicas still counted per deployment after evictions and removals.
     let mut active: BTreeMap<&DeploymentName, Vec<&ReplicaView>> = BTreeMap::new();
 
     for r in replicas {
-        let node_alive = r
-            .node
-            .as_ref()
-            .is_some_and(|id| node_by_id.get(id).is_some_and(|n| n.alive));
+        let node_alive = r.node.as_ref().is_some_and(|id| node_by_id.get(id).is_some_and(|n| n.alive));
         if r.node.is_some() && !node_alive && r.state != ReplicaState::Stopped {
             actions.push(Action::Evict { replica: r.id.clone() });
             continue;
         }
         if let (Some(node), true) = (&r.node, holds_slots(r.state))
-            && let Some(n) = node_by_id.get(node) {
-                cap.used.entry(&n.id).or_default().extend(r.slots.iter().copied());
-            }
+            && let Some(n) = node_by_id.get(node)
+        {
+            cap.used.entry(&n.id).or_default().extend(r.slots.iter().copied());
+        }
         let Some(d) = deps.get(&r.deployment) else {
             if is_active(r.state) {
                 actions.push(Action::Remove { replica: r.id.clone() });
@@ -248,18 +228,16 @@ pub fn plan(
             let Some((idx, _)) = mine.iter().enumerate().min_by(|(_, a), (_, b)| {
                 let ca = a.node.as_ref().map_or(0, |n| cap.dep_count(&d.name, n));
                 let cb = b.node.as_ref().map_or(0, |n| cap.dep_count(&d.name, n));
-                removal_rank(a.state)
-                    .cmp(&removal_rank(b.state))
-                    .then(cb.cmp(&ca))
-                    .then(b.id.cmp(&a.id))
+                removal_rank(a.state).cmp(&removal_rank(b.state)).then(cb.cmp(&ca)).then(b.id.cmp(&a.id))
             }) else {
                 break;
             };
             let r = mine.swap_remove(idx);
             if let Some(n) = &r.node
-                && let Some(c) = cap.per_dep.get_mut(&(d.name.clone(), n.clone())) {
-                    *c = c.saturating_sub(1);
-                }
+                && let Some(c) = cap.per_dep.get_mut(&(d.name.clone(), n.clone()))
+            {
+                *c = c.saturating_sub(1);
+            }
             actions.push(Action::Remove { replica: r.id.clone() });
         }
         let mut on_demand_count = mine
@@ -282,11 +260,7 @@ pub fn plan(
         }
         for _ in mine.len()..want {
             let p = place_one(&mut cap, d, &mut on_demand_count);
-            actions.push(Action::Create {
-                deployment: d.name.clone(),
-                generation: d.generation,
-                placement: p,
-            });
+            actions.push(Action::Create { deployment: d.name.clone(), generation: d.generation, placement: p });
         }
     }
     actions
@@ -295,17 +269,10 @@ pub fn plan(
 /// Picks a node and slots for one replica of `d`, updating `cap`.
 fn place_one(cap: &mut Capacity<'_>, d: &DeploymentView, on_demand_count: &mut u32) -> Placement {
     let tp = d.tensor_parallel_size.max(1) as usize;
-    let eligible: Vec<&NodeView> = cap
-        .nodes
-        .iter()
-        .copied()
-        .filter(|n| n.schedulable && selector_matches(n, &d.node_selector))
-        .collect();
-    let fits: Vec<(&NodeView, Vec<u32>)> = eligible
-        .iter()
-        .map(|n| (*n, cap.free(n)))
-        .filter(|(_, f)| f.len() >= tp)
-        .collect();
+    let eligible: Vec<&NodeView> =
+        cap.nodes.iter().copied().filter(|n| n.schedulable && selector_matches(n, &d.node_selector)).collect();
+    let fits: Vec<(&NodeView, Vec<u32>)> =
+        eligible.iter().map(|n| (*n, cap.free(n))).filter(|(_, f)| f.len() >= tp).collect();
     let prefer_od = *on_demand_count < d.min_on_demand;
     let pool: Vec<&(&NodeView, Vec<u32>)> = if prefer_od && fits.iter().any(|(n, _)| on_demand(n)) {
         fits.iter().filter(|(n, _)| on_demand(n)).collect()
@@ -473,7 +440,9 @@ mod tests {
         nodes.push(node("c", 4, &[]));
         let acts = plan(&nodes, &deps, &rs);
         assert_eq!(acts.len(), 1);
-        assert!(matches!(&acts[0], Action::Place { placement: Placement::Assigned { node, .. }, .. } if node.as_str() == "c"));
+        assert!(
+            matches!(&acts[0], Action::Place { placement: Placement::Assigned { node, .. }, .. } if node.as_str() == "c")
+        );
     }
 
     #[test]
@@ -485,9 +454,7 @@ mod tests {
             vec![Action::Create {
                 deployment: "big".into(),
                 generation: 1,
-                placement: Placement::Pending {
-                    reason: "needs 8 GPUs on one node; largest free group is 4".into()
-                },
+                placement: Placement::Pending { reason: "needs 8 GPUs on one node; largest free group is 4".into() },
             }]
         );
     }
@@ -580,7 +547,9 @@ mod tests {
         let acts = plan(&nodes, &deps, &rs);
         assert_eq!(acts.len(), 2, "{acts:?}");
         assert_eq!(acts[0], Action::Remove { replica: rs[0].id.clone() });
-        assert!(matches!(&acts[1], Action::Create { placement: Placement::Assigned { slots, .. }, .. } if *slots == vec![0]));
+        assert!(
+            matches!(&acts[1], Action::Create { placement: Placement::Assigned { slots, .. }, .. } if *slots == vec![0])
+        );
         rs[0].restart_due = false;
         // A new generation replaces it, and its GPU is free again.
         let mut d2 = dep("m", 1, 1);

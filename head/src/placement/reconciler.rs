@@ -85,7 +85,9 @@ async fn mark_dead_nodes(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
         .nodes
         .iter()
         .filter(|(id, e)| e.record.state() != NodeState::Dead && !st.sessions.contains_key(*id))
-        .filter(|(id, _)| st.disconnected_since.get(*id).is_none_or(|t| now.duration_since(*t) >= cluster.cfg.worker_timeout))
+        .filter(|(id, _)| {
+            st.disconnected_since.get(*id).is_none_or(|t| now.duration_since(*t) >= cluster.cfg.worker_timeout)
+        })
         .map(|(id, _)| id.clone())
         .collect();
     for id in dead {
@@ -167,7 +169,11 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
             match rec.state() {
                 ReplicaState::Pending => cluster.delete_replica(st, &replica).await,
                 ReplicaState::Failed => {
-                    cluster.send(st, &node, head_message::Msg::Stop(StopReplica { replica_id: replica.to_string(), deadline_ms: 0 }));
+                    cluster.send(
+                        st,
+                        &node,
+                        head_message::Msg::Stop(StopReplica { replica_id: replica.to_string(), deadline_ms: 0 }),
+                    );
                     cluster.delete_replica(st, &replica).await
                 }
                 _ => {

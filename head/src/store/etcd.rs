@@ -10,12 +10,12 @@
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, Compare as EtcdCompare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue,
-    PutOptions, Txn as EtcdTxn, TxnOp as EtcdTxnOp, WatchOptions,
+    Client, Compare as EtcdCompare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions,
+    Txn as EtcdTxn, TxnOp as EtcdTxnOp, WatchOptions,
 };
 use prism_common::state_store::{
-    Compare, LeaseId, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, TxnResult,
-    Versioned, WatchEvent, WatchStream,
+    Compare, LeaseId, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, TxnResult, Versioned, WatchEvent,
+    WatchStream,
 };
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -65,12 +65,8 @@ impl EtcdStore {
     }
 
     async fn current_revision(&self, key: &str) -> StoreResult<Revision> {
-        let resp = self
-            .client
-            .kv_client()
-            .get(key, Some(GetOptions::new().with_count_only()))
-            .await
-            .map_err(classify)?;
+        let resp =
+            self.client.kv_client().get(key, Some(GetOptions::new().with_count_only())).await.map_err(classify)?;
         Ok(resp.header().map_or(0, |h| h.revision()))
     }
 }
@@ -128,9 +124,7 @@ fn key_string(kv: &KeyValue) -> Option<String> {
 
 fn to_etcd_op(op: TxnOp) -> EtcdTxnOp {
     match op {
-        TxnOp::Put { key, value, lease } => {
-            EtcdTxnOp::put(key, value, lease.map(|l| PutOptions::new().with_lease(l)))
-        }
+        TxnOp::Put { key, value, lease } => EtcdTxnOp::put(key, value, lease.map(|l| PutOptions::new().with_lease(l))),
         TxnOp::Delete { key } => EtcdTxnOp::delete(key, None),
     }
 }
@@ -152,12 +146,7 @@ impl StateStore for EtcdStore {
 
     async fn put(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> StoreResult<Revision> {
         let opts = lease.map(|l| PutOptions::new().with_lease(l));
-        let resp = self
-            .client
-            .kv_client()
-            .put(key, value, opts)
-            .await
-            .map_err(classify_lease(lease.unwrap_or(0)))?;
+        let resp = self.client.kv_client().put(key, value, opts).await.map_err(classify_lease(lease.unwrap_or(0)))?;
         Ok(resp.header().map_or(0, |h| h.revision()))
     }
 
@@ -180,9 +169,7 @@ impl StateStore for EtcdStore {
             .compares
             .into_iter()
             .map(|c| match c {
-                Compare::ModRevision { key, revision } => {
-                    EtcdCompare::mod_revision(key, CompareOp::Equal, revision)
-                }
+                Compare::ModRevision { key, revision } => EtcdCompare::mod_revision(key, CompareOp::Equal, revision),
             })
             .collect();
         let etcd_txn = EtcdTxn::new()

@@ -55,11 +55,8 @@ async fn read_response(s: &mut TcpStream, buf: &mut Vec<u8>) -> anyhow::Result<u
     let head = std::str::from_utf8(&buf[..head_end]).context("header not utf-8")?.to_ascii_lowercase();
     let status: u16 = head.get(9..12).context("short status line")?.parse()?;
     let chunked = head.contains("transfer-encoding: chunked");
-    let len = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .map(|v| v.trim().parse::<usize>())
-        .transpose()?;
+    let len =
+        head.lines().find_map(|l| l.strip_prefix("content-length:")).map(|v| v.trim().parse::<usize>()).transpose()?;
     if chunked {
         loop {
             if let Some(i) = find(&buf[head_end..], b"0\r\n\r\n")

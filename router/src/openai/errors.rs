@@ -120,15 +120,20 @@ impl From<DispatchError> for ApiError {
     fn from(e: DispatchError) -> Self {
         let message = e.to_string();
         match e {
-            DispatchError::UnknownModel(_) => Self { param: Some("model".into()), ..Self::new(StatusCode::NOT_FOUND, message) },
+            DispatchError::UnknownModel(_) => {
+                Self { param: Some("model".into()), ..Self::new(StatusCode::NOT_FOUND, message) }
+            }
             DispatchError::NoReplica(_) => {
                 Self { retry_after: Some(1), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, message) }
             }
-            DispatchError::Overloaded => Self { retry_after: Some(1), ..Self::new(StatusCode::TOO_MANY_REQUESTS, message) },
+            DispatchError::Overloaded => {
+                Self { retry_after: Some(1), ..Self::new(StatusCode::TOO_MANY_REQUESTS, message) }
+            }
             DispatchError::DeadlineExceeded => Self::new(StatusCode::GATEWAY_TIMEOUT, message),
             DispatchError::Worker(s) => {
                 let status = http_status(s.code());
-                let retry_after = matches!(status, StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE).then_some(1);
+                let retry_after =
+                    matches!(status, StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE).then_some(1);
                 // The worker names the field of an INVALID_ARGUMENT in `prism-param` metadata.
                 let param = (status == StatusCode::BAD_REQUEST)
                     .then(|| s.metadata().get(PARAM_METADATA).and_then(|v| v.to_str().ok()).map(str::to_owned))

@@ -187,7 +187,9 @@ pub struct ChatRequest {
 
 fn range(param: &'static str, v: Option<f32>, lo: f32, hi: f32) -> Result<(), ApiError> {
     match v {
-        Some(x) if !(lo..=hi).contains(&x) => Err(ApiError::invalid(param, format!("{param} must be in [{lo}, {hi}], got {x}"))),
+        Some(x) if !(lo..=hi).contains(&x) => {
+            Err(ApiError::invalid(param, format!("{param} must be in [{lo}, {hi}], got {x}")))
+        }
         _ => Ok(()),
     }
 }
@@ -335,7 +337,9 @@ impl CompletionRequest {
             PromptSpec::Text(t) => generate_request::Prompt::Text(t.clone()),
             PromptSpec::Ids(ids) => generate_request::Prompt::TokenIds(TokenIds { ids: ids.clone() }),
             PromptSpec::Texts(v) if v.len() == 1 => generate_request::Prompt::Text(v[0].clone()),
-            PromptSpec::IdLists(v) if v.len() == 1 => generate_request::Prompt::TokenIds(TokenIds { ids: v[0].clone() }),
+            PromptSpec::IdLists(v) if v.len() == 1 => {
+                generate_request::Prompt::TokenIds(TokenIds { ids: v[0].clone() })
+            }
             _ => return Err(ApiError::invalid("prompt", "exactly one prompt per request is supported")),
         };
         let req = GenerateRequest {

@@ -186,7 +186,8 @@ impl Cluster {
         eventually(Duration::from_secs(60), "workers registered", || {
             let head = head.clone();
             async move {
-                let st = HeadServiceClient::connect(head).await?.cluster_status(ClusterStatusRequest {}).await?.into_inner();
+                let st =
+                    HeadServiceClient::connect(head).await?.cluster_status(ClusterStatusRequest {}).await?.into_inner();
                 Ok((st.is_leader && st.nodes.len() == nodes).then_some(()))
             }
         })
@@ -215,7 +216,8 @@ impl Cluster {
         eventually(timeout, "replicas Ready at the head", || {
             let head = head.clone();
             async move {
-                let st = HeadServiceClient::connect(head).await?.cluster_status(ClusterStatusRequest {}).await?.into_inner();
+                let st =
+                    HeadServiceClient::connect(head).await?.cluster_status(ClusterStatusRequest {}).await?.into_inner();
                 if let Some(f) = st.replicas.iter().find(|r| r.state == ReplicaState::Failed as i32) {
                     bail!("replica {} failed: {}", f.replica_id, f.reason);
                 }
@@ -553,7 +555,8 @@ impl Load {
         let report = Arc::new(Mutex::new(LoadReport::default()));
         let tasks = (0..clients)
             .map(|c| {
-                let (grpc, stop, report, reference) = (grpc.to_owned(), stop.clone(), report.clone(), reference.clone());
+                let (grpc, stop, report, reference) =
+                    (grpc.to_owned(), stop.clone(), report.clone(), reference.clone());
                 tokio::spawn(async move {
                     let mut i = c;
                     while !stop.load(Ordering::SeqCst) {
@@ -563,10 +566,11 @@ impl Load {
                         let Ok(mut rep) = report.lock() else { return };
                         match res {
                             // Usage and finish_reason describe the whole request, also after a migration.
-                            Ok(r) if r.tokens == reference[p]
-                                && r.completion_tokens == max_tokens
-                                && r.prompt_tokens as usize == PROMPTS[p].len()
-                                && r.finish == FinishReason::Length as i32 =>
+                            Ok(r)
+                                if r.tokens == reference[p]
+                                    && r.completion_tokens == max_tokens
+                                    && r.prompt_tokens as usize == PROMPTS[p].len()
+                                    && r.finish == FinishReason::Length as i32 =>
                             {
                                 rep.ok += 1;
                                 rep.results.push((p, r));

@@ -253,7 +253,8 @@ impl PrismUp {
     pub fn start(model: &Path, extra: &[&str]) -> Result<Self> {
         let mut args: Vec<String> = ["up", "--model"].iter().map(|s| (*s).to_owned()).collect();
         args.push(model.to_string_lossy().into_owned());
-        for flag in ["--port", "--grpc-port", "--head-port", "--head-http-port", "--worker-port", "--worker-http-port"] {
+        for flag in ["--port", "--grpc-port", "--head-port", "--head-http-port", "--worker-port", "--worker-http-port"]
+        {
             args.push(flag.to_owned());
             args.push("0".to_owned());
         }
@@ -435,10 +436,15 @@ pub fn reference_cases() -> Result<Vec<ReferenceCase>> {
 /// # Errors
 /// Fails on a gRPC error; a mismatch panics with both sequences.
 pub async fn check_reference_greedy(grpc: &str, served: &str) -> Result<()> {
-    let mut client = prism_common::proto::v1::inference_service_client::InferenceServiceClient::connect(grpc.to_owned()).await?;
+    let mut client =
+        prism_common::proto::v1::inference_service_client::InferenceServiceClient::connect(grpc.to_owned()).await?;
     for (i, case) in reference_cases()?.into_iter().enumerate() {
         let prompt = match (&case.prompt_ids, &case.prompt) {
-            (Some(ids), _) => prism_common::proto::v1::generate_request::Prompt::TokenIds(prism_common::proto::v1::TokenIds { ids: ids.clone() }),
+            (Some(ids), _) => {
+                prism_common::proto::v1::generate_request::Prompt::TokenIds(prism_common::proto::v1::TokenIds {
+                    ids: ids.clone(),
+                })
+            }
             (None, Some(text)) => prism_common::proto::v1::generate_request::Prompt::Text(text.clone()),
             (None, None) => continue,
         };
@@ -463,7 +469,6 @@ pub async fn check_reference_greedy(grpc: &str, served: &str) -> Result<()> {
     }
     Ok(())
 }
-
 
 /// `GET /v1/models` lists exactly `served`.
 ///

@@ -64,9 +64,9 @@ fn decode(e: &EngineHandle, prompt: &[u32], batch: usize, tokens: i64) -> Result
 }
 
 fn main() -> Result<()> {
-    let model = std::env::var_os("PRISM_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
+    let model = std::env::var_os("PRISM_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
     let tokens: i64 = std::env::var("PRISM_BENCH_DECODE_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
     let load = Instant::now();
     let mut cfg = EngineConfig::new(&model);
@@ -107,7 +107,10 @@ fn main() -> Result<()> {
     e.shutdown();
 
     println!("model: {} (backend {}, {} threads)", model.display(), info.backend, rayon_threads());
-    println!("load: {load_s:.2} s; KV cache: {} blocks x {} tokens, {} bytes/token", info.num_kv_blocks, info.block_size, info.kv_bytes_per_token);
+    println!(
+        "load: {load_s:.2} s; KV cache: {} blocks x {} tokens, {} bytes/token",
+        info.num_kv_blocks, info.block_size, info.kv_bytes_per_token
+    );
     println!("| metric | value |");
     println!("| --- | --- |");
     println!("| prefill, 512-token prompt | {prefill_tps:.0} tokens/s (TTFT {:.0} ms) |", prefill.as_secs_f64() * 1e3);

@@ -83,7 +83,15 @@ mod check {
     impl Problem {
         /// Allocates and fills a problem whose block pool holds `ctxs` (or `ctx_cap` per token
         /// if larger, so later metadata up to `ctx_cap` fits), then uploads `ctxs`' metadata.
-        fn new(gpu: &Gpu, shape: AttnShape, ctxs: &[usize], bs: usize, q_scale: f32, ctx_cap: usize, rng: &mut Rng) -> Result<Self> {
+        fn new(
+            gpu: &Gpu,
+            shape: AttnShape,
+            ctxs: &[usize],
+            bs: usize,
+            q_scale: f32,
+            ctx_cap: usize,
+            rng: &mut Rng,
+        ) -> Result<Self> {
             let n = ctxs.len();
             let (qh, kvh, hd) = (shape.q_heads, shape.kv_heads, shape.head_dim);
             let need: usize = ctxs.iter().map(|c| c.div_ceil(bs)).sum();
@@ -189,13 +197,21 @@ mod check {
             let mut b = gpu.stream.launch_builder(f);
             b.arg(&self.out_ref.ptr).arg(&self.part_ref.ptr).arg(&self.qkv.ptr).arg(&self.kc.ptr).arg(&self.vc.ptr);
             b.arg(&pos).arg(&tok_bt).arg(&bts).arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0);
-            let cfg = LaunchConfig { grid_dim: (self.n as u32, s.kv_heads as u32, chunks as u32), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid_dim: (self.n as u32, s.kv_heads as u32, chunks as u32),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
             // SAFETY: buffers sized in `new` for these shapes; block tables cover every context.
             unsafe { b.launch(cfg) }.context("paged_attention")?;
             if chunks > 1 {
                 let mut b = gpu.stream.launch_builder(&gpu.k.attn_combine);
                 b.arg(&self.out_ref.ptr).arg(&self.part_ref.ptr).arg(&pos).arg(&qh).arg(&hd).arg(&chunks_i).arg(&t0);
-                let cfg = LaunchConfig { grid_dim: (self.n as u32, s.q_heads as u32, 1), block_dim: (s.head_dim as u32, 1, 1), shared_mem_bytes: 0 };
+                let cfg = LaunchConfig {
+                    grid_dim: (self.n as u32, s.q_heads as u32, 1),
+                    block_dim: (s.head_dim as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
                 // SAFETY: as above.
                 unsafe { b.launch(cfg) }.context("attn_combine")?;
             }
@@ -297,8 +313,10 @@ mod check {
                 c.bs,
                 grid_splits(max_ctx, cap),
             );
-            rows.push(json!({"cap": cap, "grid_splits": grid_splits(max_ctx, cap), "max_abs_diff": d, "max_abs_ref": r,
-                             "nonfinite": bad, "deterministic": det, "pass": ok}));
+            rows.push(
+                json!({"cap": cap, "grid_splits": grid_splits(max_ctx, cap), "max_abs_diff": d, "max_abs_ref": r,
+                             "nonfinite": bad, "deterministic": det, "pass": ok}),
+            );
         }
         if ref_bad > 0 {
             println!("FAIL {:<22} reference produced {ref_bad} non-finite values", c.name);
@@ -336,16 +354,64 @@ mod check {
                 let mut rnd: Vec<usize> = (0..MAX_TOKENS).map(|_| 1 + rng.below(4096)).collect();
                 rnd[3] = 1;
                 rnd[4] = 4096;
-                cases.push(Case { name: "b256-random", ctxs: rnd, bs: 16, q_scale: 4.0, poison: false, caps: vec![INVARIANT_SPLIT_CAP, occ(256), 2], max_ctx: None });
+                cases.push(Case {
+                    name: "b256-random",
+                    ctxs: rnd,
+                    bs: 16,
+                    q_scale: 4.0,
+                    poison: false,
+                    caps: vec![INVARIANT_SPLIT_CAP, occ(256), 2],
+                    max_ctx: None,
+                });
                 for ctx in [1usize, 128, 4096, 5000, 16384] {
-                    cases.push(Case { name: "b1", ctxs: vec![ctx], bs: 16, q_scale: 4.0, poison: true, caps: vec![INVARIANT_SPLIT_CAP, occ(1), 4], max_ctx: None });
+                    cases.push(Case {
+                        name: "b1",
+                        ctxs: vec![ctx],
+                        bs: 16,
+                        q_scale: 4.0,
+                        poison: true,
+                        caps: vec![INVARIANT_SPLIT_CAP, occ(1), 4],
+                        max_ctx: None,
+                    });
                 }
                 for bs in [1usize, 8, 32] {
-                    cases.push(Case { name: "block-size", ctxs: mixed(14), bs, q_scale: 4.0, poison: bs != 1, caps: vec![INVARIANT_SPLIT_CAP, 2], max_ctx: None });
+                    cases.push(Case {
+                        name: "block-size",
+                        ctxs: mixed(14),
+                        bs,
+                        q_scale: 4.0,
+                        poison: bs != 1,
+                        caps: vec![INVARIANT_SPLIT_CAP, 2],
+                        max_ctx: None,
+                    });
                 }
-                cases.push(Case { name: "peaky-softmax", ctxs: mixed(28), bs: 16, q_scale: 16.0, poison: true, caps: vec![INVARIANT_SPLIT_CAP, 1], max_ctx: None });
-                cases.push(Case { name: "grid-smaller-than-ctx", ctxs: mixed(14), bs: 16, q_scale: 4.0, poison: false, caps: vec![INVARIANT_SPLIT_CAP, 5], max_ctx: Some(64) });
-                cases.push(Case { name: "flat-softmax", ctxs: mixed(14), bs: 16, q_scale: 0.05, poison: false, caps: vec![INVARIANT_SPLIT_CAP], max_ctx: None });
+                cases.push(Case {
+                    name: "peaky-softmax",
+                    ctxs: mixed(28),
+                    bs: 16,
+                    q_scale: 16.0,
+                    poison: true,
+                    caps: vec![INVARIANT_SPLIT_CAP, 1],
+                    max_ctx: None,
+                });
+                cases.push(Case {
+                    name: "grid-smaller-than-ctx",
+                    ctxs: mixed(14),
+                    bs: 16,
+                    q_scale: 4.0,
+                    poison: false,
+                    caps: vec![INVARIANT_SPLIT_CAP, 5],
+                    max_ctx: Some(64),
+                });
+                cases.push(Case {
+                    name: "flat-softmax",
+                    ctxs: mixed(14),
+                    bs: 16,
+                    q_scale: 0.05,
+                    poison: false,
+                    caps: vec![INVARIANT_SPLIT_CAP],
+                    max_ctx: None,
+                });
             }
             for c in &cases {
                 let (ok, j) = run_case(gpu, &da, c, rng)?;
@@ -387,7 +453,11 @@ mod check {
             ok &= same;
             toks.push(json!({"token": i, "ctx": p.ctxs[i], "splits": splits_for(p.ctxs[i], INVARIANT_SPLIT_CAP), "bitwise_equal": same}));
         }
-        println!("{} batch invariance (cap {INVARIANT_SPLIT_CAP}): 5 tokens alone vs in a batch of {}: bitwise equal = {ok}", verdict(ok), p.n);
+        println!(
+            "{} batch invariance (cap {INVARIANT_SPLIT_CAP}): 5 tokens alone vs in a batch of {}: bitwise equal = {ok}",
+            verdict(ok),
+            p.n
+        );
         Ok((ok, json!({"case": "batch-invariance", "n": p.n, "tokens": toks, "pass": ok})))
     }
 
@@ -426,7 +496,10 @@ mod check {
                 let (d, r, bad) = compare(&got, &want);
                 let ok = bad == 0 && d <= TOL && r > 0.0;
                 pass &= ok;
-                println!("{} graph replay cap={cap:>2} metadata {label:<7} n={n} bucket={bucket}: max|diff|={d:.2e} nonfinite={bad}", verdict(ok));
+                println!(
+                    "{} graph replay cap={cap:>2} metadata {label:<7} n={n} bucket={bucket}: max|diff|={d:.2e} nonfinite={bad}",
+                    verdict(ok)
+                );
                 rows.push(json!({"cap": cap, "metadata": label, "max_abs_diff": d, "nonfinite": bad, "pass": ok}));
             }
         }
@@ -442,7 +515,8 @@ mod check {
         let ev = events(gpu, 2 * reps)?;
         for r in 0..reps + 3 {
             // SAFETY: `flush` holds `flush.bytes` bytes on this context.
-            unsafe { result::memset_d8_async(flush.ptr, (r & 0xff) as u8, flush.bytes, gpu.stream.cu_stream()) }.context("memset")?;
+            unsafe { result::memset_d8_async(flush.ptr, (r & 0xff) as u8, flush.bytes, gpu.stream.cu_stream()) }
+                .context("memset")?;
             if r >= 3 {
                 ev[2 * (r - 3)].record(&gpu.stream)?;
             }
@@ -452,7 +526,9 @@ mod check {
             }
         }
         gpu.sync()?;
-        let mut t: Vec<f64> = (0..reps).map(|i| ev[2 * i].elapsed_ms(&ev[2 * i + 1]).map(|ms| f64::from(ms) * 1e3)).collect::<Result<_, _>>()?;
+        let mut t: Vec<f64> = (0..reps)
+            .map(|i| ev[2 * i].elapsed_ms(&ev[2 * i + 1]).map(|ms| f64::from(ms) * 1e3))
+            .collect::<Result<_, _>>()?;
         t.sort_by(f64::total_cmp);
         Ok((t[reps / 2], t[0]))
     }
@@ -513,7 +589,13 @@ mod check {
                 let (d2, _, bad2) = compare(&p.download(gpu, p.out.ptr)?, &want);
                 let ok = ok && bad2 == 0 && d2 <= TOL;
                 pass &= ok;
-                let tag = if cap == occ { " (occupancy cap)" } else if cap == INVARIANT_SPLIT_CAP { " (invariant cap)" } else { "" };
+                let tag = if cap == occ {
+                    " (occupancy cap)"
+                } else if cap == INVARIANT_SPLIT_CAP {
+                    " (invariant cap)"
+                } else {
+                    ""
+                };
                 println!(
                     "  {} cap={cap:>2} splits={:>2} blocks={:>6}: cold {cold:7.1} us ({:.2} TB/s, min {min:.1}), warm {warm:7.1} us, x{:.2} vs reference, max|diff| {d:.1e}{tag}",
                     verdict(ok),
@@ -547,8 +629,13 @@ mod check {
         let j = json!({"device": gpu.name, "arch": gpu.arch, "tolerance": TOL, "correctness": cases, "graph": graph_j,
                        "perf": perf_j, "pass": pass, "seconds": secs});
         std::fs::write(&path, serde_json::to_string_pretty(&j)?).with_context(|| format!("write {path}"))?;
-        println!("cuda_attn_decode: {} (correctness {}, graph {}, perf-shape checks {}) in {secs:.1} s; JSON in {path}",
-                 verdict(pass), verdict(ok_c), verdict(ok_g), verdict(ok_p));
+        println!(
+            "cuda_attn_decode: {} (correctness {}, graph {}, perf-shape checks {}) in {secs:.1} s; JSON in {path}",
+            verdict(pass),
+            verdict(ok_c),
+            verdict(ok_g),
+            verdict(ok_p)
+        );
         if !pass {
             std::process::exit(1);
         }

@@ -39,7 +39,9 @@ mod check {
     use cudarc::driver::sys::CUevent_flags;
     use cudarc::driver::{LaunchConfig, PushKernelArg};
     use half::bf16;
-    use prism_engine::backend::cuda::attn_prefill::{FragmentLoads, PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq};
+    use prism_engine::backend::cuda::attn_prefill::{
+        FragmentLoads, PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq,
+    };
     use prism_engine::backend::cuda::device::{DevBuf, Gpu};
     use rayon::prelude::*;
     use serde_json::{Value, json};
@@ -104,7 +106,13 @@ mod check {
             PrefillDims { q_heads: self.c.qh, kv_heads: self.c.kvh, head_dim: self.c.hd, block_size: self.c.bs }
         }
         fn ptrs(&self, out: u64) -> PrefillPtrs {
-            PrefillPtrs { out, qkv: self.d_qkv.ptr, k_cache: self.d_kc.ptr, v_cache: self.d_vc.ptr, bts: self.d_bts.ptr }
+            PrefillPtrs {
+                out,
+                qkv: self.d_qkv.ptr,
+                k_cache: self.d_kc.ptr,
+                v_cache: self.d_vc.ptr,
+                bts: self.d_bts.ptr,
+            }
         }
         fn scale(&self) -> f32 {
             1.0 / (self.c.hd as f32).sqrt()
@@ -187,14 +195,22 @@ mod check {
             let mut b = gpu.stream.launch_builder(attn_fn);
             b.arg(&out).arg(&part.ptr).arg(&d.d_qkv.ptr).arg(&d.d_kc.ptr).arg(&d.d_vc.ptr).arg(&d.d_pos.ptr);
             b.arg(&d.d_tok_bt.ptr).arg(&d.d_bts.ptr).arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0_i);
-            let cfg = LaunchConfig { grid_dim: (cnt as u32, c.kvh as u32, chunks as u32), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig {
+                grid_dim: (cnt as u32, c.kvh as u32, chunks as u32),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
             // SAFETY: buffers hold the shapes the kernel reads (built above); part holds
             // cnt · qh · chunks · (hd + 2) f32.
             unsafe { b.launch(cfg) }.context("paged_attention")?;
             if chunks > 1 {
                 let mut b = gpu.stream.launch_builder(&gpu.k.attn_combine);
                 b.arg(&out).arg(&part.ptr).arg(&d.d_pos.ptr).arg(&qh).arg(&hd).arg(&chunks_i).arg(&t0_i);
-                let cfg = LaunchConfig { grid_dim: (cnt as u32, c.qh as u32, 1), block_dim: (c.hd as u32, 1, 1), shared_mem_bytes: 0 };
+                let cfg = LaunchConfig {
+                    grid_dim: (cnt as u32, c.qh as u32, 1),
+                    block_dim: (c.hd as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
                 // SAFETY: as above.
                 unsafe { b.launch(cfg) }.context("attn_combine")?;
             }
@@ -218,7 +234,8 @@ mod check {
         let rows: Vec<(usize, Vec<f32>)> = jobs
             .par_iter()
             .map(|&(row, p_end, bt_off)| {
-                let slots: Vec<usize> = (0..=p_end).map(|p| d.bts[bt_off + p / c.bs] as usize * c.bs + p % c.bs).collect();
+                let slots: Vec<usize> =
+                    (0..=p_end).map(|p| d.bts[bt_off + p / c.bs] as usize * c.bs + p % c.bs).collect();
                 let mut o = vec![0f32; c.qh * hd];
                 let mut sc = vec![0f64; slots.len()];
                 for h in 0..c.qh {
@@ -280,7 +297,12 @@ mod check {
 
     /// Runs the new kernel into `d.d_out` (sentinel-filled first) and returns the output and
     /// whether a row outside the query rows was written.
-    fn run_new(gpu: &Gpu, pf: &mut PrefillAttention, d: &Data, seqs: &[PrefillSeq]) -> anyhow::Result<(Vec<f32>, bool)> {
+    fn run_new(
+        gpu: &Gpu,
+        pf: &mut PrefillAttention,
+        d: &Data,
+        seqs: &[PrefillSeq],
+    ) -> anyhow::Result<(Vec<f32>, bool)> {
         gpu.fill_const(d.d_out.ptr, d.out_len(), SENTINEL)?;
         pf.launch(gpu, seqs, &d.ptrs(d.d_out.ptr), d.dims(), d.scale())?;
         let out = download_f32(gpu, d.d_out.ptr, d.out_len())?;
@@ -300,7 +322,13 @@ mod check {
             v.push(case(&format!("single L={l}"), llama, 16, &[(l, l)], 0));
         }
         v.push(case("chunk q300 @ ctx 1300", llama, 16, &[(300, 1300)], 0));
-        v.push(case("mixed 6 seqs with gaps", llama, 16, &[(37, 37), (200, 700), (1, 50), (129, 129), (64, 1000), (2, 2)], 3));
+        v.push(case(
+            "mixed 6 seqs with gaps",
+            llama,
+            16,
+            &[(37, 37), (200, 700), (1, 50), (129, 129), (64, 1000), (2, 2)],
+            3,
+        ));
         v.push(Case { qamp: 8.0, ..case("peaky softmax (q x4) L=600", llama, 16, &[(600, 600)], 0) });
         v.push(case("hd128 G1 L=333 bs32", (128, 8, 8), 32, &[(333, 333)], 0));
         v.push(case("hd128 G2 L=130 bs8", (128, 16, 8), 8, &[(130, 130)], 0));
@@ -313,7 +341,9 @@ mod check {
     }
 
     fn macs(c: &Case) -> f64 {
-        c.seqs.iter().map(|&(q, ctx)| q as f64 * (ctx as f64 - q as f64 / 2.0)).sum::<f64>() * 2.0 * (c.qh * c.hd) as f64
+        c.seqs.iter().map(|&(q, ctx)| q as f64 * (ctx as f64 - q as f64 / 2.0)).sum::<f64>()
+            * 2.0
+            * (c.qh * c.hd) as f64
     }
 
     /// Median of `iters` CUDA-event timings (µs) of `f` after `warm` untimed calls.
@@ -414,17 +444,27 @@ mod check {
                 tf(t_new),
                 tf(t_ref),
                 t_ref / t_new,
-                if l == 2048 { if t_new <= 400.0 { "  (target <= 400 us: met)" } else { "  (target <= 400 us: NOT met)" } } else { "" }
+                if l == 2048 {
+                    if t_new <= 400.0 { "  (target <= 400 us: met)" } else { "  (target <= 400 us: NOT met)" }
+                } else {
+                    ""
+                }
             );
-            timings.push(json!({"prompt_len": l, "new_us": t_new, "new_tflops": tf(t_new), "scalar_fragments_us": t_scalar,
-                "reference_us": t_ref, "reference_tflops": tf(t_ref), "speedup": t_ref / t_new}));
+            timings.push(
+                json!({"prompt_len": l, "new_us": t_new, "new_tflops": tf(t_new), "scalar_fragments_us": t_scalar,
+                "reference_us": t_ref, "reference_tflops": tf(t_ref), "speedup": t_ref / t_new}),
+            );
         }
         let report: Value = json!({
             "device": gpu.name, "arch": gpu.arch, "compile_seconds": compile_s, "tolerance": TOL, "cases": results,
             "invariance": inv, "timings": timings, "pass": all_pass, "wall_seconds": t_start.elapsed().as_secs_f64(),
         });
         std::fs::write(&out_path, serde_json::to_string_pretty(&report)?)?;
-        println!("cuda_attn_prefill: {} ({:.1} s)", if all_pass { "PASS" } else { "FAIL" }, t_start.elapsed().as_secs_f64());
+        println!(
+            "cuda_attn_prefill: {} ({:.1} s)",
+            if all_pass { "PASS" } else { "FAIL" },
+            t_start.elapsed().as_secs_f64()
+        );
         if !all_pass {
             std::process::exit(1);
         }

@@ -46,11 +46,9 @@ mod bench {
             let blocks: Vec<u32> = ((i * per) as u32..((i + 1) * per) as u32).collect();
             let start = s.token_ids.len();
             for p in ctx - q..ctx {
-                s.token_ids
-                    .push(((p * 7919 + i * 104_729) % 128_000) as u32);
+                s.token_ids.push(((p * 7919 + i * 104_729) % 128_000) as u32);
                 s.positions.push(p as u32);
-                s.slot_mapping
-                    .push(blocks[p / BS] * BS as u32 + (p % BS) as u32);
+                s.slot_mapping.push(blocks[p / BS] * BS as u32 + (p % BS) as u32);
             }
             s.seqs.push(SeqStep {
                 query_start: start,
@@ -63,12 +61,7 @@ mod bench {
         s
     }
 
-    fn time_greedy(
-        be: &mut CudaBackend,
-        b: &StepBatch,
-        warm: usize,
-        iters: usize,
-    ) -> anyhow::Result<f64> {
+    fn time_greedy(be: &mut CudaBackend, b: &StepBatch, warm: usize, iters: usize) -> anyhow::Result<f64> {
         for _ in 0..warm {
             be.forward_greedy(b)?;
         }
@@ -80,9 +73,7 @@ mod bench {
     }
 
     pub fn main() -> anyhow::Result<()> {
-        let out = std::env::args()
-            .nth(1)
-            .unwrap_or_else(|| "cuda_bench.json".into());
+        let out = std::env::args().nth(1).unwrap_or_else(|| "cuda_bench.json".into());
         let invariant = std::env::args().any(|a| a == "--invariant");
         let shape = SyntheticShape::llama3_8b(1234);
         let opts = CudaOptions {
@@ -99,8 +90,7 @@ mod bench {
         let wbytes = be.weight_bytes() as f64;
         let kv_tok = be.kv_bytes_per_token() as f64;
         let (h, l, inter, v) = (4096f64, 32f64, 14336f64, 128_256f64);
-        let matmul_params =
-            l * (h * (4096.0 + 2.0 * 1024.0) + h * 4096.0 + 3.0 * h * inter) + v * h;
+        let matmul_params = l * (h * (4096.0 + 2.0 * 1024.0) + h * 4096.0 + 3.0 * h * inter) + v * h;
         println!(
             "device {} init {init_s:.1}s weights {:.2} GB kv {} blocks ({} tokens, {} B/token)",
             be.device_name(),
@@ -125,10 +115,7 @@ mod bench {
                     let a = &ls.data[r * vocab..(r + 1) * vocab];
                     let b = &lb.data[r * vocab..(r + 1) * vocab];
                     let am = |x: &[f32]| {
-                        x.iter()
-                            .enumerate()
-                            .fold((0, f32::MIN), |m, (i, &v)| if v > m.1 { (i, v) } else { m })
-                            .0
+                        x.iter().enumerate().fold((0, f32::MIN), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0
                     };
                     agree += usize::from(am(a) == am(b));
                     for (x, y) in a.iter().zip(b) {
@@ -142,7 +129,10 @@ mod bench {
                     "{} gemv vs cublasLt decode b={bsz}: max |dlogit| {max_diff:.4} (max |logit| {max_abs:.3}), argmax agree {agree}/{bsz}",
                     if ok { "PASS" } else { "FAIL" }
                 );
-                results.insert(format!("gemv_check_b{bsz}"), json!({"max_abs_diff": max_diff, "max_abs_logit": max_abs, "argmax_agree": agree, "pass": ok}));
+                results.insert(
+                    format!("gemv_check_b{bsz}"),
+                    json!({"max_abs_diff": max_diff, "max_abs_logit": max_abs, "argmax_agree": agree, "pass": ok}),
+                );
             }
         }
         if !invariant {
@@ -157,30 +147,18 @@ mod bench {
                     }
                     be.set_gemv_max_tokens(gm);
                     let t = time_greedy(&mut be, &b, 5, 30)?;
-                    println!(
-                        "decode b={bsz} ctx=1024 gemv_max_tokens={gm}: {:.3} ms/step",
-                        t * 1e3
-                    );
+                    println!("decode b={bsz} ctx=1024 gemv_max_tokens={gm}: {:.3} ms/step", t * 1e3);
                     row.insert(format!("gemv_max_{gm}"), json!(t * 1e3));
                 }
-                results.insert(
-                    format!("gemv_sweep_b{bsz}_ctx1024_ms"),
-                    serde_json::Value::Object(row),
-                );
+                results.insert(format!("gemv_sweep_b{bsz}_ctx1024_ms"), serde_json::Value::Object(row));
             }
             be.set_gemv_max_tokens(CudaOptions::default().gemv_max_tokens);
             for v in [1usize, 0] {
                 be.set_gemv_variant(v);
                 for ctx in [128usize, 1024] {
                     let t = time_greedy(&mut be, &batch(1, ctx, 1, true), 5, 50)?;
-                    println!(
-                        "decode b=1 ctx={ctx} gemv variant {v}: {:.3} ms/step",
-                        t * 1e3
-                    );
-                    results.insert(
-                        format!("decode_b1_ctx{ctx}_gemv_variant_{v}"),
-                        json!(t * 1e3),
-                    );
+                    println!("decode b=1 ctx={ctx} gemv variant {v}: {:.3} ms/step", t * 1e3);
+                    results.insert(format!("decode_b1_ctx{ctx}_gemv_variant_{v}"), json!(t * 1e3));
                 }
             }
             // PDL on, then back to the default (off) for everything after the sweep.
@@ -200,18 +178,11 @@ mod bench {
                 let total: f64 = prof.iter().map(|p| p.1).sum();
                 println!("profile decode b={bsz} ctx={ctx}: {total:.0} us of kernels");
                 for (name, us, cnt) in &prof {
-                    println!(
-                        "  {name:<20} {us:>9.1} us  {cnt:>3} launches  {:>7.2} us each",
-                        us / *cnt as f64
-                    );
+                    println!("  {name:<20} {us:>9.1} us  {cnt:>3} launches  {:>7.2} us each", us / *cnt as f64);
                 }
                 results.insert(
                     format!("profile_b{bsz}_ctx{ctx}"),
-                    json!(
-                        prof.iter()
-                            .map(|p| json!({"kernel": p.0, "us": p.1, "launches": p.2}))
-                            .collect::<Vec<_>>()
-                    ),
+                    json!(prof.iter().map(|p| json!({"kernel": p.0, "us": p.1, "launches": p.2})).collect::<Vec<_>>()),
                 );
             }
         }
@@ -301,24 +272,12 @@ mod bench {
         let name = be.device_name().to_owned();
         drop(be);
         // The same decode steps without CUDA graphs (eager launches), for the comparison.
-        let mut eager = CudaBackend::synthetic(
-            &shape,
-            &CudaOptions {
-                cuda_graphs: false,
-                ..opts.clone()
-            },
-        )?;
+        let mut eager = CudaBackend::synthetic(&shape, &CudaOptions { cuda_graphs: false, ..opts.clone() })?;
         for ctx in [128usize, 1024] {
             let b = batch(1, ctx, 1, true);
             let t = time_greedy(&mut eager, &b, 5, 50)?;
-            println!(
-                "decode b=1 ctx={ctx} without CUDA graphs: {:.3} ms/step",
-                t * 1e3
-            );
-            results.insert(
-                format!("decode_b1_ctx{ctx}_no_graphs"),
-                json!({"ms_per_step": t * 1e3}),
-            );
+            println!("decode b=1 ctx={ctx} without CUDA graphs: {:.3} ms/step", t * 1e3);
+            results.insert(format!("decode_b1_ctx{ctx}_no_graphs"), json!({"ms_per_step": t * 1e3}));
         }
         let report = json!({
             "mode": if invariant { "batch_invariant" } else { "fast" },

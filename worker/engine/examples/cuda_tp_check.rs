@@ -28,9 +28,7 @@ mod check {
     use prism_engine::backend::cuda::tp::CudaTpBackend;
     use prism_engine::backend::{Backend, SeqStep, StepBatch};
     use prism_engine::model::{ModelSource, load_model};
-    use prism_engine::{
-        BackendKind, EngineConfig, EngineHandle, EngineRequest, Prompt, SamplingParams,
-    };
+    use prism_engine::{BackendKind, EngineConfig, EngineHandle, EngineRequest, Prompt, SamplingParams};
     use serde_json::{Value, json};
     use std::path::PathBuf;
 
@@ -38,20 +36,13 @@ mod check {
     const NEW: usize = 64;
 
     fn col<T: serde::de::DeserializeOwned>(v: &Value, k: &str) -> Result<T> {
-        serde_json::from_value(
-            v.get(k)
-                .cloned()
-                .with_context(|| format!("reference.json has no {k}"))?,
-        )
-        .with_context(|| format!("reference.json {k}"))
+        serde_json::from_value(v.get(k).cloned().with_context(|| format!("reference.json has no {k}"))?)
+            .with_context(|| format!("reference.json {k}"))
     }
 
     pub fn main() -> Result<()> {
         let mut args = std::env::args().skip(1);
-        let dir = PathBuf::from(
-            args.next()
-                .context("usage: cuda_tp_check MODEL_DIR [OUT.json]")?,
-        );
+        let dir = PathBuf::from(args.next().context("usage: cuda_tp_check MODEL_DIR [OUT.json]")?);
         let out = args.next().unwrap_or_else(|| "cuda_tp_check.json".into());
         let v: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
         let prompts: Vec<Vec<u32>> = col(&v, "prompts")?;
@@ -63,11 +54,7 @@ mod check {
         let c = &loaded.config;
         println!(
             "model: {} layers, hidden {}, {} heads / {} KV heads, FFN {}; tensor_parallel_size 2; logit bound {bound:.4}",
-            c.num_hidden_layers,
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.intermediate_size
+            c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
         );
         let mut pass = true;
 
@@ -87,8 +74,7 @@ mod check {
             for (pos, &t) in p.iter().enumerate() {
                 b.token_ids.push(t);
                 b.positions.push(pos as u32);
-                b.slot_mapping
-                    .push(blocks[pos / BS] * BS as u32 + (pos % BS) as u32);
+                b.slot_mapping.push(blocks[pos / BS] * BS as u32 + (pos % BS) as u32);
             }
             b.seqs.push(SeqStep {
                 query_start: 0,
@@ -98,12 +84,7 @@ mod check {
                 want_logits: true,
             });
             let l = tp.forward(&b)?;
-            let err = l
-                .row(0)
-                .iter()
-                .zip(&logits_f32[i])
-                .map(|(a, b)| (f64::from(*a) - b).abs())
-                .fold(0.0, f64::max);
+            let err = l.row(0).iter().zip(&logits_f32[i]).map(|(a, b)| (f64::from(*a) - b).abs()).fold(0.0, f64::max);
             let ok = err.is_finite() && err <= bound;
             pass &= ok;
             println!(
@@ -118,9 +99,7 @@ mod check {
         // 2. Engine level: all prompts together through EngineHandle on a 2-GPU group.
         let mut cfg = EngineConfig::new(&dir);
         cfg.served_model_name = "tp2".into();
-        cfg.backend = BackendKind::Cuda {
-            devices: vec![0, 1],
-        };
+        cfg.backend = BackendKind::Cuda { devices: vec![0, 1] };
         cfg.gpu_memory_utilization = 0.2;
         let e = EngineHandle::start(cfg, None)?;
         let streams: Vec<_> = prompts

@@ -293,7 +293,13 @@ mod trace {
             token_ids: tokens.to_vec(),
             positions: (0..n as u32).collect(),
             slot_mapping: (0..n as u32).collect(),
-            seqs: vec![SeqStep { query_start: 0, query_len: n, context_len: n, block_table: blocks, want_logits: true }],
+            seqs: vec![SeqStep {
+                query_start: 0,
+                query_len: n,
+                context_len: n,
+                block_table: blocks,
+                want_logits: true,
+            }],
         }
     }
 
@@ -506,7 +512,10 @@ mod trace {
             None => CudaBackend::synthetic(&shape, &opts)?,
         };
         let init_s = t_init.elapsed().as_secs_f64();
-        report.insert("weights_from".into(), json!(a.model.as_ref().map_or("synthetic".to_owned(), |d| d.display().to_string())));
+        report.insert(
+            "weights_from".into(),
+            json!(a.model.as_ref().map_or("synthetic".to_owned(), |d| d.display().to_string())),
+        );
         report.insert("init_seconds".into(), json!(init_s));
         let (num_blocks, kv_bytes_per_token) = (be.num_kv_blocks(), be.kv_bytes_per_token());
         println!(
@@ -609,7 +618,8 @@ mod trace {
         let end = records.iter().filter_map(|r| r.finished).max().unwrap_or(t0);
         let wall = end.duration_since(t0).as_secs_f64();
         let tps = if wall > 0.0 { total as f64 / wall } else { 0.0 };
-        let mut ttft: Vec<f64> = records.iter().filter_map(|r| r.first.map(|f| f.duration_since(t0).as_secs_f64())).collect();
+        let mut ttft: Vec<f64> =
+            records.iter().filter_map(|r| r.first.map(|f| f.duration_since(t0).as_secs_f64())).collect();
         let mut tpot: Vec<f64> = records
             .iter()
             .filter_map(|r| match (r.first, r.last) {
@@ -618,7 +628,10 @@ mod trace {
             })
             .collect();
         let complete = records.len() == reqs.len()
-            && records.iter().zip(&reqs).all(|(r, q)| r.tokens == q.output_len && r.finish == Some(FinishReason::Length));
+            && records
+                .iter()
+                .zip(&reqs)
+                .all(|(r, q)| r.tokens == q.output_len && r.finish == Some(FinishReason::Length));
         pass &= complete;
         println!(
             "{} every request finished (length) with its own output length: {} of {} tokens",
@@ -680,16 +693,18 @@ mod trace {
         );
         report.insert(
             "per_request".into(),
-            json!(records
-                .iter()
-                .zip(&reqs)
-                .map(|(r, q)| {
-                    let since = |t: Option<Instant>| t.map(|t| t.duration_since(t0).as_secs_f64());
-                    json!({"input_len": q.prompt.len(), "output_len": q.output_len, "tokens": r.tokens,
+            json!(
+                records
+                    .iter()
+                    .zip(&reqs)
+                    .map(|(r, q)| {
+                        let since = |t: Option<Instant>| t.map(|t| t.duration_since(t0).as_secs_f64());
+                        json!({"input_len": q.prompt.len(), "output_len": q.output_len, "tokens": r.tokens,
                            "first_s": since(r.first), "finished_s": since(r.finished),
                            "finish": r.finish.map(FinishReason::as_str)})
-                })
-                .collect::<Vec<_>>()),
+                    })
+                    .collect::<Vec<_>>()
+            ),
         );
         report.insert("pass".into(), json!(pass));
         std::fs::write(&a.out, serde_json::to_string_pretty(&Value::Object(report))?)

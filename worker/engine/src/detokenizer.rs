@@ -27,11 +27,7 @@ pub struct Detokenizer {
 impl Detokenizer {
     /// A detokenizer cutting at any of `stops` (empty strings are ignored).
     pub fn new(stops: &[String], skip_special: bool) -> Self {
-        Self {
-            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
-            skip_special,
-            ..Self::default()
-        }
+        Self { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), skip_special, ..Self::default() }
     }
 
     /// Feeds tokens generated before (stream migration): their text counts as already

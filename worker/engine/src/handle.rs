@@ -11,9 +11,7 @@ use super::backend::{Backend, StepControl, StopKind};
 use super::codec::TextCodec;
 use super::kv_cache::BlockPool;
 use super::metrics::{EngineStats, StatsRecorder};
-use super::request::{
-    EngineError, EngineOutput, EngineRequest, Prompt, check_lengths, check_token_ids,
-};
+use super::request::{EngineError, EngineOutput, EngineRequest, Prompt, check_lengths, check_token_ids};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::step_loop::{Command, EngineCore, Fault, NewRequest};
 use std::pin::Pin;
@@ -221,12 +219,8 @@ impl EngineHandle {
                 message: "prior_output_ids require n = 1".into(),
             });
         }
-        let max_new = check_lengths(
-            prompt.len(),
-            req.prior_output_ids.len(),
-            req.params.max_tokens,
-            inner.info.max_model_len,
-        )?;
+        let max_new =
+            check_lengths(prompt.len(), req.prior_output_ids.len(), req.params.max_tokens, inner.info.max_model_len)?;
         let in_flight = inner.stats.in_flight.fetch_add(1, Ordering::Relaxed);
         if in_flight >= inner.cfg.max_pending_requests {
             inner.stats.in_flight.fetch_sub(1, Ordering::Relaxed);

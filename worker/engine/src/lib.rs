@@ -19,6 +19,7 @@
 
 pub mod backend;
 pub mod codec;
+mod config;
 pub mod detokenizer;
 pub mod handle;
 pub mod kv_cache;
@@ -27,15 +28,14 @@ pub mod model;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;
-mod config;
 mod step_loop;
 #[cfg(test)]
 mod stop_tests;
 #[cfg(test)]
 mod test_double;
 
+pub use config::{BackendKind, EngineArgs, EngineConfig};
 pub use handle::{EngineHandle, EngineParts, ModelInfo, OutputStream, RuntimeConfig};
-pub use step_loop::Fault;
 pub use metrics::{EngineStats, FinishedCounts, KvWasteStats, LatencyHistogram};
 pub use request::*;
-pub use config::{BackendKind, EngineArgs, EngineConfig};
+pub use step_loop::Fault;

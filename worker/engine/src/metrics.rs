@@ -14,18 +14,16 @@ use std::time::{Duration, Instant};
 
 /// vLLM's `vllm:time_to_first_token_seconds` buckets.
 pub const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
 ];
 /// vLLM's `vllm:inter_token_latency_seconds` buckets.
-pub const ITL_BUCKETS: &[f64] = &[
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-    80.0,
-];
+pub const ITL_BUCKETS: &[f64] =
+    &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 /// vLLM's `vllm:e2e_request_latency_seconds` buckets.
 pub const E2E_BUCKETS: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-    480.0, 960.0, 1920.0, 7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
 ];
 
 /// A latency histogram snapshot (seconds).
@@ -299,11 +297,7 @@ impl StatsRecorder {
         EngineStats {
             running: self.running.load(Ordering::Relaxed),
             waiting: self.waiting.load(Ordering::Relaxed),
-            kv_cache_usage: if total_blocks == 0 {
-                0.0
-            } else {
-                1.0 - free_blocks as f64 / total_blocks as f64
-            },
+            kv_cache_usage: if total_blocks == 0 { 0.0 } else { 1.0 - free_blocks as f64 / total_blocks as f64 },
             free_blocks,
             total_blocks,
             num_preemptions_total: r(&self.preemptions),

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 pub use chat_template::ChatTemplate;
 pub use config::{ModelConfig, RopeScaling};
-pub use llama::{LayerWeights, LlamaWeights, Linear, QuantizedData};
+pub use llama::{LayerWeights, Linear, LlamaWeights, QuantizedData};
 pub use tokenizer::Tokenizer;
 
 use crate::EngineError;
@@ -46,11 +46,7 @@ impl ModelSource {
             field: "model",
             message: format!("model path {}: {e}", path.display()),
         })?;
-        if meta.is_dir() {
-            Ok(Self::HfDir(path.to_path_buf()))
-        } else {
-            Ok(Self::Gguf(path.to_path_buf()))
-        }
+        if meta.is_dir() { Ok(Self::HfDir(path.to_path_buf())) } else { Ok(Self::Gguf(path.to_path_buf())) }
     }
 
     /// The path this source reads.

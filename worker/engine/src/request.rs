@@ -249,9 +249,7 @@ impl SamplingParams {
         if !(rp > 0.0 && rp.is_finite()) {
             return Err(invalid("repetition_penalty", format!("repetition_penalty must be > 0, got {rp}")));
         }
-        for (field, v) in
-            [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)]
-        {
+        for (field, v) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
             if !(-2.0..=2.0).contains(&v) {
                 return Err(invalid(field, format!("{field} must be in [-2, 2], got {v}")));
             }

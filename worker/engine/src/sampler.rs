@@ -119,9 +119,7 @@ impl Sampler {
     }
 
     fn has_penalties(&self) -> bool {
-        self.cfg.repetition_penalty != 1.0
-            || self.cfg.frequency_penalty != 0.0
-            || self.cfg.presence_penalty != 0.0
+        self.cfg.repetition_penalty != 1.0 || self.cfg.frequency_penalty != 0.0 || self.cfg.presence_penalty != 0.0
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {
@@ -173,8 +171,7 @@ impl Sampler {
             return argmax(logits);
         }
         let inv_t = 1.0 / self.cfg.temperature as f64;
-        let mut cand: Vec<(u32, f64)> =
-            logits.iter().enumerate().map(|(i, &l)| (i as u32, clean(l) as f64)).collect();
+        let mut cand: Vec<(u32, f64)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, clean(l) as f64)).collect();
         let k = self.cfg.top_k;
         if k > 0 && k < cand.len() {
             cand.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
@@ -251,9 +248,7 @@ fn top_indices(logits: &[f32], k: usize) -> Vec<u32> {
         return Vec::new();
     }
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-    let cmp = |a: &u32, b: &u32| {
-        clean(logits[*b as usize]).total_cmp(&clean(logits[*a as usize])).then(a.cmp(b))
-    };
+    let cmp = |a: &u32, b: &u32| clean(logits[*b as usize]).total_cmp(&clean(logits[*a as usize])).then(a.cmp(b));
     if k < idx.len() {
         idx.select_nth_unstable_by(k - 1, cmp);
         idx.truncate(k);
@@ -344,7 +339,8 @@ mod tests {
         assert!(!plain(SamplingConfig { frequency_penalty: 0.1, ..cfg(0.0) }));
         assert!(!plain(SamplingConfig { presence_penalty: -0.1, ..cfg(0.0) }));
         // The same rows through `sample` and through a host argmax + `accept_greedy`.
-        let rows: [&[f32]; 4] = [&[0.1, f32::NAN, 3.0, 3.0], &[f32::NAN, f32::NAN], &[-1.0, -0.5], &[f32::NEG_INFINITY; 3]];
+        let rows: [&[f32]; 4] =
+            [&[0.1, f32::NAN, 3.0, 3.0], &[f32::NAN, f32::NAN], &[-1.0, -0.5], &[f32::NEG_INFINITY; 3]];
         let mut a = Sampler::new(cfg(0.0), Some(9), &[1, 2], &[3]);
         let mut b = Sampler::new(cfg(0.0), Some(9), &[1, 2], &[3]);
         for r in rows {

@@ -78,14 +78,7 @@ pub struct Scheduler {
 impl Scheduler {
     /// A scheduler allocating from `pool`.
     pub fn new(cfg: SchedulerConfig, pool: BlockPool) -> Self {
-        Self {
-            cfg,
-            pool,
-            seqs: HashMap::new(),
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            num_preemptions: 0,
-        }
+        Self { cfg, pool, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), num_preemptions: 0 }
     }
 
     /// Queues a sequence whose first `tokens.len()` tokens must be computed (prompt, plus

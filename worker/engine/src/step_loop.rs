@@ -25,12 +25,12 @@ use super::detokenizer::Detokenizer;
 use super::metrics::StatsRecorder;
 use super::request::{EngineOutput, FinishReason, TokenLogprob, TopLogprob, Usage};
 use super::sampler::{Sampled, Sampler, SamplingConfig};
-use super::scheduler::{SeqId, Scheduler};
+use super::scheduler::{Scheduler, SeqId};
 use prism_ids::RequestId;
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::error::TrySendError;
 
@@ -361,8 +361,7 @@ impl EngineCore {
             }
         }
         for k in expired {
-            let live: Vec<SeqId> =
-                self.reqs.get(&k).map(|r| r.seqs.clone()).unwrap_or_default();
+            let live: Vec<SeqId> = self.reqs.get(&k).map(|r| r.seqs.clone()).unwrap_or_default();
             for s in live {
                 if self.seqs.contains_key(&s) {
                     self.finish_seq(s, FinishReason::Abort, EngineOutput::default());

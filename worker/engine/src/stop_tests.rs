@@ -28,8 +28,12 @@ fn slow_engine(step_time: Duration, rt: RuntimeConfig) -> EngineHandle {
 }
 
 fn submit(e: &EngineHandle, prompt: &str, max_tokens: i64) -> OutputStream {
-    let params =
-        SamplingParams { temperature: 0.0, max_tokens: Some(max_tokens), ignore_eos: true, ..SamplingParams::default() };
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(max_tokens),
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
     let req = EngineRequest {
         id: "t".into(),
         prompt: Prompt::Text(prompt.into()),

@@ -153,8 +153,8 @@ impl Backend for PagedEchoBackend {
 mod tests {
     use super::*;
     use crate::{
-        EngineError, EngineHandle, EngineOutput, EngineParts, EngineRequest, FinishReason, OutputStream,
-        Prompt, RuntimeConfig, SamplingParams,
+        EngineError, EngineHandle, EngineOutput, EngineParts, EngineRequest, FinishReason, OutputStream, Prompt,
+        RuntimeConfig, SamplingParams,
     };
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -169,7 +169,13 @@ mod tests {
 
     /// An engine over any backend with the byte codec and EOS.
     fn engine_on(backend: Box<dyn Backend>, model_max_len: usize, rt: RuntimeConfig) -> EngineHandle {
-        let parts = EngineParts { backend, codec: Arc::new(ByteCodec::new()), eos_ids: vec![EOS], model_max_len, control: Default::default() };
+        let parts = EngineParts {
+            backend,
+            codec: Arc::new(ByteCodec::new()),
+            eos_ids: vec![EOS],
+            model_max_len,
+            control: Default::default(),
+        };
         EngineHandle::start_with_parts(parts, rt).expect("engine starts")
     }
 
@@ -289,8 +295,11 @@ mod tests {
             ]
         };
         let run = |e: &EngineHandle| {
-            let streams: Vec<_> =
-                params().into_iter().zip(PROMPTS.iter().cycle()).map(|(p, t)| e.submit(req(t, p)).expect("submit")).collect();
+            let streams: Vec<_> = params()
+                .into_iter()
+                .zip(PROMPTS.iter().cycle())
+                .map(|(p, t)| e.submit(req(t, p)).expect("submit"))
+                .collect();
             streams.into_iter().map(|s| drain(s).0).collect::<Vec<_>>()
         };
         let host = run(&engine(256, 4, RuntimeConfig::default()));
@@ -375,7 +384,8 @@ mod tests {
         let (c, _) = drain(background);
         assert_eq!((c[0].0.len(), c[0].2), (29, Some(FinishReason::Length)));
         // max_tokens None: until the window (40) is full.
-        let (c, outs) = drain(e.submit(req("0123456789", SamplingParams { max_tokens: None, ..greedy(1) })).expect("ok"));
+        let (c, outs) =
+            drain(e.submit(req("0123456789", SamplingParams { max_tokens: None, ..greedy(1) })).expect("ok"));
         assert_eq!((c[0].0.len(), c[0].2), (29, Some(FinishReason::Length)), "11 prompt tokens incl. BOS");
         assert_eq!(outs.last().and_then(|o| o.usage).map(|u| (u.prompt_tokens, u.completion_tokens)), Some((11, 29)));
         wait_idle(&e);

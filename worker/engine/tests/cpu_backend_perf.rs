@@ -24,7 +24,13 @@ fn step(seqs: &[(u32, usize, usize)], bs: usize) -> StepBatch {
             b.positions.push(p as u32);
             b.slot_mapping.push(table[p / bs] * bs as u32 + (p % bs) as u32);
         }
-        b.seqs.push(SeqStep { query_start: qs, query_len: len, context_len: ctx, block_table: table, want_logits: true });
+        b.seqs.push(SeqStep {
+            query_start: qs,
+            query_len: len,
+            context_len: ctx,
+            block_table: table,
+            want_logits: true,
+        });
     }
     b
 }

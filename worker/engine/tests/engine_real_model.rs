@@ -108,7 +108,8 @@ fn all_prompts() -> Vec<Prompt> {
 fn run(e: &EngineHandle, together: bool) -> Result<Vec<Vec<u32>>> {
     let mut out = Vec::new();
     if together {
-        let streams: Vec<_> = all_prompts().into_iter().map(|p| e.submit(req(p, greedy(16)))).collect::<Result<_, _>>()?;
+        let streams: Vec<_> =
+            all_prompts().into_iter().map(|p| e.submit(req(p, greedy(16)))).collect::<Result<_, _>>()?;
         for s in streams {
             out.push(drain(s).0[0].tokens.clone());
         }

@@ -46,11 +46,7 @@ fn fixture(name: &str) -> Result<serde_json::Value> {
 }
 
 fn ids(v: &serde_json::Value) -> Result<Vec<u32>> {
-    v.as_array()
-        .context("not an array")?
-        .iter()
-        .map(|x| x.as_u64().map(|x| x as u32).context("not an id"))
-        .collect()
+    v.as_array().context("not an array")?.iter().map(|x| x.as_u64().map(|x| x as u32).context("not an id")).collect()
 }
 
 /// One sequence's step: `tokens` at positions `start..start+len`, contiguous blocks
@@ -65,7 +61,13 @@ fn seq_step(batch: &mut StepBatch, tokens: &[u32], start: usize, first_block: u3
         batch.positions.push(p as u32);
         batch.slot_mapping.push(blocks[p / bs] * bs as u32 + (p % bs) as u32);
     }
-    batch.seqs.push(SeqStep { query_start: qs, query_len: tokens.len(), context_len: ctx, block_table: blocks, want_logits: want });
+    batch.seqs.push(SeqStep {
+        query_start: qs,
+        query_len: tokens.len(),
+        context_len: ctx,
+        block_table: blocks,
+        want_logits: want,
+    });
 }
 
 /// Greedy decoding of `new` tokens with one sequence in blocks `0..`.
@@ -77,11 +79,9 @@ fn greedy(backend: &mut dyn Backend, prompt: &[u32], new: usize) -> Result<Vec<u
     let mut logits = backend.forward(&batch)?;
     for _ in 0..new {
         let row = logits.row(0);
-        let next = row
-            .iter()
-            .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
-            .0 as u32;
+        let next =
+            row.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0
+                as u32;
         out.push(next);
         let mut b = StepBatch::default();
         seq_step(&mut b, &[next], prompt.len() + out.len() - 1, 0, bs, true);
@@ -268,7 +268,10 @@ fn smollm2_greedy_matches_f64_reference_and_llama_cpp() -> Result<()> {
                 .as_array()
                 .context("messages")?
                 .iter()
-                .map(|m| ChatMessage { role: m["role"].as_str().unwrap_or("").into(), content: m["content"].as_str().unwrap_or("").into() })
+                .map(|m| ChatMessage {
+                    role: m["role"].as_str().unwrap_or("").into(),
+                    content: m["content"].as_str().unwrap_or("").into(),
+                })
                 .collect();
             assert_eq!(chat.render(&msgs, true)?, text);
         }
@@ -288,4 +291,3 @@ fn smollm2_greedy_matches_f64_reference_and_llama_cpp() -> Result<()> {
     assert!(mismatches.is_empty(), "greedy mismatches:\n{}", mismatches.join("\n"));
     Ok(())
 }
-

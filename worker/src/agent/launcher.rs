@@ -2,8 +2,8 @@
 //! engine crate's `EngineHandle` and adapts it to [`ReplicaEngine`].
 
 use super::replica::{EngineLauncher, EngineLoad, LaunchSpec, OutputStream, Placement, ReplicaEngine};
-use prism_engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault};
 use futures::StreamExt;
+use prism_engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -118,7 +118,12 @@ mod tests {
     fn spec(placement: Placement, kv: u64, util: f32) -> LaunchSpec {
         LaunchSpec {
             replica_id: prism_common::ReplicaId::from("r1".to_owned()),
-            engine: pb::EngineConfig { model: "/m".into(), kv_cache_bytes: kv, gpu_memory_utilization: util, ..Default::default() },
+            engine: pb::EngineConfig {
+                model: "/m".into(),
+                kv_cache_bytes: kv,
+                gpu_memory_utilization: util,
+                ..Default::default()
+            },
             placement,
             kv_cache_bytes: 64 << 20,
             engine_threads: None,

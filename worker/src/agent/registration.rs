@@ -6,7 +6,7 @@
 //! adopts: they are never restarted.
 
 use super::{Agent, DrainSource};
-use prism_common::proto::v1::{self as pb, head_service_client::HeadServiceClient, head_message, worker_message};
+use prism_common::proto::v1::{self as pb, head_message, head_service_client::HeadServiceClient, worker_message};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -176,10 +176,8 @@ async fn goodbye(agent: &Agent, tx: mpsc::Sender<pb::WorkerMessage>, inbound: &m
         let _ = tx.send(msg(worker_message::Msg::Drain(d.to_proto()))).await;
     }
     drop(tx);
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        while let Ok(Some(_)) = inbound.message().await {}
-    })
-    .await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), async { while let Ok(Some(_)) = inbound.message().await {} })
+        .await;
 }
 
 /// Executes one command from the head.
@@ -197,7 +195,8 @@ fn handle(agent: &Arc<Agent>, m: pb::HeadMessage) {
             agent.stop_replica(&s.replica_id, Duration::from_millis(s.deadline_ms));
         }
         Some(head_message::Msg::Drain(d)) => {
-            let deadline = if d.deadline_ms == 0 { agent.cfg.sigterm_drain } else { Duration::from_millis(d.deadline_ms) };
+            let deadline =
+                if d.deadline_ms == 0 { agent.cfg.sigterm_drain } else { Duration::from_millis(d.deadline_ms) };
             let reason = if d.reason.is_empty() { "drain command" } else { d.reason.as_str() };
             agent.drain(deadline, reason, DrainSource::Head);
         }

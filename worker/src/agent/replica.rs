@@ -2,10 +2,10 @@
 //! the agent can be tested with a double), its state as reported to the head, and the
 //! in-flight accounting that drain and stop wait on (RAII [`InFlightGuard`]).
 
-use prism_engine::{EngineError, EngineOutput, EngineRequest, Fault};
 use futures::stream::BoxStream;
 use prism_common::ReplicaId;
 use prism_common::proto::v1::{self as pb, ReplicaState};
+use prism_engine::{EngineError, EngineOutput, EngineRequest, Fault};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -228,7 +228,8 @@ impl Replica {
     /// Status entry for the head, with the engine's effective `max_model_len` once loaded.
     pub fn status(&self) -> pb::ReplicaStatus {
         let (state, reason) = self.state();
-        let max_model_len = self.engine.get().and_then(|e| e.max_model_len()).map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX));
+        let max_model_len =
+            self.engine.get().and_then(|e| e.max_model_len()).map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX));
         pb::ReplicaStatus {
             replica_id: self.id.0.clone(),
             deployment: self.deployment.clone(),
@@ -306,10 +307,7 @@ mod tests {
             tokio::spawn(async move { r.wait_idle().await })
         };
         drop(g);
-        tokio::time::timeout(std::time::Duration::from_secs(2), waiter)
-            .await
-            .expect("idle within 2 s")
-            .expect("join");
+        tokio::time::timeout(std::time::Duration::from_secs(2), waiter).await.expect("idle within 2 s").expect("join");
         assert_eq!((r.in_flight(), r.tokens_in_flight()), (0, 0));
     }
 

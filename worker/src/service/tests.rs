@@ -5,7 +5,12 @@ use prism_engine::{TopLogprob, Usage};
 use tonic::Code;
 
 fn wreq(req: pb::GenerateRequest) -> pb::WorkerGenerateRequest {
-    pb::WorkerGenerateRequest { replica_id: "r".into(), request: Some(req), prior_output_ids: vec![5, 6], original_prompt_tokens: 0 }
+    pb::WorkerGenerateRequest {
+        replica_id: "r".into(),
+        request: Some(req),
+        prior_output_ids: vec![5, 6],
+        original_prompt_tokens: 0,
+    }
 }
 
 #[test]
@@ -89,7 +94,9 @@ fn request_conversion_prompts_deadline_and_prior_ids() -> anyhow::Result<()> {
         }),
         now,
     )?;
-    assert!(matches!(&chat.prompt, Prompt::Chat(m) if *m == vec![ChatMessage { role: "user".into(), content: "hi".into() }]));
+    assert!(
+        matches!(&chat.prompt, Prompt::Chat(m) if *m == vec![ChatMessage { role: "user".into(), content: "hi".into() }])
+    );
     assert_eq!(chat.deadline, None, "timeout 0 = no deadline");
     assert!(!chat.id.as_str().is_empty(), "empty request id gets a fresh one");
     Ok(())
@@ -109,7 +116,8 @@ fn missing_prompt_is_invalid_argument() {
 
 #[test]
 fn engine_errors_map_to_grpc_codes() {
-    let inv = engine_error_to_status(&EngineError::InvalidRequest { field: "max_tokens", message: "must be >= 1".into() });
+    let inv =
+        engine_error_to_status(&EngineError::InvalidRequest { field: "max_tokens", message: "must be >= 1".into() });
     assert_eq!(inv.code(), Code::InvalidArgument);
     assert!(inv.message().contains("max_tokens"), "message names the field");
     assert_eq!(inv.metadata().get("prism-param").and_then(|v| v.to_str().ok()), Some("max_tokens"));

@@ -107,14 +107,23 @@ impl CpuBackend {
     /// # Errors
     /// [`EngineError::InvalidRequest`] (field `kv_cache_bytes`) when the budget holds no
     /// block, or `block_size` is 0; [`EngineError::Internal`] when weights and config disagree.
-    pub fn new(weights: LlamaWeights, config: &ModelConfig, kv_cache_bytes: u64, block_size: usize) -> Result<Self, EngineError> {
+    pub fn new(
+        weights: LlamaWeights,
+        config: &ModelConfig,
+        kv_cache_bytes: u64,
+        block_size: usize,
+    ) -> Result<Self, EngineError> {
         let hd = config.head_dim;
         let hidden = config.hidden_size;
         let first = weights.layers.first().ok_or_else(|| EngineError::Internal("model has no layers".into()))?;
         let q_dim = first.q_proj.out_features;
         let kv_dim = first.k_proj.out_features;
         let inter = first.gate_proj.out_features;
-        if !q_dim.is_multiple_of(hd) || !kv_dim.is_multiple_of(hd) || kv_dim == 0 || !(q_dim / hd).is_multiple_of(kv_dim / hd) {
+        if !q_dim.is_multiple_of(hd)
+            || !kv_dim.is_multiple_of(hd)
+            || kv_dim == 0
+            || !(q_dim / hd).is_multiple_of(kv_dim / hd)
+        {
             return Err(EngineError::Internal("weight shapes do not match head_dim".into()));
         }
         if block_size == 0 {
@@ -126,7 +135,9 @@ impl CpuBackend {
         if num_blocks == 0 {
             return Err(EngineError::InvalidRequest {
                 field: "kv_cache_bytes",
-                message: format!("KV budget {kv_cache_bytes} B holds no block of {block_size} tokens ({per_token} B/token)"),
+                message: format!(
+                    "KV budget {kv_cache_bytes} B holds no block of {block_size} tokens ({per_token} B/token)"
+                ),
             });
         }
         let vocab = weights.embed_tokens.out_features;
@@ -168,8 +179,11 @@ impl CpuBackend {
 
     /// Bytes held by the weight matrices (f32 or blocks; norms excluded).
     pub fn weight_bytes(&self) -> usize {
-        let layers: usize =
-            self.layers.iter().map(|l| l.qkv.size_bytes() + l.o_proj.size_bytes() + l.gate_up.size_bytes() + l.down.size_bytes()).sum();
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.qkv.size_bytes() + l.o_proj.size_bytes() + l.gate_up.size_bytes() + l.down.size_bytes())
+            .sum();
         layers + self.embed.size_bytes() + self.lm_head.as_ref().map_or(0, PackedWeight::size_bytes)
     }
 
@@ -219,7 +233,8 @@ impl Backend for CpuBackend {
                 tokens.push(TokenCtx { pos: seq.context_len - seq.query_len + i, block_table: &seq.block_table });
             }
         }
-        let shape = AttnShape { q_heads: self.q_heads, kv_heads: self.kv_heads, head_dim: hd, block_size: self.block_size };
+        let shape =
+            AttnShape { q_heads: self.q_heads, kv_heads: self.kv_heads, head_dim: hd, block_size: self.block_size };
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&s.x, &layer.input_norm, self.eps, &mut s.h);
             matmul(&s.h, n, &layer.qkv, &mut s.qkv);

@@ -231,13 +231,7 @@ fn add_rmsnorm(
 ) -> Result<(), cudarc::driver::DriverError> {
     let (h, eps) = (d.hidden as i32, d.eps);
     let mut b = g.stream.launch_builder(&g.k.add_rmsnorm);
-    b.arg(&x)
-        .arg(&delta)
-        .arg(&gain)
-        .arg(&out)
-        .arg(&rows)
-        .arg(&h)
-        .arg(&eps);
+    b.arg(&x).arg(&delta).arg(&gain).arg(&out).arg(&rows).arg(&h).arg(&eps);
     // SAFETY: the caller passes x, delta with every indexed row of `hidden` values, gain
     // `hidden`, out `blocks` rows, and rows (when set) `blocks` indices of rows of x.
     unsafe { b.launch(per_row(blocks, threads)) }.map(|_| ())
@@ -259,11 +253,7 @@ impl CudaBackend {
     /// [`EngineError::Internal`] when CUDA is unavailable, the shapes are unsupported
     /// (head_dim must be 64 or 128, at most 8 query heads per KV head) or memory runs out;
     /// [`EngineError::InvalidRequest`] when the KV budget holds no block.
-    pub fn new(
-        weights: LlamaWeights,
-        config: &ModelConfig,
-        opts: &CudaOptions,
-    ) -> Result<Self, EngineError> {
+    pub fn new(weights: LlamaWeights, config: &ModelConfig, opts: &CudaOptions) -> Result<Self, EngineError> {
         let gpu = Gpu::new(opts.device).map_err(engine_err)?;
         let (w, d) = DeviceWeights::upload(&gpu, &weights, config).map_err(engine_err)?;
         drop(weights);
@@ -285,8 +275,7 @@ impl CudaBackend {
         progress: &dyn Fn(u64, u64),
     ) -> Result<Self, EngineError> {
         let gpu = Gpu::new(opts.device).map_err(engine_err)?;
-        let (w, d) =
-            DeviceWeights::from_safetensors(&gpu, files, config, progress).map_err(engine_err)?;
+        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, progress).map_err(engine_err)?;
         Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
     }
 
@@ -302,10 +291,7 @@ impl CudaBackend {
         opts: &CudaOptions,
         comm: tp::TpComm,
     ) -> Result<Self, EngineError> {
-        let opts = CudaOptions {
-            cuda_graphs: false,
-            ..opts.clone()
-        };
+        let opts = CudaOptions { cuda_graphs: false, ..opts.clone() };
         let mut be = Self::new(weights, config, &opts)?;
         be.gemv_max = 0;
         be.tp = Some(comm);
@@ -323,22 +309,12 @@ impl CudaBackend {
         Self::finish(gpu, w, d, &shape.inv_freq(), opts)
     }
 
-    fn finish(
-        gpu: Gpu,
-        w: DeviceWeights,
-        d: Dims,
-        inv_freq: &[f32],
-        opts: &CudaOptions,
-    ) -> Result<Self, EngineError> {
+    fn finish(gpu: Gpu, w: DeviceWeights, d: Dims, inv_freq: &[f32], opts: &CudaOptions) -> Result<Self, EngineError> {
         if opts.block_size == 0 {
-            return Err(EngineError::InvalidRequest {
-                field: "block_size",
-                message: "block_size must be >= 1".into(),
-            });
+            return Err(EngineError::InvalidRequest { field: "block_size", message: "block_size must be >= 1".into() });
         }
-        let group_ok = d.kv_heads > 0
-            && d.q_heads.is_multiple_of(d.kv_heads)
-            && matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8);
+        let group_ok =
+            d.kv_heads > 0 && d.q_heads.is_multiple_of(d.kv_heads) && matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8);
         if !(d.head_dim == 64 || d.head_dim == 128) || !group_ok {
             return Err(EngineError::Internal(format!(
                 "cuda backend supports head_dim 64/128 and 1, 2, 4 or 8 query heads per KV head (got {} and {}/{})",
@@ -372,8 +348,7 @@ impl CudaBackend {
         let mut lt = gemm::LtGemm::new(&gpu).map_err(engine_err)?;
         // The GEMVs need 8-element (16-byte) rows; their norm prologue keeps GEMV_MAX_M
         // activation rows in shared memory (a model too wide for it runs without them).
-        let gemv_shapes_ok =
-            d.hidden.is_multiple_of(8) && d.inter.is_multiple_of(8) && d.q_dim().is_multiple_of(8);
+        let gemv_shapes_ok = d.hidden.is_multiple_of(8) && d.inter.is_multiple_of(8) && d.q_dim().is_multiple_of(8);
         let gemv = if opts.batch_invariant || !gemv_shapes_ok {
             None
         } else {
@@ -381,22 +356,14 @@ impl CudaBackend {
                 .map_err(|e| tracing::warn!(error = %e, "decode GEMVs unavailable; using cuBLASLt for every step"))
                 .ok()
         };
-        let gemv_max = if gemv.is_some() {
-            opts.gemv_max_tokens.min(gemv::GEMV_MAX_M)
-        } else {
-            0
-        };
+        let gemv_max = if gemv.is_some() { opts.gemv_max_tokens.min(gemv::GEMV_MAX_M) } else { 0 };
         // The tensor-core attention kernels use bf16 mma (sm_80 and later); older GPUs keep the
         // split-KV kernel.
         let sm: u32 = gpu.arch.trim_start_matches("sm_").parse().unwrap_or(0);
         let (dattn, pattn) = if opts.batch_invariant || sm < 80 {
             (None, None)
         } else {
-            let shape = attn_decode::AttnShape {
-                q_heads: d.q_heads,
-                kv_heads: d.kv_heads,
-                head_dim: d.head_dim,
-            };
+            let shape = attn_decode::AttnShape { q_heads: d.q_heads, kv_heads: d.kv_heads, head_dim: d.head_dim };
             (
                 Some(attn_decode::DecodeAttention::new(&gpu, shape, r).map_err(engine_err)?),
                 Some(attn_prefill::PrefillAttention::new(&gpu, t).map_err(engine_err)?),
@@ -413,14 +380,10 @@ impl CudaBackend {
             }
         }
         if opts.batch_invariant {
-            lt.plan(&gpu, w.lm_head, d.vocab, d.hidden, true, r)
-                .map_err(engine_err)?;
+            lt.plan(&gpu, w.lm_head, d.vocab, d.hidden, true, r).map_err(engine_err)?;
         }
         let buckets: Vec<usize> = if opts.cuda_graphs {
-            (0..16)
-                .map(|i| 1usize << i)
-                .take_while(|&b| b <= r.min(t))
-                .collect()
+            (0..16).map(|i| 1usize << i).take_while(|&b| b <= r.min(t)).collect()
         } else {
             Vec::new()
         };
@@ -433,9 +396,7 @@ impl CudaBackend {
                 let used = total - free;
                 let allowed = (total as f64 * f64::from(opts.gpu_memory_utilization)) as u64;
                 // Leave 256 MiB for cuBLAS workspaces and the driver.
-                allowed
-                    .saturating_sub(used as u64)
-                    .saturating_sub(256 << 20)
+                allowed.saturating_sub(used as u64).saturating_sub(256 << 20)
             }
         };
         let num_blocks = usize::try_from(budget / per_block as u64).unwrap_or(usize::MAX);
@@ -518,9 +479,7 @@ impl CudaBackend {
         let cfg = per_row(rows, 1024);
         let vocab = self.d.vocab as i32;
         let mut b = self.gpu.stream.launch_builder(&self.gpu.k.argmax_rows);
-        b.arg(&self.s.argmax.ptr)
-            .arg(&self.s.logits.ptr)
-            .arg(&vocab);
+        b.arg(&self.s.argmax.ptr).arg(&self.s.logits.ptr).arg(&vocab);
         // SAFETY: logits hold rows × vocab f32, argmax rows u32.
         unsafe { b.launch(cfg) }.map_err(|e| device::dev_err("argmax_rows", e))?;
         let mut out = vec![0u32; rows];
@@ -602,10 +561,7 @@ impl CudaBackend {
     ///
     /// # Errors
     /// As [`Backend::forward`].
-    pub fn profile_step(
-        &mut self,
-        batch: &StepBatch,
-    ) -> Result<Vec<(String, f64, usize)>, BackendError> {
+    pub fn profile_step(&mut self, batch: &StepBatch) -> Result<Vec<(String, f64, usize)>, BackendError> {
         self.validate(batch)?;
         self.gpu.bind()?;
         let n = batch.token_ids.len();
@@ -625,11 +581,7 @@ impl CudaBackend {
         self.gpu.sync()?;
         let mut out: Vec<(String, f64, usize)> = Vec::new();
         for w in marks.windows(2) {
-            let us = f64::from(
-                w[0].1
-                    .elapsed_ms(&w[1].1)
-                    .map_err(|e| device::dev_err("elapsed", e))?,
-            ) * 1e3;
+            let us = f64::from(w[0].1.elapsed_ms(&w[1].1).map_err(|e| device::dev_err("elapsed", e))?) * 1e3;
             match out.iter_mut().find(|o| o.0 == w[1].0) {
                 Some(o) => {
                     o.1 += us;
@@ -655,22 +607,14 @@ impl CudaBackend {
             return Err(invalid("empty batch"));
         }
         if b.positions.len() != n || b.slot_mapping.len() != n {
-            return Err(invalid(
-                "token_ids, positions and slot_mapping differ in length",
-            ));
+            return Err(invalid("token_ids, positions and slot_mapping differ in length"));
         }
         if n > self.s.max_tokens {
-            return Err(invalid(format!(
-                "{n} tokens > max_num_batched_tokens {}",
-                self.s.max_tokens
-            )));
+            return Err(invalid(format!("{n} tokens > max_num_batched_tokens {}", self.s.max_tokens)));
         }
         let rows = b.validate(self.d.vocab, self.num_blocks, self.block_size)?;
         if rows > self.s.max_rows {
-            return Err(invalid(format!(
-                "{rows} logit rows > max_num_seqs {}",
-                self.s.max_rows
-            )));
+            return Err(invalid(format!("{rows} logit rows > max_num_seqs {}", self.s.max_rows)));
         }
         Ok(())
     }
@@ -678,11 +622,7 @@ impl CudaBackend {
     /// Uploads the step metadata, padded to `pad_to` tokens (padding: token 0 at position 0,
     /// no KV slot, the first sequence's block table, its own logit row); returns device
     /// addresses of (ids, pos, slots, tok_bt, rows, bts) and the number of logit rows.
-    fn upload_meta(
-        &mut self,
-        b: &StepBatch,
-        pad_to: usize,
-    ) -> Result<([u64; 6], usize), BackendError> {
+    fn upload_meta(&mut self, b: &StepBatch, pad_to: usize) -> Result<([u64; 6], usize), BackendError> {
         let n = b.token_ids.len();
         let pad = pad_to.saturating_sub(n);
         let np = n + pad;
@@ -701,12 +641,7 @@ impl CudaBackend {
         }
         m.extend(std::iter::repeat_n(0, pad));
         let rows_at = m.len();
-        m.extend(
-            b.seqs
-                .iter()
-                .filter(|s| s.want_logits)
-                .map(|s| (s.query_start + s.query_len - 1) as u32),
-        );
+        m.extend(b.seqs.iter().filter(|s| s.want_logits).map(|s| (s.query_start + s.query_len - 1) as u32));
         let rows = m.len() - rows_at;
         m.extend((n..np).map(|i| i as u32));
         let bts_at = m.len();
@@ -723,17 +658,7 @@ impl CudaBackend {
         self.gpu.upload(&self.s.meta, 0, &self.s.host_meta)?;
         let base = self.s.meta.ptr;
         let at = |i: usize| base + (i * 4) as u64;
-        Ok((
-            [
-                at(0),
-                at(np),
-                at(2 * np),
-                at(3 * np),
-                at(rows_at),
-                at(bts_at),
-            ],
-            rows,
-        ))
+        Ok(([at(0), at(np), at(2 * np), at(3 * np), at(rows_at), at(bts_at)], rows))
     }
 
     /// Runs the layers and the lm_head into `s.logits`; returns the number of valid logit rows
@@ -746,11 +671,7 @@ impl CudaBackend {
         let chunks = max_ctx.div_ceil(ATTN_CHUNK).max(1);
         let per_token = self.d.q_heads * (self.d.head_dim + 2);
         let decode = batch.seqs.iter().all(|q| q.query_len == 1 && q.want_logits);
-        let bucket = if decode {
-            self.buckets.iter().copied().find(|&b| b >= n)
-        } else {
-            None
-        };
+        let bucket = if decode { self.buckets.iter().copied().find(|&b| b >= n) } else { None };
         self.plan_attention(batch, bucket.unwrap_or(n))?;
         if let Some(bucket) = bucket {
             let c_cap = chunks.next_power_of_two();
@@ -760,8 +681,7 @@ impl CudaBackend {
                 let key = (bucket, c_cap);
                 match self.graphs.get(&key) {
                     Some(Some(g)) => {
-                        g.0.launch()
-                            .map_err(|e| device::dev_err("graph launch", e))?;
+                        g.0.launch().map_err(|e| device::dev_err("graph launch", e))?;
                         self.graph_replays += 1;
                     }
                     Some(None) => {
@@ -777,11 +697,8 @@ impl CudaBackend {
                             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
                             .map_err(|e| device::dev_err("end_capture", e))?;
                         res?;
-                        let graph = graph
-                            .ok_or_else(|| BackendError::Device("empty graph capture".into()))?;
-                        graph
-                            .launch()
-                            .map_err(|e| device::dev_err("graph launch", e))?;
+                        let graph = graph.ok_or_else(|| BackendError::Device("empty graph capture".into()))?;
+                        graph.launch().map_err(|e| device::dev_err("graph launch", e))?;
                         self.graphs.insert(key, Some(Graph(graph)));
                         self.graph_replays += 1;
                     }
@@ -800,13 +717,7 @@ impl CudaBackend {
 
     /// Enqueues one forward pass over `n` tokens (`rows` logit rows, `chunks` context chunks
     /// per token at most) on the stream; no host synchronisation, no allocation (capturable).
-    fn enqueue(
-        &mut self,
-        n: usize,
-        rows: usize,
-        ptrs: [u64; 6],
-        chunks: usize,
-    ) -> Result<(), BackendError> {
+    fn enqueue(&mut self, n: usize, rows: usize, ptrs: [u64; 6], chunks: usize) -> Result<(), BackendError> {
         let [ids, pos, slots, tok_bt, rows_ptr, bts] = ptrs;
         let d = self.d;
         // Fast mode, few tokens: fused GEMVs (norms, RoPE + K/V write, residual adds and
@@ -831,7 +742,15 @@ impl CudaBackend {
             ..
         } = self;
         // The small path's fused decode GEMVs over `m` tokens (see `gemv.rs` for the kinds).
-        let gv = |kind: gemv::GemvKind, m: usize, y: u64, wp: u64, x: u64, gain: u64, out: usize, inp: usize, rope: &gemv::RopeArgs| {
+        let gv = |kind: gemv::GemvKind,
+                  m: usize,
+                  y: u64,
+                  wp: u64,
+                  x: u64,
+                  gain: u64,
+                  out: usize,
+                  inp: usize,
+                  rope: &gemv::RopeArgs| {
             let gemv = gemv.as_ref().ok_or_else(|| BackendError::Device("decode GEMVs not built".into()))?;
             gemv.launch(g, kind, m, y, wp, x, gain, out, inp, d.eps, rope)
         };
@@ -864,23 +783,14 @@ impl CudaBackend {
         }
         mark("embed")?;
         let norm_threads = if d.hidden >= 2048 { 1024 } else { 256 };
-        let (qh, kvh, hd, bs) = (
-            d.q_heads as i32,
-            d.kv_heads as i32,
-            d.head_dim as i32,
-            *block_size as i32,
-        );
+        let (qh, kvh, hd, bs) = (d.q_heads as i32, d.kv_heads as i32, d.head_dim as i32, *block_size as i32);
         let scale = 1.0 / (d.head_dim as f32).sqrt();
         let group = d.q_heads / d.kv_heads;
-        let attn_fn =
-            &g.k.attention[usize::from(d.head_dim == 128) * 4 + group.trailing_zeros() as usize];
+        let attn_fn = &g.k.attention[usize::from(d.head_dim == 128) * 4 + group.trailing_zeros() as usize];
         let (n_i, inter) = (n as i32, d.inter as i32);
         // Tokens per attention launch so that their partials fit (all of them with one chunk).
-        let per_launch = if chunks == 1 {
-            n
-        } else {
-            (s.part_cap / (chunks * d.q_heads * (d.head_dim + 2))).clamp(1, n)
-        };
+        let per_launch =
+            if chunks == 1 { n } else { (s.part_cap / (chunks * d.q_heads * (d.head_dim + 2))).clamp(1, n) };
         let chunks_i = chunks as i32;
         for (li, lw) in w.layers.iter().enumerate() {
             let (kc, vc) = (k_cache[li].ptr, v_cache[li].ptr);
@@ -895,36 +805,25 @@ impl CudaBackend {
                     kv_heads: kvh,
                     head_dim: hd,
                 };
-                gv(gemv::GemvKind::QkvRope, n, s.qkv.ptr, lw.qkv, s.x.ptr, lw.input_norm, d.qkv_dim(), d.hidden, &rope)?;
+                gv(
+                    gemv::GemvKind::QkvRope,
+                    n,
+                    s.qkv.ptr,
+                    lw.qkv,
+                    s.x.ptr,
+                    lw.input_norm,
+                    d.qkv_dim(),
+                    d.hidden,
+                    &rope,
+                )?;
                 mark("gemv_qkv_rope_kv")?;
             } else {
                 // Residual add of the previous layer's down_proj output fused with this norm.
                 let delta = if li == 0 { null } else { s.proj.ptr };
-                add_rmsnorm(
-                    g,
-                    s.x.ptr,
-                    delta,
-                    lw.input_norm,
-                    s.hn.ptr,
-                    null,
-                    n,
-                    d,
-                    norm_threads,
-                )
-                .map_err(|e| device::dev_err("add_rmsnorm", e))?;
+                add_rmsnorm(g, s.x.ptr, delta, lw.input_norm, s.hn.ptr, null, n, d, norm_threads)
+                    .map_err(|e| device::dev_err("add_rmsnorm", e))?;
                 mark("add_rmsnorm")?;
-                matmul(
-                    g,
-                    s.qkv.ptr,
-                    s.hn.ptr,
-                    lw.qkv,
-                    GemmShape {
-                        n,
-                        out: d.qkv_dim(),
-                        inp: d.hidden,
-                    },
-                    false,
-                )?;
+                matmul(g, s.qkv.ptr, s.hn.ptr, lw.qkv, GemmShape { n, out: d.qkv_dim(), inp: d.hidden }, false)?;
                 mark("gemm_qkv")?;
                 let mut b = st.launch_builder(&g.k.rope_kv_write);
                 b.arg(&s.qkv.ptr)
@@ -962,13 +861,8 @@ impl CudaBackend {
                     mark("attn_decode")?;
                 }
                 if !plan_prefill.is_empty() {
-                    let ptrs = attn_prefill::PrefillPtrs {
-                        out: s.attn.ptr,
-                        qkv: s.qkv.ptr,
-                        k_cache: kc,
-                        v_cache: vc,
-                        bts,
-                    };
+                    let ptrs =
+                        attn_prefill::PrefillPtrs { out: s.attn.ptr, qkv: s.qkv.ptr, k_cache: kc, v_cache: vc, bts };
                     let dims = attn_prefill::PrefillDims {
                         q_heads: d.q_heads,
                         kv_heads: d.kv_heads,
@@ -984,14 +878,7 @@ impl CudaBackend {
                 let cnt = per_launch.min(n - t0);
                 let t0_i = t0 as i32;
                 let mut b = st.launch_builder(attn_fn);
-                b.arg(&s.attn.ptr)
-                    .arg(&s.part.ptr)
-                    .arg(&s.qkv.ptr)
-                    .arg(&kc)
-                    .arg(&vc)
-                    .arg(&pos)
-                    .arg(&tok_bt)
-                    .arg(&bts);
+                b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&s.qkv.ptr).arg(&kc).arg(&vc).arg(&pos).arg(&tok_bt).arg(&bts);
                 b.arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0_i);
                 let cfg = LaunchConfig {
                     grid_dim: (cnt as u32, d.kv_heads as u32, chunks as u32),
@@ -1004,13 +891,7 @@ impl CudaBackend {
                 mark("attention")?;
                 if chunks > 1 {
                     let mut b = st.launch_builder(&g.k.attn_combine);
-                    b.arg(&s.attn.ptr)
-                        .arg(&s.part.ptr)
-                        .arg(&pos)
-                        .arg(&qh)
-                        .arg(&hd)
-                        .arg(&chunks_i)
-                        .arg(&t0_i);
+                    b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&pos).arg(&qh).arg(&hd).arg(&chunks_i).arg(&t0_i);
                     let cfg = LaunchConfig {
                         grid_dim: (cnt as u32, d.q_heads as u32, 1),
                         block_dim: (d.head_dim as u32, 1, 1),
@@ -1026,74 +907,40 @@ impl CudaBackend {
                 let none = gemv::RopeArgs::default();
                 gv(gemv::GemvKind::Residual, n, s.x.ptr, lw.o_proj, s.attn.ptr, null, d.hidden, d.q_dim(), &none)?;
                 mark("gemv_o_proj")?;
-                gv(gemv::GemvKind::NormGateUpSilu, n, s.act.ptr, lw.gate_up, s.x.ptr, lw.post_norm, d.inter, d.hidden, &none)?;
+                gv(
+                    gemv::GemvKind::NormGateUpSilu,
+                    n,
+                    s.act.ptr,
+                    lw.gate_up,
+                    s.x.ptr,
+                    lw.post_norm,
+                    d.inter,
+                    d.hidden,
+                    &none,
+                )?;
                 mark("gemv_gate_up_silu")?;
                 gv(gemv::GemvKind::Residual, n, s.x.ptr, lw.down, s.act.ptr, null, d.hidden, d.inter, &none)?;
                 mark("gemv_down")?;
                 continue;
             }
-            matmul(
-                g,
-                s.proj.ptr,
-                s.attn.ptr,
-                lw.o_proj,
-                GemmShape {
-                    n,
-                    out: d.hidden,
-                    inp: d.q_dim(),
-                },
-                false,
-            )?;
+            matmul(g, s.proj.ptr, s.attn.ptr, lw.o_proj, GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
             mark("gemm_o_proj")?;
             if let Some(t) = tp.as_ref() {
                 // Row-parallel o_proj: each shard holds a partial sum.
                 t.all_reduce_bf16(g, s.proj.ptr, n * d.hidden)?;
                 mark("all_reduce")?;
             }
-            add_rmsnorm(
-                g,
-                s.x.ptr,
-                s.proj.ptr,
-                lw.post_norm,
-                s.hn.ptr,
-                null,
-                n,
-                d,
-                norm_threads,
-            )
-            .map_err(|e| device::dev_err("add_rmsnorm", e))?;
+            add_rmsnorm(g, s.x.ptr, s.proj.ptr, lw.post_norm, s.hn.ptr, null, n, d, norm_threads)
+                .map_err(|e| device::dev_err("add_rmsnorm", e))?;
             mark("add_rmsnorm")?;
-            matmul(
-                g,
-                s.gu.ptr,
-                s.hn.ptr,
-                lw.gate_up,
-                GemmShape {
-                    n,
-                    out: 2 * d.inter,
-                    inp: d.hidden,
-                },
-                false,
-            )?;
+            matmul(g, s.gu.ptr, s.hn.ptr, lw.gate_up, GemmShape { n, out: 2 * d.inter, inp: d.hidden }, false)?;
             mark("gemm_gate_up")?;
             let mut b = st.launch_builder(&g.k.silu_mul);
             b.arg(&s.act.ptr).arg(&s.gu.ptr).arg(&n_i).arg(&inter);
             // SAFETY: gu holds n × 2·inter, act n × inter.
-            unsafe { b.launch(device::grid_stride(n * d.inter)) }
-                .map_err(launch_err("silu_mul"))?;
+            unsafe { b.launch(device::grid_stride(n * d.inter)) }.map_err(launch_err("silu_mul"))?;
             mark("silu_mul")?;
-            matmul(
-                g,
-                s.proj.ptr,
-                s.act.ptr,
-                lw.down,
-                GemmShape {
-                    n,
-                    out: d.hidden,
-                    inp: d.inter,
-                },
-                false,
-            )?;
+            matmul(g, s.proj.ptr, s.act.ptr, lw.down, GemmShape { n, out: d.hidden, inp: d.inter }, false)?;
             mark("gemm_down")?;
             if let Some(t) = tp.as_ref() {
                 t.all_reduce_bf16(g, s.proj.ptr, n * d.hidden)?;
@@ -1105,34 +952,23 @@ impl CudaBackend {
             // Last residual add (already done by the small path's down GEMV) + final norm,
             // only for the rows that want logits.
             let delta = if small { null } else { s.proj.ptr };
-            add_rmsnorm(
-                g,
-                s.x.ptr,
-                delta,
-                w.norm,
-                s.hn.ptr,
-                rows_ptr,
-                rows,
-                d,
-                norm_threads,
-            )
-            .map_err(|e| device::dev_err("final_norm", e))?;
+            add_rmsnorm(g, s.x.ptr, delta, w.norm, s.hn.ptr, rows_ptr, rows, d, norm_threads)
+                .map_err(|e| device::dev_err("final_norm", e))?;
             mark("final_norm")?;
             if small {
-                gv(gemv::GemvKind::LogitsF32, rows, s.logits.ptr, w.lm_head, s.hn.ptr, null, d.vocab, d.hidden, &gemv::RopeArgs::default())?;
-            } else {
-                matmul(
-                    g,
+                gv(
+                    gemv::GemvKind::LogitsF32,
+                    rows,
                     s.logits.ptr,
-                    s.hn.ptr,
                     w.lm_head,
-                    GemmShape {
-                        n: rows,
-                        out: d.vocab,
-                        inp: d.hidden,
-                    },
-                    true,
+                    s.hn.ptr,
+                    null,
+                    d.vocab,
+                    d.hidden,
+                    &gemv::RopeArgs::default(),
                 )?;
+            } else {
+                matmul(g, s.logits.ptr, s.hn.ptr, w.lm_head, GemmShape { n: rows, out: d.vocab, inp: d.hidden }, true)?;
             }
             mark("lm_head")?;
         }
@@ -1149,11 +985,7 @@ impl Backend for CudaBackend {
         } else {
             self.gpu.sync()?;
         }
-        Ok(Logits {
-            rows,
-            vocab_size: self.d.vocab,
-            data,
-        })
+        Ok(Logits { rows, vocab_size: self.d.vocab, data })
     }
 
     fn has_device_greedy(&self) -> bool {

@@ -26,11 +26,7 @@ impl BlockPool {
     pub fn new(num_blocks: usize) -> Self {
         let free: Vec<u32> = (0..num_blocks as u32).rev().collect();
         Self {
-            inner: Arc::new(PoolInner {
-                free: Mutex::new(free),
-                num_free: AtomicUsize::new(num_blocks),
-                num_blocks,
-            }),
+            inner: Arc::new(PoolInner { free: Mutex::new(free), num_free: AtomicUsize::new(num_blocks), num_blocks }),
         }
     }
 

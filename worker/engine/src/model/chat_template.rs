@@ -53,7 +53,17 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 /// `strftime_now(fmt)` (UTC), supporting `%Y %m %d %B %b %H %M %S %%`.
 fn strftime_now(fmt: String) -> String {
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
         "December",
     ];
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);

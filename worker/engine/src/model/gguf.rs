@@ -120,7 +120,8 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], EngineError> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| load_err("gguf: truncated file"))?;
+        let end =
+            self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| load_err("gguf: truncated file"))?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -414,11 +415,7 @@ pub fn load(path: &Path, progress: ProgressFn<'_>, keep_quantized: bool) -> Resu
         Some(src) => Some(ChatTemplate::new(src, tokenizer.bos_text(), tokenizer.eos_text())?),
         None => None,
     };
-    let total = file
-        .tensors
-        .keys()
-        .filter_map(|n| file.tensor_bytes(n).ok().map(|(_, b)| b.len() as u64))
-        .sum();
+    let total = file.tensors.keys().filter_map(|n| file.tensor_bytes(n).ok().map(|(_, b)| b.len() as u64)).sum();
     let mut src = GgufWeights { file: &file, cfg: &config, done: 0, total, progress };
     let weights = LlamaWeights::load_with(&config, &mut src, keep_quantized)?;
     Ok(LoadedModel { config, tokenizer, chat_template, weights })

@@ -38,9 +38,14 @@ impl SafetensorsFiles {
     pub fn open_dir(dir: &Path) -> Result<Self, EngineError> {
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<String> = if index_path.exists() {
-            let raw = std::fs::read_to_string(&index_path).map_err(|e| load_err(format!("{}: {e}", index_path.display())))?;
-            let v: serde_json::Value = serde_json::from_str(&raw).map_err(|e| load_err(format!("safetensors index: {e}")))?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| load_err("safetensors index: no weight_map"))?;
+            let raw =
+                std::fs::read_to_string(&index_path).map_err(|e| load_err(format!("{}: {e}", index_path.display())))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&raw).map_err(|e| load_err(format!("safetensors index: {e}")))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| load_err("safetensors index: no weight_map"))?;
             let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_owned)).collect();
             files.sort();
             files.dedup();
@@ -58,7 +63,8 @@ impl SafetensorsFiles {
             let file = File::open(&path).map_err(|e| load_err(format!("{}: {e}", path.display())))?;
             // SAFETY: read-only mapping of a model file that is not modified while loaded.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| load_err(format!("mmap {}: {e}", path.display())))?;
-            let (n, meta) = safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| load_err(format!("{name}: {e}")))?;
+            let (n, meta) =
+                safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| load_err(format!("{name}: {e}")))?;
             for t in meta.tensors().keys() {
                 index.insert(t.clone(), i);
             }
@@ -119,8 +125,12 @@ impl SafetensorsFiles {
         }
         match info.dtype {
             Dtype::BF16 => out.extend(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]))),
-            Dtype::F16 => out.extend(bytes.chunks_exact(2).map(|c| bf16::from_f32(f16::from_le_bytes([c[0], c[1]]).to_f32()))),
-            Dtype::F32 => out.extend(bytes.chunks_exact(4).map(|c| bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))),
+            Dtype::F16 => {
+                out.extend(bytes.chunks_exact(2).map(|c| bf16::from_f32(f16::from_le_bytes([c[0], c[1]]).to_f32())))
+            }
+            Dtype::F32 => {
+                out.extend(bytes.chunks_exact(4).map(|c| bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))))
+            }
             other => return Err(load_err(format!("safetensors: {name} has unsupported dtype {other:?}"))),
         }
         Ok(bytes.len())

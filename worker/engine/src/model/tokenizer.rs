@@ -135,7 +135,8 @@ impl Tokenizer {
             return Err(load_err(format!("gguf tokenizer model {model:?} is not supported (supported: gpt2)")));
         }
         let strs = |key: &str| -> Result<Vec<String>, EngineError> {
-            let arr = file.get(key).and_then(GgufValue::as_array).ok_or_else(|| load_err(format!("gguf: missing {key}")))?;
+            let arr =
+                file.get(key).and_then(GgufValue::as_array).ok_or_else(|| load_err(format!("gguf: missing {key}")))?;
             arr.iter()
                 .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| load_err(format!("gguf: {key}: not a string"))))
                 .collect()
@@ -149,7 +150,8 @@ impl Tokenizer {
             Some(a) => a.iter().map(|v| v.as_u64().map_or(1, |x| x as i64)).collect(),
             None => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let vocab: tokenizers::models::bpe::Vocab =
+            tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
@@ -184,7 +186,8 @@ impl Tokenizer {
             }
         }
         let bos_id = id("tokenizer.ggml.bos_token_id");
-        let add_bos = file.get("tokenizer.ggml.add_bos_token").and_then(GgufValue::as_bool).unwrap_or(false) && bos_id.is_some();
+        let add_bos =
+            file.get("tokenizer.ggml.add_bos_token").and_then(GgufValue::as_bool).unwrap_or(false) && bos_id.is_some();
         Ok(Self { inner, add_bos, bos_id, eos_ids, bytes, special })
     }
 
@@ -197,8 +200,10 @@ impl Tokenizer {
     pub fn from_hf_dir(dir: &Path, bos_id: Option<u32>, eos_ids: &[u32]) -> Result<Self, EngineError> {
         let path = dir.join("tokenizer.json");
         let raw = std::fs::read_to_string(&path).map_err(|e| load_err(format!("{}: {e}", path.display())))?;
-        let inner = tokenizers::Tokenizer::from_bytes(raw.as_bytes()).map_err(|e| load_err(format!("tokenizer.json: {e}")))?;
-        let json: serde_json::Value = serde_json::from_str(&raw).map_err(|e| load_err(format!("tokenizer.json: {e}")))?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(raw.as_bytes()).map_err(|e| load_err(format!("tokenizer.json: {e}")))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&raw).map_err(|e| load_err(format!("tokenizer.json: {e}")))?;
         let byte_level = json.get("decoder").is_some_and(|d| d.to_string().contains("\"ByteLevel\""));
         let vocab_size = inner.get_vocab_size(true);
         let added = inner.get_added_tokens_decoder();
@@ -215,9 +220,8 @@ impl Tokenizer {
                 special.push(false);
             }
         }
-        let cfg: Option<serde_json::Value> = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-            .ok()
-            .and_then(|s| serde_json::from_str(&s).ok());
+        let cfg: Option<serde_json::Value> =
+            std::fs::read_to_string(dir.join("tokenizer_config.json")).ok().and_then(|s| serde_json::from_str(&s).ok());
         let named = |key: &str| -> Option<u32> {
             let v = cfg.as_ref()?.get(key)?;
             let text = v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str()))?;

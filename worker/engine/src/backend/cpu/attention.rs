@@ -250,7 +250,8 @@ mod tests {
                     let s: Vec<f64> = (0..=tok.pos)
                         .map(|p| {
                             let kr = &k[slot(p) * kv_dim + g * d..][..d];
-                            qv.iter().zip(kr).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum::<f64>() / (d as f64).sqrt()
+                            qv.iter().zip(kr).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum::<f64>()
+                                / (d as f64).sqrt()
                         })
                         .collect();
                     let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);

@@ -193,7 +193,11 @@ fn best_isa() -> Isa {
     {
         use std::is_x86_feature_detected as has;
         if has!("avx2") && has!("fma") && has!("f16c") {
-            return if has!("avx512f") && std::env::var_os("PRISM_CPU_NO_AVX512").is_none() { Isa::Avx512 } else { Isa::Avx2 };
+            return if has!("avx512f") && std::env::var_os("PRISM_CPU_NO_AVX512").is_none() {
+                Isa::Avx512
+            } else {
+                Isa::Avx2
+            };
         }
     }
     Isa::Scalar
@@ -570,7 +574,12 @@ mod tests {
             bytes.extend(half::f16::from_f32(-0.05 - (b % 5) as f32 * 0.01).to_le_bytes());
             bytes.extend((0..16).map(|i| ((b * 31 + i * 17) % 256) as u8));
         }
-        Linear { out_features: out, in_features: inp, data: Vec::new(), quant: Some(QuantizedData { ty: GgmlType::Q4_1, bytes }) }
+        Linear {
+            out_features: out,
+            in_features: inp,
+            data: Vec::new(),
+            quant: Some(QuantizedData { ty: GgmlType::Q4_1, bytes }),
+        }
     }
 
     fn input(n: usize, inp: usize) -> Vec<f32> {
@@ -606,7 +615,9 @@ mod tests {
     #[test]
     fn a_row_does_not_depend_on_the_batch() {
         for (out, inp) in [(37, 96), (20, 45)] {
-            let w = if inp % QK == 0 { q4_1_linear(out, inp) } else {
+            let w = if inp % QK == 0 {
+                q4_1_linear(out, inp)
+            } else {
                 Linear::new(out, inp, (0..out * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect())
             };
             let w = PackedWeight::stack(vec![w]);
@@ -638,7 +649,11 @@ mod tests {
             for isa in isas.into_iter().filter(|&i| have(i)) {
                 let full = by_isa(isa, &x, n);
                 for t in [0, 9, 20, 69] {
-                    assert_eq!(by_isa(isa, &x[t * inp..(t + 1) * inp], 1).as_slice(), &full[t * out..(t + 1) * out], "{isa:?}");
+                    assert_eq!(
+                        by_isa(isa, &x[t * inp..(t + 1) * inp], 1).as_slice(),
+                        &full[t * out..(t + 1) * out],
+                        "{isa:?}"
+                    );
                 }
             }
             if have(Isa::Avx2) {
@@ -659,7 +674,12 @@ mod tests {
                     v
                 })
                 .collect();
-            let q = Linear { out_features: out, in_features: inp, data: Vec::new(), quant: Some(QuantizedData { ty, bytes }) };
+            let q = Linear {
+                out_features: out,
+                in_features: inp,
+                data: Vec::new(),
+                quant: Some(QuantizedData { ty, bytes }),
+            };
             let f = q.clone().dequantized();
             let x = input(5, inp);
             let (pq, pf) = (PackedWeight::stack(vec![q.clone()]), PackedWeight::stack(vec![f]));
@@ -701,6 +721,11 @@ mod tests_support {
 
     pub(super) fn q4_1(out: usize, inp: usize) -> Linear {
         let bytes = (0..out * inp / QK * 20).map(|i| (i % 251) as u8 & 0x3b).collect();
-        Linear { out_features: out, in_features: inp, data: Vec::new(), quant: Some(QuantizedData { ty: GgmlType::Q4_1, bytes }) }
+        Linear {
+            out_features: out,
+            in_features: inp,
+            data: Vec::new(),
+            quant: Some(QuantizedData { ty: GgmlType::Q4_1, bytes }),
+        }
     }
 }

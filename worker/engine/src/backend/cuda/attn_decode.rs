@@ -153,9 +153,7 @@ impl DecodeAttention {
             && matches!(shape.group(), 1 | 2 | 4 | 8)
             && matches!(shape.head_dim, 64 | 128);
         if !ok {
-            return Err(BackendError::Device(format!(
-                "decode attention does not support {shape:?}"
-            )));
+            return Err(BackendError::Device(format!("decode attention does not support {shape:?}")));
         }
         let (hd, g) = (shape.head_dim, shape.group());
         let opts = CompileOptions {
@@ -164,15 +162,11 @@ impl DecodeAttention {
             options: vec![format!("-DDA_HD={hd}"), format!("-DDA_G={g}")],
             ..Default::default()
         };
-        let ptx = compile_ptx_with_opts(ATTN_DECODE_SRC, opts)
-            .map_err(|e| dev_err("NVRTC compile of attn_decode.cu", e))?;
-        let module = gpu
-            .ctx
-            .load_module(ptx)
-            .map_err(|e| dev_err("load_module attn_decode", e))?;
-        let f = module
-            .load_function(&format!("attn_decode_hd{hd}_g{g}"))
-            .map_err(|e| dev_err("load attn_decode", e))?;
+        let ptx =
+            compile_ptx_with_opts(ATTN_DECODE_SRC, opts).map_err(|e| dev_err("NVRTC compile of attn_decode.cu", e))?;
+        let module = gpu.ctx.load_module(ptx).map_err(|e| dev_err("load_module attn_decode", e))?;
+        let f =
+            module.load_function(&format!("attn_decode_hd{hd}_g{g}")).map_err(|e| dev_err("load attn_decode", e))?;
         f.set_attribute(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             Self::smem(hd) as i32,
@@ -216,8 +210,7 @@ impl DecodeAttention {
     /// for batch invariance).
     pub fn occupancy_split_cap(&self, n_tokens: usize) -> usize {
         let want = TARGET_WAVES * BLOCKS_PER_SM * self.num_sms;
-        want.div_ceil((n_tokens * self.shape.kv_heads).max(1))
-            .clamp(1, MAX_SPLITS)
+        want.div_ceil((n_tokens * self.shape.kv_heads).max(1)).clamp(1, MAX_SPLITS)
     }
 
     /// Enqueues the attention of `a.n_tokens` tokens on `gpu.stream`: no allocation, no host
@@ -245,38 +238,19 @@ impl DecodeAttention {
         }
         let s = self.shape;
         let cfg = LaunchConfig {
-            grid_dim: (
-                grid_splits(a.max_ctx, a.split_cap) as u32,
-                s.kv_heads as u32,
-                a.n_tokens as u32,
-            ),
+            grid_dim: (grid_splits(a.max_ctx, a.split_cap) as u32, s.kv_heads as u32, a.n_tokens as u32),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: Self::smem(s.head_dim) as u32,
         };
-        let (qh, kvh, bs, cap) = (
-            s.q_heads as i32,
-            s.kv_heads as i32,
-            a.block_size as i32,
-            a.split_cap as i32,
-        );
+        let (qh, kvh, bs, cap) = (s.q_heads as i32, s.kv_heads as i32, a.block_size as i32, a.split_cap as i32);
         let mut b = gpu.stream.launch_builder(&self.f);
-        b.arg(&a.out)
-            .arg(&self.part_o.ptr)
-            .arg(&self.part_ml.ptr)
-            .arg(&self.cnt.ptr);
-        b.arg(&a.qkv)
-            .arg(&a.k_cache)
-            .arg(&a.v_cache)
-            .arg(&a.pos)
-            .arg(&a.tok_bt)
-            .arg(&a.bts);
+        b.arg(&a.out).arg(&self.part_o.ptr).arg(&self.part_ml.ptr).arg(&self.cnt.ptr);
+        b.arg(&a.qkv).arg(&a.k_cache).arg(&a.v_cache).arg(&a.pos).arg(&a.tok_bt).arg(&a.bts);
         b.arg(&qh).arg(&kvh).arg(&bs).arg(&a.scale).arg(&cap);
         // SAFETY: argument types match the kernel; the caller passes buffers of the documented
         // shapes whose block tables cover every token's context; the scratch holds n_tokens
         // (checked above) rows; shared memory matches the attribute set in `new`.
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| dev_err("attn_decode", e))
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| dev_err("attn_decode", e))
     }
 }
 

@@ -133,15 +133,9 @@ fn invalid(msg: impl Into<String>) -> BackendError {
 /// Checks the shapes the kernels support; returns the group size `q_heads / kv_heads`.
 fn check_dims(d: &PrefillDims) -> Result<usize, BackendError> {
     if !(d.head_dim == 64 || d.head_dim == 128) {
-        return Err(invalid(format!(
-            "prefill attention: head_dim {} (64 or 128)",
-            d.head_dim
-        )));
+        return Err(invalid(format!("prefill attention: head_dim {} (64 or 128)", d.head_dim)));
     }
-    if d.kv_heads == 0
-        || !d.q_heads.is_multiple_of(d.kv_heads)
-        || !matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8)
-    {
+    if d.kv_heads == 0 || !d.q_heads.is_multiple_of(d.kv_heads) || !matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8) {
         return Err(invalid(format!(
             "prefill attention: {} query heads / {} KV heads (1, 2, 4 or 8 per KV head)",
             d.q_heads, d.kv_heads
@@ -159,16 +153,11 @@ fn check_dims(d: &PrefillDims) -> Result<usize, BackendError> {
 ///
 /// # Errors
 /// [`BackendError::InvalidBatch`] when `query_len > context_len` or a value overflows u32.
-pub fn build_work_list(
-    seqs: &[PrefillSeq],
-    group: usize,
-    out: &mut Vec<u32>,
-) -> Result<(), BackendError> {
+pub fn build_work_list(seqs: &[PrefillSeq], group: usize, out: &mut Vec<u32>) -> Result<(), BackendError> {
     out.clear();
     let per_tile = (TILE_ROWS / group.max(1)).max(1);
-    let u = |v: usize, what: &str| {
-        u32::try_from(v).map_err(|_| invalid(format!("prefill attention: {what} {v} > u32")))
-    };
+    let u =
+        |v: usize, what: &str| u32::try_from(v).map_err(|_| invalid(format!("prefill attention: {what} {v} > u32")));
     let mut tiles: Vec<(usize, [u32; TILE_WORDS])> = Vec::new();
     for s in seqs {
         if s.query_len == 0 {
@@ -229,44 +218,26 @@ impl PrefillAttention {
             include_paths: super::device::nvrtc_include_paths(),
             ..Default::default()
         };
-        let ptx = compile_ptx_with_opts(src, opts)
-            .map_err(|e| dev_err("NVRTC compile of attn_prefill.cu", e))?;
-        let module = gpu
-            .ctx
-            .load_module(ptx)
-            .map_err(|e| dev_err("load_module attn_prefill", e))?;
+        let ptx = compile_ptx_with_opts(src, opts).map_err(|e| dev_err("NVRTC compile of attn_prefill.cu", e))?;
+        let module = gpu.ctx.load_module(ptx).map_err(|e| dev_err("load_module attn_prefill", e))?;
         let mut kernels = Vec::with_capacity(8);
         for hd in [64usize, 128] {
             for g in [1, 2, 4, 8] {
                 let name = format!("attn_prefill_hd{hd}_g{g}");
                 let f = module.load_function(&name).map_err(|e| dev_err(&name, e))?;
-                let smem =
-                    i32::try_from(smem_bytes(hd)).map_err(|e| dev_err("shared memory size", e))?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem,
-                )
-                .map_err(|e| dev_err(&format!("{name}: {smem} B dynamic shared memory"), e))?;
+                let smem = i32::try_from(smem_bytes(hd)).map_err(|e| dev_err("shared memory size", e))?;
+                f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+                    .map_err(|e| dev_err(&format!("{name}: {smem} B dynamic shared memory"), e))?;
                 // Prefer the largest shared-memory carveout (two 80 KiB blocks per SM at hd 128).
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                    100,
-                )
-                .map_err(|e| dev_err(&format!("{name}: carveout"), e))?;
+                f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                    .map_err(|e| dev_err(&format!("{name}: carveout"), e))?;
                 kernels.push(f);
             }
         }
         // Every tile holds at least one query token.
         let max_tiles = max_num_batched_tokens.max(1);
         let work = DevBuf::zeroed(gpu, max_tiles * TILE_WORDS * 4)?;
-        Ok(Self {
-            kernels,
-            work,
-            max_tiles,
-            host_work: Vec::new(),
-            uploaded: Vec::new(),
-            fragments,
-        })
+        Ok(Self { kernels, work, max_tiles, host_work: Vec::new(), uploaded: Vec::new(), fragments })
     }
 
     /// Most tiles one launch takes (= `max_num_batched_tokens`).
@@ -282,12 +253,7 @@ impl PrefillAttention {
     /// # Errors
     /// [`BackendError::InvalidBatch`] for unsupported dimensions, `query_len > context_len`
     /// or more tiles than `max_tiles`; [`BackendError::Device`] when the copy fails.
-    pub fn prepare(
-        &mut self,
-        gpu: &Gpu,
-        seqs: &[PrefillSeq],
-        dims: PrefillDims,
-    ) -> Result<usize, BackendError> {
+    pub fn prepare(&mut self, gpu: &Gpu, seqs: &[PrefillSeq], dims: PrefillDims) -> Result<usize, BackendError> {
         let group = check_dims(&dims)?;
         build_work_list(seqs, group, &mut self.host_work)?;
         let tiles = self.host_work.len() / TILE_WORDS;
@@ -326,23 +292,14 @@ impl PrefillAttention {
             return Ok(());
         }
         let group = dims.q_heads / dims.kv_heads;
-        let blocks = u32::try_from(tiles * dims.kv_heads)
-            .map_err(|_| invalid("prefill attention: grid too large"))?;
-        let f =
-            &self.kernels[usize::from(dims.head_dim == 128) * 4 + group.trailing_zeros() as usize];
-        let i = |v: usize| {
-            i32::try_from(v).map_err(|_| invalid(format!("prefill attention: {v} > i32")))
-        };
+        let blocks = u32::try_from(tiles * dims.kv_heads).map_err(|_| invalid("prefill attention: grid too large"))?;
+        let f = &self.kernels[usize::from(dims.head_dim == 128) * 4 + group.trailing_zeros() as usize];
+        let i = |v: usize| i32::try_from(v).map_err(|_| invalid(format!("prefill attention: {v} > i32")));
         let (qh, kvh, bs) = (i(dims.q_heads)?, i(dims.kv_heads)?, i(dims.block_size)?);
         let scale_log2 = scale * std::f32::consts::LOG2_E;
         let work = self.work.ptr;
         let mut b = gpu.stream.launch_builder(f);
-        b.arg(&ptrs.out)
-            .arg(&ptrs.qkv)
-            .arg(&ptrs.k_cache)
-            .arg(&ptrs.v_cache)
-            .arg(&ptrs.bts)
-            .arg(&work);
+        b.arg(&ptrs.out).arg(&ptrs.qkv).arg(&ptrs.k_cache).arg(&ptrs.v_cache).arg(&ptrs.bts).arg(&work);
         b.arg(&qh).arg(&kvh).arg(&bs).arg(&scale_log2);
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
@@ -352,9 +309,7 @@ impl PrefillAttention {
         // SAFETY: argument types match the kernel; the work list is on the device (copied above,
         // stream-ordered); the caller passes buffers of the documented shapes whose block tables
         // cover every position < context_len with valid block ids.
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| dev_err("attn_prefill", e))
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| dev_err("attn_prefill", e))
     }
 }
 
@@ -363,22 +318,12 @@ mod tests {
     use super::*;
 
     fn seq(query_start: usize, query_len: usize, context_len: usize) -> PrefillSeq {
-        PrefillSeq {
-            query_start,
-            query_len,
-            context_len,
-            bt_offset: 7,
-        }
+        PrefillSeq { query_start, query_len, context_len, bt_offset: 7 }
     }
 
     #[test]
     fn work_list_covers_every_token_once_longest_first() {
-        let seqs = [
-            seq(0, 100, 100),
-            seq(100, 300, 1300),
-            seq(400, 0, 5),
-            seq(400, 1, 50),
-        ];
+        let seqs = [seq(0, 100, 100), seq(100, 300, 1300), seq(400, 0, 5), seq(400, 1, 50)];
         let mut w = Vec::new();
         build_work_list(&seqs, 4, &mut w).unwrap();
         let tiles: Vec<&[u32]> = w.chunks(TILE_WORDS).collect();
@@ -406,12 +351,7 @@ mod tests {
 
     #[test]
     fn dims_checked() {
-        let d = PrefillDims {
-            q_heads: 32,
-            kv_heads: 8,
-            head_dim: 128,
-            block_size: 16,
-        };
+        let d = PrefillDims { q_heads: 32, kv_heads: 8, head_dim: 128, block_size: 16 };
         assert_eq!(check_dims(&d).unwrap(), 4);
         assert!(check_dims(&PrefillDims { head_dim: 96, ..d }).is_err());
         assert!(check_dims(&PrefillDims { q_heads: 48, ..d }).is_err());

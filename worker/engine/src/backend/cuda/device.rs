@@ -9,9 +9,7 @@
 use std::sync::Arc;
 
 use cudarc::cublas::{CudaBlas, result as blas_result, sys as blas_sys};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result, sys,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result, sys};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use super::super::BackendError;
@@ -26,12 +24,8 @@ pub const KERNELS_SRC: &str = include_str!("kernels/llama.cu");
 pub fn nvrtc_include_paths() -> Vec<String> {
     let candidates = [
         std::env::var("PRISM_CUDA_INCLUDE").ok(),
-        std::env::var("CUDA_HOME")
-            .ok()
-            .map(|h| format!("{h}/include")),
-        std::env::var("CUDA_PATH")
-            .ok()
-            .map(|h| format!("{h}/include")),
+        std::env::var("CUDA_HOME").ok().map(|h| format!("{h}/include")),
+        std::env::var("CUDA_PATH").ok().map(|h| format!("{h}/include")),
     ];
     let dir = candidates
         .into_iter()
@@ -62,20 +56,12 @@ impl DevBuf {
     /// [`BackendError::Device`] when the device is out of memory.
     pub fn zeroed(gpu: &Gpu, bytes: usize) -> Result<Self, BackendError> {
         let bytes = bytes.max(1);
-        gpu.ctx
-            .bind_to_thread()
-            .map_err(|e| dev_err("bind context", e))?;
+        gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind context", e))?;
         // SAFETY: plain allocation in the bound context; freed exactly once in Drop.
-        let ptr = unsafe { result::malloc_sync(bytes) }
-            .map_err(|e| dev_err(&format!("cuMemAlloc({bytes} B)"), e))?;
-        let buf = Self {
-            ctx: gpu.ctx.clone(),
-            ptr,
-            bytes,
-        };
+        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| dev_err(&format!("cuMemAlloc({bytes} B)"), e))?;
+        let buf = Self { ctx: gpu.ctx.clone(), ptr, bytes };
         // SAFETY: `ptr` holds `bytes` bytes; the stream is the buffer's context's.
-        unsafe { result::memset_d8_async(ptr, 0, bytes, gpu.stream.cu_stream()) }
-            .map_err(|e| dev_err("memset", e))?;
+        unsafe { result::memset_d8_async(ptr, 0, bytes, gpu.stream.cu_stream()) }.map_err(|e| dev_err("memset", e))?;
         Ok(buf)
     }
 }
@@ -140,11 +126,8 @@ fn arch_for(major: i32, minor: i32) -> &'static str {
 /// Whether the CUDA driver, cuBLAS and NVRTC libraries can be opened and a device exists.
 pub fn cuda_available() -> bool {
     // SAFETY: these only try to open the shared libraries (no CUDA call is made).
-    let present = unsafe {
-        sys::is_culib_present()
-            && blas_sys::is_culib_present()
-            && cudarc::nvrtc::sys::is_culib_present()
-    };
+    let present =
+        unsafe { sys::is_culib_present() && blas_sys::is_culib_present() && cudarc::nvrtc::sys::is_culib_present() };
     present && result::init().is_ok() && result::device::get_count().map(|n| n > 0).unwrap_or(false)
 }
 
@@ -155,9 +138,7 @@ impl Gpu {
     /// [`BackendError::Device`] when a library or the device is missing, or compilation fails.
     pub fn new(ordinal: usize) -> Result<Self, BackendError> {
         if !cuda_available() {
-            return Err(BackendError::Device(
-                "CUDA driver, cuBLAS or NVRTC not found, or no device".into(),
-            ));
+            return Err(BackendError::Device("CUDA driver, cuBLAS or NVRTC not found, or no device".into()));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("CudaContext::new", e))?;
         // SAFETY: one stream per shard and raw pointers everywhere: cudarc's per-buffer
@@ -165,20 +146,11 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| dev_err("new_stream", e))?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| dev_err("cublas", e))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| dev_err("compute_capability", e))?;
+        let (major, minor) = ctx.compute_capability().map_err(|e| dev_err("compute_capability", e))?;
         let arch = arch_for(major, minor);
-        let opts = CompileOptions {
-            arch: Some(arch),
-            include_paths: nvrtc_include_paths(),
-            ..Default::default()
-        };
-        let ptx = compile_ptx_with_opts(KERNELS_SRC, opts)
-            .map_err(|e| dev_err("NVRTC compile of llama.cu", e))?;
-        let module = ctx
-            .load_module(ptx)
-            .map_err(|e| dev_err("load_module", e))?;
+        let opts = CompileOptions { arch: Some(arch), include_paths: nvrtc_include_paths(), ..Default::default() };
+        let ptx = compile_ptx_with_opts(KERNELS_SRC, opts).map_err(|e| dev_err("NVRTC compile of llama.cu", e))?;
+        let module = ctx.load_module(ptx).map_err(|e| dev_err("load_module", e))?;
         let f = |name: &str| module.load_function(name).map_err(|e| dev_err(name, e));
         let k = Kernels {
             embed_gather: f("embed_gather")?,
@@ -197,14 +169,7 @@ impl Gpu {
             count_neq_u16: f("count_neq_u16")?,
         };
         let name = ctx.name().unwrap_or_else(|_| "cuda".into());
-        Ok(Self {
-            ctx,
-            stream,
-            blas,
-            k,
-            name,
-            arch,
-        })
+        Ok(Self { ctx, stream, blas, k, name, arch })
     }
 
     /// Binds the context to the calling thread (the engine thread differs from the loader's).
@@ -212,9 +177,7 @@ impl Gpu {
     /// # Errors
     /// [`BackendError::Device`] on driver failure.
     pub fn bind(&self) -> Result<(), BackendError> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| dev_err("bind context", e))
+        self.ctx.bind_to_thread().map_err(|e| dev_err("bind context", e))
     }
 
     /// `(free, total)` device memory in bytes.
@@ -230,25 +193,15 @@ impl Gpu {
     ///
     /// # Errors
     /// [`BackendError::Device`] on driver failure.
-    pub fn upload<T>(
-        &self,
-        dst: &DevBuf,
-        offset_bytes: usize,
-        src: &[T],
-    ) -> Result<(), BackendError> {
+    pub fn upload<T>(&self, dst: &DevBuf, offset_bytes: usize, src: &[T]) -> Result<(), BackendError> {
         let len = std::mem::size_of_val(src);
         if offset_bytes + len > dst.bytes {
-            return Err(BackendError::Device(format!(
-                "upload of {len} B at {offset_bytes} overflows {} B",
-                dst.bytes
-            )));
+            return Err(BackendError::Device(format!("upload of {len} B at {offset_bytes} overflows {} B", dst.bytes)));
         }
         // SAFETY: bounds checked above; `src` outlives the call (pageable memory: the copy
         // is staged before the call returns).
-        unsafe {
-            result::memcpy_htod_async(dst.ptr + offset_bytes as u64, src, self.stream.cu_stream())
-        }
-        .map_err(|e| dev_err("memcpy HtoD", e))
+        unsafe { result::memcpy_htod_async(dst.ptr + offset_bytes as u64, src, self.stream.cu_stream()) }
+            .map_err(|e| dev_err("memcpy HtoD", e))
     }
 
     /// Copies `dst.len()` values from device address `src` and waits for them.
@@ -267,9 +220,7 @@ impl Gpu {
     /// # Errors
     /// [`BackendError::Device`] on an asynchronous kernel fault.
     pub fn sync(&self) -> Result<(), BackendError> {
-        self.stream
-            .synchronize()
-            .map_err(|e| dev_err("stream sync", e))
+        self.stream.synchronize().map_err(|e| dev_err("stream sync", e))
     }
 
     /// Row-major `y[n, out] = x[n, inp] · w[out, inp]ᵀ` (bf16 inputs, f32 accumulation, output
@@ -278,24 +229,11 @@ impl Gpu {
     ///
     /// # Errors
     /// [`BackendError::Device`] on cuBLAS failure.
-    pub fn gemm(
-        &self,
-        y: u64,
-        x: u64,
-        w: u64,
-        shape: GemmShape,
-        f32_out: bool,
-    ) -> Result<(), BackendError> {
+    pub fn gemm(&self, y: u64, x: u64, w: u64, shape: GemmShape, f32_out: bool) -> Result<(), BackendError> {
         let GemmShape { n, out, inp } = shape;
         let (alpha, beta) = (1.0f32, 0.0f32);
-        let c_type = if f32_out {
-            blas_sys::cudaDataType_t::CUDA_R_32F
-        } else {
-            blas_sys::cudaDataType_t::CUDA_R_16BF
-        };
-        let i = |v: usize| {
-            i32::try_from(v).map_err(|_| BackendError::InvalidBatch(format!("GEMM dimension {v}")))
-        };
+        let c_type = if f32_out { blas_sys::cudaDataType_t::CUDA_R_32F } else { blas_sys::cudaDataType_t::CUDA_R_16BF };
+        let i = |v: usize| i32::try_from(v).map_err(|_| BackendError::InvalidBatch(format!("GEMM dimension {v}")));
         // SAFETY: the caller passes buffers of at least n·inp, out·inp and n·out elements.
         unsafe {
             blas_result::gemm_ex(
@@ -327,20 +265,12 @@ impl Gpu {
     ///
     /// # Errors
     /// [`BackendError::Device`] on launch failure.
-    pub fn fill_uniform(
-        &self,
-        ptr: u64,
-        n: usize,
-        seed: u32,
-        scale: f32,
-    ) -> Result<(), BackendError> {
+    pub fn fill_uniform(&self, ptr: u64, n: usize, seed: u32, scale: f32) -> Result<(), BackendError> {
         let n64 = n as u64;
         let mut b = self.stream.launch_builder(&self.k.fill_uniform);
         b.arg(&ptr).arg(&n64).arg(&seed).arg(&scale);
         // SAFETY: `ptr` holds n bf16 values (caller); argument types match the kernel.
-        unsafe { b.launch(grid_stride(n)) }
-            .map(|_| ())
-            .map_err(|e| dev_err("fill_uniform", e))
+        unsafe { b.launch(grid_stride(n)) }.map(|_| ()).map_err(|e| dev_err("fill_uniform", e))
     }
 
     /// Fills `n` bf16 values at `ptr` with `v`.
@@ -352,9 +282,7 @@ impl Gpu {
         let mut b = self.stream.launch_builder(&self.k.fill_const);
         b.arg(&ptr).arg(&n64).arg(&v);
         // SAFETY: as for fill_uniform.
-        unsafe { b.launch(grid_stride(n)) }
-            .map(|_| ())
-            .map_err(|e| dev_err("fill_const", e))
+        unsafe { b.launch(grid_stride(n)) }.map(|_| ()).map_err(|e| dev_err("fill_const", e))
     }
 }
 
@@ -372,18 +300,10 @@ pub struct GemmShape {
 /// A grid-stride launch over `n` elements (256 threads, at most 132·16 blocks).
 pub fn grid_stride(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 132 * 16) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// One block per row (`rows` blocks of `threads`).
 pub fn per_row(rows: usize, threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
 }

@@ -84,42 +84,21 @@ pub struct LtGemm {
 unsafe impl Send for LtGemm {}
 
 fn lt_err(what: &str, s: lt::cublasStatus_t) -> Result<(), BackendError> {
-    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        Ok(())
-    } else {
-        Err(dev_err(what, s))
-    }
+    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS { Ok(()) } else { Err(dev_err(what, s)) }
 }
 
 fn dtype(f32_out: bool) -> lt::cudaDataType {
-    if f32_out {
-        lt::cudaDataType::CUDA_R_32F
-    } else {
-        lt::cudaDataType::CUDA_R_16BF
-    }
+    if f32_out { lt::cudaDataType::CUDA_R_32F } else { lt::cudaDataType::CUDA_R_16BF }
 }
 
-fn algo_cfg(
-    algo: &lt::cublasLtMatmulAlgo_t,
-    attr: lt::cublasLtMatmulAlgoConfigAttributes_t,
-) -> i32 {
+fn algo_cfg(algo: &lt::cublasLtMatmulAlgo_t, attr: lt::cublasLtMatmulAlgoConfigAttributes_t) -> i32 {
     let mut v: u32 = 0;
     let mut written = 0usize;
     // SAFETY: reads one 4-byte attribute of a valid algo into `v`.
     let s = unsafe {
-        lt::cublasLtMatmulAlgoConfigGetAttribute(
-            algo,
-            attr,
-            (&mut v) as *mut u32 as *mut _,
-            4,
-            &mut written,
-        )
+        lt::cublasLtMatmulAlgoConfigGetAttribute(algo, attr, (&mut v) as *mut u32 as *mut _, 4, &mut written)
     };
-    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        v as i32
-    } else {
-        -1
-    }
+    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS { v as i32 } else { -1 }
 }
 
 impl LtGemm {
@@ -165,12 +144,7 @@ impl LtGemm {
         })
     }
 
-    fn layout(
-        &mut self,
-        rows: u64,
-        cols: u64,
-        f32_t: bool,
-    ) -> Result<lt::cublasLtMatrixLayout_t, BackendError> {
+    fn layout(&mut self, rows: u64, cols: u64, f32_t: bool) -> Result<lt::cublasLtMatrixLayout_t, BackendError> {
         if let Some(l) = self.layouts.get(&(rows, cols, f32_t)) {
             return Ok(*l);
         }
@@ -209,9 +183,7 @@ impl LtGemm {
         let [a, b, d] = self.layouts_for(m, out, inp, f32_out)?;
         let mut pref = std::ptr::null_mut();
         // SAFETY: out-pointer to a local.
-        lt_err("cublasLtMatmulPreferenceCreate", unsafe {
-            lt::cublasLtMatmulPreferenceCreate(&mut pref)
-        })?;
+        lt_err("cublasLtMatmulPreferenceCreate", unsafe { lt::cublasLtMatmulPreferenceCreate(&mut pref) })?;
         let ws = WORKSPACE_BYTES as u64;
         // SAFETY: 8-byte attribute of the preference created above.
         let s = unsafe {
@@ -223,8 +195,7 @@ impl LtGemm {
             )
         };
         // SAFETY: a zeroed result array is a valid out-buffer for the heuristic query.
-        let mut res: Vec<lt::cublasLtMatmulHeuristicResult_t> =
-            vec![unsafe { std::mem::zeroed() }; want];
+        let mut res: Vec<lt::cublasLtMatmulHeuristicResult_t> = vec![unsafe { std::mem::zeroed() }; want];
         let mut got = 0i32;
         let q = if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             // SAFETY: layouts and descriptor are valid; `res` holds `want` entries.
@@ -251,30 +222,18 @@ impl LtGemm {
         Ok(res
             .into_iter()
             .take(got.max(0) as usize)
-            .filter(|r| {
-                r.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                    && r.workspaceSize <= WORKSPACE_BYTES
-            })
+            .filter(|r| r.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= WORKSPACE_BYTES)
             .map(|r| r.algo)
             .collect())
     }
 
-    fn valid(
-        &mut self,
-        algo: &lt::cublasLtMatmulAlgo_t,
-        m: usize,
-        out: usize,
-        inp: usize,
-        f32_out: bool,
-    ) -> bool {
+    fn valid(&mut self, algo: &lt::cublasLtMatmulAlgo_t, m: usize, out: usize, inp: usize, f32_out: bool) -> bool {
         let Ok([a, b, d]) = self.layouts_for(m, out, inp, f32_out) else {
             return false;
         };
         // SAFETY: zeroed out-struct; valid handle, descriptor, layouts, algo.
         let mut r: lt::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
-        let s = unsafe {
-            lt::cublasLtMatmulAlgoCheck(self.handle, self.desc, a, b, d, d, algo, &mut r)
-        };
+        let s = unsafe { lt::cublasLtMatmulAlgoCheck(self.handle, self.desc, a, b, d, d, algo, &mut r) };
         s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= WORKSPACE_BYTES
     }
 
@@ -356,16 +315,9 @@ impl LtGemm {
         let algo = match self.fast.get(&key) {
             Some(a) => *a,
             None => {
-                let a = self
-                    .heuristics(s.n, s.out, s.inp, f32_out, 1)?
-                    .into_iter()
-                    .next()
-                    .ok_or_else(|| {
-                        BackendError::Device(format!(
-                            "cuBLASLt has no algorithm for {}x{} at M {}",
-                            s.out, s.inp, s.n
-                        ))
-                    })?;
+                let a = self.heuristics(s.n, s.out, s.inp, f32_out, 1)?.into_iter().next().ok_or_else(|| {
+                    BackendError::Device(format!("cuBLASLt has no algorithm for {}x{} at M {}", s.out, s.inp, s.n))
+                })?;
                 self.fast.insert(key, a);
                 a
             }
@@ -395,12 +347,10 @@ impl LtGemm {
         gpu.fill_uniform(x.ptr, m_max * inp, 0x5eed ^ out as u32, 1.0)?;
         let y_ref = DevBuf::zeroed(gpu, m_max * out * ob)?;
         let y = DevBuf::zeroed(gpu, m_max * out * ob)?;
-        let mut ms: Vec<usize> = [
-            1, 2, 3, 5, 8, 13, 16, 31, 64, 100, 129, 255, 512, 1000, m_max,
-        ]
-        .into_iter()
-        .filter(|&m| m <= m_max)
-        .collect();
+        let mut ms: Vec<usize> = [1, 2, 3, 5, 8, 13, 16, 31, 64, 100, 129, 255, 512, 1000, m_max]
+            .into_iter()
+            .filter(|&m| m <= m_max)
+            .collect();
         ms.dedup();
         let counters = DevBuf::zeroed(gpu, ms.len() * 4)?;
         let m_mid = m_max.min(512);
@@ -411,8 +361,7 @@ impl LtGemm {
             for a in self.heuristics(m.min(m_max), out, inp, f32_out, 16)? {
                 let mut no_split = a;
                 let one: u32 = 1;
-                let none: u32 =
-                    lt::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
+                let none: u32 = lt::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
                 // SAFETY: 4-byte config attributes of a local copy of a valid algo.
                 unsafe {
                     lt::cublasLtMatmulAlgoConfigSetAttribute(
@@ -421,7 +370,12 @@ impl LtGemm {
                         (&one) as *const u32 as *const _,
                         4,
                     );
-                    lt::cublasLtMatmulAlgoConfigSetAttribute(&mut no_split, lt::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, (&none) as *const u32 as *const _, 4);
+                    lt::cublasLtMatmulAlgoConfigSetAttribute(
+                        &mut no_split,
+                        lt::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                        (&none) as *const u32 as *const _,
+                        4,
+                    );
                 }
                 for c in [a, no_split] {
                     if !cands.iter().any(|k| k.data == c.data) {
@@ -444,49 +398,18 @@ impl LtGemm {
         let mut n_inv = 0;
         for c in &cands {
             let c = *c;
-            let inv =
-                self.check_invariance(gpu, &ms, &counters, &y_ref, &y, out, ob, |me, m, yp| {
-                    me.matmul_with(gpu, &c, yp, x.ptr, w, GemmShape { n: m, out, inp }, f32_out)
-                })?;
+            let inv = self.check_invariance(gpu, &ms, &counters, &y_ref, &y, out, ob, |me, m, yp| {
+                me.matmul_with(gpu, &c, yp, x.ptr, w, GemmShape { n: m, out, inp }, f32_out)
+            })?;
             let Some(inv) = inv else { continue };
             n_inv += usize::from(inv);
-            let t1 = self.time(gpu, |me| {
-                me.matmul_with(
-                    gpu,
-                    &c,
-                    y.ptr,
-                    x.ptr,
-                    w,
-                    GemmShape { n: 1, out, inp },
-                    f32_out,
-                )
-            })?;
+            let t1 =
+                self.time(gpu, |me| me.matmul_with(gpu, &c, y.ptr, x.ptr, w, GemmShape { n: 1, out, inp }, f32_out))?;
             let ts = self.time(gpu, |me| {
-                me.matmul_with(
-                    gpu,
-                    &c,
-                    y.ptr,
-                    x.ptr,
-                    w,
-                    GemmShape {
-                        n: m_small,
-                        out,
-                        inp,
-                    },
-                    f32_out,
-                )
+                me.matmul_with(gpu, &c, y.ptr, x.ptr, w, GemmShape { n: m_small, out, inp }, f32_out)
             })?;
-            let tm = self.time(gpu, |me| {
-                me.matmul_with(
-                    gpu,
-                    &c,
-                    y.ptr,
-                    x.ptr,
-                    w,
-                    GemmShape { n: m_mid, out, inp },
-                    f32_out,
-                )
-            })?;
+            let tm = self
+                .time(gpu, |me| me.matmul_with(gpu, &c, y.ptr, x.ptr, w, GemmShape { n: m_mid, out, inp }, f32_out))?;
             scored.push((c, inv, t1, tm, ts));
         }
         let cublas_inv = self
@@ -494,9 +417,7 @@ impl LtGemm {
                 gpu.gemm(yp, x.ptr, w, GemmShape { n: m, out, inp }, f32_out)
             })?
             .unwrap_or(false);
-        let cublas_t1 = self.time(gpu, |_| {
-            gpu.gemm(y.ptr, x.ptr, w, GemmShape { n: 1, out, inp }, f32_out)
-        })?;
+        let cublas_t1 = self.time(gpu, |_| gpu.gemm(y.ptr, x.ptr, w, GemmShape { n: 1, out, inp }, f32_out))?;
         let any_inv = scored.iter().any(|s| s.1);
         let pool: Vec<_> = scored.iter().filter(|s| s.1 || !any_inv).collect();
         let best1 = pool.iter().map(|s| s.2).fold(f64::INFINITY, f64::min);
@@ -505,15 +426,12 @@ impl LtGemm {
         // Decode (M = 1) counts four times: it is the latency-critical, bandwidth-bound case
         // (measured: the decode-best down_proj algorithm is 25% faster at M = 1 than the
         // balanced pick, which cost 0.35 ms per Llama-3-8B step).
-        let score = |c: &&&(lt::cublasLtMatmulAlgo_t, bool, f64, f64, f64)| {
-            4.0 * c.2 / best1 + c.4 / bests + c.3 / bestm
-        };
+        let score =
+            |c: &&&(lt::cublasLtMatmulAlgo_t, bool, f64, f64, f64)| 4.0 * c.2 / best1 + c.4 / bests + c.3 / bestm;
         let chosen = pool
             .iter()
             .min_by(|a, b| score(a).total_cmp(&score(b)))
-            .ok_or_else(|| {
-                BackendError::Device(format!("no runnable cuBLASLt algorithm for {out}x{inp}"))
-            })?;
+            .ok_or_else(|| BackendError::Device(format!("no runnable cuBLASLt algorithm for {out}x{inp}")))?;
         use lt::cublasLtMatmulAlgoConfigAttributes_t as A;
         let info = GemmPlanInfo {
             out,
@@ -542,14 +460,10 @@ impl LtGemm {
         if chosen.1 {
             tracing::info!(?info, "GEMM plan (batch-invariant)");
         } else {
-            tracing::warn!(
-                ?info,
-                "GEMM plan: no candidate was batch-invariant; using the fastest"
-            );
+            tracing::warn!(?info, "GEMM plan: no candidate was batch-invariant; using the fastest");
         }
         self.infos.push(info);
-        self.plans
-            .insert((out, inp, f32_out), Plan { algo: chosen.0 });
+        self.plans.insert((out, inp, f32_out), Plan { algo: chosen.0 });
         gpu.sync()
     }
 
@@ -572,27 +486,13 @@ impl LtGemm {
             return Ok(None);
         }
         // SAFETY: counters holds ms.len() u32.
-        unsafe {
-            cudarc::driver::result::memset_d8_async(
-                counters.ptr,
-                0,
-                ms.len() * 4,
-                gpu.stream.cu_stream(),
-            )
-        }
-        .map_err(|e| dev_err("memset", e))?;
+        unsafe { cudarc::driver::result::memset_d8_async(counters.ptr, 0, ms.len() * 4, gpu.stream.cu_stream()) }
+            .map_err(|e| dev_err("memset", e))?;
         for (i, &m) in ms.iter().enumerate() {
             // Poison, run, compare.
             // SAFETY: y holds m_max · out · ob bytes.
-            unsafe {
-                cudarc::driver::result::memset_d8_async(
-                    y.ptr,
-                    0xff,
-                    m * out * ob,
-                    gpu.stream.cu_stream(),
-                )
-            }
-            .map_err(|e| dev_err("memset", e))?;
+            unsafe { cudarc::driver::result::memset_d8_async(y.ptr, 0xff, m * out * ob, gpu.stream.cu_stream()) }
+                .map_err(|e| dev_err("memset", e))?;
             if f(self, m, y.ptr).is_err() {
                 return Ok(None);
             }

@@ -67,12 +67,7 @@ impl GemvKind {
         }
     }
     fn name(self) -> &'static str {
-        [
-            "gemv_qkv_rope",
-            "gemv_logits",
-            "gemv_residual",
-            "gemv_gate_up",
-        ][self.index()]
+        ["gemv_qkv_rope", "gemv_logits", "gemv_residual", "gemv_gate_up"][self.index()]
     }
     fn norm(self) -> bool {
         matches!(self, Self::QkvRope | Self::NormGateUpSilu)
@@ -112,9 +107,7 @@ impl Gemv {
     pub fn new(gpu: &Gpu, norm_inp: usize) -> Result<Self, BackendError> {
         let sms = gpu
             .ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| dev_err("SM count", e))?
             .max(1) as u32;
         let mut variants = Vec::new();
@@ -125,37 +118,26 @@ impl Gemv {
                 options: vec![define.to_owned()],
                 ..Default::default()
             };
-            let ptx = compile_ptx_with_opts(GEMV_SRC, opts)
-                .map_err(|e| dev_err("NVRTC compile of gemv.cu", e))?;
-            let module = gpu
-                .ctx
-                .load_module(ptx)
-                .map_err(|e| dev_err("load_module gemv", e))?;
+            let ptx = compile_ptx_with_opts(GEMV_SRC, opts).map_err(|e| dev_err("NVRTC compile of gemv.cu", e))?;
+            let module = gpu.ctx.load_module(ptx).map_err(|e| dev_err("load_module gemv", e))?;
             let mut fns = Vec::with_capacity(GEMV_MAX_M);
             for m in 1..=GEMV_MAX_M {
                 let f = |k: GemvKind| -> Result<(CudaFunction, u32), BackendError> {
                     let name = format!("{}_m{m}", k.name());
-                    let f = module
-                        .load_function(&name)
-                        .map_err(|e| dev_err("load gemv", e))?;
+                    let f = module.load_function(&name).map_err(|e| dev_err("load gemv", e))?;
                     let bytes = if k.norm() { Self::smem(m, norm_inp) } else { 0 };
                     if k.norm() {
-                        f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+                        f.set_attribute(
+                            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            bytes as i32,
+                        )
                         .map_err(|e| dev_err("gemv shared memory", e))?;
                     }
                     let per_sm = f
-                        .occupancy_max_active_blocks_per_multiprocessor(
-                            (WARPS * 32) as u32,
-                            bytes,
-                            None,
-                        )
+                        .occupancy_max_active_blocks_per_multiprocessor((WARPS * 32) as u32, bytes, None)
                         .map_err(|e| dev_err("gemv occupancy", e))?
                         .max(1);
-                    let per_sm = if per_sm_cap > 0 {
-                        per_sm.min(per_sm_cap)
-                    } else {
-                        per_sm
-                    };
+                    let per_sm = if per_sm_cap > 0 { per_sm.min(per_sm_cap) } else { per_sm };
                     Ok((f, per_sm * sms))
                 };
                 fns.push([
@@ -172,19 +154,11 @@ impl Gemv {
             .and_then(|v| v.parse().ok())
             .filter(|&v| v < VARIANTS.len())
             .unwrap_or(0);
-        let (major, _) = gpu
-            .ctx
-            .compute_capability()
-            .map_err(|e| dev_err("compute_capability", e))?;
+        let (major, _) = gpu.ctx.compute_capability().map_err(|e| dev_err("compute_capability", e))?;
         // Off by default: measured on an H200 it did not help (4.34 vs 4.29 ms per batch-1
         // step), since the persistent GEMV grids leave no room for the next kernel's blocks.
         let pdl = major >= 9 && std::env::var("PRISM_CUDA_PDL").is_ok_and(|v| v == "1");
-        Ok(Self {
-            variants,
-            variant,
-            norm_inp,
-            pdl,
-        })
+        Ok(Self { variants, variant, norm_inp, pdl })
     }
 
     fn smem(m: usize, inp: usize) -> usize {
@@ -218,64 +192,31 @@ impl Gemv {
     ) -> Result<(), BackendError> {
         // 16-byte rows and activations; the norm prologue reads the gain 4 values at a time.
         let aligned = w.is_multiple_of(16) && x.is_multiple_of(16) && gain.is_multiple_of(8);
-        if m == 0
-            || m > GEMV_MAX_M
-            || !aligned
-            || !inp.is_multiple_of(8)
-            || (kind.norm() && inp != self.norm_inp)
-        {
-            return Err(BackendError::InvalidBatch(format!(
-                "gemv: m {m}, inp {inp} not supported"
-            )));
+        if m == 0 || m > GEMV_MAX_M || !aligned || !inp.is_multiple_of(8) || (kind.norm() && inp != self.norm_inp) {
+            return Err(BackendError::InvalidBatch(format!("gemv: m {m}, inp {inp} not supported")));
         }
-        let (f, resident) =
-            &self.variants[self.variant.min(self.variants.len() - 1)].fns[m - 1][kind.index()];
+        let (f, resident) = &self.variants[self.variant.min(self.variants.len() - 1)].fns[m - 1][kind.index()];
         // Logical rows: RoPE pairs for the fused QKV.
-        let rows = if kind == GemvKind::QkvRope {
-            out / 2
-        } else {
-            out
-        };
+        let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
         let blocks = (rows.div_ceil(WARPS * ROWS_PER_WARP) as u32).min(*resident);
-        let shared = if kind.norm() {
-            Self::smem(m, inp) as u32
-        } else {
-            0
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: ((WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: shared,
-        };
+        let shared = if kind.norm() { Self::smem(m, inp) as u32 } else { 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((WARPS * 32) as u32, 1, 1), shared_mem_bytes: shared };
         let (out_i, inp_i) = (rows as i32, inp as i32);
         if self.pdl {
             use cudarc::driver::sys;
             use std::ffi::c_void;
             let p = |v: &u64| v as *const u64 as *mut c_void;
             let pi = |v: &i32| v as *const i32 as *mut c_void;
-            let mut params: Vec<*mut c_void> = vec![
-                p(&y),
-                p(&w),
-                p(&x),
-                p(&gain),
-                pi(&out_i),
-                pi(&inp_i),
-                &eps as *const f32 as *mut c_void,
-            ];
+            let mut params: Vec<*mut c_void> =
+                vec![p(&y), p(&w), p(&x), p(&gain), pi(&out_i), pi(&inp_i), &eps as *const f32 as *mut c_void];
             if kind == GemvKind::QkvRope {
-                params.extend([
-                    p(&rope.pos),
-                    p(&rope.slots),
-                    p(&rope.inv_freq),
-                    p(&rope.k_cache),
-                    p(&rope.v_cache),
-                ]);
+                params.extend([p(&rope.pos), p(&rope.slots), p(&rope.inv_freq), p(&rope.k_cache), p(&rope.v_cache)]);
                 params.extend([pi(&rope.q_heads), pi(&rope.kv_heads), pi(&rope.head_dim)]);
             }
             // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attr.value.programmaticStreamSerializationAllowed = 1;
             let lc = sys::CUlaunchConfig {
                 gridDimX: cfg.grid_dim.0,
@@ -292,40 +233,17 @@ impl Gemv {
             // SAFETY: `params` points at locals that outlive the call (the driver copies the
             // values at launch), in the kernel's parameter order and types; buffers as for the
             // plain launch below.
-            let r = unsafe {
-                sys::cuLaunchKernelEx(
-                    &lc,
-                    f.cu_function(),
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            };
-            return if r == sys::CUresult::CUDA_SUCCESS {
-                Ok(())
-            } else {
-                Err(dev_err(kind.name(), r))
-            };
+            let r = unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) };
+            return if r == sys::CUresult::CUDA_SUCCESS { Ok(()) } else { Err(dev_err(kind.name(), r)) };
         }
         let mut b = gpu.stream.launch_builder(f);
-        b.arg(&y)
-            .arg(&w)
-            .arg(&x)
-            .arg(&gain)
-            .arg(&out_i)
-            .arg(&inp_i)
-            .arg(&eps);
+        b.arg(&y).arg(&w).arg(&x).arg(&gain).arg(&out_i).arg(&inp_i).arg(&eps);
         if kind == GemvKind::QkvRope {
-            b.arg(&rope.pos)
-                .arg(&rope.slots)
-                .arg(&rope.inv_freq)
-                .arg(&rope.k_cache)
-                .arg(&rope.v_cache);
+            b.arg(&rope.pos).arg(&rope.slots).arg(&rope.inv_freq).arg(&rope.k_cache).arg(&rope.v_cache);
             b.arg(&rope.q_heads).arg(&rope.kv_heads).arg(&rope.head_dim);
         }
         // SAFETY: the caller passes buffers of the documented shapes; rows past `out` are
         // clamped in the kernel; shared memory matches the attribute set in `new`.
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| dev_err(kind.name(), e))
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| dev_err(kind.name(), e))
     }
 }

@@ -53,12 +53,7 @@ impl TpComm {
     ///
     /// # Errors
     /// [`BackendError::Device`] when NCCL fails to enqueue it.
-    pub(crate) fn all_reduce_bf16(
-        &self,
-        gpu: &Gpu,
-        ptr: u64,
-        count: usize,
-    ) -> Result<(), BackendError> {
+    pub(crate) fn all_reduce_bf16(&self, gpu: &Gpu, ptr: u64, count: usize) -> Result<(), BackendError> {
         // SAFETY: `ptr` holds `count` bf16 values on this rank's device; in-place all-reduce
         // on the stream every other launch of the shard uses.
         unsafe {
@@ -108,9 +103,7 @@ pub struct CudaTpBackend {
 
 impl std::fmt::Debug for CudaTpBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaTpBackend")
-            .field("shards", &self.shards.len())
-            .finish()
+        f.debug_struct("CudaTpBackend").field("shards", &self.shards.len()).finish()
     }
 }
 
@@ -134,43 +127,29 @@ impl CudaTpBackend {
     ) -> Result<Self, EngineError> {
         let world = devices.len();
         if world < 2 {
-            return Err(EngineError::Internal(
-                "tensor parallelism needs at least 2 devices".into(),
-            ));
+            return Err(EngineError::Internal("tensor parallelism needs at least 2 devices".into()));
         }
         if opts.batch_invariant && world > 2 {
             return Err(EngineError::InvalidRequest {
                 field: "batch_invariant",
-                message: format!(
-                    "batch_invariant is not supported with tensor_parallel_size {world} (at most 2)"
-                ),
+                message: format!("batch_invariant is not supported with tensor_parallel_size {world} (at most 2)"),
             });
         }
         // SAFETY: only opens the library (cudarc panics on a missing library otherwise).
         if !unsafe { nccl_sys::is_culib_present() } {
-            return Err(EngineError::Internal(
-                "tensor_parallel_size > 1 needs NCCL (libnccl.so.2 not found)".into(),
-            ));
+            return Err(EngineError::Internal("tensor_parallel_size > 1 needs NCCL (libnccl.so.2 not found)".into()));
         }
         let ordinals: Vec<i32> = devices.iter().map(|&d| d as i32).collect();
         let mut comms = vec![std::ptr::null_mut(); world];
         // SAFETY: `comms` has one slot per device in `ordinals`.
         unsafe { nccl::comm_init_all(comms.as_mut_ptr(), world as i32, ordinals.as_ptr()) }
-            .map_err(|e| {
-                EngineError::Internal(format!("ncclCommInitAll over devices {devices:?}: {e:?}"))
-            })?;
+            .map_err(|e| EngineError::Internal(format!("ncclCommInitAll over devices {devices:?}: {e:?}")))?;
         let aborted = Arc::new(AtomicBool::new(false));
         let raw: Vec<RawComm> = comms.iter().map(|&c| RawComm(c)).collect();
         let mut comms: Vec<Option<TpComm>> = comms
             .into_iter()
             .enumerate()
-            .map(|(rank, comm)| {
-                Some(TpComm {
-                    comm,
-                    rank,
-                    aborted: aborted.clone(),
-                })
-            })
+            .map(|(rank, comm)| Some(TpComm { comm, rank, aborted: aborted.clone() }))
             .collect();
         let mut shards = Vec::with_capacity(world);
         for (rank, &device) in devices.iter().enumerate() {
@@ -179,19 +158,13 @@ impl CudaTpBackend {
                 kv_cache_bytes: opts.kv_cache_bytes.map(|b| b / world as u64),
                 ..opts.clone()
             };
-            let comm = comms[rank]
-                .take()
-                .ok_or_else(|| EngineError::Internal("communicator used twice".into()))?;
+            let comm = comms[rank].take().ok_or_else(|| EngineError::Internal("communicator used twice".into()))?;
             let w = weights.shard(config, rank, world)?;
             shards.push(CudaBackend::new_shard(w, config, &o, comm)?);
         }
         drop(weights);
         tracing::info!(devices = ?devices, kv_blocks = shards.iter().map(|s| s.num_blocks).min(), "CUDA tensor-parallel replica ready");
-        Ok(Self {
-            shards,
-            raw,
-            aborted,
-        })
+        Ok(Self { shards, raw, aborted })
     }
 
     /// Runs `batch` on every rank at once; rank 0's result (`f`) is returned after every rank
@@ -202,19 +175,14 @@ impl CudaTpBackend {
         f: impl FnOnce(&mut CudaBackend) -> Result<T, BackendError> + Send,
     ) -> Result<T, BackendError> {
         if self.aborted.load(Ordering::SeqCst) {
-            return Err(BackendError::Device(
-                "tensor-parallel replica failed earlier (communicators aborted)".into(),
-            ));
+            return Err(BackendError::Device("tensor-parallel replica failed earlier (communicators aborted)".into()));
         }
         // Same checks on every rank (each against its own cache); all pass or none starts.
         for s in &self.shards {
             s.validate(batch)?;
         }
         let (raw, aborted) = (&self.raw, &*self.aborted);
-        let (first, rest) = self
-            .shards
-            .split_first_mut()
-            .ok_or_else(|| BackendError::Device("no shards".into()))?;
+        let (first, rest) = self.shards.split_first_mut().ok_or_else(|| BackendError::Device("no shards".into()))?;
         std::thread::scope(|sc| {
             let others: Vec<_> = rest
                 .iter_mut()
@@ -256,11 +224,7 @@ impl Backend for CudaTpBackend {
     }
 
     fn num_kv_blocks(&self) -> usize {
-        self.shards
-            .iter()
-            .map(Backend::num_kv_blocks)
-            .min()
-            .unwrap_or(0)
+        self.shards.iter().map(Backend::num_kv_blocks).min().unwrap_or(0)
     }
 
     fn block_size(&self) -> usize {

@@ -75,9 +75,7 @@ impl SyntheticShape {
     /// RoPE inverse frequencies (no scaling).
     pub fn inv_freq(&self) -> Vec<f32> {
         let hd = self.hidden / self.heads;
-        (0..hd / 2)
-            .map(|i| (1.0 / f64::from(self.rope_theta).powf(2.0 * i as f64 / hd as f64)) as f32)
-            .collect()
+        (0..hd / 2).map(|i| (1.0 / f64::from(self.rope_theta).powf(2.0 * i as f64 / hd as f64)) as f32).collect()
     }
 }
 
@@ -99,11 +97,7 @@ fn layout(d: &Dims, tied: bool) -> Layout {
         o
     };
     let embed = take(d.vocab * d.hidden);
-    let lm_head = if tied {
-        None
-    } else {
-        Some(take(d.vocab * d.hidden))
-    };
+    let lm_head = if tied { None } else { Some(take(d.vocab * d.hidden)) };
     let norm = take(d.hidden);
     let layers = (0..d.layers)
         .map(|_| {
@@ -117,13 +111,7 @@ fn layout(d: &Dims, tied: bool) -> Layout {
             ]
         })
         .collect();
-    Layout {
-        total: at,
-        embed,
-        lm_head,
-        norm,
-        layers,
-    }
+    Layout { total: at, embed, lm_head, norm, layers }
 }
 
 impl DeviceWeights {
@@ -142,14 +130,7 @@ impl DeviceWeights {
             })
             .collect();
         let embed = p(l.embed);
-        Self {
-            embed,
-            lm_head: l.lm_head.map_or(embed, p),
-            norm: p(l.norm),
-            layers,
-            bytes: buf.bytes,
-            _buf: buf,
-        }
+        Self { embed, lm_head: l.lm_head.map_or(embed, p), norm: p(l.norm), layers, bytes: buf.bytes, _buf: buf }
     }
 
     /// Uploads a Hugging Face Llama checkpoint tensor by tensor from its mmapped files (bf16
@@ -184,9 +165,7 @@ impl DeviceWeights {
         let mut put = |off: usize, parts: &[(&str, &[usize])]| -> Result<(), BackendError> {
             staging.clear();
             for (name, shape) in parts {
-                done += files
-                    .append_bf16(name, shape, &mut staging)
-                    .map_err(|e| BackendError::Device(e.to_string()))?
+                done += files.append_bf16(name, shape, &mut staging).map_err(|e| BackendError::Device(e.to_string()))?
                     as u64;
             }
             gpu.upload(&buf, off * 2, &staging)?;
@@ -203,12 +182,8 @@ impl DeviceWeights {
         put(l.norm, &[("model.norm.weight", &[h])])?;
         for (li, o) in l.layers.iter().enumerate() {
             let n = |t: &str| format!("model.layers.{li}.{t}.weight");
-            let (ln1, qn, kn, vn) = (
-                n("input_layernorm"),
-                n("self_attn.q_proj"),
-                n("self_attn.k_proj"),
-                n("self_attn.v_proj"),
-            );
+            let (ln1, qn, kn, vn) =
+                (n("input_layernorm"), n("self_attn.q_proj"), n("self_attn.k_proj"), n("self_attn.v_proj"));
             let (on, ln2, gn, un, dn) = (
                 n("self_attn.o_proj"),
                 n("post_attention_layernorm"),
@@ -230,15 +205,8 @@ impl DeviceWeights {
     ///
     /// # Errors
     /// [`BackendError::Device`] on allocation or copy failure; `InvalidBatch` never.
-    pub fn upload(
-        gpu: &Gpu,
-        w: &LlamaWeights,
-        cfg: &ModelConfig,
-    ) -> Result<(Self, Dims), BackendError> {
-        let first = w
-            .layers
-            .first()
-            .ok_or_else(|| BackendError::Device("model has no layers".into()))?;
+    pub fn upload(gpu: &Gpu, w: &LlamaWeights, cfg: &ModelConfig) -> Result<(Self, Dims), BackendError> {
+        let first = w.layers.first().ok_or_else(|| BackendError::Device("model has no layers".into()))?;
         let hd = cfg.head_dim;
         let d = Dims {
             hidden: cfg.hidden_size,
