@@ -5,17 +5,19 @@ the full logs and raw JSON stay in the output folder, which git ignores (`bench/
 
 What goes in:
 - `meta`: date, machine and commit (from the `machine.txt` the run scripts write, else from the
-  flags), the commands, a note, and the files the summary was built from (name and size).
+  flags), the commands, a note, the files the summary was built from (name and size) and the
+  arrays left out of them (path and length).
 - `results.NAME`: each `NAME.json` with its bulky arrays left out (lists of more than 16 numbers,
   such as logits and token ids; lists of lists; lists of more than 16 records, such as per-request
-  timings). Every value that stays is copied as written: no number is rounded or recomputed.
+  timings and the per-case records of the kernel checks). Every value that stays is copied as written: no number is rounded or recomputed.
   `trace.json` is an input (make_trace.py's requests) and is skipped.
 - `results.hf_reference`: the JSON lines that hf_reference.py prints (its reference.json, with the
   logits, stays in the model directory).
-- `verdicts.NAME`: the last `tool: ...` line of `NAME.log` (PASS / FAIL and what it says with it).
+- `verdicts.NAME`: the last `tool: ...` line of `NAME.log` (PASS / FAIL and what it says with it,
+  or why a step was skipped).
 - `log.NAME`: the lines of `NAME.log` / `NAME.txt` that state a result a JSON does not hold:
-  header lines (device, init time, KV size, model shape), totals, timings and SUMMARY lines.
-  Per-case lines (already in the JSON), progress bars and training steps are left out.
+  header lines (device, init time, KV size, model shape), totals, timings, SUMMARY lines and
+  Python errors. Per-case lines (already in the JSON), progress bars and training steps are left out.
 
 Usage: python3 scripts/gpu/summarize.py OUT_DIR [--out FILE] [--command CMD]... [--date D]
        [--machine M] [--commit C] [--note TEXT]
@@ -39,9 +41,9 @@ HEADLINE = re.compile(
     r"^(device |model: |== |(\[[\w /-]+\] )?engine on CUDA|prompts: |trace: |warm-up|HF |SUMMARY|TIME |CHECK |"
     r"trained model|transformers |saved |attn_prefill\.cu |"
     r"(PASS|FAIL) (load|throughput|KV waste|every request|on-device|probe|batch invariance|torch fill|weight scale)|"
-    r"[\w+./-]+( \w+)?: (ok|FAIL|PASS)|\S+\t/)"
+    r"[\w+./-]+( \w+)?: (ok|FAIL|PASS)|\w*(Error|Exception): |\S+\t/)"
 )
-VERDICT = re.compile(r"^((?:cuda|hf)_[a-z_]+): (.*)$")
+VERDICT = re.compile(r"^((?:cuda|hf|run)_[a-z_]+): (.*)$")
 NOISE = re.compile(r"it/s\]|s/it\]|^train step |Warning|^Consider using|^\s+return ")
 
 
@@ -52,16 +54,18 @@ class Dropped:
 DROP = Dropped()
 
 
-def slim(value):
-    """`value` without its bulky arrays (see the module doc); scalars unchanged."""
+def slim(value, path: str, left_out: list):
+    """`value` without its bulky arrays (see the module doc), scalars unchanged; the path and
+    length of each array left out is appended to `left_out`."""
     if isinstance(value, dict):
-        kept = ((k, slim(v)) for k, v in value.items())
+        kept = ((k, slim(v, f"{path}.{k}", left_out)) for k, v in value.items())
         return {k: v for k, v in kept if v is not DROP}
     if isinstance(value, list):
-        if all(not isinstance(x, (dict, list)) for x in value):
-            return value if len(value) <= MAX_SCALARS else DROP
+        if all(not isinstance(x, (dict, list)) for x in value) and len(value) <= MAX_SCALARS:
+            return value
         if all(isinstance(x, dict) for x in value) and len(value) <= MAX_RECORDS:
-            return [slim(x) for x in value]
+            return [slim(x, f"{path}[{i}]", left_out) for i, x in enumerate(value)]
+        left_out.append(f"{path} ({len(value)} items)")
         return DROP
     return value
 
@@ -109,13 +113,16 @@ def machine_txt(path: Path) -> dict:
     if not path.is_file():
         return meta
     rows = [r.strip() for r in path.read_text(errors="replace").splitlines() if r.strip()]
+    gpus = []
     for row in rows:
         if row.startswith("date "):
             meta["date"] = row[5:]
         elif re.fullmatch(r"[0-9a-f]{7,40}", row):
             meta["commit"] = row
         elif "," in row:
-            meta["machine"] = row
+            gpus.append(row)  # nvidia-smi: one "name, memory, driver, max SM clock" row per GPU
+    if gpus:
+        meta["machine"] = "; ".join(gpus)
     return meta
 
 
@@ -133,12 +140,12 @@ def summarize(out_dir: Path, args) -> dict:
     # JSON and the tools' own logs first, then the combined logs that repeat them.
     files.sort(key=lambda p: (p.suffix != ".json" and not (out_dir / f"{p.stem}.json").is_file(), p.name))
     meta["built_from"] = {p.name: p.stat().st_size for p in sorted(files)}
-    results, verdicts, logs = {}, {}, {}
+    results, verdicts, logs, left_out = {}, {}, {}, []
     seen = set()
     for p in files:
         if p.suffix == ".json":
             try:
-                results[p.stem] = slim(json.loads(p.read_text()))
+                results[p.stem] = slim(json.loads(p.read_text()), p.stem, left_out)
             except ValueError as e:
                 verdicts[p.stem] = f"unreadable JSON: {e}"
             continue
@@ -151,11 +158,13 @@ def summarize(out_dir: Path, args) -> dict:
         if objects:
             merged = results.setdefault(p.stem, {})
             for obj in objects:
-                merged.update(slim(obj))
+                merged.update(slim(obj, p.stem, left_out))
         if verdict is not None:
             verdicts[p.stem] = verdict
         if lines:
             logs[p.stem] = lines
+    if left_out:
+        meta["left_out"] = left_out
     return {"meta": meta, "verdicts": verdicts, "results": results, "log": logs}
 
 
