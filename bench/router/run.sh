@@ -2,12 +2,16 @@
 # Router benchmark: prism-router + mock engine (no model, tokens returned instantly) vs a
 # Ray Serve 2.60 no-op deployment, same machine, same load generator, same run.
 # Usage: bench/router/run.sh [seconds per point]   (RAY_VENV=/tmp/rayvenv by default)
-# Prints one JSON line per point and a Markdown table (append it to docs/benchmarks.md).
+# Prints one JSON line per point and a Markdown table (append it to docs/benchmarks.md), and writes
+# bench/router/results.json (the committed result: the points + meta, see bench/summary.py). The
+# processes' logs and the points go to $OUT (default bench/out/router-<UTC time>, ignored by git).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DUR=${1:-10}
 RAY_VENV=${RAY_VENV:-/tmp/rayvenv}
-BIN=target/release
+BIN=${CARGO_TARGET_DIR:-target}/release
+LOGS=${OUT:-$PWD/bench/out/router-$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$LOGS"
 cargo build --release -q -p prism-router --bins
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
@@ -21,9 +25,9 @@ wait_http() { # url, seconds
   done
 }
 
-$BIN/mock-engine --listen 127.0.0.1:50161 --tokens 1 >/tmp/bench-mock.log 2>&1 & PIDS+=($!)
+$BIN/mock-engine --listen 127.0.0.1:50161 --tokens 1 >"$LOGS/mock-engine.log" 2>&1 & PIDS+=($!)
 RUST_LOG=warn $BIN/prism-router --http-listen 127.0.0.1:18000 --grpc-listen 127.0.0.1:15051 \
-  --static-route mock=http://127.0.0.1:50161 >/tmp/bench-router.log 2>&1 & PIDS+=($!)
+  --static-route mock=http://127.0.0.1:50161 >"$LOGS/prism-router.log" 2>&1 & PIDS+=($!)
 wait_http http://127.0.0.1:18000/health 30
 
 BODY='{"model":"mock","prompt":"hi","max_tokens":1}'
@@ -36,10 +40,10 @@ done
 cleanup; PIDS=()
 
 if [ -x "$RAY_VENV/bin/python" ]; then
-  "$RAY_VENV/bin/python" bench/router/ray_noop.py 18001 >/tmp/bench-ray.log 2>&1 & PIDS+=($!)
+  "$RAY_VENV/bin/python" bench/router/ray_noop.py 18001 >"$LOGS/ray.log" 2>&1 & PIDS+=($!)
   end=$((SECONDS + 180))
-  until grep -q READY /tmp/bench-ray.log; do
-    [ $SECONDS -lt $end ] || { echo "ray serve did not start" >&2; tail /tmp/bench-ray.log >&2; exit 1; }
+  until grep -q READY "$LOGS/ray.log"; do
+    [ $SECONDS -lt $end ] || { echo "ray serve did not start" >&2; tail "$LOGS/ray.log" >&2; exit 1; }
     sleep 1
   done
   for c in 1 64; do
@@ -58,3 +62,9 @@ echo "| --- | --- | --- | --- | --- | --- | --- |"
 for r in "${RESULTS[@]}"; do
   python3 -c 'import json,sys; d=json.loads(sys.argv[1]); print("| {label} | {concurrency} | {rps:.0f} | {p50_ms:.3f} | {p90_ms:.3f} | {p99_ms:.3f} | {errors} |".format(**d))' "$r"
 done
+printf '%s\n' "${RESULTS[@]}" > "$LOGS/points.jsonl"
+python3 -c 'import json,sys; json.dump([json.loads(l) for l in open(sys.argv[1]) if l.strip()], open(sys.argv[2], "w"))' \
+  "$LOGS/points.jsonl" "$LOGS/points.json"
+python3 bench/summary.py "$LOGS/points.json" bench/router/results.json --command "bench/router/run.sh $DUR" \
+  --logs "${LOGS#"$PWD"/}"
+echo "results: bench/router/results.json; logs: $LOGS"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Hugging Face baseline of issue 6's serving trace (run on the GPU machine: torch 2.11,
+"""Hugging Face baseline of the serving trace (run on the GPU machine: torch 2.11,
 transformers 5.17, no network).
 
 Builds `LlamaForCausalLM` at Llama-3-8B shapes (32 layers, hidden 4096, 32 heads, 8 KV heads,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The serving trace of issue 6, written once and read by both sides of the comparison
+"""The serving trace (512 requests), written once and read by both sides of the comparison
 (worker/engine/examples/cuda_trace.rs for Prism, scripts/gpu/hf_trace.py for Hugging Face).
 
 512 requests, all arriving at once, in this order. For each request, drawn in turn from one

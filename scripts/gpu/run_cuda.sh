@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
-# One run on the GPU machine for the CUDA backend (issue 6): HF reference + correctness check,
-# then the Llama-3-8B-shape benchmark. Binaries come prebuilt in .gpu-bin/ (built on the build
-# machine: cargo build --release -p prism-engine --features cuda --examples). Logs and JSON go
-# to $OUT (or ./gpu-out). Every step has its own timeout.
-#   usage (from the repo root): bash scripts/gpu/run_cuda.sh
+# One run on the GPU machine for the CUDA backend: HF reference + correctness check, the engine's
+# batching-changes-nothing body on CUDA, then the Llama-3-8B-shape benchmark. Binaries come
+# prebuilt in .gpu-bin/ (built on the build machine:
+# cargo build --release -p prism-engine --features cuda --examples). Full logs and JSON go to $OUT
+# (default bench/out/run_cuda-<UTC time>, ignored by git), with summary.json (scripts/gpu/summarize.py)
+# next to them; RESULTS=bench/cuda/runN also copies the summary there to be committed.
+# Every step has its own timeout.
+#   usage (from the repo root): [OUT=dir] [BIN=.gpu-bin] [RESULTS=bench/cuda/runN] bash scripts/gpu/run_cuda.sh
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
+. "$(dirname "$0")/run_common.sh"
+OUT=$(gpu_out run_cuda)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 RUST_LOG=${RUST_LOG:-info}
 BIN=${BIN:-.gpu-bin}
-{
-  date -u +"date %Y-%m-%dT%H:%M:%SZ"
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
-  git rev-parse --short HEAD 2>/dev/null || true
-} > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
+machine_txt "$OUT"
 # hf_reference.py writes the random-weight model to $MODEL and the trained one (clear greedy
 # margins; it exits 3 and says so when training did not reach them) to $MODEL/trained.
 MODEL=/tmp/prism-hf-ref
@@ -41,4 +40,5 @@ else
   rc=1
 fi
 timeout 300 "$BIN/cuda_bench" "$OUT/cuda_bench.json" 2>&1 | tee "$OUT/cuda_bench.log" || rc=1
+finish_run "$OUT" "BIN=$BIN bash scripts/gpu/run_cuda.sh" || rc=1
 exit $rc

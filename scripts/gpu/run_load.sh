@@ -2,14 +2,18 @@
 # Loading a real-size Hugging Face checkpoint on the GPU machine: hf_trace.py builds the
 # Llama-3-8B-shape model with the same seeded weights as CudaBackend::synthetic and saves it as
 # bf16 safetensors; cuda_trace loads it with CudaBackend::from_safetensors (--model) and the probe
-# logits must equal the synthetic backend's. Prints both init times. Outputs to $OUT.
-#   usage (repo root, binaries in $BIN): bash scripts/gpu/run_load.sh
+# logits must equal the synthetic backend's. Prints both init times. Full outputs to $OUT (default
+# bench/out/run_load-<UTC time>, ignored by git) with summary.json (scripts/gpu/summarize.py);
+# RESULTS=bench/cuda/runN also copies the summary there to be committed.
+#   usage (repo root, binaries in $BIN): [OUT=dir] [BIN=.gpu-bin] [RESULTS=bench/cuda/runN] bash scripts/gpu/run_load.sh
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
+. "$(dirname "$0")/run_common.sh"
+OUT=$(gpu_out run_load)
 BIN=${BIN:-.gpu-bin}
 CKPT=${CKPT:-/tmp/prism-llama3-8b-synthetic}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+machine_txt "$OUT"
 rc=0
 python3 scripts/gpu/make_trace.py "$OUT/trace.json" >/dev/null || exit 1
 timeout 150 "$BIN/cuda_trace" "$OUT/trace.json" "$OUT/load_synthetic.json" --probe-only 2>&1 | tee "$OUT/load_synthetic.log" || rc=1
@@ -31,4 +35,5 @@ print(f"{'PASS' if ok else 'FAIL'} load: probe logits from_safetensors vs synthe
 sys.exit(0 if ok else 1)
 PY
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+finish_run "$OUT" "BIN=$BIN bash scripts/gpu/run_load.sh" || rc=1
 exit $rc

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6's serving trace on the GPU machine, in one command (about 4 minutes on one H200, at
+# The serving-trace comparison on the GPU machine, in one command (about 4 minutes on one H200, at
 # most ~9.5 minutes with every timeout hit):
 #   1. scripts/gpu/make_trace.py: the 512-request trace (seeded, deterministic) -> $OUT/trace.json
 #   2. $BIN/cuda_trace: Prism's engine on the CUDA backend, Llama-3-8B shapes, seeded weights;
@@ -7,17 +7,23 @@
 #   3. scripts/gpu/hf_trace.py: Hugging Face generate with the same weights (checked against
 #      step 2's checksums and probe logits), static batches of 32, the first $HF_BATCHES batches
 #      (-> $OUT/hf_trace.json)
-#   4. one SUMMARY line: Prism tok/s, HF tok/s, ratio (target >= 25x), KV waste (target < 4%).
+#   4. one SUMMARY line: Prism tok/s, HF tok/s, ratio (target >= 25x), KV waste (target < 4%)
+#      (-> $OUT/trace_summary.txt), and $OUT/summary.json (scripts/gpu/summarize.py).
+# $OUT defaults to bench/out/run_trace-<UTC time> (ignored by git); RESULTS=bench/cuda/runN also
+# copies summary.json there to be committed.
 # Binaries prebuilt on the build machine:
 #   cargo build --release -p prism-engine --features cuda --examples && cp target/release/examples/cuda_trace .gpu-bin/
-# usage (from the repo root): [OUT=dir] [BIN=.gpu-bin] [HF_BATCHES=2] [CUDA_TRACE_ARGS='--limit 64'] bash scripts/gpu/run_trace.sh
+# usage (from the repo root): [OUT=dir] [BIN=.gpu-bin] [HF_BATCHES=2] [CUDA_TRACE_ARGS='--limit 64']
+#   [RESULTS=bench/cuda/runN] bash scripts/gpu/run_trace.sh
 # Exit status 1 when any step failed or FAILed a check.
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
+. "$(dirname "$0")/run_common.sh"
+OUT=$(gpu_out run_trace)
 BIN=${BIN:-.gpu-bin}
 HF_BATCHES=${HF_BATCHES:-2}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+machine_txt "$OUT"
 rc=0
 python3 scripts/gpu/make_trace.py "$OUT/trace.json" || exit 1
 # shellcheck disable=SC2086  # CUDA_TRACE_ARGS is a list of flags
@@ -25,7 +31,7 @@ timeout 300 "$BIN/cuda_trace" "$OUT/trace.json" "$OUT/cuda_trace.json" --check-w
   ${CUDA_TRACE_ARGS:-} 2>&1 | tee "$OUT/cuda_trace.log" || rc=1
 timeout 270 python3 scripts/gpu/hf_trace.py "$OUT/trace.json" "$OUT/hf_trace.json" --batches "$HF_BATCHES" \
   --prism "$OUT/cuda_trace.json" 2>&1 | tee "$OUT/hf_trace.log" || rc=1
-python3 - "$OUT/cuda_trace.json" "$OUT/hf_trace.json" <<'EOF' | tee "$OUT/summary.txt"
+python3 - "$OUT/cuda_trace.json" "$OUT/hf_trace.json" <<'EOF' | tee "$OUT/trace_summary.txt"
 import json, sys
 from pathlib import Path
 
@@ -62,4 +68,5 @@ else:
     parts.append("HF: no result")
 print("SUMMARY trace: " + "; ".join(parts))
 EOF
+finish_run "$OUT" "CUDA_TRACE_ARGS='${CUDA_TRACE_ARGS:-}' HF_BATCHES=$HF_BATCHES BIN=$BIN bash scripts/gpu/run_trace.sh" || rc=1
 exit $rc

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The official `openai` Python client (pinned in requirements.txt) against a Prism router.
 
-Issue 4 acceptance: completions and chat completions, streamed and not, `n: 2`, stop strings
+What it checks: completions and chat completions, streamed and not, `n: 2`, stop strings
 and logprobs all come back as well-formed objects that the client parses, with real values:
 
 - choices count and indexes, finish_reason in {stop, length} (length exactly at max_tokens);
