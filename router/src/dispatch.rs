@@ -1,7 +1,7 @@
 //! Dispatch: sends a request to a replica's worker and streams its answer back.
 //!
 //! - The replica comes from [`crate::balance::select`]; its load counts from this moment
-//!   (an [`InFlightGuard`] held until the stream ends or the client leaves).
+//!   (a [`ReplicaLoadGuard`] held until the stream ends or the client leaves).
 //! - Before the first token a failed replica (UNAVAILABLE, transport error, stale route) is
 //!   retried once on another replica; UNAVAILABLE takes the replica out of rotation with
 //!   exponential backoff (ejection).
@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status, Streaming};
 
-use crate::balance::{BalancePolicy, InFlightGuard, RequestHint, SelectError, select};
+use crate::balance::{BalancePolicy, ReplicaLoadGuard, RequestHint, SelectError, select};
 use crate::metrics::Metrics;
 use crate::routes::{ReplicaRoute, Routes};
 
@@ -179,7 +179,7 @@ impl Dispatcher {
         model: &str,
         tried: &[String],
         hint: &RequestHint,
-    ) -> Result<(Arc<ReplicaRoute>, InFlightGuard), DispatchError> {
+    ) -> Result<(Arc<ReplicaRoute>, ReplicaLoadGuard), DispatchError> {
         let snap = self.inner.routes.snapshot();
         let picked = select(&snap, model, tried, self.inner.routes.now_ms(), self.inner.policy.as_ref(), hint)
             .map_err(|e| match e {
@@ -370,7 +370,7 @@ impl Pump {
         mut self,
         mut stream: Streaming<GenerateResponse>,
         mut replica: Arc<ReplicaRoute>,
-        mut guard: InFlightGuard,
+        mut guard: ReplicaLoadGuard,
         tx: mpsc::Sender<Result<GenerateResponse, DispatchError>>,
     ) {
         let mut migrated = false;
@@ -443,7 +443,7 @@ impl Pump {
     /// A replica to continue on; waits (up to [`MIGRATION_WAIT`], within the deadline) while
     /// none can take the stream, e.g. while a replacement starts after every other replica
     /// went away. `None` when none came.
-    async fn pick_for_migration(&mut self) -> Option<(Arc<ReplicaRoute>, InFlightGuard)> {
+    async fn pick_for_migration(&mut self) -> Option<(Arc<ReplicaRoute>, ReplicaLoadGuard)> {
         let until = (Instant::now() + MIGRATION_WAIT).min(self.deadline);
         loop {
             if let Ok(p) = self.dispatcher.pick(&self.req.model, &self.tried, &self.hint) {
@@ -466,7 +466,7 @@ impl Pump {
     async fn migrate(
         &mut self,
         failure: &Status,
-    ) -> Option<(Streaming<GenerateResponse>, Arc<ReplicaRoute>, InFlightGuard, GenerateResponse)> {
+    ) -> Option<(Streaming<GenerateResponse>, Arc<ReplicaRoute>, ReplicaLoadGuard, GenerateResponse)> {
         if self.choices() != 1
             || !matches!(
                 failure.code(),
