@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 DUR=${1:-10}
 RAY_VENV=${RAY_VENV:-/tmp/rayvenv}
 BIN=target/release
-cargo build --release -q -p prism-router --bins
+cargo build --release -q -p prism-router --features mock-engine --bins
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT

@@ -1,6 +1,7 @@
-//! `MockEngineWorker`: a fake `WorkerService` that returns tokens instantly, for router
-//! tests and the router benchmark ONLY. It runs no model: token `i` of a sequence is id `i`
-//! (counting tokens resubmitted in `prior_output_ids`) with text `"t{i} "`, so a migrated
+//! The mock engine, `MockEngineWorker`: a fake `WorkerService` that returns tokens
+//! instantly, for the router's runtime tests and the router benchmark ONLY (cargo feature
+//! `mock-engine`, off in the default build). It runs no model: token `i` of a sequence is id
+//! `i` (counting tokens resubmitted in `prior_output_ids`) with text `"t{i} "`, so a migrated
 //! stream can be checked for repeated or missing tokens. Behaviours (delay per token,
 //! frozen streams, a frozen process, failing before or after some tokens) are switchable at
 //! run time for fault tests.
