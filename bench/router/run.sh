@@ -12,7 +12,7 @@ RAY_VENV=${RAY_VENV:-/tmp/rayvenv}
 BIN=${CARGO_TARGET_DIR:-target}/release
 LOGS=${OUT:-$PWD/bench/out/router-$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$LOGS"
-cargo build --release -q -p prism-router --bins
+cargo build --release -q -p prism-router --features mock-engine --bins
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT

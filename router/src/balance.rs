@@ -2,10 +2,11 @@
 //!
 //! [`select`] filters the model's replicas down to those that may take work (Ready, not
 //! ejected, not excluded by a retry, below their in-flight limit), asks a [`BalancePolicy`]
-//! to choose, and admits the request with an [`InFlightGuard`] that counts its load from the
+//! to choose, and admits the request with a [`ReplicaLoadGuard`] that counts its load from the
 //! moment of dispatch until the guard drops (stream end, error or client disconnect).
 
 pub mod p2c;
+mod policy;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -13,25 +14,7 @@ use std::sync::atomic::Ordering;
 use crate::routes::{ReplicaRoute, ReplicaStats, RouteSnapshot};
 
 pub use p2c::PowerOfTwoChoices;
-
-/// What the policy may know about the request (room for prefix affinity).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RequestHint {
-    /// Prompt tokens (estimated for text) plus the expected decode tokens.
-    pub expected_tokens: u64,
-}
-
-/// A replica-choice policy. Candidates are all admissible; return the index of the pick.
-pub trait BalancePolicy: Send + Sync + 'static {
-    /// Picks one of `candidates` (never empty) for a request described by `hint`.
-    fn pick(&self, candidates: &[&Arc<ReplicaRoute>], hint: &RequestHint) -> usize;
-}
-
-/// Load of a replica in tokens: dispatched-and-unfinished tokens counted here, corrected
-/// upwards by the worker's last load report (which also sees other routers' requests).
-pub fn load_of(r: &ReplicaRoute) -> u64 {
-    r.stats.tokens.load(Ordering::Relaxed).max(r.reported_tokens)
-}
+pub use policy::{BalancePolicy, RequestHint, load_of};
 
 /// Why no replica was chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -49,12 +32,12 @@ pub enum SelectError {
 
 /// Counts one request's load on a replica; releases it on drop.
 #[derive(Debug)]
-pub struct InFlightGuard {
+pub struct ReplicaLoadGuard {
     stats: Arc<ReplicaStats>,
     tokens: u64,
 }
 
-impl Drop for InFlightGuard {
+impl Drop for ReplicaLoadGuard {
     fn drop(&mut self) {
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.stats.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
@@ -62,7 +45,7 @@ impl Drop for InFlightGuard {
 }
 
 /// Tries to take a slot on `r`; `None` when it is full.
-fn try_admit(r: &ReplicaRoute, tokens: u64) -> Option<InFlightGuard> {
+fn try_admit(r: &ReplicaRoute, tokens: u64) -> Option<ReplicaLoadGuard> {
     let prev = r.stats.in_flight.fetch_add(1, Ordering::Relaxed);
     if prev >= r.max_in_flight {
         r.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -70,7 +53,7 @@ fn try_admit(r: &ReplicaRoute, tokens: u64) -> Option<InFlightGuard> {
     }
     r.stats.tokens.fetch_add(tokens, Ordering::Relaxed);
     r.stats.dispatched.fetch_add(1, Ordering::Relaxed);
-    Some(InFlightGuard { stats: r.stats.clone(), tokens })
+    Some(ReplicaLoadGuard { stats: r.stats.clone(), tokens })
 }
 
 /// Chooses and admits a replica of `model`, skipping replica ids in `exclude`.
@@ -84,7 +67,7 @@ pub fn select(
     now_ms: u64,
     policy: &dyn BalancePolicy,
     hint: &RequestHint,
-) -> Result<(Arc<ReplicaRoute>, InFlightGuard), SelectError> {
+) -> Result<(Arc<ReplicaRoute>, ReplicaLoadGuard), SelectError> {
     let replicas = snap.models.get(model).ok_or(SelectError::UnknownModel)?;
     let mut candidates: Vec<&Arc<ReplicaRoute>> = replicas
         .iter()

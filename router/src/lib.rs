@@ -3,6 +3,9 @@
 //! dispatches each request to a Ready replica chosen by power-of-two-choices on load counted
 //! from dispatch, with retry before the first token, migration after it, ejection of failing
 //! replicas, backpressure (429) and cancellation on client disconnect.
+//!
+//! The `mock-engine` cargo feature (off by default; on in the router's own tests) adds
+//! `mock_engine`, a fake worker for runtime tests, and the `mock-engine` binary.
 
 pub mod auth;
 pub mod balance;
@@ -11,6 +14,7 @@ pub mod dispatch;
 pub mod grpc;
 pub mod http_server;
 pub mod metrics;
+#[cfg(feature = "mock-engine")]
 pub mod mock_engine;
 pub mod openai;
 pub mod routes;

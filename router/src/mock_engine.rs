@@ -1,7 +1,10 @@
-//! `MockEngineWorker`: a fake `WorkerService` that returns tokens instantly, for router
-//! tests and the router benchmark ONLY. It runs no model: token `i` of a sequence is id `i`
-//! (counting tokens resubmitted in `prior_output_ids`) with text `"t{i} "`, so a migrated
-//! stream can be checked for repeated or missing tokens. Behaviours (delay per token,
+//! The mock engine, `MockEngineWorker`: a fake `WorkerService` that returns tokens
+//! instantly, for the router's runtime tests and the router benchmark ONLY (cargo feature
+//! `mock-engine`, off in the default build). It runs no model: token `i` of a sequence is id
+//! `i` (counting tokens resubmitted in `prior_output_ids`) with text `"t{i} "`, so a migrated
+//! stream can be checked for repeated or missing tokens. Like the real worker it reports
+//! usage of its own attempt (its prompt count; completion tokens including the resubmitted
+//! ones); the router rewrites a migrated stream's counts. Behaviours (delay per token,
 //! frozen streams, a frozen process, failing before or after some tokens) are switchable at
 //! run time for fault tests.
 
@@ -222,7 +225,7 @@ impl WorkerService for MockEngineWorker {
         if b.fail_before_first {
             return Err(Status::unavailable("mock engine: failing on purpose"));
         }
-        let prompt_tokens = if r.original_prompt_tokens > 0 { r.original_prompt_tokens } else { prompt_len(&r)? };
+        let prompt_tokens = prompt_len(&r)?;
         let req = r.request.clone().unwrap_or_default();
         let sampling = req.sampling.clone().unwrap_or_default();
         if sampling.max_tokens.is_some_and(|m| m < 1) {

@@ -5,9 +5,11 @@
 //! Content-Type → 415, over `max_body_bytes` → 413 before parsing, a body that ends before
 //! its Content-Length or stalls past [`BODY_READ_TIMEOUT`] → 400 / 408, anything that is not
 //! a valid request object → 400 with `param` naming the field (serde's error path). Wrong
-//! method on a known path → 405 and unknown paths → 404, both as error objects. Streams are server-sent events in OpenAI's chunk format
-//! ending with `data: [DONE]`; dropping the response body (client gone) drops the dispatch
-//! receiver, which cancels the request on the worker.
+//! method on a known path → 405 and unknown paths → 404, both as error objects. Streams are
+//! server-sent events in OpenAI's chunk format ending with `data: [DONE]`; dropping the
+//! response body (client gone) drops the dispatch receiver, which cancels the request on the
+//! worker. Both generation endpoints run one handler, `generate`, generic over the request
+//! type (`GenerationEndpoint`).
 
 pub mod errors;
 pub mod sse;
@@ -24,7 +26,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::BytesMut;
 use futures::StreamExt;
-use prism_common::proto::v1::{FinishReason, GenerateResponse, TokenLogprob};
+use prism_common::proto::v1::{FinishReason, GenerateRequest, GenerateResponse, TokenLogprob};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
@@ -55,8 +57,8 @@ pub struct HttpState {
 /// The HTTP application.
 pub fn router(state: HttpState) -> Router {
     Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(generate::<CompletionRequest>))
+        .route("/v1/chat/completions", post(generate::<ChatRequest>))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
@@ -349,45 +351,76 @@ impl Shaper {
     }
 }
 
-async fn completions(State(state): State<HttpState>, headers: HeaderMap, body: Body) -> Response {
+/// What the two generation endpoints differ in: the request body they parse and how its
+/// fields size the response ([`Shaper`]); everything else is [`generate`].
+trait GenerationEndpoint: DeserializeOwned + Send + 'static {
+    /// The response shape.
+    const KIND: Kind;
+    /// The validated proto request (checks `n` before the shaper sizes its choices).
+    fn proto(&self) -> Result<GenerateRequest, ApiError>;
+    /// The requested model name.
+    fn model(&self) -> &str;
+    /// The sampling fields both endpoints share.
+    fn sampling(&self) -> &SamplingFields;
+    /// Whether the response carries logprobs.
+    fn wants_logprobs(&self) -> bool;
+}
+
+impl GenerationEndpoint for CompletionRequest {
+    const KIND: Kind = Kind::Completion;
+    fn proto(&self) -> Result<GenerateRequest, ApiError> {
+        self.to_proto()
+    }
+    fn model(&self) -> &str {
+        &self.model
+    }
+    fn sampling(&self) -> &SamplingFields {
+        &self.sampling
+    }
+    fn wants_logprobs(&self) -> bool {
+        self.logprobs.is_some()
+    }
+}
+
+impl GenerationEndpoint for ChatRequest {
+    const KIND: Kind = Kind::Chat;
+    fn proto(&self) -> Result<GenerateRequest, ApiError> {
+        self.to_proto()
+    }
+    fn model(&self) -> &str {
+        &self.model
+    }
+    fn sampling(&self) -> &SamplingFields {
+        &self.sampling
+    }
+    fn wants_logprobs(&self) -> bool {
+        self.logprobs == Some(true)
+    }
+}
+
+/// `POST /v1/completions` (`R` = [`CompletionRequest`]) and `POST /v1/chat/completions`
+/// (`R` = [`ChatRequest`]): authorize, parse, dispatch, answer as JSON or SSE.
+async fn generate<R: GenerationEndpoint>(State(state): State<HttpState>, headers: HeaderMap, body: Body) -> Response {
     let tracker = RequestTracker::new(&state.metrics);
     let prepared = async {
         authorize(&state, &headers)?;
-        let req: CompletionRequest = read_json(&state, &headers, body).await?;
-        let proto = req.to_proto()?; // validates `n` before the shaper sizes its choices
+        let req: R = read_json(&state, &headers, body).await?;
+        let proto = req.proto()?; // validates `n` before the shaper sizes its choices
+        let sampling = req.sampling();
         let shaper = Shaper::new(
-            Kind::Completion,
-            req.model.clone(),
-            req.sampling.n.unwrap_or(1),
-            req.logprobs.is_some(),
-            req.sampling.include_usage(),
+            R::KIND,
+            req.model().to_owned(),
+            sampling.n.unwrap_or(1),
+            req.wants_logprobs(),
+            sampling.include_usage(),
         );
-        Ok::<_, ApiError>((proto, shaper, req.sampling.stream.unwrap_or(false)))
+        Ok::<_, ApiError>((proto, shaper, sampling.stream.unwrap_or(false)))
     }
     .await;
     serve(state, tracker, prepared).await
 }
 
-async fn chat_completions(State(state): State<HttpState>, headers: HeaderMap, body: Body) -> Response {
-    let tracker = RequestTracker::new(&state.metrics);
-    let prepared = async {
-        authorize(&state, &headers)?;
-        let req: ChatRequest = read_json(&state, &headers, body).await?;
-        let proto = req.to_proto()?; // validates `n` before the shaper sizes its choices
-        let shaper = Shaper::new(
-            Kind::Chat,
-            req.model.clone(),
-            req.sampling.n.unwrap_or(1),
-            req.logprobs == Some(true),
-            req.sampling.include_usage(),
-        );
-        Ok::<_, ApiError>((proto, shaper, req.sampling.stream.unwrap_or(false)))
-    }
-    .await;
-    serve(state, tracker, prepared).await
-}
-
-type Prepared = Result<(prism_common::proto::v1::GenerateRequest, Shaper, bool), ApiError>;
+type Prepared = Result<(GenerateRequest, Shaper, bool), ApiError>;
 
 /// What a dispatched request turned into.
 enum Answer {
@@ -514,8 +547,8 @@ async fn health(State(state): State<HttpState>) -> Response {
     }
 }
 
-/// Readiness (issue 8): at least one Ready replica in the route table, so a Kubernetes
-/// Service only reaches routers that can serve.
+/// Readiness: at least one Ready replica in the route table, so a Kubernetes Service only
+/// reaches routers that can serve.
 async fn readyz(State(state): State<HttpState>) -> Response {
     let snap = state.dispatcher.routes().snapshot();
     if snap.any_ready() {

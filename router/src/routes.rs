@@ -4,9 +4,10 @@
 //! `--static-route` flags. When the head is unreachable the last table stays in use (fail
 //! static) while a background task reconnects with exponential backoff. Per-replica runtime
 //! state (requests and tokens in flight counted from dispatch, ejection after failures) lives
-//! in [`ReplicaStats`], kept across table updates so in-flight guards stay attached.
-//! Every update bumps a [`tokio::sync::watch`] counter ([`Routes::subscribe`]) so requests
-//! waiting on a replica learn at once when it leaves the table.
+//! in [`ReplicaStats`], kept across table updates so the load guards of requests in flight
+//! (`balance::ReplicaLoadGuard`) stay attached. Every update bumps a [`tokio::sync::watch`]
+//! counter ([`Routes::subscribe`]) so requests waiting on a replica learn at once when it
+//! leaves the table.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

@@ -155,7 +155,7 @@ async fn sse_stream_framing_and_usage() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn c16_bad_bodies_get_4xx_error_objects() -> anyhow::Result<()> {
+async fn bad_bodies_get_4xx_error_objects() -> anyhow::Result<()> {
     let c = cluster(1).await?;
     let http = reqwest::Client::new();
     let url = format!("{}/v1/completions", c.http);
@@ -320,7 +320,7 @@ async fn p2c_spreads_200_concurrent_requests_evenly() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn c14_long_prompts_spread_by_load_counted_at_dispatch() -> anyhow::Result<()> {
+async fn long_prompts_spread_by_load_counted_at_dispatch() -> anyhow::Result<()> {
     // max_tokens 1 with a slow first token: no byte streams back while the load builds up.
     let b = MockBehavior { token_delay: Duration::from_millis(300), ..Default::default() };
     let c = cluster_with(vec![b.clone(), b.clone(), b], |_| {}).await?;
@@ -368,7 +368,7 @@ async fn retry_before_first_token_and_ejection() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn c12_frozen_replica_times_out_then_leaves_rotation() -> anyhow::Result<()> {
+async fn frozen_replica_times_out_then_leaves_rotation() -> anyhow::Result<()> {
     // SIGSTOP analogue: the mock process accepts TCP but never reads, writes or answers PINGs.
     let frozen = MockBehavior { freeze_process: true, ..Default::default() };
     let c = cluster_with(vec![frozen, MockBehavior::default()], |cfg| {
@@ -439,7 +439,7 @@ async fn tiny_client_deadlines_do_not_eject_replicas() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn c15_no_replica_is_a_fast_503() -> anyhow::Result<()> {
+async fn no_replica_is_a_fast_503() -> anyhow::Result<()> {
     // A route to a port where nothing listens: the worker is gone.
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     let dead = format!("http://{}", l.local_addr()?);

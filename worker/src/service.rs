@@ -114,10 +114,12 @@ fn logprob_to_proto(l: TokenLogprob) -> pb::TokenLogprob {
     }
 }
 
-/// Converts one engine output; `original_prompt_tokens` (migration) overrides the prompt
-/// token count when non-zero.
-pub fn output_to_proto(request_id: &str, o: EngineOutput, original_prompt_tokens: u32) -> pb::GenerateResponse {
-    let prompt_tokens = if original_prompt_tokens > 0 { original_prompt_tokens } else { o.prompt_tokens };
+/// Converts one engine output. Token counts are the engine's own (`usage.prompt_tokens` is
+/// the output's `prompt_tokens`); for a request that continues a migrated stream
+/// (`prior_output_ids`) they describe this attempt, and the router rewrites them into the
+/// client's view of the whole request.
+pub fn output_to_proto(request_id: &str, o: EngineOutput) -> pb::GenerateResponse {
+    let prompt_tokens = o.prompt_tokens;
     pb::GenerateResponse {
         request_id: request_id.to_owned(),
         index: o.index,
@@ -154,7 +156,6 @@ async fn forward(
     mut guard: InFlightGuard,
     metrics: Arc<WorkerMetrics>,
     request_id: String,
-    original_prompt_tokens: u32,
     arrived: Instant,
 ) {
     let replica = Arc::clone(guard.replica());
@@ -198,7 +199,7 @@ async fn forward(
             finish = o.finish_reason;
         }
         let done = o.usage.is_some();
-        if tx.send(Ok(output_to_proto(&request_id, o, original_prompt_tokens))).await.is_err() {
+        if tx.send(Ok(output_to_proto(&request_id, o))).await.is_err() {
             tracing::debug!(request = %request_id, "client left: aborting");
             if !done {
                 finish = None;
@@ -236,20 +237,11 @@ impl WorkerService for WorkerGrpc {
                 Status::unavailable(format!("replica {} is not ready ({})", r.replica_id, s.as_str_name()))
             }
         })?;
-        let original_prompt_tokens = r.original_prompt_tokens;
         let req = engine_request_from_proto(r, arrived)?;
         let request_id = req.id.0.clone();
         let outputs = engine.submit(req).map_err(|e| engine_error_to_status(&e))?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        tokio::spawn(forward(
-            outputs,
-            tx,
-            guard,
-            Arc::clone(&self.metrics),
-            request_id,
-            original_prompt_tokens,
-            arrived,
-        ));
+        tokio::spawn(forward(outputs, tx, guard, Arc::clone(&self.metrics), request_id, arrived));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use rand::Rng;
 
-use super::{BalancePolicy, RequestHint, load_of};
+use super::policy::{BalancePolicy, RequestHint, load_of};
 use crate::routes::ReplicaRoute;
 
 /// The default policy: P2C on [`load_of`] (tokens in flight from dispatch).

@@ -1,5 +1,7 @@
-//! `mock-engine`: a MOCK `WorkerService` that returns tokens instantly (no model), for the
-//! router benchmark and router tests only. Not the real worker.
+//! `mock-engine`: the mock engine as a process, a MOCK `WorkerService` that returns tokens
+//! instantly (no model), for the router benchmark and runtime tests only. Not the real
+//! worker; built only with the `mock-engine` feature
+//! (`cargo build -p prism-router --features mock-engine --bins`).
 
 use clap::Parser;
 use prism_common::shutdown::{CancellationToken, wait_for_signal};

@@ -1,0 +1,231 @@
+//! The replicas behind the router and the gRPC channels to their workers: one attempt of a
+//! request on one replica, from picking the replica to the worker's first message.
+//!
+//! - [`Upstream::pick`] chooses a replica through [`crate::balance::select`]; its load counts
+//!   from that moment (a [`ReplicaLoadGuard`] held until the stream ends or the client leaves).
+//! - [`Upstream::open`] sends `WorkerService.Generate` with the request's remaining deadline
+//!   (twice: `timeout_ms` in the request and the gRPC timeout) and waits for the first
+//!   message. A worker answers with response headers at once (its engine queues the request),
+//!   so no headers within `header_timeout` is UNAVAILABLE: the replica is frozen (SIGSTOP, hung
+//!   host with TCP still open). A replica that leaves the route table before the first message
+//!   (the head evicted it, or it was stopped) ends the attempt at once with UNAVAILABLE;
+//!   dropping the worker stream cancels the request there.
+//! - HTTP/2 keep-alive pings on every worker channel, idle or not, fail a connection whose
+//!   peer stops answering within [`KEEPALIVE_INTERVAL`] + [`KEEPALIVE_TIMEOUT`], which ends its
+//!   streams with UNAVAILABLE.
+//! - [`Upstream::note_failure`] takes a replica out of rotation (exponential backoff) after
+//!   UNAVAILABLE-like failures; a request's own deadline never counts against a replica.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
+use prism_common::proto::v1::{GenerateRequest, GenerateResponse, WorkerGenerateRequest};
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status, Streaming};
+
+use super::error::DispatchError;
+use crate::balance::{BalancePolicy, ReplicaLoadGuard, RequestHint, SelectError, select};
+use crate::metrics::Metrics;
+use crate::routes::{ReplicaRoute, Routes};
+
+/// HTTP/2 PING period on worker channels (also while idle).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// A PING unanswered this long closes the worker connection (its streams fail UNAVAILABLE).
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Timing knobs of the dispatcher.
+#[derive(Debug, Clone)]
+pub struct DispatchConfig {
+    /// Deadline of a request that sets none (and the upper bound of those that do).
+    pub default_timeout: Duration,
+    /// First ejection period after a failure.
+    pub ejection_base: Duration,
+    /// Longest wait for a worker's response headers to a Generate call; past it (and before
+    /// the request's own deadline) the replica counts as unresponsive: UNAVAILABLE, ejected,
+    /// retried elsewhere.
+    pub header_timeout: Duration,
+}
+
+/// What the dispatcher shares between requests: routes, the balancing policy, one gRPC
+/// client per worker endpoint, metrics and timing.
+pub(super) struct Upstream {
+    routes: Routes,
+    policy: Box<dyn BalancePolicy>,
+    clients: DashMap<String, WorkerServiceClient<Channel>>,
+    metrics: Metrics,
+    cfg: DispatchConfig,
+}
+
+/// Whether a status says the replica should leave rotation for a while. DEADLINE_EXCEEDED
+/// is the request's own deadline and never counts (an unresponsive replica shows up as
+/// UNAVAILABLE: header timeout or keep-alive failure).
+fn ejects(s: &Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::Unknown | Code::NotFound)
+}
+
+/// A worker's CANCELLED ("Timeout expired": its server enforcing the grpc-timeout we sent) at
+/// or after the request's deadline is that deadline, not a replica failure.
+pub(super) fn past_deadline(s: Status, deadline: Instant) -> Status {
+    if s.code() == Code::Cancelled && Instant::now() + Duration::from_millis(5) >= deadline {
+        Status::deadline_exceeded("the request deadline was exceeded")
+    } else {
+        s
+    }
+}
+
+/// The failure of an attempt whose replica was evicted before its first token: UNAVAILABLE
+/// (retried elsewhere; the replica is gone from the table anyway).
+fn left_routes_status() -> Status {
+    Status::unavailable("the replica left the route table before its first token")
+}
+
+impl Upstream {
+    pub(super) fn new(routes: Routes, policy: Box<dyn BalancePolicy>, metrics: Metrics, cfg: DispatchConfig) -> Self {
+        Self { routes, policy, clients: DashMap::new(), metrics, cfg }
+    }
+
+    pub(super) fn routes(&self) -> &Routes {
+        &self.routes
+    }
+
+    pub(super) fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    pub(super) fn cfg(&self) -> &DispatchConfig {
+        &self.cfg
+    }
+
+    fn client(&self, endpoint: &str) -> Result<WorkerServiceClient<Channel>, Status> {
+        if let Some(c) = self.clients.get(endpoint) {
+            return Ok(c.clone());
+        }
+        let ch = Endpoint::from_shared(endpoint.to_owned())
+            .map_err(|_| Status::unavailable("invalid worker endpoint"))?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        let c = WorkerServiceClient::new(ch).max_decoding_message_size(64 * 1024 * 1024);
+        self.clients.insert(endpoint.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    /// Chooses and admits a replica of `model` other than those in `tried`.
+    pub(super) fn pick(
+        &self,
+        model: &str,
+        tried: &[String],
+        hint: &RequestHint,
+    ) -> Result<(Arc<ReplicaRoute>, ReplicaLoadGuard), DispatchError> {
+        let snap = self.routes.snapshot();
+        let picked =
+            select(&snap, model, tried, self.routes.now_ms(), self.policy.as_ref(), hint).map_err(|e| match e {
+                SelectError::UnknownModel => DispatchError::UnknownModel(model.to_owned()),
+                SelectError::NoneReady => DispatchError::NoReplica(model.to_owned()),
+                SelectError::AllFull => DispatchError::Overloaded,
+            })?;
+        self.metrics.dispatched(&picked.0.replica_id);
+        Ok(picked)
+    }
+
+    /// Opens the worker stream of `req` on `replica` and waits for its first message;
+    /// `prior` are the token ids a migrated stream already sent its client.
+    pub(super) async fn open(
+        &self,
+        replica: &ReplicaRoute,
+        req: &GenerateRequest,
+        prior: &[u32],
+        deadline: Instant,
+    ) -> Result<(Streaming<GenerateResponse>, GenerateResponse), Status> {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if remaining.is_zero() {
+            return Err(Status::deadline_exceeded("deadline exceeded"));
+        }
+        let mut inner = req.clone();
+        inner.timeout_ms = Some(u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX).max(1));
+        // `original_prompt_tokens` stays unset: the worker reports what its engine did and
+        // the router rewrites a migrated stream's counts itself (`dispatch::migrate`).
+        let mut wreq = tonic::Request::new(WorkerGenerateRequest {
+            replica_id: replica.replica_id.clone(),
+            request: Some(inner),
+            prior_output_ids: prior.to_vec(),
+            ..WorkerGenerateRequest::default()
+        });
+        wreq.set_timeout(remaining);
+        let mut client = self.client(&replica.endpoint)?;
+        // Until the first token, an eviction of the replica by the head ends the attempt.
+        let gone = self.left_routes(replica);
+        tokio::pin!(gone);
+        // Response headers: the request's deadline, or the header bound if that comes first.
+        let header_by = Instant::now() + self.cfg.header_timeout;
+        let headers = tokio::select! {
+            r = tokio::time::timeout_at(deadline.min(header_by), client.generate(wreq)) => r,
+            () = &mut gone => return Err(left_routes_status()),
+        };
+        let mut s = match headers {
+            Ok(r) => r.map_err(|e| past_deadline(e, deadline))?.into_inner(),
+            Err(_) if header_by < deadline => {
+                return Err(Status::unavailable("the replica sent no response headers in time (frozen?)"));
+            }
+            Err(_) => return Err(Status::deadline_exceeded("no answer from the replica before the deadline")),
+        };
+        let first = tokio::select! {
+            r = tokio::time::timeout_at(deadline, s.message()) => r,
+            // Returning drops `s`: the worker (if it ever runs again) cancels the request.
+            () = &mut gone => return Err(left_routes_status()),
+        };
+        match first {
+            Ok(Ok(Some(first))) => Ok((s, first)),
+            Ok(Ok(None)) => Err(Status::unavailable("worker closed the stream before answering")),
+            Ok(Err(e)) => Err(past_deadline(e, deadline)),
+            Err(_) => Err(Status::deadline_exceeded("no answer from the replica before the deadline")),
+        }
+    }
+
+    /// Resolves once the route table no longer lists `replica` (checked now and after every
+    /// table update); pending forever while it stays listed, Draining included.
+    async fn left_routes(&self, replica: &ReplicaRoute) {
+        let routes = &self.routes;
+        // Subscribe before the first check so an update in between is not missed.
+        let mut updates = routes.subscribe();
+        loop {
+            if !routes.lists(&replica.model, &replica.replica_id) {
+                tracing::info!(replica = %replica.replica_id, "replica left the route table before the first token; attempt abandoned");
+                return;
+            }
+            if updates.changed().await.is_err() {
+                return std::future::pending().await; // the table is gone with the router
+            }
+        }
+    }
+
+    /// Records a failed attempt on `replica`: ejects it for a while when `s` says so.
+    pub(super) fn note_failure(&self, replica: &ReplicaRoute, s: &Status) {
+        if ejects(s) {
+            tracing::warn!(replica = %replica.replica_id, code = ?s.code(), "replica failed; out of rotation for a while");
+            replica.stats.record_failure(self.routes.now_ms(), self.cfg.ejection_base);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_deadline_never_ejects() {
+        assert!(!ejects(&Status::deadline_exceeded("x")));
+        assert!(!ejects(&Status::cancelled("x")));
+        assert!(ejects(&Status::unavailable("x")));
+        let past = Instant::now();
+        assert_eq!(past_deadline(Status::cancelled("Timeout expired"), past).code(), Code::DeadlineExceeded);
+        let later = Instant::now() + Duration::from_secs(60);
+        assert_eq!(past_deadline(Status::cancelled("x"), later).code(), Code::Cancelled);
+    }
+}
