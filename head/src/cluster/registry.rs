@@ -2,7 +2,7 @@
 //! `register` with a valid inventory (else `INVALID_ARGUMENT`, nothing stored); then the
 //! worker's full replica `status` is reconciled against the records (replicas it runs are
 //! ADOPTED with their ids, records it lacks are started, replicas nobody owns are stopped),
-//! `load` reports feed the route table and `drain` marks a worker-initiated drain.
+//! `load` reports feed the route table and `drain` starts a worker-initiated drain (`drain.rs`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
