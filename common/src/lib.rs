@@ -6,6 +6,7 @@ pub mod proto;
 pub mod shutdown;
 pub mod state_store;
 pub mod telemetry;
+pub mod time;
 
 /// The newtype ids live in `prism-ids` (shared with the engine, which has no protocol
 /// dependency); re-exported here so `prism_common::ids::NodeId` keeps working.

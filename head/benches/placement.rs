@@ -4,20 +4,16 @@
 //! second including the store transactions, and store writes per placement.
 //! Run: `cargo bench -p prism-head --bench placement`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use prism_common::proto::v1::{
-    DeploymentRecord, DeploymentSpec, EngineConfig, GpuInfo, NodeInventory, NodeRecord, NodeState, PlacementStrategy,
-    ReplicaState,
-};
+use prism_common::proto::v1::{DeploymentSpec, EngineConfig, GpuInfo, NodeInventory, PlacementStrategy, ReplicaState};
 use prism_common::state_store::{EmbeddedStore, StateStore};
-use prism_head::cluster::registry::Session;
-use prism_head::cluster::view::Entry;
-use prism_head::placement::planner::{self, Action, DeploymentView, NodeView, Placement};
-use prism_head::{Cluster, HeadConfig, Leadership, StoreSpec};
-use tokio::sync::{mpsc, watch};
+use prism_head::cluster::registry;
+use prism_head::placement::planner::{self, Action, DeploymentView, NodeView, PlacementDecision};
+use prism_head::{Cluster, HeadConfig, Leadership, StoreSpec, admin};
+use tokio::sync::watch;
 
 const NODES: u32 = 100;
 const GPUS: u32 = 16;
@@ -53,7 +49,7 @@ fn pure_planner() {
         let actions = planner::plan(&nodes, &deps, &[]);
         placed = actions
             .iter()
-            .filter(|a| matches!(a, Action::Create { placement: Placement::Assigned { .. }, .. }))
+            .filter(|a| matches!(a, Action::Create { placement: PlacementDecision::Assigned { .. }, .. }))
             .count();
     }
     let per_run = t.elapsed().as_secs_f64() / f64::from(runs);
@@ -66,57 +62,44 @@ fn pure_planner() {
 
 async fn reconciler_on_embedded_store() -> anyhow::Result<()> {
     let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::in_memory()?);
-    let (_lead_tx, lead_rx) = watch::channel(Leadership { is_leader: true, leader: None });
+    let (_lead_tx, lead_rx) = watch::channel(Leadership::Leader);
     let cfg = HeadConfig::new(StoreSpec::Embedded("unused".into()), "http://127.0.0.1:50050");
     let cluster = Cluster::new(cfg, store, lead_rx, prism_head::metrics::Metrics::new());
     cluster.on_elected().await?;
-    let mut receivers = Vec::new();
-    {
-        let mut st = cluster.state.lock().await;
-        for i in 0..NODES {
-            let id = format!("node-{i:03}");
-            let rec = NodeRecord {
-                inventory: Some(NodeInventory {
-                    node_id: id.clone(),
-                    address: format!("http://10.0.0.{i}:50061"),
-                    gpus: (0..GPUS).map(|g| GpuInfo { index: g, ..Default::default() }).collect(),
-                    ..Default::default()
-                }),
-                state: NodeState::Ready as i32,
-                ..Default::default()
-            };
-            cluster.put_node(&mut st, rec).await?;
-            let (tx, rx) = mpsc::channel(1024);
-            receivers.push(rx);
-            let cancel = tokio_util::sync::CancellationToken::new();
-            st.sessions
-                .insert(id.into(), Session { id: u64::from(i), tx, cancel, started: HashSet::new(), synced: true });
-        }
-        for d in 0..DEPLOYMENTS {
-            let name = format!("dep-{d}");
-            let spec = DeploymentSpec {
-                name: name.clone(),
-                engine: Some(EngineConfig { model: "/m.gguf".into(), tensor_parallel_size: 1, ..Default::default() }),
-                replicas: PER_DEPLOYMENT,
-                ..Default::default()
-            };
-            let record = DeploymentRecord { spec: Some(spec), created_unix_ms: 0, generation: 1 };
-            st.view.deployments.insert(name.into(), Entry { record, mod_revision: 0 });
-        }
-        st.writes = 0;
+    // Registered workers (their command streams are kept so the starts can be queued).
+    let mut sessions = Vec::new();
+    for i in 0..NODES {
+        let inv = NodeInventory {
+            node_id: format!("node-{i:03}"),
+            address: format!("http://10.0.0.{i}:50061"),
+            gpus: (0..GPUS).map(|g| GpuInfo { index: g, ..Default::default() }).collect(),
+            ..Default::default()
+        };
+        sessions.push(registry::register(&cluster, inv).await?);
     }
+    for d in 0..DEPLOYMENTS {
+        let spec = DeploymentSpec {
+            name: format!("dep-{d}"),
+            engine: Some(EngineConfig { model: "/m.gguf".into(), tensor_parallel_size: 1, ..Default::default() }),
+            replicas: PER_DEPLOYMENT,
+            ..Default::default()
+        };
+        admin::apply_deployment(&cluster, spec).await?;
+    }
+    let writes_before = cluster.store_writes().await;
     let t = Instant::now();
     prism_head::placement::reconciler::reconcile_once(&cluster).await?;
     let took = t.elapsed().as_secs_f64();
-    let st = cluster.state.lock().await;
-    let placed = st.view.replicas.values().filter(|e| e.record.state() == ReplicaState::Starting).count();
+    let writes = cluster.store_writes().await - writes_before;
+    let status = admin::snapshot(&cluster).await?;
+    let placed = status.replicas.iter().filter(|r| r.state() == ReplicaState::Starting).count();
     println!(
-        "reconciler + EmbeddedStore (in memory): {placed} placements in {:.1} ms -> {:.0} decisions/s; {} store transactions = {:.2} per placement (each: replica record + 1 reservation key per GPU, compare-and-swap)",
+        "reconciler + EmbeddedStore (in memory): {placed} placements in {:.1} ms -> {:.0} decisions/s; {writes} store transactions = {:.2} per placement (each: replica record + 1 reservation key per GPU, compare-and-swap)",
         took * 1e3,
         placed as f64 / took,
-        st.writes,
-        st.writes as f64 / placed.max(1) as f64
+        writes as f64 / placed.max(1) as f64
     );
+    drop(sessions);
     Ok(())
 }
 

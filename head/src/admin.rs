@@ -1,20 +1,17 @@
 //! Admin operations behind the `HeadService` admin RPCs: apply (create or update) / delete
-//! / scale deployments, cordon / uncordon / drain nodes, listings and cluster status.
-//! Every write is validated first, so bad input changes nothing.
-
-use std::time::Duration;
+//! / scale deployments, cordon / uncordon nodes, listings and cluster status (draining a
+//! node is [`crate::drain::drain_node`]). Every write is validated first, so bad input
+//! changes nothing.
 
 use prism_common::DeploymentName;
-use prism_common::NodeId;
 use prism_common::proto::v1::{
-    ClusterStatusResponse, DeploymentRecord, DeploymentSpec, DrainCommand, NodeRecord, NodeState, ReplicaRecord,
-    head_message,
+    ClusterStatusResponse, DeploymentRecord, DeploymentSpec, NodeRecord, NodeState, ReplicaRecord,
 };
-use prism_common::state_store::{Compare, Txn, TxnOp, keys};
-use prost::Message;
+use prism_common::time::unix_ms;
 
-use crate::cluster::view::{ClusterView, Entry};
-use crate::cluster::{Cluster, unix_ms};
+use crate::cluster::Cluster;
+use crate::cluster::view::ClusterView;
+use crate::election::Leadership;
 use crate::error::{HeadError, HeadResult};
 
 /// Largest accepted `tensor_parallel_size` (no node has more GPUs than this).
@@ -86,213 +83,120 @@ fn template_changed(a: &DeploymentSpec, b: &DeploymentSpec) -> bool {
     a.engine != b.engine || a.node_selector != b.node_selector
 }
 
-impl Cluster {
-    async fn put_deployment(
-        &self,
-        st: &mut crate::cluster::State,
-        rec: DeploymentRecord,
-    ) -> HeadResult<DeploymentRecord> {
-        let name = DeploymentName::from(rec.spec.as_ref().map(|s| s.name.as_str()).unwrap_or_default());
-        let key = keys::deployment(&name);
-        let prev = st.view.deployments.get(&name).map_or(0, |e| e.mod_revision);
-        let res = self
-            .store
-            .txn(Txn {
-                compares: vec![Compare::mod_revision(&key, prev)],
-                success: vec![TxnOp::put(&key, rec.encode_to_vec())],
-                failure: vec![],
-            })
-            .await?;
-        st.writes += 1;
-        if !res.succeeded {
-            self.reload(st).await?;
-            return Err(HeadError::Conflict(key));
+/// Creates or updates a deployment; an identical spec is a no-op (`created = false`).
+///
+/// # Errors
+/// `InvalidArgument`, `NotLeader`, store failures.
+pub async fn apply_deployment(cluster: &Cluster, spec: DeploymentSpec) -> HeadResult<(DeploymentRecord, bool)> {
+    let spec = validate_spec(spec)?;
+    let mut st = cluster.lock().await;
+    cluster.require_leader(&st)?;
+    let name = DeploymentName::from(spec.name.as_str());
+    let rec = match st.view().deployments.get(&name) {
+        Some(e) if e.record.spec.as_ref() == Some(&spec) => return Ok((e.record.clone(), false)),
+        Some(e) => {
+            let old = e.record.spec.clone().unwrap_or_default();
+            let generation = e.record.generation + u64::from(template_changed(&old, &spec));
+            DeploymentRecord { spec: Some(spec), created_unix_ms: e.record.created_unix_ms, generation }
         }
-        st.view.deployments.insert(name, Entry { record: rec.clone(), mod_revision: res.revision });
-        self.after_change(st);
-        self.kick.notify_one();
-        Ok(rec)
-    }
+        None => DeploymentRecord { spec: Some(spec), created_unix_ms: unix_ms(), generation: 1 },
+    };
+    let created = rec.generation == 1 && !st.view().deployments.contains_key(&name);
+    tracing::info!(deployment = %name, generation = rec.generation, created, "deployment applied");
+    Ok((cluster.put_deployment(&mut st, rec).await?, created))
+}
 
-    /// Creates or updates a deployment; an identical spec is a no-op (`created = false`).
-    ///
-    /// # Errors
-    /// `InvalidArgument`, `NotLeader`, store failures.
-    pub async fn apply_deployment(&self, spec: DeploymentSpec) -> HeadResult<(DeploymentRecord, bool)> {
-        let spec = validate_spec(spec)?;
-        let mut st = self.state.lock().await;
-        self.require_leader(&st)?;
-        let name = DeploymentName::from(spec.name.as_str());
-        let rec = match st.view.deployments.get(&name) {
-            Some(e) if e.record.spec.as_ref() == Some(&spec) => return Ok((e.record.clone(), false)),
-            Some(e) => {
-                let old = e.record.spec.clone().unwrap_or_default();
-                let generation = e.record.generation + u64::from(template_changed(&old, &spec));
-                DeploymentRecord { spec: Some(spec), created_unix_ms: e.record.created_unix_ms, generation }
+/// Deletes a deployment; its replicas drain and stop.
+///
+/// # Errors
+/// `NotFound`, `NotLeader`, store failures.
+pub async fn delete_deployment(cluster: &Cluster, name: &str) -> HeadResult<()> {
+    let mut st = cluster.lock().await;
+    cluster.require_leader(&st)?;
+    let name = DeploymentName::from(name);
+    let Some(rev) = st.view().deployments.get(&name).map(|e| e.mod_revision) else {
+        return Err(HeadError::NotFound(format!("deployment {name:?}")));
+    };
+    cluster.delete_deployment(&mut st, &name, rev).await?;
+    tracing::info!(deployment = %name, "deployment deleted");
+    cluster.after_change(&st);
+    cluster.kick();
+    Ok(())
+}
+
+/// Sets a deployment's replica count (within its autoscaling bounds).
+///
+/// # Errors
+/// `NotFound`, `InvalidArgument` (outside bounds), `NotLeader`, store failures.
+pub async fn scale_deployment(cluster: &Cluster, name: &str, replicas: u32) -> HeadResult<DeploymentRecord> {
+    let mut st = cluster.lock().await;
+    cluster.require_leader(&st)?;
+    let Some(mut rec) = st.view().deployments.get(&DeploymentName::from(name)).map(|e| e.record.clone()) else {
+        return Err(HeadError::NotFound(format!("deployment {name:?}")));
+    };
+    let spec = rec.spec.get_or_insert_with(Default::default);
+    check_bounds(spec, replicas)?;
+    if spec.replicas == replicas {
+        return Ok(rec);
+    }
+    spec.replicas = replicas;
+    tracing::info!(deployment = %name, replicas, "deployment scaled");
+    cluster.put_deployment(&mut st, rec).await
+}
+
+/// Marks a node unschedulable (its replicas keep running).
+///
+/// # Errors
+/// `NotFound`, `NotLeader`, store failures.
+pub async fn cordon(cluster: &Cluster, node: &str) -> HeadResult<NodeRecord> {
+    Ok(cluster.update_node(node, |r| r.cordoned = true).await?.0)
+}
+
+/// Makes a node schedulable again (also ends a finished drain).
+///
+/// # Errors
+/// `NotFound`, `NotLeader`, store failures.
+pub async fn uncordon(cluster: &Cluster, node: &str) -> HeadResult<NodeRecord> {
+    Ok(cluster
+        .update_node(node, |r| {
+            r.cordoned = false;
+            if r.state() == NodeState::Draining {
+                r.state = NodeState::Ready as i32;
+                r.drain_deadline_unix_ms = 0;
+                r.drain_reason.clear();
             }
-            None => DeploymentRecord { spec: Some(spec), created_unix_ms: unix_ms(), generation: 1 },
-        };
-        let created = rec.generation == 1 && !st.view.deployments.contains_key(&name);
-        tracing::info!(deployment = %name, generation = rec.generation, created, "deployment applied");
-        Ok((self.put_deployment(&mut st, rec).await?, created))
-    }
-
-    /// Deletes a deployment; its replicas drain and stop.
-    ///
-    /// # Errors
-    /// `NotFound`, `NotLeader`, store failures.
-    pub async fn delete_deployment(&self, name: &str) -> HeadResult<()> {
-        let mut st = self.state.lock().await;
-        self.require_leader(&st)?;
-        let name = DeploymentName::from(name);
-        let Some(e) = st.view.deployments.get(&name) else {
-            return Err(HeadError::NotFound(format!("deployment {name:?}")));
-        };
-        let key = keys::deployment(&name);
-        let res = self
-            .store
-            .txn(Txn {
-                compares: vec![Compare::mod_revision(&key, e.mod_revision)],
-                success: vec![TxnOp::delete(&key)],
-                failure: vec![],
-            })
-            .await?;
-        st.writes += 1;
-        if !res.succeeded {
-            self.reload(&mut st).await?;
-            return Err(HeadError::Conflict(key));
-        }
-        st.view.deployments.remove(&name);
-        tracing::info!(deployment = %name, "deployment deleted");
-        self.after_change(&mut st);
-        self.kick.notify_one();
-        Ok(())
-    }
-
-    /// Sets a deployment's replica count (within its autoscaling bounds).
-    ///
-    /// # Errors
-    /// `NotFound`, `InvalidArgument` (outside bounds), `NotLeader`, store failures.
-    pub async fn scale_deployment(&self, name: &str, replicas: u32) -> HeadResult<DeploymentRecord> {
-        let mut st = self.state.lock().await;
-        self.require_leader(&st)?;
-        let Some(mut rec) = st.view.deployments.get(&DeploymentName::from(name)).map(|e| e.record.clone()) else {
-            return Err(HeadError::NotFound(format!("deployment {name:?}")));
-        };
-        let spec = rec.spec.get_or_insert_with(Default::default);
-        check_bounds(spec, replicas)?;
-        if spec.replicas == replicas {
-            return Ok(rec);
-        }
-        spec.replicas = replicas;
-        tracing::info!(deployment = %name, replicas, "deployment scaled");
-        self.put_deployment(&mut st, rec).await
-    }
-
-    async fn update_node(
-        &self,
-        node: &str,
-        f: impl FnOnce(&mut NodeRecord),
-    ) -> HeadResult<(NodeRecord, crate::cluster::StateGuard<'_>)> {
-        let mut st = self.state.lock().await;
-        self.require_leader(&st)?;
-        let id = NodeId::from(node);
-        let Some(mut rec) = st.view.nodes.get(&id).map(|e| e.record.clone()) else {
-            return Err(HeadError::NotFound(format!("node {node:?}")));
-        };
-        f(&mut rec);
-        if st.view.nodes.get(&id).is_some_and(|e| e.record != rec)
-            && let Err(e) = self.put_node(&mut st, rec.clone()).await
-        {
-            if matches!(e, HeadError::Conflict(_)) {
-                self.reload(&mut st).await?;
-            }
-            return Err(e);
-        }
-        self.after_change(&mut st);
-        self.kick.notify_one();
-        Ok((rec, st))
-    }
-
-    /// Marks a node unschedulable (its replicas keep running).
-    ///
-    /// # Errors
-    /// `NotFound`, `NotLeader`, store failures.
-    pub async fn cordon(&self, node: &str) -> HeadResult<NodeRecord> {
-        Ok(self.update_node(node, |r| r.cordoned = true).await?.0)
-    }
-
-    /// Makes a node schedulable again (also ends a finished drain).
-    ///
-    /// # Errors
-    /// `NotFound`, `NotLeader`, store failures.
-    pub async fn uncordon(&self, node: &str) -> HeadResult<NodeRecord> {
-        Ok(self
-            .update_node(node, |r| {
-                r.cordoned = false;
-                if r.state() == NodeState::Draining {
-                    r.state = NodeState::Ready as i32;
-                    r.drain_deadline_unix_ms = 0;
-                    r.drain_reason.clear();
-                }
-            })
-            .await?
-            .0)
-    }
-
-    /// Drains a node: cordon, mark its replicas Draining (replacements are placed
-    /// elsewhere), tell the worker, and stop the replicas when idle or at the deadline.
-    ///
-    /// # Errors
-    /// `NotFound`, `NotLeader`, store failures.
-    pub async fn drain_node(&self, node: &str, deadline_ms: u64, reason: &str) -> HeadResult<NodeRecord> {
-        let rel = if deadline_ms == 0 { self.cfg.drain_timeout } else { Duration::from_millis(deadline_ms) };
-        let reason = if reason.is_empty() { "drained by operator" } else { reason };
-        let (rec, mut st) = self
-            .update_node(node, |r| {
-                r.cordoned = true;
-                if r.state() != NodeState::Dead {
-                    r.state = NodeState::Draining as i32;
-                }
-                r.drain_deadline_unix_ms = unix_ms() + rel.as_millis() as u64;
-                r.drain_reason = reason.to_owned();
-            })
-            .await?;
-        let id = NodeId::from(node);
-        self.mark_node_replicas_draining(&mut st, &id, rel, reason).await?;
-        self.send(
-            &st,
-            &id,
-            head_message::Msg::Drain(DrainCommand { deadline_ms: rel.as_millis() as u64, reason: reason.to_owned() }),
-        );
-        tracing::info!(node = %node, deadline_ms = rel.as_millis() as u64, "node draining");
-        self.after_change(&mut st);
-        Ok(rec)
-    }
-
-    /// A consistent snapshot for listings (the leader's view; followers read the store).
-    ///
-    /// # Errors
-    /// `NotLeader` on followers, store failures.
-    pub async fn snapshot(&self) -> HeadResult<ClusterStatusResponse> {
-        let st = self.state.lock().await;
-        let l = self.leadership();
-        let (view, load) = if l.is_leader && st.loaded {
-            (st.view.clone(), st.loads.values().cloned().collect())
-        } else {
-            drop(st);
-            (ClusterView::load(self.store.as_ref()).await?, Vec::new())
-        };
-        Ok(ClusterStatusResponse {
-            leader: l.leader.unwrap_or_default(),
-            is_leader: l.is_leader,
-            nodes: view.nodes.values().map(|e| e.record.clone()).collect(),
-            deployments: view.deployments.values().map(|e| e.record.clone()).collect(),
-            replicas: view.replicas.values().map(|e| e.record.clone()).collect::<Vec<ReplicaRecord>>(),
-            load,
-            pending_gpus: view.pending_gpus(),
         })
-    }
+        .await?
+        .0)
+}
+
+/// A consistent snapshot for listings (the leader's view; followers read the store).
+///
+/// # Errors
+/// Store failures.
+pub async fn snapshot(cluster: &Cluster) -> HeadResult<ClusterStatusResponse> {
+    let st = cluster.lock().await;
+    let l = cluster.leadership();
+    let is_leader = l.is_leader();
+    let leader = match l {
+        Leadership::Leader => cluster.cfg().advertise_address.clone(),
+        Leadership::Follower { leader } => leader.unwrap_or_default(),
+    };
+    let (view, load) = if is_leader && st.is_loaded() {
+        (st.view().clone(), st.loads().cloned().collect())
+    } else {
+        drop(st);
+        (ClusterView::load(cluster.store()).await?, Vec::new())
+    };
+    Ok(ClusterStatusResponse {
+        leader,
+        is_leader,
+        nodes: view.nodes.values().map(|e| e.record.clone()).collect(),
+        deployments: view.deployments.values().map(|e| e.record.clone()).collect(),
+        replicas: view.replicas.values().map(|e| e.record.clone()).collect::<Vec<ReplicaRecord>>(),
+        load,
+        pending_gpus: view.pending_gpus(),
+    })
 }
 
 #[cfg(test)]

@@ -1,101 +1,61 @@
-//! The head's shared cluster state: one [`Cluster`] owns the store handle, the leader's
-//! mirror of stored records ([`view::ClusterView`]), the live worker sessions
-//! ([`registry`]), load reports, drain timers and the route publisher. State sits behind
-//! one async mutex: control-plane operations are few and each is a short series of store
-//! transactions, so serialising them keeps every write a compare-and-swap on a view that
-//! nothing else is changing.
+//! The head's cluster handle: one [`Cluster`] owns the store handle, the leader's
+//! [`State`] (mirror of stored records, worker sessions, load reports, drain timers) behind
+//! one async mutex, the route publisher and the metrics. Control-plane operations are few
+//! and each is a short series of store transactions, so serialising them keeps every write
+//! a compare-and-swap on a view that nothing else is changing. The store writers here are
+//! the only code that changes the mirrored records, and only after their transaction
+//! committed; the flows built on them live in `cluster/registry.rs` (worker sessions),
+//! `admin.rs`, `drain.rs` and `placement/reconciler.rs`.
 
 pub mod registry;
+pub mod state;
 pub mod view;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use prism_common::proto::v1::{HeadMessage, LoadReport, NodeRecord, ReplicaRecord, RouteTable, head_message};
-use prism_common::state_store::{Compare, StateStore, Txn, TxnOp, keys};
-use prism_common::{NodeId, ReplicaId};
+use prism_common::proto::v1::{DeploymentRecord, NodeRecord, ReplicaRecord, RouteTable};
+use prism_common::state_store::{Compare, Revision, StateStore, Txn, TxnOp, keys};
+use prism_common::{DeploymentName, NodeId, ReplicaId};
 use prost::Message;
+use tokio::sync::futures::Notified;
 use tokio::sync::{Mutex, Notify, watch};
 use tokio::time::Instant;
 
 use crate::config::HeadConfig;
+use crate::election::Leadership;
 use crate::error::{HeadError, HeadResult};
 use crate::metrics::Metrics;
 use crate::placement::planner::holds_slots;
-use registry::Session;
+use crate::routes::RoutePublisher;
+use state::{State, StateGuard};
+use view::{ClusterView, Entry};
 
 /// Extra time a new leader gives the known workers to reconnect before `worker_timeout`
 /// starts: workers back off up to 5 s between attempts while no head answers, so without
 /// it a head restarted after a short outage declared live workers Dead (and evicted their
 /// replicas, streams included) moments before they reconnected.
 pub const LEADER_ADOPTION_GRACE: Duration = Duration::from_secs(5);
-use view::{ClusterView, Entry};
-
-/// Who leads, as seen by this head.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Leadership {
-    /// This head is the leader.
-    pub is_leader: bool,
-    /// The leader's advertised address, when known.
-    pub leader: Option<String>,
-}
-
-/// A replica being drained: routers stop sending work at once; it is stopped when idle or
-/// at `deadline`.
-#[derive(Clone, Copy, Debug)]
-pub struct DrainTimer {
-    /// When it became Draining.
-    pub since: Instant,
-    /// When it is stopped regardless of in-flight work.
-    pub deadline: Instant,
-}
-
-/// Mutable state guarded by [`Cluster::state`].
-#[derive(Default)]
-pub struct State {
-    /// Mirror of stored records (valid while `loaded`).
-    pub view: ClusterView,
-    /// The view was loaded for the current leadership term.
-    pub loaded: bool,
-    /// Live worker sessions by node.
-    pub sessions: HashMap<NodeId, Session>,
-    /// When each session-less node lost (or never had, this term) its session.
-    pub disconnected_since: HashMap<NodeId, Instant>,
-    /// Latest load report per replica (not persisted).
-    pub loads: HashMap<ReplicaId, LoadReport>,
-    /// Drain timers of Draining replicas.
-    pub draining: HashMap<ReplicaId, DrainTimer>,
-    /// Number of store transactions this head has committed (benchmarks).
-    pub writes: u64,
-}
-
-/// A held lock on [`State`].
-pub type StateGuard<'a> = tokio::sync::MutexGuard<'a, State>;
 
 /// The head's shared state and store handle. Cheap to share through `Arc`.
 pub struct Cluster {
     /// Validated configuration.
-    pub cfg: HeadConfig,
+    cfg: HeadConfig,
     /// The state store.
-    pub store: Arc<dyn StateStore>,
+    store: Arc<dyn StateStore>,
     /// Everything mutable.
-    pub state: Mutex<State>,
+    state: Mutex<State>,
     /// Current route table (routers subscribe).
-    pub routes: watch::Sender<Arc<RouteTable>>,
+    routes: RoutePublisher,
     /// Wakes the reconciler.
-    pub kick: Notify,
-    /// Leadership as reported by the election.
-    pub leadership: watch::Receiver<Leadership>,
+    kick: Notify,
+    /// Leadership as this head acts on it (follows the election).
+    leadership: watch::Receiver<Leadership>,
     /// Prometheus metrics.
-    pub metrics: Metrics,
+    metrics: Metrics,
     session_seq: AtomicU64,
-}
-
-/// Milliseconds since the Unix epoch.
-pub fn unix_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Cluster {
@@ -106,12 +66,11 @@ impl Cluster {
         leadership: watch::Receiver<Leadership>,
         metrics: Metrics,
     ) -> Arc<Self> {
-        let (routes, _) = watch::channel(Arc::new(RouteTable::default()));
         Arc::new(Self {
             cfg,
             store,
             state: Mutex::new(State::default()),
-            routes,
+            routes: RoutePublisher::new(metrics.route_updates.clone()),
             kick: Notify::new(),
             leadership,
             metrics,
@@ -119,9 +78,14 @@ impl Cluster {
         })
     }
 
-    /// A fresh session id.
-    pub fn next_session_id(&self) -> u64 {
-        self.session_seq.fetch_add(1, Ordering::Relaxed)
+    /// Validated configuration.
+    pub fn cfg(&self) -> &HeadConfig {
+        &self.cfg
+    }
+
+    /// Prometheus metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     /// Current leadership.
@@ -129,16 +93,55 @@ impl Cluster {
         self.leadership.borrow().clone()
     }
 
+    /// Leadership changes, as this head acts on them.
+    pub fn watch_leadership(&self) -> watch::Receiver<Leadership> {
+        self.leadership.clone()
+    }
+
+    /// The current route table and its changes.
+    pub fn subscribe_routes(&self) -> watch::Receiver<Arc<RouteTable>> {
+        self.routes.subscribe()
+    }
+
+    /// Store transactions this head has committed (benchmarks).
+    pub async fn store_writes(&self) -> u64 {
+        self.state.lock().await.writes()
+    }
+
+    /// Locks the state.
+    pub(crate) async fn lock(&self) -> StateGuard<'_> {
+        self.state.lock().await
+    }
+
+    /// The state store.
+    pub(crate) fn store(&self) -> &dyn StateStore {
+        self.store.as_ref()
+    }
+
+    /// Wakes the reconciler.
+    pub(crate) fn kick(&self) {
+        self.kick.notify_one();
+    }
+
+    /// Completes on the next [`kick`](Self::kick) (or at once if one is pending).
+    pub(crate) fn kicked(&self) -> Notified<'_> {
+        self.kick.notified()
+    }
+
+    /// A fresh session id.
+    pub(crate) fn next_session_id(&self) -> u64 {
+        self.session_seq.fetch_add(1, Ordering::Relaxed)
+    }
+
     /// Fails with [`HeadError::NotLeader`] unless this head leads and has loaded its view.
     ///
     /// # Errors
     /// `NotLeader` (followers), `Store(Unavailable)` while the new leader is loading.
-    pub fn require_leader(&self, st: &State) -> HeadResult<()> {
-        let l = self.leadership();
-        if !l.is_leader {
-            return Err(HeadError::NotLeader { leader: l.leader });
+    pub(crate) fn require_leader(&self, st: &State) -> HeadResult<()> {
+        if let Leadership::Follower { leader } = self.leadership() {
+            return Err(HeadError::NotLeader { leader });
         }
-        if !st.loaded {
+        if !st.is_loaded() {
             return Err(HeadError::Store(prism_common::state_store::StoreError::Unavailable(
                 "leader is loading cluster state".into(),
             )));
@@ -154,22 +157,16 @@ impl Cluster {
     /// Store failures (the caller retries).
     pub async fn on_elected(&self) -> HeadResult<()> {
         let mut st = self.state.lock().await;
-        st.view = ClusterView::load(self.store.as_ref()).await?;
-        self.gc_reservations(&st).await?;
-        let now = Instant::now() + LEADER_ADOPTION_GRACE;
-        let nodes: Vec<NodeId> = st.view.nodes.keys().cloned().collect();
-        st.disconnected_since = nodes.into_iter().map(|n| (n, now)).collect();
-        st.sessions.clear();
-        st.loads.clear();
-        st.draining.clear();
-        st.loaded = true;
+        let view = ClusterView::load(self.store.as_ref()).await?;
+        self.gc_reservations(&view).await?;
+        st.begin_term(view, Instant::now() + LEADER_ADOPTION_GRACE);
         tracing::info!(
-            nodes = st.view.nodes.len(),
-            deployments = st.view.deployments.len(),
-            replicas = st.view.replicas.len(),
+            nodes = st.view().nodes.len(),
+            deployments = st.view().deployments.len(),
+            replicas = st.view().replicas.len(),
             "leader: cluster state loaded"
         );
-        self.after_change(&mut st);
+        self.after_change(&st);
         drop(st);
         self.kick.notify_one();
         Ok(())
@@ -178,17 +175,13 @@ impl Cluster {
     /// Called when leadership is lost: closes worker sessions (workers follow the new leader).
     pub async fn on_deposed(&self) {
         let mut st = self.state.lock().await;
-        for (_, s) in st.sessions.drain() {
-            s.cancel.cancel();
-        }
-        st.loaded = false;
-        self.routes.send_replace(Arc::new(RouteTable::default()));
+        st.end_term();
+        self.routes.clear();
         self.metrics.set_leader(false);
     }
 
-    async fn gc_reservations(&self, st: &State) -> HeadResult<()> {
-        let held: HashSet<String> = st
-            .view
+    async fn gc_reservations(&self, view: &ClusterView) -> HeadResult<()> {
+        let held: HashSet<String> = view
             .replicas
             .values()
             .filter(|e| holds_slots(e.record.state()) && !e.record.node_id.is_empty())
@@ -209,14 +202,14 @@ impl Cluster {
     ///
     /// # Errors
     /// Store failures.
-    pub async fn reload(&self, st: &mut State) -> HeadResult<()> {
-        st.view = ClusterView::load(self.store.as_ref()).await?;
+    pub(crate) async fn reload(&self, st: &mut State) -> HeadResult<()> {
+        *st.view_mut() = ClusterView::load(self.store.as_ref()).await?;
         Ok(())
     }
 
     async fn commit(&self, st: &mut State, txn: Txn, what: &str) -> HeadResult<i64> {
         let res = self.store.txn(txn).await?;
-        st.writes += 1;
+        st.count_write();
         if !res.succeeded {
             return Err(HeadError::Conflict(what.to_owned()));
         }
@@ -227,17 +220,17 @@ impl Cluster {
     ///
     /// # Errors
     /// `Conflict` when the stored record changed, store failures.
-    pub async fn put_node(&self, st: &mut State, rec: NodeRecord) -> HeadResult<()> {
+    pub(crate) async fn put_node(&self, st: &mut State, rec: NodeRecord) -> HeadResult<()> {
         let id = view::node_id(&rec);
         let key = keys::node(&id);
-        let prev = st.view.nodes.get(&id).map_or(0, |e| e.mod_revision);
+        let prev = st.view().nodes.get(&id).map_or(0, |e| e.mod_revision);
         let txn = Txn {
             compares: vec![Compare::mod_revision(&key, prev)],
             success: vec![TxnOp::put(&key, rec.encode_to_vec())],
             failure: vec![],
         };
         let rev = self.commit(st, txn, &key).await?;
-        st.view.nodes.insert(id, Entry { record: rec, mod_revision: rev });
+        st.view_mut().nodes.insert(id, Entry { record: rec, mod_revision: rev });
         Ok(())
     }
 
@@ -247,10 +240,10 @@ impl Cluster {
     ///
     /// # Errors
     /// `Conflict` when the record changed or a GPU is already reserved; store failures.
-    pub async fn put_replica(&self, st: &mut State, rec: ReplicaRecord) -> HeadResult<()> {
+    pub(crate) async fn put_replica(&self, st: &mut State, rec: ReplicaRecord) -> HeadResult<()> {
         let id = ReplicaId::from(rec.replica_id.as_str());
         let key = ClusterView::replica_key(&rec);
-        let prev = st.view.replicas.get(&id);
+        let prev = st.view().replicas.get(&id);
         let prev_rev = prev.map_or(0, |e| e.mod_revision);
         let before: HashSet<String> = prev.map(|e| reservation_keys(&e.record)).unwrap_or_default();
         let after = reservation_keys(&rec);
@@ -267,7 +260,7 @@ impl Cluster {
             txn.success.push(TxnOp::delete(k.clone()));
         }
         let rev = self.commit(st, txn, &key).await?;
-        st.view.replicas.insert(id, Entry { record: rec, mod_revision: rev });
+        st.view_mut().replicas.insert(id, Entry { record: rec, mod_revision: rev });
         Ok(())
     }
 
@@ -275,8 +268,8 @@ impl Cluster {
     ///
     /// # Errors
     /// `Conflict` when the record changed; store failures.
-    pub async fn delete_replica(&self, st: &mut State, id: &ReplicaId) -> HeadResult<()> {
-        let Some(e) = st.view.replicas.get(id) else { return Ok(()) };
+    pub(crate) async fn delete_replica(&self, st: &mut State, id: &ReplicaId) -> HeadResult<()> {
+        let Some(e) = st.view().replicas.get(id) else { return Ok(()) };
         let key = ClusterView::replica_key(&e.record);
         let mut txn = Txn {
             compares: vec![Compare::mod_revision(&key, e.mod_revision)],
@@ -287,35 +280,102 @@ impl Cluster {
             txn.success.push(TxnOp::delete(k));
         }
         self.commit(st, txn, &key).await?;
-        st.view.replicas.remove(id);
-        st.loads.remove(id);
-        st.draining.remove(id);
+        st.view_mut().replicas.remove(id);
+        st.forget_replica(id);
         Ok(())
     }
 
-    /// Queues a command on a node's session; false when the node has none.
-    pub fn send(&self, st: &State, node: &NodeId, msg: head_message::Msg) -> bool {
-        let Some(s) = st.sessions.get(node) else { return false };
-        match s.tx.try_send(Ok(HeadMessage { msg: Some(msg) })) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(node = %node, error = %e, "worker session queue full or closed");
-                false
-            }
+    /// Writes a deployment record (compare-and-swap on the mirrored revision), then
+    /// publishes and wakes the reconciler. A lost compare reloads the view.
+    ///
+    /// # Errors
+    /// `Conflict` when the stored record changed, store failures.
+    pub(crate) async fn put_deployment(&self, st: &mut State, rec: DeploymentRecord) -> HeadResult<DeploymentRecord> {
+        let name = DeploymentName::from(rec.spec.as_ref().map(|s| s.name.as_str()).unwrap_or_default());
+        let key = keys::deployment(&name);
+        let prev = st.view().deployments.get(&name).map_or(0, |e| e.mod_revision);
+        let res = self
+            .store
+            .txn(Txn {
+                compares: vec![Compare::mod_revision(&key, prev)],
+                success: vec![TxnOp::put(&key, rec.encode_to_vec())],
+                failure: vec![],
+            })
+            .await?;
+        st.count_write();
+        if !res.succeeded {
+            self.reload(st).await?;
+            return Err(HeadError::Conflict(key));
         }
+        st.view_mut().deployments.insert(name, Entry { record: rec.clone(), mod_revision: res.revision });
+        self.after_change(st);
+        self.kick.notify_one();
+        Ok(rec)
+    }
+
+    /// Deletes a deployment record read at `mod_revision`. A lost compare reloads the view.
+    ///
+    /// # Errors
+    /// `Conflict` when the stored record changed, store failures.
+    pub(crate) async fn delete_deployment(
+        &self,
+        st: &mut State,
+        name: &DeploymentName,
+        mod_revision: Revision,
+    ) -> HeadResult<()> {
+        let key = keys::deployment(name);
+        let res = self
+            .store
+            .txn(Txn {
+                compares: vec![Compare::mod_revision(&key, mod_revision)],
+                success: vec![TxnOp::delete(&key)],
+                failure: vec![],
+            })
+            .await?;
+        st.count_write();
+        if !res.succeeded {
+            self.reload(st).await?;
+            return Err(HeadError::Conflict(key));
+        }
+        st.view_mut().deployments.remove(name);
+        Ok(())
+    }
+
+    /// Changes a node record with `f` under the lock (leader only), writes it when it
+    /// changed, publishes and wakes the reconciler; returns the record and the still-held
+    /// lock so a caller can continue under it.
+    ///
+    /// # Errors
+    /// `NotFound`, `NotLeader`, store failures (a conflict reloads the view).
+    pub(crate) async fn update_node(
+        &self,
+        node: &str,
+        f: impl FnOnce(&mut NodeRecord),
+    ) -> HeadResult<(NodeRecord, StateGuard<'_>)> {
+        let mut st = self.state.lock().await;
+        self.require_leader(&st)?;
+        let id = NodeId::from(node);
+        let Some(mut rec) = st.view().nodes.get(&id).map(|e| e.record.clone()) else {
+            return Err(HeadError::NotFound(format!("node {node:?}")));
+        };
+        f(&mut rec);
+        if st.view().nodes.get(&id).is_some_and(|e| e.record != rec)
+            && let Err(e) = self.put_node(&mut st, rec.clone()).await
+        {
+            if matches!(e, HeadError::Conflict(_)) {
+                self.reload(&mut st).await?;
+            }
+            return Err(e);
+        }
+        self.after_change(&st);
+        self.kick.notify_one();
+        Ok((rec, st))
     }
 
     /// Publishes the route table and metrics after any change.
-    pub fn after_change(&self, st: &mut State) {
-        crate::routes::publish(self, st);
-        self.metrics.observe(st, self.leadership().is_leader);
-    }
-
-    /// The default drain deadline from now.
-    pub fn drain_deadline(&self, relative: Duration) -> DrainTimer {
-        let now = Instant::now();
-        let d = if relative.is_zero() { self.cfg.drain_timeout } else { relative };
-        DrainTimer { since: now, deadline: now + d }
+    pub(crate) fn after_change(&self, st: &State) {
+        self.routes.publish(st);
+        self.metrics.observe(st.view(), self.leadership().is_leader());
     }
 }
 

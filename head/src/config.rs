@@ -177,13 +177,18 @@ impl HeadConfig {
     }
 }
 
+/// A duration flag that is not `500ms`, `5s`, `2m`, `1h` or a number of seconds.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid duration {0:?}: use e.g. 500ms, 5s, 2m")]
+pub struct InvalidDuration(pub String);
+
 /// Parses `500ms`, `5s`, `2m`, `1h` or a bare number of seconds.
 ///
 /// # Errors
-/// A message naming the accepted forms.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+/// [`InvalidDuration`] (its message names the accepted forms).
+pub fn parse_duration(s: &str) -> Result<Duration, InvalidDuration> {
     let s = s.trim();
-    let bad = || format!("invalid duration {s:?}: use e.g. 500ms, 5s, 2m");
+    let bad = || InvalidDuration(s.to_owned());
     let (num, unit) = match s.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
         Some(i) => (&s[..i], &s[i..]),
         None => (s, "s"),

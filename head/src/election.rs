@@ -108,7 +108,8 @@ pub async fn resign(store: &dyn StateStore, leader: &LeaderKey) -> StoreResult<b
     Ok(store.txn(txn).await?.succeeded)
 }
 
-/// What this head currently is.
+/// What this head currently is: published by the election loop ([`Election::state`]) and
+/// mirrored by the cluster handle (`Cluster::leadership`) once the head has acted on it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Leadership {
     /// Not leading; `leader` is the leader's value (its address) when one is known.
@@ -118,6 +119,13 @@ pub enum Leadership {
     },
     /// This head leads.
     Leader,
+}
+
+impl Default for Leadership {
+    /// A follower that knows no leader.
+    fn default() -> Self {
+        Self::Follower { leader: None }
+    }
 }
 
 impl Leadership {
@@ -154,7 +162,7 @@ pub struct Election {
 /// alive, campaigns, leads until the lease is lost (then campaigns again with a new lease),
 /// and on shutdown resigns and revokes the lease so a follower takes over at once.
 pub fn spawn(store: Arc<dyn StateStore>, config: ElectionConfig, shutdown: CancellationToken) -> Election {
-    let (tx, rx) = watch::channel(Leadership::Follower { leader: None });
+    let (tx, rx) = watch::channel(Leadership::default());
     let (key_tx, key_rx) = watch::channel(None);
     let task = tokio::spawn(run(store, config, Publish { state: tx, key: key_tx }, shutdown));
     Election { state: rx, leader_key: key_rx, task }

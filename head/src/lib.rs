@@ -6,8 +6,10 @@
 pub mod admin;
 pub mod cluster;
 pub mod config;
+pub mod drain;
 pub mod election;
 pub mod error;
+pub mod http;
 pub mod metrics;
 pub mod placement;
 pub mod routes;
@@ -24,8 +26,9 @@ use tokio::sync::watch;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 
-pub use cluster::{Cluster, Leadership};
+pub use cluster::Cluster;
 pub use config::{Args, HeadConfig, StoreSpec};
+pub use election::Leadership;
 
 /// Runs a head: opens the store named by `cfg.store`, then as [`run_with_store`].
 ///
@@ -78,7 +81,7 @@ pub async fn run_with_store(
 
     let bridge = tokio::spawn(follow_election(election.state, lead_tx, cluster.clone(), reporter, shutdown.clone()));
     let reconciler = tokio::spawn(placement::reconciler::run(cluster.clone(), shutdown.clone()));
-    let http = tokio::spawn(metrics::serve_http(cluster.clone(), http_listener, shutdown.clone()));
+    let http = tokio::spawn(http::serve(cluster.clone(), http_listener, shutdown.clone()));
 
     let grpc = tonic::transport::Server::builder()
         .add_service(health)
@@ -96,10 +99,10 @@ pub async fn run_with_store(
     Ok(())
 }
 
-/// Mirrors the election into [`Leadership`]: loads state when elected, closes worker
-/// sessions when deposed, and flips the gRPC health status of `HeadService`.
+/// Mirrors the election into the cluster's [`Leadership`]: loads state when elected, closes
+/// worker sessions when deposed, and flips the gRPC health status of `HeadService`.
 async fn follow_election(
-    mut election: watch::Receiver<election::Leadership>,
+    mut election: watch::Receiver<Leadership>,
     tx: watch::Sender<Leadership>,
     cluster: Arc<Cluster>,
     reporter: tonic_health::server::HealthReporter,
@@ -108,8 +111,8 @@ async fn follow_election(
     loop {
         let now = election.borrow_and_update().clone();
         match now {
-            election::Leadership::Leader if !tx.borrow().is_leader => {
-                tx.send_replace(Leadership { is_leader: true, leader: Some(cluster.cfg.advertise_address.clone()) });
+            Leadership::Leader if !tx.borrow().is_leader() => {
+                tx.send_replace(Leadership::Leader);
                 loop {
                     match cluster.on_elected().await {
                         Ok(()) => break,
@@ -126,10 +129,10 @@ async fn follow_election(
                 reporter.set_serving::<HeadServiceServer<service::HeadGrpc>>().await;
                 tracing::info!("this head is the leader");
             }
-            election::Leadership::Leader => {}
-            election::Leadership::Follower { leader } => {
-                let was = tx.borrow().is_leader;
-                tx.send_replace(Leadership { is_leader: false, leader });
+            Leadership::Leader => {}
+            Leadership::Follower { leader } => {
+                let was = tx.borrow().is_leader();
+                tx.send_replace(Leadership::Follower { leader });
                 if was {
                     tracing::warn!("leadership lost");
                     cluster.on_deposed().await;

@@ -1,22 +1,17 @@
-//! Head metrics (prometheus-client) and the HTTP endpoints `/healthz` (process up),
-//! `/readyz` (200 only on the leader, so a Kubernetes Service reaches the leader) and
-//! `/metrics`.
+//! Head metrics (prometheus-client): cluster gauges refreshed from the leader's view after
+//! every change, counters of route updates and placement decisions. Served on `/metrics`
+//! by `http.rs`.
 
 use std::sync::Arc;
 
-use axum::extract::State as AxState;
-use axum::http::StatusCode;
-use axum::response::IntoResponse;
-use axum::routing::get;
 use prism_common::proto::v1::{NodeState, ReplicaState};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio_util::sync::CancellationToken;
 
-use crate::cluster::{Cluster, State};
+use crate::cluster::view::ClusterView;
 
 type StateLabel = Vec<(String, String)>;
 
@@ -91,19 +86,19 @@ impl Metrics {
         self.is_leader.set(i64::from(leader));
     }
 
-    /// Refreshes the gauges from the leader's state.
-    pub fn observe(&self, st: &State, leader: bool) {
+    /// Refreshes the gauges from the leader's view.
+    pub fn observe(&self, view: &ClusterView, leader: bool) {
         self.set_leader(leader);
         for (s, name) in NODE_STATES {
-            let n = st.view.nodes.values().filter(|e| e.record.state() == s).count();
+            let n = view.nodes.values().filter(|e| e.record.state() == s).count();
             self.nodes.get_or_create(&label(name)).set(n as i64);
         }
         for (s, name) in REPLICA_STATES {
-            let n = st.view.replicas.values().filter(|e| e.record.state() == s).count();
+            let n = view.replicas.values().filter(|e| e.record.state() == s).count();
             self.replicas.get_or_create(&label(name)).set(n as i64);
         }
-        self.pending_gpus.set(i64::from(st.view.pending_gpus()));
-        let draining = st.view.nodes.values().filter(|e| e.record.state() == NodeState::Draining).count();
+        self.pending_gpus.set(i64::from(view.pending_gpus()));
+        let draining = view.nodes.values().filter(|e| e.record.state() == NodeState::Draining).count();
         self.drains_in_progress.set(draining as i64);
     }
 
@@ -115,41 +110,4 @@ impl Metrics {
         }
         out
     }
-}
-
-async fn healthz() -> &'static str {
-    "ok"
-}
-
-async fn readyz(AxState(c): AxState<Arc<Cluster>>) -> impl IntoResponse {
-    let l = c.leadership();
-    if l.is_leader {
-        (StatusCode::OK, "leader".to_owned())
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, format!("follower; leader is {}", l.leader.as_deref().unwrap_or("unknown")))
-    }
-}
-
-async fn metrics(AxState(c): AxState<Arc<Cluster>>) -> impl IntoResponse {
-    (
-        [(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
-        c.metrics.render(),
-    )
-}
-
-/// Serves `/healthz`, `/readyz` and `/metrics` until `shutdown`.
-///
-/// # Errors
-/// I/O errors of the listener.
-pub async fn serve_http(
-    cluster: Arc<Cluster>,
-    listener: tokio::net::TcpListener,
-    shutdown: CancellationToken,
-) -> std::io::Result<()> {
-    let app = axum::Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .with_state(cluster);
-    axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
 }

@@ -6,19 +6,22 @@ use std::sync::Arc;
 
 use prism_common::DeploymentName;
 use prism_common::proto::v1::{ReplicaState, RouteEntry, RouteTable};
+use prism_common::time::unix_ms;
+use prometheus_client::metrics::counter::Counter;
+use tokio::sync::watch;
 
-use crate::cluster::{Cluster, State};
+use crate::cluster::state::State;
 
 /// Builds the route table content (version 0) from the leader's state.
 pub fn build(st: &State) -> Vec<RouteEntry> {
-    st.view
+    st.view()
         .replicas
         .iter()
         .filter(|(_, e)| matches!(e.record.state(), ReplicaState::Ready | ReplicaState::Draining))
         .map(|(id, e)| {
             let r = &e.record;
             let engine = st
-                .view
+                .view()
                 .deployments
                 .get(&DeploymentName::from(r.deployment.as_str()))
                 .and_then(|d| d.record.spec.as_ref())
@@ -29,7 +32,7 @@ pub fn build(st: &State) -> Vec<RouteEntry> {
                 model: r.served_model_name.clone(),
                 endpoint: r.endpoint.clone(),
                 state: r.state,
-                load: st.loads.get(id).cloned(),
+                load: st.load(id).cloned(),
                 node_id: r.node_id.clone(),
                 max_model_len: max_model_len(r.max_model_len, engine.map_or(0, |e| e.max_model_len)),
                 max_in_flight: engine.map_or(0, |e| e.max_in_flight),
@@ -49,7 +52,7 @@ fn max_model_len(reported: u32, configured: u32) -> u32 {
 /// model whose replicas are all gone, e.g. while every worker is down).
 pub fn models(st: &State) -> Vec<String> {
     let mut names: Vec<String> = st
-        .view
+        .view()
         .deployments
         .values()
         .filter_map(|d| d.record.spec.as_ref()?.engine.as_ref().map(|e| e.served_model_name.clone()))
@@ -60,34 +63,59 @@ pub fn models(st: &State) -> Vec<String> {
     names
 }
 
-/// Publishes a new table when the routes changed.
-pub fn publish(cluster: &Cluster, st: &State) {
-    let routes = build(st);
-    let models = models(st);
-    let cur = cluster.routes.borrow().clone();
-    if cur.routes == routes && cur.models == models {
-        return;
+/// The route table routers watch: publishes a new table only when its content changed.
+pub struct RoutePublisher {
+    tx: watch::Sender<Arc<RouteTable>>,
+    /// `prism_route_updates_total`.
+    updates: Counter,
+}
+
+impl RoutePublisher {
+    /// An empty table; `updates` counts the tables published.
+    pub fn new(updates: Counter) -> Self {
+        let (tx, _) = watch::channel(Arc::new(RouteTable::default()));
+        Self { tx, updates }
     }
-    // Monotonic across leaders too: a new leader never publishes a lower version.
-    let version = (cur.version + 1).max(crate::cluster::unix_ms());
-    cluster.routes.send_replace(Arc::new(RouteTable { version, routes, models }));
-    cluster.metrics.route_updates.inc();
+
+    /// The current table and its changes.
+    pub fn subscribe(&self) -> watch::Receiver<Arc<RouteTable>> {
+        self.tx.subscribe()
+    }
+
+    /// Publishes a new table when the routes changed.
+    pub fn publish(&self, st: &State) {
+        let routes = build(st);
+        let models = models(st);
+        let cur = self.tx.borrow().clone();
+        if cur.routes == routes && cur.models == models {
+            return;
+        }
+        // Monotonic across leaders too: a new leader never publishes a lower version.
+        let version = (cur.version + 1).max(unix_ms());
+        self.tx.send_replace(Arc::new(RouteTable { version, routes, models }));
+        self.updates.inc();
+    }
+
+    /// Replaces the table with an empty one (leadership lost).
+    pub fn clear(&self) {
+        self.tx.send_replace(Arc::new(RouteTable::default()));
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::view::Entry;
+    use crate::cluster::view::{ClusterView, Entry};
     use prism_common::ReplicaId;
     use prism_common::proto::v1::{DeploymentRecord, DeploymentSpec, EngineConfig, ReplicaRecord};
 
     fn state(configured: u32, replicas: &[(&str, ReplicaState, u32)]) -> State {
-        let mut st = State::default();
+        let mut view = ClusterView::default();
         let engine =
             EngineConfig { served_model_name: "m".into(), max_model_len: configured, ..EngineConfig::default() };
         let spec = DeploymentSpec { name: "d".into(), engine: Some(engine), ..DeploymentSpec::default() };
         let record = DeploymentRecord { spec: Some(spec), ..DeploymentRecord::default() };
-        st.view.deployments.insert(DeploymentName::from("d"), Entry { record, mod_revision: 1 });
+        view.deployments.insert(DeploymentName::from("d"), Entry { record, mod_revision: 1 });
         for (id, state, reported) in replicas {
             let record = ReplicaRecord {
                 replica_id: (*id).into(),
@@ -97,9 +125,9 @@ mod tests {
                 max_model_len: *reported,
                 ..ReplicaRecord::default()
             };
-            st.view.replicas.insert(ReplicaId::from(*id), Entry { record, mod_revision: 1 });
+            view.replicas.insert(ReplicaId::from(*id), Entry { record, mod_revision: 1 });
         }
-        st
+        State::with_view(view)
     }
 
     fn lens(st: &State) -> Vec<(String, u32)> {

@@ -19,8 +19,10 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, registry};
+use crate::election::Leadership;
 use crate::error::HeadError;
+use crate::{admin, drain};
 
 /// Route tables buffered per watching router.
 const ROUTE_QUEUE: usize = 16;
@@ -39,8 +41,10 @@ impl HeadGrpc {
     }
 
     fn leader_only(&self) -> Result<(), Status> {
-        let l = self.cluster.leadership();
-        if l.is_leader { Ok(()) } else { Err(HeadError::NotLeader { leader: l.leader }.into()) }
+        match self.cluster.leadership() {
+            Leadership::Leader => Ok(()),
+            Leadership::Follower { leader } => Err(HeadError::NotLeader { leader }.into()),
+        }
     }
 }
 
@@ -56,7 +60,7 @@ impl HeadService for HeadGrpc {
         request: Request<Streaming<WorkerMessage>>,
     ) -> Result<Response<Self::WorkerSessionStream>, Status> {
         self.leader_only()?;
-        Ok(Response::new(self.cluster.open_session(request.into_inner()).await?))
+        Ok(Response::new(registry::open_session(&self.cluster, request.into_inner()).await?))
     }
 
     async fn watch_routes(
@@ -65,8 +69,8 @@ impl HeadService for HeadGrpc {
     ) -> Result<Response<Self::WatchRoutesStream>, Status> {
         self.leader_only()?;
         let router = request.into_inner().router_id;
-        let mut routes = self.cluster.routes.subscribe();
-        let mut leadership = self.cluster.leadership.clone();
+        let mut routes = self.cluster.subscribe_routes();
+        let mut leadership = self.cluster.watch_leadership();
         let shutdown = self.shutdown.clone();
         let (tx, rx) = mpsc::channel(ROUTE_QUEUE);
         tracing::info!(%router, "router watching routes");
@@ -80,7 +84,10 @@ impl HeadService for HeadGrpc {
                     () = shutdown.cancelled() => return,
                     () = tx.closed() => return,
                     r = routes.changed() => if r.is_err() { return } else { None },
-                    r = leadership.wait_for(|l| !l.is_leader) => Some(r.ok().and_then(|l| l.leader.clone())),
+                    r = leadership.wait_for(|l| !l.is_leader()) => Some(r.ok().and_then(|l| match &*l {
+                        Leadership::Follower { leader } => leader.clone(),
+                        Leadership::Leader => None,
+                    })),
                 };
                 if let Some(leader) = deposed {
                     let status: Status = HeadError::NotLeader { leader }.into();
@@ -101,7 +108,7 @@ impl HeadService for HeadGrpc {
             .into_inner()
             .spec
             .ok_or_else(|| Status::from(HeadError::InvalidArgument("spec is required".into())))?;
-        let (deployment, created) = self.cluster.apply_deployment(spec).await?;
+        let (deployment, created) = admin::apply_deployment(&self.cluster, spec).await?;
         Ok(Response::new(ApplyDeploymentResponse { deployment: Some(deployment), created }))
     }
 
@@ -110,7 +117,7 @@ impl HeadService for HeadGrpc {
         request: Request<DeleteDeploymentRequest>,
     ) -> Result<Response<DeleteDeploymentResponse>, Status> {
         self.leader_only()?;
-        self.cluster.delete_deployment(&request.into_inner().name).await?;
+        admin::delete_deployment(&self.cluster, &request.into_inner().name).await?;
         Ok(Response::new(DeleteDeploymentResponse {}))
     }
 
@@ -120,7 +127,7 @@ impl HeadService for HeadGrpc {
     ) -> Result<Response<ScaleDeploymentResponse>, Status> {
         self.leader_only()?;
         let r = request.into_inner();
-        let d = self.cluster.scale_deployment(&r.name, r.replicas).await?;
+        let d = admin::scale_deployment(&self.cluster, &r.name, r.replicas).await?;
         Ok(Response::new(ScaleDeploymentResponse { deployment: Some(d) }))
     }
 
@@ -129,13 +136,13 @@ impl HeadService for HeadGrpc {
         _request: Request<ListDeploymentsRequest>,
     ) -> Result<Response<ListDeploymentsResponse>, Status> {
         self.leader_only()?;
-        let s = self.cluster.snapshot().await?;
+        let s = admin::snapshot(&self.cluster).await?;
         Ok(Response::new(ListDeploymentsResponse { deployments: s.deployments }))
     }
 
     async fn list_nodes(&self, _request: Request<ListNodesRequest>) -> Result<Response<ListNodesResponse>, Status> {
         self.leader_only()?;
-        let s = self.cluster.snapshot().await?;
+        let s = admin::snapshot(&self.cluster).await?;
         Ok(Response::new(ListNodesResponse { nodes: s.nodes }))
     }
 
@@ -145,7 +152,7 @@ impl HeadService for HeadGrpc {
     ) -> Result<Response<ListReplicasResponse>, Status> {
         self.leader_only()?;
         let dep = request.into_inner().deployment;
-        let s = self.cluster.snapshot().await?;
+        let s = admin::snapshot(&self.cluster).await?;
         let replicas = s.replicas.into_iter().filter(|r| dep.is_empty() || r.deployment == dep).collect();
         Ok(Response::new(ListReplicasResponse { replicas }))
     }
@@ -155,25 +162,25 @@ impl HeadService for HeadGrpc {
         &self,
         _request: Request<ClusterStatusRequest>,
     ) -> Result<Response<ClusterStatusResponse>, Status> {
-        Ok(Response::new(self.cluster.snapshot().await?))
+        Ok(Response::new(admin::snapshot(&self.cluster).await?))
     }
 
     async fn cordon_node(&self, request: Request<NodeRequest>) -> Result<Response<NodeResponse>, Status> {
         self.leader_only()?;
-        let node = self.cluster.cordon(&request.into_inner().node_id).await?;
+        let node = admin::cordon(&self.cluster, &request.into_inner().node_id).await?;
         Ok(Response::new(NodeResponse { node: Some(node) }))
     }
 
     async fn uncordon_node(&self, request: Request<NodeRequest>) -> Result<Response<NodeResponse>, Status> {
         self.leader_only()?;
-        let node = self.cluster.uncordon(&request.into_inner().node_id).await?;
+        let node = admin::uncordon(&self.cluster, &request.into_inner().node_id).await?;
         Ok(Response::new(NodeResponse { node: Some(node) }))
     }
 
     async fn drain_node(&self, request: Request<DrainNodeRequest>) -> Result<Response<NodeResponse>, Status> {
         self.leader_only()?;
         let r = request.into_inner();
-        let node = self.cluster.drain_node(&r.node_id, r.deadline_ms, &r.reason).await?;
+        let node = drain::drain_node(&self.cluster, &r.node_id, r.deadline_ms, &r.reason).await?;
         Ok(Response::new(NodeResponse { node: Some(node) }))
     }
 }

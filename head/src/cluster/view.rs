@@ -112,7 +112,7 @@ impl ClusterView {
         connected: &HashSet<NodeId>,
         restart_delay: std::time::Duration,
     ) -> (Vec<NodeView>, Vec<DeploymentView>, Vec<ReplicaView>) {
-        let now = crate::cluster::unix_ms();
+        let now = prism_common::time::unix_ms();
         let nodes = self
             .nodes
             .iter()

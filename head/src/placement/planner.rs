@@ -81,9 +81,9 @@ pub struct ReplicaView {
     pub restart_due: bool,
 }
 
-/// Where a replica goes.
+/// Where a replica goes: the planner's decision for one replica.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Placement {
+pub enum PlacementDecision {
     /// On `node`, holding `slots`.
     Assigned {
         /// Target node.
@@ -107,15 +107,15 @@ pub enum Action {
         deployment: DeploymentName,
         /// Generation of the spec it runs.
         generation: u64,
-        /// Placement, or Pending with a reason.
-        placement: Placement,
+        /// Where it goes, or Pending with a reason.
+        placement: PlacementDecision,
     },
     /// Place an existing Pending replica (or update its Pending reason).
     Place {
         /// The Pending replica.
         replica: ReplicaId,
         /// Where it goes.
-        placement: Placement,
+        placement: PlacementDecision,
     },
     /// Scale-down, spec change or deleted deployment: drain the replica, then stop it.
     Remove {
@@ -253,7 +253,7 @@ pub fn plan(nodes: &[NodeView], deployments: &[DeploymentView], replicas: &[Repl
         pending.sort_by(|a, b| a.id.cmp(&b.id));
         for r in pending {
             let p = place_one(&mut cap, d, &mut on_demand_count);
-            let unchanged = matches!(&p, Placement::Pending { reason } if *reason == r.reason);
+            let unchanged = matches!(&p, PlacementDecision::Pending { reason } if *reason == r.reason);
             if !unchanged {
                 actions.push(Action::Place { replica: r.id.clone(), placement: p });
             }
@@ -267,7 +267,7 @@ pub fn plan(nodes: &[NodeView], deployments: &[DeploymentView], replicas: &[Repl
 }
 
 /// Picks a node and slots for one replica of `d`, updating `cap`.
-fn place_one(cap: &mut Capacity<'_>, d: &DeploymentView, on_demand_count: &mut u32) -> Placement {
+fn place_one(cap: &mut Capacity<'_>, d: &DeploymentView, on_demand_count: &mut u32) -> PlacementDecision {
     let tp = d.tensor_parallel_size.max(1) as usize;
     let eligible: Vec<&NodeView> =
         cap.nodes.iter().copied().filter(|n| n.schedulable && selector_matches(n, &d.node_selector)).collect();
@@ -289,7 +289,7 @@ fn place_one(cap: &mut Capacity<'_>, d: &DeploymentView, on_demand_count: &mut u
         by_count.then(fa.len().cmp(&fb.len())).then(a.id.cmp(&b.id))
     });
     let Some((node, free)) = best else {
-        return Placement::Pending { reason: pending_reason(cap, d, &eligible, tp) };
+        return PlacementDecision::Pending { reason: pending_reason(cap, d, &eligible, tp) };
     };
     let slots: Vec<u32> = free.iter().copied().take(tp).collect();
     cap.used.entry(&node.id).or_default().extend(slots.iter().copied());
@@ -297,7 +297,7 @@ fn place_one(cap: &mut Capacity<'_>, d: &DeploymentView, on_demand_count: &mut u
     if on_demand(node) {
         *on_demand_count += 1;
     }
-    Placement::Assigned { node: node.id.clone(), slots }
+    PlacementDecision::Assigned { node: node.id.clone(), slots }
 }
 
 fn pending_reason(cap: &Capacity<'_>, d: &DeploymentView, eligible: &[&NodeView], tp: usize) -> String {
@@ -379,15 +379,15 @@ mod tests {
         }
     }
 
-    fn set(r: &mut ReplicaView, p: &Placement) {
+    fn set(r: &mut ReplicaView, p: &PlacementDecision) {
         match p {
-            Placement::Assigned { node, slots } => {
+            PlacementDecision::Assigned { node, slots } => {
                 r.node = Some(node.clone());
                 r.slots = slots.clone();
                 r.state = ReplicaState::Starting;
                 r.reason.clear();
             }
-            Placement::Pending { reason } => {
+            PlacementDecision::Pending { reason } => {
                 r.state = ReplicaState::Pending;
                 r.reason = reason.clone();
             }
@@ -441,7 +441,7 @@ mod tests {
         let acts = plan(&nodes, &deps, &rs);
         assert_eq!(acts.len(), 1);
         assert!(
-            matches!(&acts[0], Action::Place { placement: Placement::Assigned { node, .. }, .. } if node.as_str() == "c")
+            matches!(&acts[0], Action::Place { placement: PlacementDecision::Assigned { node, .. }, .. } if node.as_str() == "c")
         );
     }
 
@@ -454,7 +454,9 @@ mod tests {
             vec![Action::Create {
                 deployment: "big".into(),
                 generation: 1,
-                placement: Placement::Pending { reason: "needs 8 GPUs on one node; largest free group is 4".into() },
+                placement: PlacementDecision::Pending {
+                    reason: "needs 8 GPUs on one node; largest free group is 4".into()
+                },
             }]
         );
     }
@@ -474,7 +476,7 @@ mod tests {
         let mut d2 = dep("m", 1, 1);
         d2.node_selector.insert("gpu".into(), "h100".into());
         let acts = plan(&[node("z", 1, &[])], &[d2], &[]);
-        assert!(matches!(&acts[0], Action::Create { placement: Placement::Pending { reason }, .. }
+        assert!(matches!(&acts[0], Action::Create { placement: PlacementDecision::Pending { reason }, .. }
             if reason.contains("node_selector {gpu=h100}")));
     }
 
@@ -548,7 +550,7 @@ mod tests {
         assert_eq!(acts.len(), 2, "{acts:?}");
         assert_eq!(acts[0], Action::Remove { replica: rs[0].id.clone() });
         assert!(
-            matches!(&acts[1], Action::Create { placement: Placement::Assigned { slots, .. }, .. } if *slots == vec![0])
+            matches!(&acts[1], Action::Create { placement: PlacementDecision::Assigned { slots, .. }, .. } if *slots == vec![0])
         );
         rs[0].restart_due = false;
         // A new generation replaces it, and its GPU is free again.
@@ -556,7 +558,7 @@ mod tests {
         d2.generation = 2;
         let acts = plan(&nodes, &[d2], &rs);
         assert_eq!(acts.len(), 2);
-        assert!(matches!(&acts[1], Action::Create { placement: Placement::Assigned { .. }, .. }));
+        assert!(matches!(&acts[1], Action::Create { placement: PlacementDecision::Assigned { .. }, .. }));
     }
 
     #[test]
@@ -570,7 +572,7 @@ mod tests {
         let acts = plan(&[cpu.clone()], &[dep("n", 1, 1)], &rs);
         assert!(acts.contains(&Action::Remove { replica: rs[0].id.clone() }));
         let acts = plan(&[cpu], &[dep("n", 3, 1)], &[]);
-        assert!(matches!(&acts[0], Action::Create { placement: Placement::Pending { reason }, .. }
+        assert!(matches!(&acts[0], Action::Create { placement: PlacementDecision::Pending { reason }, .. }
             if reason == "needs 3 CPU slots on one node; largest free group is 2"));
     }
 

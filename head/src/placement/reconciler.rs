@@ -1,8 +1,9 @@
 //! The level-triggered reconciler (kube-rs style): on every change and on a periodic tick
 //! the leader compares desired state (deployments) with observed state (replica records,
 //! worker sessions and reports) and acts — marks nodes whose session is gone for
-//! `worker_timeout` Dead, stops drained replicas when idle or at their deadline, and
-//! applies the [`planner`](super::planner)'s actions (create, place, remove, evict).
+//! `worker_timeout` Dead, stops drained replicas when idle or at their deadline
+//! ([`drain::stop_drained`]), and applies the [`planner`](super::planner)'s actions
+//! (create, place, remove — by draining, evict).
 //! Every pass is idempotent; a failed pass (store error, lost compare-and-swap) reloads the
 //! view and is requeued with a short backoff.
 
@@ -10,22 +11,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prism_common::proto::v1::{NodeState, ReplicaRecord, ReplicaState, StopReplica, head_message};
+use prism_common::time::unix_ms;
 use prism_common::{DeploymentName, NodeId, ReplicaId};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::planner::{Action, Placement, plan};
-use crate::cluster::{Cluster, State, unix_ms};
+use super::planner::{Action, PlacementDecision, plan};
+use crate::cluster::Cluster;
+use crate::cluster::registry::send_start;
+use crate::cluster::state::State;
+use crate::drain;
 use crate::error::HeadResult;
-
-/// Minimum time a Draining replica stays routable-as-Draining before it may be stopped, so
-/// routers see the Draining state first.
-const DRAIN_GRACE: Duration = Duration::from_millis(500);
 
 /// Runs the reconciler until `shutdown`.
 pub async fn run(cluster: Arc<Cluster>, shutdown: CancellationToken) {
     let mut backoff = Duration::from_millis(50);
-    let mut leadership = cluster.leadership.clone();
+    let mut leadership = cluster.watch_leadership();
     loop {
         let requeue = match reconcile_once(&cluster).await {
             Ok(()) => {
@@ -34,7 +35,7 @@ pub async fn run(cluster: Arc<Cluster>, shutdown: CancellationToken) {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "reconcile failed; requeued");
-                let mut st = cluster.state.lock().await;
+                let mut st = cluster.lock().await;
                 if let Err(e) = cluster.reload(&mut st).await {
                     tracing::warn!(error = %e, "reload after failed reconcile failed");
                 }
@@ -42,10 +43,10 @@ pub async fn run(cluster: Arc<Cluster>, shutdown: CancellationToken) {
                 Some(backoff)
             }
         };
-        let wait = requeue.unwrap_or(cluster.cfg.reconcile_interval);
+        let wait = requeue.unwrap_or(cluster.cfg().reconcile_interval);
         tokio::select! {
             () = shutdown.cancelled() => return,
-            () = cluster.kick.notified() => {}
+            () = cluster.kicked() => {}
             _ = leadership.changed() => {}
             () = tokio::time::sleep(wait) => {}
         }
@@ -57,20 +58,20 @@ pub async fn run(cluster: Arc<Cluster>, shutdown: CancellationToken) {
 /// # Errors
 /// Store failures and conflicts (the caller reloads and requeues).
 pub async fn reconcile_once(cluster: &Cluster) -> HeadResult<()> {
-    let mut st = cluster.state.lock().await;
-    if !cluster.leadership().is_leader || !st.loaded {
+    let mut st = cluster.lock().await;
+    if !cluster.leadership().is_leader() || !st.is_loaded() {
         return Ok(());
     }
     let res = pass(cluster, &mut st).await;
-    cluster.after_change(&mut st);
+    cluster.after_change(&st);
     res
 }
 
 async fn pass(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
     mark_dead_nodes(cluster, st).await?;
-    stop_drained(cluster, st).await?;
-    let connected = st.sessions.keys().cloned().collect();
-    let (nodes, deps, replicas) = st.view.planner_inputs(&connected, cluster.cfg.replica_restart_delay);
+    drain::stop_drained(cluster, st).await?;
+    let connected = st.connected_nodes();
+    let (nodes, deps, replicas) = st.view().planner_inputs(&connected, cluster.cfg().replica_restart_delay);
     let actions = plan(&nodes, &deps, &replicas);
     for a in actions {
         apply(cluster, st, a).await?;
@@ -80,56 +81,21 @@ async fn pass(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
 
 async fn mark_dead_nodes(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
     let now = Instant::now();
+    let timeout = cluster.cfg().worker_timeout;
     let dead: Vec<NodeId> = st
-        .view
+        .view()
         .nodes
         .iter()
-        .filter(|(id, e)| e.record.state() != NodeState::Dead && !st.sessions.contains_key(*id))
-        .filter(|(id, _)| {
-            st.disconnected_since.get(*id).is_none_or(|t| now.duration_since(*t) >= cluster.cfg.worker_timeout)
-        })
+        .filter(|(id, e)| e.record.state() != NodeState::Dead && !st.is_connected(id))
+        .filter(|(id, _)| st.disconnected_since(id).is_none_or(|t| now.duration_since(t) >= timeout))
         .map(|(id, _)| id.clone())
         .collect();
     for id in dead {
-        let Some(mut rec) = st.view.nodes.get(&id).map(|e| e.record.clone()) else { continue };
-        let gone = st.disconnected_since.get(&id).map_or(Duration::ZERO, |t| now.duration_since(*t));
+        let Some(mut rec) = st.view().nodes.get(&id).map(|e| e.record.clone()) else { continue };
+        let gone = st.disconnected_since(&id).map_or(Duration::ZERO, |t| now.duration_since(t));
         tracing::warn!(node = %id, session_gone_ms = gone.as_millis() as u64, "worker timed out: node Dead, re-placing its replicas");
         rec.state = NodeState::Dead as i32;
         cluster.put_node(st, rec).await?;
-    }
-    Ok(())
-}
-
-/// Stops Draining replicas that are idle (after [`DRAIN_GRACE`]) or past their deadline.
-async fn stop_drained(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
-    let now = Instant::now();
-    let draining: Vec<(ReplicaId, ReplicaRecord)> = st
-        .view
-        .replicas
-        .iter()
-        .filter(|(_, e)| e.record.state() == ReplicaState::Draining)
-        .map(|(id, e)| (id.clone(), e.record.clone()))
-        .collect();
-    for (id, mut rec) in draining {
-        let timer = *st.draining.entry(id.clone()).or_insert_with(|| cluster.drain_deadline(Duration::ZERO));
-        let node = NodeId::from(rec.node_id.as_str());
-        if !st.sessions.contains_key(&node) {
-            continue; // stopped once the worker is back, or evicted when its node dies
-        }
-        let idle = st.loads.get(&id).is_none_or(|l| l.running == 0 && l.waiting == 0);
-        let past = now >= timer.deadline;
-        if !(past || (idle && now.duration_since(timer.since) >= DRAIN_GRACE)) {
-            continue;
-        }
-        let left = timer.deadline.saturating_duration_since(now);
-        cluster.send(
-            st,
-            &node,
-            head_message::Msg::Stop(StopReplica { replica_id: id.to_string(), deadline_ms: left.as_millis() as u64 }),
-        );
-        rec.state = ReplicaState::Stopping as i32;
-        cluster.put_replica(st, rec).await?;
-        st.draining.remove(&id);
     }
     Ok(())
 }
@@ -140,7 +106,7 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
         Action::Create { deployment, generation, placement } => {
             let id = ReplicaId::new_for(&deployment);
             let served = st
-                .view
+                .view()
                 .deployments
                 .get(&deployment)
                 .and_then(|d| d.record.spec.as_ref())
@@ -160,17 +126,16 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
             place(cluster, st, rec, placement).await
         }
         Action::Place { replica, placement } => {
-            let Some(rec) = st.view.replicas.get(&replica).map(|e| e.record.clone()) else { return Ok(()) };
+            let Some(rec) = st.view().replicas.get(&replica).map(|e| e.record.clone()) else { return Ok(()) };
             place(cluster, st, rec, placement).await
         }
         Action::Remove { replica } => {
-            let Some(mut rec) = st.view.replicas.get(&replica).map(|e| e.record.clone()) else { return Ok(()) };
+            let Some(rec) = st.view().replicas.get(&replica).map(|e| e.record.clone()) else { return Ok(()) };
             let node = NodeId::from(rec.node_id.as_str());
             match rec.state() {
                 ReplicaState::Pending => cluster.delete_replica(st, &replica).await,
                 ReplicaState::Failed => {
-                    cluster.send(
-                        st,
+                    st.send(
                         &node,
                         head_message::Msg::Stop(StopReplica { replica_id: replica.to_string(), deadline_ms: 0 }),
                     );
@@ -178,12 +143,7 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
                 }
                 _ => {
                     tracing::info!(replica = %replica, deployment = %rec.deployment, "removing replica: draining");
-                    rec.state = ReplicaState::Draining as i32;
-                    rec.reason = "removed by scale-down or spec change".into();
-                    cluster.put_replica(st, rec).await?;
-                    let t = cluster.drain_deadline(Duration::ZERO);
-                    st.draining.insert(replica, t);
-                    Ok(())
+                    drain::drain_replica(cluster, st, rec, Duration::ZERO, "removed by scale-down or spec change").await
                 }
             }
         }
@@ -194,11 +154,11 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
     }
 }
 
-async fn place(cluster: &Cluster, st: &mut State, mut rec: ReplicaRecord, p: Placement) -> HeadResult<()> {
+async fn place(cluster: &Cluster, st: &mut State, mut rec: ReplicaRecord, p: PlacementDecision) -> HeadResult<()> {
     match p {
-        Placement::Assigned { node, slots } => {
+        PlacementDecision::Assigned { node, slots } => {
             let endpoint = st
-                .view
+                .view()
                 .nodes
                 .get(&node)
                 .and_then(|e| e.record.inventory.as_ref())
@@ -212,10 +172,10 @@ async fn place(cluster: &Cluster, st: &mut State, mut rec: ReplicaRecord, p: Pla
             let id = ReplicaId::from(rec.replica_id.as_str());
             tracing::info!(replica = %id, node = %node, gpus = ?rec.gpu_indices, "replica placed");
             cluster.put_replica(st, rec).await?;
-            cluster.metrics.placement_decisions.inc();
-            cluster.send_start(st, &id);
+            cluster.metrics().placement_decisions.inc();
+            send_start(st, &id);
         }
-        Placement::Pending { reason } => {
+        PlacementDecision::Pending { reason } => {
             tracing::info!(replica = %rec.replica_id, deployment = %DeploymentName::from(rec.deployment.as_str()), %reason, "replica pending");
             rec.state = ReplicaState::Pending as i32;
             rec.reason = reason;

@@ -1,0 +1,228 @@
+//! The leader's mutable state: the mirror of stored records, the live worker sessions,
+//! load reports and drain timers. Its fields are private: the rest of the head reads it
+//! through accessors and changes it through the narrow methods here, and only the store
+//! writers of `Cluster` (`cluster.rs`) change the mirrored records, after their transaction
+//! committed. It is reached only through `Cluster::lock`, one async mutex, so every change
+//! happens under that lock.
+
+use std::collections::{HashMap, HashSet};
+
+use prism_common::proto::v1::{HeadMessage, LoadReport, head_message};
+use prism_common::{NodeId, ReplicaId};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+use super::view::ClusterView;
+
+/// A held lock on [`State`].
+pub type StateGuard<'a> = tokio::sync::MutexGuard<'a, State>;
+
+/// A replica being drained: routers stop sending work at once; it is stopped when idle or
+/// at `deadline`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DrainTimer {
+    /// When it became Draining.
+    pub since: Instant,
+    /// When it is stopped regardless of in-flight work.
+    pub deadline: Instant,
+}
+
+/// One live worker session.
+#[derive(Debug)]
+pub struct Session {
+    /// Distinguishes a reconnected session from the one it replaced.
+    id: u64,
+    /// Commands to the worker.
+    tx: mpsc::Sender<Result<HeadMessage, Status>>,
+    /// Ends the session (replaced, or leadership lost).
+    cancel: CancellationToken,
+    /// Replicas the worker knows about in this session (reported or sent a start).
+    started: HashSet<ReplicaId>,
+}
+
+impl Session {
+    /// A session that has told the worker nothing yet.
+    pub fn new(id: u64, tx: mpsc::Sender<Result<HeadMessage, Status>>, cancel: CancellationToken) -> Self {
+        Self { id, tx, cancel, started: HashSet::new() }
+    }
+}
+
+/// Mutable state guarded by the cluster handle's lock.
+#[derive(Default)]
+pub struct State {
+    /// Mirror of stored records (valid while `loaded`).
+    view: ClusterView,
+    /// The view was loaded for the current leadership term.
+    loaded: bool,
+    /// Live worker sessions by node.
+    sessions: HashMap<NodeId, Session>,
+    /// When each session-less node lost (or never had, this term) its session.
+    disconnected_since: HashMap<NodeId, Instant>,
+    /// Latest load report per replica (not persisted).
+    loads: HashMap<ReplicaId, LoadReport>,
+    /// Drain timers of Draining replicas.
+    draining: HashMap<ReplicaId, DrainTimer>,
+    /// Number of store transactions this head has committed (benchmarks).
+    writes: u64,
+}
+
+impl State {
+    /// A state holding `view` and nothing else (unit tests of the readers).
+    #[cfg(test)]
+    pub(crate) fn with_view(view: ClusterView) -> Self {
+        Self { view, ..Self::default() }
+    }
+
+    /// The mirror of stored records.
+    pub fn view(&self) -> &ClusterView {
+        &self.view
+    }
+
+    /// The mirror, for the store writers once their transaction committed.
+    pub(super) fn view_mut(&mut self) -> &mut ClusterView {
+        &mut self.view
+    }
+
+    /// The view was loaded for the current leadership term.
+    pub fn is_loaded(&self) -> bool {
+        self.loaded
+    }
+
+    /// Number of store transactions committed by this head.
+    pub fn writes(&self) -> u64 {
+        self.writes
+    }
+
+    /// Counts one committed (or attempted) store transaction.
+    pub(super) fn count_write(&mut self) {
+        self.writes += 1;
+    }
+
+    /// Starts a leadership term on a freshly loaded `view`: every stored node has until
+    /// `reconnect_from` + `worker_timeout` to (re)connect; sessions, loads and drain timers
+    /// of an earlier term are dropped.
+    pub(super) fn begin_term(&mut self, view: ClusterView, reconnect_from: Instant) {
+        self.view = view;
+        let nodes: Vec<NodeId> = self.view.nodes.keys().cloned().collect();
+        self.disconnected_since = nodes.into_iter().map(|n| (n, reconnect_from)).collect();
+        self.sessions.clear();
+        self.loads.clear();
+        self.draining.clear();
+        self.loaded = true;
+    }
+
+    /// Ends the leadership term: closes every worker session (workers follow the new leader).
+    pub(super) fn end_term(&mut self) {
+        for (_, s) in self.sessions.drain() {
+            s.cancel.cancel();
+        }
+        self.loaded = false;
+    }
+
+    /// Forgets what is kept about a replica besides its record (its deletion committed).
+    pub(super) fn forget_replica(&mut self, id: &ReplicaId) {
+        self.loads.remove(id);
+        self.draining.remove(id);
+    }
+
+    /// Makes `session` the node's live session, ending the one it replaces.
+    pub fn attach_session(&mut self, node: NodeId, session: Session) {
+        if let Some(old) = self.sessions.insert(node.clone(), session) {
+            old.cancel.cancel();
+        }
+        self.disconnected_since.remove(&node);
+    }
+
+    /// Removes the node's session if it is still session `id` (not replaced meanwhile),
+    /// recording the node as disconnected since `gone_since`. True when it was removed.
+    pub fn detach_session(&mut self, node: &NodeId, id: u64, gone_since: Instant) -> bool {
+        if !self.is_current_session(node, id) {
+            return false;
+        }
+        self.sessions.remove(node);
+        self.disconnected_since.insert(node.clone(), gone_since);
+        true
+    }
+
+    /// True when session `id` is the node's live session.
+    pub fn is_current_session(&self, node: &NodeId, id: u64) -> bool {
+        self.sessions.get(node).is_some_and(|s| s.id == id)
+    }
+
+    /// True when the node has a live session.
+    pub fn is_connected(&self, node: &NodeId) -> bool {
+        self.sessions.contains_key(node)
+    }
+
+    /// Nodes with a live session.
+    pub fn connected_nodes(&self) -> HashSet<NodeId> {
+        self.sessions.keys().cloned().collect()
+    }
+
+    /// When a session-less node lost its session (`None` for a connected node, or one
+    /// never seen this term).
+    pub fn disconnected_since(&self, node: &NodeId) -> Option<Instant> {
+        self.disconnected_since.get(node).copied()
+    }
+
+    /// Replicas the node's worker knows about in its current session.
+    pub fn started_on(&self, node: &NodeId) -> HashSet<ReplicaId> {
+        self.sessions.get(node).map(|s| s.started.clone()).unwrap_or_default()
+    }
+
+    /// Records that the node's worker knows about `replica` (it reported it or was sent a start).
+    pub fn mark_started(&mut self, node: &NodeId, replica: &ReplicaId) {
+        if let Some(s) = self.sessions.get_mut(node) {
+            s.started.insert(replica.clone());
+        }
+    }
+
+    /// Queues a command on a node's session; false when the node has none (or its queue is
+    /// full or closed).
+    pub fn send(&self, node: &NodeId, msg: head_message::Msg) -> bool {
+        let Some(s) = self.sessions.get(node) else { return false };
+        match s.tx.try_send(Ok(HeadMessage { msg: Some(msg) })) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(node = %node, error = %e, "worker session queue full or closed");
+                false
+            }
+        }
+    }
+
+    /// Keeps a load report from `node` when the replica is placed there.
+    pub fn record_load(&mut self, node: &NodeId, report: LoadReport) {
+        let rid = ReplicaId::from(report.replica_id.as_str());
+        if self.view.replicas.get(&rid).is_some_and(|e| e.record.node_id == node.as_str()) {
+            self.loads.insert(rid, report);
+        }
+    }
+
+    /// The latest load report of a replica.
+    pub fn load(&self, replica: &ReplicaId) -> Option<&LoadReport> {
+        self.loads.get(replica)
+    }
+
+    /// Every latest load report.
+    pub fn loads(&self) -> impl Iterator<Item = &LoadReport> {
+        self.loads.values()
+    }
+
+    /// Sets (or replaces) a Draining replica's timer.
+    pub fn set_drain_timer(&mut self, replica: ReplicaId, timer: DrainTimer) {
+        self.draining.insert(replica, timer);
+    }
+
+    /// A Draining replica's timer, starting it with `start` if it has none (a head that
+    /// took over a drain from an earlier leader).
+    pub fn drain_timer_or_start(&mut self, replica: &ReplicaId, start: impl FnOnce() -> DrainTimer) -> DrainTimer {
+        *self.draining.entry(replica.clone()).or_insert_with(start)
+    }
+
+    /// Ends a replica's drain timer (it is being stopped).
+    pub fn clear_drain_timer(&mut self, replica: &ReplicaId) {
+        self.draining.remove(replica);
+    }
+}

@@ -1,0 +1,330 @@
+//! Drain: taking replicas out of service without dropping their requests.
+//!
+//! A drain starts in one of three ways:
+//! - an operator drains a node ([`drain_node`], `prism drain`): the node is cordoned and
+//!   Draining, the worker is told (`DrainCommand`), and its replicas become Draining with
+//!   the requested deadline (default `--drain-timeout`); it lasts until `uncordon`;
+//! - a worker drains itself on SIGTERM or a spot-preemption notice ([`on_worker_drain`]):
+//!   the node becomes Draining but not cordoned, so the next worker process on it (same
+//!   node id) is schedulable again when it registers ([`ready_on_register`]);
+//! - the reconciler removes a replica (scale-down, spec change, deleted deployment:
+//!   [`drain_replica`] with the default deadline).
+//!
+//! A Draining replica stays in the route table as Draining (routers stop sending it new
+//! work at once) while the planner places its replacement elsewhere; each reconcile pass
+//! ([`stop_drained`]) stops it once it is idle (after [`DRAIN_GRACE`]) or at its deadline,
+//! and its record goes once the worker reports it stopped.
+
+use std::time::Duration;
+
+use prism_common::proto::v1::{
+    DrainCommand, DrainProgress, NodeRecord, NodeState, ReplicaRecord, ReplicaState, StopReplica, head_message,
+};
+use prism_common::time::unix_ms;
+use prism_common::{NodeId, ReplicaId};
+use tokio::time::Instant;
+
+use crate::cluster::Cluster;
+use crate::cluster::state::{DrainTimer, State};
+use crate::error::HeadResult;
+
+/// Minimum time a Draining replica stays routable-as-Draining before it may be stopped, so
+/// routers see the Draining state first.
+pub const DRAIN_GRACE: Duration = Duration::from_millis(500);
+
+/// A drain timer starting at `now` that ends `relative` later (`default` when `relative`
+/// is zero).
+pub fn drain_timer(default: Duration, relative: Duration, now: Instant) -> DrainTimer {
+    let d = if relative.is_zero() { default } else { relative };
+    DrainTimer { since: now, deadline: now + d }
+}
+
+/// A drain timer starting now that ends `relative` from now (the configured
+/// `drain_timeout` when `relative` is zero).
+pub fn timer(cluster: &Cluster, relative: Duration) -> DrainTimer {
+    drain_timer(cluster.cfg().drain_timeout, relative, Instant::now())
+}
+
+/// Drains a node for an operator: cordon, mark its replicas Draining (replacements are
+/// placed elsewhere), tell the worker, and stop the replicas when idle or at the deadline
+/// (`deadline_ms` from now; 0 = the configured `drain_timeout`).
+///
+/// # Errors
+/// `NotFound`, `NotLeader`, store failures.
+pub async fn drain_node(cluster: &Cluster, node: &str, deadline_ms: u64, reason: &str) -> HeadResult<NodeRecord> {
+    let rel = if deadline_ms == 0 { cluster.cfg().drain_timeout } else { Duration::from_millis(deadline_ms) };
+    let reason = if reason.is_empty() { "drained by operator" } else { reason };
+    let (rec, mut st) = cluster
+        .update_node(node, |r| {
+            r.cordoned = true;
+            if r.state() != NodeState::Dead {
+                r.state = NodeState::Draining as i32;
+            }
+            r.drain_deadline_unix_ms = unix_ms() + rel.as_millis() as u64;
+            r.drain_reason = reason.to_owned();
+        })
+        .await?;
+    let id = NodeId::from(node);
+    mark_node_replicas_draining(cluster, &mut st, &id, rel, reason).await?;
+    st.send(
+        &id,
+        head_message::Msg::Drain(DrainCommand { deadline_ms: rel.as_millis() as u64, reason: reason.to_owned() }),
+    );
+    tracing::info!(node = %node, deadline_ms = rel.as_millis() as u64, "node draining");
+    cluster.after_change(&st);
+    Ok(rec)
+}
+
+/// A worker-initiated drain (SIGTERM, spot notice): mark the node and its replicas
+/// Draining so routers stop using them and replacements start elsewhere.
+///
+/// # Errors
+/// Store failures.
+pub async fn on_worker_drain(cluster: &Cluster, st: &mut State, node: &NodeId, d: DrainProgress) -> HeadResult<()> {
+    let Some(mut rec) = st.view().nodes.get(node).map(|e| e.record.clone()) else { return Ok(()) };
+    if d.done || rec.state() == NodeState::Draining {
+        return Ok(());
+    }
+    // Not cordoned: Draining alone keeps placement away, and the next worker process on
+    // this node (same node id, e.g. a StatefulSet pod) becomes schedulable on register.
+    rec.state = NodeState::Draining as i32;
+    rec.drain_deadline_unix_ms = d.deadline_unix_ms;
+    rec.drain_reason.clone_from(&d.reason);
+    cluster.put_node(st, rec).await?;
+    let rel = Duration::from_millis(d.deadline_unix_ms.saturating_sub(unix_ms()));
+    mark_node_replicas_draining(cluster, st, node, rel, &d.reason).await
+}
+
+/// The node state a (re)registering worker gets: Ready, with any drain cleared — unless an
+/// operator's drain (Draining and cordoned) holds the node, which lasts until `uncordon`.
+/// A Draining node that is not cordoned was drained by its own worker (SIGTERM, spot
+/// notice): a new session is a new worker process, schedulable again; if it is still
+/// draining, its drain progress follows and marks the node again.
+pub fn ready_on_register(rec: &mut NodeRecord) {
+    if rec.state() != NodeState::Draining || !rec.cordoned {
+        rec.state = NodeState::Ready as i32;
+        rec.drain_deadline_unix_ms = 0;
+        rec.drain_reason.clear();
+    }
+}
+
+/// Marks every Starting/Ready replica of `node` Draining with a deadline `rel` from now
+/// (reason "node draining" when `reason` is empty).
+///
+/// # Errors
+/// Store failures.
+pub async fn mark_node_replicas_draining(
+    cluster: &Cluster,
+    st: &mut State,
+    node: &NodeId,
+    rel: Duration,
+    reason: &str,
+) -> HeadResult<()> {
+    let recs: Vec<ReplicaRecord> = st
+        .view()
+        .replicas_on(node)
+        .filter(|e| matches!(e.record.state(), ReplicaState::Starting | ReplicaState::Ready))
+        .map(|e| e.record.clone())
+        .collect();
+    let reason = if reason.is_empty() { "node draining" } else { reason };
+    for rec in recs {
+        drain_replica(cluster, st, rec, rel, reason).await?;
+    }
+    Ok(())
+}
+
+/// Marks one replica Draining (routers stop sending it work) with a drain timer ending
+/// `rel` from now (the configured `drain_timeout` when zero).
+///
+/// # Errors
+/// Store failures.
+pub async fn drain_replica(
+    cluster: &Cluster,
+    st: &mut State,
+    mut rec: ReplicaRecord,
+    rel: Duration,
+    reason: &str,
+) -> HeadResult<()> {
+    rec.state = ReplicaState::Draining as i32;
+    reason.clone_into(&mut rec.reason);
+    let rid = ReplicaId::from(rec.replica_id.as_str());
+    cluster.put_replica(st, rec).await?;
+    st.set_drain_timer(rid, timer(cluster, rel));
+    Ok(())
+}
+
+/// Stops Draining replicas that are idle (after [`DRAIN_GRACE`]) or past their deadline:
+/// sends `StopReplica` with the time left and marks them Stopping. A replica whose worker is
+/// not connected waits (stopped once the worker is back, or evicted when its node dies).
+///
+/// # Errors
+/// Store failures.
+pub async fn stop_drained(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
+    let now = Instant::now();
+    let draining: Vec<(ReplicaId, ReplicaRecord)> = st
+        .view()
+        .replicas
+        .iter()
+        .filter(|(_, e)| e.record.state() == ReplicaState::Draining)
+        .map(|(id, e)| (id.clone(), e.record.clone()))
+        .collect();
+    for (id, mut rec) in draining {
+        let t = st.drain_timer_or_start(&id, || timer(cluster, Duration::ZERO));
+        let node = NodeId::from(rec.node_id.as_str());
+        if !st.is_connected(&node) {
+            continue;
+        }
+        let idle = st.load(&id).is_none_or(|l| l.running == 0 && l.waiting == 0);
+        let past = now >= t.deadline;
+        if !(past || (idle && now.duration_since(t.since) >= DRAIN_GRACE)) {
+            continue;
+        }
+        let left = t.deadline.saturating_duration_since(now);
+        st.send(
+            &node,
+            head_message::Msg::Stop(StopReplica { replica_id: id.to_string(), deadline_ms: left.as_millis() as u64 }),
+        );
+        rec.state = ReplicaState::Stopping as i32;
+        cluster.put_replica(st, rec).await?;
+        st.clear_drain_timer(&id);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use prism_common::proto::v1::{DeploymentSpec, EngineConfig, HeadMessage, NodeInventory};
+    use prism_common::state_store::{EmbeddedStore, StateStore};
+    use tokio::sync::watch;
+
+    use super::*;
+    use crate::cluster::registry::{self, Registration};
+    use crate::config::{HeadConfig, StoreSpec};
+    use crate::election::Leadership;
+    use crate::metrics::Metrics;
+    use crate::placement::reconciler::reconcile_once;
+
+    #[test]
+    fn a_zero_relative_deadline_means_the_default() {
+        let now = Instant::now();
+        let t = drain_timer(Duration::from_secs(30), Duration::ZERO, now);
+        assert_eq!(t, DrainTimer { since: now, deadline: now + Duration::from_secs(30) });
+        let t = drain_timer(Duration::from_secs(30), Duration::from_secs(2), now);
+        assert_eq!(t.deadline, now + Duration::from_secs(2));
+    }
+
+    #[test]
+    fn registering_ends_a_worker_drain_but_not_an_operator_drain() {
+        let draining = NodeRecord {
+            state: NodeState::Draining as i32,
+            drain_deadline_unix_ms: 5,
+            drain_reason: "spot".into(),
+            ..Default::default()
+        };
+        let mut worker_drained = draining.clone();
+        ready_on_register(&mut worker_drained);
+        assert_eq!(worker_drained.state(), NodeState::Ready);
+        assert_eq!((worker_drained.drain_deadline_unix_ms, worker_drained.drain_reason.as_str()), (0, ""));
+
+        let operator_drained = NodeRecord { cordoned: true, ..draining };
+        let mut rec = operator_drained.clone();
+        ready_on_register(&mut rec);
+        assert_eq!(rec, operator_drained);
+
+        let mut dead = NodeRecord { state: NodeState::Dead as i32, cordoned: true, ..Default::default() };
+        ready_on_register(&mut dead);
+        assert_eq!(dead.state(), NodeState::Ready);
+        assert!(dead.cordoned, "registering does not uncordon");
+    }
+
+    fn inventory() -> NodeInventory {
+        NodeInventory { node_id: "n1".into(), address: "http://127.0.0.1:1".into(), cpu_slots: 1, ..Default::default() }
+    }
+
+    /// A leader on an in-memory store with one CPU worker running one replica of `d`.
+    async fn one_replica() -> (Arc<Cluster>, watch::Sender<Leadership>, Registration, ReplicaId) {
+        let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::in_memory().expect("store"));
+        let (lead_tx, lead_rx) = watch::channel(Leadership::Leader);
+        let cfg = HeadConfig::new(StoreSpec::Embedded("unused".into()), "http://127.0.0.1:50050");
+        let cluster = Cluster::new(cfg, store, lead_rx, Metrics::new());
+        cluster.on_elected().await.expect("elected");
+        let worker = registry::register(&cluster, inventory()).await.expect("registered");
+        let spec = DeploymentSpec {
+            name: "d".into(),
+            engine: Some(EngineConfig { model: "/m.gguf".into(), tensor_parallel_size: 1, ..Default::default() }),
+            replicas: 1,
+            ..Default::default()
+        };
+        crate::admin::apply_deployment(&cluster, spec).await.expect("applied");
+        reconcile_once(&cluster).await.expect("placed");
+        let rid = cluster.lock().await.view().replicas.keys().next().cloned().expect("a replica");
+        (cluster, lead_tx, worker, rid)
+    }
+
+    fn replica_state(st: &State, rid: &ReplicaId) -> (ReplicaState, String) {
+        let r = &st.view().replicas[rid].record;
+        (r.state(), r.reason.clone())
+    }
+
+    fn commands(worker: &mut Registration) -> Vec<head_message::Msg> {
+        let mut out = Vec::new();
+        while let Ok(Ok(HeadMessage { msg: Some(m) })) = worker.commands.try_recv() {
+            out.push(m);
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn operator_drain_stops_an_idle_replica_after_the_grace() {
+        let (cluster, _lead, mut worker, rid) = one_replica().await;
+        assert!(commands(&mut worker).iter().any(|m| matches!(m, head_message::Msg::Start(_))));
+
+        let node = drain_node(&cluster, "n1", 60_000, "").await.expect("drained");
+        assert!(node.cordoned);
+        assert_eq!((node.state(), node.drain_reason.as_str()), (NodeState::Draining, "drained by operator"));
+        let sent = commands(&mut worker);
+        assert!(sent.iter().any(|m| matches!(m, head_message::Msg::Drain(d) if d.deadline_ms == 60_000)));
+        assert_eq!(
+            replica_state(&*cluster.lock().await, &rid),
+            (ReplicaState::Draining, "drained by operator".to_owned())
+        );
+
+        // Within the grace the replica stays Draining (routers must see it first).
+        reconcile_once(&cluster).await.expect("pass");
+        assert_eq!(replica_state(&*cluster.lock().await, &rid).0, ReplicaState::Draining);
+
+        tokio::time::sleep(DRAIN_GRACE + Duration::from_millis(100)).await;
+        reconcile_once(&cluster).await.expect("pass");
+        assert_eq!(replica_state(&*cluster.lock().await, &rid).0, ReplicaState::Stopping);
+        let stop = commands(&mut worker).into_iter().find_map(|m| match m {
+            head_message::Msg::Stop(s) => Some(s),
+            _ => None,
+        });
+        let stop = stop.expect("a StopReplica");
+        assert_eq!(stop.replica_id, rid.to_string());
+        assert!(stop.deadline_ms > 0 && stop.deadline_ms <= 60_000, "{}", stop.deadline_ms);
+    }
+
+    #[tokio::test]
+    async fn worker_drain_marks_node_and_replicas_draining_without_cordon() {
+        let (cluster, _lead, _worker, rid) = one_replica().await;
+        let node = NodeId::from("n1");
+        let progress =
+            DrainProgress { deadline_unix_ms: unix_ms() + 30_000, reason: "spot".into(), ..Default::default() };
+        {
+            let mut st = cluster.lock().await;
+            on_worker_drain(&cluster, &mut st, &node, progress).await.expect("drain");
+            let rec = &st.view().nodes[&node].record;
+            assert_eq!((rec.state(), rec.cordoned, rec.drain_reason.as_str()), (NodeState::Draining, false, "spot"));
+            assert_eq!(replica_state(&st, &rid), (ReplicaState::Draining, "spot".to_owned()));
+            let t = st.drain_timer_or_start(&rid, || unreachable!("the drain set a timer"));
+            let left = t.deadline - t.since;
+            assert!(left > Duration::from_secs(28) && left <= Duration::from_secs(30), "{left:?}");
+        }
+        // The next worker process on the node is schedulable again.
+        let _again = registry::register(&cluster, inventory()).await.expect("registered");
+        assert_eq!(cluster.lock().await.view().nodes[&node].record.state(), NodeState::Ready);
+    }
+}
