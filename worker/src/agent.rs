@@ -247,8 +247,11 @@ impl Agent {
                         tokio::task::spawn_blocking(move || engine.shutdown());
                         return;
                     }
-                    replica.set_engine(engine);
-                    agent.replicas.transition(&replica, ReplicaState::Ready, "");
+                    replica.set_engine(Arc::clone(&engine));
+                    if !agent.replicas.transition(&replica, ReplicaState::Ready, "") {
+                        // A stop or drain came in between: the engine never took work.
+                        tokio::task::spawn_blocking(move || engine.shutdown());
+                    }
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(replica = %spec.replica_id, error = %e, "replica failed to start");
