@@ -2,7 +2,8 @@
 //! replica Ready with a live, unstalled engine; 503 with the reasons otherwise), `/metrics`
 //! (Prometheus/OpenMetrics text, vLLM names), and, only with `--enable-fault-injection`,
 //! `POST /debug/replicas/{id}/kill-engine` and `POST /debug/replicas/{id}/stall-engine?seconds=N`
-//! (the CPU backend's analogue of SIGKILL / SIGSTOP of a shard, case C08).
+//! (the CPU backend's analogue of SIGKILL / SIGSTOP of a shard: the agent must fail the
+//! replica, hand its requests back and keep serving).
 
 use crate::agent::Agent;
 use crate::metrics::WorkerMetrics;
@@ -20,7 +21,6 @@ struct HttpState {
     metrics: Arc<WorkerMetrics>,
 }
 
-/// The HTTP router.
 /// The HTTP router; the `/debug/…` fault-injection routes exist only when the agent's config
 /// enables them (404 otherwise).
 pub fn router(agent: Arc<Agent>, metrics: Arc<WorkerMetrics>) -> axum::Router {

@@ -13,8 +13,9 @@ pub mod service;
 
 pub use config::{Args, WorkerConfig};
 
+use agent::Agent;
 use agent::replica::EngineLauncher;
-use agent::{Agent, DrainSource};
+use agent::spot::NoticeWatch;
 use prism_common::proto::v1::worker_service_server::WorkerServiceServer;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -38,8 +39,8 @@ pub fn advertise_from(local: SocketAddr) -> String {
 }
 
 /// Runs the worker with the real engine until `shutdown` is cancelled; then drains (refuse
-/// new work, finish in-flight requests until `sigterm_drain`, abort the rest, tell the head)
-/// and returns.
+/// new work, finish in-flight requests until `sigterm_drain`, abort the rest, tell the head;
+/// see `agent/drain.rs`) and returns.
 ///
 /// # Errors
 /// A listener or server failure.
@@ -105,14 +106,13 @@ pub async fn run_with_launcher(
             .into_future(),
     );
     let registration = tokio::spawn(agent::registration::run(Arc::clone(&agent), stop.child_token()));
-    let spot = tokio::spawn(agent::spot::watch(Arc::clone(&agent), stop.child_token()));
+    let spot = tokio::spawn(
+        Arc::clone(agent.node_drain()).drain_on_spot_notice(NoticeWatch::from_config(&agent.cfg), stop.child_token()),
+    );
 
-    // Phase 1: serve until asked to stop.
-    shutdown.cancelled().await;
-    // Phase 2: drain (refuse new work, finish or hand back in-flight requests, tell the head).
-    tracing::info!(deadline_s = sigterm_drain.as_secs_f64(), "shutdown requested: draining");
-    agent.drain(sigterm_drain, "worker shutting down", DrainSource::Terminate);
-    agent.wait_drained().await;
+    // Phase 1: serve until asked to stop. Phase 2: drain (refuse new work, finish or hand back
+    // in-flight requests, tell the head).
+    agent.node_drain().drain_on_terminate(&shutdown, sigterm_drain).await;
     // Phase 3: stop everything (the session sends its last status first).
     stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(3), registration).await;

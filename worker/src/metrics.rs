@@ -7,7 +7,7 @@
 //! prometheus-client appends `_total` to counters itself, so counters are registered
 //! without it (`vllm:prompt_tokens` is exposed as `vllm:prompt_tokens_total`).
 
-use crate::agent::ReplicaMap;
+use crate::agent::replica::ReplicaTable;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
@@ -54,7 +54,7 @@ impl std::fmt::Debug for WorkerMetrics {
 
 impl WorkerMetrics {
     /// Registers every metric; engine gauges are read from `replicas` at scrape time.
-    pub fn new(replicas: ReplicaMap) -> Self {
+    pub fn new(replicas: ReplicaTable) -> Self {
         let mut registry = Registry::default();
         let ttft =
             Family::<ModelLabels, Histogram>::new_with_constructor(|| Histogram::new(TTFT_BUCKETS.iter().copied()));
@@ -122,8 +122,11 @@ impl WorkerMetrics {
 /// Reads each engine's load at scrape time.
 #[derive(Debug)]
 struct EngineCollector {
-    replicas: ReplicaMap,
+    replicas: ReplicaTable,
 }
+
+/// A gauge read from the summed load: (name, help, value).
+type CountGauge = (&'static str, &'static str, fn(&ModelLoad) -> i64);
 
 #[derive(Default)]
 struct ModelLoad {
@@ -147,7 +150,7 @@ impl prometheus_client::collector::Collector for EngineCollector {
             m.engines += 1;
             m.preemptions += l.num_preemptions_total;
         }
-        let counts: [(&str, &str, fn(&ModelLoad) -> i64); 2] = [
+        let counts: [CountGauge; 2] = [
             ("vllm:num_requests_running", "Number of requests in model execution batches", |m| m.running),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed", |m| m.waiting),
         ];

@@ -3,7 +3,7 @@
 //! is dropped, which aborts the request); `Drain`; `Health`. Proto ↔ engine conversion and
 //! the one mapping of [`EngineError`] to `tonic::Status` live here.
 
-use crate::agent::replica::{InFlightGuard, OutputStream, Refusal};
+use crate::agent::replica::{Refusal, ReplicaLoadGuard, ReplicaOutputStream};
 use crate::agent::{Agent, DrainSource};
 use crate::metrics::WorkerMetrics;
 use futures::StreamExt;
@@ -151,9 +151,9 @@ type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
 /// Moves engine outputs to the client and records metrics; ends with UNAVAILABLE when the
 /// replica aborts its remaining requests (drain/stop deadline), so the router migrates.
 async fn forward(
-    mut outputs: OutputStream,
+    mut outputs: ReplicaOutputStream,
     tx: mpsc::Sender<Result<pb::GenerateResponse, Status>>,
-    mut guard: InFlightGuard,
+    mut guard: ReplicaLoadGuard,
     metrics: Arc<WorkerMetrics>,
     request_id: String,
     arrived: Instant,

@@ -1,7 +1,7 @@
 //! The worker (in-process) against a real `prism-head` process with the embedded store:
 //! register → deployment placed on it → Ready → Generate; then the head is killed (-9) and
 //! restarted on the same state file: the worker re-registers and the replica keeps its id
-//! and keeps serving (adopted, not restarted — case C13). Skipped when the `prism-head`
+//! and keeps serving (adopted, not restarted). Skipped when the `prism-head`
 //! binary or the model is not built/present.
 
 use anyhow::{Context, Result, bail};

@@ -10,7 +10,7 @@ use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
 use prism_common::proto::v1::{self as pb, head_message, worker_message};
 use prism_engine::{EngineError, EngineHandle, EngineOutput, EngineRequest, Fault, FinishReason, Usage};
 use prism_worker::agent::launcher::engine_config;
-use prism_worker::agent::replica::{EngineLauncher, EngineLoad, LaunchSpec, OutputStream, ReplicaEngine};
+use prism_worker::agent::replica::{EngineLauncher, EngineLoad, LaunchSpec, ReplicaEngine, ReplicaOutputStream};
 use prism_worker::{WorkerConfig, run, run_with_launcher};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -24,12 +24,15 @@ use tonic::{Request, Response, Status, Streaming};
 
 // ------------------------------------------------------------------ RecordingHead
 
+/// The current session's number and the sender of the head's commands into it.
+type CommandSender = (u32, mpsc::Sender<Result<pb::HeadMessage, Status>>);
+
 /// Protocol test double of the head: records worker messages, forwards test commands.
 #[derive(Clone, Default)]
 struct RecordingHead {
     log: Arc<Mutex<Vec<pb::WorkerMessage>>>,
     seen: Arc<Notify>,
-    commands: Arc<Mutex<Option<(u32, mpsc::Sender<Result<pb::HeadMessage, Status>>)>>>,
+    commands: Arc<Mutex<Option<CommandSender>>>,
     sessions: Arc<AtomicU32>,
     /// Answer every session with UNAVAILABLE naming this leader.
     follower_of: Option<String>,
@@ -116,10 +119,10 @@ impl HeadService for RecordingHead {
                 seen.notify_waiters();
             }
             // The worker closed its side: close ours, as a real head does.
-            if let Ok(mut c) = commands.lock() {
-                if c.as_ref().is_some_and(|c| c.0 == session) {
-                    c.take();
-                }
+            if let Ok(mut c) = commands.lock()
+                && c.as_ref().is_some_and(|c| c.0 == session)
+            {
+                c.take();
             }
         });
         drop(tx);
@@ -473,7 +476,7 @@ impl Drop for RunningGuard {
 }
 
 impl ReplicaEngine for TickingEngine {
-    fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError> {
+    fn submit(&self, req: EngineRequest) -> Result<ReplicaOutputStream, EngineError> {
         let max = req.params.max_tokens.unwrap_or(16);
         if max < 1 {
             return Err(EngineError::InvalidRequest { field: "max_tokens", message: "max_tokens must be >= 1".into() });
@@ -679,7 +682,7 @@ async fn agent_process_sigterm_finishes_stream_then_exits_zero() -> Result<()> {
         .await?;
     let mut client = WorkerServiceClient::connect(inv.address.clone()).await?;
     let mut s = client.generate(generate_req("smol-p", "Once upon a time", 48)).await?.into_inner();
-    // Wait for the first token, then SIGTERM mid-stream (case C09).
+    // Wait for the first token, then SIGTERM mid-stream: the stream must still complete.
     let first = s.message().await?.context("first message")?;
     let mut n = first.token_ids.len();
     let status = std::process::Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status()?;

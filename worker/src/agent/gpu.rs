@@ -1,8 +1,11 @@
 //! Device discovery: real GPUs through cudarc (feature `cuda`; the driver library is checked
 //! for first because cudarc panics when it is missing), simulated GPUs for placement tests
-//! (`--simulate-gpus N`), otherwise CPU slots.
+//! (`--simulate-gpus N`), otherwise CPU slots; and where on them a replica's engine runs
+//! ([`Devices::placement_for`]).
 
-use prism_common::proto::v1::GpuInfo;
+use super::replica::DevicePlacement;
+use prism_common::NodeId;
+use prism_common::proto::v1::{EngineConfig, GpuInfo};
 
 /// What this node offers for replicas.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -13,6 +16,68 @@ pub struct Devices {
     pub cpu_slots: u32,
     /// The GPUs are simulated: engines run on the CPU backend.
     pub simulated: bool,
+}
+
+/// Why a `StartReplica` cannot run on this node's devices (reported as the replica's
+/// Failed reason).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    /// The head sent a GPU group of the wrong size.
+    #[error("got {got} GPU indices for tensor_parallel_size {tensor_parallel_size}")]
+    GroupSize {
+        /// GPU indices in the command.
+        got: usize,
+        /// The deployment's tensor-parallel size.
+        tensor_parallel_size: usize,
+    },
+    /// A GPU index this node does not have.
+    #[error("GPU index {index} does not exist on node {node}")]
+    NoSuchGpu {
+        /// The index asked for.
+        index: u32,
+        /// This node.
+        node: NodeId,
+    },
+    /// Backend `cuda` on a node without (real) GPUs.
+    #[error("backend cuda requested but node {node} has no GPU")]
+    NoGpu {
+        /// This node.
+        node: NodeId,
+    },
+}
+
+impl Devices {
+    /// Where the engine of a replica with `engine`'s configuration and GPU group `gpus` runs
+    /// on this node (`node` names it in errors): CUDA on those GPUs when the node has real
+    /// ones and the backend is `auto`/`cuda`/unset, else the CPU backend.
+    ///
+    /// # Errors
+    /// [`PlacementError`] when the group does not fit this node's GPUs.
+    pub fn placement_for(
+        &self,
+        node: &NodeId,
+        engine: &EngineConfig,
+        gpus: &[u32],
+    ) -> Result<DevicePlacement, PlacementError> {
+        let tp = engine.tensor_parallel_size.max(1) as usize;
+        if !self.gpus.is_empty() && gpus.len() != tp {
+            return Err(PlacementError::GroupSize { got: gpus.len(), tensor_parallel_size: tp });
+        }
+        if !self.gpus.is_empty()
+            && let Some(bad) = gpus.iter().find(|i| !self.gpus.iter().any(|g| g.index == **i))
+        {
+            return Err(PlacementError::NoSuchGpu { index: *bad, node: node.clone() });
+        }
+        let want_cuda = matches!(engine.backend.as_str(), "" | "auto" | "cuda");
+        if self.simulated || self.gpus.is_empty() || !want_cuda {
+            if engine.backend == "cuda" && !self.simulated {
+                return Err(PlacementError::NoGpu { node: node.clone() });
+            }
+            Ok(DevicePlacement::Cpu)
+        } else {
+            Ok(DevicePlacement::Cuda(gpus.to_vec()))
+        }
+    }
 }
 
 /// Memory advertised per simulated GPU (80 GiB, an H100/A100-80G).
@@ -88,6 +153,33 @@ mod tests {
         assert_eq!(d.cpu_slots, 0);
         assert_eq!(d.gpus.iter().map(|g| g.index).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
         assert!(d.gpus.iter().all(|g| g.name == "simulated" && g.memory_bytes == SIMULATED_GPU_MEMORY));
+    }
+
+    fn engine(tp: u32, backend: &str) -> EngineConfig {
+        EngineConfig { tensor_parallel_size: tp, backend: backend.into(), ..Default::default() }
+    }
+
+    #[test]
+    fn placement_uses_real_gpus_for_cuda_and_the_cpu_otherwise() {
+        let node = NodeId::from("n1".to_owned());
+        let gpu = |index| GpuInfo { index, name: "H100".into(), memory_bytes: 80 << 30 };
+        let real = Devices { gpus: vec![gpu(0), gpu(1)], cpu_slots: 0, simulated: false };
+        assert_eq!(real.placement_for(&node, &engine(2, ""), &[1, 0]), Ok(DevicePlacement::Cuda(vec![1, 0])));
+        assert_eq!(real.placement_for(&node, &engine(1, "cuda"), &[1]), Ok(DevicePlacement::Cuda(vec![1])));
+        assert_eq!(real.placement_for(&node, &engine(1, "cpu"), &[0]), Ok(DevicePlacement::Cpu));
+        assert_eq!(
+            real.placement_for(&node, &engine(2, "auto"), &[0]),
+            Err(PlacementError::GroupSize { got: 1, tensor_parallel_size: 2 })
+        );
+        let err = real.placement_for(&node, &engine(1, ""), &[7]);
+        assert_eq!(err, Err(PlacementError::NoSuchGpu { index: 7, node: node.clone() }));
+        assert_eq!(err.err().map(|e| e.to_string()).as_deref(), Some("GPU index 7 does not exist on node n1"));
+
+        let simulated = discover(2, 0);
+        assert_eq!(simulated.placement_for(&node, &engine(2, "cuda"), &[0, 1]), Ok(DevicePlacement::Cpu));
+        let cpu = Devices { gpus: vec![], cpu_slots: 2, simulated: false };
+        assert_eq!(cpu.placement_for(&node, &engine(1, ""), &[0]), Ok(DevicePlacement::Cpu));
+        assert_eq!(cpu.placement_for(&node, &engine(1, "cuda"), &[0]), Err(PlacementError::NoGpu { node }));
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -1,7 +1,7 @@
 //! The real [`EngineLauncher`]: checks the model path, then starts an engine replica with the
 //! engine crate's `EngineHandle` and adapts it to [`ReplicaEngine`].
 
-use super::replica::{EngineLauncher, EngineLoad, LaunchSpec, OutputStream, Placement, ReplicaEngine};
+use super::replica::{DevicePlacement, EngineLauncher, EngineLoad, LaunchSpec, ReplicaEngine, ReplicaOutputStream};
 use futures::StreamExt;
 use prism_engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault};
 use std::path::Path;
@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 impl ReplicaEngine for EngineHandle {
-    fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError> {
+    fn submit(&self, req: EngineRequest) -> Result<ReplicaOutputStream, EngineError> {
         EngineHandle::submit(self, req).map(|s| s.boxed())
     }
 
@@ -76,12 +76,12 @@ pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
     // The worker's default budget is for CPU replicas; a CUDA replica sizes its KV cache from
     // gpu_memory_utilization unless the deployment set a budget itself.
     cfg.kv_cache_bytes = match &spec.placement {
-        Placement::Cpu => Some(spec.kv_cache_bytes),
-        Placement::Cuda(_) => (e.kv_cache_bytes > 0).then_some(e.kv_cache_bytes),
+        DevicePlacement::Cpu => Some(spec.kv_cache_bytes),
+        DevicePlacement::Cuda(_) => (e.kv_cache_bytes > 0).then_some(e.kv_cache_bytes),
     };
     cfg.backend = match &spec.placement {
-        Placement::Cpu => BackendKind::Cpu,
-        Placement::Cuda(devices) => BackendKind::Cuda { devices: devices.clone() },
+        DevicePlacement::Cpu => BackendKind::Cpu,
+        DevicePlacement::Cuda(devices) => BackendKind::Cuda { devices: devices.clone() },
     };
     // The deployment's explicit value, else the backend's default (512 on CPU, 2048 on CUDA).
     cfg.max_num_batched_tokens = if e.max_num_batched_tokens > 0 {
@@ -115,7 +115,7 @@ mod tests {
     use super::*;
     use prism_common::proto::v1 as pb;
 
-    fn spec(placement: Placement, kv: u64, util: f32) -> LaunchSpec {
+    fn spec(placement: DevicePlacement, kv: u64, util: f32) -> LaunchSpec {
         LaunchSpec {
             replica_id: prism_common::ReplicaId::from("r1".to_owned()),
             engine: pb::EngineConfig {
@@ -132,9 +132,9 @@ mod tests {
 
     #[test]
     fn step_token_budget_defaults_per_backend_and_keeps_an_explicit_value() {
-        assert_eq!(engine_config(&spec(Placement::Cpu, 0, 0.0)).max_num_batched_tokens, 512);
-        assert_eq!(engine_config(&spec(Placement::Cuda(vec![0]), 0, 0.0)).max_num_batched_tokens, 2048);
-        let mut s = spec(Placement::Cpu, 0, 0.0);
+        assert_eq!(engine_config(&spec(DevicePlacement::Cpu, 0, 0.0)).max_num_batched_tokens, 512);
+        assert_eq!(engine_config(&spec(DevicePlacement::Cuda(vec![0]), 0, 0.0)).max_num_batched_tokens, 2048);
+        let mut s = spec(DevicePlacement::Cpu, 0, 0.0);
         s.engine.max_num_batched_tokens = 4096;
         s.engine_threads = Some(3);
         let cfg = engine_config(&s);
@@ -144,12 +144,12 @@ mod tests {
 
     #[test]
     fn cuda_replicas_size_kv_from_gpu_memory_unless_the_deployment_set_a_budget() {
-        let cpu = engine_config(&spec(Placement::Cpu, 0, 0.0));
+        let cpu = engine_config(&spec(DevicePlacement::Cpu, 0, 0.0));
         assert_eq!(cpu.kv_cache_bytes, Some(64 << 20));
-        let gpu = engine_config(&spec(Placement::Cuda(vec![0]), 0, 0.0));
+        let gpu = engine_config(&spec(DevicePlacement::Cuda(vec![0]), 0, 0.0));
         assert_eq!(gpu.kv_cache_bytes, None);
         assert!((gpu.gpu_memory_utilization - 0.9).abs() < 1e-6);
-        let gpu = engine_config(&spec(Placement::Cuda(vec![1]), 1 << 30, 0.5));
+        let gpu = engine_config(&spec(DevicePlacement::Cuda(vec![1]), 1 << 30, 0.5));
         assert_eq!(gpu.kv_cache_bytes, Some(1 << 30));
         assert!((gpu.gpu_memory_utilization - 0.5).abs() < 1e-6);
         assert_eq!(gpu.backend, BackendKind::Cuda { devices: vec![1] });

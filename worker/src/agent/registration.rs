@@ -5,7 +5,8 @@
 //! new leader) the worker registers again and reports its running replicas, which the head
 //! adopts: they are never restarted.
 
-use super::{Agent, DrainSource};
+use super::Agent;
+use super::drain::DrainSource;
 use prism_common::proto::v1::{self as pb, head_message, head_service_client::HeadServiceClient, worker_message};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,10 +26,10 @@ pub fn leader_hint(status: &tonic::Status) -> Option<String> {
         return None;
     }
     for key in LEADER_METADATA_KEYS {
-        if let Some(v) = status.metadata().get(*key).and_then(|v| v.to_str().ok()) {
-            if !v.trim().is_empty() {
-                return Some(crate::config::normalize_endpoint(v));
-            }
+        if let Some(v) = status.metadata().get(*key).and_then(|v| v.to_str().ok())
+            && !v.trim().is_empty()
+        {
+            return Some(crate::config::normalize_endpoint(v));
         }
     }
     let msg = status.message();
@@ -160,10 +161,10 @@ async fn session(agent: &Arc<Agent>, target: &str, shutdown: &CancellationToken)
             },
             _ = load_tick.tick() => Some(msg(worker_message::Msg::Load(agent.load_reports()))),
         };
-        if let Some(m) = out {
-            if tx.send(m).await.is_err() {
-                return failed("outbound stream closed".into());
-            }
+        if let Some(m) = out
+            && tx.send(m).await.is_err()
+        {
+            return failed("outbound stream closed".into());
         }
     }
 }

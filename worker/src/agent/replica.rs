@@ -1,19 +1,25 @@
 //! One replica hosted by this worker: its engine (behind the small [`ReplicaEngine`] trait so
 //! the agent can be tested with a double), its state as reported to the head, and the
-//! in-flight accounting that drain and stop wait on (RAII [`InFlightGuard`]).
+//! in-flight accounting that drain and stop wait on (RAII [`ReplicaLoadGuard`]).
+//!
+//! [`ReplicaTable`] holds the hosted replicas and is the one place a replica's state changes:
+//! [`ReplicaTable::transition`] validates the change against the replica lifecycle
+//! ([`transition_allowed`]), logs it and bumps the change feed the head session watches.
 
 use futures::stream::BoxStream;
 use prism_common::ReplicaId;
 use prism_common::proto::v1::{self as pb, ReplicaState};
 use prism_engine::{EngineError, EngineOutput, EngineRequest, Fault};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-/// Stream of engine outputs for one request; dropping it aborts the request.
-pub type OutputStream = BoxStream<'static, EngineOutput>;
+/// Stream of engine outputs for one request on a hosted replica; dropping it aborts the
+/// request.
+pub type ReplicaOutputStream = BoxStream<'static, EngineOutput>;
 
 /// Engine load and cumulative counters, read at scrape / report time.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -35,7 +41,7 @@ pub trait ReplicaEngine: Send + Sync + 'static {
     ///
     /// # Errors
     /// The engine's classification ([`EngineError`]).
-    fn submit(&self, req: EngineRequest) -> Result<OutputStream, EngineError>;
+    fn submit(&self, req: EngineRequest) -> Result<ReplicaOutputStream, EngineError>;
     /// Current load.
     fn load(&self) -> EngineLoad;
     /// Whether the engine thread is running and healthy.
@@ -75,9 +81,10 @@ pub trait EngineLauncher: Send + Sync + 'static {
     fn launch(&self, spec: &LaunchSpec) -> Result<Arc<dyn ReplicaEngine>, EngineError>;
 }
 
-/// Where a replica's engine runs.
+/// Where a replica's engine runs on this node (the head's placement chose the node and the
+/// GPU indices; this is the backend and device ordinals the engine is started with).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Placement {
+pub enum DevicePlacement {
     /// CPU backend (CPU-only node or simulated GPUs).
     Cpu,
     /// CUDA backend on these GPU ordinals (rank 0 first).
@@ -92,7 +99,7 @@ pub struct LaunchSpec {
     /// Engine configuration from the deployment.
     pub engine: pb::EngineConfig,
     /// Backend and devices.
-    pub placement: Placement,
+    pub placement: DevicePlacement,
     /// KV-cache budget for the CPU backend, bytes (the config's, or the worker default).
     pub kv_cache_bytes: u64,
     /// Threads of the replica's compute pool (`--engine-threads`); `None` = the backend's
@@ -153,19 +160,6 @@ impl Replica {
         self.state.lock().map(|s| s.clone()).unwrap_or((ReplicaState::Failed, "state lock poisoned".into()))
     }
 
-    /// Sets the state; returns whether it changed.
-    pub fn set_state(&self, state: ReplicaState, reason: impl Into<String>) -> bool {
-        let reason = reason.into();
-        match self.state.lock() {
-            Ok(mut s) => {
-                let changed = s.0 != state || s.1 != reason;
-                *s = (state, reason);
-                changed
-            }
-            Err(_) => false,
-        }
-    }
-
     /// Installs the loaded engine (once).
     pub fn set_engine(&self, engine: Arc<dyn ReplicaEngine>) {
         let _ = self.engine.set(engine);
@@ -180,7 +174,7 @@ impl Replica {
     ///
     /// # Errors
     /// [`Refusal`] saying why not.
-    pub fn admit(self: &Arc<Self>) -> Result<(InFlightGuard, Arc<dyn ReplicaEngine>), Refusal> {
+    pub fn admit(self: &Arc<Self>) -> Result<(ReplicaLoadGuard, Arc<dyn ReplicaEngine>), Refusal> {
         let (state, _) = self.state();
         match state {
             ReplicaState::Ready => {}
@@ -189,7 +183,7 @@ impl Replica {
         }
         let engine = self.engine.get().cloned().ok_or(Refusal::NotReady(ReplicaState::Starting))?;
         self.in_flight.fetch_add(1, Ordering::SeqCst);
-        Ok((InFlightGuard { replica: Arc::clone(self), tokens: 0 }, engine))
+        Ok((ReplicaLoadGuard { replica: Arc::clone(self), tokens: 0 }, engine))
     }
 
     /// Requests in flight.
@@ -210,6 +204,21 @@ impl Replica {
                 return;
             }
             notified.await;
+        }
+    }
+
+    /// Waits until idle or `deadline`, then hands the rest back (aborts them: their streams end
+    /// UNAVAILABLE, so routers migrate them) and shuts the engine down. Used by `StopReplica`
+    /// and at the end of a node drain.
+    pub async fn finish(&self, deadline: Instant) {
+        let idle = tokio::time::timeout_at(deadline.into(), self.wait_idle()).await.is_ok();
+        if !idle {
+            tracing::info!(replica = %self.id, in_flight = self.in_flight(), "deadline passed: aborting remaining requests");
+            self.abort.cancel();
+            let _ = tokio::time::timeout(Duration::from_secs(5), self.wait_idle()).await;
+        }
+        if let Some(engine) = self.engine().cloned() {
+            let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
         }
     }
 
@@ -241,13 +250,20 @@ impl Replica {
     }
 }
 
-/// Counts one request in flight on a replica until dropped.
-pub struct InFlightGuard {
+impl std::fmt::Debug for Replica {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replica").field("id", &self.id).field("state", &self.state()).finish()
+    }
+}
+
+/// Counts one request (and its tokens) in flight on a replica until dropped: the load that
+/// load reports, drain and stop see.
+pub struct ReplicaLoadGuard {
     replica: Arc<Replica>,
     tokens: u64,
 }
 
-impl InFlightGuard {
+impl ReplicaLoadGuard {
     /// Adds tokens (prompt or generated) to the replica's tokens-in-flight.
     pub fn add_tokens(&mut self, n: u64) {
         self.tokens += n;
@@ -260,12 +276,120 @@ impl InFlightGuard {
     }
 }
 
-impl Drop for InFlightGuard {
+impl Drop for ReplicaLoadGuard {
     fn drop(&mut self) {
         self.replica.tokens_in_flight.fetch_sub(self.tokens, Ordering::SeqCst);
         if self.replica.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.replica.idle.notify_waiters();
         }
+    }
+}
+
+/// Whether a replica may go from `from` to `to` (the same state: a new reason only).
+///
+/// The lifecycle: Starting → Ready (engine loaded) or Failed (load error, node draining, no
+/// such device); Starting / Ready → Draining (node drain: no new work); Starting / Ready /
+/// Draining → Failed (engine dead or stalled); any state but Stopped → Stopping (`StopReplica`,
+/// failed replicas included, so the head can clean them up) and → Stopped (stop finished, or
+/// the end of a drain). Stopped is final: the replica is forgotten once the head heard it.
+pub fn transition_allowed(from: ReplicaState, to: ReplicaState) -> bool {
+    use ReplicaState as S;
+    match (from, to) {
+        (S::Stopped, _) => false,
+        (S::Starting, S::Ready) => true,
+        (S::Starting | S::Ready, S::Draining) => true,
+        (S::Starting | S::Ready | S::Draining, S::Failed) => true,
+        (S::Starting | S::Ready | S::Draining | S::Failed, S::Stopping) => true,
+        (_, S::Stopped) => true,
+        (from, to) => from == to,
+    }
+}
+
+/// The replicas hosted here (a cheap `Clone` handle, shared with the metrics collector and the
+/// drain), with the feed of replica changes the head session turns into status messages.
+#[derive(Clone, Debug)]
+pub struct ReplicaTable {
+    replicas: Arc<RwLock<HashMap<ReplicaId, Arc<Replica>>>>,
+    /// Bumped on every replica change (the registration stream sends a status).
+    changes: Arc<watch::Sender<u64>>,
+}
+
+impl Default for ReplicaTable {
+    fn default() -> Self {
+        Self { replicas: Arc::default(), changes: Arc::new(watch::channel(0).0) }
+    }
+}
+
+impl ReplicaTable {
+    /// Every replica (snapshot).
+    pub fn all(&self) -> Vec<Arc<Replica>> {
+        self.replicas.read().map(|m| m.values().cloned().collect()).unwrap_or_default()
+    }
+
+    /// One replica.
+    pub fn get(&self, id: &str) -> Option<Arc<Replica>> {
+        self.replicas.read().ok()?.get(&ReplicaId::from(id)).cloned()
+    }
+
+    /// Inserts unless present (the head hears of the new replica); returns false when the id
+    /// already exists.
+    pub fn insert_new(&self, r: Arc<Replica>) -> bool {
+        let Ok(mut m) = self.replicas.write() else { return false };
+        if m.contains_key(&r.id) {
+            return false;
+        }
+        m.insert(r.id.clone(), r);
+        drop(m);
+        self.notify();
+        true
+    }
+
+    /// Forgets the replicas in state Stopped (after the head was told).
+    pub fn remove_stopped(&self) {
+        if let Ok(mut m) = self.replicas.write() {
+            m.retain(|_, r| r.state().0 != ReplicaState::Stopped);
+        }
+    }
+
+    /// Requests in flight on every replica.
+    pub fn in_flight(&self) -> u32 {
+        self.all().iter().map(|r| r.in_flight()).sum()
+    }
+
+    /// Subscribes to replica changes (a counter; each bump means "send a status").
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Tells the head session to send a status although no state changed (a new replica, or
+    /// a start for a replica already hosted, which a new head needs to hear about).
+    pub fn notify(&self) {
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// Moves `r` to state `to` with `reason`: the one place a replica's state changes. A change
+    /// the lifecycle does not allow ([`transition_allowed`]) is refused and logged at debug
+    /// (they are races the caller loses, e.g. a stop finishing after a drain stopped the
+    /// replica); an accepted change is logged and the head session hears about it. Returns
+    /// whether the state or reason changed.
+    pub fn transition(&self, r: &Replica, to: ReplicaState, reason: impl Into<String>) -> bool {
+        let reason = reason.into();
+        let Ok(mut state) = r.state.lock() else { return false };
+        let from = state.0;
+        if from == to && state.1 == reason {
+            return false;
+        }
+        if !transition_allowed(from, to) {
+            tracing::debug!(
+                replica = %r.id, from = from.as_str_name(), to = to.as_str_name(), %reason, "replica state change refused"
+            );
+            return false;
+        }
+        tracing::info!(replica = %r.id, from = from.as_str_name(), to = to.as_str_name(), %reason, "replica state");
+        *state = (to, reason);
+        drop(state);
+        self.notify();
+        true
     }
 }
 
@@ -276,7 +400,7 @@ mod tests {
     /// An engine double that accepts nothing; `Idle(Some(n))` enforces an `n`-token context.
     struct Idle(Option<usize>);
     impl ReplicaEngine for Idle {
-        fn submit(&self, _req: EngineRequest) -> Result<OutputStream, EngineError> {
+        fn submit(&self, _req: EngineRequest) -> Result<ReplicaOutputStream, EngineError> {
             Err(EngineError::Unavailable("test double".into()))
         }
         fn load(&self) -> EngineLoad {
@@ -293,14 +417,15 @@ mod tests {
 
     #[tokio::test]
     async fn admits_only_when_ready_and_counts_in_flight() {
+        let table = ReplicaTable::default();
         let r = Arc::new(Replica::new("r1".into(), "d".into(), "m".into(), vec![0]));
         assert_eq!(r.admit().err(), Some(Refusal::NotReady(ReplicaState::Starting)));
         r.set_engine(Arc::new(Idle(None)));
-        r.set_state(ReplicaState::Ready, "");
-        let (mut g, _) = r.admit().map_err(|e| anyhow_like(e)).expect("ready replica admits");
+        table.transition(&r, ReplicaState::Ready, "");
+        let (mut g, _) = r.admit().map_err(anyhow_like).expect("ready replica admits");
         g.add_tokens(7);
         assert_eq!((r.in_flight(), r.tokens_in_flight()), (1, 7));
-        r.set_state(ReplicaState::Draining, "drain");
+        table.transition(&r, ReplicaState::Draining, "drain");
         assert_eq!(r.admit().err(), Some(Refusal::Draining));
         let waiter = {
             let r = Arc::clone(&r);
@@ -315,15 +440,79 @@ mod tests {
     /// loaded (0 before, and for engines that cannot tell).
     #[test]
     fn status_reports_the_engines_max_model_len_once_loaded() {
+        let table = ReplicaTable::default();
         let r = Replica::new("r1".into(), "d".into(), "m".into(), vec![0]);
         assert_eq!(r.status().max_model_len, 0);
         r.set_engine(Arc::new(Idle(Some(1456))));
-        r.set_state(ReplicaState::Ready, "");
+        table.transition(&r, ReplicaState::Ready, "");
         let s = r.status();
         assert_eq!((s.state(), s.max_model_len), (ReplicaState::Ready, 1456));
         let unknown = Replica::new("r2".into(), "d".into(), "m".into(), vec![0]);
         unknown.set_engine(Arc::new(Idle(None)));
         assert_eq!(unknown.status().max_model_len, 0);
+    }
+
+    /// Every state change goes through the table: allowed ones are applied and reach the head
+    /// session's feed, refused ones (out of Stopped, back to Ready) leave state and feed alone.
+    #[test]
+    fn transitions_follow_the_lifecycle_and_notify_the_head_session() {
+        let table = ReplicaTable::default();
+        let mut feed = table.subscribe();
+        let r = Arc::new(Replica::new("r1".into(), "d".into(), "m".into(), vec![0]));
+        assert!(table.insert_new(Arc::clone(&r)), "new id is inserted");
+        assert!(feed.has_changed().unwrap_or(false), "a new replica is a change");
+        feed.borrow_and_update();
+        assert!(!table.insert_new(Arc::new(Replica::new("r1".into(), "d".into(), "m".into(), vec![0]))));
+
+        assert!(table.transition(&r, ReplicaState::Ready, ""));
+        assert!(feed.has_changed().unwrap_or(false));
+        feed.borrow_and_update();
+        assert!(!table.transition(&r, ReplicaState::Ready, ""), "same state and reason: no change");
+        assert!(!feed.has_changed().unwrap_or(true));
+        assert!(table.transition(&r, ReplicaState::Draining, "drain"));
+        assert!(!table.transition(&r, ReplicaState::Ready, "back"), "a draining replica never takes work again");
+        assert_eq!(r.state(), (ReplicaState::Draining, "drain".to_owned()));
+        assert!(table.transition(&r, ReplicaState::Stopping, "stop requested"));
+        assert!(table.transition(&r, ReplicaState::Stopped, "stopped"));
+        feed.borrow_and_update();
+        assert!(!table.transition(&r, ReplicaState::Stopped, "drained"), "Stopped is final");
+        assert!(!table.transition(&r, ReplicaState::Failed, "late"), "Stopped is final");
+        assert_eq!(r.state(), (ReplicaState::Stopped, "stopped".to_owned()));
+        assert!(!feed.has_changed().unwrap_or(true), "refused changes are not reported");
+        table.remove_stopped();
+        assert!(table.get("r1").is_none(), "stopped replicas are forgotten");
+    }
+
+    #[test]
+    fn lifecycle_table() {
+        use ReplicaState as S;
+        for (from, to) in [
+            (S::Starting, S::Ready),
+            (S::Starting, S::Failed),
+            (S::Starting, S::Draining),
+            (S::Ready, S::Draining),
+            (S::Ready, S::Failed),
+            (S::Draining, S::Failed),
+            (S::Failed, S::Stopping),
+            (S::Ready, S::Stopping),
+            (S::Stopping, S::Stopped),
+            (S::Draining, S::Stopped),
+            (S::Failed, S::Failed),
+        ] {
+            assert!(transition_allowed(from, to), "{from:?} -> {to:?} must be allowed");
+        }
+        for (from, to) in [
+            (S::Ready, S::Starting),
+            (S::Draining, S::Ready),
+            (S::Failed, S::Ready),
+            (S::Stopping, S::Ready),
+            (S::Stopping, S::Failed),
+            (S::Stopping, S::Draining),
+            (S::Stopped, S::Stopped),
+            (S::Stopped, S::Stopping),
+        ] {
+            assert!(!transition_allowed(from, to), "{from:?} -> {to:?} must be refused");
+        }
     }
 
     fn anyhow_like(e: Refusal) -> String {

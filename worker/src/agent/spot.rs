@@ -1,10 +1,11 @@
-//! Spot-termination notice watcher: polls an HTTP endpoint (as cloud metadata services
+//! Spot-termination notice poller: polls an HTTP endpoint (as cloud metadata services
 //! expose, e.g. AWS `spot/instance-action`, which answers 404 until a notice exists) or a
-//! file once a second; when a notice appears the node drains, with the deadline taken from
-//! the termination time in the notice (minus the drain margin) or the SIGTERM deadline.
+//! file once a second until a notice appears. The drain deadline is taken from the
+//! termination time in the notice (minus the drain margin) or is the SIGTERM deadline;
+//! `agent/drain.rs` reacts to the notice.
 
-use super::{Agent, DrainSource, unix_ms};
-use std::sync::Arc;
+use crate::config::WorkerConfig;
+use std::path::PathBuf;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -55,47 +56,85 @@ pub fn deadline_for(notice_unix_ms: Option<u64>, now_ms: u64, margin: Duration, 
     }
 }
 
-async fn poll_once(agent: &Agent, client: &reqwest::Client) -> Option<Option<u64>> {
-    if let Some(url) = &agent.cfg.spot_notice_url {
-        if let Ok(resp) = client.get(url).send().await {
-            if resp.status().is_success() {
-                let body = resp.text().await.unwrap_or_default();
-                return Some(parse_termination_time(&body));
-            }
-        }
-    }
-    if let Some(path) = &agent.cfg.spot_notice_file {
-        if let Ok(body) = tokio::fs::read_to_string(path).await {
-            return Some(parse_termination_time(&body));
-        }
-    }
-    None
+/// A spot-termination notice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpotNotice {
+    /// The termination time the notice names (unix ms), when it names one.
+    pub termination_unix_ms: Option<u64>,
 }
 
-/// Polls the configured notice sources once a second until a notice starts the drain or
-/// `shutdown` is cancelled. Does nothing when no source is configured.
-pub async fn watch(agent: Arc<Agent>, shutdown: CancellationToken) {
-    if agent.cfg.spot_notice_url.is_none() && agent.cfg.spot_notice_file.is_none() {
-        return;
+/// Where spot notices are looked for, and the drain deadline they leave.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NoticeWatch {
+    /// HTTP endpoint polled (`--spot-notice-url`): a notice exists once it answers 2xx.
+    pub url: Option<String>,
+    /// File polled (`--spot-notice-file`): a notice exists once it can be read.
+    pub file: Option<PathBuf>,
+    /// Kept between the end of the drain and the termination time (`--drain-margin`).
+    pub drain_margin: Duration,
+    /// Drain deadline when the notice names no time (the SIGTERM drain deadline).
+    pub fallback_deadline: Duration,
+}
+
+impl NoticeWatch {
+    /// The sources and deadlines configured for this worker.
+    pub fn from_config(cfg: &WorkerConfig) -> Self {
+        Self {
+            url: cfg.spot_notice_url.clone(),
+            file: cfg.spot_notice_file.clone(),
+            drain_margin: cfg.drain_margin,
+            fallback_deadline: cfg.sigterm_drain,
+        }
     }
-    let client = match reqwest::Client::builder().timeout(Duration::from_millis(800)).build() {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!(error = %e, "spot-notice watcher disabled: HTTP client failed");
-            return;
+
+    /// Whether no notice source is configured (nothing to poll).
+    pub fn is_disabled(&self) -> bool {
+        self.url.is_none() && self.file.is_none()
+    }
+
+    /// The drain deadline for `notice` at `now_ms` (see [`deadline_for`]).
+    pub fn drain_deadline(&self, notice: SpotNotice, now_ms: u64) -> Duration {
+        deadline_for(notice.termination_unix_ms, now_ms, self.drain_margin, self.fallback_deadline)
+    }
+
+    async fn poll_once(&self, client: &reqwest::Client) -> Option<SpotNotice> {
+        if let Some(url) = &self.url
+            && let Ok(resp) = client.get(url).send().await
+            && resp.status().is_success()
+        {
+            let body = resp.text().await.unwrap_or_default();
+            return Some(SpotNotice { termination_unix_ms: parse_termination_time(&body) });
         }
-    };
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
+        if let Some(path) = &self.file
+            && let Ok(body) = tokio::fs::read_to_string(path).await
+        {
+            return Some(SpotNotice { termination_unix_ms: parse_termination_time(&body) });
         }
-        if let Some(notice) = poll_once(&agent, &client).await {
-            let deadline = deadline_for(notice, unix_ms(), agent.cfg.drain_margin, agent.cfg.sigterm_drain);
-            tracing::warn!(deadline_ms = deadline.as_millis() as u64, "spot termination notice: draining");
-            agent.drain(deadline, "spot termination notice", DrainSource::SpotNotice);
-            return;
+        None
+    }
+
+    /// Polls the configured sources once a second until a notice appears (returned) or
+    /// `stop` is cancelled (`None`). Returns `None` at once when no source is configured.
+    pub async fn wait(&self, stop: &CancellationToken) -> Option<SpotNotice> {
+        if self.is_disabled() {
+            return None;
+        }
+        let client = match reqwest::Client::builder().timeout(Duration::from_millis(800)).build() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "spot-notice watcher disabled: HTTP client failed");
+                return None;
+            }
+        };
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return None,
+                _ = tick.tick() => {}
+            }
+            if let Some(notice) = self.poll_once(&client).await {
+                return Some(notice);
+            }
         }
     }
 }
@@ -123,5 +162,34 @@ mod tests {
         assert_eq!(deadline_for(Some(10_000), 0, m, f), Duration::from_secs(8));
         assert_eq!(deadline_for(Some(1_000), 5_000, m, f), Duration::ZERO);
         assert_eq!(deadline_for(None, 0, m, f), f);
+    }
+
+    #[tokio::test]
+    async fn file_notice_is_seen_and_sets_the_deadline() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("notice");
+        let watch = NoticeWatch {
+            url: None,
+            file: Some(file.clone()),
+            drain_margin: Duration::from_secs(2),
+            fallback_deadline: Duration::from_secs(25),
+        };
+        std::fs::write(&file, r#"{"action": "terminate", "time": "1970-01-01T00:00:10Z"}"#).expect("write notice");
+        let stop = CancellationToken::new();
+        let notice = tokio::time::timeout(Duration::from_secs(5), watch.wait(&stop)).await.expect("seen within 5 s");
+        assert_eq!(notice, Some(SpotNotice { termination_unix_ms: Some(10_000) }));
+        assert_eq!(watch.drain_deadline(SpotNotice { termination_unix_ms: Some(10_000) }, 0), Duration::from_secs(8));
+        assert_eq!(watch.drain_deadline(SpotNotice { termination_unix_ms: None }, 0), Duration::from_secs(25));
+    }
+
+    #[tokio::test]
+    async fn no_source_or_stop_means_no_notice() {
+        let stop = CancellationToken::new();
+        assert_eq!(NoticeWatch::default().wait(&stop).await, None, "nothing configured: returns at once");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let watch = NoticeWatch { file: Some(dir.path().join("absent")), ..NoticeWatch::default() };
+        stop.cancel();
+        let r = tokio::time::timeout(Duration::from_secs(5), watch.wait(&stop)).await.expect("stops at once");
+        assert_eq!(r, None);
     }
 }
