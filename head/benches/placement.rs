@@ -65,7 +65,7 @@ async fn reconciler_on_embedded_store() -> anyhow::Result<()> {
     let (_lead_tx, lead_rx) = watch::channel(Leadership::Leader);
     let cfg = HeadConfig::new(StoreSpec::Embedded("unused".into()), "http://127.0.0.1:50050");
     let cluster = Cluster::new(cfg, store, lead_rx, prism_head::metrics::Metrics::new());
-    cluster.on_elected().await?;
+    cluster.on_elected(1).await?;
     // Registered workers (their command streams are kept so the starts can be queued).
     let mut sessions = Vec::new();
     for i in 0..NODES {

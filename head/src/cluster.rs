@@ -99,7 +99,7 @@ impl Cluster {
     }
 
     /// The current route table and its changes.
-    pub fn subscribe_routes(&self) -> watch::Receiver<Arc<RouteTable>> {
+    pub fn subscribe_routes(&self) -> watch::Receiver<Option<Arc<RouteTable>>> {
         self.routes.subscribe()
     }
 
@@ -149,17 +149,19 @@ impl Cluster {
         Ok(())
     }
 
-    /// Called when leadership is gained: reloads the view, drops reservations no replica
-    /// holds, and gives every node [`LEADER_ADOPTION_GRACE`] + `worker_timeout` from now to
-    /// (re)connect.
+    /// Called when leadership `term` (the election key's store revision) is gained: reloads
+    /// the view, drops reservations no replica holds, gives every node
+    /// [`LEADER_ADOPTION_GRACE`] + `worker_timeout` from now to (re)connect, and starts
+    /// publishing routes for the term.
     ///
     /// # Errors
     /// Store failures (the caller retries).
-    pub async fn on_elected(&self) -> HeadResult<()> {
+    pub async fn on_elected(&self, term: u64) -> HeadResult<()> {
         let mut st = self.state.lock().await;
         let view = ClusterView::load(self.store.as_ref()).await?;
         self.gc_reservations(&view).await?;
         st.begin_term(view, Instant::now() + LEADER_ADOPTION_GRACE);
+        self.routes.begin_term(term, &st);
         tracing::info!(
             nodes = st.view().nodes.len(),
             deployments = st.view().deployments.len(),
@@ -176,7 +178,7 @@ impl Cluster {
     pub async fn on_deposed(&self) {
         let mut st = self.state.lock().await;
         st.end_term();
-        self.routes.clear();
+        self.routes.end_term();
         self.metrics.set_leader(false);
     }
 

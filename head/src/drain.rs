@@ -249,7 +249,7 @@ mod tests {
         let (lead_tx, lead_rx) = watch::channel(Leadership::Leader);
         let cfg = HeadConfig::new(StoreSpec::Embedded("unused".into()), "http://127.0.0.1:50050");
         let cluster = Cluster::new(cfg, store, lead_rx, Metrics::new());
-        cluster.on_elected().await.expect("elected");
+        cluster.on_elected(1).await.expect("elected");
         let worker = registry::register(&cluster, inventory()).await.expect("registered");
         let spec = DeploymentSpec {
             name: "d".into(),

@@ -79,7 +79,14 @@ pub async fn run_with_store(
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_not_serving::<HeadServiceServer<service::HeadGrpc>>().await;
 
-    let bridge = tokio::spawn(follow_election(election.state, lead_tx, cluster.clone(), reporter, shutdown.clone()));
+    let bridge = tokio::spawn(follow_election(
+        election.state,
+        election.leader_key,
+        lead_tx,
+        cluster.clone(),
+        reporter,
+        shutdown.clone(),
+    ));
     let reconciler = tokio::spawn(placement::reconciler::run(cluster.clone(), shutdown.clone()));
     let http = tokio::spawn(http::serve(cluster.clone(), http_listener, shutdown.clone()));
 
@@ -103,6 +110,7 @@ pub async fn run_with_store(
 /// worker sessions when deposed, and flips the gRPC health status of `HeadService`.
 async fn follow_election(
     mut election: watch::Receiver<Leadership>,
+    leader_key: watch::Receiver<Option<election::LeaderKey>>,
     tx: watch::Sender<Leadership>,
     cluster: Arc<Cluster>,
     reporter: tonic_health::server::HealthReporter,
@@ -113,8 +121,10 @@ async fn follow_election(
         match now {
             Leadership::Leader if !tx.borrow().is_leader() => {
                 tx.send_replace(Leadership::Leader);
+                // The election publishes its key before the leadership, so the term is known.
+                let term = leader_key.borrow().as_ref().map_or(0, |k| u64::try_from(k.revision).unwrap_or(0));
                 loop {
-                    match cluster.on_elected().await {
+                    match cluster.on_elected(term).await {
                         Ok(()) => break,
                         Err(e) => tracing::warn!(error = %e, "loading cluster state failed; retrying"),
                     }

@@ -63,42 +63,76 @@ pub fn models(st: &State) -> Vec<String> {
     names
 }
 
-/// The route table routers watch: publishes a new table only when its content changed.
+/// The route table routers watch. Only a leader that has loaded the cluster state publishes:
+/// until [`RoutePublisher::begin_term`] and after [`RoutePublisher::end_term`] subscribers
+/// see `None` and send nothing, so losing leadership (a store outage, a lease that expired)
+/// never reaches routers as an empty table. Within a term a new table is published only when
+/// its content changed.
 pub struct RoutePublisher {
-    tx: watch::Sender<Arc<RouteTable>>,
+    tx: watch::Sender<Option<Arc<RouteTable>>>,
+    /// The current term while leading with a loaded state.
+    term: std::sync::Mutex<Option<u64>>,
+    /// Last published version, kept across terms (versions never go back).
+    last_version: std::sync::atomic::AtomicU64,
     /// `prism_route_updates_total`.
     updates: Counter,
 }
 
 impl RoutePublisher {
-    /// An empty table; `updates` counts the tables published.
+    /// Publishes nothing until a term begins; `updates` counts the tables published.
     pub fn new(updates: Counter) -> Self {
-        let (tx, _) = watch::channel(Arc::new(RouteTable::default()));
-        Self { tx, updates }
+        let (tx, _) = watch::channel(None);
+        Self { tx, term: std::sync::Mutex::new(None), last_version: 0.into(), updates }
     }
 
-    /// The current table and its changes.
-    pub fn subscribe(&self) -> watch::Receiver<Arc<RouteTable>> {
+    /// The current table (`None` while this head is not a leader with a loaded state) and
+    /// its changes.
+    pub fn subscribe(&self) -> watch::Receiver<Option<Arc<RouteTable>>> {
         self.tx.subscribe()
     }
 
-    /// Publishes a new table when the routes changed.
-    pub fn publish(&self, st: &State) {
-        let routes = build(st);
-        let models = models(st);
-        let cur = self.tx.borrow().clone();
-        if cur.routes == routes && cur.models == models {
-            return;
-        }
-        // Monotonic across leaders too: a new leader never publishes a lower version.
-        let version = (cur.version + 1).max(unix_ms());
-        self.tx.send_replace(Arc::new(RouteTable { version, routes, models }));
-        self.updates.inc();
+    /// Starts publishing for leadership `term` (the election key's store revision) on the
+    /// freshly loaded state: the first table is sent even when it equals the last one, so
+    /// routers learn the new term.
+    pub fn begin_term(&self, term: u64, st: &State) {
+        *self.term.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(term);
+        self.send(term, st);
     }
 
-    /// Replaces the table with an empty one (leadership lost).
-    pub fn clear(&self) {
-        self.tx.send_replace(Arc::new(RouteTable::default()));
+    /// Stops publishing (leadership lost). Routers keep the last table they applied.
+    pub fn end_term(&self) {
+        *self.term.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        self.tx.send_replace(None);
+    }
+
+    /// Publishes a new table when the routes changed; nothing outside a term.
+    pub fn publish(&self, st: &State) {
+        let Some(term) = *self.term.lock().unwrap_or_else(std::sync::PoisonError::into_inner) else {
+            return;
+        };
+        let routes = build(st);
+        let models = models(st);
+        if let Some(cur) = self.tx.borrow().as_ref()
+            && cur.term == term
+            && cur.routes == routes
+            && cur.models == models
+        {
+            return;
+        }
+        self.send_table(term, routes, models);
+    }
+
+    fn send(&self, term: u64, st: &State) {
+        self.send_table(term, build(st), models(st));
+    }
+
+    fn send_table(&self, term: u64, routes: Vec<RouteEntry>, models: Vec<String>) {
+        use std::sync::atomic::Ordering;
+        // Monotonic across leaders too: a new leader never publishes a lower version.
+        let version = (self.last_version.load(Ordering::Relaxed) + 1).max(unix_ms());
+        self.last_version.store(version, Ordering::Relaxed);
+        self.tx.send_replace(Some(Arc::new(RouteTable { version, routes, models, term })));
+        self.updates.inc();
     }
 }
 
@@ -128,6 +162,36 @@ mod tests {
             view.replicas.insert(ReplicaId::from(*id), Entry { record, mod_revision: 1 });
         }
         State::with_view(view)
+    }
+
+    fn current(p: &RoutePublisher) -> Option<(u64, usize)> {
+        p.subscribe().borrow().as_ref().map(|t| (t.term, t.routes.len()))
+    }
+
+    /// Outside a term nothing is published, not even an empty table; a term's first table is
+    /// sent even when it is empty (a leader that really has no replicas) and carries the term;
+    /// losing the term withdraws the table instead of replacing it with an empty one.
+    #[test]
+    fn only_a_term_publishes_and_ending_it_publishes_no_empty_table() {
+        let p = RoutePublisher::new(Counter::default());
+        let st = state(0, &[("a", ReplicaState::Ready, 0)]);
+        p.publish(&st);
+        assert_eq!(current(&p), None, "no table before the state is loaded");
+        p.begin_term(7, &State::with_view(ClusterView::default()));
+        assert_eq!(current(&p), Some((7, 0)), "an empty cluster's leader publishes an empty table");
+        p.publish(&st);
+        assert_eq!(current(&p), Some((7, 1)));
+        let v1 = p.subscribe().borrow().as_ref().map(|t| t.version);
+        p.publish(&st);
+        assert_eq!(p.subscribe().borrow().as_ref().map(|t| t.version), v1, "unchanged content: no new version");
+        p.end_term();
+        assert_eq!(current(&p), None, "deposed: nothing to send");
+        p.publish(&st);
+        assert_eq!(current(&p), None, "no publishing while not leading");
+        p.begin_term(9, &st);
+        let t = p.subscribe().borrow().clone().expect("table");
+        assert_eq!((t.term, t.routes.len()), (9, 1));
+        assert!(Some(t.version) > v1, "versions keep growing across terms");
     }
 
     fn lens(st: &State) -> Vec<(String, u32)> {

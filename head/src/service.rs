@@ -76,8 +76,12 @@ impl HeadService for HeadGrpc {
         tracing::info!(%router, "router watching routes");
         tokio::spawn(async move {
             loop {
-                let table = routes.borrow_and_update().as_ref().clone();
-                if tx.send(Ok(table)).await.is_err() {
+                // `None`: no table to send (the state is still loading, or leadership is being
+                // lost): wait; a deposed head ends the stream below, never sending an empty table.
+                let table = routes.borrow_and_update().as_ref().map(|t| t.as_ref().clone());
+                if let Some(table) = table
+                    && tx.send(Ok(table)).await.is_err()
+                {
                     return; // the router left
                 }
                 let deposed: Option<Option<String>> = tokio::select! {

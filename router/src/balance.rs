@@ -97,6 +97,7 @@ mod tests {
     fn table(states: &[ReplicaState], limit: u32) -> Routes {
         let r = Routes::new(limit, Metrics::new());
         r.apply(RouteTable {
+            term: 0,
             models: vec![],
             version: 1,
             routes: states

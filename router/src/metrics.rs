@@ -63,6 +63,12 @@ pub struct Metrics {
     pub in_flight: Gauge,
     /// `prism_route_table_version`: version of the route table in use.
     pub route_version: Gauge<u64, AtomicU64>,
+    /// `prism_route_table_term`: leadership term of the head that published the table in use.
+    pub route_term: Gauge<u64, AtomicU64>,
+    /// `prism_route_table_replicas`: replicas (Ready or Draining) in the table in use.
+    pub route_replicas: Gauge<u64, AtomicU64>,
+    /// `prism_router_stale_route_tables_total`: tables ignored because an older term published them.
+    pub stale_route_tables: Counter,
     /// `prism_router_replica_dispatches_total{replica_id}`: requests (and migrations) sent to each replica.
     dispatches: Family<Vec<(String, String)>, Counter>,
 }
@@ -83,6 +89,9 @@ impl Metrics {
         let migrations = Counter::default();
         let in_flight = Gauge::default();
         let route_version = Gauge::<u64, AtomicU64>::default();
+        let route_term = Gauge::<u64, AtomicU64>::default();
+        let route_replicas = Gauge::<u64, AtomicU64>::default();
+        let stale_route_tables = Counter::default();
         let dispatches = Family::<Vec<(String, String)>, Counter>::default();
         registry.register("prism_router_requests", "Requests by outcome", requests.clone());
         registry.register(
@@ -98,6 +107,13 @@ impl Metrics {
         );
         registry.register("prism_router_in_flight", "Requests being served", in_flight.clone());
         registry.register("prism_route_table_version", "Version of the route table in use", route_version.clone());
+        registry.register("prism_route_table_term", "Leadership term of the table in use", route_term.clone());
+        registry.register("prism_route_table_replicas", "Replicas in the route table in use", route_replicas.clone());
+        registry.register(
+            "prism_router_stale_route_tables",
+            "Route tables ignored because a head of an older term published them",
+            stale_route_tables.clone(),
+        );
         registry.register(
             "prism_router_replica_dispatches",
             "Requests and migrations sent to each replica",
@@ -111,6 +127,9 @@ impl Metrics {
             migrations,
             in_flight,
             route_version,
+            route_term,
+            route_replicas,
+            stale_route_tables,
             dispatches,
         }
     }

@@ -21,6 +21,10 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::StaticRoute;
+
+/// How long a lower-term table must be held by the head answering as leader before it is
+/// applied anyway (longer than any lease TTL a deposed head needs to notice).
+const STALE_TERM_GRACE: Duration = Duration::from_secs(30);
 use crate::metrics::Metrics;
 
 /// Longest time a replica is kept out of rotation after repeated failures.
@@ -97,6 +101,8 @@ impl ReplicaRoute {
 pub struct RouteSnapshot {
     /// Head's table version (0 for static routes / nothing received yet).
     pub version: u64,
+    /// Leadership term of the head that published it (0 for static routes / nothing yet).
+    pub term: u64,
     /// Replicas by served model name.
     pub models: BTreeMap<String, Vec<Arc<ReplicaRoute>>>,
     /// Whether a table was ever received (or static routes were given).
@@ -171,6 +177,9 @@ impl Routes {
 
     fn store(&self, snap: RouteSnapshot) {
         self.inner.metrics.route_version.set(snap.version);
+        self.inner.metrics.route_term.set(snap.term);
+        let replicas = snap.models.values().map(Vec::len).sum::<usize>();
+        self.inner.metrics.route_replicas.set(u64::try_from(replicas).unwrap_or(u64::MAX));
         let snap = Arc::new(snap);
         match self.inner.snapshot.write() {
             Ok(mut g) => *g = snap,
@@ -197,13 +206,34 @@ impl Routes {
                 stats,
             }));
         }
-        self.store(RouteSnapshot { version: 0, models, loaded: true });
+        self.store(RouteSnapshot { version: 0, term: 0, models, loaded: true });
     }
 
-    /// Replaces the table with one received from the head. Entries that are neither Ready
-    /// nor Draining are dropped; models listed without entries stay known (no replica: 503);
-    /// stats of replicas no longer listed are forgotten.
-    pub fn apply(&self, table: RouteTable) {
+    /// Replaces the table with one received from the head, unless it is stale: published in
+    /// an older leadership term than the table in use (a deposed head that has not noticed
+    /// yet), or an older version of the same term. Returns whether it was applied. Entries that
+    /// are neither Ready nor Draining are dropped; models listed without entries stay known (no
+    /// replica: 503); stats of replicas no longer listed are forgotten.
+    pub fn apply(&self, table: RouteTable) -> bool {
+        let cur = self.snapshot();
+        if cur.loaded && (table.term < cur.term || table.term == cur.term && table.version < cur.version) {
+            self.inner.metrics.stale_route_tables.inc();
+            tracing::warn!(
+                term = table.term,
+                version = table.version,
+                current_term = cur.term,
+                current_version = cur.version,
+                "route table from an older term ignored"
+            );
+            return false;
+        }
+        self.replace(table);
+        true
+    }
+
+    /// Applies `table` whatever its term (see [`Routes::watch`]: a lower term that the only
+    /// reachable leader keeps publishing means the store's revisions were reset).
+    fn replace(&self, table: RouteTable) {
         // Deployed models with no usable replica stay known (503, not 404).
         let mut models: BTreeMap<String, Vec<Arc<ReplicaRoute>>> =
             table.models.into_iter().map(|m| (m, Vec::new())).collect();
@@ -242,7 +272,7 @@ impl Routes {
             let draining = models.values().flatten().filter(|r| r.state == ReplicaState::Draining).count();
             tracing::info!(version = table.version, replicas = live.len(), draining, "route table updated");
         }
-        self.store(RouteSnapshot { version: table.version, models, loaded: true });
+        self.store(RouteSnapshot { version: table.version, term: table.term, models, loaded: true });
     }
 
     /// Follows `WatchRoutes` on the given heads until `shutdown`, trying them in turn and
@@ -268,9 +298,38 @@ impl Routes {
                 let mut stream =
                     client.watch_routes(WatchRoutesRequest { router_id: router_id.clone() }).await?.into_inner();
                 let mut got_any = false;
-                while let Some(table) = stream.message().await? {
+                // A table of a lower term than the one in use, still held after
+                // STALE_TERM_GRACE by the head that answers as leader, is applied: a deposed
+                // head learns it within its lease TTL and ends the stream, so only a store
+                // whose revisions were reset (restored from a snapshot) keeps one that long.
+                let mut stale: Option<(tokio::time::Instant, RouteTable)> = None;
+                loop {
+                    let next = match &stale {
+                        Some((since, _)) => {
+                            match tokio::time::timeout_at(*since + STALE_TERM_GRACE, stream.message()).await {
+                                Ok(m) => m?,
+                                Err(_) => {
+                                    if let Some((_, table)) = stale.take() {
+                                        tracing::warn!(
+                                            term = table.term,
+                                            "the leader's lower term persists: applying it"
+                                        );
+                                        self.replace(table);
+                                    }
+                                    continue;
+                                }
+                            }
+                        }
+                        None => stream.message().await?,
+                    };
+                    let Some(table) = next else { break };
                     got_any = true;
-                    self.apply(table);
+                    if self.apply(table.clone()) {
+                        stale = None;
+                    } else {
+                        let since = stale.as_ref().map_or_else(tokio::time::Instant::now, |(s, _)| *s);
+                        stale = Some((since, table));
+                    }
                 }
                 anyhow::Ok(got_any)
             };
@@ -312,6 +371,7 @@ mod tests {
     fn apply_keeps_ready_and_draining_and_stats() {
         let routes = Routes::new(4, Metrics::new());
         routes.apply(RouteTable {
+            term: 0,
             models: vec![],
             version: 3,
             routes: vec![
@@ -328,6 +388,7 @@ mod tests {
         assert_eq!(m[0].max_in_flight, 4);
         m[0].stats.in_flight.store(2, Ordering::Relaxed);
         routes.apply(RouteTable {
+            term: 0,
             version: 4,
             routes: vec![entry("a", "m", ReplicaState::Ready)],
             models: vec!["gone".into()],
@@ -341,16 +402,57 @@ mod tests {
     fn updates_wake_subscribers_and_lists_follows_the_table() {
         let routes = Routes::new(4, Metrics::new());
         let mut rx = routes.subscribe();
-        routes.apply(RouteTable { version: 1, routes: vec![entry("a", "m", ReplicaState::Ready)], models: vec![] });
+        routes.apply(RouteTable {
+            term: 0,
+            version: 1,
+            routes: vec![entry("a", "m", ReplicaState::Ready)],
+            models: vec![],
+        });
         assert!(rx.has_changed().unwrap_or(false));
         rx.mark_unchanged();
         assert!(routes.lists("m", "a"));
         assert!(!routes.lists("other", "a"));
-        routes.apply(RouteTable { version: 2, routes: vec![entry("a", "m", ReplicaState::Draining)], models: vec![] });
+        routes.apply(RouteTable {
+            term: 0,
+            version: 2,
+            routes: vec![entry("a", "m", ReplicaState::Draining)],
+            models: vec![],
+        });
         assert!(rx.has_changed().unwrap_or(false));
         assert!(routes.lists("m", "a"), "a Draining replica stays listed");
-        routes.apply(RouteTable { version: 3, routes: vec![entry("b", "m", ReplicaState::Ready)], models: vec![] });
+        routes.apply(RouteTable {
+            term: 0,
+            version: 3,
+            routes: vec![entry("b", "m", ReplicaState::Ready)],
+            models: vec![],
+        });
         assert!(!routes.lists("m", "a"));
+    }
+
+    /// A deposed head that has not noticed yet may still send a table (an empty one, say):
+    /// a table of an older term, or an older version of the current term, is ignored and
+    /// counted; a newer term applies, even with an empty table (a leader with no replicas).
+    #[test]
+    fn tables_of_an_older_term_are_ignored() {
+        let metrics = Metrics::new();
+        let routes = Routes::new(4, metrics.clone());
+        let table = |term, version, ids: &[&str]| RouteTable {
+            term,
+            version,
+            routes: ids.iter().map(|id| entry(id, "m", ReplicaState::Ready)).collect(),
+            models: vec!["m".into()],
+        };
+        assert!(routes.apply(table(5, 100, &["a", "b"])));
+        assert!(!routes.apply(table(4, 200, &[])), "older term, newer version: ignored");
+        assert!(!routes.apply(table(5, 99, &["a"])), "same term, older version: ignored");
+        assert!(routes.lists("m", "a") && routes.lists("m", "b"));
+        assert_eq!(metrics.stale_route_tables.get(), 2);
+        let s = routes.snapshot();
+        assert_eq!((s.term, s.version), (5, 100));
+        assert!(routes.apply(table(6, 101, &[])), "a newer leader's empty table applies");
+        assert!(!routes.lists("m", "a"));
+        assert_eq!(metrics.route_replicas.get(), 0);
+        assert_eq!(metrics.route_term.get(), 6);
     }
 
     #[test]

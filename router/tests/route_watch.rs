@@ -112,7 +112,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     let ea = format!("http://{}", a.clone().spawn(shutdown.clone()).await?);
     let eb = format!("http://{}", b.clone().spawn(shutdown.clone()).await?);
 
-    let (tx, rx) = watch::channel(RouteTable { models: vec![], version: 1, routes: vec![] });
+    let (tx, rx) = watch::channel(RouteTable { term: 0, models: vec![], version: 1, routes: vec![] });
     let head_stop = CancellationToken::new();
     let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let head_addr = format!("http://{}", hl.local_addr()?);
@@ -131,6 +131,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     // Empty table: unknown model.
     wait_status(&http, 404).await?;
     tx.send(RouteTable {
+        term: 0,
         models: vec![],
         version: 2,
         routes: vec![entry("ra", &ea, ReplicaState::Ready), entry("rb", &eb, ReplicaState::Draining)],
@@ -144,9 +145,14 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     assert!(m.contains("prism_route_table_version 2"), "{m}");
 
     // Only Draining replicas: known model, none ready → 503.
-    tx.send(RouteTable { models: vec![], version: 3, routes: vec![entry("rb", &eb, ReplicaState::Draining)] })?;
+    tx.send(RouteTable {
+        term: 0,
+        models: vec![],
+        version: 3,
+        routes: vec![entry("rb", &eb, ReplicaState::Draining)],
+    })?;
     wait_status(&http, 503).await?;
-    tx.send(RouteTable { models: vec![], version: 4, routes: vec![entry("rb", &eb, ReplicaState::Ready)] })?;
+    tx.send(RouteTable { term: 0, models: vec![], version: 4, routes: vec![entry("rb", &eb, ReplicaState::Ready)] })?;
     wait_status(&http, 200).await?;
 
     // Head gone: the last table keeps serving.
