@@ -220,6 +220,16 @@ node_selector:
     }
 
     #[test]
+    fn the_repositorys_deployment_files_parse() -> Result<()> {
+        let example = DeploymentFile::parse(include_str!("../../docs/examples/smollm2.yaml"))?.to_spec();
+        let engine = example.engine.context("engine")?;
+        assert_eq!((engine.max_model_len, engine.block_size, engine.max_num_seqs), (Some(2048), Some(16), Some(64)));
+        let overlay = DeploymentFile::parse(include_str!("../../k8s/overlays/cpu/smollm2.yaml"))?.to_spec();
+        assert_eq!(overlay.engine.context("engine")?.backend, "cpu");
+        Ok(())
+    }
+
+    #[test]
     fn unknown_fields_are_rejected() {
         assert!(DeploymentFile::parse("name: a\nmodel: m\nreplica: 2\n").is_err());
         assert!(DeploymentFile::parse("name: a\nmodel: m\nengine:\n  tensor_parallel: 2\n").is_err());

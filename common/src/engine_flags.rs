@@ -5,9 +5,10 @@
 //! the protocol's [`pb::EngineConfig`]; the worker's launcher is the one conversion from it
 //! to the engine's own configuration.
 //!
-//! Adding a knob touches: a field here (flag, env var, YAML key, doc), its line in
-//! [`EngineFlags::to_proto`] (and in [`unset_zeros`] when it is optional), the field of
-//! `EngineConfig` in `proto/prism/v1/head.proto`, and its reading in the worker's launcher.
+//! Adding a knob touches: a field here (flag, env var, YAML key, doc) with its value in
+//! `Default`, its line in [`EngineFlags::to_proto`] (and in [`unset_zeros`] when it is
+//! optional), the field of `EngineConfig` in `proto/prism/v1/head.proto`, and its line in
+//! the worker's launcher (plus the engine's own `EngineConfig` when the engine lacks it).
 
 use crate::proto::v1 as pb;
 use serde::Deserialize;
@@ -251,6 +252,22 @@ mod tests {
         );
         let zeros = flags(&["--max-num-seqs=0", "--block-size=0", "--gpu-memory-utilization=0", "--kv-cache-bytes=0"]);
         assert_eq!(zeros.to_proto("/m.gguf", "m"), e);
+    }
+
+    /// Records written before the knobs were `optional` decode as before: a value that was set
+    /// is `Some`, an unset one (0, which proto3 never encodes) is `None`; and an unset knob
+    /// encodes to nothing, which older readers take as 0 = unset.
+    #[test]
+    fn the_wire_format_is_the_one_before_presence() {
+        use prost::Message;
+        // Field 6 (max_num_seqs) = 64 and field 9 (kv_cache_bytes) = 1 MiB, as varints.
+        let old = [0x30, 64, 0x48, 0x80, 0x80, 0x40];
+        let e = pb::EngineConfig::decode(old.as_slice()).expect("decodes");
+        assert_eq!((e.max_num_seqs, e.kv_cache_bytes), (Some(64), Some(1 << 20)));
+        assert_eq!((e.max_model_len, e.block_size, e.gpu_memory_utilization), (None, None, None));
+        let set = pb::EngineConfig { max_num_seqs: Some(64), kv_cache_bytes: Some(1 << 20), ..Default::default() };
+        assert_eq!(set.encode_to_vec(), old);
+        assert!(pb::EngineConfig::default().encode_to_vec().is_empty());
     }
 
     #[test]
