@@ -1,5 +1,5 @@
 //! Compiles `proto/prism/v1/*.proto` once for the whole workspace.
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> anyhow::Result<()> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../proto");
     let files = ["inference.proto", "head.proto", "worker.proto"].map(|f| root.join("prism/v1").join(f));
     println!("cargo:rerun-if-changed={}", root.display());

@@ -7,7 +7,7 @@
 //! `requests` are done, then it reports requests/s, output tokens/s and latency/TTFT
 //! percentiles.
 
-use crate::client;
+use crate::client::{self, ModelArg};
 use crate::generate::{self, Generation};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
@@ -26,9 +26,9 @@ pub enum BenchCommand {
 /// `prism bench serve` flags.
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// Served model name (default: the only model the router serves).
-    #[arg(long, env = "PRISM_MODEL")]
-    pub model: Option<String>,
+    /// `--model`: the served model to load.
+    #[command(flatten)]
+    pub model: ModelArg,
     /// Concurrent clients.
     #[arg(long, env = "PRISM_BENCH_CONCURRENCY", default_value_t = 8)]
     pub concurrency: usize,
@@ -71,7 +71,7 @@ async fn serve(router_addr: &str, args: ServeArgs) -> Result<()> {
         bail!("--concurrency and --requests must be at least 1");
     }
     let mut probe = client::router(router_addr).await?;
-    let model = generate::resolve_model(&mut probe, args.model.clone()).await?;
+    let model = args.model.clone().resolve(&mut probe).await?;
     let request = GenerateRequest {
         model,
         prompt: Some(Prompt::Text(args.prompt.clone())),

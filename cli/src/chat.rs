@@ -4,7 +4,7 @@
 //! bytes and converted lossily (invalid UTF-8 becomes U+FFFD, the session goes on); the
 //! `>>>` prompt is shown only when stdin is a terminal.
 
-use crate::client;
+use crate::client::{self, ModelArg};
 use crate::generate::{self, SamplingArgs};
 use anyhow::Result;
 use clap::Args;
@@ -15,9 +15,9 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader};
 /// `prism chat` flags.
 #[derive(Args, Debug)]
 pub struct ChatArgs {
-    /// Served model name (default: the only model the router serves).
-    #[arg(long, env = "PRISM_MODEL")]
-    pub model: Option<String>,
+    /// `--model`: the served model to chat with.
+    #[command(flatten)]
+    pub model: ModelArg,
     /// System message put before the conversation.
     #[arg(long, env = "PRISM_SYSTEM")]
     pub system: Option<String>,
@@ -48,7 +48,7 @@ fn initial_history(system: Option<&str>) -> Vec<ChatMessage> {
 /// reported and the conversation continues without it.
 pub async fn run(router_addr: &str, args: ChatArgs) -> Result<()> {
     let mut client = client::router(router_addr).await?;
-    let model = generate::resolve_model(&mut client, args.model).await?;
+    let model = args.model.resolve(&mut client).await?;
     let mut history = initial_history(args.system.as_deref());
     let interactive = std::io::stdin().is_terminal();
     let mut input = BufReader::new(tokio::io::stdin());

@@ -1,8 +1,10 @@
 //! Connections from the CLI to the head (admin RPCs) and the router (inference), with
-//! addresses taken from `--head` / `--router` (env `PRISM_HEAD`, `PRISM_ROUTER`).
+//! addresses taken from `--head` / `--router` (env `PRISM_HEAD`, `PRISM_ROUTER`), and the
+//! `--model` flag (env `PRISM_MODEL`) of the commands that ask the router for a model.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
+use prism_common::proto::v1::ListModelsRequest;
 use prism_common::proto::v1::head_service_client::HeadServiceClient;
 use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
 use std::time::Duration;
@@ -22,6 +24,35 @@ pub struct Endpoints {
     /// Router gRPC address (generate, chat, bench).
     #[arg(long, global = true, env = "PRISM_ROUTER", default_value = DEFAULT_ROUTER)]
     pub router: String,
+}
+
+/// The served model a client command (generate, chat, bench) asks the router for.
+#[derive(Args, Clone, Debug, Default)]
+pub struct ModelArg {
+    /// Served model name (default: the only model the router serves).
+    #[arg(long = "model", value_name = "MODEL", env = "PRISM_MODEL")]
+    pub name: Option<String>,
+}
+
+impl ModelArg {
+    /// The model named by `--model`, or the router's only model when none is given.
+    ///
+    /// # Errors
+    /// Fails when no model is served, or several are and none was named.
+    pub async fn resolve(self, client: &mut InferenceServiceClient<Channel>) -> Result<String> {
+        if let Some(model) = self.name {
+            return Ok(model);
+        }
+        let models = client.list_models(ListModelsRequest {}).await.map_err(status_error)?.into_inner().models;
+        match models.as_slice() {
+            [] => bail!("the router serves no model yet (deploy one, or wait until a replica is Ready)"),
+            [one] => Ok(one.id.clone()),
+            many => {
+                let names: Vec<&str> = many.iter().map(|m| m.id.as_str()).collect();
+                bail!("the router serves several models ({}); pick one with --model", names.join(", "))
+            }
+        }
+    }
 }
 
 /// Adds `http://` when the address has no scheme (`localhost:50050` → `http://localhost:50050`).

@@ -6,8 +6,8 @@
 //! model: models/SmolLM2-135M-Instruct.Q4_1.gguf   # GGUF file or Hugging Face directory, as the worker sees it
 //! served_model_name: smollm2                      # optional, default = name
 //! engine:                                         # optional; 0/absent = the engine's default
-//!   tensor_parallel_size: 1
-//!   max_model_len: 2048
+//!   tensor_parallel_size: 1                       # the keys are `prism up`'s engine flags
+//!   max_model_len: 2048                           # (prism_common::engine_flags::EngineFlags)
 //!   block_size: 16
 //!   max_num_seqs: 64
 //!   max_num_batched_tokens: 2048
@@ -18,9 +18,10 @@
 //! ```
 
 use crate::client::{self, status_error};
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
-use prism_common::proto::v1::{ApplyDeploymentRequest, DeploymentSpec, EngineConfig, PlacementStrategy};
+use prism_common::engine_flags::EngineFlags;
+use prism_common::proto::v1::{ApplyDeploymentRequest, DeploymentSpec, PlacementStrategy};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -47,9 +48,9 @@ pub struct DeploymentFile {
     /// Model name clients use (default: `name`).
     #[serde(default)]
     pub served_model_name: Option<String>,
-    /// Engine arguments (vLLM names).
+    /// Engine knobs (vLLM names, the same as `prism up`'s engine flags).
     #[serde(default)]
-    pub engine: EngineArgs,
+    pub engine: EngineFlags,
     /// Number of replicas (default 1).
     #[serde(default = "one")]
     pub replicas: u32,
@@ -61,7 +62,7 @@ pub struct DeploymentFile {
     pub max_replicas: Option<u32>,
     /// `spread` (default) or `pack`.
     #[serde(default)]
-    pub placement: Placement,
+    pub placement: PlacementArg,
     /// Only nodes with all these labels are used.
     #[serde(default)]
     pub node_selector: BTreeMap<String, String>,
@@ -74,37 +75,10 @@ fn one() -> u32 {
     1
 }
 
-/// Engine arguments with vLLM's names; absent = the engine's default.
-#[derive(Debug, Deserialize, Clone, Default, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct EngineArgs {
-    /// GPUs per replica (default 1).
-    pub tensor_parallel_size: Option<u32>,
-    /// Context length in tokens (default: the model's).
-    pub max_model_len: Option<u32>,
-    /// KV cache block size in tokens (default 16).
-    pub block_size: Option<u32>,
-    /// Most sequences in one batch.
-    pub max_num_seqs: Option<u32>,
-    /// Most tokens in one step (chunked prefill budget).
-    pub max_num_batched_tokens: Option<u32>,
-    /// Fraction of GPU memory for weights + KV cache (0, 1] (default 0.9).
-    pub gpu_memory_utilization: Option<f32>,
-    /// CPU backend KV cache budget in bytes.
-    pub kv_cache_bytes: Option<u64>,
-    /// `auto` (default), `cpu` or `cuda`.
-    pub backend: Option<String>,
-    /// Router admission limit per replica.
-    pub max_in_flight: Option<u32>,
-    /// CUDA: batch-invariant (deterministic) kernels — a request's output does not depend on
-    /// what else is batched with it; slower (default false).
-    pub batch_invariant: Option<bool>,
-}
-
 /// Placement strategy of a deployment's replicas.
 #[derive(Debug, Deserialize, Clone, Copy, Default, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub enum Placement {
+pub enum PlacementArg {
     /// Over as many nodes as possible.
     #[default]
     Spread,
@@ -141,14 +115,7 @@ impl DeploymentFile {
         if self.model.trim().is_empty() {
             bail!("model must name a GGUF file or a Hugging Face directory");
         }
-        if self.engine.tensor_parallel_size == Some(0) {
-            bail!("engine.tensor_parallel_size must be at least 1");
-        }
-        if let Some(u) = self.engine.gpu_memory_utilization
-            && !(u > 0.0 && u <= 1.0)
-        {
-            bail!("engine.gpu_memory_utilization must be in (0, 1], got {u}");
-        }
+        self.engine.validate().map_err(|e| anyhow!("engine.{e}"))?;
         if let (Some(min), Some(max)) = (self.min_replicas, self.max_replicas)
             && min > max
         {
@@ -157,31 +124,18 @@ impl DeploymentFile {
         Ok(())
     }
 
-    /// The protocol's `DeploymentSpec` (absent values are 0 = default).
+    /// The protocol's `DeploymentSpec` (absent counts and bounds are 0 = default).
     pub fn to_spec(&self) -> DeploymentSpec {
-        let e = &self.engine;
+        let served = self.served_model_name.as_deref().unwrap_or(&self.name);
         DeploymentSpec {
             name: self.name.clone(),
-            engine: Some(EngineConfig {
-                model: self.model.clone(),
-                served_model_name: self.served_model_name.clone().unwrap_or_else(|| self.name.clone()),
-                tensor_parallel_size: e.tensor_parallel_size.unwrap_or(1),
-                max_model_len: e.max_model_len.unwrap_or(0),
-                block_size: e.block_size.unwrap_or(0),
-                max_num_seqs: e.max_num_seqs.unwrap_or(0),
-                max_num_batched_tokens: e.max_num_batched_tokens.unwrap_or(0),
-                gpu_memory_utilization: e.gpu_memory_utilization.unwrap_or(0.0),
-                kv_cache_bytes: e.kv_cache_bytes.unwrap_or(0),
-                backend: e.backend.clone().unwrap_or_default(),
-                max_in_flight: e.max_in_flight.unwrap_or(0),
-                batch_invariant: e.batch_invariant.unwrap_or(false),
-            }),
+            engine: Some(self.engine.to_proto(self.model.as_str(), served)),
             replicas: self.replicas,
             min_replicas: self.min_replicas.unwrap_or(0),
             max_replicas: self.max_replicas.unwrap_or(0),
             placement: match self.placement {
-                Placement::Spread => PlacementStrategy::Spread,
-                Placement::Pack => PlacementStrategy::Pack,
+                PlacementArg::Spread => PlacementStrategy::Spread,
+                PlacementArg::Pack => PlacementStrategy::Pack,
             } as i32,
             node_selector: self.node_selector.clone().into_iter().collect(),
             min_on_demand: self.min_on_demand,
@@ -245,11 +199,11 @@ node_selector:
         let engine = spec.engine.context("engine")?;
         assert_eq!(engine.served_model_name, "smol");
         assert_eq!(engine.tensor_parallel_size, 2);
-        assert_eq!(engine.max_model_len, 2048);
-        assert_eq!(engine.block_size, 16);
-        assert_eq!(engine.max_num_seqs, 64);
-        assert_eq!(engine.max_num_batched_tokens, 1024);
-        assert!((engine.gpu_memory_utilization - 0.85).abs() < 1e-6);
+        assert_eq!(engine.max_model_len, Some(2048));
+        assert_eq!(engine.block_size, Some(16));
+        assert_eq!(engine.max_num_seqs, Some(64));
+        assert_eq!(engine.max_num_batched_tokens, Some(1024));
+        assert!((engine.gpu_memory_utilization.context("gpu_memory_utilization")? - 0.85).abs() < 1e-6);
         Ok(())
     }
 
@@ -261,7 +215,17 @@ node_selector:
         let engine = spec.engine.context("engine")?;
         assert_eq!(engine.served_model_name, "a");
         assert_eq!(engine.tensor_parallel_size, 1);
-        assert_eq!(engine.max_model_len, 0);
+        assert_eq!(engine.max_model_len, None);
+        Ok(())
+    }
+
+    #[test]
+    fn the_repositorys_deployment_files_parse() -> Result<()> {
+        let example = DeploymentFile::parse(include_str!("../../docs/examples/smollm2.yaml"))?.to_spec();
+        let engine = example.engine.context("engine")?;
+        assert_eq!((engine.max_model_len, engine.block_size, engine.max_num_seqs), (Some(2048), Some(16), Some(64)));
+        let overlay = DeploymentFile::parse(include_str!("../../k8s/overlays/cpu/smollm2.yaml"))?.to_spec();
+        assert_eq!(overlay.engine.context("engine")?.backend, "cpu");
         Ok(())
     }
 

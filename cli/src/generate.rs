@@ -2,13 +2,12 @@
 //! (`InferenceService.Generate`), printing text as it arrives. Also the streaming helper
 //! shared by `prism chat`, `prism up --prompt` and `prism bench`.
 
-use crate::client::{self, status_error};
-use anyhow::{Context, Result, bail};
+use crate::client::{self, ModelArg, status_error};
+use anyhow::{Context, Result};
 use clap::Args;
 use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
 use prism_common::proto::v1::{
-    ChatMessage, ChatMessages, FinishReason, GenerateRequest, ListModelsRequest, SamplingParams, Usage,
-    generate_request::Prompt,
+    ChatMessage, ChatMessages, FinishReason, GenerateRequest, SamplingParams, Usage, generate_request::Prompt,
 };
 use std::io::Write;
 use tonic::transport::Channel;
@@ -57,9 +56,9 @@ impl SamplingArgs {
 pub struct GenerateArgs {
     /// The prompt. By default it is sent as one user message through the model's chat template.
     pub prompt: String,
-    /// Served model name (default: the only model the router serves).
-    #[arg(long, env = "PRISM_MODEL")]
-    pub model: Option<String>,
+    /// `--model`: the served model to ask.
+    #[command(flatten)]
+    pub model: ModelArg,
     /// Send the prompt as raw text (plain completion, no chat template).
     #[arg(long, env = "PRISM_RAW")]
     pub raw: bool,
@@ -91,7 +90,7 @@ pub struct Generation {
 /// Fails when the router is unreachable, rejects the request, or the stream breaks.
 pub async fn run(router_addr: &str, args: GenerateArgs) -> Result<()> {
     let mut client = client::router(router_addr).await?;
-    let model = resolve_model(&mut client, args.model).await?;
+    let model = args.model.resolve(&mut client).await?;
     let prompt = if args.raw {
         Prompt::Text(args.prompt)
     } else {
@@ -123,25 +122,6 @@ pub fn print_summary(g: &Generation) {
     let (prompt, completion) = g.usage.map_or((0, g.tokens as u32), |u| (u.prompt_tokens, u.completion_tokens));
     let ttft = g.ttft.map_or_else(|| "-".to_owned(), |t| format!("{:.0} ms", t.as_secs_f64() * 1e3));
     eprintln!("[prompt {prompt} tokens, completion {completion} tokens, TTFT {ttft}, finish_reason {reason}]");
-}
-
-/// Picks `requested`, or the router's only model when none is given.
-///
-/// # Errors
-/// Fails when no model is served, or several are and none was named.
-pub async fn resolve_model(client: &mut InferenceServiceClient<Channel>, requested: Option<String>) -> Result<String> {
-    if let Some(model) = requested {
-        return Ok(model);
-    }
-    let models = client.list_models(ListModelsRequest {}).await.map_err(status_error)?.into_inner().models;
-    match models.as_slice() {
-        [] => bail!("the router serves no model yet (deploy one, or wait until a replica is Ready)"),
-        [one] => Ok(one.id.clone()),
-        many => {
-            let names: Vec<&str> = many.iter().map(|m| m.id.as_str()).collect();
-            bail!("the router serves several models ({}); pick one with --model", names.join(", "))
-        }
-    }
 }
 
 /// Sends `request` and writes choice 0's text to `out` as it arrives (flushed per message).

@@ -12,9 +12,10 @@ use crate::generate::{self, SamplingArgs};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use prism_common::engine_flags::EngineFlags;
 use prism_common::proto::v1::{
-    ApplyDeploymentRequest, ChatMessage, ChatMessages, ClusterStatusRequest, DeploymentSpec, EngineConfig,
-    GenerateRequest, ListModelsRequest, PlacementStrategy, ReplicaState, generate_request::Prompt,
+    ApplyDeploymentRequest, ChatMessage, ChatMessages, ClusterStatusRequest, DeploymentSpec, GenerateRequest,
+    ListModelsRequest, PlacementStrategy, ReplicaState, generate_request::Prompt,
 };
 use prism_common::shutdown::{CancellationToken, StopSignal, wait_for_signal};
 use std::net::SocketAddr;
@@ -29,7 +30,7 @@ pub const FETCH_SCRIPT: &str = "scripts/fetch-model.sh";
 /// The prompt `--demo` answers.
 pub const DEMO_PROMPT: &str = "What is the capital of France?";
 
-/// `prism up` flags (vLLM's names where vLLM has the knob).
+/// `prism up` flags (vLLM's names where vLLM has the knob; the engine's come from [`EngineFlags`]).
 #[derive(Args, Debug, Clone)]
 pub struct UpArgs {
     /// Model to serve: a GGUF file or a Hugging Face directory.
@@ -38,31 +39,9 @@ pub struct UpArgs {
     /// Model name clients use (default: the file or directory name without extension).
     #[arg(long, env = "PRISM_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
-    /// Context length in tokens (default: the model's).
-    #[arg(long, env = "PRISM_MAX_MODEL_LEN")]
-    pub max_model_len: Option<u32>,
-    /// GPUs per replica.
-    #[arg(long, env = "PRISM_TENSOR_PARALLEL_SIZE", default_value_t = 1)]
-    pub tensor_parallel_size: u32,
-    /// Fraction of GPU memory for weights + KV cache (GPU backend).
-    #[arg(long, env = "PRISM_GPU_MEMORY_UTILIZATION")]
-    pub gpu_memory_utilization: Option<f32>,
-    /// CUDA: batch-invariant (deterministic) kernels: a request's output never depends on what
-    /// else is batched with it (slower; vLLM's VLLM_BATCH_INVARIANT).
-    #[arg(long)]
-    pub batch_invariant: bool,
-    /// Most sequences per batch.
-    #[arg(long, env = "PRISM_MAX_NUM_SEQS")]
-    pub max_num_seqs: Option<u32>,
-    /// Most tokens per engine step (chunked prefill budget).
-    #[arg(long, env = "PRISM_MAX_NUM_BATCHED_TOKENS")]
-    pub max_num_batched_tokens: Option<u32>,
-    /// KV cache block size in tokens.
-    #[arg(long, env = "PRISM_BLOCK_SIZE")]
-    pub block_size: Option<u32>,
-    /// KV cache budget in bytes on the CPU backend.
-    #[arg(long, env = "PRISM_KV_CACHE_BYTES")]
-    pub kv_cache_bytes: Option<u64>,
+    /// Engine knobs (the keys of a deployment file's `engine:` block).
+    #[command(flatten)]
+    pub engine: EngineFlags,
     /// Number of replicas of the model.
     #[arg(long, env = "PRISM_REPLICAS", default_value_t = 1)]
     pub replicas: u32,
@@ -184,20 +163,7 @@ fn resolve_model(model: &Path) -> Result<PathBuf> {
 fn spec(args: &UpArgs, model: &Path, served: &str) -> DeploymentSpec {
     DeploymentSpec {
         name: deployment_name(served),
-        engine: Some(EngineConfig {
-            model: model.to_string_lossy().into_owned(),
-            served_model_name: served.to_owned(),
-            tensor_parallel_size: args.tensor_parallel_size,
-            max_model_len: args.max_model_len.unwrap_or(0),
-            block_size: args.block_size.unwrap_or(0),
-            max_num_seqs: args.max_num_seqs.unwrap_or(0),
-            max_num_batched_tokens: args.max_num_batched_tokens.unwrap_or(0),
-            gpu_memory_utilization: args.gpu_memory_utilization.unwrap_or(0.0),
-            kv_cache_bytes: args.kv_cache_bytes.unwrap_or(0),
-            backend: String::new(),
-            max_in_flight: 0,
-            batch_invariant: args.batch_invariant,
-        }),
+        engine: Some(args.engine.to_proto(model.to_string_lossy(), served)),
         replicas: args.replicas,
         placement: PlacementStrategy::Spread as i32,
         ..DeploymentSpec::default()
@@ -211,7 +177,7 @@ fn spec(args: &UpArgs, model: &Path, served: &str) -> DeploymentSpec {
 /// fails to load (its reason is in the error).
 pub async fn run(args: UpArgs) -> Result<()> {
     prism_common::telemetry::init_logging();
-    if args.tensor_parallel_size == 0 || args.replicas == 0 {
+    if args.engine.tensor_parallel_size == 0 || args.replicas == 0 {
         bail!("--tensor-parallel-size and --replicas must be at least 1");
     }
     let model = resolve_model(&args.model)?;
@@ -418,6 +384,58 @@ fn print_banner(served: &str, model: &Path, ep: &Endpoints) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::deploy::DeploymentFile;
+    use clap::Parser;
+    use prism_common::proto::v1::EngineConfig;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+
+    /// The engine config `prism up FLAGS` deploys, and the one of a deployment file with `engine_block`.
+    fn both(flags: &[&str], engine_block: &str) -> anyhow::Result<(EngineConfig, EngineConfig)> {
+        let args = Cli::try_parse_from(std::iter::once("prism-up").chain(flags.iter().copied()))?.up;
+        let up = spec(&args, Path::new("/models/m.gguf"), "smol").engine.context("engine")?;
+        let yaml = format!("name: smol\nmodel: /models/m.gguf\n{engine_block}");
+        let deployed = DeploymentFile::parse(&yaml)?.to_spec().engine.context("engine")?;
+        Ok((up, deployed))
+    }
+
+    #[test]
+    fn up_flags_and_a_deployment_files_engine_block_give_the_same_engine_config() -> anyhow::Result<()> {
+        let (up, deployed) = both(
+            &[
+                "--tensor-parallel-size=2",
+                "--max-model-len=2048",
+                "--block-size=32",
+                "--max-num-seqs=64",
+                "--max-num-batched-tokens=1024",
+                "--gpu-memory-utilization=0.85",
+                "--kv-cache-bytes=67108864",
+                "--backend=cpu",
+                "--max-in-flight=16",
+                "--batch-invariant",
+            ],
+            "engine:\n  tensor_parallel_size: 2\n  max_model_len: 2048\n  block_size: 32\n  max_num_seqs: 64\n  \
+             max_num_batched_tokens: 1024\n  gpu_memory_utilization: 0.85\n  kv_cache_bytes: 67108864\n  \
+             backend: cpu\n  max_in_flight: 16\n  batch_invariant: true\n",
+        )?;
+        assert_eq!(up, deployed);
+        assert_eq!((up.max_num_seqs, up.backend.as_str(), up.served_model_name.as_str()), (Some(64), "cpu", "smol"));
+        // No engine flags and no engine block: every knob unset, one GPU per replica.
+        let (up, deployed) = both(&[], "")?;
+        assert_eq!(up, deployed);
+        let unset = EngineConfig {
+            model: "/models/m.gguf".into(),
+            served_model_name: "smol".into(),
+            tensor_parallel_size: 1,
+            ..EngineConfig::default()
+        };
+        assert_eq!(up, unset);
+        Ok(())
+    }
 
     #[test]
     fn names_from_model_paths() {

@@ -26,7 +26,8 @@ pub fn is_dns1123_label(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
-/// Validates a deployment spec and fills defaults (`served_model_name` = name).
+/// Validates a deployment spec and fills defaults (`served_model_name` = name; a knob set to
+/// 0 is unset).
 ///
 /// # Errors
 /// `InvalidArgument` naming the field.
@@ -50,8 +51,10 @@ pub fn validate_spec(mut spec: DeploymentSpec) -> HeadResult<DeploymentSpec> {
             engine.tensor_parallel_size
         ));
     }
-    if !(0.0..=1.0).contains(&engine.gpu_memory_utilization) {
-        return bad(format!("engine.gpu_memory_utilization must be in [0, 1], got {}", engine.gpu_memory_utilization));
+    if let Some(u) = engine.gpu_memory_utilization
+        && !(0.0..=1.0).contains(&u)
+    {
+        return bad(format!("engine.gpu_memory_utilization must be in [0, 1], got {u}"));
     }
     if !matches!(engine.backend.as_str(), "" | "auto" | "cpu" | "cuda") {
         return bad(format!("engine.backend must be auto, cpu or cuda, got {:?}", engine.backend));
@@ -59,6 +62,7 @@ pub fn validate_spec(mut spec: DeploymentSpec) -> HeadResult<DeploymentSpec> {
     if engine.served_model_name.is_empty() {
         engine.served_model_name.clone_from(&spec.name);
     }
+    prism_common::engine_flags::unset_zeros(engine);
     check_bounds(&spec, spec.replicas)?;
     Ok(spec)
 }

@@ -34,8 +34,8 @@ pub fn build(st: &State) -> Vec<RouteEntry> {
                 state: r.state,
                 load: st.load(id).cloned(),
                 node_id: r.node_id.clone(),
-                max_model_len: max_model_len(r.max_model_len, engine.map_or(0, |e| e.max_model_len)),
-                max_in_flight: engine.map_or(0, |e| e.max_in_flight),
+                max_model_len: max_model_len(r.max_model_len, engine.and_then(|e| e.max_model_len).unwrap_or(0)),
+                max_in_flight: engine.and_then(|e| e.max_in_flight).unwrap_or(0),
             }
         })
         .collect()
@@ -146,7 +146,7 @@ mod tests {
     fn state(configured: u32, replicas: &[(&str, ReplicaState, u32)]) -> State {
         let mut view = ClusterView::default();
         let engine =
-            EngineConfig { served_model_name: "m".into(), max_model_len: configured, ..EngineConfig::default() };
+            EngineConfig { served_model_name: "m".into(), max_model_len: Some(configured), ..EngineConfig::default() };
         let spec = DeploymentSpec { name: "d".into(), engine: Some(engine), ..DeploymentSpec::default() };
         let record = DeploymentRecord { spec: Some(spec), ..DeploymentRecord::default() };
         view.deployments.insert(DeploymentName::from("d"), Entry { record, mod_revision: 1 });

@@ -60,8 +60,8 @@ fn spec(replicas: u32) -> DeploymentSpec {
             model: model.to_string_lossy().into_owned(),
             served_model_name: DEP.into(),
             tensor_parallel_size: TP as u32,
-            max_num_seqs: 4,
-            kv_cache_bytes: 64 << 20,
+            max_num_seqs: Some(4),
+            kv_cache_bytes: Some(64 << 20),
             ..Default::default()
         }),
         replicas,

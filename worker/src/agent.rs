@@ -225,7 +225,7 @@ impl Agent {
                 return;
             }
         };
-        let kv_cache_bytes = if engine.kv_cache_bytes == 0 { self.cfg.kv_cache_bytes } else { engine.kv_cache_bytes };
+        let kv_cache_bytes = engine.kv_cache_bytes.unwrap_or(self.cfg.kv_cache_bytes);
         let spec = LaunchSpec {
             replica_id: replica.id.clone(),
             engine,

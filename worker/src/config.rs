@@ -2,6 +2,7 @@
 //! validated [`WorkerConfig`] that [`crate::run`] takes.
 
 use prism_common::NodeId;
+use prism_common::engine_flags::DEFAULT_CPU_KV_CACHE_BYTES;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -56,8 +57,8 @@ pub struct Args {
     #[arg(long, env = "PRISM_DRAIN_MARGIN", default_value_t = 5.0)]
     pub drain_margin: f64,
 
-    /// Default KV-cache budget in bytes for CPU replicas whose engine config leaves it at 0.
-    #[arg(long, env = "PRISM_WORKER_KV_CACHE_BYTES", default_value_t = 256 * 1024 * 1024)]
+    /// KV-cache budget in bytes of the CPU replicas whose deployment sets no `kv_cache_bytes`.
+    #[arg(long, env = "PRISM_WORKER_KV_CACHE_BYTES", default_value_t = DEFAULT_CPU_KV_CACHE_BYTES)]
     pub kv_cache_bytes: u64,
 
     /// Spot-termination notice URL, polled once a second; a 200 answer (a termination time,

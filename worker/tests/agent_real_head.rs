@@ -120,7 +120,7 @@ async fn agent_with_real_head_serves_and_survives_head_restart() -> Result<()> {
             model: model.to_string_lossy().into_owned(),
             served_model_name: "smol".into(),
             tensor_parallel_size: 1,
-            kv_cache_bytes: 32 * 1024 * 1024,
+            kv_cache_bytes: Some(32 * 1024 * 1024),
             ..Default::default()
         }),
         replicas: 1,

@@ -238,7 +238,7 @@ fn start_cmd(id: &str, model: &str) -> head_message::Msg {
             model: model.into(),
             served_model_name: "smol".into(),
             tensor_parallel_size: 1,
-            kv_cache_bytes: 32 * 1024 * 1024,
+            kv_cache_bytes: Some(32 * 1024 * 1024),
             ..Default::default()
         }),
         gpu_indices: vec![0],

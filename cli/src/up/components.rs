@@ -3,6 +3,7 @@
 //! router (stop accepting), worker (drain in-flight requests), head.
 
 use anyhow::{Context, Result, anyhow};
+use prism_common::engine_flags::DEFAULT_CPU_KV_CACHE_BYTES;
 use prism_common::proto::v1::ClusterStatusRequest;
 use prism_common::shutdown::CancellationToken;
 use prism_head::{HeadConfig, StoreSpec};
@@ -17,9 +18,25 @@ const ROUTER_STOP: Duration = Duration::from_secs(2);
 const WORKER_STOP: Duration = Duration::from_secs(5);
 const HEAD_STOP: Duration = Duration::from_secs(2);
 
+/// One running component: its task, the token that stops it and how long it may take.
+struct Component {
+    name: &'static str,
+    token: CancellationToken,
+    /// `None` once awaited.
+    task: Option<JoinHandle<Result<()>>>,
+    stop_limit: Duration,
+}
+
+impl Component {
+    fn new(name: &'static str, token: CancellationToken, task: JoinHandle<Result<()>>, stop_limit: Duration) -> Self {
+        Self { name, token, task: Some(task), stop_limit }
+    }
+}
+
 /// The running components.
 pub struct Cluster {
-    tasks: Vec<(&'static str, CancellationToken, Option<JoinHandle<Result<()>>>, Duration)>,
+    /// In stop order.
+    tasks: Vec<Component>,
     /// Holds the embedded store's file for the process lifetime (removed on drop).
     _state_dir: Option<tempfile::TempDir>,
 }
@@ -45,8 +62,9 @@ pub async fn start(
     let head_config = HeadConfig::new(store, head_url.clone());
 
     let mut worker_config = prism_worker::WorkerConfig::for_test(head_url.clone(), &prism_worker::config::hostname());
-    worker_config.cpu_slots = args.replicas.saturating_mul(args.tensor_parallel_size).max(1);
-    worker_config.kv_cache_bytes = args.kv_cache_bytes.unwrap_or(256 * 1024 * 1024);
+    worker_config.cpu_slots = args.replicas.saturating_mul(args.engine.tensor_parallel_size).max(1);
+    // The budget of CPU replicas that set none (`--kv-cache-bytes` travels in the spec).
+    worker_config.kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES;
     // Ctrl-C drains in-flight requests for at most this long.
     worker_config.sigterm_drain = Duration::from_secs(3);
 
@@ -80,9 +98,9 @@ pub async fn start(
     ));
     Ok(Cluster {
         tasks: vec![
-            ("router", router_token, Some(router), ROUTER_STOP),
-            ("worker", worker_token, Some(worker), WORKER_STOP),
-            ("head", head_token, Some(head), HEAD_STOP),
+            Component::new("router", router_token, router, ROUTER_STOP),
+            Component::new("worker", worker_token, worker, WORKER_STOP),
+            Component::new("head", head_token, head, HEAD_STOP),
         ],
         _state_dir: state_dir,
     })
@@ -108,9 +126,9 @@ async fn wait_for_leader(head_url: &str) -> Result<()> {
 impl Cluster {
     /// Resolves when any component stops on its own (an error, or an unexpected exit).
     pub async fn failed(&mut self) -> anyhow::Error {
-        let futures = self.tasks.iter_mut().filter_map(|(name, _, task, _)| {
-            task.as_mut().map(|t| {
-                let name = *name;
+        let futures = self.tasks.iter_mut().filter_map(|c| {
+            c.task.as_mut().map(|t| {
+                let name = c.name;
                 Box::pin(async move {
                     match t.await {
                         Ok(Ok(())) => anyhow!("the {name} stopped unexpectedly"),
@@ -129,7 +147,7 @@ impl Cluster {
 
     /// Stops the components in order (router, worker, head), each within its time limit.
     pub async fn shutdown(&mut self) {
-        for (name, token, task, limit) in &mut self.tasks {
+        for Component { name, token, task, stop_limit: limit } in &mut self.tasks {
             token.cancel();
             if let Some(t) = task.take() {
                 match tokio::time::timeout(*limit, t).await {

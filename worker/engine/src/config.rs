@@ -1,5 +1,7 @@
-//! Engine configuration (clap flags with `PRISM_*` env vars, vLLM's knob names) and
-//! [`EngineHandle::start`]: load the model, build the backend, start the step thread.
+//! Engine configuration (vLLM's knob names) and [`EngineHandle::start`]: load the model,
+//! build the backend, start the step thread. The flags and deployment-file keys that set
+//! these knobs live in `prism_common::engine_flags`; the worker's launcher maps the
+//! protocol's `EngineConfig` onto [`EngineConfig`], taking the defaults from here.
 //!
 //! Per-backend defaults live in one place, [`BackendKind`]: the step token budget
 //! (`max_num_batched_tokens`) and the size of the replica's compute pool.
@@ -122,55 +124,6 @@ impl EngineConfig {
             max_pending_requests: self.max_pending_requests,
             engine_threads: Some(self.engine_threads.unwrap_or_else(|| self.backend.default_engine_threads())),
             ..RuntimeConfig::default()
-        }
-    }
-}
-
-/// Engine flags, to `#[command(flatten)]` into a binary's arguments.
-#[derive(Clone, Debug, clap::Args)]
-pub struct EngineArgs {
-    /// Model: a GGUF file or a Hugging Face directory.
-    #[arg(long, env = "PRISM_MODEL")]
-    pub model: PathBuf,
-    /// Name clients use for the model (default: the file or directory name).
-    #[arg(long, env = "PRISM_SERVED_MODEL_NAME")]
-    pub served_model_name: Option<String>,
-    /// Context window in tokens (default: the model's).
-    #[arg(long, env = "PRISM_MAX_MODEL_LEN")]
-    pub max_model_len: Option<usize>,
-    /// KV-cache block size in tokens.
-    #[arg(long, env = "PRISM_BLOCK_SIZE", default_value_t = 16)]
-    pub block_size: usize,
-    /// Most sequences running at once.
-    #[arg(long, env = "PRISM_MAX_NUM_SEQS", default_value_t = 256)]
-    pub max_num_seqs: usize,
-    /// Most tokens (prefill chunks + decodes) per step (default: 512 on the CPU backend, where
-    /// short chunks keep steps short; 2048 on CUDA).
-    #[arg(long, env = "PRISM_MAX_NUM_BATCHED_TOKENS")]
-    pub max_num_batched_tokens: Option<usize>,
-    /// Threads of the replica's own compute pool (default: every core).
-    #[arg(long, env = "PRISM_ENGINE_THREADS")]
-    pub engine_threads: Option<usize>,
-    /// CPU KV-cache budget in bytes (default 1 GiB).
-    #[arg(long, env = "PRISM_KV_CACHE_BYTES")]
-    pub kv_cache_bytes: Option<u64>,
-}
-
-impl From<EngineArgs> for EngineConfig {
-    fn from(a: EngineArgs) -> Self {
-        let name = a.served_model_name.unwrap_or_else(|| {
-            a.model.file_stem().map_or_else(|| "model".to_owned(), |s| s.to_string_lossy().into_owned())
-        });
-        let base = Self::new(a.model);
-        Self {
-            served_model_name: name,
-            max_model_len: a.max_model_len,
-            block_size: a.block_size,
-            max_num_seqs: a.max_num_seqs,
-            max_num_batched_tokens: a.max_num_batched_tokens.unwrap_or(base.max_num_batched_tokens),
-            engine_threads: a.engine_threads,
-            kv_cache_bytes: a.kv_cache_bytes,
-            ..base
         }
     }
 }

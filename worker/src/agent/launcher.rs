@@ -54,42 +54,36 @@ impl ReplicaEngine for EngineHandle {
     }
 }
 
-/// Engine configuration for a launch spec (proto zeros mean "engine default").
+/// The engine configuration of a launch spec: the one mapping from the protocol's
+/// `EngineConfig` to the engine's. An absent knob takes the engine's default
+/// ([`EngineConfig::new`], the backend's step token budget); the KV-cache budget of a CPU
+/// replica that sets none is the worker's (`LaunchSpec::kv_cache_bytes`).
 pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
     let e = &spec.engine;
-    let mut cfg = EngineConfig::new(&e.model);
-    cfg.served_model_name = if e.served_model_name.is_empty() { e.model.clone() } else { e.served_model_name.clone() };
-    if e.max_model_len > 0 {
-        cfg.max_model_len = Some(e.max_model_len as usize);
-    }
-    if e.block_size > 0 {
-        cfg.block_size = e.block_size as usize;
-    }
-    if e.max_num_seqs > 0 {
-        cfg.max_num_seqs = e.max_num_seqs as usize;
-    }
-    cfg.engine_threads = spec.engine_threads;
-    cfg.batch_invariant = e.batch_invariant;
-    if e.gpu_memory_utilization > 0.0 {
-        cfg.gpu_memory_utilization = e.gpu_memory_utilization;
-    }
-    // The worker's default budget is for CPU replicas; a CUDA replica sizes its KV cache from
-    // gpu_memory_utilization unless the deployment set a budget itself.
-    cfg.kv_cache_bytes = match &spec.placement {
-        DevicePlacement::Cpu => Some(spec.kv_cache_bytes),
-        DevicePlacement::Cuda(_) => (e.kv_cache_bytes > 0).then_some(e.kv_cache_bytes),
-    };
-    cfg.backend = match &spec.placement {
+    let backend = match &spec.placement {
         DevicePlacement::Cpu => BackendKind::Cpu,
         DevicePlacement::Cuda(devices) => BackendKind::Cuda { devices: devices.clone() },
     };
-    // The deployment's explicit value, else the backend's default (512 on CPU, 2048 on CUDA).
-    cfg.max_num_batched_tokens = if e.max_num_batched_tokens > 0 {
-        e.max_num_batched_tokens as usize
-    } else {
-        cfg.backend.default_max_num_batched_tokens()
-    };
-    cfg
+    let base = EngineConfig::new(&e.model);
+    let size = |v: Option<u32>, default: usize| v.map_or(default, |n| n as usize);
+    EngineConfig {
+        served_model_name: if e.served_model_name.is_empty() { e.model.clone() } else { e.served_model_name.clone() },
+        max_model_len: e.max_model_len.map(|n| n as usize),
+        block_size: size(e.block_size, base.block_size),
+        max_num_seqs: size(e.max_num_seqs, base.max_num_seqs),
+        max_num_batched_tokens: size(e.max_num_batched_tokens, backend.default_max_num_batched_tokens()),
+        engine_threads: spec.engine_threads,
+        // A CUDA replica sizes its KV cache from gpu_memory_utilization unless the deployment
+        // set a budget itself.
+        kv_cache_bytes: match &spec.placement {
+            DevicePlacement::Cpu => Some(spec.kv_cache_bytes),
+            DevicePlacement::Cuda(_) => e.kv_cache_bytes,
+        },
+        gpu_memory_utilization: e.gpu_memory_utilization.unwrap_or(base.gpu_memory_utilization),
+        backend,
+        batch_invariant: e.batch_invariant,
+        ..base
+    }
 }
 
 /// Launches replicas on this worker's engine.
@@ -115,7 +109,7 @@ mod tests {
     use super::*;
     use prism_common::proto::v1 as pb;
 
-    fn spec(placement: DevicePlacement, kv: u64, util: f32) -> LaunchSpec {
+    fn spec(placement: DevicePlacement, kv: Option<u64>, util: Option<f32>) -> LaunchSpec {
         LaunchSpec {
             replica_id: prism_common::ReplicaId::from("r1".to_owned()),
             engine: pb::EngineConfig {
@@ -132,10 +126,10 @@ mod tests {
 
     #[test]
     fn step_token_budget_defaults_per_backend_and_keeps_an_explicit_value() {
-        assert_eq!(engine_config(&spec(DevicePlacement::Cpu, 0, 0.0)).max_num_batched_tokens, 512);
-        assert_eq!(engine_config(&spec(DevicePlacement::Cuda(vec![0]), 0, 0.0)).max_num_batched_tokens, 2048);
-        let mut s = spec(DevicePlacement::Cpu, 0, 0.0);
-        s.engine.max_num_batched_tokens = 4096;
+        assert_eq!(engine_config(&spec(DevicePlacement::Cpu, None, None)).max_num_batched_tokens, 512);
+        assert_eq!(engine_config(&spec(DevicePlacement::Cuda(vec![0]), None, None)).max_num_batched_tokens, 2048);
+        let mut s = spec(DevicePlacement::Cpu, None, None);
+        s.engine.max_num_batched_tokens = Some(4096);
         s.engine_threads = Some(3);
         let cfg = engine_config(&s);
         assert_eq!(cfg.max_num_batched_tokens, 4096);
@@ -144,14 +138,35 @@ mod tests {
 
     #[test]
     fn cuda_replicas_size_kv_from_gpu_memory_unless_the_deployment_set_a_budget() {
-        let cpu = engine_config(&spec(DevicePlacement::Cpu, 0, 0.0));
+        let cpu = engine_config(&spec(DevicePlacement::Cpu, None, None));
         assert_eq!(cpu.kv_cache_bytes, Some(64 << 20));
-        let gpu = engine_config(&spec(DevicePlacement::Cuda(vec![0]), 0, 0.0));
+        let gpu = engine_config(&spec(DevicePlacement::Cuda(vec![0]), None, None));
         assert_eq!(gpu.kv_cache_bytes, None);
         assert!((gpu.gpu_memory_utilization - 0.9).abs() < 1e-6);
-        let gpu = engine_config(&spec(DevicePlacement::Cuda(vec![1]), 1 << 30, 0.5));
+        let gpu = engine_config(&spec(DevicePlacement::Cuda(vec![1]), Some(1 << 30), Some(0.5)));
         assert_eq!(gpu.kv_cache_bytes, Some(1 << 30));
         assert!((gpu.gpu_memory_utilization - 0.5).abs() < 1e-6);
         assert_eq!(gpu.backend, BackendKind::Cuda { devices: vec![1] });
+    }
+
+    #[test]
+    fn absent_knobs_take_the_engines_defaults_and_set_ones_pass_through() {
+        let defaults = engine_config(&spec(DevicePlacement::Cpu, None, None));
+        let engine = EngineConfig::new("/m");
+        assert_eq!((defaults.max_model_len, defaults.block_size), (None, engine.block_size));
+        assert_eq!((defaults.max_num_seqs, defaults.batch_invariant), (engine.max_num_seqs, false));
+        assert_eq!(defaults.served_model_name, "/m");
+        let mut s = spec(DevicePlacement::Cpu, Some(1 << 20), None);
+        s.engine.served_model_name = "smol".into();
+        s.engine.max_model_len = Some(1024);
+        s.engine.block_size = Some(32);
+        s.engine.max_num_seqs = Some(8);
+        s.engine.batch_invariant = true;
+        let cfg = engine_config(&s);
+        assert_eq!(cfg.served_model_name, "smol");
+        assert_eq!((cfg.max_model_len, cfg.block_size, cfg.max_num_seqs), (Some(1024), 32, 8));
+        assert!(cfg.batch_invariant);
+        // A CPU replica's budget is the worker's, already resolved into the launch spec.
+        assert_eq!(cfg.kv_cache_bytes, Some(64 << 20));
     }
 }
