@@ -83,7 +83,7 @@ pub fn load_model_with(
     let noop = |_: u64, _: u64| {};
     let progress: ProgressFn<'_> = progress.unwrap_or(&noop);
     match source {
-        ModelSource::Gguf(path) => gguf::load(path, progress, options.keep_quantized),
+        ModelSource::Gguf(path) => gguf::loader::load(path, progress, options.keep_quantized),
         ModelSource::HfDir(dir) => safetensors::load_dir(dir, progress),
     }
 }
