@@ -1,4 +1,4 @@
-//! Engine benchmark on the bundled model (issue 2): prefill tokens/s for a 512-token
+//! Engine benchmark on the bundled model: prefill tokens/s for a 512-token
 //! prompt, TTFT, decode tokens/s at batch 1, 8 and 32 (continuous batching, aggregate),
 //! resident memory and KV-cache bytes per token. Compare with `bench/llama_cpp_engine.py`.
 //!

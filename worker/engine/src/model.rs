@@ -28,7 +28,7 @@ pub use llama::{LayerWeights, Linear, LlamaWeights, QuantizedData};
 pub use loaded::{LoadOptions, LoadedModel, ProgressFn};
 pub use tokenizer::Tokenizer;
 
-use crate::EngineError;
+use crate::request::EngineError;
 
 /// Where a model comes from; detected from the path by [`ModelSource::detect`].
 #[derive(Clone, Debug, PartialEq, Eq)]

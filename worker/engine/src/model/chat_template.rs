@@ -10,7 +10,7 @@ use minijinja::{Environment, Error, ErrorKind, State, context};
 use serde::Serialize;
 
 use super::error::ModelError;
-use crate::{ChatMessage, EngineError};
+use crate::request::{ChatMessage, EngineError};
 
 const NAME: &str = "chat";
 

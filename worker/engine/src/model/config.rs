@@ -307,8 +307,8 @@ mod tests {
         assert!(matches!(ModelConfig::from_hf(&hf), Err(ModelError::Config(_))));
         // The engine reports it as an internal error, as for every load failure.
         assert!(matches!(
-            ModelConfig::from_hf(&hf).map_err(crate::EngineError::from),
-            Err(crate::EngineError::Internal(_))
+            ModelConfig::from_hf(&hf).map_err(crate::request::EngineError::from),
+            Err(crate::request::EngineError::Internal(_))
         ));
     }
 }

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::EngineError;
+use crate::request::EngineError;
 
 /// A model load failure.
 #[derive(Debug, thiserror::Error)]

@@ -372,6 +372,26 @@ mod tests {
     }
 
     #[test]
+    fn truncated_headers_and_unknown_versions_are_typed() -> anyhow::Result<()> {
+        let path = std::env::temp_dir().join(format!("prism-gguf-trunc-{}", std::process::id()));
+        // Magic, version 3, then the tensor count cut short.
+        std::fs::write(&path, b"GGUF\x03\x00\x00\x00\x01\x00")?;
+        let truncated = GgufFile::open(&path).err().context("a truncated file must not open")?;
+        std::fs::write(&path, b"GGUF\x09\x00\x00\x00")?;
+        let version = GgufFile::open(&path).err().context("version 9 must not open")?;
+        std::fs::remove_file(&path)?;
+        assert!(
+            matches!(&truncated, ModelError::File { source, .. } if matches!(**source, ModelError::MalformedGguf(_))),
+            "{truncated}"
+        );
+        assert!(
+            matches!(&version, ModelError::File { source, .. } if matches!(**source, ModelError::GgufVersion(9))),
+            "{version}"
+        );
+        Ok(())
+    }
+
+    #[test]
     fn rejects_non_gguf() -> anyhow::Result<()> {
         let dir = std::env::temp_dir().join(format!("prism-gguf-test-{}", std::process::id()));
         std::fs::write(&dir, b"NOPE\x03\x00\x00\x00")?;
@@ -380,7 +400,7 @@ mod tests {
         let e = r.err().context("a non-GGUF file must not open")?;
         assert!(matches!(&e, ModelError::File { source, .. } if matches!(**source, ModelError::NotGguf { .. })), "{e}");
         // The engine reports it as an internal error, as for every load failure.
-        assert!(matches!(crate::EngineError::from(e), crate::EngineError::Internal(_)));
+        assert!(matches!(crate::request::EngineError::from(e), crate::request::EngineError::Internal(_)));
         Ok(())
     }
 }

@@ -272,6 +272,27 @@ mod tests {
     }
 
     #[test]
+    fn missing_files_name_the_file_and_keep_the_io_error() {
+        let dir = std::env::temp_dir().join(format!("prism-st-missing-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("test dir");
+        let e = open_dir_model(&dir).err().expect("a directory without config.json must not open");
+        assert!(
+            matches!(&e, ModelError::File { path, source } if path.ends_with("config.json")
+                && matches!(&**source, ModelError::Io(io) if io.kind() == std::io::ErrorKind::NotFound)),
+            "{e}"
+        );
+        std::fs::write(dir.join("config.json"), "{").expect("test file");
+        let e = open_dir_model(&dir).err().expect("invalid JSON must not open");
+        assert!(matches!(&e, ModelError::File { source, .. } if matches!(**source, ModelError::Json(_))), "{e}");
+        let engine = crate::request::EngineError::from(e);
+        assert!(
+            matches!(&engine, crate::request::EngineError::Internal(m) if m.starts_with("model load: ")),
+            "{engine}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
     fn append_bf16_copies_bf16_and_rounds_f32_f16_like_the_f32_path() {
         let dir = std::env::temp_dir().join(format!("prism-st-bf16-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("test file");

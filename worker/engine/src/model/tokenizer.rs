@@ -18,7 +18,7 @@ use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use super::error::{ModelError, ResultExt};
 use super::gguf::{GgufFile, GgufValue};
-use crate::EngineError;
+use crate::request::EngineError;
 
 /// GGUF `token_type` values (llama.cpp `llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;

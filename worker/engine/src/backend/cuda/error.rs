@@ -13,8 +13,8 @@ use cudarc::nccl::result::NcclError;
 use cudarc::nccl::sys::ncclResult_t;
 use cudarc::nvrtc::CompileError;
 
-use crate::EngineError;
 use crate::model::error::ModelError;
+use crate::request::EngineError;
 
 /// A CUDA backend failure.
 #[derive(Debug, thiserror::Error)]
