@@ -1,6 +1,6 @@
 //! What a CUDA backend is built from besides its weights: [`CudaOptions`] (device, KV-cache
 //! budget, step limits, graphs, batch invariance), the model dimensions of the local shard
-//! ([`Dims`]) and [`SyntheticShape`], a model shape filled with seeded random weights on the
+//! (`Dims`) and [`SyntheticShape`], a model shape filled with seeded random weights on the
 //! device (benchmarks at real sizes without shipping checkpoints).
 
 /// Options for [`super::CudaBackend::new`].
