@@ -1,4 +1,4 @@
-//! Engine benchmark on the bundled model (issue 2): prefill tokens/s for a 512-token
+//! Engine benchmark on the bundled model: prefill tokens/s for a 512-token
 //! prompt, TTFT, decode tokens/s at batch 1, 8 and 32 (continuous batching, aggregate),
 //! resident memory and KV-cache bytes per token. Compare with `bench/llama_cpp_engine.py`.
 //!
@@ -64,9 +64,9 @@ fn decode(e: &EngineHandle, prompt: &[u32], batch: usize, tokens: i64) -> Result
 }
 
 fn main() -> Result<()> {
-    let model = std::env::var_os("PRISM_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    let model = std::env::var_os("PRISM_MODEL").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
     let tokens: i64 = std::env::var("PRISM_BENCH_DECODE_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
     let load = Instant::now();
     let mut cfg = EngineConfig::new(&model);

@@ -203,6 +203,10 @@ pub enum BackendError {
     /// Device or kernel failure.
     #[error("device error: {0}")]
     Device(String),
+    /// A CUDA device, kernel or library failure.
+    #[cfg(feature = "cuda")]
+    #[error("device error: {0}")]
+    Cuda(#[from] cuda::error::CudaError),
     /// The batch is inconsistent with the cache (scheduler bug).
     #[error("invalid batch: {0}")]
     InvalidBatch(String),

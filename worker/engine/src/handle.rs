@@ -1,6 +1,6 @@
 //! [`EngineHandle`]: the cloneable front door of one engine replica. `submit` validates
 //! and tokenizes on the caller's thread, then hands the request to the step thread
-//! ([`super::step_loop`]) through a channel; outputs come back on a bounded stream whose
+//! (`step_loop.rs`) through a channel; outputs come back on a bounded stream whose
 //! drop aborts the request at the next step boundary.
 //!
 //! Each replica runs its compute on its own rayon pool (built here, `install`ed around every

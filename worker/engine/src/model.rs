@@ -12,8 +12,10 @@
 
 pub mod chat_template;
 pub mod config;
+pub mod error;
 pub mod gguf;
 pub mod llama;
+mod loaded;
 pub mod safetensors;
 pub mod tokenizer;
 
@@ -21,10 +23,12 @@ use std::path::{Path, PathBuf};
 
 pub use chat_template::ChatTemplate;
 pub use config::{ModelConfig, RopeScaling};
+pub use error::ModelError;
 pub use llama::{LayerWeights, Linear, LlamaWeights, QuantizedData};
+pub use loaded::{LoadOptions, LoadedModel, ProgressFn};
 pub use tokenizer::Tokenizer;
 
-use crate::EngineError;
+use crate::request::EngineError;
 
 /// Where a model comes from; detected from the path by [`ModelSource::detect`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -57,42 +61,13 @@ impl ModelSource {
     }
 }
 
-/// A model ready to be handed to a backend: everything on the host, weights in f32.
-pub struct LoadedModel {
-    /// Architecture hyper-parameters and special token ids.
-    pub config: ModelConfig,
-    /// The tokenizer (encode, token bytes, special tokens).
-    pub tokenizer: Tokenizer,
-    /// The chat template, when the model ships one.
-    pub chat_template: Option<ChatTemplate>,
-    /// f32 host weights, Hugging Face layout.
-    pub weights: LlamaWeights,
-}
-
-impl std::fmt::Debug for LoadedModel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LoadedModel").field("config", &self.config).finish_non_exhaustive()
-    }
-}
-
-/// Load progress callback: `(done, total)` in bytes of tensor data.
-pub type ProgressFn<'a> = &'a dyn Fn(u64, u64);
-
-/// How [`load_model_with`] represents weights.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct LoadOptions {
-    /// Keep GGUF Q4_0/Q4_1/Q8_0 matrices in their blocks ([`Linear::quant`], read directly
-    /// by the CPU backend; about a fifth of the f32 memory) instead of dequantizing them.
-    pub keep_quantized: bool,
-}
-
 /// Loads a model with every weight in f32 (blocking; call from `spawn_blocking` or a
 /// plain thread).
 ///
 /// # Errors
-/// [`EngineError::Internal`] on unreadable or malformed files, unsupported architectures or
-/// tensor types, and missing tensors; [`EngineError::InvalidRequest`] for a missing path.
-pub fn load_model(source: &ModelSource, progress: Option<ProgressFn<'_>>) -> Result<LoadedModel, EngineError> {
+/// [`ModelError`] on unreadable or malformed files, unsupported architectures or tensor types,
+/// and missing tensors (the engine reports it as [`EngineError::Internal`]).
+pub fn load_model(source: &ModelSource, progress: Option<ProgressFn<'_>>) -> Result<LoadedModel, ModelError> {
     load_model_with(source, progress, LoadOptions::default())
 }
 
@@ -104,16 +79,11 @@ pub fn load_model_with(
     source: &ModelSource,
     progress: Option<ProgressFn<'_>>,
     options: LoadOptions,
-) -> Result<LoadedModel, EngineError> {
+) -> Result<LoadedModel, ModelError> {
     let noop = |_: u64, _: u64| {};
     let progress: ProgressFn<'_> = progress.unwrap_or(&noop);
     match source {
-        ModelSource::Gguf(path) => gguf::load(path, progress, options.keep_quantized),
+        ModelSource::Gguf(path) => gguf::loader::load(path, progress, options.keep_quantized),
         ModelSource::HfDir(dir) => safetensors::load_dir(dir, progress),
     }
-}
-
-/// Shorthand for a loading error.
-pub(crate) fn load_err(msg: impl std::fmt::Display) -> EngineError {
-    EngineError::Internal(format!("model load: {msg}"))
 }

@@ -1,5 +1,5 @@
-//! Tests of how an engine stops and shares the CPU (QA's availability cascade, issues 2 and
-//! 8): a stop interrupts a long step and ends the step thread and the replica's compute
+//! Tests of how an engine stops and shares the CPU, so that one failed replica cannot starve
+//! the others: a stop interrupts a long step and ends the step thread and the replica's compute
 //! threads; a stalled engine shuts down at once; each replica computes on its own pool;
 //! gauges show work during a long step; progress inside a step is visible to the stall check.
 

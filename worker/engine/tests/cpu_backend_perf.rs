@@ -38,7 +38,7 @@ fn step(seqs: &[(u32, usize, usize)], bs: usize) -> StepBatch {
 #[test]
 #[ignore = "benchmark"]
 fn cpu_backend_throughput() -> Result<()> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     if !path.exists() {
         eprintln!("SKIPPED: model missing");
         return Ok(());

@@ -1,4 +1,4 @@
-//! Engine acceptance tests (issue 2) on the bundled SmolLM2-135M-Instruct GGUF with the
+//! End-to-end engine tests on the bundled SmolLM2-135M-Instruct GGUF with the
 //! CPU backend: batching changes nothing, nothing leaks, bad input is typed and the engine
 //! keeps serving, streamed text is valid UTF-8 without stop-string leaks, seeded sampling
 //! is reproducible.
@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 fn model_path() -> Result<Option<PathBuf>> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     if path.exists() {
         return Ok(Some(path));
     }
@@ -297,9 +297,9 @@ fn engine_seeded_sampling_is_reproducible() -> Result<()> {
     Ok(())
 }
 
-/// QA's cascade (issues 2 and 8): a replica declared failed kept its 2048-token prefill
-/// running for minutes on shared threads. Now `stop` interrupts the real CPU forward pass
-/// at a layer boundary and the step thread and the replica's compute threads exit.
+/// A replica declared failed must not keep a long prefill running on its threads: `stop`
+/// interrupts the real CPU forward pass of a 2048-token prefill at a layer boundary, and the
+/// step thread and the replica's compute threads exit.
 #[test]
 fn engine_stop_interrupts_a_long_real_prefill_and_ends_its_threads() -> Result<()> {
     ensure!(EngineConfig::new("m").max_num_batched_tokens == 512, "CPU default step budget");

@@ -19,7 +19,7 @@ use prism_engine::backend::{Backend, BackendError, SeqStep, StepBatch};
 use prism_engine::model::{LoadedModel, ModelSource, load_model};
 
 fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 fn hf_tiny() -> Result<LoadedModel> {

@@ -20,8 +20,8 @@ pub mod ops;
 pub mod qmatmul;
 
 use super::{Backend, BackendError, Logits, StepBatch};
-use crate::EngineError;
 use crate::model::{LlamaWeights, ModelConfig};
+use crate::request::EngineError;
 use attention::{AttnShape, TokenCtx, paged_attention};
 use ops::{rms_norm, rope_apply, rope_tables, silu_mul};
 use qmatmul::{PackedWeight, matmul};

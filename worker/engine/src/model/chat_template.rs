@@ -9,8 +9,8 @@ use minijinja::value::{Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, State, context};
 use serde::Serialize;
 
-use super::load_err;
-use crate::{ChatMessage, EngineError};
+use super::error::ModelError;
+use crate::request::{ChatMessage, EngineError};
 
 const NAME: &str = "chat";
 
@@ -158,15 +158,15 @@ impl ChatTemplate {
     /// Compiles a template. `bos_token`/`eos_token` are exposed to it as variables.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] when the template does not parse.
-    pub fn new(source: &str, bos_token: String, eos_token: String) -> Result<Self, EngineError> {
+    /// [`ModelError::ChatTemplate`] when the template does not parse.
+    pub fn new(source: &str, bos_token: String, eos_token: String) -> Result<Self, ModelError> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.set_unknown_method_callback(py_method);
-        env.add_template_owned(NAME, source.to_owned()).map_err(|e| load_err(format!("chat template: {e}")))?;
+        env.add_template_owned(NAME, source.to_owned())?;
         Ok(Self { env, bos_token, eos_token })
     }
 

@@ -5,8 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::load_err;
-use crate::EngineError;
+use super::error::ModelError;
 
 /// Llama 3 style RoPE frequency scaling (`rope_scaling` with `rope_type: "llama3"`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -152,11 +151,11 @@ impl ModelConfig {
     /// Builds and validates a config from a Hugging Face `config.json`.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] when the shapes are inconsistent.
-    pub fn from_hf(hf: &HfLlamaConfig) -> Result<Self, EngineError> {
+    /// [`ModelError::Config`] when the shapes are inconsistent.
+    pub fn from_hf(hf: &HfLlamaConfig) -> Result<Self, ModelError> {
         let heads = hf.num_attention_heads;
         if heads == 0 {
-            return Err(load_err("num_attention_heads is 0"));
+            return Err(ModelError::Config("num_attention_heads is 0".into()));
         }
         let rope_scaling = match &hf.rope_scaling {
             Some(rs) if rs.rope_type == "default" => None,
@@ -186,31 +185,33 @@ impl ModelConfig {
     /// Checks the shape invariants the backends rely on.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] naming the broken invariant.
-    pub fn validate(&self) -> Result<(), EngineError> {
+    /// [`ModelError::Config`] naming the broken invariant.
+    pub fn validate(&self) -> Result<(), ModelError> {
         if self.hidden_size == 0 || self.intermediate_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 {
-            return Err(load_err("zero-sized model dimension"));
+            return Err(ModelError::Config("zero-sized model dimension".into()));
         }
         if self.num_key_value_heads == 0 || !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
-            return Err(load_err(format!(
+            return Err(ModelError::Config(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads, self.num_key_value_heads
             )));
         }
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
-            return Err(load_err(format!("head_dim {} must be even and > 0", self.head_dim)));
+            return Err(ModelError::Config(format!("head_dim {} must be even and > 0", self.head_dim)));
         }
         if let Some(f) = &self.rope_freq_factors
             && f.len() != self.head_dim / 2
         {
-            return Err(load_err("rope_freqs has the wrong length"));
+            return Err(ModelError::Config("rope_freqs has the wrong length".into()));
         }
         if let Some(rs) = &self.rope_scaling {
             if rs.rope_type != "llama3" {
-                return Err(load_err(format!("unsupported rope_scaling type {:?}", rs.rope_type)));
+                return Err(ModelError::Config(format!("unsupported rope_scaling type {:?}", rs.rope_type)));
             }
             if rs.high_freq_factor <= rs.low_freq_factor || rs.factor <= 0.0 {
-                return Err(load_err("rope_scaling: need high_freq_factor > low_freq_factor and factor > 0"));
+                return Err(ModelError::Config(
+                    "rope_scaling: need high_freq_factor > low_freq_factor and factor > 0".into(),
+                ));
             }
         }
         Ok(())
@@ -303,6 +304,11 @@ mod tests {
             "num_hidden_layers":1,"vocab_size":10}"#,
         );
         let hf = hf.expect("valid json");
-        assert!(matches!(ModelConfig::from_hf(&hf), Err(EngineError::Internal(_))));
+        assert!(matches!(ModelConfig::from_hf(&hf), Err(ModelError::Config(_))));
+        // The engine reports it as an internal error, as for every load failure.
+        assert!(matches!(
+            ModelConfig::from_hf(&hf).map_err(crate::request::EngineError::from),
+            Err(crate::request::EngineError::Internal(_))
+        ));
     }
 }

@@ -1,10 +1,10 @@
 //! GGUF v2/v3 reader (the llama.cpp file format, `ggml/docs/gguf.md`): header, typed
 //! metadata, tensor infos and the aligned data section, read from an mmap (memmap2).
-//! [`load`] turns a llama-architecture file into a [`LoadedModel`]: config from `llama.*`
-//! keys, tokenizer and chat template from `tokenizer.*`, tensors dequantized to f32 and Q/K
-//! un-permuted back to the Hugging Face layout (see [`super::llama::unpermute_qk`]).
+//! [`GgufFile::model_config`] reads the config from `llama.*` keys; [`loader::load`] turns a
+//! llama-architecture file into a loaded model.
 
 pub mod dequant;
+pub mod loader;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -14,9 +14,8 @@ use memmap2::Mmap;
 
 pub use dequant::GgmlType;
 
-use super::llama::{self, HostTensor, LlamaWeights, QuantizedData, QuantizedTensor, WeightSource};
-use super::{ChatTemplate, LoadedModel, ModelConfig, ProgressFn, Tokenizer, load_err};
-use crate::EngineError;
+use super::config::ModelConfig;
+use super::error::{ModelError, ResultExt};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -119,34 +118,37 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], EngineError> {
-        let end =
-            self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| load_err("gguf: truncated file"))?;
+    fn take(&mut self, n: usize) -> Result<&'a [u8], ModelError> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or(ModelError::MalformedGguf("truncated file"))?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
     }
-    fn arr<const N: usize>(&mut self) -> Result<[u8; N], EngineError> {
+    fn arr<const N: usize>(&mut self) -> Result<[u8; N], ModelError> {
         let mut a = [0u8; N];
         a.copy_from_slice(self.take(N)?);
         Ok(a)
     }
-    fn u32(&mut self) -> Result<u32, EngineError> {
+    fn u32(&mut self) -> Result<u32, ModelError> {
         Ok(u32::from_le_bytes(self.arr()?))
     }
-    fn u64(&mut self) -> Result<u64, EngineError> {
+    fn u64(&mut self) -> Result<u64, ModelError> {
         Ok(u64::from_le_bytes(self.arr()?))
     }
-    fn len(&mut self) -> Result<usize, EngineError> {
+    fn len(&mut self) -> Result<usize, ModelError> {
         let n = self.u64()?;
         // Every element needs at least one byte: a larger count is a corrupt file.
-        usize::try_from(n).ok().filter(|&n| n <= self.buf.len()).ok_or_else(|| load_err("gguf: bad length"))
+        usize::try_from(n).ok().filter(|&n| n <= self.buf.len()).ok_or(ModelError::MalformedGguf("bad length"))
     }
-    fn string(&mut self) -> Result<String, EngineError> {
+    fn string(&mut self) -> Result<String, ModelError> {
         let n = self.len()?;
         Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
     }
-    fn value(&mut self, ty: u32, depth: u32) -> Result<GgufValue, EngineError> {
+    fn value(&mut self, ty: u32, depth: u32) -> Result<GgufValue, ModelError> {
         Ok(match ty {
             0 => GgufValue::U64(u64::from(self.arr::<1>()?[0])),
             1 => GgufValue::I64(i64::from(self.arr::<1>()?[0] as i8)),
@@ -159,7 +161,7 @@ impl<'a> Reader<'a> {
             8 => GgufValue::Str(self.string()?),
             9 => {
                 if depth > 4 {
-                    return Err(load_err("gguf: arrays nested too deep"));
+                    return Err(ModelError::MalformedGguf("arrays nested too deep"));
                 }
                 let ety = self.u32()?;
                 let n = self.len()?;
@@ -172,7 +174,7 @@ impl<'a> Reader<'a> {
             10 => GgufValue::U64(self.u64()?),
             11 => GgufValue::I64(i64::from_le_bytes(self.arr()?)),
             12 => GgufValue::F64(f64::from_le_bytes(self.arr()?)),
-            other => return Err(load_err(format!("gguf: unknown metadata type {other}"))),
+            other => return Err(ModelError::GgufValueType(other)),
         })
     }
 }
@@ -181,20 +183,24 @@ impl GgufFile {
     /// Opens and parses the header, metadata and tensor infos (tensor data stays mapped).
     ///
     /// # Errors
-    /// [`EngineError::Internal`] on I/O errors, a bad magic/version, truncation or
-    /// unsupported tensor types.
-    pub fn open(path: &Path) -> Result<Self, EngineError> {
-        let file = File::open(path).map_err(|e| load_err(format!("{}: {e}", path.display())))?;
+    /// [`ModelError`] on I/O errors, a bad magic/version, truncation or unsupported tensor
+    /// types (wrapped in [`ModelError::File`] with `path`).
+    pub fn open(path: &Path) -> Result<Self, ModelError> {
+        Self::parse(path).in_file(path)
+    }
+
+    fn parse(path: &Path) -> Result<Self, ModelError> {
+        let file = File::open(path)?;
         // SAFETY: the file is opened read-only and not modified while mapped (model files
         // are immutable by convention; a concurrent writer is an operator error).
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| load_err(format!("mmap {}: {e}", path.display())))?;
+        let mmap = unsafe { Mmap::map(&file) }?;
         let mut r = Reader { buf: &mmap, pos: 0 };
         if r.take(4)? != MAGIC {
-            return Err(load_err(format!("{} is not a GGUF file", path.display())));
+            return Err(ModelError::NotGguf { path: path.to_path_buf() });
         }
         let version = r.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(load_err(format!("unsupported GGUF version {version}")));
+            return Err(ModelError::GgufVersion(version));
         }
         let n_tensors = r.len()?;
         let n_kv = r.len()?;
@@ -210,18 +216,18 @@ impl GgufFile {
             let name = r.string()?;
             let nd = r.u32()?;
             if nd > 4 {
-                return Err(load_err(format!("gguf: tensor {name} has {nd} dims")));
+                return Err(ModelError::TensorRank { name, dims: nd });
             }
             let dims = (0..nd).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
             let ty_id = r.u32()?;
             let ty = GgmlType::from_id(ty_id)
-                .ok_or_else(|| load_err(format!("gguf: tensor {name} has unsupported type {ty_id}")))?;
+                .ok_or_else(|| ModelError::TensorType { name: name.clone(), ty: format!("GGML type {ty_id}") })?;
             let offset = r.u64()?;
             tensors.insert(name, TensorInfo { dims, ty, offset });
         }
         let align = metadata.get("general.alignment").and_then(GgufValue::as_u64).unwrap_or(DEFAULT_ALIGNMENT).max(1);
         let data_start = (r.pos as u64).div_ceil(align) * align;
-        let data_start = usize::try_from(data_start).map_err(|_| load_err("gguf: bad data offset"))?;
+        let data_start = usize::try_from(data_start).map_err(|_| ModelError::MalformedGguf("bad data offset"))?;
         Ok(Self { mmap, version, metadata, tensors, data_start })
     }
 
@@ -230,29 +236,26 @@ impl GgufFile {
         self.metadata.get(key)
     }
 
-    fn req_u(&self, key: &str) -> Result<usize, EngineError> {
+    fn req_u(&self, key: &str) -> Result<usize, ModelError> {
         self.get(key)
             .and_then(GgufValue::as_u64)
             .and_then(|v| usize::try_from(v).ok())
-            .ok_or_else(|| load_err(format!("gguf: missing or invalid {key}")))
+            .ok_or_else(|| ModelError::Metadata { key: key.to_owned() })
     }
 
     /// Raw bytes of a tensor.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] when the tensor is absent or out of the file's bounds.
-    pub fn tensor_bytes(&self, name: &str) -> Result<(&TensorInfo, &[u8]), EngineError> {
-        let info = self.tensors.get(name).ok_or_else(|| load_err(format!("gguf: missing tensor {name}")))?;
-        let numel = usize::try_from(info.numel()).map_err(|_| load_err("gguf: tensor too large"))?;
-        let len = info.ty.bytes_for(numel).ok_or_else(|| load_err(format!("gguf: {name}: partial block")))?;
-        let start = usize::try_from(info.offset)
-            .ok()
-            .and_then(|o| o.checked_add(self.data_start))
-            .ok_or_else(|| load_err("gguf: bad tensor offset"))?;
-        let bytes = start
-            .checked_add(len)
-            .and_then(|end| self.mmap.get(start..end))
-            .ok_or_else(|| load_err(format!("gguf: tensor {name} lies outside the file")))?;
+    /// [`ModelError::MissingTensor`] when the tensor is absent, [`ModelError::TensorBounds`]
+    /// when its data does not fill whole blocks inside the file.
+    pub fn tensor_bytes(&self, name: &str) -> Result<(&TensorInfo, &[u8]), ModelError> {
+        let info = self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_owned() })?;
+        let out_of_bounds = || ModelError::TensorBounds { name: name.to_owned() };
+        let numel = usize::try_from(info.numel()).map_err(|_| out_of_bounds())?;
+        let len = info.ty.bytes_for(numel).ok_or_else(out_of_bounds)?;
+        let start =
+            usize::try_from(info.offset).ok().and_then(|o| o.checked_add(self.data_start)).ok_or_else(out_of_bounds)?;
+        let bytes = start.checked_add(len).and_then(|end| self.mmap.get(start..end)).ok_or_else(out_of_bounds)?;
         Ok((info, bytes))
     }
 
@@ -260,7 +263,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// As [`GgufFile::tensor_bytes`].
-    pub fn tensor_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), EngineError> {
+    pub fn tensor_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), ModelError> {
         let (info, bytes) = self.tensor_bytes(name)?;
         let numel = info.numel() as usize;
         let mut out = vec![0f32; numel];
@@ -271,11 +274,12 @@ impl GgufFile {
     /// Builds the [`ModelConfig`] from `{arch}.*` keys (architecture "llama" only).
     ///
     /// # Errors
-    /// [`EngineError::Internal`] for other architectures or missing keys.
-    pub fn model_config(&self) -> Result<ModelConfig, EngineError> {
+    /// [`ModelError::Architecture`] for other architectures, [`ModelError::Metadata`] for
+    /// missing keys, [`ModelError::Config`] for inconsistent ones.
+    pub fn model_config(&self) -> Result<ModelConfig, ModelError> {
         let arch = self.get("general.architecture").and_then(GgufValue::as_str).unwrap_or("");
         if arch != "llama" {
-            return Err(load_err(format!("gguf: unsupported architecture {arch:?} (supported: llama)")));
+            return Err(ModelError::Architecture { name: arch.to_owned(), supported: "llama" });
         }
         let k = |s: &str| format!("{arch}.{s}");
         let hidden = self.req_u(&k("embedding_length"))?;
@@ -354,75 +358,10 @@ pub fn gguf_name(hf: &str) -> Option<String> {
     Some(format!("blk.{layer}.{suffix}"))
 }
 
-struct GgufWeights<'a> {
-    file: &'a GgufFile,
-    cfg: &'a ModelConfig,
-    done: u64,
-    total: u64,
-    progress: ProgressFn<'a>,
-}
-
-impl WeightSource for GgufWeights<'_> {
-    fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, EngineError> {
-        let Some(name) = gguf_name(hf_name) else { return Ok(None) };
-        if !self.file.tensors.contains_key(&name) {
-            return Ok(None);
-        }
-        let (shape, mut data) = self.file.tensor_f32(&name)?;
-        if hf_name.ends_with("q_proj.weight") {
-            llama::unpermute_qk(&mut data, self.cfg.num_attention_heads, self.cfg.hidden_size);
-        } else if hf_name.ends_with("k_proj.weight") {
-            llama::unpermute_qk(&mut data, self.cfg.num_key_value_heads, self.cfg.hidden_size);
-        }
-        self.done += self.file.tensor_bytes(&name).map(|(_, b)| b.len() as u64).unwrap_or(0);
-        (self.progress)(self.done, self.total);
-        Ok(Some((shape, data)))
-    }
-
-    fn quantized(&mut self, hf_name: &str) -> Result<Option<QuantizedTensor>, EngineError> {
-        let Some(name) = gguf_name(hf_name) else { return Ok(None) };
-        if !self.file.tensors.contains_key(&name) {
-            return Ok(None);
-        }
-        let (info, bytes) = self.file.tensor_bytes(&name)?;
-        let shape = info.shape();
-        if !QuantizedData::supports(info.ty) || shape.len() != 2 || !shape[1].is_multiple_of(dequant::QK) {
-            return Ok(None);
-        }
-        let mut q = QuantizedData { ty: info.ty, bytes: bytes.to_vec() };
-        let row_bytes = q.row_bytes(shape[1]);
-        if hf_name.ends_with("q_proj.weight") {
-            llama::unpermute_qk_bytes(&mut q.bytes, self.cfg.num_attention_heads, row_bytes);
-        } else if hf_name.ends_with("k_proj.weight") {
-            llama::unpermute_qk_bytes(&mut q.bytes, self.cfg.num_key_value_heads, row_bytes);
-        }
-        self.done += bytes.len() as u64;
-        (self.progress)(self.done, self.total);
-        Ok(Some((shape, q)))
-    }
-}
-
-/// Loads a llama-architecture GGUF file; with `keep_quantized`, Q4_0/Q4_1/Q8_0 matrices
-/// keep their blocks ([`super::Linear::quant`]) instead of being dequantized to f32.
-///
-/// # Errors
-/// [`EngineError::Internal`] on malformed files, other architectures or tokenizers, missing tensors.
-pub fn load(path: &Path, progress: ProgressFn<'_>, keep_quantized: bool) -> Result<LoadedModel, EngineError> {
-    let file = GgufFile::open(path)?;
-    let config = file.model_config()?;
-    let tokenizer = Tokenizer::from_gguf(&file)?;
-    let chat_template = match file.get("tokenizer.chat_template").and_then(GgufValue::as_str) {
-        Some(src) => Some(ChatTemplate::new(src, tokenizer.bos_text(), tokenizer.eos_text())?),
-        None => None,
-    };
-    let total = file.tensors.keys().filter_map(|n| file.tensor_bytes(n).ok().map(|(_, b)| b.len() as u64)).sum();
-    let mut src = GgufWeights { file: &file, cfg: &config, done: 0, total, progress };
-    let weights = LlamaWeights::load_with(&config, &mut src, keep_quantized)?;
-    Ok(LoadedModel { config, tokenizer, chat_template, weights })
-}
-
 #[cfg(test)]
 mod tests {
+    use anyhow::Context;
+
     use super::*;
 
     #[test]
@@ -433,12 +372,35 @@ mod tests {
     }
 
     #[test]
+    fn truncated_headers_and_unknown_versions_are_typed() -> anyhow::Result<()> {
+        let path = std::env::temp_dir().join(format!("prism-gguf-trunc-{}", std::process::id()));
+        // Magic, version 3, then the tensor count cut short.
+        std::fs::write(&path, b"GGUF\x03\x00\x00\x00\x01\x00")?;
+        let truncated = GgufFile::open(&path).err().context("a truncated file must not open")?;
+        std::fs::write(&path, b"GGUF\x09\x00\x00\x00")?;
+        let version = GgufFile::open(&path).err().context("version 9 must not open")?;
+        std::fs::remove_file(&path)?;
+        assert!(
+            matches!(&truncated, ModelError::File { source, .. } if matches!(**source, ModelError::MalformedGguf(_))),
+            "{truncated}"
+        );
+        assert!(
+            matches!(&version, ModelError::File { source, .. } if matches!(**source, ModelError::GgufVersion(9))),
+            "{version}"
+        );
+        Ok(())
+    }
+
+    #[test]
     fn rejects_non_gguf() -> anyhow::Result<()> {
         let dir = std::env::temp_dir().join(format!("prism-gguf-test-{}", std::process::id()));
         std::fs::write(&dir, b"NOPE\x03\x00\x00\x00")?;
         let r = GgufFile::open(&dir);
         std::fs::remove_file(&dir)?;
-        assert!(matches!(r, Err(EngineError::Internal(_))));
+        let e = r.err().context("a non-GGUF file must not open")?;
+        assert!(matches!(&e, ModelError::File { source, .. } if matches!(**source, ModelError::NotGguf { .. })), "{e}");
+        // The engine reports it as an internal error, as for every load failure.
+        assert!(matches!(crate::request::EngineError::from(e), crate::request::EngineError::Internal(_)));
         Ok(())
     }
 }

@@ -10,9 +10,9 @@
 
 use std::borrow::Cow;
 
+use super::config::ModelConfig;
+use super::error::ModelError;
 use super::gguf::dequant::{self, GgmlType, QK};
-use super::{ModelConfig, load_err};
-use crate::EngineError;
 
 /// A matrix kept in its GGUF block format (Q4_0, Q4_1 or Q8_0): each row is
 /// `in_features / 32` whole blocks, rows stored one after another (Q/K rows already
@@ -189,34 +189,34 @@ pub trait WeightSource {
     /// Reads one tensor.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] on read/format failures.
-    fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, EngineError>;
+    /// [`ModelError`] on read/format failures.
+    fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, ModelError>;
 
     /// Reads a matrix in its block format, `None` when the source does not store it in
     /// one that [`QuantizedData::supports`] (then [`WeightSource::tensor`] is used).
     ///
     /// # Errors
-    /// [`EngineError::Internal`] on read/format failures.
-    fn quantized(&mut self, _hf_name: &str) -> Result<Option<QuantizedTensor>, EngineError> {
+    /// [`ModelError`] on read/format failures.
+    fn quantized(&mut self, _hf_name: &str) -> Result<Option<QuantizedTensor>, ModelError> {
         Ok(None)
     }
 }
 
-fn fetch(src: &mut dyn WeightSource, name: &str, shape: &[usize]) -> Result<Vec<f32>, EngineError> {
-    let (got, data) = src.tensor(name)?.ok_or_else(|| load_err(format!("missing tensor {name}")))?;
+fn fetch(src: &mut dyn WeightSource, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+    let (got, data) = src.tensor(name)?.ok_or_else(|| ModelError::MissingTensor { name: name.to_owned() })?;
     if got != shape {
-        return Err(load_err(format!("tensor {name}: shape {got:?}, expected {shape:?}")));
+        return Err(ModelError::Shape { name: name.to_owned(), expected: shape.to_vec(), actual: got });
     }
     Ok(data)
 }
 
-fn linear(src: &mut dyn WeightSource, name: &str, out: usize, inp: usize, quant: bool) -> Result<Linear, EngineError> {
+fn linear(src: &mut dyn WeightSource, name: &str, out: usize, inp: usize, quant: bool) -> Result<Linear, ModelError> {
     if quant
         && inp.is_multiple_of(QK)
         && let Some((shape, q)) = src.quantized(name)?
     {
         if shape != [out, inp] || q.bytes.len() != out * q.row_bytes(inp) {
-            return Err(load_err(format!("tensor {name}: shape {shape:?}, expected {:?}", [out, inp])));
+            return Err(ModelError::Shape { name: name.to_owned(), expected: vec![out, inp], actual: shape });
         }
         return Ok(Linear { out_features: out, in_features: inp, data: Vec::new(), quant: Some(q) });
     }
@@ -228,8 +228,9 @@ impl LlamaWeights {
     /// `lm_head.weight` absent (or `tie_word_embeddings`) means tied embeddings.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] on a missing tensor or a shape mismatch.
-    pub fn load(cfg: &ModelConfig, src: &mut dyn WeightSource) -> Result<Self, EngineError> {
+    /// [`ModelError::MissingTensor`] or [`ModelError::Shape`] on a missing tensor or a shape
+    /// mismatch; the source's own errors.
+    pub fn load(cfg: &ModelConfig, src: &mut dyn WeightSource) -> Result<Self, ModelError> {
         Self::load_with(cfg, src, false)
     }
 
@@ -239,7 +240,7 @@ impl LlamaWeights {
     ///
     /// # Errors
     /// As [`LlamaWeights::load`].
-    pub fn load_with(cfg: &ModelConfig, src: &mut dyn WeightSource, keep_quantized: bool) -> Result<Self, EngineError> {
+    pub fn load_with(cfg: &ModelConfig, src: &mut dyn WeightSource, keep_quantized: bool) -> Result<Self, ModelError> {
         let (h, i, q, kv, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim(), cfg.vocab_size);
         let kq = keep_quantized;
         let embed_tokens = linear(src, "model.embed_tokens.weight", v, h, kq)?;
@@ -266,7 +267,13 @@ impl LlamaWeights {
         } else {
             match src.tensor("lm_head.weight")? {
                 Some((shape, data)) if shape == [v, h] => Some(Linear::new(v, h, data)),
-                Some((shape, _)) => return Err(load_err(format!("lm_head.weight: shape {shape:?}"))),
+                Some((shape, _)) => {
+                    return Err(ModelError::Shape {
+                        name: "lm_head.weight".into(),
+                        expected: vec![v, h],
+                        actual: shape,
+                    });
+                }
                 None => None,
             }
         };
@@ -309,14 +316,17 @@ impl LlamaWeights {
     /// and summing them over ranks (the all-reduce) gives the unsharded result.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] when `world_size` does not divide the KV heads and the
+    /// [`ModelError::Shard`] when `world_size` does not divide the KV heads and the
     /// intermediate size, or `self` is already a shard.
-    pub fn shard(&self, cfg: &ModelConfig, rank: usize, world_size: usize) -> Result<Self, EngineError> {
+    pub fn shard(&self, cfg: &ModelConfig, rank: usize, world_size: usize) -> Result<Self, ModelError> {
         if self.shard.world_size != 1 || world_size == 0 || rank >= world_size {
-            return Err(load_err("shard: bad rank/world_size or already sharded"));
+            return Err(ModelError::Shard(format!(
+                "rank {rank} of world size {world_size} (the weights are shard {} of {})",
+                self.shard.rank, self.shard.world_size
+            )));
         }
         if !cfg.num_key_value_heads.is_multiple_of(world_size) || !cfg.intermediate_size.is_multiple_of(world_size) {
-            return Err(load_err(format!(
+            return Err(ModelError::Shard(format!(
                 "tensor_parallel_size {world_size} must divide num_key_value_heads {} and intermediate_size {}",
                 cfg.num_key_value_heads, cfg.intermediate_size
             )));

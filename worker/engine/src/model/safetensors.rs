@@ -12,10 +12,15 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata};
 
-use super::config::{HfLlamaConfig, TokenIds};
+use super::chat_template::ChatTemplate;
+use super::config::{HfLlamaConfig, ModelConfig, TokenIds};
+use super::error::{ModelError, ResultExt};
 use super::llama::{HostTensor, LlamaWeights, WeightSource};
-use super::{ChatTemplate, LoadedModel, ModelConfig, ProgressFn, Tokenizer, load_err};
-use crate::EngineError;
+use super::loaded::{LoadedModel, ProgressFn};
+use super::tokenizer::Tokenizer;
+
+/// A tensor converted to f32: row-major shape, values, and the bytes it took in the file.
+pub type ReadTensor = (Vec<usize>, Vec<f32>, usize);
 
 /// One mmapped `.safetensors` file with its parsed header.
 struct Shard {
@@ -34,18 +39,17 @@ impl SafetensorsFiles {
     /// Opens `model.safetensors`, or every file named by `model.safetensors.index.json`.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] when neither exists or a header is invalid.
-    pub fn open_dir(dir: &Path) -> Result<Self, EngineError> {
+    /// [`ModelError::File`] when neither exists or a header is invalid, [`ModelError::Index`]
+    /// for an index without `weight_map` or naming a file outside `dir`.
+    pub fn open_dir(dir: &Path) -> Result<Self, ModelError> {
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<String> = if index_path.exists() {
-            let raw =
-                std::fs::read_to_string(&index_path).map_err(|e| load_err(format!("{}: {e}", index_path.display())))?;
-            let v: serde_json::Value =
-                serde_json::from_str(&raw).map_err(|e| load_err(format!("safetensors index: {e}")))?;
+            let raw = std::fs::read_to_string(&index_path).in_file(&index_path)?;
+            let v: serde_json::Value = serde_json::from_str(&raw).in_file(&index_path)?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .ok_or_else(|| load_err("safetensors index: no weight_map"))?;
+                .ok_or_else(|| ModelError::Index("no weight_map".into()))?;
             let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(str::to_owned)).collect();
             files.sort();
             files.dedup();
@@ -57,14 +61,13 @@ impl SafetensorsFiles {
         let mut index = HashMap::new();
         for (i, name) in files.iter().enumerate() {
             if name.contains('/') || name.contains("..") {
-                return Err(load_err(format!("safetensors index names a file outside the directory: {name}")));
+                return Err(ModelError::Index(format!("names a file outside the directory: {name}")));
             }
             let path = dir.join(name);
-            let file = File::open(&path).map_err(|e| load_err(format!("{}: {e}", path.display())))?;
+            let file = File::open(&path).in_file(&path)?;
             // SAFETY: read-only mapping of a model file that is not modified while loaded.
-            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| load_err(format!("mmap {}: {e}", path.display())))?;
-            let (n, meta) =
-                safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| load_err(format!("{name}: {e}")))?;
+            let mmap = unsafe { Mmap::map(&file) }.in_file(&path)?;
+            let (n, meta) = safetensors::SafeTensors::read_metadata(&mmap).in_file(&path)?;
             for t in meta.tensors().keys() {
                 index.insert(t.clone(), i);
             }
@@ -86,28 +89,28 @@ impl SafetensorsFiles {
     /// A tensor converted to f32 with its shape; `None` when absent. Returns the bytes read too.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] for dtypes other than f32/f16/bf16.
-    pub fn tensor_f32(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f32>, usize)>, EngineError> {
+    /// [`ModelError::TensorType`] for dtypes other than f32/f16/bf16.
+    pub fn tensor_f32(&self, name: &str) -> Result<Option<ReadTensor>, ModelError> {
         let Some((info, bytes)) = self.raw(name)? else { return Ok(None) };
         let data: Vec<f32> = match info.dtype {
             Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             Dtype::F16 => bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             Dtype::BF16 => bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            other => return Err(load_err(format!("safetensors: {name} has unsupported dtype {other:?}"))),
+            other => return Err(ModelError::TensorType { name: name.to_owned(), ty: format!("{other:?}") }),
         };
         Ok(Some((info.shape.clone(), data, bytes.len())))
     }
 
     /// The stored bytes of `name` with its header entry; `None` when absent.
-    fn raw(&self, name: &str) -> Result<Option<(&safetensors::tensor::TensorInfo, &[u8])>, EngineError> {
+    fn raw(&self, name: &str) -> Result<Option<(&safetensors::tensor::TensorInfo, &[u8])>, ModelError> {
         let Some(&i) = self.index.get(name) else { return Ok(None) };
         let shard = &self.shards[i];
-        let info = shard.meta.info(name).ok_or_else(|| load_err(format!("safetensors: {name} vanished")))?;
+        let info = shard.meta.info(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_owned() })?;
         let (a, b) = info.data_offsets;
         let bytes = shard
             .mmap
             .get(shard.data_start + a..shard.data_start + b)
-            .ok_or_else(|| load_err(format!("safetensors: {name} out of bounds")))?;
+            .ok_or_else(|| ModelError::TensorBounds { name: name.to_owned() })?;
         Ok(Some((info, bytes)))
     }
 
@@ -116,12 +119,16 @@ impl SafetensorsFiles {
     /// A GPU backend loads a bf16 checkpoint this way without an f32 copy of the model.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] when the tensor is missing, has another shape, or a dtype other
-    /// than f32/f16/bf16.
-    pub fn append_bf16(&self, name: &str, shape: &[usize], out: &mut Vec<bf16>) -> Result<usize, EngineError> {
-        let (info, bytes) = self.raw(name)?.ok_or_else(|| load_err(format!("missing tensor {name}")))?;
+    /// [`ModelError::MissingTensor`], [`ModelError::Shape`] or [`ModelError::TensorType`] when
+    /// the tensor is missing, has another shape, or a dtype other than f32/f16/bf16.
+    pub fn append_bf16(&self, name: &str, shape: &[usize], out: &mut Vec<bf16>) -> Result<usize, ModelError> {
+        let (info, bytes) = self.raw(name)?.ok_or_else(|| ModelError::MissingTensor { name: name.to_owned() })?;
         if info.shape != shape {
-            return Err(load_err(format!("tensor {name}: shape {:?}, expected {shape:?}", info.shape)));
+            return Err(ModelError::Shape {
+                name: name.to_owned(),
+                expected: shape.to_vec(),
+                actual: info.shape.clone(),
+            });
         }
         match info.dtype {
             Dtype::BF16 => out.extend(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]))),
@@ -131,7 +138,7 @@ impl SafetensorsFiles {
             Dtype::F32 => {
                 out.extend(bytes.chunks_exact(4).map(|c| bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))))
             }
-            other => return Err(load_err(format!("safetensors: {name} has unsupported dtype {other:?}"))),
+            other => return Err(ModelError::TensorType { name: name.to_owned(), ty: format!("{other:?}") }),
         }
         Ok(bytes.len())
     }
@@ -159,7 +166,7 @@ struct Source<'a> {
 }
 
 impl WeightSource for Source<'_> {
-    fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, EngineError> {
+    fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, ModelError> {
         Ok(self.files.tensor_f32(hf_name)?.map(|(shape, data, n)| {
             self.done += n as u64;
             (self.progress)(self.done, self.total);
@@ -168,11 +175,11 @@ impl WeightSource for Source<'_> {
     }
 }
 
-fn read_json(path: &Path) -> Result<Option<serde_json::Value>, EngineError> {
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>, ModelError> {
     match std::fs::read_to_string(path) {
-        Ok(s) => serde_json::from_str(&s).map(Some).map_err(|e| load_err(format!("{}: {e}", path.display()))),
+        Ok(s) => serde_json::from_str(&s).map(Some).in_file(path),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(load_err(format!("{}: {e}", path.display()))),
+        Err(e) => Err(ModelError::in_file(path, e)),
     }
 }
 
@@ -192,8 +199,8 @@ fn chat_template_source(tok_cfg: &serde_json::Value) -> Option<String> {
 /// Loads a Hugging Face Llama-family model directory.
 ///
 /// # Errors
-/// [`EngineError::Internal`] on missing/invalid files or unsupported architectures.
-pub fn load_dir(dir: &Path, progress: ProgressFn<'_>) -> Result<LoadedModel, EngineError> {
+/// [`ModelError`] on missing/invalid files or unsupported architectures.
+pub fn load_dir(dir: &Path, progress: ProgressFn<'_>) -> Result<LoadedModel, ModelError> {
     let HfDirModel { config, tokenizer, chat_template, files } = open_dir_model(dir)?;
     let total = files.total_bytes();
     let mut src = Source { files: &files, done: 0, total, progress };
@@ -205,16 +212,16 @@ pub fn load_dir(dir: &Path, progress: ProgressFn<'_>) -> Result<LoadedModel, Eng
 ///
 /// # Errors
 /// As [`load_dir`].
-pub fn open_dir_model(dir: &Path) -> Result<HfDirModel, EngineError> {
+pub fn open_dir_model(dir: &Path) -> Result<HfDirModel, ModelError> {
     let cfg_path = dir.join("config.json");
-    let raw = std::fs::read_to_string(&cfg_path).map_err(|e| load_err(format!("{}: {e}", cfg_path.display())))?;
-    let hf: HfLlamaConfig = serde_json::from_str(&raw).map_err(|e| load_err(format!("config.json: {e}")))?;
+    let raw = std::fs::read_to_string(&cfg_path).in_file(&cfg_path)?;
+    let hf: HfLlamaConfig = serde_json::from_str(&raw).in_file(&cfg_path)?;
     if let Some(arch) = hf.architectures.first()
         && !matches!(arch.as_str(), "LlamaForCausalLM" | "MistralForCausalLM")
     {
-        return Err(load_err(format!("unsupported architecture {arch}")));
+        return Err(ModelError::Architecture { name: arch.clone(), supported: "LlamaForCausalLM, MistralForCausalLM" });
     }
-    let mut config = ModelConfig::from_hf(&hf)?;
+    let mut config = ModelConfig::from_hf(&hf).in_file(&cfg_path)?;
     if let Some(gen_cfg) = read_json(&dir.join("generation_config.json"))?
         && let Some(eos) = gen_cfg.get("eos_token_id").and_then(|v| serde_json::from_value::<TokenIds>(v.clone()).ok())
     {
@@ -265,6 +272,27 @@ mod tests {
     }
 
     #[test]
+    fn missing_files_name_the_file_and_keep_the_io_error() {
+        let dir = std::env::temp_dir().join(format!("prism-st-missing-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("test dir");
+        let e = open_dir_model(&dir).err().expect("a directory without config.json must not open");
+        assert!(
+            matches!(&e, ModelError::File { path, source } if path.ends_with("config.json")
+                && matches!(&**source, ModelError::Io(io) if io.kind() == std::io::ErrorKind::NotFound)),
+            "{e}"
+        );
+        std::fs::write(dir.join("config.json"), "{").expect("test file");
+        let e = open_dir_model(&dir).err().expect("invalid JSON must not open");
+        assert!(matches!(&e, ModelError::File { source, .. } if matches!(**source, ModelError::Json(_))), "{e}");
+        let engine = crate::request::EngineError::from(e);
+        assert!(
+            matches!(&engine, crate::request::EngineError::Internal(m) if m.starts_with("model load: ")),
+            "{engine}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
     fn append_bf16_copies_bf16_and_rounds_f32_f16_like_the_f32_path() {
         let dir = std::env::temp_dir().join(format!("prism-st-bf16-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("test file");
@@ -299,6 +327,13 @@ mod tests {
         assert!(e.contains("tensor a: shape [2, 3], expected [3, 2]"), "{e}");
         let e = files.append_bf16("zz", &[1], &mut Vec::new()).expect_err("must fail").to_string();
         assert!(e.contains("missing tensor zz"), "{e}");
+        let e = files.append_bf16("a", &[3, 2], &mut Vec::new()).expect_err("must fail");
+        assert!(
+            matches!(&e, ModelError::Shape { name, expected, actual } if name == "a" && expected == &[3, 2] && actual == &[2, 3]),
+            "{e}"
+        );
+        let e = files.append_bf16("zz", &[1], &mut Vec::new()).expect_err("must fail");
+        assert!(matches!(&e, ModelError::MissingTensor { name } if name == "zz"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -16,9 +16,9 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
+use super::error::{ModelError, ResultExt};
 use super::gguf::{GgufFile, GgufValue};
-use super::load_err;
-use crate::EngineError;
+use crate::request::EngineError;
 
 /// GGUF `token_type` values (llama.cpp `llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -96,11 +96,10 @@ fn metaspace_bytes(token: &str) -> Vec<u8> {
     token.replace('\u{2581}', " ").into_bytes()
 }
 
-fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, EngineError> {
+fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, ModelError> {
     let byte_level = |use_regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
-    let split = |re: &str| -> Result<PreTokenizerWrapper, EngineError> {
-        let s = Split::new(SplitPattern::Regex(re.to_owned()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| load_err(format!("tokenizer regex: {e}")))?;
+    let split = |re: &str| -> Result<PreTokenizerWrapper, ModelError> {
+        let s = Split::new(SplitPattern::Regex(re.to_owned()), SplitDelimiterBehavior::Isolated, false)?;
         Ok(PreTokenizerWrapper::Split(s))
     };
     Ok(match pre {
@@ -128,18 +127,18 @@ impl Tokenizer {
     /// Builds a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] for tokenizer models other than "gpt2" or malformed metadata.
-    pub fn from_gguf(file: &GgufFile) -> Result<Self, EngineError> {
+    /// [`ModelError::TokenizerModel`] for tokenizer models other than "gpt2",
+    /// [`ModelError::Metadata`] for missing or malformed token lists, [`ModelError::Tokenizer`]
+    /// when the tokenizers crate rejects them.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
         let model = file.get("tokenizer.ggml.model").and_then(GgufValue::as_str).unwrap_or("");
         if model != "gpt2" {
-            return Err(load_err(format!("gguf tokenizer model {model:?} is not supported (supported: gpt2)")));
+            return Err(ModelError::TokenizerModel(model.to_owned()));
         }
-        let strs = |key: &str| -> Result<Vec<String>, EngineError> {
-            let arr =
-                file.get(key).and_then(GgufValue::as_array).ok_or_else(|| load_err(format!("gguf: missing {key}")))?;
-            arr.iter()
-                .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| load_err(format!("gguf: {key}: not a string"))))
-                .collect()
+        let strs = |key: &str| -> Result<Vec<String>, ModelError> {
+            let bad = || ModelError::Metadata { key: key.to_owned() };
+            let arr = file.get(key).and_then(GgufValue::as_array).ok_or_else(bad)?;
+            arr.iter().map(|v| v.as_str().map(str::to_owned).ok_or_else(bad)).collect()
         };
         let tokens = strs("tokenizer.ggml.tokens")?;
         let merges: Vec<(String, String)> = strs("tokenizer.ggml.merges")?
@@ -152,10 +151,7 @@ impl Tokenizer {
         };
         let vocab: tokenizers::models::bpe::Vocab =
             tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| load_err(format!("tokenizer BPE: {e}")))?;
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build()?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         let pre = file.get("tokenizer.ggml.pre").and_then(GgufValue::as_str).unwrap_or("default");
         inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre)?));
@@ -175,7 +171,7 @@ impl Tokenizer {
             }
             special.push(ty == TOKEN_TYPE_CONTROL);
         }
-        inner.add_tokens(added).map_err(|e| load_err(format!("tokenizer added tokens: {e}")))?;
+        inner.add_tokens(added)?;
         let id = |key: &str| file.get(key).and_then(GgufValue::as_u64).and_then(|v| u32::try_from(v).ok());
         let mut eos_ids = Vec::new();
         for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
@@ -196,14 +192,12 @@ impl Tokenizer {
     /// are completed with the tokenizer config's `bos_token`/`eos_token`.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] when `tokenizer.json` is missing or invalid.
-    pub fn from_hf_dir(dir: &Path, bos_id: Option<u32>, eos_ids: &[u32]) -> Result<Self, EngineError> {
+    /// [`ModelError::File`] (for `tokenizer.json`) when `tokenizer.json` is missing or invalid.
+    pub fn from_hf_dir(dir: &Path, bos_id: Option<u32>, eos_ids: &[u32]) -> Result<Self, ModelError> {
         let path = dir.join("tokenizer.json");
-        let raw = std::fs::read_to_string(&path).map_err(|e| load_err(format!("{}: {e}", path.display())))?;
-        let inner =
-            tokenizers::Tokenizer::from_bytes(raw.as_bytes()).map_err(|e| load_err(format!("tokenizer.json: {e}")))?;
-        let json: serde_json::Value =
-            serde_json::from_str(&raw).map_err(|e| load_err(format!("tokenizer.json: {e}")))?;
+        let raw = std::fs::read_to_string(&path).in_file(&path)?;
+        let inner = tokenizers::Tokenizer::from_bytes(raw.as_bytes()).in_file(&path)?;
+        let json: serde_json::Value = serde_json::from_str(&raw).in_file(&path)?;
         let byte_level = json.get("decoder").is_some_and(|d| d.to_string().contains("\"ByteLevel\""));
         let vocab_size = inner.get_vocab_size(true);
         let added = inner.get_added_tokens_decoder();

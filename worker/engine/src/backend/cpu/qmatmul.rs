@@ -20,10 +20,13 @@
 //! Threads: rayon over chunks of output features; inside a chunk, tiles of rows outside,
 //! features inside (the chunk's weights stay in cache while row tiles stream).
 
+mod job;
+
 use rayon::prelude::*;
 
 use crate::model::Linear;
 use crate::model::gguf::dequant::{GgmlType, QK, dequantize};
+use job::{Job, scalar_tail};
 
 /// How a [`PackedWeight`] stores its rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -284,18 +287,6 @@ unsafe fn run_chunk(w: &PackedWeight, x: *const f32, n: usize, j0: usize, j1: us
     unsafe { scalar_run(&job, w.fmt, n, j0, j1) };
 }
 
-/// One matmul's pointers and strides (bytes for `w`, elements for `x`/`y`).
-struct Job {
-    w: *const u8,
-    w_stride: usize,
-    nblocks: usize,
-    tail: usize,
-    x: *const f32,
-    x_stride: usize,
-    y: *mut f32,
-    y_stride: usize,
-}
-
 /// The fixed lane reduction: `(l0+l4) + (l2+l6)` and `(l1+l5) + (l3+l7)`, then their sum.
 #[inline(always)]
 fn reduce_lanes(l: &[f32; 8]) -> f32 {
@@ -333,17 +324,6 @@ unsafe fn scalar_run(job: &Job, fmt: Format, n: usize, j0: usize, j1: usize) {
             unsafe { *job.y.add(t * job.y_stride + j) = sum };
         }
     }
-}
-
-/// Adds the f32 tail (`inp % 32` elements after the last whole block) in order.
-#[inline(always)]
-fn scalar_tail(job: &Job, wrow: &[u8], x: &[f32], mut sum: f32) -> f32 {
-    let start = job.nblocks * QK;
-    for k in start..start + job.tail {
-        let wv = f32::from_le_bytes([wrow[4 * k], wrow[4 * k + 1], wrow[4 * k + 2], wrow[4 * k + 3]]);
-        sum = wv.mul_add(x[k], sum);
-    }
-    sum
 }
 
 #[cfg(target_arch = "x86_64")]

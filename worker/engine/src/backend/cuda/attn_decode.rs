@@ -37,8 +37,8 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use super::device::{DevBuf, Gpu, dev_err};
-use crate::backend::BackendError;
+use super::device::{DevBuf, Gpu, nvrtc_include_paths};
+use super::error::{CudaError, CudaResultExt};
 
 /// The kernel's CUDA C source.
 pub const ATTN_DECODE_SRC: &str = include_str!("kernels/attn_decode.cu");
@@ -137,13 +137,13 @@ impl DecodeAttention {
     /// allocates the scratch for launches of up to `max_tokens` tokens.
     ///
     /// # Errors
-    /// [`BackendError::Device`] when the device is older than sm_80 (no bf16 `mma`), the shape is
-    /// unsupported (head_dim 64/128, 1/2/4/8 query heads per KV head), compilation or loading
-    /// fails, or memory runs out.
-    pub fn new(gpu: &Gpu, shape: AttnShape, max_tokens: usize) -> Result<Self, BackendError> {
+    /// [`CudaError::Unsupported`] when the device is older than sm_80 (no bf16 `mma`) or the
+    /// shape is unsupported (head_dim 64/128, 1/2/4/8 query heads per KV head); [`CudaError`]
+    /// when compilation or loading fails, or memory runs out.
+    pub fn new(gpu: &Gpu, shape: AttnShape, max_tokens: usize) -> Result<Self, CudaError> {
         let sm: u32 = gpu.arch.trim_start_matches("sm_").parse().unwrap_or(0);
         if sm < 80 {
-            return Err(BackendError::Device(format!(
+            return Err(CudaError::Unsupported(format!(
                 "decode attention needs sm_80 or newer (device is {})",
                 gpu.arch
             )));
@@ -153,29 +153,24 @@ impl DecodeAttention {
             && matches!(shape.group(), 1 | 2 | 4 | 8)
             && matches!(shape.head_dim, 64 | 128);
         if !ok {
-            return Err(BackendError::Device(format!("decode attention does not support {shape:?}")));
+            return Err(CudaError::Unsupported(format!("decode attention does not support {shape:?}")));
         }
         let (hd, g) = (shape.head_dim, shape.group());
         let opts = CompileOptions {
             arch: Some(gpu.arch),
-            include_paths: super::device::nvrtc_include_paths(),
+            include_paths: nvrtc_include_paths(),
             options: vec![format!("-DDA_HD={hd}"), format!("-DDA_G={g}")],
             ..Default::default()
         };
-        let ptx =
-            compile_ptx_with_opts(ATTN_DECODE_SRC, opts).map_err(|e| dev_err("NVRTC compile of attn_decode.cu", e))?;
-        let module = gpu.ctx.load_module(ptx).map_err(|e| dev_err("load_module attn_decode", e))?;
-        let f =
-            module.load_function(&format!("attn_decode_hd{hd}_g{g}")).map_err(|e| dev_err("load attn_decode", e))?;
+        let ptx = compile_ptx_with_opts(ATTN_DECODE_SRC, opts).op("NVRTC compile of attn_decode.cu")?;
+        let module = gpu.ctx.load_module(ptx).op("load_module attn_decode")?;
+        let f = module.load_function(&format!("attn_decode_hd{hd}_g{g}")).op("load attn_decode")?;
         f.set_attribute(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             Self::smem(hd) as i32,
         )
-        .map_err(|e| dev_err("attn_decode shared memory", e))?;
-        let num_sms = gpu
-            .ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| dev_err("SM count", e))?;
+        .op("attn_decode shared memory")?;
+        let num_sms = gpu.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).op("SM count")?;
         let max_tokens = max_tokens.max(1);
         let rows = max_tokens * shape.q_heads * MAX_SPLITS;
         Ok(Self {
@@ -217,21 +212,20 @@ impl DecodeAttention {
     /// synchronisation, capturable in a CUDA graph. `n_tokens == 0` enqueues nothing.
     ///
     /// # Errors
-    /// [`BackendError::InvalidBatch`] when `n_tokens` exceeds `max_tokens` (or 65,535), the split
-    /// cap is outside 1..=[`MAX_SPLITS`] or `block_size` is 0; [`BackendError::Device`] on launch
-    /// failure.
-    pub fn launch(&self, gpu: &Gpu, a: &DecodeArgs) -> Result<(), BackendError> {
+    /// [`CudaError::InvalidLaunch`] when `n_tokens` exceeds `max_tokens` (or 65,535), the split
+    /// cap is outside 1..=[`MAX_SPLITS`] or `block_size` is 0; [`CudaError`] on launch failure.
+    pub fn launch(&self, gpu: &Gpu, a: &DecodeArgs) -> Result<(), CudaError> {
         if a.n_tokens == 0 {
             return Ok(());
         }
         if a.n_tokens > self.max_tokens || a.n_tokens > 65_535 {
-            return Err(BackendError::InvalidBatch(format!(
+            return Err(CudaError::InvalidLaunch(format!(
                 "decode attention: {} tokens > {} (scratch size)",
                 a.n_tokens, self.max_tokens
             )));
         }
         if !(1..=MAX_SPLITS).contains(&a.split_cap) || a.block_size == 0 {
-            return Err(BackendError::InvalidBatch(format!(
+            return Err(CudaError::InvalidLaunch(format!(
                 "decode attention: split_cap {} (1..={MAX_SPLITS}), block_size {}",
                 a.split_cap, a.block_size
             )));
@@ -250,7 +244,7 @@ impl DecodeAttention {
         // SAFETY: argument types match the kernel; the caller passes buffers of the documented
         // shapes whose block tables cover every token's context; the scratch holds n_tokens
         // (checked above) rows; shared memory matches the attribute set in `new`.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| dev_err("attn_decode", e))
+        unsafe { b.launch(cfg) }.map(|_| ()).op("attn_decode")
     }
 }
 

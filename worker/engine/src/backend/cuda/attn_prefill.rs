@@ -27,8 +27,8 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use super::super::BackendError;
-use super::device::{DevBuf, Gpu, dev_err};
+use super::device::{DevBuf, Gpu, nvrtc_include_paths};
+use super::error::{CudaError, CudaResultExt};
 
 /// The kernels' CUDA C source.
 pub const PREFILL_SRC: &str = include_str!("kernels/attn_prefill.cu");
@@ -126,12 +126,12 @@ impl std::fmt::Debug for PrefillAttention {
     }
 }
 
-fn invalid(msg: impl Into<String>) -> BackendError {
-    BackendError::InvalidBatch(msg.into())
+fn invalid(msg: impl Into<String>) -> CudaError {
+    CudaError::InvalidLaunch(msg.into())
 }
 
 /// Checks the shapes the kernels support; returns the group size `q_heads / kv_heads`.
-fn check_dims(d: &PrefillDims) -> Result<usize, BackendError> {
+fn check_dims(d: &PrefillDims) -> Result<usize, CudaError> {
     if !(d.head_dim == 64 || d.head_dim == 128) {
         return Err(invalid(format!("prefill attention: head_dim {} (64 or 128)", d.head_dim)));
     }
@@ -152,8 +152,8 @@ fn check_dims(d: &PrefillDims) -> Result<usize, BackendError> {
 /// tiles of `TILE_ROWS / group` tokens, ordered by descending number of K/V tiles (stable).
 ///
 /// # Errors
-/// [`BackendError::InvalidBatch`] when `query_len > context_len` or a value overflows u32.
-pub fn build_work_list(seqs: &[PrefillSeq], group: usize, out: &mut Vec<u32>) -> Result<(), BackendError> {
+/// [`CudaError::InvalidLaunch`] when `query_len > context_len` or a value overflows u32.
+pub fn build_work_list(seqs: &[PrefillSeq], group: usize, out: &mut Vec<u32>) -> Result<(), CudaError> {
     out.clear();
     let per_tile = (TILE_ROWS / group.max(1)).max(1);
     let u =
@@ -195,8 +195,8 @@ impl PrefillAttention {
     /// list for steps of up to `max_num_batched_tokens` query tokens.
     ///
     /// # Errors
-    /// [`BackendError::Device`] when compilation, loading or allocation fails.
-    pub fn new(gpu: &Gpu, max_num_batched_tokens: usize) -> Result<Self, BackendError> {
+    /// [`CudaError`] when compilation, loading or allocation fails.
+    pub fn new(gpu: &Gpu, max_num_batched_tokens: usize) -> Result<Self, CudaError> {
         Self::with_fragments(gpu, max_num_batched_tokens, FragmentLoads::Ldmatrix)
     }
 
@@ -208,29 +208,26 @@ impl PrefillAttention {
         gpu: &Gpu,
         max_num_batched_tokens: usize,
         fragments: FragmentLoads,
-    ) -> Result<Self, BackendError> {
+    ) -> Result<Self, CudaError> {
         let src = match fragments {
             FragmentLoads::Ldmatrix => PREFILL_SRC.to_owned(),
             FragmentLoads::Scalar => format!("#define PF_SCALAR_FRAGS 1\n{PREFILL_SRC}"),
         };
-        let opts = CompileOptions {
-            arch: Some(gpu.arch),
-            include_paths: super::device::nvrtc_include_paths(),
-            ..Default::default()
-        };
-        let ptx = compile_ptx_with_opts(src, opts).map_err(|e| dev_err("NVRTC compile of attn_prefill.cu", e))?;
-        let module = gpu.ctx.load_module(ptx).map_err(|e| dev_err("load_module attn_prefill", e))?;
+        let opts = CompileOptions { arch: Some(gpu.arch), include_paths: nvrtc_include_paths(), ..Default::default() };
+        let ptx = compile_ptx_with_opts(src, opts).op("NVRTC compile of attn_prefill.cu")?;
+        let module = gpu.ctx.load_module(ptx).op("load_module attn_prefill")?;
         let mut kernels = Vec::with_capacity(8);
         for hd in [64usize, 128] {
             for g in [1, 2, 4, 8] {
                 let name = format!("attn_prefill_hd{hd}_g{g}");
-                let f = module.load_function(&name).map_err(|e| dev_err(&name, e))?;
-                let smem = i32::try_from(smem_bytes(hd)).map_err(|e| dev_err("shared memory size", e))?;
+                let f = module.load_function(&name).map_err(|e| CudaError::op(name.clone(), e))?;
+                let smem = i32::try_from(smem_bytes(hd))
+                    .map_err(|_| CudaError::Unsupported(format!("{name}: {} B shared memory", smem_bytes(hd))))?;
                 f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-                    .map_err(|e| dev_err(&format!("{name}: {smem} B dynamic shared memory"), e))?;
+                    .map_err(|e| CudaError::op(format!("{name}: {smem} B dynamic shared memory"), e))?;
                 // Prefer the largest shared-memory carveout (two 80 KiB blocks per SM at hd 128).
                 f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-                    .map_err(|e| dev_err(&format!("{name}: carveout"), e))?;
+                    .map_err(|e| CudaError::op(format!("{name}: carveout"), e))?;
                 kernels.push(f);
             }
         }
@@ -251,9 +248,9 @@ impl PrefillAttention {
     /// possibly host-blocking) copy out of the layer loop.
     ///
     /// # Errors
-    /// [`BackendError::InvalidBatch`] for unsupported dimensions, `query_len > context_len`
-    /// or more tiles than `max_tiles`; [`BackendError::Device`] when the copy fails.
-    pub fn prepare(&mut self, gpu: &Gpu, seqs: &[PrefillSeq], dims: PrefillDims) -> Result<usize, BackendError> {
+    /// [`CudaError::InvalidLaunch`] for unsupported dimensions, `query_len > context_len`
+    /// or more tiles than `max_tiles`; [`CudaError`] when the copy fails.
+    pub fn prepare(&mut self, gpu: &Gpu, seqs: &[PrefillSeq], dims: PrefillDims) -> Result<usize, CudaError> {
         let group = check_dims(&dims)?;
         build_work_list(seqs, group, &mut self.host_work)?;
         let tiles = self.host_work.len() / TILE_WORDS;
@@ -278,7 +275,7 @@ impl PrefillAttention {
     /// ([`PrefillAttention::prepare`]).
     ///
     /// # Errors
-    /// As [`PrefillAttention::prepare`]; [`BackendError::Device`] when the launch fails.
+    /// As [`PrefillAttention::prepare`]; [`CudaError`] when the launch fails.
     pub fn launch(
         &mut self,
         gpu: &Gpu,
@@ -286,7 +283,7 @@ impl PrefillAttention {
         ptrs: &PrefillPtrs,
         dims: PrefillDims,
         scale: f32,
-    ) -> Result<(), BackendError> {
+    ) -> Result<(), CudaError> {
         let tiles = self.prepare(gpu, seqs, dims)?;
         if tiles == 0 {
             return Ok(());
@@ -309,7 +306,7 @@ impl PrefillAttention {
         // SAFETY: argument types match the kernel; the work list is on the device (copied above,
         // stream-ordered); the caller passes buffers of the documented shapes whose block tables
         // cover every position < context_len with valid block ids.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| dev_err("attn_prefill", e))
+        unsafe { b.launch(cfg) }.map(|_| ()).op("attn_prefill")
     }
 }
 

@@ -5,6 +5,7 @@
 //!
 //! cudarc panics when a CUDA library is missing, so [`Gpu::new`] checks
 //! `is_culib_present()` for the driver, cuBLAS and NVRTC first and returns an error instead.
+//! Every call returns [`CudaError`] naming the operation that failed.
 
 use std::sync::Arc;
 
@@ -12,7 +13,7 @@ use cudarc::cublas::{CudaBlas, result as blas_result, sys as blas_sys};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result, sys};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use super::super::BackendError;
+use super::error::{CudaError, CudaResultExt};
 
 /// The kernels' CUDA C source (bf16 storage, f32 math).
 pub const KERNELS_SRC: &str = include_str!("kernels/llama.cu");
@@ -35,11 +36,6 @@ pub fn nvrtc_include_paths() -> Vec<String> {
     vec![dir]
 }
 
-/// Maps any CUDA-side error into [`BackendError::Device`].
-pub fn dev_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
-    BackendError::Device(format!("{what}: {e:?}"))
-}
-
 /// A device allocation with a fixed address (`cuMemAlloc`), freed on drop.
 pub struct DevBuf {
     ctx: Arc<CudaContext>,
@@ -53,15 +49,16 @@ impl DevBuf {
     /// Allocates `bytes` (at least 1) of device memory, zero-filled.
     ///
     /// # Errors
-    /// [`BackendError::Device`] when the device is out of memory.
-    pub fn zeroed(gpu: &Gpu, bytes: usize) -> Result<Self, BackendError> {
+    /// [`CudaError`] when the device is out of memory.
+    pub fn zeroed(gpu: &Gpu, bytes: usize) -> Result<Self, CudaError> {
         let bytes = bytes.max(1);
-        gpu.ctx.bind_to_thread().map_err(|e| dev_err("bind context", e))?;
+        gpu.ctx.bind_to_thread().op("bind context")?;
         // SAFETY: plain allocation in the bound context; freed exactly once in Drop.
-        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| dev_err(&format!("cuMemAlloc({bytes} B)"), e))?;
+        let ptr =
+            unsafe { result::malloc_sync(bytes) }.map_err(|e| CudaError::op(format!("cuMemAlloc({bytes} B)"), e))?;
         let buf = Self { ctx: gpu.ctx.clone(), ptr, bytes };
         // SAFETY: `ptr` holds `bytes` bytes; the stream is the buffer's context's.
-        unsafe { result::memset_d8_async(ptr, 0, bytes, gpu.stream.cu_stream()) }.map_err(|e| dev_err("memset", e))?;
+        unsafe { result::memset_d8_async(ptr, 0, bytes, gpu.stream.cu_stream()) }.op("memset")?;
         Ok(buf)
     }
 }
@@ -135,23 +132,24 @@ impl Gpu {
     /// Opens device `ordinal`, creates a stream and a cuBLAS handle, compiles and loads the kernels.
     ///
     /// # Errors
-    /// [`BackendError::Device`] when a library or the device is missing, or compilation fails.
-    pub fn new(ordinal: usize) -> Result<Self, BackendError> {
+    /// [`CudaError::Unavailable`] when a library or the device is missing; [`CudaError`] when
+    /// the context, stream or cuBLAS handle cannot be created or compilation fails.
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
         if !cuda_available() {
-            return Err(BackendError::Device("CUDA driver, cuBLAS or NVRTC not found, or no device".into()));
+            return Err(CudaError::Unavailable("CUDA driver, cuBLAS or NVRTC not found, or no device"));
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| dev_err("CudaContext::new", e))?;
+        let ctx = CudaContext::new(ordinal).op("CudaContext::new")?;
         // SAFETY: one stream per shard and raw pointers everywhere: cudarc's per-buffer
         // event tracking is not used (it is disabled before any cudarc allocation).
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(|e| dev_err("new_stream", e))?;
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| dev_err("cublas", e))?;
-        let (major, minor) = ctx.compute_capability().map_err(|e| dev_err("compute_capability", e))?;
+        let stream = ctx.new_stream().op("new_stream")?;
+        let blas = CudaBlas::new(stream.clone()).op("cublas")?;
+        let (major, minor) = ctx.compute_capability().op("compute_capability")?;
         let arch = arch_for(major, minor);
         let opts = CompileOptions { arch: Some(arch), include_paths: nvrtc_include_paths(), ..Default::default() };
-        let ptx = compile_ptx_with_opts(KERNELS_SRC, opts).map_err(|e| dev_err("NVRTC compile of llama.cu", e))?;
-        let module = ctx.load_module(ptx).map_err(|e| dev_err("load_module", e))?;
-        let f = |name: &str| module.load_function(name).map_err(|e| dev_err(name, e));
+        let ptx = compile_ptx_with_opts(KERNELS_SRC, opts).op("NVRTC compile of llama.cu")?;
+        let module = ctx.load_module(ptx).op("load_module")?;
+        let f = |name: &str| module.load_function(name).map_err(|e| CudaError::op(name.to_owned(), e));
         let k = Kernels {
             embed_gather: f("embed_gather")?,
             add_rmsnorm: f("add_rmsnorm")?,
@@ -175,52 +173,55 @@ impl Gpu {
     /// Binds the context to the calling thread (the engine thread differs from the loader's).
     ///
     /// # Errors
-    /// [`BackendError::Device`] on driver failure.
-    pub fn bind(&self) -> Result<(), BackendError> {
-        self.ctx.bind_to_thread().map_err(|e| dev_err("bind context", e))
+    /// [`CudaError`] on driver failure.
+    pub fn bind(&self) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread().op("bind context")
     }
 
     /// `(free, total)` device memory in bytes.
     ///
     /// # Errors
-    /// [`BackendError::Device`] on driver failure.
-    pub fn mem_info(&self) -> Result<(usize, usize), BackendError> {
+    /// [`CudaError`] on driver failure.
+    pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
         self.bind()?;
-        result::mem_get_info().map_err(|e| dev_err("cuMemGetInfo", e))
+        result::mem_get_info().op("cuMemGetInfo")
     }
 
     /// Copies `src` to device address `dst` (stream-ordered).
     ///
     /// # Errors
-    /// [`BackendError::Device`] on driver failure.
-    pub fn upload<T>(&self, dst: &DevBuf, offset_bytes: usize, src: &[T]) -> Result<(), BackendError> {
+    /// [`CudaError::InvalidLaunch`] when the copy overflows `dst`; [`CudaError`] on driver
+    /// failure.
+    pub fn upload<T>(&self, dst: &DevBuf, offset_bytes: usize, src: &[T]) -> Result<(), CudaError> {
         let len = std::mem::size_of_val(src);
         if offset_bytes + len > dst.bytes {
-            return Err(BackendError::Device(format!("upload of {len} B at {offset_bytes} overflows {} B", dst.bytes)));
+            return Err(CudaError::InvalidLaunch(format!(
+                "upload of {len} B at {offset_bytes} overflows {} B",
+                dst.bytes
+            )));
         }
         // SAFETY: bounds checked above; `src` outlives the call (pageable memory: the copy
         // is staged before the call returns).
         unsafe { result::memcpy_htod_async(dst.ptr + offset_bytes as u64, src, self.stream.cu_stream()) }
-            .map_err(|e| dev_err("memcpy HtoD", e))
+            .op("memcpy HtoD")
     }
 
     /// Copies `dst.len()` values from device address `src` and waits for them.
     ///
     /// # Errors
-    /// [`BackendError::Device`] on driver failure (including earlier asynchronous kernel faults).
-    pub fn download<T>(&self, dst: &mut [T], src: u64) -> Result<(), BackendError> {
+    /// [`CudaError`] on driver failure (including earlier asynchronous kernel faults).
+    pub fn download<T>(&self, dst: &mut [T], src: u64) -> Result<(), CudaError> {
         // SAFETY: the caller passes an address holding at least `dst.len()` values.
-        unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
-            .map_err(|e| dev_err("memcpy DtoH", e))?;
+        unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }.op("memcpy DtoH")?;
         self.sync()
     }
 
     /// Waits for the stream.
     ///
     /// # Errors
-    /// [`BackendError::Device`] on an asynchronous kernel fault.
-    pub fn sync(&self) -> Result<(), BackendError> {
-        self.stream.synchronize().map_err(|e| dev_err("stream sync", e))
+    /// [`CudaError`] on an asynchronous kernel fault.
+    pub fn sync(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().op("stream sync")
     }
 
     /// Row-major `y[n, out] = x[n, inp] · w[out, inp]ᵀ` (bf16 inputs, f32 accumulation, output
@@ -228,12 +229,13 @@ impl Gpu {
     /// `yᵀ = w · xᵀ` with `transa = T`.
     ///
     /// # Errors
-    /// [`BackendError::Device`] on cuBLAS failure.
-    pub fn gemm(&self, y: u64, x: u64, w: u64, shape: GemmShape, f32_out: bool) -> Result<(), BackendError> {
-        let GemmShape { n, out, inp } = shape;
+    /// [`CudaError::InvalidLaunch`] for a dimension above `i32::MAX`; [`CudaError`] on cuBLAS
+    /// failure.
+    pub fn gemm(&self, g: &GemmArgs) -> Result<(), CudaError> {
+        let GemmArgs { y, x, w, shape: GemmShape { n, out, inp }, f32_out } = *g;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let c_type = if f32_out { blas_sys::cudaDataType_t::CUDA_R_32F } else { blas_sys::cudaDataType_t::CUDA_R_16BF };
-        let i = |v: usize| i32::try_from(v).map_err(|_| BackendError::InvalidBatch(format!("GEMM dimension {v}")));
+        let i = |v: usize| i32::try_from(v).map_err(|_| CudaError::InvalidLaunch(format!("GEMM dimension {v}")));
         // SAFETY: the caller passes buffers of at least n·inp, out·inp and n·out elements.
         unsafe {
             blas_result::gemm_ex(
@@ -258,31 +260,31 @@ impl Gpu {
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| dev_err("cublasGemmEx", e))
+        .op("cublasGemmEx")
     }
 
     /// Fills `n` bf16 values at `ptr` with seeded uniform values in `[-scale, scale)`.
     ///
     /// # Errors
-    /// [`BackendError::Device`] on launch failure.
-    pub fn fill_uniform(&self, ptr: u64, n: usize, seed: u32, scale: f32) -> Result<(), BackendError> {
+    /// [`CudaError`] on launch failure.
+    pub fn fill_uniform(&self, ptr: u64, n: usize, seed: u32, scale: f32) -> Result<(), CudaError> {
         let n64 = n as u64;
         let mut b = self.stream.launch_builder(&self.k.fill_uniform);
         b.arg(&ptr).arg(&n64).arg(&seed).arg(&scale);
         // SAFETY: `ptr` holds n bf16 values (caller); argument types match the kernel.
-        unsafe { b.launch(grid_stride(n)) }.map(|_| ()).map_err(|e| dev_err("fill_uniform", e))
+        unsafe { b.launch(grid_stride(n)) }.map(|_| ()).op("fill_uniform")
     }
 
     /// Fills `n` bf16 values at `ptr` with `v`.
     ///
     /// # Errors
-    /// [`BackendError::Device`] on launch failure.
-    pub fn fill_const(&self, ptr: u64, n: usize, v: f32) -> Result<(), BackendError> {
+    /// [`CudaError`] on launch failure.
+    pub fn fill_const(&self, ptr: u64, n: usize, v: f32) -> Result<(), CudaError> {
         let n64 = n as u64;
         let mut b = self.stream.launch_builder(&self.k.fill_const);
         b.arg(&ptr).arg(&n64).arg(&v);
         // SAFETY: as for fill_uniform.
-        unsafe { b.launch(grid_stride(n)) }.map(|_| ()).map_err(|e| dev_err("fill_const", e))
+        unsafe { b.launch(grid_stride(n)) }.map(|_| ()).op("fill_const")
     }
 }
 
@@ -295,6 +297,22 @@ pub struct GemmShape {
     pub out: usize,
     /// Input features.
     pub inp: usize,
+}
+
+/// One product `y[n, out] = x[n, inp] · w[out, inp]ᵀ` on raw device addresses: bf16 `x` and
+/// `w`, `y` in bf16 or, with `f32_out`, f32.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmArgs {
+    /// Output, `[n, out]`.
+    pub y: u64,
+    /// Activations, `[n, inp]`.
+    pub x: u64,
+    /// Weight, `[out, inp]` row-major.
+    pub w: u64,
+    /// Problem size.
+    pub shape: GemmShape,
+    /// f32 output (the lm_head's logits) instead of bf16.
+    pub f32_out: bool,
 }
 
 /// A grid-stride launch over `n` elements (256 threads, at most 132·16 blocks).

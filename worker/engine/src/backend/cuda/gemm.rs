@@ -18,8 +18,8 @@ use std::time::Instant;
 use cudarc::cublaslt::sys as lt;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::device::{DevBuf, GemmShape, Gpu, dev_err, grid_stride};
-use crate::backend::BackendError;
+use super::device::{DevBuf, GemmArgs, GemmShape, Gpu, grid_stride};
+use super::error::{CudaError, CudaResultExt};
 
 /// cuBLASLt workspace (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -65,6 +65,19 @@ struct Plan {
     algo: lt::cublasLtMatmulAlgo_t,
 }
 
+/// The buffers of [`LtGemm::check_invariance`], shared by every candidate of one plan: the row
+/// counts checked (ascending), one u32 mismatch counter per count, the reference output of the
+/// largest count, the output under test, the output features per row and bytes per value.
+#[derive(Clone, Copy)]
+struct InvarianceCheck<'a> {
+    ms: &'a [usize],
+    counters: &'a DevBuf,
+    y_ref: &'a DevBuf,
+    y: &'a DevBuf,
+    out: usize,
+    elem_bytes: usize,
+}
+
 /// cuBLASLt handle, one matmul descriptor (bf16 × bf16 → bf16/f32, f32 accumulate,
 /// `D = Wᵀ-op · X`), cached layouts and the per-shape plans.
 pub struct LtGemm {
@@ -83,8 +96,8 @@ pub struct LtGemm {
 // time (the engine thread); cuBLASLt allows use from any thread.
 unsafe impl Send for LtGemm {}
 
-fn lt_err(what: &str, s: lt::cublasStatus_t) -> Result<(), BackendError> {
-    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS { Ok(()) } else { Err(dev_err(what, s)) }
+fn lt_err(what: &'static str, s: lt::cublasStatus_t) -> Result<(), CudaError> {
+    s.result().op(what)
 }
 
 fn dtype(f32_out: bool) -> lt::cudaDataType {
@@ -105,11 +118,11 @@ impl LtGemm {
     /// Creates the handle, descriptor and workspace.
     ///
     /// # Errors
-    /// [`BackendError::Device`] when cuBLASLt is missing or fails.
-    pub fn new(gpu: &Gpu) -> Result<Self, BackendError> {
+    /// [`CudaError::Unavailable`] when cuBLASLt is missing; [`CudaError`] when it fails.
+    pub fn new(gpu: &Gpu) -> Result<Self, CudaError> {
         // SAFETY: only opens the library.
         if !unsafe { lt::is_culib_present() } {
-            return Err(BackendError::Device("libcublasLt not found".into()));
+            return Err(CudaError::Unavailable("libcublasLt not found"));
         }
         let mut handle = std::ptr::null_mut();
         // SAFETY: out-pointers to locals.
@@ -144,7 +157,7 @@ impl LtGemm {
         })
     }
 
-    fn layout(&mut self, rows: u64, cols: u64, f32_t: bool) -> Result<lt::cublasLtMatrixLayout_t, BackendError> {
+    fn layout(&mut self, rows: u64, cols: u64, f32_t: bool) -> Result<lt::cublasLtMatrixLayout_t, CudaError> {
         if let Some(l) = self.layouts.get(&(rows, cols, f32_t)) {
             return Ok(*l);
         }
@@ -164,7 +177,7 @@ impl LtGemm {
         out: usize,
         inp: usize,
         f32_out: bool,
-    ) -> Result<[lt::cublasLtMatrixLayout_t; 3], BackendError> {
+    ) -> Result<[lt::cublasLtMatrixLayout_t; 3], CudaError> {
         Ok([
             self.layout(inp as u64, out as u64, false)?,
             self.layout(inp as u64, m as u64, false)?,
@@ -179,7 +192,7 @@ impl LtGemm {
         inp: usize,
         f32_out: bool,
         want: usize,
-    ) -> Result<Vec<lt::cublasLtMatmulAlgo_t>, BackendError> {
+    ) -> Result<Vec<lt::cublasLtMatmulAlgo_t>, CudaError> {
         let [a, b, d] = self.layouts_for(m, out, inp, f32_out)?;
         let mut pref = std::ptr::null_mut();
         // SAFETY: out-pointer to a local.
@@ -237,17 +250,8 @@ impl LtGemm {
         s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= WORKSPACE_BYTES
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_with(
-        &mut self,
-        gpu: &Gpu,
-        algo: &lt::cublasLtMatmulAlgo_t,
-        y: u64,
-        x: u64,
-        w: u64,
-        s: GemmShape,
-        f32_out: bool,
-    ) -> Result<(), BackendError> {
+    fn matmul_with(&mut self, gpu: &Gpu, algo: &lt::cublasLtMatmulAlgo_t, g: &GemmArgs) -> Result<(), CudaError> {
+        let GemmArgs { y, x, w, shape: s, f32_out } = *g;
         let [a, b, d] = self.layouts_for(s.n, s.out, s.inp, f32_out)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the caller passes buffers of at least n·inp (x), out·inp (w), n·out (y)
@@ -277,22 +281,16 @@ impl LtGemm {
     /// Row-major `y[n, out] = x[n, inp] · w[out, inp]ᵀ` with the shape's fixed algorithm.
     ///
     /// # Errors
-    /// [`BackendError::Device`] when the shape was not planned or cuBLASLt fails.
-    pub fn matmul(
-        &mut self,
-        gpu: &Gpu,
-        y: u64,
-        x: u64,
-        w: u64,
-        s: GemmShape,
-        f32_out: bool,
-    ) -> Result<(), BackendError> {
+    /// [`CudaError::NoAlgorithm`] when the shape was not planned; [`CudaError`] when cuBLASLt
+    /// fails.
+    pub fn matmul(&mut self, gpu: &Gpu, g: &GemmArgs) -> Result<(), CudaError> {
+        let s = g.shape;
         let algo = self
             .plans
-            .get(&(s.out, s.inp, f32_out))
+            .get(&(s.out, s.inp, g.f32_out))
             .map(|p| p.algo)
-            .ok_or_else(|| BackendError::Device(format!("no GEMM plan for {}x{}", s.out, s.inp)))?;
-        self.matmul_with(gpu, &algo, y, x, w, s, f32_out)
+            .ok_or_else(|| CudaError::NoAlgorithm { out: s.out, inp: s.inp, detail: "not planned".into() })?;
+        self.matmul_with(gpu, &algo, g)
     }
 
     /// Fast mode: `y = x · wᵀ` with cuBLASLt's best heuristic algorithm for this exact `M`
@@ -301,34 +299,28 @@ impl LtGemm {
     /// capture.
     ///
     /// # Errors
-    /// [`BackendError::Device`] when cuBLASLt has no algorithm or fails.
-    pub fn matmul_heuristic(
-        &mut self,
-        gpu: &Gpu,
-        y: u64,
-        x: u64,
-        w: u64,
-        s: GemmShape,
-        f32_out: bool,
-    ) -> Result<(), BackendError> {
-        let key = (s.n, s.out, s.inp, f32_out);
+    /// [`CudaError::NoAlgorithm`] when cuBLASLt has no algorithm; [`CudaError`] when it fails.
+    pub fn matmul_heuristic(&mut self, gpu: &Gpu, g: &GemmArgs) -> Result<(), CudaError> {
+        let s = g.shape;
+        let key = (s.n, s.out, s.inp, g.f32_out);
         let algo = match self.fast.get(&key) {
             Some(a) => *a,
             None => {
-                let a = self.heuristics(s.n, s.out, s.inp, f32_out, 1)?.into_iter().next().ok_or_else(|| {
-                    BackendError::Device(format!("cuBLASLt has no algorithm for {}x{} at M {}", s.out, s.inp, s.n))
-                })?;
+                let a =
+                    self.heuristics(s.n, s.out, s.inp, g.f32_out, 1)?.into_iter().next().ok_or_else(|| {
+                        CudaError::NoAlgorithm { out: s.out, inp: s.inp, detail: format!("M {}", s.n) }
+                    })?;
                 self.fast.insert(key, a);
                 a
             }
         };
-        self.matmul_with(gpu, &algo, y, x, w, s, f32_out)
+        self.matmul_with(gpu, &algo, g)
     }
 
     /// Chooses the fixed algorithm for `out × inp` weights at `w` (see the module docs).
     ///
     /// # Errors
-    /// [`BackendError::Device`] on device failure or when no algorithm is valid.
+    /// [`CudaError::NoAlgorithm`] when no algorithm is valid; [`CudaError`] on device failure.
     pub fn plan(
         &mut self,
         gpu: &Gpu,
@@ -337,7 +329,7 @@ impl LtGemm {
         inp: usize,
         f32_out: bool,
         m_max: usize,
-    ) -> Result<(), BackendError> {
+    ) -> Result<(), CudaError> {
         if self.plans.contains_key(&(out, inp, f32_out)) {
             return Ok(());
         }
@@ -390,34 +382,25 @@ impl LtGemm {
                 && self.valid(c, m_mid, out, inp, f32_out)
         });
         if cands.is_empty() {
-            return Err(BackendError::Device(format!(
-                "cuBLASLt has no algorithm for {out}x{inp} valid for M 1..{m_max}"
-            )));
+            return Err(CudaError::NoAlgorithm { out, inp, detail: format!("valid for M 1..{m_max}") });
         }
+        let check = InvarianceCheck { ms: &ms, counters: &counters, y_ref: &y_ref, y: &y, out, elem_bytes: ob };
+        // The product of `m` rows into `y`.
+        let args = |y: u64, m: usize| GemmArgs { y, x: x.ptr, w, shape: GemmShape { n: m, out, inp }, f32_out };
         let mut scored = Vec::new();
         let mut n_inv = 0;
         for c in &cands {
             let c = *c;
-            let inv = self.check_invariance(gpu, &ms, &counters, &y_ref, &y, out, ob, |me, m, yp| {
-                me.matmul_with(gpu, &c, yp, x.ptr, w, GemmShape { n: m, out, inp }, f32_out)
-            })?;
+            let inv = self.check_invariance(gpu, &check, |me, m, yp| me.matmul_with(gpu, &c, &args(yp, m)))?;
             let Some(inv) = inv else { continue };
             n_inv += usize::from(inv);
-            let t1 =
-                self.time(gpu, |me| me.matmul_with(gpu, &c, y.ptr, x.ptr, w, GemmShape { n: 1, out, inp }, f32_out))?;
-            let ts = self.time(gpu, |me| {
-                me.matmul_with(gpu, &c, y.ptr, x.ptr, w, GemmShape { n: m_small, out, inp }, f32_out)
-            })?;
-            let tm = self
-                .time(gpu, |me| me.matmul_with(gpu, &c, y.ptr, x.ptr, w, GemmShape { n: m_mid, out, inp }, f32_out))?;
+            let t1 = self.time(gpu, |me| me.matmul_with(gpu, &c, &args(y.ptr, 1)))?;
+            let ts = self.time(gpu, |me| me.matmul_with(gpu, &c, &args(y.ptr, m_small)))?;
+            let tm = self.time(gpu, |me| me.matmul_with(gpu, &c, &args(y.ptr, m_mid)))?;
             scored.push((c, inv, t1, tm, ts));
         }
-        let cublas_inv = self
-            .check_invariance(gpu, &ms, &counters, &y_ref, &y, out, ob, |_, m, yp| {
-                gpu.gemm(yp, x.ptr, w, GemmShape { n: m, out, inp }, f32_out)
-            })?
-            .unwrap_or(false);
-        let cublas_t1 = self.time(gpu, |_| gpu.gemm(y.ptr, x.ptr, w, GemmShape { n: 1, out, inp }, f32_out))?;
+        let cublas_inv = self.check_invariance(gpu, &check, |_, m, yp| gpu.gemm(&args(yp, m)))?.unwrap_or(false);
+        let cublas_t1 = self.time(gpu, |_| gpu.gemm(&args(y.ptr, 1)))?;
         let any_inv = scored.iter().any(|s| s.1);
         let pool: Vec<_> = scored.iter().filter(|s| s.1 || !any_inv).collect();
         let best1 = pool.iter().map(|s| s.2).fold(f64::INFINITY, f64::min);
@@ -431,7 +414,7 @@ impl LtGemm {
         let chosen = pool
             .iter()
             .min_by(|a, b| score(a).total_cmp(&score(b)))
-            .ok_or_else(|| BackendError::Device(format!("no runnable cuBLASLt algorithm for {out}x{inp}")))?;
+            .ok_or_else(|| CudaError::NoAlgorithm { out, inp, detail: "none of the candidates ran".into() })?;
         use lt::cublasLtMatmulAlgoConfigAttributes_t as A;
         let info = GemmPlanInfo {
             out,
@@ -467,32 +450,28 @@ impl LtGemm {
         gpu.sync()
     }
 
-    /// Runs `f(m, y)` for `m_max` into `y_ref` and each `m` into `y`, counting 16-bit words of
-    /// the first `m` rows that differ. `Some(true)` when none differ; `None` when a launch failed.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs `f(m, y)` for the largest of `c.ms` into `c.y_ref` and each `m` into `c.y`, counting
+    /// 16-bit words of the first `m` rows that differ. `Some(true)` when none differ; `None` when
+    /// a launch failed.
     fn check_invariance(
         &mut self,
         gpu: &Gpu,
-        ms: &[usize],
-        counters: &DevBuf,
-        y_ref: &DevBuf,
-        y: &DevBuf,
-        out: usize,
-        ob: usize,
-        mut f: impl FnMut(&mut Self, usize, u64) -> Result<(), BackendError>,
-    ) -> Result<Option<bool>, BackendError> {
+        c: &InvarianceCheck<'_>,
+        mut f: impl FnMut(&mut Self, usize, u64) -> Result<(), CudaError>,
+    ) -> Result<Option<bool>, CudaError> {
+        let InvarianceCheck { ms, counters, y_ref, y, out, elem_bytes: ob } = *c;
         let m_max = *ms.last().unwrap_or(&1);
         if f(self, m_max, y_ref.ptr).is_err() {
             return Ok(None);
         }
         // SAFETY: counters holds ms.len() u32.
         unsafe { cudarc::driver::result::memset_d8_async(counters.ptr, 0, ms.len() * 4, gpu.stream.cu_stream()) }
-            .map_err(|e| dev_err("memset", e))?;
+            .op("memset")?;
         for (i, &m) in ms.iter().enumerate() {
             // Poison, run, compare.
             // SAFETY: y holds m_max · out · ob bytes.
             unsafe { cudarc::driver::result::memset_d8_async(y.ptr, 0xff, m * out * ob, gpu.stream.cu_stream()) }
-                .map_err(|e| dev_err("memset", e))?;
+                .op("memset")?;
             if f(self, m, y.ptr).is_err() {
                 return Ok(None);
             }
@@ -502,7 +481,7 @@ impl LtGemm {
             b.arg(&y.ptr).arg(&y_ref.ptr).arg(&words).arg(&cnt);
             let cfg: LaunchConfig = grid_stride(words as usize);
             // SAFETY: both buffers hold at least `words` u16; cnt is one u32.
-            unsafe { b.launch(cfg) }.map_err(|e| dev_err("count_neq_u16", e))?;
+            unsafe { b.launch(cfg) }.op("count_neq_u16")?;
         }
         let mut host = vec![0u32; ms.len()];
         gpu.download(&mut host, counters.ptr)?;
@@ -510,11 +489,7 @@ impl LtGemm {
     }
 
     /// Median-free quick timing: 2 warm-up runs, then the mean of 10 (host clock around a sync).
-    fn time(
-        &mut self,
-        gpu: &Gpu,
-        mut f: impl FnMut(&mut Self) -> Result<(), BackendError>,
-    ) -> Result<f64, BackendError> {
+    fn time(&mut self, gpu: &Gpu, mut f: impl FnMut(&mut Self) -> Result<(), CudaError>) -> Result<f64, CudaError> {
         for _ in 0..2 {
             f(self)?;
         }

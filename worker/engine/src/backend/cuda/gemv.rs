@@ -17,8 +17,8 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use super::device::{Gpu, dev_err};
-use crate::backend::BackendError;
+use super::device::{Gpu, nvrtc_include_paths};
+use super::error::{CudaError, CudaResultExt};
 
 /// The kernels' CUDA C source.
 pub const GEMV_SRC: &str = include_str!("kernels/gemv.cu");
@@ -40,6 +40,32 @@ pub enum GemvKind {
     Residual,
     /// bf16 `act = silu(g)·u`, `[g; u] = rmsnorm(x)·[W_gate; W_up]ᵀ` (gate_up).
     NormGateUpSilu,
+}
+
+/// One GEMV launch ([`Gemv::launch`]) over `m` tokens.
+#[derive(Clone, Copy, Debug)]
+pub struct GemvArgs {
+    /// What the launch computes.
+    pub kind: GemvKind,
+    /// Tokens (activation rows), 1..=[`GEMV_MAX_M`].
+    pub m: usize,
+    /// Output, as `kind` says.
+    pub y: u64,
+    /// bf16 weight `[out, inp]` (`[2·out, inp]` for [`GemvKind::NormGateUpSilu`]), 16-byte
+    /// aligned.
+    pub w: u64,
+    /// Activations `[m, inp]`: bf16, or the f32 residual rows for the norm kinds.
+    pub x: u64,
+    /// The norm kinds' RMSNorm gain `[inp]` (0 otherwise).
+    pub gain: u64,
+    /// The weight's row count, except for gate_up (`inter`).
+    pub out: usize,
+    /// Input features, a multiple of 8 (for the norm kinds, the width `Gemv::new` sized for).
+    pub inp: usize,
+    /// RMSNorm epsilon (norm kinds).
+    pub eps: f32,
+    /// Positions, slots and caches of [`GemvKind::QkvRope`] (default otherwise).
+    pub rope: RopeArgs,
 }
 
 /// Extra arguments of [`GemvKind::QkvRope`]: per-token positions and cache slots (u32, `m`
@@ -102,40 +128,40 @@ impl Gemv {
     /// shared memory for activation rows of `norm_inp` (the model's hidden size).
     ///
     /// # Errors
-    /// [`BackendError::Device`] on compile or load failure, or when `norm_inp` rows of
-    /// [`GEMV_MAX_M`] tokens do not fit in shared memory.
-    pub fn new(gpu: &Gpu, norm_inp: usize) -> Result<Self, BackendError> {
+    /// [`CudaError`] on compile or load failure, or when `norm_inp` rows of [`GEMV_MAX_M`]
+    /// tokens do not fit in shared memory.
+    pub fn new(gpu: &Gpu, norm_inp: usize) -> Result<Self, CudaError> {
         let sms = gpu
             .ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| dev_err("SM count", e))?
+            .op("SM count")?
             .max(1) as u32;
         let mut variants = Vec::new();
         for (define, per_sm_cap) in VARIANTS {
             let opts = CompileOptions {
                 arch: Some(gpu.arch),
-                include_paths: super::device::nvrtc_include_paths(),
+                include_paths: nvrtc_include_paths(),
                 options: vec![define.to_owned()],
                 ..Default::default()
             };
-            let ptx = compile_ptx_with_opts(GEMV_SRC, opts).map_err(|e| dev_err("NVRTC compile of gemv.cu", e))?;
-            let module = gpu.ctx.load_module(ptx).map_err(|e| dev_err("load_module gemv", e))?;
+            let ptx = compile_ptx_with_opts(GEMV_SRC, opts).op("NVRTC compile of gemv.cu")?;
+            let module = gpu.ctx.load_module(ptx).op("load_module gemv")?;
             let mut fns = Vec::with_capacity(GEMV_MAX_M);
             for m in 1..=GEMV_MAX_M {
-                let f = |k: GemvKind| -> Result<(CudaFunction, u32), BackendError> {
+                let f = |k: GemvKind| -> Result<(CudaFunction, u32), CudaError> {
                     let name = format!("{}_m{m}", k.name());
-                    let f = module.load_function(&name).map_err(|e| dev_err("load gemv", e))?;
+                    let f = module.load_function(&name).map_err(|e| CudaError::op(name, e))?;
                     let bytes = if k.norm() { Self::smem(m, norm_inp) } else { 0 };
                     if k.norm() {
                         f.set_attribute(
                             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             bytes as i32,
                         )
-                        .map_err(|e| dev_err("gemv shared memory", e))?;
+                        .op("gemv shared memory")?;
                     }
                     let per_sm = f
                         .occupancy_max_active_blocks_per_multiprocessor((WARPS * 32) as u32, bytes, None)
-                        .map_err(|e| dev_err("gemv occupancy", e))?
+                        .op("gemv occupancy")?
                         .max(1);
                     let per_sm = if per_sm_cap > 0 { per_sm.min(per_sm_cap) } else { per_sm };
                     Ok((f, per_sm * sms))
@@ -154,7 +180,7 @@ impl Gemv {
             .and_then(|v| v.parse().ok())
             .filter(|&v| v < VARIANTS.len())
             .unwrap_or(0);
-        let (major, _) = gpu.ctx.compute_capability().map_err(|e| dev_err("compute_capability", e))?;
+        let (major, _) = gpu.ctx.compute_capability().op("compute_capability")?;
         // Off by default: measured on an H200 it did not help (4.34 vs 4.29 ms per batch-1
         // step), since the persistent GEMV grids leave no room for the next kernel's blocks.
         let pdl = major >= 9 && std::env::var("PRISM_CUDA_PDL").is_ok_and(|v| v == "1");
@@ -165,35 +191,19 @@ impl Gemv {
         m * inp * 2 + WARPS * m * 4
     }
 
-    /// Enqueues one GEMV over `m` tokens: `w` is `[out, inp]` bf16 (`[2·out, inp]` for
-    /// [`GemvKind::NormGateUpSilu`]), `x` the bf16 activations `[m, inp]` (f32 residual rows
-    /// for the norm kinds, with `gain` the norm weight `[inp]`), `y` as the kind says; `out` is
-    /// the weight's row count except for gate_up (`inter`). `rope` is used by
-    /// [`GemvKind::QkvRope`] only.
+    /// Enqueues one GEMV over `a.m` tokens (see [`GemvArgs`] for the operands; `a.rope` is
+    /// used by [`GemvKind::QkvRope`] only).
     ///
     /// # Errors
-    /// [`BackendError::InvalidBatch`] when `m` is 0 or above [`GEMV_MAX_M`], `inp` is not a
-    /// multiple of 8, or a norm kind's `inp` differs from the one planned;
-    /// [`BackendError::Device`] on launch failure.
-    #[allow(clippy::too_many_arguments)]
-    pub fn launch(
-        &self,
-        gpu: &Gpu,
-        kind: GemvKind,
-        m: usize,
-        y: u64,
-        w: u64,
-        x: u64,
-        gain: u64,
-        out: usize,
-        inp: usize,
-        eps: f32,
-        rope: &RopeArgs,
-    ) -> Result<(), BackendError> {
+    /// [`CudaError::InvalidLaunch`] when `m` is 0 or above [`GEMV_MAX_M`], `inp` is not a
+    /// multiple of 8, or a norm kind's `inp` differs from the one planned; [`CudaError`] on
+    /// launch failure.
+    pub fn launch(&self, gpu: &Gpu, a: &GemvArgs) -> Result<(), CudaError> {
+        let GemvArgs { kind, m, y, w, x, gain, out, inp, eps, ref rope } = *a;
         // 16-byte rows and activations; the norm prologue reads the gain 4 values at a time.
         let aligned = w.is_multiple_of(16) && x.is_multiple_of(16) && gain.is_multiple_of(8);
         if m == 0 || m > GEMV_MAX_M || !aligned || !inp.is_multiple_of(8) || (kind.norm() && inp != self.norm_inp) {
-            return Err(BackendError::InvalidBatch(format!("gemv: m {m}, inp {inp} not supported")));
+            return Err(CudaError::InvalidLaunch(format!("gemv: m {m}, inp {inp} not supported")));
         }
         let (f, resident) = &self.variants[self.variant.min(self.variants.len() - 1)].fns[m - 1][kind.index()];
         // Logical rows: RoPE pairs for the fused QKV.
@@ -234,7 +244,7 @@ impl Gemv {
             // values at launch), in the kernel's parameter order and types; buffers as for the
             // plain launch below.
             let r = unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) };
-            return if r == sys::CUresult::CUDA_SUCCESS { Ok(()) } else { Err(dev_err(kind.name(), r)) };
+            return r.result().op(kind.name());
         }
         let mut b = gpu.stream.launch_builder(f);
         b.arg(&y).arg(&w).arg(&x).arg(&gain).arg(&out_i).arg(&inp_i).arg(&eps);
@@ -244,6 +254,6 @@ impl Gemv {
         }
         // SAFETY: the caller passes buffers of the documented shapes; rows past `out` are
         // clamped in the kernel; shared memory matches the attribute set in `new`.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| dev_err(kind.name(), e))
+        unsafe { b.launch(cfg) }.map(|_| ()).op(kind.name())
     }
 }

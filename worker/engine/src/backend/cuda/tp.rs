@@ -13,92 +13,19 @@
 //! replica refuses every later step, so the engine reports it dead instead of hanging. CUDA
 //! graphs and the fused decode GEMVs are off in this mode.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use cudarc::nccl::{result as nccl, sys as nccl_sys};
-
-use super::device::{Gpu, dev_err};
-use super::{CudaBackend, CudaOptions};
-use crate::EngineError;
+use super::error::CudaError;
+use super::nccl::CommGroup;
+use super::options::CudaOptions;
+use super::runner::CudaBackend;
 use crate::backend::{Backend, BackendError, Logits, StepBatch};
-use crate::model::{LlamaWeights, ModelConfig};
-
-/// One rank's NCCL communicator (from `ncclCommInitAll` over the replica's devices).
-pub(crate) struct TpComm {
-    comm: nccl_sys::ncclComm_t,
-    /// This shard's rank.
-    pub rank: usize,
-    /// Set once the communicators were aborted (then they must not be destroyed).
-    aborted: Arc<AtomicBool>,
-}
-
-// SAFETY: the communicator is used by one thread at a time (the rank's step thread); NCCL
-// allows a communicator to move between threads.
-unsafe impl Send for TpComm {}
-
-impl Drop for TpComm {
-    fn drop(&mut self) {
-        if self.aborted.load(Ordering::SeqCst) {
-            return;
-        }
-        // SAFETY: created by ncclCommInitAll, destroyed once; no collective is pending (every
-        // step ends with every rank's stream synchronised).
-        let _ = unsafe { nccl::comm_destroy(self.comm) };
-    }
-}
-
-impl TpComm {
-    /// In-place sum of `count` bf16 values at `ptr` over every rank, on the shard's stream.
-    ///
-    /// # Errors
-    /// [`BackendError::Device`] when NCCL fails to enqueue it.
-    pub(crate) fn all_reduce_bf16(&self, gpu: &Gpu, ptr: u64, count: usize) -> Result<(), BackendError> {
-        // SAFETY: `ptr` holds `count` bf16 values on this rank's device; in-place all-reduce
-        // on the stream every other launch of the shard uses.
-        unsafe {
-            nccl::all_reduce(
-                ptr as *const _,
-                ptr as *mut _,
-                count,
-                nccl_sys::ncclDataType_t::ncclBfloat16,
-                nccl_sys::ncclRedOp_t::ncclSum,
-                self.comm,
-                gpu.stream.cu_stream() as nccl_sys::cudaStream_t,
-            )
-        }
-        .map(|_| ())
-        .map_err(|e| dev_err("ncclAllReduce", e))
-    }
-}
-
-/// A raw communicator handle shared with the rank threads (only for `ncclCommAbort`).
-#[derive(Clone, Copy)]
-struct RawComm(nccl_sys::ncclComm_t);
-// SAFETY: ncclCommAbort may be called from any thread, also while a collective is blocked.
-unsafe impl Send for RawComm {}
-// SAFETY: as above; the handle is only passed to ncclCommAbort.
-unsafe impl Sync for RawComm {}
-
-/// Aborts every communicator once (releases ranks blocked in a collective).
-fn abort_all(raw: &[RawComm], aborted: &AtomicBool) {
-    if aborted.swap(true, Ordering::SeqCst) {
-        return;
-    }
-    tracing::error!("tensor-parallel rank failed: aborting the NCCL communicators");
-    for c in raw {
-        // SAFETY: valid communicators, aborted once (guarded by `aborted`), never destroyed
-        // afterwards (TpComm::drop checks the same flag).
-        let _ = unsafe { nccl::comm_abort(c.0) };
-    }
-}
+use crate::model::config::ModelConfig;
+use crate::model::llama::LlamaWeights;
 
 /// A tensor-parallel CUDA replica: one shard per device of its GPU group.
 pub struct CudaTpBackend {
     shards: Vec<CudaBackend>,
     /// Every rank's communicator (aborted together when a rank fails).
-    raw: Vec<RawComm>,
-    aborted: Arc<AtomicBool>,
+    comms: CommGroup,
 }
 
 impl std::fmt::Debug for CudaTpBackend {
@@ -114,57 +41,41 @@ impl CudaTpBackend {
     /// time, so the host holds the f32 model plus one shard.
     ///
     /// # Errors
-    /// [`EngineError::Internal`] when NCCL is missing or fails, the group size does not divide
-    /// the KV heads and the FFN size, or a shard cannot be built;
-    /// [`EngineError::InvalidRequest`] for `batch_invariant` with more than 2 ranks (NCCL's
-    /// summation order over 3+ ranks depends on the message size, so results would depend on
-    /// the batch).
+    /// [`CudaError::TensorParallel`] for fewer than 2 devices; [`CudaError::InvalidOption`] for
+    /// `batch_invariant` with more than 2 ranks (NCCL's summation order over 3+ ranks depends on
+    /// the message size, so results would depend on the batch); [`CudaError::Model`] when the
+    /// group size does not divide the KV heads and the FFN size; [`CudaError`] when NCCL is
+    /// missing or fails, or a shard cannot be built.
     pub fn new(
         weights: LlamaWeights,
         config: &ModelConfig,
         opts: &CudaOptions,
         devices: &[u32],
-    ) -> Result<Self, EngineError> {
+    ) -> Result<Self, CudaError> {
         let world = devices.len();
         if world < 2 {
-            return Err(EngineError::Internal("tensor parallelism needs at least 2 devices".into()));
+            return Err(CudaError::TensorParallel("needs at least 2 devices"));
         }
         if opts.batch_invariant && world > 2 {
-            return Err(EngineError::InvalidRequest {
+            return Err(CudaError::InvalidOption {
                 field: "batch_invariant",
                 message: format!("batch_invariant is not supported with tensor_parallel_size {world} (at most 2)"),
             });
         }
-        // SAFETY: only opens the library (cudarc panics on a missing library otherwise).
-        if !unsafe { nccl_sys::is_culib_present() } {
-            return Err(EngineError::Internal("tensor_parallel_size > 1 needs NCCL (libnccl.so.2 not found)".into()));
-        }
-        let ordinals: Vec<i32> = devices.iter().map(|&d| d as i32).collect();
-        let mut comms = vec![std::ptr::null_mut(); world];
-        // SAFETY: `comms` has one slot per device in `ordinals`.
-        unsafe { nccl::comm_init_all(comms.as_mut_ptr(), world as i32, ordinals.as_ptr()) }
-            .map_err(|e| EngineError::Internal(format!("ncclCommInitAll over devices {devices:?}: {e:?}")))?;
-        let aborted = Arc::new(AtomicBool::new(false));
-        let raw: Vec<RawComm> = comms.iter().map(|&c| RawComm(c)).collect();
-        let mut comms: Vec<Option<TpComm>> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, comm)| Some(TpComm { comm, rank, aborted: aborted.clone() }))
-            .collect();
+        let (comms, ranks) = CommGroup::init(devices)?;
         let mut shards = Vec::with_capacity(world);
-        for (rank, &device) in devices.iter().enumerate() {
+        for ((rank, &device), comm) in devices.iter().enumerate().zip(ranks) {
             let o = CudaOptions {
                 device: device as usize,
                 kv_cache_bytes: opts.kv_cache_bytes.map(|b| b / world as u64),
                 ..opts.clone()
             };
-            let comm = comms[rank].take().ok_or_else(|| EngineError::Internal("communicator used twice".into()))?;
             let w = weights.shard(config, rank, world)?;
             shards.push(CudaBackend::new_shard(w, config, &o, comm)?);
         }
         drop(weights);
-        tracing::info!(devices = ?devices, kv_blocks = shards.iter().map(|s| s.num_blocks).min(), "CUDA tensor-parallel replica ready");
-        Ok(Self { shards, raw, aborted })
+        tracing::info!(devices = ?devices, kv_blocks = shards.iter().map(Backend::num_kv_blocks).min(), "CUDA tensor-parallel replica ready");
+        Ok(Self { shards, comms })
     }
 
     /// Runs `batch` on every rank at once; rank 0's result (`f`) is returned after every rank
@@ -174,15 +85,16 @@ impl CudaTpBackend {
         batch: &StepBatch,
         f: impl FnOnce(&mut CudaBackend) -> Result<T, BackendError> + Send,
     ) -> Result<T, BackendError> {
-        if self.aborted.load(Ordering::SeqCst) {
-            return Err(BackendError::Device("tensor-parallel replica failed earlier (communicators aborted)".into()));
+        if self.comms.aborted() {
+            return Err(CudaError::TensorParallel("the replica failed earlier (communicators aborted)").into());
         }
         // Same checks on every rank (each against its own cache); all pass or none starts.
         for s in &self.shards {
             s.validate(batch)?;
         }
-        let (raw, aborted) = (&self.raw, &*self.aborted);
-        let (first, rest) = self.shards.split_first_mut().ok_or_else(|| BackendError::Device("no shards".into()))?;
+        let comms = &self.comms;
+        let (first, rest) =
+            self.shards.split_first_mut().ok_or(BackendError::Cuda(CudaError::TensorParallel("no shards")))?;
         std::thread::scope(|sc| {
             let others: Vec<_> = rest
                 .iter_mut()
@@ -190,7 +102,7 @@ impl CudaTpBackend {
                     sc.spawn(move || -> Result<(), BackendError> {
                         let r = s.run(batch).and_then(|_| s.synchronize());
                         if r.is_err() {
-                            abort_all(raw, aborted);
+                            comms.abort();
                         }
                         r
                     })
@@ -198,20 +110,20 @@ impl CudaTpBackend {
                 .collect();
             let mut res = f(first);
             if res.is_err() {
-                abort_all(raw, aborted);
+                comms.abort();
             }
             for h in others {
                 let r = h.join().unwrap_or_else(|_| {
-                    abort_all(raw, aborted);
-                    Err(BackendError::Device("tensor-parallel rank panicked".into()))
+                    comms.abort();
+                    Err(CudaError::TensorParallel("a rank panicked").into())
                 });
                 if let (Ok(_), Err(e)) = (&res, r) {
                     res = Err(e);
                 }
             }
             // What a rank computed after an abort must not be returned as a result.
-            if res.is_ok() && aborted.load(Ordering::SeqCst) {
-                res = Err(BackendError::Device("tensor-parallel step aborted".into()));
+            if res.is_ok() && comms.aborted() {
+                res = Err(CudaError::TensorParallel("the step was aborted").into());
             }
             res
         })

@@ -8,11 +8,12 @@
 
 use half::bf16;
 
-use super::Dims;
 use super::device::{DevBuf, Gpu};
-use crate::backend::BackendError;
+use super::error::CudaError;
+use super::options::{Dims, SyntheticShape};
+use crate::model::config::ModelConfig;
+use crate::model::llama::LlamaWeights;
 use crate::model::safetensors::SafetensorsFiles;
-use crate::model::{LlamaWeights, ModelConfig};
 
 /// Device addresses of one decoder layer's weights.
 pub(crate) struct LayerPtrs {
@@ -33,50 +34,6 @@ pub(crate) struct DeviceWeights {
     pub layers: Vec<LayerPtrs>,
     /// Bytes of weights.
     pub bytes: usize,
-}
-
-/// A Llama-family shape for [`super::CudaBackend::synthetic`] (e.g. [`SyntheticShape::llama3_8b`]).
-#[derive(Clone, Debug)]
-pub struct SyntheticShape {
-    /// Decoder layers.
-    pub layers: usize,
-    /// Model width.
-    pub hidden: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// KV heads (GQA).
-    pub kv_heads: usize,
-    /// MLP width.
-    pub intermediate: usize,
-    /// Vocabulary.
-    pub vocab: usize,
-    /// RoPE base.
-    pub rope_theta: f32,
-    /// Weight seed.
-    pub seed: u32,
-}
-
-impl SyntheticShape {
-    /// Llama-3-8B: 32 layers, hidden 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256,
-    /// rope_theta 500000, untied lm_head.
-    pub fn llama3_8b(seed: u32) -> Self {
-        Self {
-            layers: 32,
-            hidden: 4096,
-            heads: 32,
-            kv_heads: 8,
-            intermediate: 14336,
-            vocab: 128_256,
-            rope_theta: 500_000.0,
-            seed,
-        }
-    }
-
-    /// RoPE inverse frequencies (no scaling).
-    pub fn inv_freq(&self) -> Vec<f32> {
-        let hd = self.hidden / self.heads;
-        (0..hd / 2).map(|i| (1.0 / f64::from(self.rope_theta).powf(2.0 * i as f64 / hd as f64)) as f32).collect()
-    }
 }
 
 /// Element offsets (bf16 units) of every tensor in the single buffer.
@@ -138,14 +95,14 @@ impl DeviceWeights {
     /// gate/up matrix) at a time. `progress(done, total)` reports bytes read.
     ///
     /// # Errors
-    /// [`BackendError::Device`] for a missing tensor, a shape that disagrees with `cfg`, an
-    /// unsupported dtype, or an allocation / copy failure.
+    /// [`CudaError::Model`] for a missing tensor, a shape that disagrees with `cfg` or an
+    /// unsupported dtype; [`CudaError`] on an allocation or copy failure.
     pub fn from_safetensors(
         gpu: &Gpu,
         files: &SafetensorsFiles,
         cfg: &ModelConfig,
         progress: &dyn Fn(u64, u64),
-    ) -> Result<(Self, Dims), BackendError> {
+    ) -> Result<(Self, Dims), CudaError> {
         let d = Dims {
             hidden: cfg.hidden_size,
             q_heads: cfg.num_attention_heads,
@@ -162,11 +119,10 @@ impl DeviceWeights {
         let total = files.total_bytes();
         let mut done = 0u64;
         let mut staging: Vec<bf16> = Vec::new();
-        let mut put = |off: usize, parts: &[(&str, &[usize])]| -> Result<(), BackendError> {
+        let mut put = |off: usize, parts: &[(&str, &[usize])]| -> Result<(), CudaError> {
             staging.clear();
             for (name, shape) in parts {
-                done += files.append_bf16(name, shape, &mut staging).map_err(|e| BackendError::Device(e.to_string()))?
-                    as u64;
+                done += files.append_bf16(name, shape, &mut staging)? as u64;
             }
             gpu.upload(&buf, off * 2, &staging)?;
             // The staging vector is reused: wait for the (pageable, staged) copy.
@@ -204,9 +160,10 @@ impl DeviceWeights {
     /// Uploads f32 host weights as bf16.
     ///
     /// # Errors
-    /// [`BackendError::Device`] on allocation or copy failure; `InvalidBatch` never.
-    pub fn upload(gpu: &Gpu, w: &LlamaWeights, cfg: &ModelConfig) -> Result<(Self, Dims), BackendError> {
-        let first = w.layers.first().ok_or_else(|| BackendError::Device("model has no layers".into()))?;
+    /// [`CudaError::Unsupported`] for a model without layers; [`CudaError`] on allocation or
+    /// copy failure.
+    pub fn upload(gpu: &Gpu, w: &LlamaWeights, cfg: &ModelConfig) -> Result<(Self, Dims), CudaError> {
+        let first = w.layers.first().ok_or_else(|| CudaError::Unsupported("model has no layers".into()))?;
         let hd = cfg.head_dim;
         let d = Dims {
             hidden: cfg.hidden_size,
@@ -221,7 +178,7 @@ impl DeviceWeights {
         let l = layout(&d, w.lm_head.is_none());
         let buf = DevBuf::zeroed(gpu, l.total * 2)?;
         let mut staging: Vec<bf16> = Vec::new();
-        let mut put = |off: usize, parts: &[&[f32]]| -> Result<(), BackendError> {
+        let mut put = |off: usize, parts: &[&[f32]]| -> Result<(), CudaError> {
             staging.clear();
             for part in parts {
                 staging.extend(part.iter().map(|&v| bf16::from_f32(v)));
@@ -250,18 +207,9 @@ impl DeviceWeights {
     /// norm gains 1.
     ///
     /// # Errors
-    /// [`BackendError::Device`] on allocation or launch failure.
-    pub fn synthetic(gpu: &Gpu, s: &SyntheticShape) -> Result<(Self, Dims), BackendError> {
-        let d = Dims {
-            hidden: s.hidden,
-            q_heads: s.heads,
-            kv_heads: s.kv_heads,
-            head_dim: s.hidden / s.heads,
-            inter: s.intermediate,
-            vocab: s.vocab,
-            layers: s.layers,
-            eps: 1e-5,
-        };
+    /// [`CudaError`] on allocation or launch failure.
+    pub fn synthetic(gpu: &Gpu, s: &SyntheticShape) -> Result<(Self, Dims), CudaError> {
+        let d = s.dims();
         let l = layout(&d, false);
         let buf = DevBuf::zeroed(gpu, l.total * 2)?;
         let scale = 0.02 * 3f32.sqrt();

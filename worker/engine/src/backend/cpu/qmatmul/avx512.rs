@@ -5,7 +5,8 @@
 //! avoid the debug-build precondition checks of std's `loadu`.
 use std::arch::x86_64::*;
 
-use super::{Job, QK};
+use super::job::{Job, scalar_tail};
+use crate::model::gguf::dequant::QK;
 
 #[inline(always)]
 unsafe fn load16(p: *const f32) -> __m512 {
@@ -150,7 +151,7 @@ unsafe fn tile<B: Block, const F: usize, const R: usize>(job: &Job, t: usize, j:
                 if job.tail > 0 {
                     let wrow = std::slice::from_raw_parts(w0.add(f * ws), ws);
                     let x = std::slice::from_raw_parts(x0.add(r * xs), xs);
-                    sum = super::scalar_tail(job, wrow, x, sum);
+                    sum = scalar_tail(job, wrow, x, sum);
                 }
                 *job.y.add((t + r) * job.y_stride + j + f) = sum;
             }

@@ -1,0 +1,489 @@
+//! One shard's Llama forward pass on the device ([`ShardModel`]): the weights, KV cache, step
+//! scratch and compiled kernels of a shard, and [`ShardModel::enqueue`], which puts a whole
+//! step on the shard's stream — embedding gather, per layer the QKV projection with RoPE and
+//! the K/V write, paged attention, o_proj, the MLP, and the final norm and lm_head for the rows
+//! that want logits. `enqueue` neither allocates nor synchronises, so a decode step can be
+//! captured into a CUDA graph (the runner does that).
+//!
+//! Paths: in fast mode a step of at most `gemv_max` tokens runs the fused decode GEMVs
+//! (`gemv.rs`: norms, RoPE + K/V write, residual adds and SiLU·mul inside) and larger steps go
+//! through cuBLASLt's per-`M` heuristic; batch-invariant mode uses one fixed cuBLASLt algorithm
+//! per weight shape. Attention is the tensor-core pair (`attn_decode.rs` for decode rows,
+//! `attn_prefill.rs` for prefill chunks) on sm_80 and later in fast mode, else the split-KV
+//! kernel of `kernels/llama.cu` with fixed 128-position chunks merged in chunk order. With
+//! tensor parallelism the o_proj and down_proj outputs are all-reduced before the residual add.
+
+use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg};
+
+use super::attn_decode::{AttnShape, DecodeArgs, DecodeAttention};
+use super::attn_prefill::{PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq};
+use super::device::{GemmArgs, GemmShape, Gpu, grid_stride, per_row};
+use super::error::{CudaError, CudaResultExt};
+use super::gemm::LtGemm;
+use super::gemv::{GEMV_MAX_M, Gemv, GemvArgs, GemvKind, RopeArgs};
+use super::kv_cache::KvCache;
+use super::nccl::TpComm;
+use super::options::{CudaOptions, Dims};
+use super::scratch::{Scratch, StepPtrs};
+use super::weights::DeviceWeights;
+use crate::backend::StepBatch;
+
+/// Positions per attention context chunk (`ATTN_CHUNK` in `kernels/llama.cu`).
+pub(crate) const ATTN_CHUNK: usize = 128;
+
+/// One shard's model on its device and the state a step uses.
+pub(crate) struct ShardModel {
+    pub gpu: Gpu,
+    pub lt: LtGemm,
+    /// Fused decode GEMVs (fast mode only; `None` when they cannot be built for this model).
+    pub gemv: Option<Gemv>,
+    /// [`CudaOptions::batch_invariant`].
+    invariant: bool,
+    /// Steps of at most this many tokens run the GEMVs ([`CudaOptions::gemv_max_tokens`]; 0 in
+    /// batch-invariant mode and for tensor-parallel shards).
+    pub gemv_max: usize,
+    /// Fast mode: tensor-core paged attention for decode rows and for prefill chunks (batch
+    /// invariance keeps the split-KV kernel of `llama.cu` for every row).
+    pub dattn: Option<DecodeAttention>,
+    pattn: Option<PrefillAttention>,
+    /// This step's attention work: runs of decode rows (first token, count) and prefill chunks.
+    plan_decode: Vec<(usize, usize)>,
+    plan_prefill: Vec<PrefillSeq>,
+    /// Tensor-parallel shard: its communicator (all-reduce after o_proj and down_proj).
+    pub tp: Option<TpComm>,
+    /// Per-launch events while a profiled step runs.
+    pub prof: Option<Vec<(&'static str, CudaEvent)>>,
+    pub d: Dims,
+    pub w: DeviceWeights,
+    pub s: Scratch,
+    pub kv: KvCache,
+}
+
+/// Operands of one `add_rmsnorm` launch (`kernels/llama.cu`) over `blocks` rows: row
+/// `r = rows[b]` (or `b` when `rows` is 0) of the f32 residual stream `x [*, hidden]` gets
+/// `delta[r]` (bf16) added when `delta` is not 0, and `out[b] = bf16(x[r] · rsqrt(mean(x[r]²) +
+/// eps) · gain)`.
+struct NormArgs {
+    x: u64,
+    delta: u64,
+    gain: u64,
+    out: u64,
+    rows: u64,
+    blocks: usize,
+    threads: u32,
+}
+
+/// Enqueues `add_rmsnorm` (see [`NormArgs`]) with the model's width and epsilon.
+fn add_rmsnorm(g: &Gpu, d: &Dims, a: &NormArgs) -> Result<(), cudarc::driver::DriverError> {
+    let (h, eps) = (d.hidden as i32, d.eps);
+    let mut b = g.stream.launch_builder(&g.k.add_rmsnorm);
+    b.arg(&a.x).arg(&a.delta).arg(&a.gain).arg(&a.out).arg(&a.rows).arg(&h).arg(&eps);
+    // SAFETY: the caller passes x, delta with every indexed row of `hidden` values, gain
+    // `hidden`, out `blocks` rows, and rows (when set) `blocks` indices of rows of x.
+    unsafe { b.launch(per_row(a.blocks, a.threads)) }.map(|_| ())
+}
+
+impl ShardModel {
+    /// Builds the shard around uploaded weights: step scratch, cuBLASLt (with the fixed plans
+    /// in batch-invariant mode, checked on this device), the decode GEMVs and tensor-core
+    /// attention in fast mode, then the KV cache from what memory is left.
+    ///
+    /// # Errors
+    /// [`CudaError::InvalidOption`] for a block size of 0 or a KV budget without a block;
+    /// [`CudaError::Unsupported`] unless head_dim is 64 or 128 with 1, 2, 4 or 8 query heads per
+    /// KV head; [`CudaError`] when a kernel, plan or allocation fails.
+    pub fn new(gpu: Gpu, w: DeviceWeights, d: Dims, inv_freq: &[f32], opts: &CudaOptions) -> Result<Self, CudaError> {
+        if opts.block_size == 0 {
+            return Err(CudaError::InvalidOption { field: "block_size", message: "block_size must be >= 1".into() });
+        }
+        let group_ok =
+            d.kv_heads > 0 && d.q_heads.is_multiple_of(d.kv_heads) && matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8);
+        if !(d.head_dim == 64 || d.head_dim == 128) || !group_ok {
+            return Err(CudaError::Unsupported(format!(
+                "head_dim {} with {}/{} query/KV heads (the kernels take head_dim 64 or 128 and 1, 2, 4 or 8 \
+                 query heads per KV head)",
+                d.head_dim, d.q_heads, d.kv_heads
+            )));
+        }
+        let t = opts.max_num_batched_tokens.max(opts.max_num_seqs).max(1);
+        let r = opts.max_num_seqs.max(1);
+        let s = Scratch::new(&gpu, &d, t, r, inv_freq)?;
+        // One batch-invariant GEMM algorithm per weight shape (checked on this device).
+        let mut lt = LtGemm::new(&gpu)?;
+        // The GEMVs need 8-element (16-byte) rows; their norm prologue keeps GEMV_MAX_M
+        // activation rows in shared memory (a model too wide for it runs without them).
+        let gemv_shapes_ok = d.hidden.is_multiple_of(8) && d.inter.is_multiple_of(8) && d.q_dim().is_multiple_of(8);
+        let gemv = if opts.batch_invariant || !gemv_shapes_ok {
+            None
+        } else {
+            Gemv::new(&gpu, d.hidden)
+                .map_err(|e| tracing::warn!(error = %e, "decode GEMVs unavailable; using cuBLASLt for every step"))
+                .ok()
+        };
+        let gemv_max = if gemv.is_some() { opts.gemv_max_tokens.min(GEMV_MAX_M) } else { 0 };
+        // The tensor-core attention kernels use bf16 mma (sm_80 and later); older GPUs keep the
+        // split-KV kernel.
+        let sm: u32 = gpu.arch.trim_start_matches("sm_").parse().unwrap_or(0);
+        let (dattn, pattn) = if opts.batch_invariant || sm < 80 {
+            (None, None)
+        } else {
+            let shape = AttnShape { q_heads: d.q_heads, kv_heads: d.kv_heads, head_dim: d.head_dim };
+            (Some(DecodeAttention::new(&gpu, shape, r)?), Some(PrefillAttention::new(&gpu, t)?))
+        };
+        if let (true, Some(l0)) = (opts.batch_invariant, w.layers.first()) {
+            for (wp, out, inp) in [
+                (l0.qkv, d.qkv_dim(), d.hidden),
+                (l0.o_proj, d.hidden, d.q_dim()),
+                (l0.gate_up, 2 * d.inter, d.hidden),
+                (l0.down, d.hidden, d.inter),
+            ] {
+                lt.plan(&gpu, wp, out, inp, false, t)?;
+            }
+        }
+        if opts.batch_invariant {
+            lt.plan(&gpu, w.lm_head, d.vocab, d.hidden, true, r)?;
+        }
+        let kv = KvCache::allocate(&gpu, &d, opts)?;
+        gpu.sync()?;
+        Ok(Self {
+            gpu,
+            lt,
+            gemv,
+            invariant: opts.batch_invariant,
+            gemv_max,
+            dattn,
+            pattn,
+            plan_decode: Vec::new(),
+            plan_prefill: Vec::new(),
+            tp: None,
+            prof: None,
+            d,
+            w,
+            s,
+            kv,
+        })
+    }
+
+    /// Splits the step's rows into runs of decode rows (one query token; `rows` tokens when
+    /// the step is a pure decode padded to a graph bucket) and prefill chunks, and uploads the
+    /// prefill work list once for all layers.
+    ///
+    /// # Errors
+    /// As [`PrefillAttention::prepare`].
+    pub fn plan_attention(&mut self, batch: &StepBatch, rows: usize) -> Result<(), CudaError> {
+        self.plan_decode.clear();
+        self.plan_prefill.clear();
+        let Some(pattn) = self.pattn.as_mut() else {
+            return Ok(());
+        };
+        let mut bt_off = 0usize;
+        for q in &batch.seqs {
+            if q.query_len == 1 {
+                match self.plan_decode.last_mut() {
+                    Some((t0, cnt)) if *t0 + *cnt == q.query_start => *cnt += 1,
+                    _ => self.plan_decode.push((q.query_start, 1)),
+                }
+            } else if q.query_len > 1 {
+                self.plan_prefill.push(PrefillSeq {
+                    query_start: q.query_start,
+                    query_len: q.query_len,
+                    context_len: q.context_len,
+                    bt_offset: bt_off,
+                });
+            }
+            bt_off += q.block_table.len();
+        }
+        if self.plan_prefill.is_empty() {
+            // Pure decode: one run over every row, graph padding included.
+            self.plan_decode.clear();
+            self.plan_decode.push((0, rows));
+        } else {
+            let dims = PrefillDims {
+                q_heads: self.d.q_heads,
+                kv_heads: self.d.kv_heads,
+                head_dim: self.d.head_dim,
+                block_size: self.kv.block_size,
+            };
+            pattn.prepare(&self.gpu, &self.plan_prefill, dims)?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues one forward pass over `n` tokens (`rows` logit rows, `chunks` context chunks
+    /// per token at most) on the stream; no host synchronisation, no allocation (capturable).
+    ///
+    /// # Errors
+    /// [`CudaError`] when a launch, GEMM or all-reduce fails to enqueue.
+    pub fn enqueue(&mut self, n: usize, rows: usize, ptrs: StepPtrs, chunks: usize) -> Result<(), CudaError> {
+        let StepPtrs { ids, pos, slots, tok_bt, rows: rows_ptr, bts } = ptrs;
+        let d = self.d;
+        // Fast mode, few tokens: fused GEMVs (norms, RoPE + K/V write, residual adds and
+        // SiLU·mul inside).
+        let small = n <= self.gemv_max;
+        let invariant = self.invariant;
+        let Self { tp, gpu: g, lt, gemv, s, w, kv, prof, dattn, pattn, plan_decode, plan_prefill, .. } = self;
+        let block_size = kv.block_size;
+        // The small path's fused decode GEMVs over `m` tokens (see `gemv.rs` for the kinds).
+        let gv = |a: GemvArgs| {
+            let gemv = gemv.as_ref().ok_or_else(|| CudaError::InvalidLaunch("decode GEMVs not built".into()))?;
+            gemv.launch(g, &a)
+        };
+        let mut matmul = |g: &Gpu, y: u64, x: u64, w: u64, shape: GemmShape, f32_out: bool| {
+            let a = GemmArgs { y, x, w, shape, f32_out };
+            if invariant { lt.matmul(g, &a) } else { lt.matmul_heuristic(g, &a) }
+        };
+        let mut mark = |name: &'static str| -> Result<(), CudaError> {
+            if let Some(p) = prof.as_mut() {
+                let e =
+                    g.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).op("event")?;
+                p.push((name, e));
+            }
+            Ok(())
+        };
+        let st = &g.stream;
+        let h = d.hidden as i32;
+        let null = 0u64;
+        {
+            let mut b = st.launch_builder(&g.k.embed_gather);
+            b.arg(&s.x.ptr).arg(&w.embed).arg(&ids).arg(&h);
+            // SAFETY: x holds n × hidden f32; ids are validated < vocab.
+            unsafe { b.launch(per_row(n, 256)) }.op("embed_gather")?;
+        }
+        mark("embed")?;
+        let norm_threads = if d.hidden >= 2048 { 1024 } else { 256 };
+        let (qh, kvh, hd, bs) = (d.q_heads as i32, d.kv_heads as i32, d.head_dim as i32, block_size as i32);
+        let scale = 1.0 / (d.head_dim as f32).sqrt();
+        let group = d.q_heads / d.kv_heads;
+        let attn_fn = &g.k.attention[usize::from(d.head_dim == 128) * 4 + group.trailing_zeros() as usize];
+        let (n_i, inter) = (n as i32, d.inter as i32);
+        // Tokens per attention launch so that their partials fit (all of them with one chunk).
+        let per_launch =
+            if chunks == 1 { n } else { (s.part_cap / (chunks * d.q_heads * (d.head_dim + 2))).clamp(1, n) };
+        let chunks_i = chunks as i32;
+        for (li, lw) in w.layers.iter().enumerate() {
+            let (kc, vc) = (kv.k[li].ptr, kv.v[li].ptr);
+            if small {
+                let rope = RopeArgs {
+                    pos,
+                    slots,
+                    inv_freq: s.inv_freq.ptr,
+                    k_cache: kc,
+                    v_cache: vc,
+                    q_heads: qh,
+                    kv_heads: kvh,
+                    head_dim: hd,
+                };
+                gv(GemvArgs {
+                    kind: GemvKind::QkvRope,
+                    m: n,
+                    y: s.qkv.ptr,
+                    w: lw.qkv,
+                    x: s.x.ptr,
+                    gain: lw.input_norm,
+                    out: d.qkv_dim(),
+                    inp: d.hidden,
+                    eps: d.eps,
+                    rope,
+                })?;
+                mark("gemv_qkv_rope_kv")?;
+            } else {
+                // Residual add of the previous layer's down_proj output fused with this norm.
+                let delta = if li == 0 { null } else { s.proj.ptr };
+                let norm = NormArgs {
+                    x: s.x.ptr,
+                    delta,
+                    gain: lw.input_norm,
+                    out: s.hn.ptr,
+                    rows: null,
+                    blocks: n,
+                    threads: norm_threads,
+                };
+                add_rmsnorm(g, &d, &norm).op("add_rmsnorm")?;
+                mark("add_rmsnorm")?;
+                matmul(g, s.qkv.ptr, s.hn.ptr, lw.qkv, GemmShape { n, out: d.qkv_dim(), inp: d.hidden }, false)?;
+                mark("gemm_qkv")?;
+                let mut b = st.launch_builder(&g.k.rope_kv_write);
+                b.arg(&s.qkv.ptr)
+                    .arg(&pos)
+                    .arg(&slots)
+                    .arg(&s.inv_freq.ptr)
+                    .arg(&kc)
+                    .arg(&vc)
+                    .arg(&qh)
+                    .arg(&kvh)
+                    .arg(&hd);
+                // SAFETY: slots validated < num_blocks · block_size (u32::MAX = padding, skipped).
+                unsafe { b.launch(per_row(n, 128)) }.op("rope_kv_write")?;
+                mark("rope_kv_write")?;
+            }
+            if let (Some(da), Some(pa)) = (dattn.as_ref(), pattn.as_mut()) {
+                let (qd, qkvd) = ((d.q_dim() * 2) as u64, (d.qkv_dim() * 2) as u64);
+                for &(t0, cnt) in plan_decode.iter() {
+                    let t = t0 as u64;
+                    let args = DecodeArgs {
+                        n_tokens: cnt,
+                        max_ctx: chunks * ATTN_CHUNK,
+                        split_cap: da.occupancy_split_cap(cnt),
+                        out: s.attn.ptr + t * qd,
+                        qkv: s.qkv.ptr + t * qkvd,
+                        k_cache: kc,
+                        v_cache: vc,
+                        pos: pos + t * 4,
+                        tok_bt: tok_bt + t * 4,
+                        bts,
+                        block_size,
+                        scale,
+                    };
+                    da.launch(g, &args)?;
+                    mark("attn_decode")?;
+                }
+                if !plan_prefill.is_empty() {
+                    let ptrs = PrefillPtrs { out: s.attn.ptr, qkv: s.qkv.ptr, k_cache: kc, v_cache: vc, bts };
+                    let dims =
+                        PrefillDims { q_heads: d.q_heads, kv_heads: d.kv_heads, head_dim: d.head_dim, block_size };
+                    pa.launch(g, plan_prefill, &ptrs, dims, scale)?;
+                    mark("attn_prefill")?;
+                }
+            }
+            let mut t0 = if dattn.is_some() { n } else { 0 };
+            while t0 < n {
+                let cnt = per_launch.min(n - t0);
+                let t0_i = t0 as i32;
+                let mut b = st.launch_builder(attn_fn);
+                b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&s.qkv.ptr).arg(&kc).arg(&vc).arg(&pos).arg(&tok_bt).arg(&bts);
+                b.arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0_i);
+                let cfg = LaunchConfig {
+                    grid_dim: (cnt as u32, d.kv_heads as u32, chunks as u32),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: block tables validated to cover each position with valid block ids;
+                // `part` holds cnt × q_heads × chunks × (head_dim + 2) f32 (per_launch above).
+                unsafe { b.launch(cfg) }.op("paged_attention")?;
+                mark("attention")?;
+                if chunks > 1 {
+                    let mut b = st.launch_builder(&g.k.attn_combine);
+                    b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&pos).arg(&qh).arg(&hd).arg(&chunks_i).arg(&t0_i);
+                    let cfg = LaunchConfig {
+                        grid_dim: (cnt as u32, d.q_heads as u32, 1),
+                        block_dim: (d.head_dim as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    // SAFETY: as above.
+                    unsafe { b.launch(cfg) }.op("attn_combine")?;
+                    mark("attn_combine")?;
+                }
+                t0 += cnt;
+            }
+            if small {
+                let none = RopeArgs::default();
+                gv(GemvArgs {
+                    kind: GemvKind::Residual,
+                    m: n,
+                    y: s.x.ptr,
+                    w: lw.o_proj,
+                    x: s.attn.ptr,
+                    gain: null,
+                    out: d.hidden,
+                    inp: d.q_dim(),
+                    eps: d.eps,
+                    rope: none,
+                })?;
+                mark("gemv_o_proj")?;
+                gv(GemvArgs {
+                    kind: GemvKind::NormGateUpSilu,
+                    m: n,
+                    y: s.act.ptr,
+                    w: lw.gate_up,
+                    x: s.x.ptr,
+                    gain: lw.post_norm,
+                    out: d.inter,
+                    inp: d.hidden,
+                    eps: d.eps,
+                    rope: none,
+                })?;
+                mark("gemv_gate_up_silu")?;
+                gv(GemvArgs {
+                    kind: GemvKind::Residual,
+                    m: n,
+                    y: s.x.ptr,
+                    w: lw.down,
+                    x: s.act.ptr,
+                    gain: null,
+                    out: d.hidden,
+                    inp: d.inter,
+                    eps: d.eps,
+                    rope: none,
+                })?;
+                mark("gemv_down")?;
+                continue;
+            }
+            matmul(g, s.proj.ptr, s.attn.ptr, lw.o_proj, GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
+            mark("gemm_o_proj")?;
+            if let Some(t) = tp.as_ref() {
+                // Row-parallel o_proj: each shard holds a partial sum.
+                t.all_reduce_bf16(g, s.proj.ptr, n * d.hidden)?;
+                mark("all_reduce")?;
+            }
+            let norm = NormArgs {
+                x: s.x.ptr,
+                delta: s.proj.ptr,
+                gain: lw.post_norm,
+                out: s.hn.ptr,
+                rows: null,
+                blocks: n,
+                threads: norm_threads,
+            };
+            add_rmsnorm(g, &d, &norm).op("add_rmsnorm")?;
+            mark("add_rmsnorm")?;
+            matmul(g, s.gu.ptr, s.hn.ptr, lw.gate_up, GemmShape { n, out: 2 * d.inter, inp: d.hidden }, false)?;
+            mark("gemm_gate_up")?;
+            let mut b = st.launch_builder(&g.k.silu_mul);
+            b.arg(&s.act.ptr).arg(&s.gu.ptr).arg(&n_i).arg(&inter);
+            // SAFETY: gu holds n × 2·inter, act n × inter.
+            unsafe { b.launch(grid_stride(n * d.inter)) }.op("silu_mul")?;
+            mark("silu_mul")?;
+            matmul(g, s.proj.ptr, s.act.ptr, lw.down, GemmShape { n, out: d.hidden, inp: d.inter }, false)?;
+            mark("gemm_down")?;
+            if let Some(t) = tp.as_ref() {
+                t.all_reduce_bf16(g, s.proj.ptr, n * d.hidden)?;
+                mark("all_reduce")?;
+            }
+        }
+        // Tensor parallelism: rank 0 computes the logits (lm_head is replicated).
+        if rows > 0 && tp.as_ref().is_none_or(|t| t.rank == 0) {
+            // Last residual add (already done by the small path's down GEMV) + final norm,
+            // only for the rows that want logits.
+            let delta = if small { null } else { s.proj.ptr };
+            let norm = NormArgs {
+                x: s.x.ptr,
+                delta,
+                gain: w.norm,
+                out: s.hn.ptr,
+                rows: rows_ptr,
+                blocks: rows,
+                threads: norm_threads,
+            };
+            add_rmsnorm(g, &d, &norm).op("final_norm")?;
+            mark("final_norm")?;
+            if small {
+                gv(GemvArgs {
+                    kind: GemvKind::LogitsF32,
+                    m: rows,
+                    y: s.logits.ptr,
+                    w: w.lm_head,
+                    x: s.hn.ptr,
+                    gain: null,
+                    out: d.vocab,
+                    inp: d.hidden,
+                    eps: d.eps,
+                    rope: RopeArgs::default(),
+                })?;
+            } else {
+                matmul(g, s.logits.ptr, s.hn.ptr, w.lm_head, GemmShape { n: rows, out: d.vocab, inp: d.hidden }, true)?;
+            }
+            mark("lm_head")?;
+        }
+        Ok(())
+    }
+}

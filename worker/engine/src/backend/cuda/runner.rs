@@ -1,0 +1,398 @@
+//! [`CudaBackend`]: the [`Backend`] of one GPU (vLLM's GPU model runner). It builds the shard
+//! ([`ShardModel`]) from host weights, a mmapped checkpoint or a synthetic shape, validates each
+//! step, uploads its metadata and enqueues it — replaying a CUDA graph for pure decode steps —
+//! and brings back logits or, for greedy steps, only the argmax token ids.
+//!
+//! CUDA graphs: a pure decode step is padded to a batch-size bucket (1, 2, 4, … up to
+//! `max_num_seqs`; padding tokens write no KV) and replayed from a graph captured per
+//! (bucket, context-chunk bucket) on its second use; metadata goes to fixed device addresses
+//! before each replay, so a replay allocates and compiles nothing.
+
+use std::collections::HashMap;
+
+use cudarc::driver::PushKernelArg;
+
+use super::device::{Gpu, per_row};
+use super::error::{CudaError, CudaResultExt};
+use super::forward::{ATTN_CHUNK, ShardModel};
+use super::gemm::GemmPlanInfo;
+use super::gemv::GEMV_MAX_M;
+use super::kv_cache::KvCache;
+use super::nccl::TpComm;
+use super::options::{CudaOptions, Dims, SyntheticShape};
+use super::scratch::Uploaded;
+use super::weights::DeviceWeights;
+use crate::backend::{Backend, BackendError, Logits, StepBatch};
+use crate::model::config::ModelConfig;
+use crate::model::llama::LlamaWeights;
+use crate::model::safetensors::SafetensorsFiles;
+
+/// A captured decode step (graphs hold raw driver handles; used from one thread at a time).
+struct Graph(cudarc::driver::CudaGraph);
+// SAFETY: the graph is only launched from the thread that runs the backend, one at a time.
+unsafe impl Send for Graph {}
+
+/// bf16 Llama on one CUDA device with a paged KV cache.
+pub struct CudaBackend {
+    m: ShardModel,
+    /// Decode graphs by (bucket, context-chunk bucket); `None` = seen once, not captured yet.
+    graphs: HashMap<(usize, usize), Option<Graph>>,
+    /// Decode batch-size buckets (ascending); empty when graphs are off.
+    buckets: Vec<usize>,
+    /// Graph replays so far (benchmarks and tests).
+    pub graph_replays: u64,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.m.gpu.name)
+            .field("layers", &self.m.d.layers)
+            .field("num_blocks", &self.m.kv.num_blocks)
+            .field("block_size", &self.m.kv.block_size)
+            .finish_non_exhaustive()
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> BackendError {
+    BackendError::InvalidBatch(msg.into())
+}
+
+impl CudaBackend {
+    /// Uploads `weights` (f32 host, HF layout) as bf16 to device `opts.device` and allocates
+    /// the step scratch and the KV cache.
+    ///
+    /// # Errors
+    /// [`CudaError::Unavailable`] when CUDA is unavailable; [`CudaError::Unsupported`] for
+    /// unsupported shapes (head_dim must be 64 or 128, at most 8 query heads per KV head);
+    /// [`CudaError::InvalidOption`] when the KV budget holds no block; [`CudaError`] when
+    /// memory runs out or a kernel cannot be built.
+    pub fn new(weights: LlamaWeights, config: &ModelConfig, opts: &CudaOptions) -> Result<Self, CudaError> {
+        let gpu = Gpu::new(opts.device)?;
+        let (w, d) = DeviceWeights::upload(&gpu, &weights, config)?;
+        drop(weights);
+        Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
+    }
+
+    /// Loads a Hugging Face checkpoint straight from its mmapped `.safetensors` files, one
+    /// tensor at a time (bf16 tensors copied as stored), so the host never holds an f32 copy
+    /// of the model (an 8B model in f32 is 32 GB). Same weights and results as
+    /// [`CudaBackend::new`] on the same checkpoint.
+    ///
+    /// # Errors
+    /// As [`CudaBackend::new`]; missing tensors or shapes that disagree with `config` are
+    /// [`CudaError::Model`].
+    pub fn from_safetensors(
+        files: &SafetensorsFiles,
+        config: &ModelConfig,
+        opts: &CudaOptions,
+        progress: &dyn Fn(u64, u64),
+    ) -> Result<Self, CudaError> {
+        let gpu = Gpu::new(opts.device)?;
+        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, progress)?;
+        Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
+    }
+
+    /// One tensor-parallel shard: `weights` is the shard's slice ([`LlamaWeights::shard`]) and
+    /// `comm` its rank's communicator. The fused GEMV path and CUDA graphs are off (the residual
+    /// adds wait for the all-reduce; NCCL launches are not captured).
+    ///
+    /// # Errors
+    /// As [`CudaBackend::new`].
+    pub(crate) fn new_shard(
+        weights: LlamaWeights,
+        config: &ModelConfig,
+        opts: &CudaOptions,
+        comm: TpComm,
+    ) -> Result<Self, CudaError> {
+        let opts = CudaOptions { cuda_graphs: false, ..opts.clone() };
+        let mut be = Self::new(weights, config, &opts)?;
+        be.m.gemv_max = 0;
+        be.m.tp = Some(comm);
+        Ok(be)
+    }
+
+    /// A model of the given shape with seeded random bf16 weights generated on the device
+    /// (benchmarks at real model sizes without shipping checkpoints).
+    ///
+    /// # Errors
+    /// As [`CudaBackend::new`].
+    pub fn synthetic(shape: &SyntheticShape, opts: &CudaOptions) -> Result<Self, CudaError> {
+        let gpu = Gpu::new(opts.device)?;
+        let (w, d) = DeviceWeights::synthetic(&gpu, shape)?;
+        Self::finish(gpu, w, d, &shape.inv_freq(), opts)
+    }
+
+    fn finish(gpu: Gpu, w: DeviceWeights, d: Dims, inv_freq: &[f32], opts: &CudaOptions) -> Result<Self, CudaError> {
+        let m = ShardModel::new(gpu, w, d, inv_freq, opts)?;
+        let (t, r) = (m.s.max_tokens, m.s.max_rows);
+        let buckets: Vec<usize> = if opts.cuda_graphs {
+            (0..16).map(|i| 1usize << i).take_while(|&b| b <= r.min(t)).collect()
+        } else {
+            Vec::new()
+        };
+        tracing::info!(
+            device = %m.gpu.name,
+            arch = m.gpu.arch,
+            weight_bytes = m.w.bytes,
+            kv_blocks = m.kv.num_blocks,
+            kv_tokens = m.kv.num_blocks * m.kv.block_size,
+            kv_bytes = m.kv.bytes(),
+            "CUDA backend ready"
+        );
+        Ok(Self { m, graphs: HashMap::new(), buckets, graph_replays: 0 })
+    }
+
+    /// Device name (e.g. "NVIDIA H200").
+    pub fn device_name(&self) -> &str {
+        &self.m.gpu.name
+    }
+
+    /// The GEMM plans chosen at load (algorithm, invariance check, timings).
+    pub fn gemm_plans(&self) -> &[GemmPlanInfo] {
+        &self.m.lt.infos
+    }
+
+    /// Bytes of weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.m.w.bytes
+    }
+
+    /// Runs one step and returns the greedy (argmax) token of each row that asked for
+    /// logits, computed on the device: only `rows × 4` bytes come back to the host.
+    ///
+    /// # Errors
+    /// As [`Backend::forward`].
+    pub fn forward_greedy(&mut self, batch: &StepBatch) -> Result<Vec<u32>, BackendError> {
+        let rows = self.run(batch)?;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let m = &self.m;
+        let cfg = per_row(rows, 1024);
+        let vocab = m.d.vocab as i32;
+        let mut b = m.gpu.stream.launch_builder(&m.gpu.k.argmax_rows);
+        b.arg(&m.s.argmax.ptr).arg(&m.s.logits.ptr).arg(&vocab);
+        // SAFETY: logits hold rows × vocab f32, argmax rows u32.
+        unsafe { b.launch(cfg) }.op("argmax_rows")?;
+        let mut out = vec![0u32; rows];
+        m.gpu.download(&mut out, m.s.argmax.ptr)?;
+        Ok(out)
+    }
+
+    /// Selects a compiled decode-GEMV variant (benchmarks; see `gemv.rs`). Graphs are dropped.
+    pub fn set_gemv_variant(&mut self, v: usize) {
+        if let Some(g) = self.m.gemv.as_mut() {
+            g.variant = v;
+        }
+        self.graphs.clear();
+    }
+
+    /// Sets [`CudaOptions::gemv_max_tokens`] (benchmarks; ignored in batch-invariant mode).
+    /// Captured graphs are dropped.
+    pub fn set_gemv_max_tokens(&mut self, m: usize) {
+        if self.m.gemv.is_some() && self.m.tp.is_none() {
+            self.m.gemv_max = m.min(GEMV_MAX_M);
+            self.graphs.clear();
+        }
+    }
+
+    /// Turns programmatic dependent launch of the decode GEMVs on or off (benchmarks); captured
+    /// graphs are dropped.
+    pub fn set_pdl(&mut self, on: bool) {
+        if let Some(g) = self.m.gemv.as_mut() {
+            g.pdl = on;
+        }
+        self.graphs.clear();
+    }
+
+    /// Runs one step eagerly (no graph) with a CUDA event after every launch and returns the
+    /// device time per kernel name summed over the step: (name, µs, launches), in first-launch
+    /// order. For benchmarks: the events cost a little time themselves.
+    ///
+    /// # Errors
+    /// As [`Backend::forward`].
+    pub fn profile_step(&mut self, batch: &StepBatch) -> Result<Vec<(String, f64, usize)>, BackendError> {
+        self.validate(batch)?;
+        self.m.gpu.bind()?;
+        let n = batch.token_ids.len();
+        let max_ctx = batch.seqs.iter().map(|q| q.context_len).max().unwrap_or(1);
+        let chunks = max_ctx.div_ceil(ATTN_CHUNK).max(1);
+        self.m.plan_attention(batch, n)?;
+        let Uploaded { ptrs, rows, .. } = self.upload_meta(batch, n)?;
+        let start =
+            self.m.gpu.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).op("event")?;
+        self.m.prof = Some(vec![("start", start)]);
+        let res = self.m.enqueue(n, rows, ptrs, chunks);
+        let marks = self.m.prof.take().unwrap_or_default();
+        res?;
+        self.m.gpu.sync()?;
+        let mut out: Vec<(String, f64, usize)> = Vec::new();
+        for w in marks.windows(2) {
+            let us = f64::from(w[0].1.elapsed_ms(&w[1].1).op("elapsed")?) * 1e3;
+            match out.iter_mut().find(|o| o.0 == w[1].0) {
+                Some(o) => {
+                    o.1 += us;
+                    o.2 += 1;
+                }
+                None => out.push((w[1].0.to_owned(), us, 1)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Waits for all queued work (benchmarks).
+    ///
+    /// # Errors
+    /// [`BackendError::Cuda`] on an asynchronous fault.
+    pub fn synchronize(&self) -> Result<(), BackendError> {
+        Ok(self.m.gpu.sync()?)
+    }
+
+    /// Checks `b` against this shard's limits and cache geometry.
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidBatch`] naming the first violation.
+    pub(crate) fn validate(&self, b: &StepBatch) -> Result<(), BackendError> {
+        let n = b.token_ids.len();
+        if n == 0 {
+            return Err(invalid("empty batch"));
+        }
+        if b.positions.len() != n || b.slot_mapping.len() != n {
+            return Err(invalid("token_ids, positions and slot_mapping differ in length"));
+        }
+        let s = &self.m.s;
+        if n > s.max_tokens {
+            return Err(invalid(format!("{n} tokens > max_num_batched_tokens {}", s.max_tokens)));
+        }
+        let rows = b.validate(self.m.d.vocab, self.m.kv.num_blocks, self.m.kv.block_size)?;
+        if rows > s.max_rows {
+            return Err(invalid(format!("{rows} logit rows > max_num_seqs {}", s.max_rows)));
+        }
+        Ok(())
+    }
+
+    /// Uploads the step metadata padded to `pad_to` tokens; drops the captured graphs when the
+    /// metadata buffer moved (they hold the old addresses).
+    fn upload_meta(&mut self, b: &StepBatch, pad_to: usize) -> Result<Uploaded, CudaError> {
+        let up = self.m.s.upload_meta(&self.m.gpu, b, pad_to)?;
+        if up.moved {
+            self.graphs.clear();
+        }
+        Ok(up)
+    }
+
+    /// Runs the layers and the lm_head into the logits buffer; returns the number of valid
+    /// logit rows (rows are in batch order). Pure decode steps replay a CUDA graph of their
+    /// bucket.
+    ///
+    /// # Errors
+    /// As [`Backend::forward`].
+    pub(crate) fn run(&mut self, batch: &StepBatch) -> Result<usize, BackendError> {
+        self.validate(batch)?;
+        self.m.gpu.bind()?;
+        let n = batch.token_ids.len();
+        let max_ctx = batch.seqs.iter().map(|q| q.context_len).max().unwrap_or(1);
+        let chunks = max_ctx.div_ceil(ATTN_CHUNK).max(1);
+        let per_token = self.m.d.q_heads * (self.m.d.head_dim + 2);
+        let decode = batch.seqs.iter().all(|q| q.query_len == 1 && q.want_logits);
+        let bucket = if decode { self.buckets.iter().copied().find(|&b| b >= n) } else { None };
+        self.m.plan_attention(batch, bucket.unwrap_or(n))?;
+        if let Some(bucket) = bucket {
+            let c_cap = chunks.next_power_of_two();
+            // (The split-KV partials bound only the batch-invariant kernel.)
+            if self.m.dattn.is_some() || bucket * c_cap * per_token <= self.m.s.part_cap {
+                self.replay_or_capture(batch, bucket, c_cap)?;
+                return Ok(n);
+            }
+        }
+        let Uploaded { ptrs, rows, .. } = self.upload_meta(batch, n)?;
+        self.m.enqueue(n, rows, ptrs, chunks)?;
+        Ok(rows)
+    }
+
+    /// Runs a pure decode step padded to `bucket` tokens with `c_cap` context chunks: replays
+    /// its graph, captures it on the second use, or runs it eagerly on the first.
+    fn replay_or_capture(&mut self, batch: &StepBatch, bucket: usize, c_cap: usize) -> Result<(), CudaError> {
+        let Uploaded { ptrs, .. } = self.upload_meta(batch, bucket)?;
+        let key = (bucket, c_cap);
+        match self.graphs.get(&key) {
+            Some(Some(g)) => {
+                g.0.launch().op("graph launch")?;
+                self.graph_replays += 1;
+            }
+            Some(None) => {
+                // Second use: capture (everything it launches is loaded by now).
+                self.m
+                    .gpu
+                    .stream
+                    .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                    .op("begin_capture")?;
+                let res = self.m.enqueue(bucket, bucket, ptrs, c_cap);
+                let graph = self
+                    .m
+                    .gpu
+                    .stream
+                    .end_capture(
+                        cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+                    )
+                    .op("end_capture")?;
+                res?;
+                let graph = graph.ok_or(CudaError::EmptyGraph)?;
+                graph.launch().op("graph launch")?;
+                self.graphs.insert(key, Some(Graph(graph)));
+                self.graph_replays += 1;
+            }
+            None => {
+                self.m.enqueue(bucket, bucket, ptrs, c_cap)?;
+                self.graphs.insert(key, None);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    fn forward(&mut self, batch: &StepBatch) -> Result<Logits, BackendError> {
+        let rows = self.run(batch)?;
+        let vocab = self.m.d.vocab;
+        let mut data = vec![0f32; rows * vocab];
+        if rows > 0 {
+            self.m.gpu.download(&mut data, self.m.s.logits.ptr)?;
+        } else {
+            self.m.gpu.sync()?;
+        }
+        Ok(Logits { rows, vocab_size: vocab, data })
+    }
+
+    fn has_device_greedy(&self) -> bool {
+        true
+    }
+
+    /// [`CudaBackend::forward_greedy`]: `argmax_rows` on the device (NaN skipped, lowest id on
+    /// ties, as the host sampler); a step without logit rows is synchronised here, so its
+    /// faults surface in this step as with `forward`.
+    fn forward_greedy(&mut self, batch: &StepBatch) -> Result<Vec<u32>, BackendError> {
+        let ids = CudaBackend::forward_greedy(self, batch)?;
+        if ids.is_empty() {
+            self.m.gpu.sync()?;
+        }
+        Ok(ids)
+    }
+
+    fn num_kv_blocks(&self) -> usize {
+        self.m.kv.num_blocks
+    }
+
+    fn block_size(&self) -> usize {
+        self.m.kv.block_size
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        KvCache::bytes_per_token(&self.m.d)
+    }
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+}
