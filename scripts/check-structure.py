@@ -2,8 +2,8 @@
 """Structure gate: no import loop between source files, no source file over the size limit.
 
 A file "imports" another when it names an item of the other's module through a path
-(`use crate::a::b::X`, `crate::a::f()`, `super::X`, `self::b::X`, `prism_engine::model::X`
-inside the workspace's own crates). Paths are resolved to the longest module prefix that has
+(`use crate::a::b::X`, `crate::a::f()`, `super::X`, `self::b::X`, or `b::X` for a child module
+`b`). Paths are resolved to the longest module prefix that has
 a file (`a.rs`, `a/b.rs`, `lib.rs`, `main.rs`). A loop is a strongly connected set of two
 or more files; `mod foo;` declarations alone are not imports, and an inline unit-test module
 (`#[cfg(test)] mod tests { .. }`) is not part of its file's structure.
@@ -22,6 +22,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 # Crate roots: (crate name as used in paths, src directory).
 PATH_RE = re.compile(r"\b((?:crate|super|self|prism_[a-z_]+)(?:::[A-Za-z_][A-Za-z0-9_]*)+)")
+# A path that starts with a child module's name (`weights::upload`, `use tp::CudaTpBackend`).
+REL_RE = re.compile(r"(?<![:\w])([a-z_][a-z0-9_]*)((?:::[A-Za-z_][A-Za-z0-9_]*)+)")
 USE_GROUP_RE = re.compile(r"\buse\s+((?:crate|super|self|prism_[a-z_]+)(?:::[A-Za-z_][A-Za-z0-9_]*)*)::\{([^;]*)\};", re.S)
 
 
@@ -96,6 +98,9 @@ def main():
         for f, modpath in inv.items():
             text = strip_comments(open(f, encoding="utf-8").read())
             paths = [m.group(1) for m in PATH_RE.finditer(text)]
+            for m in REL_RE.finditer(text):
+                if m.group(1) not in ("crate", "super", "self") and tuple(modpath) + (m.group(1),) in mods:
+                    paths.append("self::" + m.group(1) + m.group(2))
             for g in USE_GROUP_RE.finditer(text):
                 for item in re.split(r"[,\s]+", re.sub(r"\{[^}]*\}", "", g.group(2))):
                     item = item.strip()

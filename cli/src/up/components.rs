@@ -11,7 +11,7 @@ use prism_router::RouterConfig;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 
-use super::Listeners;
+use super::args::{Listeners, UpArgs};
 
 /// Per-component stop limits (router, worker, head): 9 s in all, inside the 10 s promise.
 const ROUTER_STOP: Duration = Duration::from_secs(2);
@@ -46,12 +46,7 @@ pub struct Cluster {
 ///
 /// # Errors
 /// Fails on an invalid store or configuration.
-pub async fn start(
-    store: &str,
-    args: &super::UpArgs,
-    listeners: Listeners,
-    root: &CancellationToken,
-) -> Result<Cluster> {
+pub async fn start(store: &str, args: &UpArgs, listeners: Listeners, root: &CancellationToken) -> Result<Cluster> {
     let (store, state_dir) = if store == "embedded" {
         let dir = tempfile::Builder::new().prefix("prism-up-").tempdir()?;
         (StoreSpec::Embedded(dir.path().join("state.json")), Some(dir))

@@ -18,7 +18,7 @@
 //! first closes the store (under its mutex, so a lease expiry being persisted finishes first;
 //! nothing is written after) and then unlocks, so the file can be reopened at once.
 
-use super::{
+use super::api::{
     Compare, LeaseId, MAX_TXN_OPS, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, TxnResult, Versioned,
     WatchEvent, WatchStream,
 };

@@ -2,7 +2,7 @@
 //! reports loss (the lease expired or was revoked) so the holder can re-grant and rewrite its
 //! keys — etcd-client's keep-alive stream does not do this on its own.
 
-use super::{LeaseId, StateStore, StoreError};
+use super::api::{LeaseId, StateStore, StoreError};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;

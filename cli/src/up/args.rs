@@ -1,0 +1,113 @@
+//! `prism up`'s flags and listening sockets (a leaf module: `up.rs` and `up/components.rs`
+//! both use it).
+
+use anyhow::{Context, Result};
+use clap::Args;
+use prism_common::engine_flags::EngineFlags;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use tokio::net::TcpListener;
+
+/// The bundled model (`scripts/fetch-model.sh` puts it here).
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// The script that fetches [`DEFAULT_MODEL`].
+pub const FETCH_SCRIPT: &str = "scripts/fetch-model.sh";
+/// The prompt `--demo` answers.
+pub const DEMO_PROMPT: &str = "What is the capital of France?";
+
+/// `prism up` flags (vLLM's names where vLLM has the knob; the engine's come from [`EngineFlags`]).
+#[derive(Args, Debug, Clone)]
+pub struct UpArgs {
+    /// Model to serve: a GGUF file or a Hugging Face directory.
+    #[arg(long, env = "PRISM_MODEL_PATH", default_value = DEFAULT_MODEL)]
+    pub model: PathBuf,
+    /// Model name clients use (default: the file or directory name without extension).
+    #[arg(long, env = "PRISM_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Engine knobs (the keys of a deployment file's `engine:` block).
+    #[command(flatten)]
+    pub engine: EngineFlags,
+    /// Number of replicas of the model.
+    #[arg(long, env = "PRISM_REPLICAS", default_value_t = 1)]
+    pub replicas: u32,
+    /// Address the router listens on (use 0.0.0.0 to serve other machines).
+    #[arg(long, env = "PRISM_HOST", default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
+    /// Router HTTP port (OpenAI API, /health, /metrics); 0 = any free port.
+    #[arg(long, env = "PRISM_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// Router gRPC port (`prism.v1.InferenceService`); 0 = any free port.
+    #[arg(long, env = "PRISM_GRPC_PORT", default_value_t = 50051)]
+    pub grpc_port: u16,
+    /// Head gRPC port on 127.0.0.1 (`prism status` talks to it); 0 = any free port.
+    #[arg(long, env = "PRISM_HEAD_PORT", default_value_t = 50050)]
+    pub head_port: u16,
+    /// Head HTTP port on 127.0.0.1 (/healthz, /readyz, /metrics); 0 = any free port.
+    #[arg(long, env = "PRISM_HEAD_HTTP_PORT", default_value_t = 8081)]
+    pub head_http_port: u16,
+    /// Worker gRPC port on 127.0.0.1; 0 = any free port.
+    #[arg(long, env = "PRISM_WORKER_PORT", default_value_t = 50061)]
+    pub worker_port: u16,
+    /// Worker HTTP port on 127.0.0.1 (/healthz, /readyz, vLLM /metrics); 0 = any free port.
+    #[arg(long, env = "PRISM_WORKER_HTTP_PORT", default_value_t = 8082)]
+    pub worker_http_port: u16,
+    /// State store: `embedded` (in process, state in a temporary file), `embedded:PATH`
+    /// (persisted to PATH) or `etcd://HOST:PORT[,HOST:PORT]`.
+    #[arg(long, env = "PRISM_STORE", default_value = "embedded")]
+    pub store: String,
+    /// After startup, stream the answer to this prompt (chat template, greedy), then keep serving.
+    #[arg(long, env = "PRISM_PROMPT")]
+    pub prompt: Option<String>,
+    /// Same as `--prompt "What is the capital of France?"`.
+    #[arg(long, env = "PRISM_DEMO", conflicts_with = "prompt")]
+    pub demo: bool,
+    /// Most new tokens for the `--prompt` answer.
+    #[arg(long, env = "PRISM_PROMPT_MAX_TOKENS", default_value_t = 128)]
+    pub prompt_max_tokens: i64,
+    /// Give up when the model is not Ready after this many seconds.
+    #[arg(long, env = "PRISM_LOAD_TIMEOUT", default_value_t = 900)]
+    pub load_timeout: u64,
+}
+
+/// The sockets `prism up` listens on (bound before anything starts, then handed to each `run`).
+pub struct Listeners {
+    /// Head gRPC.
+    pub head_grpc: TcpListener,
+    /// Head HTTP.
+    pub head_http: TcpListener,
+    /// Worker gRPC.
+    pub worker_grpc: TcpListener,
+    /// Worker HTTP.
+    pub worker_http: TcpListener,
+    /// Router HTTP (OpenAI API).
+    pub router_http: TcpListener,
+    /// Router gRPC.
+    pub router_grpc: TcpListener,
+}
+
+async fn bind(ip: std::net::IpAddr, port: u16, what: &str) -> Result<TcpListener> {
+    let addr = SocketAddr::new(ip, port);
+    TcpListener::bind(addr).await.with_context(|| {
+        format!(
+            "cannot listen on {addr} for the {what} (port taken? pick another with the matching --*-port flag, 0 = any)"
+        )
+    })
+}
+
+impl Listeners {
+    /// Binds every socket `args` names (loopback for the head and worker, `--host` for the router).
+    ///
+    /// # Errors
+    /// A port is taken (the message names the flag to change).
+    pub async fn bind(args: &UpArgs) -> Result<Self> {
+        let lo = std::net::IpAddr::from([127, 0, 0, 1]);
+        Ok(Self {
+            head_grpc: bind(lo, args.head_port, "head gRPC").await?,
+            head_http: bind(lo, args.head_http_port, "head HTTP").await?,
+            worker_grpc: bind(lo, args.worker_port, "worker gRPC").await?,
+            worker_http: bind(lo, args.worker_http_port, "worker HTTP").await?,
+            router_http: bind(args.host, args.port, "router HTTP").await?,
+            router_grpc: bind(args.host, args.grpc_port, "router gRPC").await?,
+        })
+    }
+}
