@@ -149,8 +149,8 @@ impl Upstream {
         }
         let mut inner = req.clone();
         inner.timeout_ms = Some(u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX).max(1));
-        // `original_prompt_tokens` stays unset: the worker reports what its engine did and
-        // the router rewrites a migrated stream's counts itself (`dispatch::migrate`).
+        // The worker reports what its engine did; the router rewrites a migrated stream's
+        // counts itself (`dispatch::migrate`).
         let mut wreq = tonic::Request::new(WorkerGenerateRequest {
             replica_id: replica.replica_id.clone(),
             request: Some(inner),
