@@ -368,8 +368,13 @@ impl Cluster {
         self.dir.path()
     }
 
-    /// The etcd, with [`Store::Etcd`] (kill / restart it, its endpoints).
-    pub fn etcd(&mut self) -> Option<&mut EtcdFixture> {
+    /// The etcd, with [`Store::Etcd`] (its endpoints, its log).
+    pub fn etcd(&self) -> Option<&EtcdFixture> {
+        self.etcd.as_ref()
+    }
+
+    /// The etcd, mutably (to kill or restart it).
+    pub fn etcd_mut(&mut self) -> Option<&mut EtcdFixture> {
         self.etcd.as_mut()
     }
 
