@@ -73,3 +73,21 @@ impl Deployment {
         yaml
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn yaml_has_the_fields_prism_deploy_reads() {
+        let d = Deployment::new(Path::new("/m/model.gguf")).replicas(2);
+        assert_eq!(
+            d.to_yaml(),
+            "name: smollm2\nmodel: /m/model.gguf\nserved_model_name: smollm2\nreplicas: 2\nplacement: spread\n"
+        );
+        let d = d.served_as("Other").engine("max_num_seqs", 4).engine("max_num_batched_tokens", 32);
+        let engine = "engine:\n  max_num_seqs: 4\n  max_num_batched_tokens: 32\n";
+        let tail = format!("served_model_name: Other\nreplicas: 2\nplacement: spread\n{engine}");
+        assert!(d.to_yaml().ends_with(&tail), "{}", d.to_yaml());
+    }
+}

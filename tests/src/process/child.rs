@@ -300,3 +300,54 @@ fn append_lines(pipe: impl Read, log: &Mutex<String>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str) -> Result<Process> {
+        Process::spawn("sh", Path::new("/bin/sh"), &["-c".to_owned(), script.to_owned()], &[])
+    }
+
+    #[tokio::test]
+    async fn reads_lines_and_keeps_stderr_across_a_restart() -> Result<()> {
+        let mut p = sh("echo starting; echo ready; echo oops >&2; exit 3")?;
+        assert_eq!(p.wait_for_line(Duration::from_secs(10), |l| l == "ready").await?, "ready");
+        let status = p.wait_exit(Duration::from_secs(10)).await?;
+        assert_eq!(status.code(), Some(3));
+        p.wait_stderr_closed(Duration::from_secs(10)).await?;
+        assert_eq!(p.stderr(), "oops\n");
+        assert!(p.signal(Signal::SIGTERM).is_err(), "no signal to a reaped pid");
+        p.restart()?;
+        p.wait_exit(Duration::from_secs(10)).await?;
+        p.wait_stderr_closed(Duration::from_secs(10)).await?;
+        assert_eq!(p.stderr(), "oops\n--- sh restarted ---\noops\n");
+        assert!(p.stderr_tail(5).ends_with("oops\n"));
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn freeze_thaw_terminate_and_kill() -> Result<()> {
+        let mut p = sh("trap 'exit 0' TERM; echo up; while :; do sleep 0.05; done")?;
+        p.wait_for_line(Duration::from_secs(10), |l| l == "up").await?;
+        assert!(p.restart().is_err(), "a running process is not restarted");
+        p.freeze()?;
+        p.thaw()?;
+        p.terminate()?;
+        assert!(p.wait_exit(Duration::from_secs(10)).await?.success());
+        p.restart()?;
+        p.wait_for_line(Duration::from_secs(10), |l| l == "up").await?;
+        p.freeze()?;
+        p.kill();
+        assert!(p.exited());
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_line_that_never_comes_fails_when_stdout_closes() -> Result<()> {
+        let mut p = sh("echo something else")?;
+        let err = p.wait_for_line(Duration::from_secs(30), |l| l == "never").await;
+        assert!(err.is_err());
+        Ok(())
+    }
+}
