@@ -1,12 +1,35 @@
-//! Test fixtures shared by Prism's integration tests: a real `etcd` on free loopback ports
-//! ([`EtcdFixture`]), child processes killed on drop ([`ProcessGuard`]), the path of workspace
-//! binaries ([`bin_path`]), free ports and polling helpers ([`free_port`], [`wait_until`]).
-//! Nothing here sleeps for readiness: everything polls with a deadline.
+//! Test fixtures shared by Prism's integration tests. Everything runs for real on loopback:
+//! - [`Cluster`] / [`ClusterBuilder`]: etcd (or the embedded store), N `prism-head`s,
+//!   M `prism-worker`s and routers as child processes on free ports, each one signalled,
+//!   restarted and read for its logs through [`Process`]; [`Deployment`] is what it deploys.
+//! - [`PrismUp`]: `prism up` (the one-machine mode) as one child process.
+//! - [`EtcdFixture`]: a real single-member etcd, killed and restarted on demand.
+//! - clients: greedy gRPC streams ([`stream`]), checked closed-loop load ([`Load`]), the
+//!   OpenAI HTTP API ([`post_json`], [`post_sse`]), the model's greedy reference
+//!   ([`check_reference_greedy`]), Prometheus text ([`metric_sum`], [`metric_value`]).
+//! - paths and polling: [`bin_path`], [`model`], [`free_port`], [`wait_until`],
+//!   [`poll_until`], [`eventually`]. Nothing here sleeps for readiness: everything polls
+//!   with a deadline.
 
+pub mod cli;
+pub mod client;
+pub mod cluster;
 pub mod etcd;
+pub mod metrics;
+pub mod paths;
 pub mod process;
+pub mod up;
 pub mod wait;
 
+pub use cli::prism_cli;
+pub use client::{
+    Load, LoadReport, PROMPTS, ReferenceCase, SERVED, StreamResult, check_models, check_reference_greedy,
+    greedy_request, post_json, post_sse, reference, reference_cases, router_ready_replicas, stream, wait_route_change,
+};
+pub use cluster::{Cluster, ClusterBuilder, Deployment, Head, Router, Store, Worker};
 pub use etcd::EtcdFixture;
-pub use process::{ProcessGuard, bin_path, workspace_root};
-pub use wait::{free_port, poll_until, wait_until};
+pub use metrics::{metric_sum, metric_value, quantile};
+pub use paths::{MODEL_FILE, bin_path, model, workspace_root};
+pub use process::{Process, ProcessGuard, alive, descendants};
+pub use up::{PrismUp, UpEndpoints};
+pub use wait::{eventually, free_port, poll_until, wait_until};

@@ -1,6 +1,8 @@
-//! Free loopback ports and polling with a deadline (never a fixed sleep for readiness).
+//! Free loopback ports and polling with a deadline (never a fixed sleep for readiness):
+//! [`wait_until`] / [`poll_until`] for conditions that are simply true or not yet,
+//! [`eventually`] for checks that may fail on the way (a server not up yet).
 
-use anyhow::{Result, bail};
+use anyhow::{Result, anyhow, bail};
 use std::future::Future;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -53,5 +55,34 @@ where
             bail!("timed out after {timeout:?} waiting for {what}");
         }
         tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// Pause between two attempts of [`eventually`].
+const RETRY_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Runs `check` every 100 ms until it returns `Ok(Some(value))`, and returns that value.
+/// `Ok(None)` means "not yet"; an error (a connection refused, say) is remembered and the
+/// check retried.
+///
+/// # Errors
+/// When `timeout` passes first: the last error, with `what` as context.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Option<T>>>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut last = anyhow!("timed out");
+    loop {
+        match check().await {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last = e,
+        }
+        if Instant::now() > deadline {
+            return Err(last.context(format!("{what}: not reached within {timeout:?}")));
+        }
+        tokio::time::sleep(RETRY_INTERVAL).await;
     }
 }

@@ -1,20 +1,20 @@
-//! Serving cases from `shared/cases/serving-cases.md` run against a real `prism up`
-//! (head + worker + router, the bundled model on the CPU engine) over the OpenAI HTTP API:
-//! C01 (max_tokens null), C02 (max_tokens 0 / -1 while others decode), C03 (empty prompts),
-//! C04 (prompt past the context window), C05 (chat logprobs, streamed and not), C06 (UTF-8
-//! safe streaming), C07 (client disconnects free everything), C16 (malformed bodies).
-//! The router's own tests cover C12, C14, C15 and C16 against its mock engine.
+//! Serving edge cases against a real `prism up` (head + worker + router, the bundled model on
+//! the CPU engine) over the OpenAI HTTP API, one helper per case of the serving-cases table
+//! (`cNN_…`): `max_tokens` null; `max_tokens` 0 / -1 while others decode; empty prompts;
+//! a prompt past the context window; chat logprobs, streamed and not; UTF-8-safe streaming;
+//! client disconnects free everything; malformed bodies. After each case the server must
+//! still answer a normal request.
+//! The router's own tests cover frozen replicas, long unique prompts, no replica at all and
+//! malformed bodies against its mock engine.
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-mod e2e_support;
-
 use anyhow::{Context, Result, bail};
-use e2e_support::{PrismUp, eventually, metric_sum, model, post_json, post_sse};
+use prism_tests::{PrismUp, eventually, metric_sum, model, post_json, post_sse};
 use serde_json::{Value, json};
 use std::time::Duration;
 
 const SERVED: &str = "SmolLM2-135M-Instruct";
-/// Context window the cluster runs with (small so C04 is cheap).
+/// Context window the cluster runs with (small so the context-window case is cheap).
 const MAX_MODEL_LEN: usize = 256;
 
 fn chat(content: &str) -> Value {
@@ -247,10 +247,10 @@ async fn c16_malformed_bodies(http: &str) -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn serving_cases_c01_to_c07_and_c16_on_the_real_model() -> Result<()> {
+async fn serving_edge_cases_on_the_real_model() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let len = MAX_MODEL_LEN.to_string();
-    let up = tokio::task::spawn_blocking(move || PrismUp::start(&model, &["--max-model-len", &len])).await??;
+    let up = PrismUp::start(&model, &["--max-model-len", &len]).await?;
     let ep = up.endpoints.clone();
     let outcome = async {
         c01_max_tokens_null(&ep.http).await.context("C01")?;

@@ -1,12 +1,12 @@
-//! Control-plane integration tests: real `etcd` (EtcdFixture), real `prism-head`
-//! processes on loopback ports, and workers played by [`FakeWorker`], a test client that
-//! speaks the `WorkerSession` protocol exactly as `prism-worker --simulate-gpus N` does
-//! (register, full status, Ready after StartReplica, gone after StopReplica). None of
-//! these tests need the real worker binary. Build the head first:
+//! Control-plane integration tests: a real `etcd` or the embedded store, real `prism-head`
+//! processes on loopback ports (the cluster fixture, without workers or routers), and workers
+//! played by [`FakeWorker`], a test client that speaks the `WorkerSession` protocol exactly
+//! as `prism-worker --simulate-gpus N` does (register, full status, Ready after StartReplica,
+//! gone after StopReplica). None of these tests need the real worker binary. Build the head
+//! first:
 //! `cargo build -p prism-head --bin prism-head`.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -18,7 +18,7 @@ use prism_common::proto::v1::{
     head_message, worker_message,
 };
 use prism_common::state_store::{StateStore, keys};
-use prism_tests::{EtcdFixture, ProcessGuard, bin_path, free_port, poll_until, wait_until};
+use prism_tests::{Cluster, ClusterBuilder, Store, poll_until, wait_until};
 use prost::Message;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -27,43 +27,13 @@ use tonic::transport::Channel;
 const WORKER_TIMEOUT: Duration = Duration::from_secs(2);
 const LEASE_TTL: Duration = Duration::from_secs(2);
 
-/// A `prism-head` child process.
-struct Head {
-    proc: ProcessGuard,
-    addr: String,
-}
-
-impl Head {
-    fn start(store: &str, port: u16) -> Result<Self> {
-        let http = free_port()?;
-        let child = Command::new(bin_path("prism-head")?)
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(["--http-listen", &format!("127.0.0.1:{http}")])
-            .args(["--store", store, "--worker-timeout", "2s", "--lease-ttl", "2s"])
-            .args(["--reconcile-interval", "200ms"])
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("spawning prism-head")?;
-        Ok(Self { proc: ProcessGuard::new(format!("head:{port}"), child), addr: format!("http://127.0.0.1:{port}") })
-    }
-
-    async fn client(&self) -> Result<HeadServiceClient<Channel>> {
-        Ok(HeadServiceClient::new(Channel::from_shared(self.addr.clone())?.connect().await?))
-    }
-
-    /// Waits until this head answers as leader.
-    async fn wait_leader(&self, timeout: Duration) -> Result<HeadServiceClient<Channel>> {
-        poll_until(timeout, "head to lead", || async {
-            let mut c = self.client().await.ok()?;
-            let s = c.cluster_status(ClusterStatusRequest {}).await.ok()?.into_inner();
-            // Leading and loaded: a leader-only RPC succeeds.
-            c.list_nodes(ListNodesRequest {}).await.ok()?;
-            s.is_leader.then_some(c)
-        })
-        .await
-    }
+/// Heads that notice a silent worker after 2 s, hand leadership over within a 2 s lease and
+/// reconcile every 200 ms, on `store`.
+fn control_plane(store: Store) -> ClusterBuilder {
+    Cluster::builder()
+        .store(store)
+        .head_args(&["--worker-timeout", "2s", "--lease-ttl", "2s", "--reconcile-interval", "200ms"])
+        .env("RUST_LOG", "info")
 }
 
 /// Plays a worker: keeps a session to `head` open (reconnecting), runs what it is told.
@@ -187,169 +157,188 @@ fn check_gangs(rs: &[ReplicaRecord], tp: usize) -> Result<BTreeSet<String>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn placement_gang_spread_pending_then_third_worker_etcd() -> Result<()> {
-    let etcd = EtcdFixture::start().await?;
-    let head = Head::start(&format!("etcd://{}", etcd.endpoint()), free_port()?)?;
-    let mut c = head.wait_leader(Duration::from_secs(20)).await?;
-    let w1 = FakeWorker::spawn(head.addr.clone(), "node-a", 4);
-    let w2 = FakeWorker::spawn(head.addr.clone(), "node-b", 4);
-    c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("llama", 2, 3)) }).await?;
-    let rs = poll_until(Duration::from_secs(10), "3 Ready replicas", || {
-        let mut c = c.clone();
-        async move { replicas(&mut c, "llama").await.ok().filter(|rs| count(rs, ReplicaState::Ready) == 3) }
-    })
-    .await?;
-    let nodes = check_gangs(&rs, 2)?;
-    assert_eq!(nodes.len(), 2, "replicas spread over both nodes");
+    let cluster = control_plane(Store::Etcd).start().await?;
+    let outcome = async {
+        let head = cluster.head();
+        let mut c = head.wait_leader(Duration::from_secs(20)).await?;
+        let w1 = FakeWorker::spawn(head.url.clone(), "node-a", 4);
+        let w2 = FakeWorker::spawn(head.url.clone(), "node-b", 4);
+        c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("llama", 2, 3)) }).await?;
+        let rs = poll_until(Duration::from_secs(10), "3 Ready replicas", || {
+            let mut c = c.clone();
+            async move { replicas(&mut c, "llama").await.ok().filter(|rs| count(rs, ReplicaState::Ready) == 3) }
+        })
+        .await?;
+        let nodes = check_gangs(&rs, 2)?;
+        assert_eq!(nodes.len(), 2, "replicas spread over both nodes");
 
-    // The records are in etcd.
-    let store = prism_head::store::EtcdStore::connect(&etcd.endpoints()).await?;
-    let (stored, _) = store.list(keys::REPLICAS).await?;
-    assert_eq!(stored.len(), 3);
-    for (k, v) in &stored {
-        let r = ReplicaRecord::decode(v.value.as_slice())?;
-        assert!(k.ends_with(&r.replica_id));
-        assert_eq!(r.state(), ReplicaState::Ready);
-    }
-    let (resv, _) = store.list(keys::RESERVATIONS).await?;
-    assert_eq!(resv.len(), 6, "one reservation per GPU in use");
-
-    // Identical apply is idempotent.
-    let again = c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("llama", 2, 3)) }).await?.into_inner();
-    assert!(!again.created);
-
-    // Five replicas of tp 2 on 8 GPUs: the 5th is Pending with a reason.
-    c.scale_deployment(ScaleDeploymentRequest { name: "llama".into(), replicas: 5 }).await?;
-    let rs = poll_until(Duration::from_secs(10), "4 Ready + 1 Pending", || {
-        let mut c = c.clone();
-        async move {
-            replicas(&mut c, "llama")
-                .await
-                .ok()
-                .filter(|rs| count(rs, ReplicaState::Ready) == 4 && count(rs, ReplicaState::Pending) == 1)
+        // The records are in etcd.
+        let store = prism_head::store::EtcdStore::connect(&cluster.etcd().context("etcd")?.endpoints()).await?;
+        let (stored, _) = store.list(keys::REPLICAS).await?;
+        assert_eq!(stored.len(), 3);
+        for (k, v) in &stored {
+            let r = ReplicaRecord::decode(v.value.as_slice())?;
+            assert!(k.ends_with(&r.replica_id));
+            assert_eq!(r.state(), ReplicaState::Ready);
         }
-    })
-    .await?;
-    check_gangs(&rs, 2)?;
-    let pending = rs.iter().find(|r| r.state() == ReplicaState::Pending).context("pending")?;
-    assert_eq!(pending.reason, "needs 2 GPUs on one node; largest free group is 0");
-    let st = c.cluster_status(ClusterStatusRequest {}).await?.into_inner();
-    assert_eq!(st.pending_gpus, 2);
+        let (resv, _) = store.list(keys::RESERVATIONS).await?;
+        assert_eq!(resv.len(), 6, "one reservation per GPU in use");
 
-    // A third worker places it, without a restart.
-    let w3 = FakeWorker::spawn(head.addr.clone(), "node-c", 4);
-    let rs = poll_until(Duration::from_secs(10), "5 Ready", || {
-        let mut c = c.clone();
-        async move { replicas(&mut c, "llama").await.ok().filter(|rs| count(rs, ReplicaState::Ready) == 5) }
-    })
-    .await?;
-    assert_eq!(check_gangs(&rs, 2)?.len(), 3);
-    assert!(rs.iter().any(|r| r.node_id == "node-c"));
+        // Identical apply is idempotent.
+        let again = c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("llama", 2, 3)) }).await?.into_inner();
+        assert!(!again.created);
 
-    // kill -9 of a worker: its replicas are Ready elsewhere within worker_timeout + 2 s.
-    c.scale_deployment(ScaleDeploymentRequest { name: "llama".into(), replicas: 3 }).await?;
-    let rs =
-        poll_until(Duration::from_secs(10), "back to 3", || {
+        // Five replicas of tp 2 on 8 GPUs: the 5th is Pending with a reason.
+        c.scale_deployment(ScaleDeploymentRequest { name: "llama".into(), replicas: 5 }).await?;
+        let rs = poll_until(Duration::from_secs(10), "4 Ready + 1 Pending", || {
+            let mut c = c.clone();
+            async move {
+                replicas(&mut c, "llama")
+                    .await
+                    .ok()
+                    .filter(|rs| count(rs, ReplicaState::Ready) == 4 && count(rs, ReplicaState::Pending) == 1)
+            }
+        })
+        .await?;
+        check_gangs(&rs, 2)?;
+        let pending = rs.iter().find(|r| r.state() == ReplicaState::Pending).context("pending")?;
+        assert_eq!(pending.reason, "needs 2 GPUs on one node; largest free group is 0");
+        let st = c.cluster_status(ClusterStatusRequest {}).await?.into_inner();
+        assert_eq!(st.pending_gpus, 2);
+
+        // A third worker places it, without a restart.
+        let w3 = FakeWorker::spawn(head.url.clone(), "node-c", 4);
+        let rs = poll_until(Duration::from_secs(10), "5 Ready", || {
+            let mut c = c.clone();
+            async move { replicas(&mut c, "llama").await.ok().filter(|rs| count(rs, ReplicaState::Ready) == 5) }
+        })
+        .await?;
+        assert_eq!(check_gangs(&rs, 2)?.len(), 3);
+        assert!(rs.iter().any(|r| r.node_id == "node-c"));
+
+        // kill -9 of a worker: its replicas are Ready elsewhere within worker_timeout + 2 s.
+        c.scale_deployment(ScaleDeploymentRequest { name: "llama".into(), replicas: 3 }).await?;
+        let rs = poll_until(Duration::from_secs(10), "back to 3", || {
             let mut c = c.clone();
             async move {
                 replicas(&mut c, "llama").await.ok().filter(|rs| rs.len() == 3 && count(rs, ReplicaState::Ready) == 3)
             }
         })
         .await?;
-    let victim = rs[0].node_id.clone();
-    let on_victim: Vec<String> = rs.iter().filter(|r| r.node_id == victim).map(|r| r.replica_id.clone()).collect();
-    let killed = Instant::now();
-    match victim.as_str() {
-        "node-a" => w1.kill(),
-        "node-b" => w2.kill(),
-        _ => w3.kill(),
+        let victim = rs[0].node_id.clone();
+        let on_victim: Vec<String> = rs.iter().filter(|r| r.node_id == victim).map(|r| r.replica_id.clone()).collect();
+        let killed = Instant::now();
+        match victim.as_str() {
+            "node-a" => w1.kill(),
+            "node-b" => w2.kill(),
+            _ => w3.kill(),
+        }
+        poll_until(WORKER_TIMEOUT + Duration::from_secs(3), "node Dead", || {
+            let mut c = c.clone();
+            let victim = victim.clone();
+            async move {
+                let nodes = c.list_nodes(ListNodesRequest {}).await.ok()?.into_inner().nodes;
+                nodes
+                    .iter()
+                    .any(|n| {
+                        n.inventory.as_ref().is_some_and(|i| i.node_id == victim) && n.state() == pb::NodeState::Dead
+                    })
+                    .then_some(())
+            }
+        })
+        .await?;
+        let detected = killed.elapsed();
+        poll_until(WORKER_TIMEOUT + Duration::from_secs(2) - detected.min(WORKER_TIMEOUT), "re-placed", || {
+            let mut c = c.clone();
+            let victim = victim.clone();
+            async move {
+                let rs = replicas(&mut c, "llama").await.ok()?;
+                (count(&rs, ReplicaState::Ready) == 3 && rs.iter().all(|r| r.node_id != victim)).then_some(())
+            }
+        })
+        .await?;
+        let replaced = killed.elapsed();
+        eprintln!(
+            "worker kill -9 of {victim} ({} replicas): detected Dead after {:.2} s, Ready elsewhere after {:.2} s \
+         (worker_timeout {:?})",
+            on_victim.len(),
+            detected.as_secs_f64(),
+            replaced.as_secs_f64(),
+            WORKER_TIMEOUT
+        );
+        assert!(replaced <= WORKER_TIMEOUT + Duration::from_secs(2));
+        anyhow::Ok(())
     }
-    poll_until(WORKER_TIMEOUT + Duration::from_secs(3), "node Dead", || {
-        let mut c = c.clone();
-        let victim = victim.clone();
-        async move {
-            let nodes = c.list_nodes(ListNodesRequest {}).await.ok()?.into_inner().nodes;
-            nodes
-                .iter()
-                .any(|n| n.inventory.as_ref().is_some_and(|i| i.node_id == victim) && n.state() == pb::NodeState::Dead)
-                .then_some(())
-        }
-    })
-    .await?;
-    let detected = killed.elapsed();
-    poll_until(WORKER_TIMEOUT + Duration::from_secs(2) - detected.min(WORKER_TIMEOUT), "re-placed", || {
-        let mut c = c.clone();
-        let victim = victim.clone();
-        async move {
-            let rs = replicas(&mut c, "llama").await.ok()?;
-            (count(&rs, ReplicaState::Ready) == 3 && rs.iter().all(|r| r.node_id != victim)).then_some(())
-        }
-    })
-    .await?;
-    let replaced = killed.elapsed();
-    eprintln!(
-        "worker kill -9 of {victim} ({} replicas): detected Dead after {:.2} s, Ready elsewhere after {:.2} s (worker_timeout {:?})",
-        on_victim.len(),
-        detected.as_secs_f64(),
-        replaced.as_secs_f64(),
-        WORKER_TIMEOUT
-    );
-    assert!(replaced <= WORKER_TIMEOUT + Duration::from_secs(2));
-    Ok(())
+    .await;
+    cluster.with_logs(outcome)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_rejected_and_changes_nothing() -> Result<()> {
-    let etcd = EtcdFixture::start().await?;
-    let head = Head::start(&format!("etcd://{}", etcd.endpoint()), free_port()?)?;
-    let mut c = head.wait_leader(Duration::from_secs(20)).await?;
-    let _w = FakeWorker::spawn(head.addr.clone(), "node-a", 4);
-    for (s, what) in [
-        (spec("tp-zero", 0, 1), "tensor_parallel_size 0"),
-        (spec("Bad_Name", 1, 1), "invalid name"),
-        (spec("", 1, 1), "empty name"),
-        (DeploymentSpec { engine: None, ..spec("no-engine", 1, 1) }, "no engine"),
-        (spec("x", 1, 1).tap_model(""), "empty model"),
-    ] {
-        let e = c.apply_deployment(ApplyDeploymentRequest { spec: Some(s) }).await.err().context(what)?;
-        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{what}: {e:?}");
+    let cluster = control_plane(Store::Etcd).start().await?;
+    let outcome = async {
+        let head = cluster.head();
+        let mut c = head.wait_leader(Duration::from_secs(20)).await?;
+        let _w = FakeWorker::spawn(head.url.clone(), "node-a", 4);
+        for (s, what) in [
+            (spec("tp-zero", 0, 1), "tensor_parallel_size 0"),
+            (spec("Bad_Name", 1, 1), "invalid name"),
+            (spec("", 1, 1), "empty name"),
+            (DeploymentSpec { engine: None, ..spec("no-engine", 1, 1) }, "no engine"),
+            (spec("x", 1, 1).tap_model(""), "empty model"),
+        ] {
+            let e = c.apply_deployment(ApplyDeploymentRequest { spec: Some(s) }).await.err().context(what)?;
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{what}: {e:?}");
+        }
+        let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
+        assert!(deps.is_empty(), "nothing stored");
+
+        // More GPUs than any node has: Pending with a reason, not an error loop.
+        c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("big", 8, 1)) }).await?;
+        let r =
+            poll_until(Duration::from_secs(10), "big pending", || {
+                let mut c = c.clone();
+                async move {
+                    replicas(&mut c, "big").await.ok().and_then(|rs| rs.into_iter().find(|r| !r.reason.is_empty()))
+                }
+            })
+            .await?;
+        assert_eq!(r.state(), ReplicaState::Pending);
+        assert_eq!(r.reason, "needs 8 GPUs on one node; largest free group is 4");
+        // Changing the same name's spec is an update, scaling outside bounds is rejected.
+        let mut bounded = spec("big", 8, 1);
+        bounded.max_replicas = 2;
+        c.apply_deployment(ApplyDeploymentRequest { spec: Some(bounded) }).await?;
+        let e = c
+            .scale_deployment(ScaleDeploymentRequest { name: "big".into(), replicas: 3 })
+            .await
+            .err()
+            .context("bounds")?;
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        let e = c
+            .scale_deployment(ScaleDeploymentRequest { name: "nope".into(), replicas: 1 })
+            .await
+            .err()
+            .context("nf")?;
+        assert_eq!(e.code(), tonic::Code::NotFound);
+
+        // A worker with a malformed inventory: INVALID_ARGUMENT, nothing stored.
+        let (tx, rx) = mpsc::channel(4);
+        let bad = NodeInventory { node_id: "bad/node".into(), address: "nowhere".into(), ..Default::default() };
+        tx.send(WorkerMessage { msg: Some(worker_message::Msg::Register(bad)) }).await?;
+        let mut raw = head.client().await?;
+        let res = raw.worker_session(ReceiverStream::new(rx)).await;
+        let code = match res {
+            Err(s) => s.code(),
+            Ok(r) => r.into_inner().message().await.err().map_or(tonic::Code::Ok, |s| s.code()),
+        };
+        assert_eq!(code, tonic::Code::InvalidArgument);
+        let nodes = c.list_nodes(ListNodesRequest {}).await?.into_inner().nodes;
+        assert_eq!(nodes.len(), 1, "only the good worker is stored");
+        anyhow::Ok(())
     }
-    let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
-    assert!(deps.is_empty(), "nothing stored");
-
-    // More GPUs than any node has: Pending with a reason, not an error loop.
-    c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("big", 8, 1)) }).await?;
-    let r = poll_until(Duration::from_secs(10), "big pending", || {
-        let mut c = c.clone();
-        async move { replicas(&mut c, "big").await.ok().and_then(|rs| rs.into_iter().find(|r| !r.reason.is_empty())) }
-    })
-    .await?;
-    assert_eq!(r.state(), ReplicaState::Pending);
-    assert_eq!(r.reason, "needs 8 GPUs on one node; largest free group is 4");
-    // Changing the same name's spec is an update, scaling outside bounds is rejected.
-    let mut bounded = spec("big", 8, 1);
-    bounded.max_replicas = 2;
-    c.apply_deployment(ApplyDeploymentRequest { spec: Some(bounded) }).await?;
-    let e =
-        c.scale_deployment(ScaleDeploymentRequest { name: "big".into(), replicas: 3 }).await.err().context("bounds")?;
-    assert_eq!(e.code(), tonic::Code::InvalidArgument);
-    let e =
-        c.scale_deployment(ScaleDeploymentRequest { name: "nope".into(), replicas: 1 }).await.err().context("nf")?;
-    assert_eq!(e.code(), tonic::Code::NotFound);
-
-    // A worker with a malformed inventory: INVALID_ARGUMENT, nothing stored.
-    let (tx, rx) = mpsc::channel(4);
-    let bad = NodeInventory { node_id: "bad/node".into(), address: "nowhere".into(), ..Default::default() };
-    tx.send(WorkerMessage { msg: Some(worker_message::Msg::Register(bad)) }).await?;
-    let mut raw = head.client().await?;
-    let res = raw.worker_session(ReceiverStream::new(rx)).await;
-    let code = match res {
-        Err(s) => s.code(),
-        Ok(r) => r.into_inner().message().await.err().map_or(tonic::Code::Ok, |s| s.code()),
-    };
-    assert_eq!(code, tonic::Code::InvalidArgument);
-    let nodes = c.list_nodes(ListNodesRequest {}).await?.into_inner().nodes;
-    assert_eq!(nodes.len(), 1, "only the good worker is stored");
-    Ok(())
+    .await;
+    cluster.with_logs(outcome)
 }
 
 trait TapModel {
@@ -366,45 +355,49 @@ impl TapModel for DeploymentSpec {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_heads_one_leader_and_failover_within_ttl() -> Result<()> {
-    let etcd = EtcdFixture::start().await?;
-    let store = format!("etcd://{}", etcd.endpoint());
-    let mut a = Head::start(&store, free_port()?)?;
-    a.wait_leader(Duration::from_secs(20)).await?;
-    let b = Head::start(&store, free_port()?)?;
-    // b is up and a follower.
-    let mut bc = poll_until(Duration::from_secs(20), "b up", || async {
-        let mut c = b.client().await.ok()?;
-        let s = c.cluster_status(ClusterStatusRequest {}).await.ok()?.into_inner();
-        (!s.is_leader && s.leader == a.addr).then_some(c)
-    })
-    .await?;
-    let e = bc
-        .apply_deployment(ApplyDeploymentRequest { spec: Some(spec("m", 1, 1)) })
-        .await
-        .err()
-        .context("follower write")?;
-    assert_eq!(e.code(), tonic::Code::Unavailable);
-    assert_eq!(e.metadata().get("prism-leader").and_then(|v| v.to_str().ok()), Some(a.addr.as_str()));
-    // A worker pointed at the follower is refused with the leader's address.
-    let w = FakeWorker::spawn(a.addr.clone(), "node-a", 2);
-    let mut ac = a.client().await?;
-    ac.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("m", 1, 1)) }).await?;
-    wait_until(Duration::from_secs(10), "ready on a", || {
-        let mut c = ac.clone();
-        async move { replicas(&mut c, "m").await.is_ok_and(|rs| count(&rs, ReplicaState::Ready) == 1) }
-    })
-    .await?;
+    let mut cluster = control_plane(Store::Etcd).start().await?;
+    let outcome = async {
+        cluster.head().wait_leader(Duration::from_secs(20)).await?;
+        cluster.add_head()?;
+        let (a, b) = (&cluster.heads[0], &cluster.heads[1]);
+        // b is up and a follower.
+        let mut bc = poll_until(Duration::from_secs(20), "b up", || async {
+            let mut c = b.client().await.ok()?;
+            let s = c.cluster_status(ClusterStatusRequest {}).await.ok()?.into_inner();
+            (!s.is_leader && s.leader == a.url).then_some(c)
+        })
+        .await?;
+        let e = bc
+            .apply_deployment(ApplyDeploymentRequest { spec: Some(spec("m", 1, 1)) })
+            .await
+            .err()
+            .context("follower write")?;
+        assert_eq!(e.code(), tonic::Code::Unavailable);
+        assert_eq!(e.metadata().get("prism-leader").and_then(|v| v.to_str().ok()), Some(a.url.as_str()));
+        // A worker pointed at the follower is refused with the leader's address.
+        let w = FakeWorker::spawn(a.url.clone(), "node-a", 2);
+        let mut ac = a.client().await?;
+        ac.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("m", 1, 1)) }).await?;
+        wait_until(Duration::from_secs(10), "ready on a", || {
+            let mut c = ac.clone();
+            async move { replicas(&mut c, "m").await.is_ok_and(|rs| count(&rs, ReplicaState::Ready) == 1) }
+        })
+        .await?;
 
-    let killed = Instant::now();
-    a.proc.kill();
-    let mut bc = b.wait_leader(LEASE_TTL + Duration::from_secs(1)).await?;
-    let took = killed.elapsed();
-    eprintln!("leader kill -9: follower leads after {:.2} s (lease TTL {LEASE_TTL:?})", took.as_secs_f64());
-    // The new leader kept the deployment.
-    let deps = bc.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
-    assert_eq!(deps.len(), 1);
-    w.kill();
-    Ok(())
+        let killed = Instant::now();
+        cluster.heads[0].process.kill();
+        let b = &cluster.heads[1];
+        let mut bc = b.wait_leader(LEASE_TTL + Duration::from_secs(1)).await?;
+        let took = killed.elapsed();
+        eprintln!("leader kill -9: follower leads after {:.2} s (lease TTL {LEASE_TTL:?})", took.as_secs_f64());
+        // The new leader kept the deployment.
+        let deps = bc.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
+        assert_eq!(deps.len(), 1);
+        w.kill();
+        anyhow::Ok(())
+    }
+    .await;
+    cluster.with_logs(outcome)
 }
 
 /// Two heads on one embedded state file: the second exits at once with an error naming the
@@ -412,86 +405,76 @@ async fn two_heads_one_leader_and_failover_within_ttl() -> Result<()> {
 /// once the first is killed (-9) a new head opens the file and keeps its deployment.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_head_on_one_embedded_file_fails_fast() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let file = dir.path().join("state.json");
-    let store = format!("embedded:{}", file.display());
-    let port = free_port()?;
-    let mut first = Head::start(&store, port)?;
-    let mut c = first.wait_leader(Duration::from_secs(20)).await?;
-    c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("llama", 1, 1)) }).await?;
-    let child = Command::new(bin_path("prism-head")?)
-        .args(["--listen", &format!("127.0.0.1:{}", free_port()?)])
-        .args(["--http-listen", &format!("127.0.0.1:{}", free_port()?)])
-        .args(["--store", &store])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("spawning the second prism-head")?;
-    let mut second = ProcessGuard::new("second head", child);
-    let exit = poll_until(Duration::from_secs(10), "the second head to exit", || {
-        let exit = second.try_wait().ok().flatten();
-        async move { exit }
-    })
-    .await?;
-    let mut stderr = String::new();
-    if let Some(mut pipe) = second.child_mut().and_then(|c| c.stderr.take()) {
-        std::io::Read::read_to_string(&mut pipe, &mut stderr)?;
+    let mut cluster = control_plane(Store::Embedded).start().await?;
+    let outcome = async {
+        let file = cluster.store_file();
+        let mut c = cluster.head().wait_leader(Duration::from_secs(20)).await?;
+        c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("llama", 1, 1)) }).await?;
+        let second = &mut cluster.add_head()?.process;
+        let exit = second.wait_exit(Duration::from_secs(10)).await.context("the second head to exit")?;
+        second.wait_stderr_closed(Duration::from_secs(5)).await?;
+        let stderr = second.stderr();
+        assert!(!exit.success(), "the second head must fail: {exit:?}\n{stderr}");
+        assert!(stderr.contains(&file.display().to_string()) && stderr.contains("another Prism process"), "{stderr}");
+        let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
+        assert_eq!(deps.len(), 1, "the first head still serves its state");
+        // kill -9 of the first, then a new head on its port and the same file.
+        cluster.kill_head();
+        cluster.restart_head()?;
+        let mut c = cluster.head().wait_leader(Duration::from_secs(20)).await?;
+        let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
+        assert_eq!(deps.len(), 1, "the deployment survives on the reopened file");
+        anyhow::Ok(())
     }
-    assert!(!exit.success(), "the second head must fail: {exit:?}\n{stderr}");
-    assert!(stderr.contains(&file.display().to_string()) && stderr.contains("another Prism process"), "{stderr}");
-    let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
-    assert_eq!(deps.len(), 1, "the first head still serves its state");
-    first.proc.kill();
-    let third = Head::start(&store, port)?;
-    let mut c = third.wait_leader(Duration::from_secs(20)).await?;
-    let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
-    assert_eq!(deps.len(), 1, "the deployment survives on the reopened file");
-    Ok(())
+    .await;
+    cluster.with_logs(outcome)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_head_restart_keeps_deployments_and_adopts_replicas() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let store = format!("embedded:{}", dir.path().join("state.json").display());
-    let port = free_port()?;
-    let mut head = Head::start(&store, port)?;
-    let mut c = head.wait_leader(Duration::from_secs(20)).await?;
-    let w = FakeWorker::spawn(head.addr.clone(), "node-a", 4);
-    c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("llama", 2, 2)) }).await?;
-    let before = poll_until(Duration::from_secs(10), "2 Ready", || {
-        let mut c = c.clone();
-        async move { replicas(&mut c, "llama").await.ok().filter(|rs| count(rs, ReplicaState::Ready) == 2) }
-    })
-    .await?;
-    let starts_before = w.starts.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.len();
-    head.proc.kill();
-    let head = Head::start(&store, port)?;
-    let mut c = head.wait_leader(Duration::from_secs(20)).await?;
-    let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
-    assert_eq!(deps.len(), 1, "deployment survives the restart");
-    let ids = |rs: &[ReplicaRecord]| rs.iter().map(|r| r.replica_id.clone()).collect::<BTreeSet<_>>();
-    // The worker reconnects; its replicas are adopted with the same ids, none restarted.
-    wait_until(Duration::from_secs(10), "worker reconnected", || {
-        let mut c = c.clone();
-        async move {
-            c.list_nodes(ListNodesRequest {})
-                .await
-                .is_ok_and(|n| n.into_inner().nodes.iter().any(|n| n.state() == pb::NodeState::Ready))
-        }
-    })
-    .await?;
-    let after = poll_until(Duration::from_secs(10), "2 Ready again", || {
-        let mut c = c.clone();
-        async move { replicas(&mut c, "llama").await.ok().filter(|rs| count(rs, ReplicaState::Ready) == 2) }
-    })
-    .await?;
-    assert_eq!(ids(&before), ids(&after));
-    // Stay past a reconcile pass and a worker timeout window: still no restart.
-    tokio::time::sleep(WORKER_TIMEOUT).await;
-    let after = replicas(&mut c, "llama").await?;
-    assert_eq!(ids(&before), ids(&after));
-    let starts_after = w.starts.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.len();
-    assert_eq!(starts_before, starts_after, "no StartReplica after the head restart");
-    w.kill();
-    Ok(())
+    let mut cluster = control_plane(Store::Embedded).start().await?;
+    let outcome = async {
+        let mut c = cluster.head().wait_leader(Duration::from_secs(20)).await?;
+        let w = FakeWorker::spawn(cluster.head_url().to_owned(), "node-a", 4);
+        c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("llama", 2, 2)) }).await?;
+        let before = poll_until(Duration::from_secs(10), "2 Ready", || {
+            let mut c = c.clone();
+            async move { replicas(&mut c, "llama").await.ok().filter(|rs| count(rs, ReplicaState::Ready) == 2) }
+        })
+        .await?;
+        let starts_before = w.starts.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.len();
+        // kill -9, then a new head on the same port and state file.
+        cluster.kill_head();
+        cluster.restart_head()?;
+        let mut c = cluster.head().wait_leader(Duration::from_secs(20)).await?;
+        let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
+        assert_eq!(deps.len(), 1, "deployment survives the restart");
+        let ids = |rs: &[ReplicaRecord]| rs.iter().map(|r| r.replica_id.clone()).collect::<BTreeSet<_>>();
+        // The worker reconnects; its replicas are adopted with the same ids, none restarted.
+        wait_until(Duration::from_secs(10), "worker reconnected", || {
+            let mut c = c.clone();
+            async move {
+                c.list_nodes(ListNodesRequest {})
+                    .await
+                    .is_ok_and(|n| n.into_inner().nodes.iter().any(|n| n.state() == pb::NodeState::Ready))
+            }
+        })
+        .await?;
+        let after = poll_until(Duration::from_secs(10), "2 Ready again", || {
+            let mut c = c.clone();
+            async move { replicas(&mut c, "llama").await.ok().filter(|rs| count(rs, ReplicaState::Ready) == 2) }
+        })
+        .await?;
+        assert_eq!(ids(&before), ids(&after));
+        // Stay past a reconcile pass and a worker timeout window: still no restart.
+        tokio::time::sleep(WORKER_TIMEOUT).await;
+        let after = replicas(&mut c, "llama").await?;
+        assert_eq!(ids(&before), ids(&after));
+        let starts_after = w.starts.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.len();
+        assert_eq!(starts_before, starts_after, "no StartReplica after the head restart");
+        w.kill();
+        anyhow::Ok(())
+    }
+    .await;
+    cluster.with_logs(outcome)
 }

@@ -1,22 +1,18 @@
-//! Issue 7 acceptance, operator-initiated drains on a real local cluster (etcd, head,
-//! 3 workers on the bundled SmolLM2 GGUF, router), under greedy streaming load checked
-//! token by token against an undisturbed run:
-//! - `c11_prism_drain_then_uncordon_resumes_placement`: `prism drain w3`: from the route
+//! Operator-initiated drains on a real local cluster (etcd, head, 3 workers on the bundled
+//! SmolLM2 GGUF, router), under greedy streaming load checked token by token against an
+//! undisturbed run:
+//! - `prism_drain_then_uncordon_resumes_placement`: `prism drain w3`: from the route
 //!   update on nothing is dispatched to its replica, no request fails, the replica stops
 //!   and its node stays cordoned (the replacement stays Pending: no free slot);
 //!   `prism uncordon w3`: placement resumes on it.
-//! - `c10_scale_down_during_long_streams`: `prism scale smollm2 1` while streams run on
+//! - `scale_down_during_long_streams`: `prism scale smollm2 1` while streams run on
 //!   every replica: no client error, token-exact streams, the removed replicas stop.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-mod drain_support;
-mod e2e_support;
-
 use anyhow::{Context, Result, bail};
-use drain_support::{Cluster, ClusterOptions, Load, reference, wait_route_change};
-use e2e_support::{eventually, model};
 use prism_common::proto::v1::{NodeState, ReplicaState};
+use prism_tests::{Cluster, Load, eventually, model, reference};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,12 +23,12 @@ fn dispatch_metric(replica: &str) -> String {
 }
 
 async fn drain_and_uncordon(cluster: &mut Cluster) -> Result<()> {
-    let reference = Arc::new(reference(&cluster.grpc, MAX_TOKENS).await?);
-    let load = Load::start(&cluster.grpc, 3, MAX_TOKENS, reference);
+    let reference = Arc::new(reference(cluster.grpc(), MAX_TOKENS).await?);
+    let load = Load::start(cluster.grpc(), 3, MAX_TOKENS, reference);
     load.wait_more(3, Duration::from_secs(60)).await?;
     let replica = cluster.replica_on("w3").await?.context("no replica on w3")?;
     let out = cluster.cli(&["drain", "w3", "--deadline", "20s"])?;
-    wait_route_change(&cluster.grpc, 3, Duration::from_secs(5)).await?;
+    cluster.wait_route_change(3, Duration::from_secs(5)).await?;
     let after_update = cluster.router_metric(&dispatch_metric(&replica)).await?;
     eprintln!("prism drain: {}", out.trim());
     assert_eq!(cluster.node_state("w3").await?, (NodeState::Draining, true));
@@ -72,9 +68,9 @@ async fn drain_and_uncordon(cluster: &mut Cluster) -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn c11_prism_drain_then_uncordon_resumes_placement() -> Result<()> {
+async fn prism_drain_then_uncordon_resumes_placement() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let mut cluster = Cluster::start(&model, ClusterOptions::default()).await?;
+    let mut cluster = Cluster::serving(&model, 3, 3).start().await?;
     if let Err(e) = drain_and_uncordon(&mut cluster).await {
         bail!("{e:#}\n{}", cluster.logs());
     }
@@ -83,8 +79,8 @@ async fn c11_prism_drain_then_uncordon_resumes_placement() -> Result<()> {
 
 async fn scale_down(cluster: &mut Cluster) -> Result<()> {
     let max_tokens = 64;
-    let reference = Arc::new(reference(&cluster.grpc, max_tokens).await?);
-    let load = Load::start(&cluster.grpc, 4, max_tokens, reference);
+    let reference = Arc::new(reference(cluster.grpc(), max_tokens).await?);
+    let load = Load::start(cluster.grpc(), 4, max_tokens, reference);
     load.wait_more(2, Duration::from_secs(90)).await?;
     let out = cluster.cli(&["scale", "smollm2", "1"])?;
     eprintln!("{}", out.trim());
@@ -98,14 +94,14 @@ async fn scale_down(cluster: &mut Cluster) -> Result<()> {
     let report = load.stop().await?;
     report.check()?;
     let migrations = cluster.router_metric("prism_router_migrations_total").await?;
-    eprintln!("C10: {} streams token-exact, {migrations} migrations", report.ok);
+    eprintln!("scale-down: {} streams token-exact, {migrations} migrations", report.ok);
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn c10_scale_down_during_long_streams() -> Result<()> {
+async fn scale_down_during_long_streams() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let mut cluster = Cluster::start(&model, ClusterOptions::default()).await?;
+    let mut cluster = Cluster::serving(&model, 3, 3).start().await?;
     if let Err(e) = scale_down(&mut cluster).await {
         bail!("{e:#}\n{}", cluster.logs());
     }

@@ -1,6 +1,5 @@
-//! Issue 7 acceptance, stream migration on a real local cluster (etcd, head, 3 workers on
-//! the bundled SmolLM2 GGUF, router), greedy streams compared token by token with an
-//! undisturbed run:
+//! Stream migration on a real local cluster (etcd, head, 3 workers on the bundled SmolLM2
+//! GGUF, router), greedy streams compared token by token with an undisturbed run:
 //! - `short_deadline_migrates_streams_token_exact`: SIGTERM with a 2 s drain deadline while
 //!   streams longer than that run: the worker hands them back at the deadline, the router
 //!   migrates them (`prior_output_ids`), every client gets exactly the reference tokens and
@@ -10,13 +9,9 @@
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-mod drain_support;
-mod e2e_support;
-
-use anyhow::{Context, Result, bail};
-use drain_support::{Cluster, ClusterOptions, Load, metric_value, reference};
-use e2e_support::{eventually, model};
+use anyhow::{Result, bail};
 use nix::sys::signal::Signal;
+use prism_tests::{Cluster, Load, eventually, metric_value, model, reference};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,8 +24,7 @@ const LONG_MAX_TOKENS: u32 = 512;
 async fn busy_worker(cluster: &Cluster, n: f64) -> Result<String> {
     eventually(Duration::from_secs(60), "a worker with running streams", || async move {
         for w in &cluster.workers {
-            let text = reqwest::get(format!("{}/metrics", w.http)).await?.text().await?;
-            if metric_value(&text, "vllm:num_requests_running") >= n {
+            if metric_value(&w.metrics().await?, "vllm:num_requests_running") >= n {
                 return Ok(Some(w.node.clone()));
             }
         }
@@ -41,8 +35,8 @@ async fn busy_worker(cluster: &Cluster, n: f64) -> Result<String> {
 
 /// Runs load, disturbs the busiest worker with `signal`, and checks every stream.
 async fn disturb(cluster: &mut Cluster, signal: Signal, deadline: Duration, max_tokens: u32) -> Result<()> {
-    let reference = Arc::new(reference(&cluster.grpc, max_tokens).await?);
-    let load = Load::start(&cluster.grpc, 4, max_tokens, reference);
+    let reference = Arc::new(reference(cluster.grpc(), max_tokens).await?);
+    let load = Load::start(cluster.grpc(), 4, max_tokens, reference);
     load.wait_more(2, Duration::from_secs(90)).await?;
     let node = busy_worker(cluster, 2.0).await?;
     // Disturb right after a stream on that worker produced its first token: it then has
@@ -61,9 +55,9 @@ async fn disturb(cluster: &mut Cluster, signal: Signal, deadline: Duration, max_
     })
     .await?;
     let t0 = Instant::now();
-    cluster.worker(&node)?.proc.as_ref().context("proc")?.signal(signal)?;
-    let mut proc = cluster.worker(&node)?.proc.take().context("proc")?;
-    let status = tokio::task::spawn_blocking(move || proc.wait_exit(Duration::from_secs(20))).await??;
+    let worker = cluster.worker_mut(&node)?;
+    worker.process.signal(signal)?;
+    let status = worker.process.wait_exit(Duration::from_secs(20)).await?;
     let exited = t0.elapsed();
     if signal == Signal::SIGTERM {
         assert!(status.success(), "{node} exited with {status}");
@@ -88,11 +82,8 @@ async fn disturb(cluster: &mut Cluster, signal: Signal, deadline: Duration, max_
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn short_deadline_migrates_streams_token_exact() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let opts = ClusterOptions {
-        worker_args: vec!["--drain-grace".into(), "3".into(), "--drain-margin".into(), "1".into()],
-        ..Default::default()
-    };
-    let mut cluster = Cluster::start(&model, opts).await?;
+    let mut cluster =
+        Cluster::serving(&model, 3, 3).worker_args(&["--drain-grace", "3", "--drain-margin", "1"]).start().await?;
     // Streams must outlast the 2 s deadline however fast the engine is on the machine: the
     // clients' streams run in waves and SIGTERM lands early in one, and a 512-token stream
     // takes ~5 s even at ~100 tok/s, so the streams running at the hand-back still have work
@@ -106,7 +97,7 @@ async fn short_deadline_migrates_streams_token_exact() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn kill_9_mid_stream_migrates_token_exact() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let mut cluster = Cluster::start(&model, ClusterOptions::default()).await?;
+    let mut cluster = Cluster::serving(&model, 3, 3).start().await?;
     if let Err(e) = disturb(&mut cluster, Signal::SIGKILL, Duration::ZERO, MAX_TOKENS).await {
         bail!("{e:#}\n{}", cluster.logs());
     }

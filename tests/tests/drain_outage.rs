@@ -1,44 +1,36 @@
-//! Serving cases C13 and C15 on a real local cluster (etcd, head, 2 workers on the bundled
+//! Head and worker outages on a real local cluster (etcd, head, 2 workers on the bundled
 //! SmolLM2 GGUF, router):
-//! - `c13_head_killed_traffic_continues_and_state_rebuilt`: SIGKILL the head under load:
+//! - `head_killed_traffic_continues_and_state_rebuilt`: SIGKILL the head under load:
 //!   streams keep completing token-exact while it is down (routers fail static, workers keep
 //!   serving); the restarted head rebuilds state from etcd: the deployment and the same
 //!   replicas come back without resubmission, and it never reports leadership with zero
 //!   deployments.
-//! - `c15_all_workers_killed_then_back`: SIGKILL every worker: requests fail fast with
+//! - `all_workers_killed_then_back`: SIGKILL every worker: requests fail fast with
 //!   UNAVAILABLE (no hang); workers restarted with the same node ids get their replicas
 //!   back and the same router serves again, token-exact.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-mod drain_support;
-mod e2e_support;
-
 use anyhow::{Result, bail};
-use drain_support::{Cluster, ClusterOptions, Load, PROMPTS, greedy_request, reference, stream};
-use e2e_support::{eventually, model};
 use prism_common::proto::v1::ClusterStatusRequest;
 use prism_common::proto::v1::head_service_client::HeadServiceClient;
+use prism_tests::{Cluster, Load, PROMPTS, SERVED, eventually, greedy_request, model, reference, stream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const MAX_TOKENS: u32 = 32;
 
-fn two() -> ClusterOptions {
-    ClusterOptions { workers: 2, replicas: 2, ..Default::default() }
-}
-
 async fn head_restart(cluster: &mut Cluster) -> Result<()> {
-    let reference = Arc::new(reference(&cluster.grpc, MAX_TOKENS).await?);
+    let reference = Arc::new(reference(cluster.grpc(), MAX_TOKENS).await?);
     let mut before: Vec<String> = cluster.replicas().await?.into_iter().map(|r| r.replica_id).collect();
     before.sort();
-    let load = Load::start(&cluster.grpc, 2, MAX_TOKENS, reference);
+    let load = Load::start(cluster.grpc(), 2, MAX_TOKENS, reference);
     load.wait_more(2, Duration::from_secs(60)).await?;
     cluster.kill_head();
     // Traffic continues while the head is down.
     load.wait_more(4, Duration::from_secs(60)).await?;
     cluster.restart_head()?;
-    let head = cluster.head.clone();
+    let head = cluster.head_url().to_owned();
     eventually(Duration::from_secs(60), "restarted head leads with the deployment", || {
         let head = head.clone();
         async move {
@@ -58,14 +50,14 @@ async fn head_restart(cluster: &mut Cluster) -> Result<()> {
     load.wait_more(2, Duration::from_secs(60)).await?;
     let report = load.stop().await?;
     report.check()?;
-    eprintln!("C13: {} streams token-exact across the head restart", report.ok);
+    eprintln!("head restart: {} streams token-exact across it", report.ok);
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn c13_head_killed_traffic_continues_and_state_rebuilt() -> Result<()> {
+async fn head_killed_traffic_continues_and_state_rebuilt() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let mut cluster = Cluster::start(&model, two()).await?;
+    let mut cluster = Cluster::serving(&model, 2, 2).start().await?;
     if let Err(e) = head_restart(&mut cluster).await {
         bail!("{e:#}\n{}", cluster.logs());
     }
@@ -73,12 +65,10 @@ async fn c13_head_killed_traffic_continues_and_state_rebuilt() -> Result<()> {
 }
 
 async fn workers_gone(cluster: &mut Cluster) -> Result<()> {
-    let reference = reference(&cluster.grpc, MAX_TOKENS).await?;
+    let reference = reference(cluster.grpc(), MAX_TOKENS).await?;
     for w in &mut cluster.workers {
-        if let Some(mut p) = w.proc.take() {
-            p.signal(nix::sys::signal::Signal::SIGKILL)?;
-            let _ = p.wait_exit(Duration::from_secs(5))?;
-        }
+        w.process.signal(nix::sys::signal::Signal::SIGKILL)?;
+        let _ = w.process.wait_exit(Duration::from_secs(5)).await?;
     }
     // Every request fails fast with UNAVAILABLE: no panic, no hang.
     let t = Instant::now();
@@ -86,7 +76,7 @@ async fn workers_gone(cluster: &mut Cluster) -> Result<()> {
     while t.elapsed() < Duration::from_secs(6) {
         let sent = Instant::now();
         let res =
-            tokio::time::timeout(Duration::from_secs(5), stream(&cluster.grpc, greedy_request(PROMPTS[0], 8, true)))
+            tokio::time::timeout(Duration::from_secs(5), stream(cluster.grpc(), greedy_request(PROMPTS[0], 8, true)))
                 .await;
         let took = sent.elapsed();
         match res {
@@ -102,17 +92,17 @@ async fn workers_gone(cluster: &mut Cluster) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let http = reqwest::Client::new()
-        .post(format!("{}/v1/completions", cluster.http))
-        .json(&serde_json::json!({"model": drain_support::SERVED, "prompt": "Hi", "max_tokens": 4}))
+        .post(format!("{}/v1/completions", cluster.http()))
+        .json(&serde_json::json!({"model": SERVED, "prompt": "Hi", "max_tokens": 4}))
         .send()
         .await?;
     assert_eq!(http.status().as_u16(), 503, "{}", http.text().await?);
-    eprintln!("C15: {failures} requests failed fast with UNAVAILABLE while no worker was up");
+    eprintln!("no worker up: {failures} requests failed fast with UNAVAILABLE");
     for node in ["w1", "w2"] {
         cluster.restart_worker(node)?;
     }
     cluster.wait_ready(2, Duration::from_secs(120)).await?;
-    let grpc = cluster.grpc.clone();
+    let grpc = cluster.grpc().to_owned();
     let first = reference[0].clone();
     eventually(Duration::from_secs(30), "router serves again", || {
         let (grpc, first) = (grpc.clone(), first.clone());
@@ -123,7 +113,7 @@ async fn workers_gone(cluster: &mut Cluster) -> Result<()> {
         }
     })
     .await?;
-    reference_check(&cluster.grpc, &reference).await
+    reference_check(cluster.grpc(), &reference).await
 }
 
 async fn reference_check(grpc: &str, expected: &[Vec<u32>]) -> Result<()> {
@@ -133,9 +123,9 @@ async fn reference_check(grpc: &str, expected: &[Vec<u32>]) -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn c15_all_workers_killed_then_back() -> Result<()> {
+async fn all_workers_killed_then_back() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let mut cluster = Cluster::start(&model, two()).await?;
+    let mut cluster = Cluster::serving(&model, 2, 2).start().await?;
     if let Err(e) = workers_gone(&mut cluster).await {
         bail!("{e:#}\n{}", cluster.logs());
     }

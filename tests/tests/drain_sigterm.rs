@@ -1,25 +1,22 @@
-//! Issue 7 acceptance, SIGTERM drain on a real local cluster (etcd, head, 3 workers on the
-//! bundled SmolLM2 GGUF, router):
+//! SIGTERM drains on a real local cluster (etcd, head, 3 workers on the bundled SmolLM2
+//! GGUF, router):
 //! - `sigterm_under_streaming_load_loses_nothing`: closed-loop streaming clients; SIGTERM one
 //!   worker (30 s grace): no client error, every stream token-exact, nothing dispatched to the
 //!   drained replica after the router's route update, exit 0 within the grace. Measures
 //!   SIGTERM → route update; `PRISM_DRAIN_TRIALS=N` repeats it on the workers in turn and
 //!   `PRISM_DRAIN_BENCH_OUT=FILE` writes the latencies as JSON (`bench/drain/run.sh`).
-//! - `c09_long_stream_survives_sigterm`: a `max_tokens` 1000 stream in flight, SIGTERM its
+//! - `long_stream_survives_sigterm`: a `max_tokens` 1000 stream in flight, SIGTERM its
 //!   worker (60 s grace): the stream completes normally; no new request reaches the worker;
 //!   it exits 0 once idle.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-mod drain_support;
-mod e2e_support;
-
 use anyhow::{Context, Result, bail};
-use drain_support::{Cluster, ClusterOptions, Load, PROMPTS, SERVED, greedy_request, quantile, reference, stream};
-use e2e_support::model;
-use nix::sys::signal::Signal;
 use prism_common::proto::v1::{
     ChatMessage, ChatMessages, FinishReason, GenerateRequest, SamplingParams, generate_request,
+};
+use prism_tests::{
+    Cluster, Load, PROMPTS, SERVED, eventually, greedy_request, metric_value, model, quantile, reference, stream,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,24 +30,15 @@ fn dispatch_metric(replica: &str) -> String {
 /// One SIGTERM trial on `node`: returns SIGTERM → route update.
 async fn sigterm_trial(cluster: &mut Cluster, node: &str, grace: Duration) -> Result<Duration> {
     let replica = cluster.replica_on(node).await?.context("no replica on the node")?;
-    let ready = drain_support::router_ready_replicas(&cluster.grpc).await?;
-    let worker = cluster.worker(node)?;
-    let proc = worker.proc.as_ref().context("worker not running")?;
+    let ready = cluster.router_ready_replicas().await?;
     let t0 = Instant::now();
-    proc.signal(Signal::SIGTERM)?;
-    let t1 = drain_support::wait_route_change(&cluster.grpc, ready, Duration::from_secs(10)).await?;
+    cluster.worker(node)?.process.terminate()?;
+    let t1 = cluster.wait_route_change(ready, Duration::from_secs(10)).await?;
     let after_update = cluster.router_metric(&dispatch_metric(&replica)).await?;
-    // Exit 0 within the grace period (polled on a blocking thread).
-    let worker = cluster.worker(node)?;
-    let mut proc = worker.proc.take().context("worker not running")?;
-    let (status, proc) = tokio::task::spawn_blocking(move || {
-        let left = grace.saturating_sub(t0.elapsed());
-        (proc_wait(&mut proc, left), proc)
-    })
-    .await?;
-    let status = status?;
+    // Exit 0 within the grace period.
+    let left = grace.saturating_sub(t0.elapsed());
+    let status = cluster.worker_mut(node)?.process.wait_exit(left).await?;
     let exited_after = t0.elapsed();
-    cluster.worker(node)?.proc = Some(proc);
     if !status.success() {
         bail!("{node} exited with {status}");
     }
@@ -58,10 +46,6 @@ async fn sigterm_trial(cluster: &mut Cluster, node: &str, grace: Duration) -> Re
     assert_eq!(at_end, after_update, "requests dispatched to {replica} after the route update");
     eprintln!("{node}: route update {:?} after SIGTERM, exit 0 after {exited_after:?}", t1 - t0);
     Ok(t1 - t0)
-}
-
-fn proc_wait(p: &mut e2e_support::Proc, limit: Duration) -> Result<std::process::ExitStatus> {
-    p.wait_exit(limit)
 }
 
 /// Brings `node` back: restart the process (same node id, as a StatefulSet pod comes
@@ -78,14 +62,11 @@ async fn sigterm_under_streaming_load_loses_nothing() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let trials: usize = std::env::var("PRISM_DRAIN_TRIALS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     let grace = Duration::from_secs(30);
-    let opts = ClusterOptions {
-        worker_args: vec!["--drain-grace".into(), "30".into(), "--drain-margin".into(), "5".into()],
-        ..Default::default()
-    };
-    let mut cluster = Cluster::start(&model, opts).await?;
+    let mut cluster =
+        Cluster::serving(&model, 3, 3).worker_args(&["--drain-grace", "30", "--drain-margin", "5"]).start().await?;
     let outcome = async {
-        let reference = Arc::new(reference(&cluster.grpc, MAX_TOKENS).await?);
-        let load = Load::start(&cluster.grpc, 4, MAX_TOKENS, reference);
+        let reference = Arc::new(reference(cluster.grpc(), MAX_TOKENS).await?);
+        let load = Load::start(cluster.grpc(), 4, MAX_TOKENS, reference);
         load.wait_more(4, Duration::from_secs(60)).await?;
         let mut latencies = Vec::new();
         for t in 0..trials {
@@ -126,16 +107,11 @@ async fn sigterm_under_streaming_load_loses_nothing() -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn c09_long_stream_survives_sigterm() -> Result<()> {
+async fn long_stream_survives_sigterm() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let grace = Duration::from_secs(60);
-    let opts = ClusterOptions {
-        workers: 2,
-        replicas: 2,
-        worker_args: vec!["--drain-grace".into(), "60".into(), "--drain-margin".into(), "5".into()],
-        ..Default::default()
-    };
-    let mut cluster = Cluster::start(&model, opts).await?;
+    let mut cluster =
+        Cluster::serving(&model, 2, 2).worker_args(&["--drain-grace", "60", "--drain-margin", "5"]).start().await?;
     let outcome = async {
         let req = GenerateRequest {
             model: SERVED.into(),
@@ -152,15 +128,14 @@ async fn c09_long_stream_survives_sigterm() -> Result<()> {
             }),
             ..GenerateRequest::default()
         };
-        let grpc = cluster.grpc.clone();
+        let grpc = cluster.grpc().to_owned();
         let long = tokio::spawn(async move { stream(&grpc, req).await });
         // Find the worker running it: the one whose replica has a request in flight.
-        let node = e2e_support::eventually(Duration::from_secs(30), "long stream running", || {
+        let node = eventually(Duration::from_secs(30), "long stream running", || {
             let c = &cluster;
             async move {
                 for w in &c.workers {
-                    let text = reqwest::get(format!("{}/metrics", w.http)).await?.text().await?;
-                    if drain_support::metric_value(&text, "vllm:num_requests_running") >= 1.0 {
+                    if metric_value(&w.metrics().await?, "vllm:num_requests_running") >= 1.0 {
                         return Ok(Some(w.node.clone()));
                     }
                 }
@@ -171,27 +146,26 @@ async fn c09_long_stream_survives_sigterm() -> Result<()> {
         let replica = cluster.replica_on(&node).await?.context("replica")?;
         let before = cluster.router_metric(&dispatch_metric(&replica)).await?;
         let t0 = Instant::now();
-        cluster.worker(&node)?.proc.as_ref().context("proc")?.signal(Signal::SIGTERM)?;
-        drain_support::wait_route_change(&cluster.grpc, 2, Duration::from_secs(10)).await?;
+        cluster.worker(&node)?.process.terminate()?;
+        cluster.wait_route_change(2, Duration::from_secs(10)).await?;
         // New short requests while it drains: none reaches the drained replica.
         for p in PROMPTS {
-            let r = stream(&cluster.grpc, greedy_request(p, 8, true)).await?;
+            let r = stream(cluster.grpc(), greedy_request(p, 8, true)).await?;
             assert_eq!(r.tokens.len(), 8);
         }
         let r = long.await??;
-        eprintln!("C09: stream finished {:?} after SIGTERM", t0.elapsed());
+        eprintln!("long stream: finished {:?} after SIGTERM", t0.elapsed());
         assert!(r.finish == FinishReason::Stop as i32 || r.finish == FinishReason::Length as i32, "{r:?}");
         assert_eq!(r.completion_tokens as usize, r.tokens.len());
         assert!(!r.tokens.is_empty());
-        let mut proc = cluster.worker(&node)?.proc.take().context("proc")?;
         let left = grace.saturating_sub(t0.elapsed());
-        let status = tokio::task::spawn_blocking(move || proc.wait_exit(left)).await??;
+        let status = cluster.worker_mut(&node)?.process.wait_exit(left).await?;
         assert!(status.success(), "{status}");
         let after = cluster.router_metric(&dispatch_metric(&replica)).await?;
         assert_eq!(before, after, "a request reached the draining replica");
         let migrations = cluster.router_metric("prism_router_migrations_total").await?;
         assert_eq!(migrations, 0.0, "the long stream should finish on its own worker");
-        eprintln!("C09: {} tokens, worker exited 0 after {:?}", r.tokens.len(), t0.elapsed());
+        eprintln!("long stream: {} tokens, worker exited 0 after {:?}", r.tokens.len(), t0.elapsed());
         anyhow::Ok(())
     }
     .await;

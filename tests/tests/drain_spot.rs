@@ -1,5 +1,5 @@
-//! Issue 7 acceptance, spot preemption notice on a real local cluster (etcd, head,
-//! 3 workers on the bundled SmolLM2 GGUF, router): worker `w1` watches a notice file
+//! Spot preemption notice on a real local cluster (etcd, head, 3 workers on the bundled
+//! SmolLM2 GGUF, router): worker `w1` watches a notice file
 //! (`--spot-notice-file`, polled once a second, as the cloud metadata endpoints are). Under
 //! streaming load the file receives a termination time 10 s ahead: the router stops using
 //! w1's replica, the drain finishes (replica stopped, nothing in flight) before that time,
@@ -8,28 +8,22 @@
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-mod drain_support;
-mod e2e_support;
-
 use anyhow::{Context, Result, bail};
-use drain_support::{Cluster, ClusterOptions, Load, metric_value, reference, wait_route_change};
-use e2e_support::{eventually, model};
-use nix::sys::signal::Signal;
-use std::collections::HashMap;
+use prism_tests::{Cluster, Load, eventually, metric_value, model, reference};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const MAX_TOKENS: u32 = 32;
 
 async fn spot_notice(cluster: &mut Cluster, notice: &std::path::Path) -> Result<()> {
-    let reference = Arc::new(reference(&cluster.grpc, MAX_TOKENS).await?);
-    let load = Load::start(&cluster.grpc, 4, MAX_TOKENS, reference);
+    let reference = Arc::new(reference(cluster.grpc(), MAX_TOKENS).await?);
+    let load = Load::start(cluster.grpc(), 4, MAX_TOKENS, reference);
     load.wait_more(4, Duration::from_secs(60)).await?;
     let replica = cluster.replica_on("w1").await?.context("no replica on w1")?;
     let now = SystemTime::now().duration_since(UNIX_EPOCH)?;
     let termination = Instant::now() + Duration::from_secs(10);
     std::fs::write(notice, format!("{}\n", now.as_secs() + 10))?;
-    let update = wait_route_change(&cluster.grpc, 3, Duration::from_secs(5)).await?;
+    let update = cluster.wait_route_change(3, Duration::from_secs(5)).await?;
     let w1_http = cluster.worker("w1")?.http.clone();
     // Drain done before the termination time: the replica is gone at the head and the
     // worker has nothing running.
@@ -51,9 +45,9 @@ async fn spot_notice(cluster: &mut Cluster, notice: &std::path::Path) -> Result<
     );
     // The platform's SIGTERM then finds an idle, drained worker.
     let t0 = Instant::now();
-    cluster.worker("w1")?.proc.as_ref().context("proc")?.signal(Signal::SIGTERM)?;
-    let mut proc = cluster.worker("w1")?.proc.take().context("proc")?;
-    let status = tokio::task::spawn_blocking(move || proc.wait_exit(Duration::from_secs(10))).await??;
+    let w1 = cluster.worker_mut("w1")?;
+    w1.process.terminate()?;
+    let status = w1.process.wait_exit(Duration::from_secs(10)).await?;
     assert!(status.success(), "{status}");
     eprintln!("SIGTERM after the spot drain: exit 0 in {:?}", t0.elapsed());
     load.wait_more(4, Duration::from_secs(60)).await?;
@@ -67,12 +61,12 @@ async fn spot_notice_drains_before_termination_time() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let dir = tempfile::tempdir()?;
     let notice = dir.path().join("spot-notice");
-    let opts = ClusterOptions {
-        worker_args: vec!["--drain-margin".into(), "2".into()],
-        worker_extra: HashMap::from([(0, vec!["--spot-notice-file".into(), notice.to_string_lossy().into_owned()])]),
-        ..Default::default()
-    };
-    let mut cluster = Cluster::start(&model, opts).await?;
+    let notice_path = notice.to_string_lossy().into_owned();
+    let mut cluster = Cluster::serving(&model, 3, 3)
+        .worker_args(&["--drain-margin", "2"])
+        .worker_extra(0, &["--spot-notice-file", &notice_path])
+        .start()
+        .await?;
     if let Err(e) = spot_notice(&mut cluster, &notice).await {
         bail!("{e:#}\n{}", cluster.logs());
     }

@@ -1,112 +1,28 @@
-//! End to end on the distributed layout of the README (issue 5): a real etcd, one
+//! End to end on the distributed layout of the README: a real etcd, one
 //! `prism-head`, two `prism-worker`s and one `prism-router`, each its own process on
 //! loopback. A deployment of two replicas of the bundled model lands one replica on each
 //! worker; the router serves the same greedy answers as the reference fixture and as
 //! `prism up`; `prism status` lists both workers and both replicas.
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-mod e2e_support;
-
 use anyhow::{Context, Result, bail};
-use e2e_support::{Proc, bin, check_models, check_reference_greedy, eventually, model, post_json, prism_cli};
 use prism_common::proto::v1::head_service_client::HeadServiceClient;
 use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
 use prism_common::proto::v1::{ClusterStatusRequest, ListModelsRequest, ReplicaState};
-use prism_tests::{EtcdFixture, free_port};
+use prism_tests::{Cluster, Deployment, check_models, check_reference_greedy, eventually, model, post_json};
 use serde_json::json;
 use std::time::Duration;
 
 const SERVED: &str = "SmolLM2-135M-Instruct";
 
-/// The processes of one distributed cluster, killed on drop (etcd last).
-struct Cluster {
-    head: String,
-    http: String,
-    grpc: String,
-    procs: Vec<Proc>,
-    _etcd: EtcdFixture,
-}
-
-impl Cluster {
-    /// Starts etcd, head, two workers and a router, the way the README does.
-    async fn start() -> Result<Self> {
-        let etcd = EtcdFixture::start().await?;
-        let head_port = free_port()?;
-        let head = format!("http://127.0.0.1:{head_port}");
-        let mut procs = Vec::new();
-        let arg = |s: &str| s.to_owned();
-        procs.push(Proc::spawn(
-            "prism-head",
-            &bin("prism-head")?,
-            &[
-                arg("--store"),
-                format!("etcd://{}", etcd.endpoint()),
-                arg("--listen"),
-                format!("127.0.0.1:{head_port}"),
-                arg("--http-listen"),
-                format!("127.0.0.1:{}", free_port()?),
-            ],
-            &[],
-        )?);
-        for node in ["worker-1", "worker-2"] {
-            procs.push(Proc::spawn(
-                node,
-                &bin("prism-worker")?,
-                &[
-                    arg("--head"),
-                    head.clone(),
-                    arg("--node-id"),
-                    arg(node),
-                    arg("--listen"),
-                    format!("127.0.0.1:{}", free_port()?),
-                    arg("--http-listen"),
-                    format!("127.0.0.1:{}", free_port()?),
-                ],
-                &[],
-            )?);
-        }
-        let (http_port, grpc_port) = (free_port()?, free_port()?);
-        procs.push(Proc::spawn(
-            "prism-router",
-            &bin("prism-router")?,
-            &[
-                arg("--head"),
-                head.clone(),
-                arg("--http-listen"),
-                format!("127.0.0.1:{http_port}"),
-                arg("--grpc-listen"),
-                format!("127.0.0.1:{grpc_port}"),
-            ],
-            &[],
-        )?);
-        Ok(Self {
-            head,
-            http: format!("http://127.0.0.1:{http_port}"),
-            grpc: format!("http://127.0.0.1:{grpc_port}"),
-            procs,
-            _etcd: etcd,
-        })
-    }
-
-    /// Every process's stderr, for failure messages.
-    fn logs(&self) -> String {
-        self.procs.iter().map(|p| format!("--- {} ---\n{}", p.name, p.stderr())).collect()
-    }
-
-    /// Fails when a process has exited.
-    fn check_alive(&mut self) -> Result<()> {
-        for p in &mut self.procs {
-            if p.exited() {
-                bail!("{} exited early:\n{}", p.name, p.stderr());
-            }
-        }
-        Ok(())
-    }
+/// Starts etcd, head, two workers and a router, the way the README does (default flags).
+async fn start_cluster() -> Result<Cluster> {
+    Cluster::builder().worker_nodes(&["worker-1", "worker-2"]).routers(1).start().await
 }
 
 async fn deploy_and_wait(cluster: &mut Cluster, model: &std::path::Path) -> Result<()> {
     // Both workers registered.
-    let head_url = cluster.head.clone();
+    let head_url = cluster.head_url().to_owned();
     eventually(Duration::from_secs(60), "two workers registered", || {
         let head_url = head_url.clone();
         async move {
@@ -118,19 +34,10 @@ async fn deploy_and_wait(cluster: &mut Cluster, model: &std::path::Path) -> Resu
     .await?;
     cluster.check_alive()?;
 
-    let dir = tempfile::tempdir()?;
-    let file = dir.path().join("smollm2.yaml");
-    std::fs::write(
-        &file,
-        format!(
-            "name: smollm2\nmodel: {}\nserved_model_name: {SERVED}\nreplicas: 2\nplacement: spread\n",
-            model.display()
-        ),
-    )?;
-    let out = prism_cli(&["--head", &cluster.head, "deploy", "-f", &file.to_string_lossy()])?;
+    let out = cluster.deploy(&Deployment::new(model).served_as(SERVED).replicas(2))?;
     assert!(out.contains("deployment smollm2 created"), "{out}");
 
-    let head_url = cluster.head.clone();
+    let head_url = cluster.head_url().to_owned();
     eventually(Duration::from_secs(240), "two Ready replicas on two nodes", || {
         let head_url = head_url.clone();
         async move {
@@ -145,7 +52,7 @@ async fn deploy_and_wait(cluster: &mut Cluster, model: &std::path::Path) -> Resu
         }
     })
     .await?;
-    let grpc = cluster.grpc.clone();
+    let grpc = cluster.grpc().to_owned();
     eventually(Duration::from_secs(30), "router sees both replicas", || {
         let grpc = grpc.clone();
         async move {
@@ -158,10 +65,10 @@ async fn deploy_and_wait(cluster: &mut Cluster, model: &std::path::Path) -> Resu
 }
 
 async fn check_serving(cluster: &Cluster) -> Result<()> {
-    check_models(&cluster.http, SERVED).await?;
+    check_models(cluster.http(), SERVED).await?;
     // Several rounds so both replicas answer: each must give the reference tokens.
     for _ in 0..2 {
-        check_reference_greedy(&cluster.grpc, SERVED).await?;
+        check_reference_greedy(cluster.grpc(), SERVED).await?;
     }
     let body = json!({
         "model": SERVED,
@@ -169,7 +76,7 @@ async fn check_serving(cluster: &Cluster) -> Result<()> {
         "temperature": 0,
         "max_tokens": 48,
     });
-    let (status, reply) = post_json(&format!("{}/v1/chat/completions", cluster.http), &body).await?;
+    let (status, reply) = post_json(&format!("{}/v1/chat/completions", cluster.http()), &body).await?;
     assert_eq!(status, 200, "{reply}");
     let answer = reply["choices"][0]["message"]["content"].as_str().context("content")?;
     assert!(answer.contains("Paris"), "{answer}");
@@ -177,7 +84,7 @@ async fn check_serving(cluster: &Cluster) -> Result<()> {
 }
 
 fn check_status(cluster: &Cluster) -> Result<()> {
-    let status = prism_cli(&["--head", &cluster.head, "status"])?;
+    let status = cluster.cli(&["status"])?;
     assert!(status.contains("Nodes (2):"), "{status}");
     for node in ["worker-1", "worker-2"] {
         let line =
@@ -197,12 +104,11 @@ fn check_status(cluster: &Cluster) -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_head_two_workers_and_router_serve_the_reference_answer() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let mut cluster = Cluster::start().await?;
+    let mut cluster = start_cluster().await?;
     let outcome = async {
         deploy_and_wait(&mut cluster, &model).await.context("deploy")?;
         check_serving(&cluster).await.context("serving")?;
-        let c = &cluster;
-        tokio::task::block_in_place(|| check_status(c)).context("prism status")
+        check_status(&cluster).context("prism status")
     }
     .await;
     if let Err(e) = outcome {

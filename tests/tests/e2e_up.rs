@@ -1,13 +1,11 @@
-//! End to end through `prism up` (issue 5): one `prism up` child process on free ports
+//! End to end through `prism up`: one `prism up` child process on free ports
 //! serving the bundled model. Checks `/v1/models` (with the engine's max_model_len), greedy tokens against the reference
 //! fixture, streamed vs non-streamed chat, "capital of France" → Paris, the CLI's
 //! `generate` and `status`, and that SIGINT exits 0 within 10 s leaving no process behind.
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-mod e2e_support;
-
 use anyhow::{Context, Result, bail};
-use e2e_support::{PrismUp, check_models, check_reference_greedy, model, post_json, post_sse, prism_cli};
+use prism_tests::{PrismUp, check_models, check_reference_greedy, model, post_json, post_sse, prism_cli};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -54,7 +52,7 @@ async fn check_stream_matches_non_stream(http: &str) -> Result<()> {
         .filter_map(|e| e["choices"].get(0)?.get("delta")?.get("content")?.as_str().map(str::to_owned))
         .collect();
     assert_eq!(joined, text, "streamed deltas differ from the non-streamed answer");
-    let finish = events.iter().filter_map(|e| e["choices"].get(0)?.get("finish_reason")?.as_str()).last();
+    let finish = events.iter().filter_map(|e| e["choices"].get(0)?.get("finish_reason")?.as_str()).next_back();
     assert_eq!(finish, whole["choices"][0]["finish_reason"].as_str());
     Ok(())
 }
@@ -96,7 +94,7 @@ fn check_cli(up: &PrismUp) -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prism_up_serves_the_model_end_to_end_and_stops_on_sigint() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let up = tokio::task::spawn_blocking(move || PrismUp::start(&model, &[])).await??;
+    let up = PrismUp::start(&model, &[]).await?;
     let ep = up.endpoints.clone();
 
     let checks = async {
@@ -113,7 +111,7 @@ async fn prism_up_serves_the_model_end_to_end_and_stops_on_sigint() -> Result<()
     let up = tokio::task::spawn_blocking(move || check_cli(&up).map(|()| up)).await??;
 
     let mut up = up;
-    let took = tokio::task::spawn_blocking(move || up.interrupt(Duration::from_secs(10))).await??;
+    let took = up.interrupt(Duration::from_secs(10)).await?;
     assert!(took < Duration::from_secs(10), "SIGINT to exit took {took:?}");
     // The ports are closed once it has exited.
     assert!(reqwest::get(format!("{}/v1/models", ep.http)).await.is_err());

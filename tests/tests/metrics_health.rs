@@ -1,7 +1,6 @@
-//! Issue 8 acceptance for metrics and health (case C08), against real processes: one
-//! `prism-head` (embedded store), two `prism-worker`s serving the bundled SmolLM2 GGUF on the
-//! CPU backend (fault injection enabled) and one `prism-router`, each its own process on
-//! loopback ports.
+//! Metrics and health against real processes (the cluster fixture): one `prism-head`
+//! (embedded store), two `prism-worker`s serving the bundled SmolLM2 GGUF on the CPU backend
+//! (fault injection enabled) and one `prism-router`, each its own process on loopback ports.
 //!
 //! - Under concurrent streaming load a worker's `/metrics` shows non-zero
 //!   `vllm:num_requests_running`/`waiting` and `vllm:kv_cache_usage_perc`; within 1 s of the
@@ -22,17 +21,13 @@
 //! each engine step is short (an abort is seen at the next step boundary), prompts are a few
 //! tokens and `max_tokens` small.
 
-mod e2e_support;
-
 use anyhow::{Context, Result, bail};
-use e2e_support::{Proc, bin, eventually, model, prism_cli};
 use prism_common::proto::v1::head_service_client::HeadServiceClient;
 use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
 use prism_common::proto::v1::{
-    ClusterStatusRequest, FinishReason, GenerateRequest, ListModelsRequest, ReplicaState, SamplingParams, TokenIds,
-    generate_request,
+    ClusterStatusRequest, FinishReason, GenerateRequest, ReplicaState, SamplingParams, TokenIds, generate_request,
 };
-use prism_tests::free_port;
+use prism_tests::{Cluster, Deployment, Store, eventually, model};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use tonic_health::pb::HealthCheckRequest;
@@ -46,173 +41,73 @@ const PROMPT: &[u32] = &[19556, 28, 905, 17];
 /// Streams opened and then dropped in the mass-abort phase.
 const MASS_ABORT: usize = 100;
 
-fn s(x: &str) -> String {
-    x.to_owned()
-}
-
-/// One worker process and where it serves.
-struct Worker {
-    node: String,
-    grpc: String,
-    http: String,
-    proc: Proc,
-}
-
-/// The cluster; dropping it kills every process.
-struct Cluster {
-    head: String,
-    head_http: String,
-    router_http: String,
-    router_grpc: String,
-    workers: Vec<Worker>,
-    head_proc: Proc,
-    router_proc: Proc,
-    dir: tempfile::TempDir,
-}
-
-impl Cluster {
-    async fn start(model: &std::path::Path) -> Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let (hp, hhp) = (free_port()?, free_port()?);
-        let head = format!("http://127.0.0.1:{hp}");
-        let head_proc = Proc::spawn(
-            "prism-head",
-            &bin("prism-head")?,
-            &[
-                s("--store"),
-                format!("embedded:{}", dir.path().join("state.json").display()),
-                s("--listen"),
-                format!("127.0.0.1:{hp}"),
-                s("--http-listen"),
-                format!("127.0.0.1:{hhp}"),
-                // Failed replicas are replaced only after the scenario has checked that
-                // traffic avoids them (step 5 checks the replacement).
-                s("--replica-restart-delay"),
-                s("25s"),
-            ],
-            &[],
-        )?;
-        let mut workers = Vec::new();
-        for i in 1..=2 {
-            let node = format!("w{i}");
-            let (gp, wp) = (free_port()?, free_port()?);
-            let mut args = vec![
-                s("--head"),
-                head.clone(),
-                s("--node-id"),
-                node.clone(),
-                s("--listen"),
-                format!("127.0.0.1:{gp}"),
-                s("--http-listen"),
-                format!("127.0.0.1:{wp}"),
-                s("--kv-cache-bytes"),
-                s("33554432"),
-                s("--enable-fault-injection"),
-            ];
-            if i == 2 {
-                // Steps here take well under a second (32-token chunks), so 3 s of held work
-                // without a completed step is a stall.
-                args.extend([s("--engine-stall-timeout"), s("3")]);
-            }
-            let proc = Proc::spawn(&node, &bin("prism-worker")?, &args, &[])?;
-            workers.push(Worker {
-                node,
-                grpc: format!("http://127.0.0.1:{gp}"),
-                http: format!("http://127.0.0.1:{wp}"),
-                proc,
-            });
-        }
-        let (rh, rg) = (free_port()?, free_port()?);
-        let router = Proc::spawn(
-            "prism-router",
-            &bin("prism-router")?,
-            &[
-                s("--head"),
-                head.clone(),
-                s("--http-listen"),
-                format!("127.0.0.1:{rh}"),
-                s("--grpc-listen"),
-                format!("127.0.0.1:{rg}"),
-            ],
-            &[],
-        )?;
-        let cluster = Self {
-            head,
-            head_http: format!("http://127.0.0.1:{hhp}"),
-            router_http: format!("http://127.0.0.1:{rh}"),
-            router_grpc: format!("http://127.0.0.1:{rg}"),
-            workers,
-            head_proc,
-            router_proc: router,
-            dir,
-        };
-        cluster.deploy(model).await?;
-        Ok(cluster)
-    }
-
-    async fn deploy(&self, model: &std::path::Path) -> Result<()> {
-        let head = self.head.clone();
-        eventually(Duration::from_secs(60), "both workers registered", || {
-            let head = head.clone();
-            async move {
-                let st = HeadServiceClient::connect(head).await?.cluster_status(ClusterStatusRequest {}).await?;
-                let st = st.into_inner();
-                Ok((st.is_leader && st.nodes.len() == 2).then_some(()))
-            }
-        })
+/// One head (embedded store), two workers with fault injection and one router, then two
+/// replicas of the bundled model, one per worker.
+async fn start_cluster(model: &std::path::Path) -> Result<Cluster> {
+    let mut c = Cluster::builder()
+        .store(Store::Embedded)
+        // Failed replicas are replaced only after the scenario has checked that traffic
+        // avoids them (step 5 checks the replacement).
+        .head_args(&["--replica-restart-delay", "25s"])
+        .workers(2)
+        .worker_args(&["--kv-cache-bytes", "33554432", "--enable-fault-injection"])
+        // Steps here take well under a second (32-token chunks), so 3 s of held work without
+        // a completed step is a stall.
+        .worker_extra(1, &["--engine-stall-timeout", "3"])
+        .routers(1)
+        .start()
         .await?;
-        let file = self.dir.path().join("smollm2.yaml");
-        std::fs::write(
-            &file,
-            format!(
-                "name: smollm2\nmodel: {}\nserved_model_name: {SERVED}\nreplicas: 2\nplacement: spread\n\
-                 engine:\n  max_num_seqs: 4\n  max_num_batched_tokens: 32\n",
-                model.display()
-            ),
-        )?;
-        let f = file.to_string_lossy().into_owned();
-        let head = self.head.clone();
-        tokio::task::block_in_place(|| prism_cli(&["--head", &head, "deploy", "-f", &f]))?;
-        eventually(Duration::from_secs(240), "2 replicas Ready, one per worker", || async {
-            let placed = self.replica_by_node().await?;
-            Ok((placed.len() == 2).then_some(()))
-        })
-        .await?;
-        eventually(Duration::from_secs(30), "router lists 2 ready replicas", || async {
-            Ok((self.router_ready_replicas().await? == 2).then_some(()))
-        })
-        .await
-    }
+    let outcome = deploy(&mut c, model).await;
+    c.with_logs(outcome)?;
+    Ok(c)
+}
 
-    /// Ready replica id per node, from the head.
-    async fn replica_by_node(&self) -> Result<BTreeMap<String, String>> {
-        let st = HeadServiceClient::connect(self.head.clone()).await?.cluster_status(ClusterStatusRequest {}).await?;
-        let mut out = BTreeMap::new();
-        for r in st.into_inner().replicas {
-            if r.state == ReplicaState::Failed as i32 {
-                bail!("replica {} failed: {}", r.replica_id, r.reason);
-            }
-            if r.state == ReplicaState::Ready as i32 {
-                out.insert(r.node_id, r.replica_id);
-            }
+async fn deploy(c: &mut Cluster, model: &std::path::Path) -> Result<()> {
+    let head = c.head_url().to_owned();
+    eventually(Duration::from_secs(60), "both workers registered", || {
+        let head = head.clone();
+        async move {
+            let st = HeadServiceClient::connect(head).await?.cluster_status(ClusterStatusRequest {}).await?;
+            let st = st.into_inner();
+            Ok((st.is_leader && st.nodes.len() == 2).then_some(()))
         }
-        Ok(out)
-    }
+    })
+    .await?;
+    let deployment = Deployment::new(model).replicas(2).engine("max_num_seqs", 4).engine("max_num_batched_tokens", 32);
+    c.deploy(&deployment)?;
+    let c = &*c;
+    eventually(Duration::from_secs(240), "2 replicas Ready, one per worker", || async {
+        let placed = replica_by_node(c).await?;
+        Ok((placed.len() == 2).then_some(()))
+    })
+    .await?;
+    eventually(Duration::from_secs(30), "router lists 2 ready replicas", || async {
+        Ok((c.router_ready_replicas().await? == 2).then_some(()))
+    })
+    .await
+}
 
-    async fn router_ready_replicas(&self) -> Result<u32> {
-        let mut c = InferenceServiceClient::connect(self.router_grpc.clone()).await?;
-        let models = c.list_models(ListModelsRequest {}).await?.into_inner().models;
-        Ok(models.iter().find(|m| m.id == SERVED).map_or(0, |m| m.ready_replicas))
-    }
-
-    /// Every worker's metrics.
-    async fn scrape(&self) -> Result<Vec<WorkerMetrics>> {
-        let mut out = Vec::new();
-        for w in &self.workers {
-            out.push(WorkerMetrics::scrape(&w.http).await?);
+/// Ready replica id per node, from the head.
+async fn replica_by_node(c: &Cluster) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for r in c.status().await?.replicas {
+        if r.state == ReplicaState::Failed as i32 {
+            bail!("replica {} failed: {}", r.replica_id, r.reason);
         }
-        Ok(out)
+        if r.state == ReplicaState::Ready as i32 {
+            out.insert(r.node_id, r.replica_id);
+        }
     }
+    Ok(out)
+}
+
+/// Every worker's metrics.
+async fn scrape(c: &Cluster) -> Result<Vec<WorkerMetrics>> {
+    let mut out = Vec::new();
+    for w in &c.workers {
+        out.push(WorkerMetrics::scrape(&w.http).await?);
+    }
+    Ok(out)
 }
 
 /// The vLLM metrics of one worker that this test reads.
@@ -273,7 +168,7 @@ fn total(ms: &[WorkerMetrics], reason: &str) -> f64 {
 /// Polls every 10 ms until every worker reads idle; returns how long after `since` that was.
 async fn wait_idle(c: &Cluster, since: Instant, limit: Duration, what: &str) -> Result<Duration> {
     loop {
-        let ms = c.scrape().await?;
+        let ms = scrape(c).await?;
         if ms.iter().all(WorkerMetrics::idle) {
             return Ok(since.elapsed());
         }
@@ -327,22 +222,22 @@ async fn http_status(url: &str) -> Result<u16> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn metrics_and_health_under_load_mass_abort_and_engine_kill() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let c = Cluster::start(&model).await?;
+    let c = start_cluster(&model).await?;
     let result = scenario(&c).await;
     if result.is_err() {
         for w in &c.workers {
-            eprintln!("--- {} stderr ---\n{}", w.node, w.proc.stderr());
+            eprintln!("--- {} stderr ---\n{}", w.node, w.process.stderr());
         }
-        eprintln!("--- router stderr ---\n{}", c.router_proc.stderr());
-        eprintln!("--- head stderr ---\n{}", c.head_proc.stderr());
+        eprintln!("--- router stderr ---\n{}", c.router().process.stderr());
+        eprintln!("--- head stderr ---\n{}", c.head().process.stderr());
     }
     result
 }
 
 async fn scenario(c: &Cluster) -> Result<()> {
     // Health while everything is up: head = leader, router = a Ready replica, workers ready.
-    assert_eq!(http_status(&format!("{}/readyz", c.head_http)).await?, 200, "head (leader) /readyz");
-    assert_eq!(http_status(&format!("{}/readyz", c.router_http)).await?, 200, "router /readyz");
+    assert_eq!(http_status(&format!("{}/readyz", c.head().http)).await?, 200, "head (leader) /readyz");
+    assert_eq!(http_status(&format!("{}/readyz", c.http())).await?, 200, "router /readyz");
     for w in &c.workers {
         eventually(Duration::from_secs(10), "worker ready", || async {
             Ok((http_status(&format!("{}/readyz", w.http)).await? == 200).then_some(()))
@@ -363,29 +258,29 @@ async fn scenario(c: &Cluster) -> Result<()> {
         );
     }
     eventually(Duration::from_secs(5), "router grpc health SERVING", || async {
-        Ok((grpc_health(&c.router_grpc, "").await? == ServingStatus::Serving as i32).then_some(()))
+        Ok((grpc_health(c.grpc(), "").await? == ServingStatus::Serving as i32).then_some(()))
     })
     .await?;
 
     // The first greedy token, for requests that stop on it (finish_reason "stop").
-    let (reference, finish) = run_stream(c.router_grpc.clone(), greedy(4, true, Vec::new())).await?;
+    let (reference, finish) = run_stream(c.grpc().to_owned(), greedy(4, true, Vec::new())).await?;
     assert_eq!((reference.len(), finish), (4, FinishReason::Length as i32), "reference run");
     let stop_on = reference[0];
     wait_idle(c, Instant::now(), Duration::from_secs(5), "after the reference run").await?;
 
     // 1. Concurrent streaming load: 6 run to max_tokens (length), 2 stop on their first token.
-    let before = c.scrape().await?;
+    let before = scrape(c).await?;
     let (n_length, n_stop) = (6usize, 2usize);
     let mut tasks = Vec::new();
     for i in 0..n_length + n_stop {
         let req = if i < n_length { greedy(32, true, Vec::new()) } else { greedy(32, false, vec![stop_on]) };
-        tasks.push(tokio::spawn(run_stream(c.router_grpc.clone(), req)));
+        tasks.push(tokio::spawn(run_stream(c.grpc().to_owned(), req)));
     }
     let mut busy_seen = false;
     let mut kv_seen = false;
     let mut per_worker_busy = vec![false; c.workers.len()];
     while tasks.iter().any(|t| !t.is_finished()) {
-        for (i, m) in c.scrape().await?.iter().enumerate() {
+        for (i, m) in scrape(c).await?.iter().enumerate() {
             let busy = m.running + m.waiting > 0.0;
             per_worker_busy[i] |= busy;
             busy_seen |= busy;
@@ -409,14 +304,14 @@ async fn scenario(c: &Cluster) -> Result<()> {
     assert!(per_worker_busy.iter().all(|b| *b), "load reached both workers: {per_worker_busy:?}");
     let took = wait_idle(c, load_end, Duration::from_secs(1), "1 s after the load stopped").await?;
     eprintln!("gauges idle {took:?} after the load ended");
-    let after = c.scrape().await?;
+    let after = scrape(c).await?;
     assert_eq!(total(&after, "length") - total(&before, "length"), n_length as f64, "length delta");
     assert_eq!(total(&after, "stop") - total(&before, "stop"), n_stop as f64, "stop delta");
     assert_eq!(total(&after, "abort") - total(&before, "abort"), 0.0, "abort delta");
 
     // 2. Mass abort: 100 streams admitted by the workers, then every client disconnects.
     let before = after;
-    let channel = tonic::transport::Endpoint::from_shared(c.router_grpc.clone())?.connect().await?;
+    let channel = tonic::transport::Endpoint::from_shared(c.grpc().to_owned())?.connect().await?;
     let mut opens = Vec::new();
     for _ in 0..MASS_ABORT {
         let mut client = InferenceServiceClient::new(channel.clone());
@@ -428,7 +323,7 @@ async fn scenario(c: &Cluster) -> Result<()> {
         }));
     }
     let admitted = eventually(Duration::from_secs(60), "100 requests running or waiting on the workers", || async {
-        let ms = c.scrape().await?;
+        let ms = scrape(c).await?;
         let n: f64 = ms.iter().map(|m| m.running + m.waiting).sum();
         Ok((n == MASS_ABORT as f64).then_some(ms))
     })
@@ -445,7 +340,7 @@ async fn scenario(c: &Cluster) -> Result<()> {
     let took = wait_idle(c, dropped, Duration::from_secs(1), "after the mass abort").await?;
     eprintln!("gauges idle {took:?} after 100 clients disconnected");
     let after = eventually(Duration::from_secs(5), "100 aborts counted", || async {
-        let ms = c.scrape().await?;
+        let ms = scrape(c).await?;
         Ok((total(&ms, "abort") - total(&before, "abort") >= MASS_ABORT as f64).then_some(ms))
     })
     .await?;
@@ -454,7 +349,7 @@ async fn scenario(c: &Cluster) -> Result<()> {
     assert_eq!(total(&after, "stop"), total(&before, "stop"), "no stop finish during the abort");
 
     // 3. Kill w1's engine step thread: not ready within 5 s, out of the routes, traffic on w2.
-    let placed = c.replica_by_node().await?;
+    let placed = replica_by_node(c).await?;
     let (dead, live) = (&c.workers[0], &c.workers[1]);
     let replica = placed.get(&dead.node).context("no replica on w1")?.clone();
     let kill =
@@ -476,23 +371,23 @@ async fn scenario(c: &Cluster) -> Result<()> {
     eprintln!("after the kill: /readyz 503 at {readyz_failed:?}, grpc NOT_SERVING at {health_failed:?}");
     assert!(readyz_failed <= Duration::from_secs(5) && health_failed <= Duration::from_secs(5));
     assert_eq!(http_status(&format!("{}/readyz", live.http)).await?, 200, "w2 stays ready");
-    let before = c.scrape().await?;
+    let before = scrape(c).await?;
     let n_after = 6usize;
     for i in 0..n_after {
-        let (tokens, finish) = run_stream(c.router_grpc.clone(), greedy(8, true, Vec::new())).await?;
+        let (tokens, finish) = run_stream(c.grpc().to_owned(), greedy(8, true, Vec::new())).await?;
         assert_eq!((tokens.len(), finish), (8, FinishReason::Length as i32), "request {i} after the kill");
     }
-    let after = c.scrape().await?;
+    let after = scrape(c).await?;
     assert_eq!(after[0].success, before[0].success, "no request finished on the killed worker");
     assert_eq!(after[1].success("length") - before[1].success("length"), n_after as f64, "all on w2");
     eventually(Duration::from_secs(10), "router lists 1 ready replica", || async {
         Ok((c.router_ready_replicas().await? == 1).then_some(()))
     })
     .await?;
-    let st = HeadServiceClient::connect(c.head.clone()).await?.cluster_status(ClusterStatusRequest {}).await?;
+    let st = HeadServiceClient::connect(c.head_url().to_owned()).await?.cluster_status(ClusterStatusRequest {}).await?;
     let rec = st.into_inner().replicas.into_iter().find(|r| r.replica_id == replica).context("killed replica")?;
     assert_eq!(rec.state, ReplicaState::Failed as i32, "head sees the killed replica Failed: {rec:?}");
-    assert_eq!(http_status(&format!("{}/readyz", c.router_http)).await?, 200, "router still has a Ready replica");
+    assert_eq!(http_status(&format!("{}/readyz", c.http())).await?, 200, "router still has a Ready replica");
 
     // 4. Freeze w2's step thread (SIGSTOP analogue) while it has work: w2 turns not-ready
     //    within 5 s of the work arriving, the request fails fast instead of hanging, and the
@@ -504,7 +399,7 @@ async fn scenario(c: &Cluster) -> Result<()> {
         .await?;
     assert_eq!(stall.status().as_u16(), 200, "stall-engine: {}", stall.text().await?);
     let sent = Instant::now();
-    let stuck = tokio::spawn(run_stream(c.router_grpc.clone(), greedy(8, true, Vec::new())));
+    let stuck = tokio::spawn(run_stream(c.grpc().to_owned(), greedy(8, true, Vec::new())));
     let not_ready = eventually(Duration::from_secs(6), "w2 /readyz fails on the stalled engine", || async {
         Ok((http_status(&format!("{}/readyz", live.http)).await? == 503).then_some(sent.elapsed()))
     })
@@ -517,8 +412,8 @@ async fn scenario(c: &Cluster) -> Result<()> {
     let code = err.downcast_ref::<tonic::Status>().map(tonic::Status::code);
     assert_eq!(code, Some(tonic::Code::Unavailable), "fails fast with UNAVAILABLE: {err:#}");
     eventually(Duration::from_secs(10), "router not ready without a Ready replica", || async {
-        let http = http_status(&format!("{}/readyz", c.router_http)).await?;
-        let grpc = grpc_health(&c.router_grpc, "").await?;
+        let http = http_status(&format!("{}/readyz", c.http())).await?;
+        let grpc = grpc_health(c.grpc(), "").await?;
         Ok((http == 503 && grpc == ServingStatus::NotServing as i32).then_some(()))
     })
     .await?;
@@ -528,7 +423,8 @@ async fn scenario(c: &Cluster) -> Result<()> {
     //    new ids, and requests succeed again through the same router.
     let failed: Vec<String> = placed.values().cloned().collect();
     eventually(Duration::from_secs(90), "failed replicas replaced and Ready", || async {
-        let st = HeadServiceClient::connect(c.head.clone()).await?.cluster_status(ClusterStatusRequest {}).await?;
+        let st =
+            HeadServiceClient::connect(c.head_url().to_owned()).await?.cluster_status(ClusterStatusRequest {}).await?;
         let ready: Vec<_> = st
             .into_inner()
             .replicas
@@ -538,7 +434,7 @@ async fn scenario(c: &Cluster) -> Result<()> {
         Ok((ready.len() == 2 && c.router_ready_replicas().await? == 2).then_some(()))
     })
     .await?;
-    let (tokens, finish) = run_stream(c.router_grpc.clone(), greedy(8, true, Vec::new())).await?;
+    let (tokens, finish) = run_stream(c.grpc().to_owned(), greedy(8, true, Vec::new())).await?;
     assert_eq!((tokens.len(), finish), (8, FinishReason::Length as i32), "served again after replacement");
     Ok(())
 }

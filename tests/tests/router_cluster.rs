@@ -1,31 +1,25 @@
-//! Issue 4 acceptance for the router on real processes and the real model
+//! The router on real processes and the real model
 //! (`models/SmolLM2-135M-Instruct.Q4_1.gguf`, CPU engine):
 //!
 //! - `openai_python_client_against_prism_up`: the official `openai` Python client (version
 //!   pinned in `tests/openai_client/requirements.txt`, installed into `target/openai-venv` by
 //!   `tests/openai_client/setup.sh`) runs `tests/openai_client/test_openai_client.py` against
 //!   a `prism up`: completions and chat, streamed and not, `n: 2`, stop strings, logprobs.
-//! - `two_replicas_spread_c14_and_c12_frozen_replica`: `prism-head` + 2 `prism-worker`s +
-//!   `prism-router` (the drain tests' cluster fixture). 200 concurrent requests spread within
-//!   ±20% of even (counted from each worker's `vllm:request_success_total`); C14: a steady
-//!   stream of long prompts with unique prefixes and `max_tokens` 1 spreads within ±20% too;
-//!   C12: one worker frozen with SIGSTOP while closed-loop clients send requests with a 3 s
-//!   deadline — successes keep their median latency, every failure is a deadline/unavailable
-//!   error at the deadline (none hangs past it), the frozen replica leaves rotation and the
-//!   requests that follow all succeed fast; SIGCONT at the end.
+//! - `two_replicas_spread_long_prompts_and_frozen_replica`: `prism-head` + 2 `prism-worker`s +
+//!   `prism-router` (the serving cluster fixture, `Cluster::serving`). 200 concurrent requests
+//!   spread within ±20% of even (counted from each worker's `vllm:request_success_total`); a
+//!   steady stream of long prompts with unique prefixes and `max_tokens` 1 spreads within
+//!   ±20% too (load counted from dispatch, not from the first streamed byte); one worker
+//!   frozen with SIGSTOP while closed-loop clients send requests with a 3 s deadline —
+//!   successes keep their median latency, every failure is a deadline/unavailable error at
+//!   the deadline (none hangs past it), the frozen replica leaves rotation and the requests
+//!   that follow all succeed fast; SIGCONT at the end.
 //!
 //! The two tests run one after the other (a lock) so latencies are not disturbed on 2 cores.
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-mod drain_support;
-mod e2e_support;
-
 use anyhow::{Context, Result, bail};
-use drain_support::{
-    Cluster, ClusterOptions, PROMPTS, greedy_request, router_ready_replicas, stream, wait_route_change,
-};
-use e2e_support::{PrismUp, metric_sum, model, workspace_root};
-use nix::sys::signal::Signal;
+use prism_tests::{Cluster, PROMPTS, PrismUp, greedy_request, metric_sum, model, quantile, stream, workspace_root};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -35,14 +29,14 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Concurrent requests of the spread check.
 const CONCURRENT: usize = 200;
-/// Requests of the C14 stream and the length of each (unique) prompt in tokens.
-const C14_REQUESTS: usize = 32;
-const C14_PROMPT_TOKENS: usize = 128;
-/// The per-request deadline of the C12 phase.
+/// Requests of the long-prompt stream and the length of each (unique) prompt in tokens.
+const LONG_PROMPT_REQUESTS: usize = 32;
+const LONG_PROMPT_TOKENS: usize = 128;
+/// The per-request deadline of the frozen-replica phase.
 const DEADLINE: Duration = Duration::from_secs(3);
 /// How long past the deadline a request may take before it counts as hung.
 const HANG_SLACK: Duration = Duration::from_secs(1);
-/// Closed-loop clients of the C12 phase.
+/// Closed-loop clients of the frozen-replica phase.
 const CLIENTS: usize = 4;
 /// How soon a frozen worker's replica must leave the router's rotation.
 const OUT_OF_ROTATION: Duration = Duration::from_secs(5);
@@ -52,7 +46,7 @@ async fn openai_python_client_against_prism_up() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let _serial = SERIAL.lock().await;
     let python = tokio::task::spawn_blocking(setup_venv).await??;
-    let up = tokio::task::spawn_blocking(move || PrismUp::start(&model, &["--served-model-name", "smollm2"])).await??;
+    let up = PrismUp::start(&model, &["--served-model-name", "smollm2"]).await?;
     let script = workspace_root().join("tests/openai_client/test_openai_client.py");
     let base = format!("{}/v1", up.endpoints.http);
     let out = tokio::process::Command::new(&python)
@@ -88,25 +82,21 @@ fn setup_venv() -> Result<std::path::PathBuf> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_replicas_spread_c14_and_c12_frozen_replica() -> Result<()> {
+async fn two_replicas_spread_long_prompts_and_frozen_replica() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let _serial = SERIAL.lock().await;
-    let mut c = Cluster::start(&model, ClusterOptions { workers: 2, replicas: 2, ..ClusterOptions::default() }).await?;
+    let mut c = Cluster::serving(&model, 2, 2).start().await?;
     let result = scenario(&mut c).await;
-    if let Some(p) = c.workers[1].proc.as_ref() {
-        // Never leave a stopped process behind, whatever happened.
-        let _ = p.signal(Signal::SIGCONT);
-    }
+    // Never leave a stopped process behind, whatever happened.
+    let _ = c.workers[1].process.thaw();
     if let Err(e) = result {
         // The tails below may be flooded by one process; keep every full log for diagnosis.
         let dir = workspace_root().join("target/router_cluster-logs");
         let _ = std::fs::create_dir_all(&dir);
         for w in &c.workers {
-            if let Some(p) = &w.proc {
-                let _ = std::fs::write(dir.join(format!("{}.log", w.node)), p.stderr());
-            }
+            let _ = std::fs::write(dir.join(format!("{}.log", w.node)), w.process.stderr());
         }
-        let _ = std::fs::write(dir.join("router.log"), c.router.stderr());
+        let _ = std::fs::write(dir.join("router.log"), c.router().process.stderr());
         bail!("{e:#}\n(full logs in {})\n{}", dir.display(), c.logs());
     }
     Ok(())
@@ -114,8 +104,8 @@ async fn two_replicas_spread_c14_and_c12_frozen_replica() -> Result<()> {
 
 async fn scenario(c: &mut Cluster) -> Result<()> {
     spread_200_concurrent(c).await?;
-    c14_long_unique_prompts(c).await?;
-    c12_frozen_replica(c).await
+    long_unique_prompts_spread(c).await?;
+    frozen_replica_leaves_rotation(c).await
 }
 
 /// `vllm:request_success_total` (every finished_reason) of each worker.
@@ -163,7 +153,7 @@ async fn spread_200_concurrent(c: &Cluster) -> Result<()> {
     let before = successes(c).await?;
     let started = Instant::now();
     let runs = (0..CONCURRENT).map(|i| {
-        let grpc = c.grpc.clone();
+        let grpc = c.grpc().to_owned();
         let max_tokens = (i % 4) as u32 + 1;
         let prompt = PROMPTS[i % PROMPTS.len()];
         tokio::spawn(async move { stream(&grpc, greedy_request(prompt, max_tokens, true)).await })
@@ -178,26 +168,26 @@ async fn spread_200_concurrent(c: &Cluster) -> Result<()> {
     assert_even("200 concurrent", &counts, CONCURRENT)
 }
 
-/// A prompt of [`C14_PROMPT_TOKENS`] ids whose first tokens are unique to `i`.
+/// A prompt of [`LONG_PROMPT_TOKENS`] ids whose first tokens are unique to `i`.
 fn long_prompt(i: usize) -> Vec<u32> {
-    (0..C14_PROMPT_TOKENS).map(|j| 1000 + ((i * 7919 + j * 104_729 + i * j) % 39_000) as u32).collect()
+    (0..LONG_PROMPT_TOKENS).map(|j| 1000 + ((i * 7919 + j * 104_729 + i * j) % 39_000) as u32).collect()
 }
 
-async fn c14_long_unique_prompts(c: &Cluster) -> Result<()> {
+async fn long_unique_prompts_spread(c: &Cluster) -> Result<()> {
     // One request alone gives the prefill time; the stream arrives a bit faster than that,
     // so a request is nearly always in prefill somewhere, and load seen only at the first
     // streamed byte (here: the end of the request) would pile the stream onto one replica.
     let t0 = Instant::now();
-    stream(&c.grpc, greedy_request(&long_prompt(10_000), 1, true)).await?;
+    stream(c.grpc(), greedy_request(&long_prompt(10_000), 1, true)).await?;
     let prefill = t0.elapsed();
     let interval = (prefill * 3 / 4).clamp(Duration::from_millis(10), Duration::from_secs(2));
     let before = successes(c).await?;
     let started = Instant::now();
     let mut tasks = Vec::new();
     let mut tick = tokio::time::interval(interval);
-    for i in 0..C14_REQUESTS {
+    for i in 0..LONG_PROMPT_REQUESTS {
         tick.tick().await;
-        let grpc = c.grpc.clone();
+        let grpc = c.grpc().to_owned();
         tasks.push(tokio::spawn(async move {
             let t = Instant::now();
             let r = stream(&grpc, greedy_request(&long_prompt(i), 1, true)).await;
@@ -206,22 +196,22 @@ async fn c14_long_unique_prompts(c: &Cluster) -> Result<()> {
     }
     let mut latencies = Vec::new();
     for (i, t) in tasks.into_iter().enumerate() {
-        let (r, took) = t.await?.with_context(|| format!("C14 request {i}"))?;
-        assert_eq!((r.tokens.len(), r.prompt_tokens as usize), (1, C14_PROMPT_TOKENS), "C14 request {i}");
+        let (r, took) = t.await?.with_context(|| format!("long-prompt request {i}"))?;
+        assert_eq!((r.tokens.len(), r.prompt_tokens as usize), (1, LONG_PROMPT_TOKENS), "long-prompt request {i}");
         latencies.push(took);
     }
     println!(
-        "C14: {C14_REQUESTS} prompts of {C14_PROMPT_TOKENS} tokens every {interval:?} (lone prefill {prefill:?}) in {:?}; \
-         latency p50 {:?} max {:?}",
+        "long prompts: {LONG_PROMPT_REQUESTS} prompts of {LONG_PROMPT_TOKENS} tokens every {interval:?} \
+         (lone prefill {prefill:?}) in {:?}; latency p50 {:?} max {:?}",
         started.elapsed(),
-        drain_support::quantile(&latencies, 0.5),
-        drain_support::quantile(&latencies, 1.0)
+        quantile(&latencies, 0.5),
+        quantile(&latencies, 1.0)
     );
-    let counts = wait_counted(c, &before, C14_REQUESTS).await?;
-    assert_even("C14 long unique prompts", &counts, C14_REQUESTS)
+    let counts = wait_counted(c, &before, LONG_PROMPT_REQUESTS).await?;
+    assert_even("long unique prompts", &counts, LONG_PROMPT_REQUESTS)
 }
 
-/// One timed request of the C12 phase.
+/// One timed request of the frozen-replica phase.
 #[derive(Debug, Clone)]
 struct Timed {
     started: Instant,
@@ -231,7 +221,7 @@ struct Timed {
     hung: bool,
 }
 
-/// A short greedy request with the C12 deadline, and how it ended.
+/// A short greedy request with the frozen-replica phase's deadline, and how it ended.
 async fn timed_request(grpc: &str, i: usize) -> Timed {
     let mut req = greedy_request(PROMPTS[i % PROMPTS.len()], 4, true);
     req.timeout_ms = Some(DEADLINE.as_millis() as u64);
@@ -283,7 +273,7 @@ impl Clients {
     }
 
     async fn wait_count(&self, n: usize, timeout: Duration) -> Result<()> {
-        prism_tests::wait_until(timeout, "C12 client progress", || std::future::ready(self.count() >= n)).await
+        prism_tests::wait_until(timeout, "client progress", || std::future::ready(self.count() >= n)).await
     }
 
     async fn stop(self) -> Result<Vec<Timed>> {
@@ -298,7 +288,7 @@ impl Clients {
 
 fn median_ok(ts: &[Timed]) -> Duration {
     let ok: Vec<Duration> = ts.iter().filter(|t| t.error.is_none()).map(|t| t.took).collect();
-    drain_support::quantile(&ok, 0.5)
+    quantile(&ok, 0.5)
 }
 
 /// Latency allowed for healthy-replica requests relative to the undisturbed median.
@@ -306,9 +296,9 @@ fn close_to(before: Duration) -> Duration {
     before * 2 + Duration::from_millis(100)
 }
 
-async fn c12_frozen_replica(c: &mut Cluster) -> Result<()> {
+async fn frozen_replica_leaves_rotation(c: &mut Cluster) -> Result<()> {
     // Undisturbed baseline with the same clients and requests.
-    let base = Clients::start(&c.grpc, CLIENTS);
+    let base = Clients::start(c.grpc(), CLIENTS);
     base.wait_count(40, Duration::from_secs(60)).await?;
     let base = base.stop().await?;
     if let Some(bad) = base.iter().find(|t| t.error.is_some()) {
@@ -317,20 +307,20 @@ async fn c12_frozen_replica(c: &mut Cluster) -> Result<()> {
     let before = median_ok(&base);
 
     // Freeze w2 while requests flow.
-    let load = Clients::start(&c.grpc, CLIENTS);
+    let load = Clients::start(c.grpc(), CLIENTS);
     load.wait_count(8, Duration::from_secs(30)).await?;
     let frozen_at = Instant::now();
-    c.workers[1].proc.as_ref().context("w2 running")?.signal(Signal::SIGSTOP)?;
+    c.workers[1].process.freeze()?;
     // The head ends a worker session silent for --worker-timeout (2 s in the fixture; load
     // reports come every second), which takes its replica out of the routes.
-    let out_at = wait_route_change(&c.grpc, 2, OUT_OF_ROTATION).await?;
+    let out_at = c.wait_route_change(2, OUT_OF_ROTATION).await?;
     // Let every request started before the route change reach its deadline.
     let settle = out_at + DEADLINE + HANG_SLACK;
     tokio::time::sleep(settle.saturating_duration_since(Instant::now())).await;
     let during = load.stop().await?;
 
     // After the frozen replica left rotation: everything succeeds, fast.
-    let after = Clients::start(&c.grpc, CLIENTS);
+    let after = Clients::start(c.grpc(), CLIENTS);
     after.wait_count(20, Duration::from_secs(60)).await?;
     let after = after.stop().await?;
 
@@ -342,7 +332,7 @@ async fn c12_frozen_replica(c: &mut Cluster) -> Result<()> {
     let slowest_fail = failed.iter().map(|t| t.took).max().unwrap_or_default();
     let slowest = during.iter().chain(&after).map(|t| t.took).max().unwrap_or_default();
     println!(
-        "C12: baseline p50 {before:?} ({} requests); w2 frozen: out of rotation after {:?}; {} requests overlapped \
+        "frozen replica: baseline p50 {before:?} ({} requests); w2 frozen: out of rotation after {:?}; {} requests overlapped \
          the freeze: {} ok (p50 {during_median:?}), {} failed {:?} (slowest failure {slowest_fail:?}, deadline \
          {DEADLINE:?}); afterwards {} requests p50 {after_median:?}; slowest request {slowest:?}",
         base.len(),
@@ -373,15 +363,15 @@ async fn c12_frozen_replica(c: &mut Cluster) -> Result<()> {
         bail!("after the frozen replica left rotation a request failed or was slow: {bad:?}");
     }
     assert!(after_median <= close_to(before), "after the freeze p50 {after_median:?} vs {before:?} before");
-    assert_eq!(router_ready_replicas(&c.grpc).await?, 1, "the frozen replica is out of rotation");
+    assert_eq!(c.router_ready_replicas().await?, 1, "the frozen replica is out of rotation");
 
     // Thaw it; the cluster keeps serving.
-    c.workers[1].proc.as_ref().context("w2 running")?.signal(Signal::SIGCONT)?;
+    c.workers[1].process.thaw()?;
     let thawed = Instant::now();
-    let t = timed_request(&c.grpc, 0).await;
+    let t = timed_request(c.grpc(), 0).await;
     assert!(t.error.is_none(), "request after SIGCONT: {t:?}");
     // The thawed worker reconnects and its replica comes back into rotation.
     c.wait_ready(2, Duration::from_secs(60)).await.context("2 replicas Ready again after SIGCONT")?;
-    println!("C12: after SIGCONT both replicas Ready again within {:?}", thawed.elapsed());
+    println!("frozen replica: after SIGCONT both replicas Ready again within {:?}", thawed.elapsed());
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! `--worker-timeout`, 2 s in the fixture), not at its deadline and not only when HTTP/2
 //! keep-alive (5 s + 5 s) gives up on the connection.
 //!
-//! Real cluster (the drain tests' fixture): etcd, `prism-head`, 2 `prism-worker`s on the
+//! Real cluster (the serving cluster fixture, `Cluster::serving`): etcd, `prism-head`, 2 `prism-worker`s on the
 //! bundled SmolLM2 GGUF (CPU engine), `prism-router`. A greedy request with a prompt of
 //! [`PROMPT_TOKENS`] tokens (one prefill chunk: a second or more on 2 cores, the window) is
 //! sent; as soon as a worker's engine holds it (`vllm:num_requests_waiting` +
@@ -13,13 +13,8 @@
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-mod drain_support;
-mod e2e_support;
-
 use anyhow::{Context, Result, bail};
-use drain_support::{Cluster, ClusterOptions, PROMPTS, greedy_request, metric_value, router_ready_replicas, stream};
-use e2e_support::{eventually, model};
-use nix::sys::signal::Signal;
+use prism_tests::{Cluster, PROMPTS, eventually, greedy_request, metric_value, model, stream};
 use std::time::{Duration, Instant};
 
 /// Prompt length: under one CPU prefill chunk (512), long enough that the first token is
@@ -50,7 +45,7 @@ async fn scenario(c: &mut Cluster, frozen: &mut Option<usize>) -> Result<()> {
     req.timeout_ms = Some(u64::try_from(REQUEST_TIMEOUT.as_millis())?);
 
     // Undisturbed reference (tokens and time) with the same prompt.
-    let reference = stream(&c.grpc, req.clone()).await.context("reference run")?;
+    let reference = stream(c.grpc(), req.clone()).await.context("reference run")?;
     let reference_took = reference.ended.zip(reference.started).map(|(e, s)| e - s).context("reference timing")?;
     assert_eq!(reference.tokens.len(), MAX_TOKENS as usize, "reference run: {reference:?}");
     let https: Vec<String> = c.workers.iter().map(|w| w.http.clone()).collect();
@@ -63,7 +58,7 @@ async fn scenario(c: &mut Cluster, frozen: &mut Option<usize>) -> Result<()> {
     let retries = c.router_metric("prism_router_retries_total").await?;
     let migrations = c.router_metric("prism_router_migrations_total").await?;
 
-    let grpc = c.grpc.clone();
+    let grpc = c.grpc().to_owned();
     let sent = Instant::now();
     let call = tokio::spawn(async move { stream(&grpc, req).await });
     // The worker whose engine accepted it: a 5 ms poll (the prefill takes a second or more).
@@ -79,7 +74,7 @@ async fn scenario(c: &mut Cluster, frozen: &mut Option<usize>) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
-    c.workers[holder].proc.as_ref().context("worker running")?.signal(Signal::SIGSTOP)?;
+    c.workers[holder].process.freeze()?;
     *frozen = Some(holder);
     let frozen_at = Instant::now();
     if call.is_finished() {
@@ -106,19 +101,19 @@ async fn scenario(c: &mut Cluster, frozen: &mut Option<usize>) -> Result<()> {
         migrations,
         "no migration (no token came from the frozen worker)"
     );
-    assert_eq!(router_ready_replicas(&c.grpc).await?, 1, "the frozen replica left the routes");
+    assert_eq!(c.router_ready_replicas().await?, 1, "the frozen replica left the routes");
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn frozen_replica_before_first_token_is_retried_elsewhere() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let mut c = Cluster::start(&model, ClusterOptions { workers: 2, replicas: 2, ..ClusterOptions::default() }).await?;
+    let mut c = Cluster::serving(&model, 2, 2).start().await?;
     let mut frozen = None;
     let result = scenario(&mut c, &mut frozen).await;
-    if let Some(p) = frozen.and_then(|i| c.workers[i].proc.as_ref()) {
+    if let Some(w) = frozen.and_then(|i| c.workers.get(i)) {
         // Never leave a stopped process behind, whatever happened.
-        let _ = p.signal(Signal::SIGCONT);
+        let _ = w.process.thaw();
     }
     if let Err(e) = result {
         bail!("{e:#}\n{}", c.logs());

@@ -1,46 +1,19 @@
-//! The worker (in-process) against a real `prism-head` process with the embedded store:
+//! The worker (in-process) against a real `prism-head` process with the embedded store (the
+//! shared cluster fixture of `prism-tests`, with no worker process of its own):
 //! register → deployment placed on it → Ready → Generate; then the head is killed (-9) and
-//! restarted on the same state file: the worker re-registers and the replica keeps its id
-//! and keeps serving (adopted, not restarted). Skipped when the `prism-head`
-//! binary or the model is not built/present.
+//! restarted on the same state file: the worker keeps serving while the head is down,
+//! re-registers, and the replica keeps its id and keeps serving (adopted, not restarted).
+//! Skipped when the `prism-head` binary or the model is not built/present.
 
 use anyhow::{Context, Result, bail};
 use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
 use prism_common::proto::v1::{self as pb, head_service_client::HeadServiceClient};
+use prism_tests::{Cluster, Store};
 use prism_worker::{WorkerConfig, run};
 use std::path::PathBuf;
-use std::process::{Child, Command};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-
-struct Head(Child);
-impl Drop for Head {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn head_bin() -> Option<PathBuf> {
-    // target/debug/deps/agent_real_head-… → target/debug/prism-head
-    let exe = std::env::current_exe().ok()?;
-    let p = exe.parent()?.parent()?.join("prism-head");
-    p.exists().then_some(p)
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn spawn_head(bin: &PathBuf, port: u16, http: u16, state: &std::path::Path) -> Result<Head> {
-    let child = Command::new(bin)
-        .args(["--listen", &format!("127.0.0.1:{port}"), "--http-listen", &format!("127.0.0.1:{http}")])
-        .args(["--store", &format!("embedded:{}", state.display())])
-        .env("RUST_LOG", "warn")
-        .spawn()?;
-    Ok(Head(child))
-}
 
 async fn wait_until<T, F, Fut>(timeout: Duration, mut f: F) -> Result<T>
 where
@@ -96,15 +69,12 @@ async fn generate(endpoint: &str, replica: &str) -> Result<usize> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn agent_with_real_head_serves_and_survives_head_restart() -> Result<()> {
     let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let Some(bin) = head_bin().filter(|_| model.exists()) else {
+    if prism_tests::bin_path("prism-head").is_err() || !model.exists() {
         eprintln!("skipping: prism-head binary or model missing");
         return Ok(());
-    };
-    let dir = tempfile::tempdir()?;
-    let state = dir.path().join("state.json");
-    let (port, http) = (free_port()?, free_port()?);
-    let head_addr = format!("http://127.0.0.1:{port}");
-    let head = spawn_head(&bin, port, http, &state)?;
+    }
+    let mut cluster = Cluster::builder().store(Store::Embedded).env("RUST_LOG", "warn").start().await?;
+    let head_addr = cluster.head_url().to_owned();
 
     let g = TcpListener::bind("127.0.0.1:0").await?;
     let h = TcpListener::bind("127.0.0.1:0").await?;
@@ -142,10 +112,10 @@ async fn agent_with_real_head_serves_and_survives_head_restart() -> Result<()> {
     assert_eq!(replica.endpoint, endpoint);
     assert_eq!(generate(&endpoint, &replica.replica_id).await?, 6);
 
-    // kill -9 the head, restart it on the same state file.
-    drop(head);
+    // kill -9 the head, restart it on the same ports and state file.
+    cluster.kill_head();
     assert_eq!(generate(&endpoint, &replica.replica_id).await?, 6, "the worker serves while the head is down");
-    let _head2 = spawn_head(&bin, port, http, &state)?;
+    cluster.restart_head()?;
     let again = wait_until(Duration::from_secs(30), || ready_replicas(&head_addr)).await?;
     assert_eq!(again.len(), 1);
     assert_eq!(again[0].replica_id, replica.replica_id, "same replica adopted, not replaced");
