@@ -155,7 +155,6 @@ impl Upstream {
             replica_id: replica.replica_id.clone(),
             request: Some(inner),
             prior_output_ids: prior.to_vec(),
-            ..WorkerGenerateRequest::default()
         });
         wreq.set_timeout(remaining);
         let mut client = self.client(&replica.endpoint)?;

@@ -9,7 +9,6 @@ fn wreq(req: pb::GenerateRequest) -> pb::WorkerGenerateRequest {
         replica_id: "r".into(),
         request: Some(req),
         prior_output_ids: vec![5, 6],
-        ..pb::WorkerGenerateRequest::default()
     }
 }
 
