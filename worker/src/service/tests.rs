@@ -5,11 +5,7 @@ use prism_engine::{TopLogprob, Usage};
 use tonic::Code;
 
 fn wreq(req: pb::GenerateRequest) -> pb::WorkerGenerateRequest {
-    pb::WorkerGenerateRequest {
-        replica_id: "r".into(),
-        request: Some(req),
-        prior_output_ids: vec![5, 6],
-    }
+    pb::WorkerGenerateRequest { replica_id: "r".into(), request: Some(req), prior_output_ids: vec![5, 6] }
 }
 
 #[test]
