@@ -2,7 +2,7 @@
 //!
 //! [`select`] filters the model's replicas down to those that may take work (Ready, not
 //! ejected, not excluded by a retry, below their in-flight limit), asks a [`BalancePolicy`]
-//! to choose, and admits the request with a [`ReplicaLoadGuard`] that counts its load from the
+//! to choose, and admits the request with a [`DispatchGuard`] that counts its load from the
 //! moment of dispatch until the guard drops (stream end, error or client disconnect).
 
 pub mod p2c;
@@ -32,12 +32,12 @@ pub enum SelectError {
 
 /// Counts one request's load on a replica; releases it on drop.
 #[derive(Debug)]
-pub struct ReplicaLoadGuard {
+pub struct DispatchGuard {
     stats: Arc<ReplicaStats>,
     tokens: u64,
 }
 
-impl Drop for ReplicaLoadGuard {
+impl Drop for DispatchGuard {
     fn drop(&mut self) {
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.stats.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
@@ -45,7 +45,7 @@ impl Drop for ReplicaLoadGuard {
 }
 
 /// Tries to take a slot on `r`; `None` when it is full.
-fn try_admit(r: &ReplicaRoute, tokens: u64) -> Option<ReplicaLoadGuard> {
+fn try_admit(r: &ReplicaRoute, tokens: u64) -> Option<DispatchGuard> {
     let prev = r.stats.in_flight.fetch_add(1, Ordering::Relaxed);
     if prev >= r.max_in_flight {
         r.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -53,7 +53,7 @@ fn try_admit(r: &ReplicaRoute, tokens: u64) -> Option<ReplicaLoadGuard> {
     }
     r.stats.tokens.fetch_add(tokens, Ordering::Relaxed);
     r.stats.dispatched.fetch_add(1, Ordering::Relaxed);
-    Some(ReplicaLoadGuard { stats: r.stats.clone(), tokens })
+    Some(DispatchGuard { stats: r.stats.clone(), tokens })
 }
 
 /// Chooses and admits a replica of `model`, skipping replica ids in `exclude`.
@@ -67,7 +67,7 @@ pub fn select(
     now_ms: u64,
     policy: &dyn BalancePolicy,
     hint: &RequestHint,
-) -> Result<(Arc<ReplicaRoute>, ReplicaLoadGuard), SelectError> {
+) -> Result<(Arc<ReplicaRoute>, DispatchGuard), SelectError> {
     let replicas = snap.models.get(model).ok_or(SelectError::UnknownModel)?;
     let mut candidates: Vec<&Arc<ReplicaRoute>> = replicas
         .iter()

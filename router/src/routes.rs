@@ -5,7 +5,7 @@
 //! static) while a background task reconnects with exponential backoff. Per-replica runtime
 //! state (requests and tokens in flight counted from dispatch, ejection after failures) lives
 //! in [`ReplicaStats`], kept across table updates so the load guards of requests in flight
-//! (`balance::ReplicaLoadGuard`) stay attached. Every update bumps a [`tokio::sync::watch`]
+//! (`balance::DispatchGuard`) stay attached. Every update bumps a [`tokio::sync::watch`]
 //! counter ([`Routes::subscribe`]) so requests waiting on a replica learn at once when it
 //! leaves the table.
 

@@ -62,6 +62,11 @@ impl EtcdFixture {
         self.dir.path()
     }
 
+    /// The etcd process id while it runs (to freeze it with SIGSTOP, say).
+    pub fn pid(&self) -> Option<u32> {
+        self.process.as_ref().and_then(ProcessGuard::pid)
+    }
+
     /// Kills etcd with SIGKILL (data stays for [`EtcdFixture::restart`]).
     pub fn kill(&mut self) {
         if let Some(mut p) = self.process.take() {

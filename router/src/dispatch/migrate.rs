@@ -20,7 +20,7 @@ use tonic::{Code, Status, Streaming};
 
 use super::error::DispatchError;
 use super::upstream::{Upstream, past_deadline};
-use crate::balance::{ReplicaLoadGuard, RequestHint};
+use crate::balance::{DispatchGuard, RequestHint};
 use crate::routes::ReplicaRoute;
 
 /// At most this many migrations per request.
@@ -126,7 +126,7 @@ impl StreamPump {
         mut self,
         mut stream: Streaming<GenerateResponse>,
         mut replica: Arc<ReplicaRoute>,
-        mut guard: ReplicaLoadGuard,
+        mut guard: DispatchGuard,
         tx: mpsc::Sender<Result<GenerateResponse, DispatchError>>,
     ) {
         loop {
@@ -178,7 +178,7 @@ impl StreamPump {
     /// A replica to continue on; waits (up to [`MIGRATION_WAIT`], within the deadline) while
     /// none can take the stream, e.g. while a replacement starts after every other replica
     /// went away. `None` when none came.
-    async fn pick_for_migration(&mut self) -> Option<(Arc<ReplicaRoute>, ReplicaLoadGuard)> {
+    async fn pick_for_migration(&mut self) -> Option<(Arc<ReplicaRoute>, DispatchGuard)> {
         let until = (Instant::now() + MIGRATION_WAIT).min(self.c.deadline);
         loop {
             if let Ok(p) = self.upstream.pick(&self.c.req.model, &self.c.tried, &self.c.hint) {
@@ -201,7 +201,7 @@ impl StreamPump {
     async fn migrate(
         &mut self,
         failure: &Status,
-    ) -> Option<(Streaming<GenerateResponse>, Arc<ReplicaRoute>, ReplicaLoadGuard, GenerateResponse)> {
+    ) -> Option<(Streaming<GenerateResponse>, Arc<ReplicaRoute>, DispatchGuard, GenerateResponse)> {
         if choices(&self.c.req) != 1 || !migratable(failure) {
             return None;
         }

@@ -2,7 +2,7 @@
 //! request on one replica, from picking the replica to the worker's first message.
 //!
 //! - [`Upstream::pick`] chooses a replica through [`crate::balance::select`]; its load counts
-//!   from that moment (a [`ReplicaLoadGuard`] held until the stream ends or the client leaves).
+//!   from that moment (a [`DispatchGuard`] held until the stream ends or the client leaves).
 //! - [`Upstream::open`] sends `WorkerService.Generate` with the request's remaining deadline
 //!   (twice: `timeout_ms` in the request and the gRPC timeout) and waits for the first
 //!   message. A worker answers with response headers at once (its engine queues the request),
@@ -27,7 +27,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status, Streaming};
 
 use super::error::DispatchError;
-use crate::balance::{BalancePolicy, ReplicaLoadGuard, RequestHint, SelectError, select};
+use crate::balance::{BalancePolicy, DispatchGuard, RequestHint, SelectError, select};
 use crate::metrics::Metrics;
 use crate::routes::{ReplicaRoute, Routes};
 
@@ -122,7 +122,7 @@ impl Upstream {
         model: &str,
         tried: &[String],
         hint: &RequestHint,
-    ) -> Result<(Arc<ReplicaRoute>, ReplicaLoadGuard), DispatchError> {
+    ) -> Result<(Arc<ReplicaRoute>, DispatchGuard), DispatchError> {
         let snap = self.routes.snapshot();
         let picked =
             select(&snap, model, tried, self.routes.now_ms(), self.policy.as_ref(), hint).map_err(|e| match e {

@@ -1,0 +1,141 @@
+//! Fail static: the data plane keeps serving while the state store is away. A real local
+//! cluster (etcd, head with a 2 s lease, two workers on the bundled SmolLM2 GGUF, router)
+//! under four streaming clients whose every stream is compared token by token with an
+//! undisturbed run:
+//! - `etcd_frozen_routes_stay_and_streams_complete`: etcd SIGSTOPped for 30 s (a disk stall,
+//!   a long compaction): the head's lease lapses and it steps down; routers keep the last
+//!   table (it never has zero replicas), workers keep serving; when etcd resumes the head
+//!   leads again (a newer term) with the same replicas.
+//! - `etcd_killed_and_restarted_routes_stay`: etcd SIGKILLed and restarted from its data
+//!   directory after 15 s: the same.
+//!
+//! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
+
+use anyhow::{Result, bail};
+use prism_tests::{Cluster, Load, eventually, model, reference};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+const MAX_TOKENS: u32 = 24;
+const CLIENTS: usize = 4;
+
+/// Samples the router's table size every 100 ms until stopped; returns the smallest
+/// replica count seen and the number of samples.
+fn watch_route_replicas(cluster: &Cluster, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<(f64, usize)> {
+    let url = format!("{}/metrics", cluster.router().http);
+    tokio::spawn(async move {
+        let (mut min, mut samples) = (f64::INFINITY, 0);
+        while !stop.load(Ordering::Relaxed) {
+            if let Ok(Ok(body)) =
+                tokio::time::timeout(Duration::from_secs(1), async { reqwest::get(&url).await?.text().await }).await
+            {
+                min = min.min(prism_tests::metric_value(&body, "prism_route_table_replicas"));
+                samples += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        (min, samples)
+    })
+}
+
+/// What happens to etcd.
+#[derive(Clone, Copy, Debug)]
+enum Outage {
+    /// SIGSTOP, then SIGCONT after this long.
+    Freeze(Duration),
+    /// SIGKILL, then a restart from the same data directory after this long.
+    KillRestart(Duration),
+}
+
+async fn disturb(cluster: &mut Cluster, outage: Outage) -> Result<()> {
+    let Some(etcd) = cluster.etcd_mut() else { bail!("the cluster has no etcd") };
+    match outage {
+        Outage::Freeze(d) => {
+            let Some(pid) = etcd.pid() else { bail!("etcd is not running") };
+            let pid = nix::unistd::Pid::from_raw(i32::try_from(pid)?);
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP)?;
+            tokio::time::sleep(d).await;
+            nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT)?;
+        }
+        Outage::KillRestart(d) => {
+            etcd.kill();
+            tokio::time::sleep(d).await;
+            etcd.restart().await?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs `outage` under streaming load and checks: no failed request, no token mismatch,
+/// never an empty route table at the router, the head leading again with a newer term and
+/// the same replicas.
+async fn serve_through(cluster: &mut Cluster, outage: Outage) -> Result<()> {
+    let reference = Arc::new(reference(cluster.grpc(), MAX_TOKENS).await?);
+    let mut before: Vec<String> = cluster.replicas().await?.into_iter().map(|r| r.replica_id).collect();
+    before.sort();
+    let term_before = cluster.router_metric("prism_route_table_term").await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = watch_route_replicas(cluster, stop.clone());
+    let load = Load::start(cluster.grpc(), CLIENTS, MAX_TOKENS, reference);
+    load.wait_more(CLIENTS, Duration::from_secs(60)).await?;
+    let served_before = load.finished();
+    let started = Instant::now();
+    disturb(cluster, outage).await?;
+    let served_during = load.finished() - served_before;
+    // The store is back: the head leads again (a newer term) with the same replicas.
+    let c: &Cluster = cluster;
+    eventually(Duration::from_secs(60), "the head leads again", || async {
+        Ok(c.status().await.is_ok_and(|s| s.is_leader).then_some(()))
+    })
+    .await?;
+    let recovered = started.elapsed();
+    eventually(Duration::from_secs(30), "the router applies the new term's table", || async {
+        Ok((c.router_metric("prism_route_table_term").await? > term_before).then_some(()))
+    })
+    .await?;
+    cluster.wait_ready(2, Duration::from_secs(60)).await?;
+    let mut after: Vec<String> = cluster.replicas().await?.into_iter().map(|r| r.replica_id).collect();
+    after.sort();
+    assert_eq!(before, after, "replicas were replaced although they were healthy");
+    load.wait_more(CLIENTS, Duration::from_secs(60)).await?;
+    stop.store(true, Ordering::Relaxed);
+    let (min_replicas, samples) = sampler.await?;
+    let report = load.stop().await?;
+    report.check()?;
+    assert!(served_during > 0, "nothing was served while etcd was away");
+    assert!(samples > 10, "too few route samples: {samples}");
+    assert!(min_replicas >= 2.0, "the router's table fell to {min_replicas} replicas");
+    eprintln!(
+        "{outage:?}: {} streams token-exact ({served_during} finished during the outage), 0 failed, \
+         route table never below {min_replicas} replicas ({samples} samples), head leading again {:.1} s after \
+         the outage began",
+        report.ok,
+        recovered.as_secs_f64()
+    );
+    Ok(())
+}
+
+fn serving(model: &std::path::Path) -> prism_tests::ClusterBuilder {
+    Cluster::serving(model, 2, 2).head_args(&["--lease-ttl", "2s"])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_frozen_routes_stay_and_streams_complete() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let mut cluster = serving(&model).start().await?;
+    if let Err(e) = serve_through(&mut cluster, Outage::Freeze(Duration::from_secs(30))).await {
+        bail!("{e:#}\n{}", cluster.logs());
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_killed_and_restarted_routes_stay() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let mut cluster = serving(&model).start().await?;
+    if let Err(e) = serve_through(&mut cluster, Outage::KillRestart(Duration::from_secs(15))).await {
+        bail!("{e:#}\n{}", cluster.logs());
+    }
+    Ok(())
+}
