@@ -8,6 +8,9 @@
 //!   leads again (a newer term) with the same replicas.
 //! - `etcd_killed_and_restarted_routes_stay`: etcd SIGKILLed and restarted from its data
 //!   directory after 15 s: the same.
+//! - `leader_killed_follower_takes_over_under_load`: two heads; the leader SIGKILLed: the
+//!   follower leads within about the lease TTL and publishes a newer term with the same
+//!   replicas; routers and workers follow it without a failed request.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
@@ -19,6 +22,8 @@ use std::time::{Duration, Instant};
 
 const MAX_TOKENS: u32 = 24;
 const CLIENTS: usize = 4;
+/// The heads' lease TTL: a stopped or stalled head loses leadership about this long after.
+const LEASE_TTL: Duration = Duration::from_secs(2);
 
 /// Samples the router's table size every 100 ms until stopped; returns the smallest
 /// replica count seen and the number of samples.
@@ -46,9 +51,23 @@ enum Outage {
     Freeze(Duration),
     /// SIGKILL, then a restart from the same data directory after this long.
     KillRestart(Duration),
+    /// The leading head SIGKILLed while a follower runs (etcd untouched).
+    KillLeader,
 }
 
 async fn disturb(cluster: &mut Cluster, outage: Outage) -> Result<()> {
+    if let Outage::KillLeader = outage {
+        let leader = cluster.wait_leader(Duration::from_secs(10)).await?;
+        cluster.heads[leader].process.kill();
+        let killed = Instant::now();
+        // The follower becomes the cluster's first head for the checks that follow.
+        cluster.heads.swap(0, 1 - leader.min(1));
+        cluster.heads[0].wait_leader(Duration::from_secs(30)).await?;
+        let took = killed.elapsed();
+        eprintln!("leader SIGKILL: the follower leads after {:.2} s (lease TTL {LEASE_TTL:?})", took.as_secs_f64());
+        assert!(took <= LEASE_TTL * 2 + Duration::from_secs(2), "takeover took {took:?}");
+        return Ok(());
+    }
     let Some(etcd) = cluster.etcd_mut() else { bail!("the cluster has no etcd") };
     match outage {
         Outage::Freeze(d) => {
@@ -63,6 +82,7 @@ async fn disturb(cluster: &mut Cluster, outage: Outage) -> Result<()> {
             tokio::time::sleep(d).await;
             etcd.restart().await?;
         }
+        Outage::KillLeader => {}
     }
     Ok(())
 }
@@ -117,7 +137,7 @@ async fn serve_through(cluster: &mut Cluster, outage: Outage) -> Result<()> {
 }
 
 fn serving(model: &std::path::Path) -> prism_tests::ClusterBuilder {
-    Cluster::serving(model, 2, 2).head_args(&["--lease-ttl", "2s"])
+    Cluster::serving(model, 2, 2).head_args(&["--lease-ttl", &format!("{}s", LEASE_TTL.as_secs())])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -135,6 +155,16 @@ async fn etcd_killed_and_restarted_routes_stay() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let mut cluster = serving(&model).start().await?;
     if let Err(e) = serve_through(&mut cluster, Outage::KillRestart(Duration::from_secs(15))).await {
+        bail!("{e:#}\n{}", cluster.logs());
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leader_killed_follower_takes_over_under_load() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let mut cluster = serving(&model).heads(2).start().await?;
+    if let Err(e) = serve_through(&mut cluster, Outage::KillLeader).await {
         bail!("{e:#}\n{}", cluster.logs());
     }
     Ok(())
