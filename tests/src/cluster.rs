@@ -52,6 +52,8 @@ pub enum Store {
     /// The embedded store, persisted to `state.json` in the cluster's temporary directory
     /// (one head at a time can open it).
     Embedded,
+    /// A real etcd cluster of this many members; heads get every member's endpoint.
+    EtcdCluster(usize),
 }
 
 /// What to start; see [`Cluster::builder`] and [`Cluster::serving`].
@@ -164,9 +166,10 @@ impl ClusterBuilder {
     pub async fn start(self) -> Result<Cluster> {
         let dir = tempfile::Builder::new().prefix("prism-cluster-").tempdir()?;
         let (etcd, store) = match self.store {
-            Store::Etcd => {
-                let etcd = EtcdFixture::start().await?;
-                let store = format!("etcd://{}", etcd.endpoint());
+            Store::Etcd | Store::EtcdCluster(_) => {
+                let members = if let Store::EtcdCluster(n) = self.store { n } else { 1 };
+                let etcd = EtcdFixture::start_cluster(members).await?;
+                let store = format!("etcd://{}", etcd.endpoints().join(","));
                 (Some(etcd), store)
             }
             Store::Embedded => (None, format!("embedded:{}", dir.path().join("state.json").display())),

@@ -8,6 +8,10 @@
 //!   leads again (a newer term) with the same replicas.
 //! - `etcd_killed_and_restarted_routes_stay`: etcd SIGKILLed and restarted from its data
 //!   directory after 15 s: the same.
+//! - `etcd_member_lost_is_invisible` (3-member etcd, one member SIGKILLed for 15 s): the head
+//!   keeps its leadership (same term) and nothing fails.
+//! - `etcd_quorum_lost_for_30s_routes_stay` (two of three members SIGKILLed for 30 s): as an
+//!   etcd outage — routes stay, streams complete, the head leads again once quorum is back.
 //! - `leader_killed_follower_takes_over_under_load`: two heads; the leader SIGKILLed: the
 //!   follower leads within about the lease TTL and publishes a newer term with the same
 //!   replicas; routers and workers follow it without a failed request.
@@ -53,6 +57,15 @@ enum Outage {
     KillRestart(Duration),
     /// The leading head SIGKILLed while a follower runs (etcd untouched).
     KillLeader,
+    /// These members of a 3-member etcd SIGKILLed, restarted after this long.
+    KillMembers(&'static [usize], Duration),
+}
+
+impl Outage {
+    /// Whether the head loses its leadership (and so leads again with a newer term).
+    fn ends_the_term(self) -> bool {
+        !matches!(self, Self::KillMembers(m, _) if m.len() == 1)
+    }
 }
 
 async fn disturb(cluster: &mut Cluster, outage: Outage) -> Result<()> {
@@ -82,6 +95,15 @@ async fn disturb(cluster: &mut Cluster, outage: Outage) -> Result<()> {
             tokio::time::sleep(d).await;
             etcd.restart().await?;
         }
+        Outage::KillMembers(members, d) => {
+            for &m in members {
+                etcd.kill_member(m);
+            }
+            tokio::time::sleep(d).await;
+            for &m in members {
+                etcd.restart_member(m).await?;
+            }
+        }
         Outage::KillLeader => {}
     }
     Ok(())
@@ -110,10 +132,15 @@ async fn serve_through(cluster: &mut Cluster, outage: Outage) -> Result<()> {
     })
     .await?;
     let recovered = started.elapsed();
-    eventually(Duration::from_secs(30), "the router applies the new term's table", || async {
-        Ok((c.router_metric("prism_route_table_term").await? > term_before).then_some(()))
-    })
-    .await?;
+    if outage.ends_the_term() {
+        eventually(Duration::from_secs(30), "the router applies the new term's table", || async {
+            Ok((c.router_metric("prism_route_table_term").await? > term_before).then_some(()))
+        })
+        .await?;
+    } else {
+        let term = c.router_metric("prism_route_table_term").await?;
+        assert_eq!(term, term_before, "losing one etcd member of three cost the head its leadership");
+    }
     cluster.wait_ready(2, Duration::from_secs(60)).await?;
     let mut after: Vec<String> = cluster.replicas().await?.into_iter().map(|r| r.replica_id).collect();
     after.sort();
@@ -165,6 +192,30 @@ async fn leader_killed_follower_takes_over_under_load() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let mut cluster = serving(&model).heads(2).start().await?;
     if let Err(e) = serve_through(&mut cluster, Outage::KillLeader).await {
+        bail!("{e:#}\n{}", cluster.logs());
+    }
+    Ok(())
+}
+
+fn serving_on_three_members(model: &std::path::Path) -> prism_tests::ClusterBuilder {
+    serving(model).store(prism_tests::Store::EtcdCluster(3))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_member_lost_is_invisible() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let mut cluster = serving_on_three_members(&model).start().await?;
+    if let Err(e) = serve_through(&mut cluster, Outage::KillMembers(&[0], Duration::from_secs(15))).await {
+        bail!("{e:#}\n{}", cluster.logs());
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_quorum_lost_for_30s_routes_stay() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let mut cluster = serving_on_three_members(&model).start().await?;
+    if let Err(e) = serve_through(&mut cluster, Outage::KillMembers(&[1, 2], Duration::from_secs(30))).await {
         bail!("{e:#}\n{}", cluster.logs());
     }
     Ok(())
