@@ -3,7 +3,8 @@
 //!   M `prism-worker`s and routers as child processes on free ports, each one signalled,
 //!   restarted and read for its logs through [`Process`]; [`Deployment`] is what it deploys.
 //! - [`PrismUp`]: `prism up` (the one-machine mode) as one child process.
-//! - [`EtcdFixture`]: a real single-member etcd, killed and restarted on demand.
+//! - [`EtcdFixture`]: a real etcd (one member or a cluster), killed and restarted on demand.
+//! - [`TcpProxy`]: a TCP forwarder between two components that a test cuts and heals.
 //! - clients: greedy gRPC streams ([`stream`]), checked closed-loop load ([`Load`]), the
 //!   OpenAI HTTP API ([`post_json`], [`post_sse`]), the model's greedy reference
 //!   ([`check_reference_greedy`]), Prometheus text ([`metric_sum`], [`metric_value`]).
@@ -18,6 +19,7 @@ pub mod etcd;
 pub mod metrics;
 pub mod paths;
 pub mod process;
+pub mod proxy;
 pub mod up;
 pub mod wait;
 
@@ -31,5 +33,6 @@ pub use etcd::EtcdFixture;
 pub use metrics::{metric_sum, metric_value, quantile};
 pub use paths::{MODEL_FILE, bin_path, model, workspace_root};
 pub use process::{Process, ProcessGuard, alive, descendants};
+pub use proxy::TcpProxy;
 pub use up::{PrismUp, UpEndpoints};
 pub use wait::{eventually, free_port, poll_until, wait_until};
