@@ -243,7 +243,9 @@ impl Cluster {
             self.add_head()?;
         }
         if !self.heads.is_empty() {
-            self.wait_leader(LEADER_TIMEOUT).await?;
+            // The leader becomes the first head: the one the queries below and `cli` talk to.
+            let leader = self.wait_leader(LEADER_TIMEOUT).await?;
+            self.heads.swap(0, leader);
         }
         let heads = self.head_urls();
         for (i, node) in self.spec.workers.iter().enumerate() {
