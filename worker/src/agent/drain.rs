@@ -209,27 +209,12 @@ impl NodeDrain {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::replica::{EngineLoad, Replica, ReplicaEngine, ReplicaOutputStream};
-    use prism_engine::{EngineError, EngineRequest};
-
-    /// An engine double that accepts nothing.
-    struct Idle;
-    impl ReplicaEngine for Idle {
-        fn submit(&self, _req: EngineRequest) -> Result<ReplicaOutputStream, EngineError> {
-            Err(EngineError::Unavailable("test double".into()))
-        }
-        fn load(&self) -> EngineLoad {
-            EngineLoad::default()
-        }
-        fn is_alive(&self) -> bool {
-            true
-        }
-        fn shutdown(&self) {}
-    }
+    use crate::agent::replica::Replica;
+    use crate::agent::replica::tests::Idle;
 
     fn ready_replica(table: &ReplicaTable, id: &str) -> Arc<Replica> {
         let r = Arc::new(Replica::new(id.into(), "d".into(), "m".into(), vec![0]));
-        r.set_engine(Arc::new(Idle));
+        r.set_engine(Arc::new(Idle(None)));
         assert!(table.insert_new(Arc::clone(&r)));
         assert!(table.transition(&r, ReplicaState::Ready, ""));
         r

@@ -394,11 +394,11 @@ impl ReplicaTable {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// An engine double that accepts nothing; `Idle(Some(n))` enforces an `n`-token context.
-    struct Idle(Option<usize>);
+    pub(crate) struct Idle(pub(crate) Option<usize>);
     impl ReplicaEngine for Idle {
         fn submit(&self, _req: EngineRequest) -> Result<ReplicaOutputStream, EngineError> {
             Err(EngineError::Unavailable("test double".into()))
