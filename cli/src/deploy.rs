@@ -139,6 +139,7 @@ impl DeploymentFile {
             } as i32,
             node_selector: self.node_selector.clone().into_iter().collect(),
             min_on_demand: self.min_on_demand,
+            autoscaling: None,
         }
     }
 }

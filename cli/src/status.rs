@@ -178,6 +178,7 @@ mod tests {
                 waiting: 1,
                 kv_cache_usage: 0.25,
                 tokens_in_flight: 10,
+                ..LoadReport::default()
             }],
             ..ClusterStatusResponse::default()
         };

@@ -101,9 +101,14 @@ pub async fn apply_deployment(cluster: &Cluster, spec: DeploymentSpec) -> HeadRe
         Some(e) => {
             let old = e.record.spec.clone().unwrap_or_default();
             let generation = e.record.generation + u64::from(template_changed(&old, &spec));
-            DeploymentRecord { spec: Some(spec), created_unix_ms: e.record.created_unix_ms, generation }
+            DeploymentRecord {
+                spec: Some(spec),
+                created_unix_ms: e.record.created_unix_ms,
+                generation,
+                last_scaling: e.record.last_scaling.clone(),
+            }
         }
-        None => DeploymentRecord { spec: Some(spec), created_unix_ms: unix_ms(), generation: 1 },
+        None => DeploymentRecord { spec: Some(spec), created_unix_ms: unix_ms(), generation: 1, last_scaling: None },
     };
     let created = rec.generation == 1 && !st.view().deployments.contains_key(&name);
     tracing::info!(deployment = %name, generation = rec.generation, created, "deployment applied");

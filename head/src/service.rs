@@ -63,6 +63,15 @@ impl HeadService for HeadGrpc {
         Ok(Response::new(registry::open_session(&self.cluster, request.into_inner()).await?))
     }
 
+    async fn report_demand(
+        &self,
+        _request: Request<prism_common::proto::v1::RouterDemandReport>,
+    ) -> Result<Response<prism_common::proto::v1::RouterDemandAck>, Status> {
+        // The autoscaler's input; not consumed yet.
+        self.leader_only()?;
+        Err(Status::unimplemented("demand reports are not consumed by this head yet"))
+    }
+
     async fn watch_routes(
         &self,
         request: Request<WatchRoutesRequest>,

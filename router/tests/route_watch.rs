@@ -32,6 +32,9 @@ impl HeadService for FakeHead {
         use futures::StreamExt;
         Ok(Response::new(Box::pin(WatchStream::new(self.0.clone()).map(Ok))))
     }
+    async fn report_demand(&self, _: Request<RouterDemandReport>) -> Result<Response<RouterDemandAck>, Status> {
+        Ok(Response::new(RouterDemandAck {}))
+    }
     async fn apply_deployment(
         &self,
         _: Request<ApplyDeploymentRequest>,

@@ -62,6 +62,11 @@ enum Outage {
 }
 
 impl Outage {
+    /// Whether etcd (or its quorum) is away for a while (streams finish during the outage).
+    fn stops_the_store(self) -> bool {
+        !matches!(self, Self::KillLeader | Self::KillMembers(&[_], _))
+    }
+
     /// Whether the head loses its leadership (and so leads again with a newer term).
     fn ends_the_term(self) -> bool {
         !matches!(self, Self::KillMembers(m, _) if m.len() == 1)
@@ -150,7 +155,11 @@ async fn serve_through(cluster: &mut Cluster, outage: Outage) -> Result<()> {
     let (min_replicas, samples) = sampler.await?;
     let report = load.stop().await?;
     report.check()?;
-    assert!(served_during > 0, "nothing was served while etcd was away");
+    // A takeover lasts about one lease TTL, shorter than a stream on a slow machine; the
+    // no-failed-request check above covers it.
+    if outage.stops_the_store() {
+        assert!(served_during > 0, "nothing was served while etcd was away");
+    }
     assert!(samples > 10, "too few route samples: {samples}");
     assert!(min_replicas >= 2.0, "the router's table fell to {min_replicas} replicas");
     eprintln!(

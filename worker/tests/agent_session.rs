@@ -135,6 +135,12 @@ impl HeadService for RecordingHead {
     ) -> Result<Response<Self::WatchRoutesStream>, Status> {
         Err(Status::unimplemented("test double"))
     }
+    async fn report_demand(
+        &self,
+        _r: Request<pb::RouterDemandReport>,
+    ) -> Result<Response<pb::RouterDemandAck>, Status> {
+        Err(Status::unimplemented("test double"))
+    }
     async fn apply_deployment(
         &self,
         _r: Request<pb::ApplyDeploymentRequest>,

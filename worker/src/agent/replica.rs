@@ -231,6 +231,7 @@ impl Replica {
             waiting: load.waiting,
             kv_cache_usage: load.kv_cache_usage,
             tokens_in_flight: self.tokens_in_flight(),
+            ..Default::default()
         })
     }
 
