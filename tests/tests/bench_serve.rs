@@ -9,6 +9,8 @@
 //! - `--request-rate 8 --burstiness 1000` (nearly constant gaps of 125 ms): the 16th request
 //!   leaves ≈ 1.875 s after the first, so the run lasts at least that and at most that plus
 //!   the slowest request.
+//! - an unknown `--model`: every request fails, counted as `http 404` / `grpc NotFound`, the
+//!   result is still written and the command exits non-zero.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
@@ -23,6 +25,12 @@ const OUTPUT_LEN: u64 = 8;
 
 /// Runs `prism bench serve` with `args` against `cluster`, returns the JSON result.
 fn bench(cluster: &Cluster, dir: &Path, name: &str, args: &[&str]) -> Result<Value> {
+    bench_exit(cluster, dir, name, args, true)
+}
+
+/// As [`bench`]; `ok` says whether the command must exit 0 (a run whose requests all fail
+/// exits non-zero after writing its result).
+fn bench_exit(cluster: &Cluster, dir: &Path, name: &str, args: &[&str], ok: bool) -> Result<Value> {
     let file = dir.join(format!("{name}.json"));
     let file_arg = file.to_string_lossy().into_owned();
     let mut all = vec![
@@ -40,8 +48,13 @@ fn bench(cluster: &Cluster, dir: &Path, name: &str, args: &[&str]) -> Result<Val
         &file_arg,
     ];
     all.extend_from_slice(args);
-    let stdout = cluster.cli(&all)?;
-    println!("{name}:\n{stdout}");
+    let out = cluster.cli(&all);
+    match (out, ok) {
+        (Ok(stdout), true) => println!("{name}:\n{stdout}"),
+        (Err(e), true) => return Err(e),
+        (Ok(stdout), false) => anyhow::bail!("{name}: expected a non-zero exit, got success:\n{stdout}"),
+        (Err(e), false) => println!("{name} (failed as expected): {e:#}"),
+    }
     let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
     Ok(serde_json::from_str(&text)?)
 }
@@ -137,5 +150,13 @@ async fn bench_serve_http_grpc_chat_and_rate() -> Result<()> {
         "duration {duration:.3} s for a last send at {last_send:.3} s and a slowest request of {slowest:.3} s"
     );
     ensure!(v["request_rate"] == 8.0, "{v}");
+
+    // Failures are counted by status: an unknown model is HTTP 404 / gRPC NotFound.
+    for (backend, status) in [("openai", "http 404"), ("grpc", "grpc NotFound")] {
+        let args = ["--backend", backend, "--model", "no-such-model", "--num-prompts", "4", "--random-input-len", "4"];
+        let v = bench_exit(&cluster, dir.path(), &format!("{backend}-unknown-model"), &args, false)?;
+        ensure!(v["completed"] == 0 && v["failed"] == 4, "{backend}: {v}");
+        ensure!(v["failures"][status] == 4, "{backend}: failures {}", v["failures"]);
+    }
     Ok(())
 }

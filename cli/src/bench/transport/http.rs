@@ -53,6 +53,18 @@ fn failure(status: &str, message: impl Into<String>) -> Failure {
     Failure { status: status.to_owned(), message: message.into() }
 }
 
+/// An error with its causes (`error sending request: connection refused`).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    s
+}
+
 /// The message of an OpenAI error body (`{"error": {"message": …}}`), else the body.
 fn error_message(body: &str) -> String {
     serde_json::from_str::<Value>(body)
@@ -174,8 +186,7 @@ impl HttpClient {
     pub async fn send(&self, opts: &RequestOptions, req: &BenchRequest) -> Result<Record, Failure> {
         let body = body(opts, req, self.chat)?;
         let mut timeline = Timeline::start();
-        let resp =
-            self.client.post(&self.url).json(&body).send().await.map_err(|e| failure("transport", e.to_string()))?;
+        let resp = self.client.post(&self.url).json(&body).send().await.map_err(|e| failure("transport", chain(&e)))?;
         let status = resp.status();
         if !status.is_success() {
             let text = resp.text().await.unwrap_or_default();
@@ -185,7 +196,7 @@ impl HttpClient {
         let mut state = ChunkState::default();
         let mut bytes = resp.bytes_stream();
         while let Some(chunk) = bytes.next().await {
-            let chunk = chunk.map_err(|e| failure("stream", e.to_string()))?;
+            let chunk = chunk.map_err(|e| failure("stream", chain(&e)))?;
             for data in parser.push(&chunk) {
                 if state.absorb(&data, self.chat)? {
                     timeline.token_chunk();
