@@ -179,15 +179,15 @@ pub fn json(info: &RunInfo, agg: &Aggregate, records: &[Record], failures: &[Fai
     Value::Object(out)
 }
 
-/// vLLM-style default file name: `prism-BACKEND-RATEqps-concurrencyN-DATE.json`.
+/// vLLM-style default file name: `prism-BACKEND-RATEqps-concurrencyN-DATE.json` (RATE is
+/// `STRATEGYSTART-END` with a ramp).
 pub fn default_filename(info: &RunInfo) -> String {
     let concurrency = info.max_concurrency.map_or_else(|| "none".to_owned(), |c| c.to_string());
-    format!(
-        "prism-{}-{}qps-concurrency{concurrency}-{}.json",
-        info.backend,
-        rate_text(info.request_rate),
-        date(info.started_unix_s)
-    )
+    let rate = match info.ramp {
+        Some((strategy, start, end)) => format!("{strategy}{start}-{end}"),
+        None => rate_text(info.request_rate),
+    };
+    format!("prism-{}-{rate}qps-concurrency{concurrency}-{}.json", info.backend, date(info.started_unix_s))
 }
 
 #[cfg(test)]
@@ -242,5 +242,7 @@ mod tests {
         let t = table(&info(), &agg, &[Metric::Ttft, Metric::E2el]);
         assert!(t.contains("Successful requests:") && t.contains("P99.9 E2EL (ms):") && !t.contains("TPOT"));
         assert_eq!(default_filename(&info()), "prism-grpc-infqps-concurrency4-20251201-123456.json");
+        let ramp = RunInfo { ramp: Some(("linear", 1.0, 8.0)), max_concurrency: None, ..info() };
+        assert_eq!(default_filename(&ramp), "prism-grpc-linear1-8qps-concurrencynone-20251201-123456.json");
     }
 }
