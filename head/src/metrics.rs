@@ -33,6 +33,14 @@ pub struct Metrics {
     pub drains_in_progress: Gauge,
     /// `prism_head_is_leader`: 1 on the leader.
     pub is_leader: Gauge,
+    /// `prism_deployment_target_replicas{deployment}`: desired replica count (the
+    /// autoscaler's target on autoscaled deployments).
+    pub target_replicas: Family<StateLabel, Gauge>,
+    /// `prism_deployment_ready_replicas{deployment}`: Ready replicas.
+    pub ready_replicas: Family<StateLabel, Gauge>,
+    /// `prism_autoscaler_decisions_total{deployment,direction}`: replica-count changes the
+    /// autoscaler made (`direction` = up | down).
+    pub autoscaler_decisions: Family<StateLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -70,6 +78,9 @@ impl Metrics {
             placement_decisions: Counter::default(),
             drains_in_progress: Gauge::default(),
             is_leader: Gauge::default(),
+            target_replicas: Family::default(),
+            ready_replicas: Family::default(),
+            autoscaler_decisions: Family::default(),
         };
         r.register("prism_nodes", "Worker nodes by state", m.nodes.clone());
         r.register("prism_replicas", "Replicas by state", m.replicas.clone());
@@ -78,6 +89,17 @@ impl Metrics {
         r.register("prism_placement_decisions", "Replicas assigned to a node", m.placement_decisions.clone());
         r.register("prism_drains_in_progress", "Nodes draining", m.drains_in_progress.clone());
         r.register("prism_head_is_leader", "1 when this head is the leader", m.is_leader.clone());
+        r.register(
+            "prism_deployment_target_replicas",
+            "Desired replicas per deployment (the autoscaler's target when autoscaled)",
+            m.target_replicas.clone(),
+        );
+        r.register("prism_deployment_ready_replicas", "Ready replicas per deployment", m.ready_replicas.clone());
+        r.register(
+            "prism_autoscaler_decisions",
+            "Replica-count changes made by the autoscaler",
+            m.autoscaler_decisions.clone(),
+        );
         Self { registry: Arc::new(r), ..m }
     }
 
@@ -100,6 +122,27 @@ impl Metrics {
         self.pending_gpus.set(i64::from(view.pending_gpus()));
         let draining = view.nodes.values().filter(|e| e.record.state() == NodeState::Draining).count();
         self.drains_in_progress.set(draining as i64);
+        self.target_replicas.clear();
+        self.ready_replicas.clear();
+        for (name, e) in &view.deployments {
+            let d = vec![("deployment".to_owned(), name.to_string())];
+            self.target_replicas.get_or_create(&d).set(i64::from(e.record.spec.as_ref().map_or(0, |s| s.replicas)));
+            let ready = view
+                .replicas
+                .values()
+                .filter(|r| r.record.deployment == name.as_str() && r.record.state() == ReplicaState::Ready)
+                .count();
+            self.ready_replicas.get_or_create(&d).set(ready as i64);
+        }
+    }
+
+    /// Counts one autoscaler decision of `deployment`.
+    pub fn count_scaling(&self, deployment: &str, up: bool) {
+        let l = vec![
+            ("deployment".to_owned(), deployment.to_owned()),
+            ("direction".to_owned(), if up { "up" } else { "down" }.to_owned()),
+        ];
+        self.autoscaler_decisions.get_or_create(&l).inc();
     }
 
     /// Prometheus text exposition.

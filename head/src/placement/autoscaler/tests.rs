@@ -54,10 +54,6 @@ impl Sim {
         }
         self
     }
-
-    fn changes_between(&self, from_s: f64, to_s: f64) -> usize {
-        self.decisions.iter().filter(|(t, _)| *t >= from_s && *t <= to_s).count()
-    }
 }
 
 #[test]
