@@ -351,8 +351,9 @@ node_selector:
         assert_eq!((a.upscale_delay_s, a.downscale_delay_s, a.look_back_period_s), (Some(2.0), Some(8.0), Some(3.0)));
         assert_eq!((a.upscaling_factor, a.downscaling_factor), (Some(1.5), Some(0.5)));
         // Absent keys stay absent (the head fills Ray Serve's defaults); initial = min.
-        let spec = DeploymentFile::parse("name: a\nmodel: m\nautoscaling_config: { min_replicas: 0, max_replicas: 2 }\n")?
-            .to_spec();
+        let spec =
+            DeploymentFile::parse("name: a\nmodel: m\nautoscaling_config: { min_replicas: 0, max_replicas: 2 }\n")?
+                .to_spec();
         assert_eq!(spec.replicas, 0);
         assert_eq!(spec.autoscaling.context("autoscaling")?.target_ongoing_requests, None);
         Ok(())
@@ -371,13 +372,23 @@ node_selector:
         );
         assert!(err("max_replicas: 0").contains("autoscaling_config.max_replicas"));
         assert!(err("max_replicas: 2, initial_replicas: 3").contains("autoscaling_config.initial_replicas"));
-        assert!(err("max_replicas: 2, target_ongoing_requests: 0").contains("autoscaling_config.target_ongoing_requests"));
-        assert!(err("max_replicas: 2, target_kv_cache_usage: 1.5").contains("autoscaling_config.target_kv_cache_usage"));
+        assert!(
+            err("max_replicas: 2, target_ongoing_requests: 0").contains("autoscaling_config.target_ongoing_requests")
+        );
+        assert!(
+            err("max_replicas: 2, target_kv_cache_usage: 1.5").contains("autoscaling_config.target_kv_cache_usage")
+        );
         assert!(err("max_replicas: 2, upscale_delay_s: -1").contains("autoscaling_config.upscale_delay_s"));
         assert!(err("max_replicas: 2, look_back_period_s: .nan").contains("autoscaling_config.look_back_period_s"));
         assert!(err("max_replicas: 2, downscaling_factor: 0").contains("autoscaling_config.downscaling_factor"));
         // Unknown keys (a typo) are refused, not defaulted.
-        assert!(format!("{:#}", DeploymentFile::parse("name: a\nmodel: m\nautoscaling_config: { max_replica: 2 }\n").expect_err("typo")).contains("max_replica"));
+        assert!(
+            format!(
+                "{:#}",
+                DeploymentFile::parse("name: a\nmodel: m\nautoscaling_config: { max_replica: 2 }\n").expect_err("typo")
+            )
+            .contains("max_replica")
+        );
         // The fixed-count fields do not mix with it.
         for extra in ["replicas: 2", "min_replicas: 1", "max_replicas: 3"] {
             let yaml = format!("name: a\nmodel: m\n{extra}\nautoscaling_config: {{ max_replicas: 2 }}\n");

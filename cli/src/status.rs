@@ -96,7 +96,9 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
         // Replicas counted towards the target: Pending, Starting, Ready (not Draining/Stopping).
         let current = mine()
             .filter(|r| {
-                [ReplicaState::Pending, ReplicaState::Starting, ReplicaState::Ready].map(|s| s as i32).contains(&r.state)
+                [ReplicaState::Pending, ReplicaState::Starting, ReplicaState::Ready]
+                    .map(|s| s as i32)
+                    .contains(&r.state)
             })
             .count();
         let autoscale = spec

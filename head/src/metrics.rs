@@ -143,8 +143,7 @@ impl Metrics {
             return;
         }
         self.pending_gpus.set(i64::from(view.pending_gpus()));
-        let mut demand: BTreeMap<&str, i64> =
-            [(ON_DEMAND, 0), ("spot", 0), ("other", 0)].into_iter().collect();
+        let mut demand: BTreeMap<&str, i64> = [(ON_DEMAND, 0), ("spot", 0), ("other", 0)].into_iter().collect();
         demand.insert("pending", i64::from(view.pending_gpus()));
         for r in view.replicas.values().filter(|e| holds_slots(e.record.state())) {
             let Some(n) = view.nodes.get(&NodeId::from(r.record.node_id.as_str())) else { continue };
@@ -221,7 +220,8 @@ mod tests {
         view.nodes.insert(NodeId::from("s1"), entry(NodeRecord { inventory: Some(inv), ..Default::default() }));
         let engine = EngineConfig { tensor_parallel_size: 4, ..Default::default() };
         let spec = DeploymentSpec { name: "d".into(), engine: Some(engine), replicas: 2, ..Default::default() };
-        view.deployments.insert(DeploymentName::from("d"), entry(DeploymentRecord { spec: Some(spec), ..Default::default() }));
+        view.deployments
+            .insert(DeploymentName::from("d"), entry(DeploymentRecord { spec: Some(spec), ..Default::default() }));
         let replica = |id: &str, state: ReplicaState, node: &str, gpus: Vec<u32>| ReplicaRecord {
             replica_id: id.into(),
             deployment: "d".into(),

@@ -11,8 +11,8 @@ use prism_common::proto::v1::{
     ApplyDeploymentRequest, ApplyDeploymentResponse, ClusterStatusRequest, ClusterStatusResponse,
     DeleteDeploymentRequest, DeleteDeploymentResponse, DrainNodeRequest, HeadMessage, ListDeploymentsRequest,
     ListDeploymentsResponse, ListNodesRequest, ListNodesResponse, ListReplicasRequest, ListReplicasResponse,
-    NodeRequest, NodeResponse, RouteTable, RouterDemandAck, RouterDemandReport, ScaleDeploymentRequest, ScaleDeploymentResponse, WatchRoutesRequest,
-    WorkerMessage,
+    NodeRequest, NodeResponse, RouteTable, RouterDemandAck, RouterDemandReport, ScaleDeploymentRequest,
+    ScaleDeploymentResponse, WatchRoutesRequest, WorkerMessage,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -65,10 +65,7 @@ impl HeadService for HeadGrpc {
 
     /// Keeps the router's latest demand (the autoscaler's queue input); a model with queued
     /// requests and no replica wakes the reconciler at once (scale from zero).
-    async fn report_demand(
-        &self,
-        request: Request<RouterDemandReport>,
-    ) -> Result<Response<RouterDemandAck>, Status> {
+    async fn report_demand(&self, request: Request<RouterDemandReport>) -> Result<Response<RouterDemandAck>, Status> {
         self.leader_only()?;
         let r = request.into_inner();
         if r.router_id.is_empty() {
@@ -78,7 +75,8 @@ impl HeadService for HeadGrpc {
         let wake = r.models.iter().any(|m| {
             m.queued > 0
                 && st.view().deployments.values().filter_map(|d| d.record.spec.as_ref()).any(|s| {
-                    s.replicas == 0 && s.engine.as_ref().map_or(s.name.as_str(), |e| e.served_model_name.as_str()) == m.model
+                    s.replicas == 0
+                        && s.engine.as_ref().map_or(s.name.as_str(), |e| e.served_model_name.as_str()) == m.model
                 })
         });
         st.record_demand(r.router_id, r.models, tokio::time::Instant::now());

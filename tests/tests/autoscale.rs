@@ -209,9 +209,15 @@ async fn scale_up_then_down_within_200ms_keeps_the_ready_replica() -> Result<()>
 async fn refusals(cluster: &mut Cluster) -> Result<()> {
     let base = Deployment::new(std::path::Path::new("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
     let cases: [(&[(&str, &str)], &str); 6] = [
-        (&[("min_replicas", "3"), ("max_replicas", "1")], "autoscaling_config.min_replicas (3) is greater than max_replicas (1)"),
+        (
+            &[("min_replicas", "3"), ("max_replicas", "1")],
+            "autoscaling_config.min_replicas (3) is greater than max_replicas (1)",
+        ),
         (&[("max_replicas", "0")], "autoscaling_config.max_replicas"),
-        (&[("min_replicas", "1"), ("max_replicas", "2"), ("initial_replicas", "5")], "autoscaling_config.initial_replicas (5)"),
+        (
+            &[("min_replicas", "1"), ("max_replicas", "2"), ("initial_replicas", "5")],
+            "autoscaling_config.initial_replicas (5)",
+        ),
         (&[("max_replicas", "2"), ("target_ongoing_requests", "0")], "autoscaling_config.target_ongoing_requests"),
         (&[("max_replicas", "2"), ("target_kv_cache_usage", "1.5")], "autoscaling_config.target_kv_cache_usage"),
         (&[("max_replicas", "2"), ("downscale_delay_s", "-1")], "autoscaling_config.downscale_delay_s"),
@@ -234,7 +240,8 @@ async fn refusals(cluster: &mut Cluster) -> Result<()> {
         autoscaling: Some(a),
         ..Default::default()
     };
-    let bad = AutoscalingConfig { min_replicas: 1, max_replicas: 2, upscaling_factor: Some(f64::NAN), ..Default::default() };
+    let bad =
+        AutoscalingConfig { min_replicas: 1, max_replicas: 2, upscaling_factor: Some(f64::NAN), ..Default::default() };
     let err = head.apply_deployment(ApplyDeploymentRequest { spec: Some(spec(bad)) }).await.expect_err("NaN accepted");
     ensure!(err.code() == tonic::Code::InvalidArgument, "{err:?}");
     ensure!(err.message().starts_with("autoscaling_config.upscaling_factor "), "{}", err.message());
@@ -242,7 +249,8 @@ async fn refusals(cluster: &mut Cluster) -> Result<()> {
     // A valid one is stored; scaling it by hand is refused.
     let ok = AutoscalingConfig { min_replicas: 0, max_replicas: 2, ..Default::default() };
     head.apply_deployment(ApplyDeploymentRequest { spec: Some(spec(ok)) }).await?;
-    let err = head.scale_deployment(ScaleDeploymentRequest { name: NAME.into(), replicas: 2 }).await.expect_err("scaled");
+    let err =
+        head.scale_deployment(ScaleDeploymentRequest { name: NAME.into(), replicas: 2 }).await.expect_err("scaled");
     ensure!(err.code() == tonic::Code::FailedPrecondition, "{err:?}");
     match cluster.cli(&["scale", NAME, "2"]) {
         Ok(out) => bail!("prism scale accepted: {out}"),

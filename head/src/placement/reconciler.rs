@@ -99,7 +99,9 @@ async fn autoscale(cluster: &Cluster, st: &mut State, autoscaler: &mut Autoscale
     let tnow = Instant::now();
     let mut due: Vec<(DeploymentRecord, super::autoscaler::Decision)> = Vec::new();
     let view = st.view();
-    autoscaler.retain(|d| view.deployments.get(d).is_some_and(|e| e.record.spec.as_ref().is_some_and(|s| s.autoscaling.is_some())));
+    autoscaler.retain(|d| {
+        view.deployments.get(d).is_some_and(|e| e.record.spec.as_ref().is_some_and(|s| s.autoscaling.is_some()))
+    });
     for (name, e) in &view.deployments {
         let Some(spec) = e.record.spec.as_ref() else { continue };
         let Some(p) = autoscaling_params(spec) else { continue };
@@ -124,8 +126,9 @@ async fn autoscale(cluster: &Cluster, st: &mut State, autoscaler: &mut Autoscale
         }
         let queued = st.queued_for(served, tnow);
         let running: f64 = loads.iter().map(|l| f64::from(l.running) + f64::from(l.waiting)).sum();
-        let kv = (!loads.is_empty())
-            .then(|| loads.iter().map(|l| f64::from(l.kv_cache_usage.clamp(0.0, 1.0))).sum::<f64>() / loads.len() as f64);
+        let kv = (!loads.is_empty()).then(|| {
+            loads.iter().map(|l| f64::from(l.kv_cache_usage.clamp(0.0, 1.0))).sum::<f64>() / loads.len() as f64
+        });
         let inputs = Inputs { ongoing: running + f64::from(queued), queued, kv_cache_usage: kv };
         if let Some(d) = autoscaler.observe(name, &p, now, spec.replicas, inputs) {
             due.push((e.record.clone(), d));
@@ -135,8 +138,12 @@ async fn autoscale(cluster: &Cluster, st: &mut State, autoscaler: &mut Autoscale
         let spec = rec.spec.get_or_insert_with(Default::default);
         let name = spec.name.clone();
         spec.replicas = d.to;
-        rec.last_scaling =
-            Some(ScalingDecision { unix_ms: unix_ms(), from_replicas: d.from, to_replicas: d.to, reason: d.reason.clone() });
+        rec.last_scaling = Some(ScalingDecision {
+            unix_ms: unix_ms(),
+            from_replicas: d.from,
+            to_replicas: d.to,
+            reason: d.reason.clone(),
+        });
         cluster.put_deployment(st, rec).await?;
         cluster.metrics().count_scaling(&name, d.to > d.from);
         cluster.events().push(EventKind::Scaling, &name, "", format!("{} -> {}: {}", d.from, d.to, d.reason));
@@ -308,7 +315,12 @@ mod tests {
     #[tokio::test]
     async fn queued_demand_scales_from_zero_and_an_idle_deployment_back_to_zero() {
         let (cluster, _lead) = leader().await;
-        let inv = NodeInventory { node_id: "n1".into(), address: "http://127.0.0.1:1".into(), cpu_slots: 2, ..Default::default() };
+        let inv = NodeInventory {
+            node_id: "n1".into(),
+            address: "http://127.0.0.1:1".into(),
+            cpu_slots: 2,
+            ..Default::default()
+        };
         let _worker = registry::register(&cluster, inv).await.expect("registered");
         crate::admin::apply_deployment(&cluster, autoscaled(0, 2)).await.expect("applied");
         reconcile_once(&cluster).await.expect("pass");
@@ -323,7 +335,9 @@ mod tests {
         assert_eq!((last.from_replicas, last.to_replicas), (0, 1));
         assert!(last.reason.starts_with("scale from zero: 3 requests queued"), "{}", last.reason);
         assert_eq!(cluster.lock().await.view().replicas.len(), 1, "the planner created the replica");
-        assert!(cluster.events().recent().iter().any(|e| e.kind == EventKind::Scaling && e.message.starts_with("0 -> 1")));
+        assert!(
+            cluster.events().recent().iter().any(|e| e.kind == EventKind::Scaling && e.message.starts_with("0 -> 1"))
+        );
         // `prism scale` is refused on an autoscaled deployment; re-applying keeps the count.
         let refused = crate::admin::scale_deployment(&cluster, "d", 2).await;
         assert!(matches!(refused, Err(HeadError::FailedPrecondition(m)) if m.contains("autoscaled")));

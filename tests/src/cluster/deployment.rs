@@ -69,8 +69,12 @@ impl Deployment {
 
     /// The deployment file.
     pub fn to_yaml(&self) -> String {
-        let mut yaml =
-            format!("name: {}\nmodel: {}\nserved_model_name: {}\n", self.name, self.model.display(), self.served_model_name);
+        let mut yaml = format!(
+            "name: {}\nmodel: {}\nserved_model_name: {}\n",
+            self.name,
+            self.model.display(),
+            self.served_model_name
+        );
         if self.autoscaling.is_empty() {
             yaml.push_str(&format!("replicas: {}\n", self.replicas));
         } else {

@@ -147,8 +147,10 @@ mod tests {
     fn every_invalid_field_is_named() {
         assert_eq!(err(cfg(3, 1)), "autoscaling_config.min_replicas (3) is greater than max_replicas (1)");
         assert!(err(cfg(0, 0)).starts_with("autoscaling_config.max_replicas "));
-        assert!(err(AutoscalingConfig { initial_replicas: Some(5), ..cfg(1, 3) })
-            .starts_with("autoscaling_config.initial_replicas (5) is outside"));
+        assert!(
+            err(AutoscalingConfig { initial_replicas: Some(5), ..cfg(1, 3) })
+                .starts_with("autoscaling_config.initial_replicas (5) is outside")
+        );
         assert!(err(AutoscalingConfig { initial_replicas: Some(0), ..cfg(1, 3) }).contains("initial_replicas"));
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             let c = AutoscalingConfig { target_ongoing_requests: Some(bad), ..cfg(1, 3) };

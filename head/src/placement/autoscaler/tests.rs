@@ -68,7 +68,11 @@ fn step_load_scales_up_after_the_upscale_delay_and_down_after_the_downscale_dela
     assert_eq!((d.from, d.to), (1, 3));
     // The window mean crosses 2 at once (8 of the last samples), then 2 s of delay.
     assert!((12.0..=13.5).contains(t), "upscaled at {t}");
-    assert!(d.reason.starts_with("ongoing ") && d.reason.contains("over 1 replica > target 2.0 for 2."), "{}", d.reason);
+    assert!(
+        d.reason.starts_with("ongoing ") && d.reason.contains("over 1 replica > target 2.0 for 2."),
+        "{}",
+        d.reason
+    );
     // Back to 1 ongoing: ⌈1 / 1.8⌉ = 1 once the window has forgotten the load, then 8 s.
     s.run(60.5, 120.0, |_| load(1.0));
     assert_eq!(s.decisions.len(), 2, "{:?}", s.decisions);
@@ -84,7 +88,7 @@ fn a_constant_load_settles_and_never_flaps() {
     for centre in [2.0, 4.0, 6.0] {
         for start in 1..=3 {
             let mut s = Sim::new(params(), start);
-            s.run(0.0, 600.0, |t| load(centre + if (t * 2.0) as u64 % 2 == 0 { 0.3 } else { -0.3 }));
+            s.run(0.0, 600.0, |t| load(centre + if ((t * 2.0) as u64).is_multiple_of(2) { 0.3 } else { -0.3 }));
             assert!(s.decisions.len() <= 1, "centre {centre}, start {start}: {:?}", s.decisions);
         }
     }
@@ -110,7 +114,7 @@ fn a_change_of_direction_or_a_settled_pass_restarts_the_delay() {
     assert!(s.decisions.is_empty(), "{:?}", s.decisions);
     // Alternating high/low bursts shorter than the delays never scale.
     let mut s = Sim::new(instant, 2);
-    s.run(0.0, 300.0, |t| load(if (t / 1.5) as u64 % 2 == 0 { 20.0 } else { 0.5 }));
+    s.run(0.0, 300.0, |t| load(if ((t / 1.5) as u64).is_multiple_of(2) { 20.0 } else { 0.5 }));
     assert!(s.decisions.is_empty(), "{:?}", s.decisions);
 }
 
@@ -126,7 +130,7 @@ fn scale_from_zero_is_immediate_and_scale_to_zero_waits_for_an_idle_window() {
     assert_eq!((s.decisions[0].1.from, s.decisions[0].1.to), (0, 1));
     assert!(s.decisions[0].1.reason.starts_with("scale from zero: 1 requests queued"));
     // Light load keeps it at 1; a blip inside the look-back keeps it from zero.
-    s.run(21.0, 60.0, |t| load(if (t * 2.0) as u64 % 5 == 0 { 1.0 } else { 0.0 }));
+    s.run(21.0, 60.0, |t| load(if ((t * 2.0) as u64).is_multiple_of(5) { 1.0 } else { 0.0 }));
     assert_eq!(s.current, 1, "{:?}", s.decisions);
     // Idle: the window empties after 3 s, then 8 s of downscale delay.
     s.run(60.5, 100.0, |_| load(0.0));
