@@ -1,5 +1,6 @@
 //! The head's event log: an in-memory ring of the last [`EVENT_LOG_CAPACITY`] control-plane
-//! events (autoscaler decisions, replicas placed, pending, removed, evicted), each also
+//! events (autoscaler decisions; replicas placed, pending, Ready, failed, removed, stopped,
+//! evicted), each also
 //! logged with `tracing`, served as JSON on `GET /v1/events` by `http.rs`. Kept per
 //! process (a new leader starts an empty log); the durable trace is the logs.
 
@@ -21,6 +22,12 @@ pub enum EventKind {
     ReplicaPlaced,
     /// A replica fits nowhere yet (the message says why).
     ReplicaPending,
+    /// A replica reported Ready for the first time.
+    ReplicaReady,
+    /// A replica failed (the message is the worker's reason).
+    ReplicaFailed,
+    /// A replica's worker reported it stopped (its record is gone).
+    ReplicaStopped,
     /// A replica is being removed (scale-down, spec change, deleted deployment): drained, then stopped.
     ReplicaRemoved,
     /// A replica of a dead node was dropped (a replacement is created).
