@@ -12,16 +12,34 @@
 //!   max_num_seqs: 64
 //!   max_num_batched_tokens: 2048
 //!   gpu_memory_utilization: 0.9
-//! replicas: 2
+//! replicas: 2                                     # fixed count (default 1) ...
 //! placement: spread                               # spread | pack
 //! node_selector: { capacity-type: on-demand }
+//! ```
+//!
+//! ... or, instead of `replicas` (and of the `prism scale` bounds `min_replicas` /
+//! `max_replicas`), Ray Serve's `autoscaling_config` with its names, units and defaults:
+//!
+//! ```yaml
+//! autoscaling_config:
+//!   min_replicas: 1               # 0 = scale to zero when idle
+//!   max_replicas: 4
+//!   initial_replicas: 1           # default min_replicas
+//!   target_ongoing_requests: 2    # running + waiting + queued per replica (default 2)
+//!   target_kv_cache_usage: 0.9    # optional: also scale up above this mean KV usage
+//!   upscale_delay_s: 30           # default 30
+//!   downscale_delay_s: 600        # default 600
+//!   look_back_period_s: 30        # default 30
+//!   upscaling_factor: 1.0         # default 1
+//!   downscaling_factor: 1.0       # default 1
 //! ```
 
 use crate::client::{self, status_error};
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use prism_common::engine_flags::EngineFlags;
-use prism_common::proto::v1::{ApplyDeploymentRequest, DeploymentSpec, PlacementStrategy};
+use prism_common::proto::v1::{ApplyDeploymentRequest, AutoscalingConfig, DeploymentSpec, PlacementStrategy};
+use prism_head::placement::autoscaler::Params;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -51,15 +69,18 @@ pub struct DeploymentFile {
     /// Engine knobs (vLLM names, the same as `prism up`'s engine flags).
     #[serde(default)]
     pub engine: EngineFlags,
-    /// Number of replicas (default 1).
-    #[serde(default = "one")]
-    pub replicas: u32,
-    /// Autoscaling lower bound (default: replicas).
+    /// Number of replicas (default 1; not with `autoscaling_config`).
+    #[serde(default)]
+    pub replicas: Option<u32>,
+    /// Lower bound for `prism scale` (not with `autoscaling_config`).
     #[serde(default)]
     pub min_replicas: Option<u32>,
-    /// Autoscaling upper bound (default: replicas).
+    /// Upper bound for `prism scale` (not with `autoscaling_config`).
     #[serde(default)]
     pub max_replicas: Option<u32>,
+    /// Ray Serve's autoscaling config: the head's autoscaler owns the replica count.
+    #[serde(default)]
+    pub autoscaling_config: Option<AutoscalingFile>,
     /// `spread` (default) or `pack`.
     #[serde(default)]
     pub placement: PlacementArg,
@@ -71,8 +92,58 @@ pub struct DeploymentFile {
     pub min_on_demand: u32,
 }
 
-fn one() -> u32 {
-    1
+/// The `autoscaling_config:` block: Ray Serve's names, units (seconds) and defaults (see
+/// the module docs); absent keys take the default.
+#[derive(Debug, Deserialize, Clone, Default, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AutoscalingFile {
+    /// Lower bound (0 = scale to zero when idle).
+    #[serde(default)]
+    pub min_replicas: u32,
+    /// Upper bound (≥ max(1, min_replicas)).
+    pub max_replicas: u32,
+    /// Replicas at creation (default `min_replicas`).
+    #[serde(default)]
+    pub initial_replicas: Option<u32>,
+    /// Running + waiting + queued requests per replica (default 2).
+    #[serde(default)]
+    pub target_ongoing_requests: Option<f64>,
+    /// Mean KV-cache usage in (0, 1] above which one more replica is added (default off).
+    #[serde(default)]
+    pub target_kv_cache_usage: Option<f64>,
+    /// Seconds a higher target must hold (default 30).
+    #[serde(default)]
+    pub upscale_delay_s: Option<f64>,
+    /// Seconds a lower target must hold (default 600).
+    #[serde(default)]
+    pub downscale_delay_s: Option<f64>,
+    /// Seconds the load is averaged over (default 30).
+    #[serde(default)]
+    pub look_back_period_s: Option<f64>,
+    /// Multiplies each upscale step (> 0, default 1).
+    #[serde(default)]
+    pub upscaling_factor: Option<f64>,
+    /// Multiplies each downscale step (> 0, default 1).
+    #[serde(default)]
+    pub downscaling_factor: Option<f64>,
+}
+
+impl AutoscalingFile {
+    /// The protocol's `AutoscalingConfig`.
+    pub fn to_proto(&self) -> AutoscalingConfig {
+        AutoscalingConfig {
+            min_replicas: self.min_replicas,
+            max_replicas: self.max_replicas,
+            initial_replicas: self.initial_replicas,
+            target_ongoing_requests: self.target_ongoing_requests,
+            target_kv_cache_usage: self.target_kv_cache_usage,
+            upscale_delay_s: self.upscale_delay_s,
+            downscale_delay_s: self.downscale_delay_s,
+            look_back_period_s: self.look_back_period_s,
+            upscaling_factor: self.upscaling_factor,
+            downscaling_factor: self.downscaling_factor,
+        }
+    }
 }
 
 /// Placement strategy of a deployment's replicas.
@@ -121,6 +192,22 @@ impl DeploymentFile {
         {
             bail!("min_replicas ({min}) is larger than max_replicas ({max})");
         }
+        if let Some(a) = &self.autoscaling_config {
+            if self.replicas.is_some() {
+                bail!(
+                    "replicas cannot be combined with autoscaling_config (the autoscaler owns the count); \
+                     use autoscaling_config.initial_replicas"
+                );
+            }
+            if self.min_replicas.is_some() || self.max_replicas.is_some() {
+                bail!(
+                    "min_replicas / max_replicas bound `prism scale` and cannot be combined with autoscaling_config; \
+                     use autoscaling_config.min_replicas / max_replicas"
+                );
+            }
+            // The head's own check, so the wording is the same either way.
+            Params::from_config(&a.to_proto()).map_err(|e| anyhow!(e))?;
+        }
         Ok(())
     }
 
@@ -130,7 +217,10 @@ impl DeploymentFile {
         DeploymentSpec {
             name: self.name.clone(),
             engine: Some(self.engine.to_proto(self.model.as_str(), served)),
-            replicas: self.replicas,
+            replicas: match &self.autoscaling_config {
+                Some(a) => a.initial_replicas.unwrap_or(a.min_replicas),
+                None => self.replicas.unwrap_or(1),
+            },
             min_replicas: self.min_replicas.unwrap_or(0),
             max_replicas: self.max_replicas.unwrap_or(0),
             placement: match self.placement {
@@ -139,7 +229,7 @@ impl DeploymentFile {
             } as i32,
             node_selector: self.node_selector.clone().into_iter().collect(),
             min_on_demand: self.min_on_demand,
-            autoscaling: None,
+            autoscaling: self.autoscaling_config.as_ref().map(AutoscalingFile::to_proto),
         }
     }
 }
@@ -243,6 +333,67 @@ node_selector:
         assert!(DeploymentFile::parse("name: a\nmodel: m\nengine:\n  gpu_memory_utilization: 1.5\n").is_err());
         assert!(DeploymentFile::parse("name: a\nmodel: m\nmin_replicas: 3\nmax_replicas: 1\n").is_err());
         assert!(DeploymentFile::parse("name: a\nmodel: m\nplacement: random\n").is_err());
+    }
+
+    #[test]
+    fn autoscaling_config_maps_to_spec_autoscaling() -> Result<()> {
+        let yaml = "name: a\nmodel: m\nautoscaling_config:\n  min_replicas: 1\n  max_replicas: 3\n  \
+                    initial_replicas: 2\n  target_ongoing_requests: 4\n  target_kv_cache_usage: 0.9\n  \
+                    upscale_delay_s: 2\n  downscale_delay_s: 8\n  look_back_period_s: 3\n  \
+                    upscaling_factor: 1.5\n  downscaling_factor: 0.5\n";
+        let spec = DeploymentFile::parse(yaml)?.to_spec();
+        assert_eq!(spec.replicas, 2, "initial_replicas");
+        assert_eq!((spec.min_replicas, spec.max_replicas), (0, 0));
+        let a = spec.autoscaling.context("autoscaling")?;
+        assert_eq!((a.min_replicas, a.max_replicas, a.initial_replicas), (1, 3, Some(2)));
+        assert_eq!(a.target_ongoing_requests, Some(4.0));
+        assert_eq!(a.target_kv_cache_usage, Some(0.9));
+        assert_eq!((a.upscale_delay_s, a.downscale_delay_s, a.look_back_period_s), (Some(2.0), Some(8.0), Some(3.0)));
+        assert_eq!((a.upscaling_factor, a.downscaling_factor), (Some(1.5), Some(0.5)));
+        // Absent keys stay absent (the head fills Ray Serve's defaults); initial = min.
+        let spec =
+            DeploymentFile::parse("name: a\nmodel: m\nautoscaling_config: { min_replicas: 0, max_replicas: 2 }\n")?
+                .to_spec();
+        assert_eq!(spec.replicas, 0);
+        assert_eq!(spec.autoscaling.context("autoscaling")?.target_ongoing_requests, None);
+        Ok(())
+    }
+
+    #[test]
+    fn invalid_autoscaling_configs_are_refused_naming_the_field() {
+        let err = |block: &str| {
+            DeploymentFile::parse(&format!("name: a\nmodel: m\nautoscaling_config: {{ {block} }}\n"))
+                .expect_err(block)
+                .to_string()
+        };
+        assert_eq!(
+            err("min_replicas: 3, max_replicas: 1"),
+            "autoscaling_config.min_replicas (3) is greater than max_replicas (1)"
+        );
+        assert!(err("max_replicas: 0").contains("autoscaling_config.max_replicas"));
+        assert!(err("max_replicas: 2, initial_replicas: 3").contains("autoscaling_config.initial_replicas"));
+        assert!(
+            err("max_replicas: 2, target_ongoing_requests: 0").contains("autoscaling_config.target_ongoing_requests")
+        );
+        assert!(
+            err("max_replicas: 2, target_kv_cache_usage: 1.5").contains("autoscaling_config.target_kv_cache_usage")
+        );
+        assert!(err("max_replicas: 2, upscale_delay_s: -1").contains("autoscaling_config.upscale_delay_s"));
+        assert!(err("max_replicas: 2, look_back_period_s: .nan").contains("autoscaling_config.look_back_period_s"));
+        assert!(err("max_replicas: 2, downscaling_factor: 0").contains("autoscaling_config.downscaling_factor"));
+        // Unknown keys (a typo) are refused, not defaulted.
+        assert!(
+            format!(
+                "{:#}",
+                DeploymentFile::parse("name: a\nmodel: m\nautoscaling_config: { max_replica: 2 }\n").expect_err("typo")
+            )
+            .contains("max_replica")
+        );
+        // The fixed-count fields do not mix with it.
+        for extra in ["replicas: 2", "min_replicas: 1", "max_replicas: 3"] {
+            let yaml = format!("name: a\nmodel: m\n{extra}\nautoscaling_config: {{ max_replicas: 2 }}\n");
+            assert!(DeploymentFile::parse(&yaml).expect_err(extra).to_string().contains("autoscaling_config"));
+        }
     }
 
     #[test]

@@ -1,5 +1,7 @@
-//! `prism status`: the cluster as the head sees it — nodes (GPUs, state, cordon), deployments,
-//! replicas (node, GPU group, state, reason) and their load — as readable tables.
+//! `prism status`: the cluster as the head sees it — nodes (GPUs, state, cordon), deployments
+//! (ready / current / target replicas, autoscaling bounds and the autoscaler's last decision
+//! with its reason and age), replicas (node, GPU group, state, reason) and their load — as
+//! readable tables.
 
 use crate::client::{self, status_error};
 use crate::table::Table;
@@ -83,25 +85,49 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
     out.push_str(&format!("Nodes ({}):\n", status.nodes.len()));
     out.push_str(&if nodes.is_empty() { "  (none)\n".to_owned() } else { nodes.render() });
 
-    let mut deployments = Table::new(&["DEPLOYMENT", "MODEL", "SERVED AS", "TP", "READY/DESIRED"]);
+    let mut deployments =
+        Table::new(&["DEPLOYMENT", "MODEL", "SERVED AS", "TP", "READY/DESIRED", "CURRENT", "AUTOSCALE"]);
+    let mut decisions = Vec::new();
     for d in &status.deployments {
         let spec = d.spec.clone().unwrap_or_default();
         let engine = spec.engine.clone().unwrap_or_default();
-        let ready = status
-            .replicas
-            .iter()
-            .filter(|r| r.deployment == spec.name && r.state == ReplicaState::Ready as i32)
+        let mine = || status.replicas.iter().filter(|r| r.deployment == spec.name);
+        let ready = mine().filter(|r| r.state == ReplicaState::Ready as i32).count();
+        // Replicas counted towards the target: Pending, Starting, Ready (not Draining/Stopping).
+        let current = mine()
+            .filter(|r| {
+                [ReplicaState::Pending, ReplicaState::Starting, ReplicaState::Ready]
+                    .map(|s| s as i32)
+                    .contains(&r.state)
+            })
             .count();
+        let autoscale = spec
+            .autoscaling
+            .as_ref()
+            .map_or_else(|| "-".to_owned(), |a| format!("{}-{}", a.min_replicas, a.max_replicas));
+        if let Some(last) = &d.last_scaling {
+            let age = now_unix_ms.saturating_sub(last.unix_ms) / 1000;
+            decisions.push(format!(
+                "  {}: {} -> {} replicas, {age}s ago: {}\n",
+                spec.name, last.from_replicas, last.to_replicas, last.reason
+            ));
+        }
         deployments.row(vec![
             spec.name,
             engine.model,
             engine.served_model_name,
             engine.tensor_parallel_size.to_string(),
             format!("{ready}/{}", spec.replicas),
+            format!("{current}/{}", spec.replicas),
+            autoscale,
         ]);
     }
     out.push_str(&format!("\nDeployments ({}):\n", status.deployments.len()));
     out.push_str(&if deployments.is_empty() { "  (none)\n".to_owned() } else { deployments.render() });
+    if !decisions.is_empty() {
+        out.push_str("\nLast scaling decisions:\n");
+        out.push_str(&decisions.concat());
+    }
 
     let load: HashMap<&str, &LoadReport> = status.load.iter().map(|l| (l.replica_id.as_str(), l)).collect();
     let mut replicas =
@@ -212,6 +238,48 @@ mod tests {
         };
         let text = render_at(&status, 58_000);
         assert!(text.contains("42s left, 3 in flight"), "{text}");
+    }
+
+    #[test]
+    fn deployments_show_current_vs_target_and_the_last_scaling_decision() {
+        use prism_common::proto::v1::{AutoscalingConfig, DeploymentRecord, DeploymentSpec, ScalingDecision};
+        let replica = |id: &str, state: ReplicaState| ReplicaRecord {
+            replica_id: id.into(),
+            deployment: "smol".into(),
+            state: state as i32,
+            ..ReplicaRecord::default()
+        };
+        let status = ClusterStatusResponse {
+            deployments: vec![DeploymentRecord {
+                spec: Some(DeploymentSpec {
+                    name: "smol".into(),
+                    replicas: 3,
+                    autoscaling: Some(AutoscalingConfig { min_replicas: 1, max_replicas: 4, ..Default::default() }),
+                    ..DeploymentSpec::default()
+                }),
+                last_scaling: Some(ScalingDecision {
+                    unix_ms: 40_000,
+                    from_replicas: 1,
+                    to_replicas: 3,
+                    reason: "ongoing 7.9 over 1 replica > target 2.0 for 2.0 s".into(),
+                }),
+                ..DeploymentRecord::default()
+            }],
+            replicas: vec![
+                replica("a", ReplicaState::Ready),
+                replica("b", ReplicaState::Starting),
+                replica("c", ReplicaState::Draining),
+            ],
+            ..ClusterStatusResponse::default()
+        };
+        let text = render_at(&status, 52_500);
+        let line = text.lines().find(|l| l.starts_with("smol ")).unwrap_or_default();
+        let cells: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(cells[cells.len() - 3..], ["1/3", "2/3", "1-4"], "{text}");
+        assert!(
+            text.contains("smol: 1 -> 3 replicas, 12s ago: ongoing 7.9 over 1 replica > target 2.0 for 2.0 s"),
+            "{text}"
+        );
     }
 
     #[test]

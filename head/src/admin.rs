@@ -13,6 +13,7 @@ use crate::cluster::Cluster;
 use crate::cluster::view::ClusterView;
 use crate::election::Leadership;
 use crate::error::{HeadError, HeadResult};
+use crate::placement::autoscaler::Params;
 
 /// Largest accepted `tensor_parallel_size` (no node has more GPUs than this).
 pub const MAX_TENSOR_PARALLEL: u32 = 1024;
@@ -27,7 +28,7 @@ pub fn is_dns1123_label(s: &str) -> bool {
 }
 
 /// Validates a deployment spec and fills defaults (`served_model_name` = name; a knob set to
-/// 0 is unset).
+/// 0 is unset; an autoscaled spec's `replicas` = its `initial_replicas`, else `min_replicas`).
 ///
 /// # Errors
 /// `InvalidArgument` naming the field.
@@ -63,8 +64,27 @@ pub fn validate_spec(mut spec: DeploymentSpec) -> HeadResult<DeploymentSpec> {
         engine.served_model_name.clone_from(&spec.name);
     }
     prism_common::engine_flags::unset_zeros(engine);
+    if let Some(a) = &spec.autoscaling {
+        let p = Params::from_config(a).map_err(HeadError::InvalidArgument)?;
+        if spec.min_replicas != 0 || spec.max_replicas != 0 {
+            return bad(format!(
+                "min_replicas ({}) / max_replicas ({}) bound `prism scale` and cannot be combined with autoscaling_config; \
+                 use autoscaling_config.min_replicas / max_replicas",
+                spec.min_replicas, spec.max_replicas
+            ));
+        }
+        // The autoscaler's target starts at initial_replicas (an update keeps the current
+        // count: see `apply_deployment`).
+        spec.replicas = p.initial_replicas;
+        return Ok(spec);
+    }
     check_bounds(&spec, spec.replicas)?;
     Ok(spec)
+}
+
+/// The validated autoscaling parameters of an autoscaled spec (None otherwise).
+pub fn autoscaling_params(spec: &DeploymentSpec) -> Option<Params> {
+    spec.autoscaling.as_ref().and_then(|a| Params::from_config(a).ok())
 }
 
 fn check_bounds(spec: &DeploymentSpec, replicas: u32) -> HeadResult<()> {
@@ -92,10 +112,17 @@ fn template_changed(a: &DeploymentSpec, b: &DeploymentSpec) -> bool {
 /// # Errors
 /// `InvalidArgument`, `NotLeader`, store failures.
 pub async fn apply_deployment(cluster: &Cluster, spec: DeploymentSpec) -> HeadResult<(DeploymentRecord, bool)> {
-    let spec = validate_spec(spec)?;
+    let mut spec = validate_spec(spec)?;
     let mut st = cluster.lock().await;
     cluster.require_leader(&st)?;
     let name = DeploymentName::from(spec.name.as_str());
+    // An autoscaled deployment that exists keeps the autoscaler's current count (within
+    // the new bounds): re-applying a file does not reset it to initial_replicas.
+    if let (Some(p), Some(old)) =
+        (autoscaling_params(&spec), st.view().deployments.get(&name).and_then(|e| e.record.spec.as_ref()))
+    {
+        spec.replicas = old.replicas.clamp(p.min_replicas, p.max_replicas);
+    }
     let rec = match st.view().deployments.get(&name) {
         Some(e) if e.record.spec.as_ref() == Some(&spec) => return Ok((e.record.clone(), false)),
         Some(e) => {
@@ -133,10 +160,11 @@ pub async fn delete_deployment(cluster: &Cluster, name: &str) -> HeadResult<()> 
     Ok(())
 }
 
-/// Sets a deployment's replica count (within its autoscaling bounds).
+/// Sets a deployment's replica count (within its `min_replicas`/`max_replicas` bounds).
 ///
 /// # Errors
-/// `NotFound`, `InvalidArgument` (outside bounds), `NotLeader`, store failures.
+/// `NotFound`, `InvalidArgument` (outside bounds), `FailedPrecondition` (the deployment is
+/// autoscaled: the autoscaler owns its count), `NotLeader`, store failures.
 pub async fn scale_deployment(cluster: &Cluster, name: &str, replicas: u32) -> HeadResult<DeploymentRecord> {
     let mut st = cluster.lock().await;
     cluster.require_leader(&st)?;
@@ -144,6 +172,13 @@ pub async fn scale_deployment(cluster: &Cluster, name: &str, replicas: u32) -> H
         return Err(HeadError::NotFound(format!("deployment {name:?}")));
     };
     let spec = rec.spec.get_or_insert_with(Default::default);
+    if let Some(a) = &spec.autoscaling {
+        return Err(HeadError::FailedPrecondition(format!(
+            "deployment {name:?} is autoscaled (autoscaling_config min_replicas {}, max_replicas {}): \
+             its replica count is the autoscaler's; change autoscaling_config with `prism deploy` instead",
+            a.min_replicas, a.max_replicas
+        )));
+    }
     check_bounds(spec, replicas)?;
     if spec.replicas == replicas {
         return Ok(rec);
@@ -253,5 +288,31 @@ mod tests {
         let mut s = spec();
         s.min_replicas = 2;
         assert!(validate_spec(s).is_err());
+    }
+
+    #[test]
+    fn autoscaling_specs() {
+        use prism_common::proto::v1::AutoscalingConfig;
+        let auto = |min, max, initial| AutoscalingConfig {
+            min_replicas: min,
+            max_replicas: max,
+            initial_replicas: initial,
+            ..Default::default()
+        };
+        // initial_replicas (else min) is the starting count, whatever `replicas` says.
+        let s = validate_spec(DeploymentSpec { autoscaling: Some(auto(1, 3, None)), replicas: 0, ..spec() });
+        assert_eq!(s.expect("valid").replicas, 1);
+        let s = validate_spec(DeploymentSpec { autoscaling: Some(auto(1, 3, Some(2))), replicas: 7, ..spec() });
+        assert_eq!(s.expect("valid").replicas, 2);
+        let s = validate_spec(DeploymentSpec { autoscaling: Some(auto(0, 3, None)), replicas: 0, ..spec() });
+        assert_eq!(s.expect("valid").replicas, 0);
+        let Err(HeadError::InvalidArgument(m)) =
+            validate_spec(DeploymentSpec { autoscaling: Some(auto(3, 1, None)), ..spec() })
+        else {
+            panic!("min > max accepted");
+        };
+        assert_eq!(m, "autoscaling_config.min_replicas (3) is greater than max_replicas (1)");
+        let both = DeploymentSpec { autoscaling: Some(auto(1, 3, None)), max_replicas: 3, ..spec() };
+        assert!(matches!(validate_spec(both), Err(HeadError::InvalidArgument(m)) if m.contains("autoscaling_config")));
     }
 }

@@ -27,6 +27,7 @@ use tokio::time::Instant;
 use crate::config::HeadConfig;
 use crate::election::Leadership;
 use crate::error::{HeadError, HeadResult};
+use crate::events::EventLog;
 use crate::metrics::Metrics;
 use crate::placement::planner::holds_slots;
 use crate::routes::RoutePublisher;
@@ -55,6 +56,8 @@ pub struct Cluster {
     leadership: watch::Receiver<Leadership>,
     /// Prometheus metrics.
     metrics: Metrics,
+    /// Recent control-plane events (`GET /v1/events`).
+    events: EventLog,
     session_seq: AtomicU64,
 }
 
@@ -74,6 +77,7 @@ impl Cluster {
             kick: Notify::new(),
             leadership,
             metrics,
+            events: EventLog::default(),
             session_seq: AtomicU64::new(1),
         })
     }
@@ -86,6 +90,11 @@ impl Cluster {
     /// Prometheus metrics.
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    /// Recent control-plane events.
+    pub fn events(&self) -> &EventLog {
+        &self.events
     }
 
     /// Current leadership.

@@ -12,6 +12,10 @@ pub enum HeadError {
     /// The request is malformed (bad name, tensor_parallel_size 0, bad inventory …).
     #[error("{0}")]
     InvalidArgument(String),
+    /// The operation does not apply in the object's current state (scaling an autoscaled
+    /// deployment by hand).
+    #[error("{0}")]
+    FailedPrecondition(String),
     /// The named deployment or node does not exist.
     #[error("{0} not found")]
     NotFound(String),
@@ -46,6 +50,7 @@ impl From<HeadError> for tonic::Status {
         match e {
             HeadError::InvalidArgument(_) => tonic::Status::invalid_argument(msg),
             HeadError::NotFound(_) => tonic::Status::not_found(msg),
+            HeadError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
             HeadError::NotLeader { leader } => {
                 let mut s = tonic::Status::unavailable(msg);
                 if let Some(l) = leader.and_then(|l| MetadataValue::try_from(l.as_str()).ok()) {

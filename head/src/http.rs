@@ -1,5 +1,7 @@
 //! The head's HTTP endpoints: `/healthz` (process up), `/readyz` (200 only on the leader,
-//! so a Kubernetes Service reaches the leader) and `/metrics` (Prometheus text).
+//! so a Kubernetes Service reaches the leader), `/metrics` (Prometheus text) and
+//! `/v1/events` (the recent control-plane events as JSON: `{"events": [...]}`, oldest
+//! first; see `events.rs`).
 
 use std::sync::Arc;
 
@@ -32,7 +34,11 @@ async fn metrics(AxState(c): AxState<Arc<Cluster>>) -> impl IntoResponse {
     )
 }
 
-/// Serves `/healthz`, `/readyz` and `/metrics` until `shutdown`.
+async fn events(AxState(c): AxState<Arc<Cluster>>) -> impl IntoResponse {
+    axum::Json(serde_json::json!({ "events": c.events().recent() }))
+}
+
+/// Serves `/healthz`, `/readyz`, `/metrics` and `/v1/events` until `shutdown`.
 ///
 /// # Errors
 /// I/O errors of the listener.
@@ -45,6 +51,7 @@ pub async fn serve(
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/v1/events", get(events))
         .with_state(cluster);
     axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
 }

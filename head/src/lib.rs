@@ -9,6 +9,7 @@ pub mod config;
 pub mod drain;
 pub mod election;
 pub mod error;
+pub mod events;
 pub mod http;
 pub mod metrics;
 pub mod placement;

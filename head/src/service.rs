@@ -11,8 +11,8 @@ use prism_common::proto::v1::{
     ApplyDeploymentRequest, ApplyDeploymentResponse, ClusterStatusRequest, ClusterStatusResponse,
     DeleteDeploymentRequest, DeleteDeploymentResponse, DrainNodeRequest, HeadMessage, ListDeploymentsRequest,
     ListDeploymentsResponse, ListNodesRequest, ListNodesResponse, ListReplicasRequest, ListReplicasResponse,
-    NodeRequest, NodeResponse, RouteTable, ScaleDeploymentRequest, ScaleDeploymentResponse, WatchRoutesRequest,
-    WorkerMessage,
+    NodeRequest, NodeResponse, RouteTable, RouterDemandAck, RouterDemandReport, ScaleDeploymentRequest,
+    ScaleDeploymentResponse, WatchRoutesRequest, WorkerMessage,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -63,13 +63,28 @@ impl HeadService for HeadGrpc {
         Ok(Response::new(registry::open_session(&self.cluster, request.into_inner()).await?))
     }
 
-    async fn report_demand(
-        &self,
-        _request: Request<prism_common::proto::v1::RouterDemandReport>,
-    ) -> Result<Response<prism_common::proto::v1::RouterDemandAck>, Status> {
-        // The autoscaler's input; not consumed yet.
+    /// Keeps the router's latest demand (the autoscaler's queue input); a model with queued
+    /// requests and no replica wakes the reconciler at once (scale from zero).
+    async fn report_demand(&self, request: Request<RouterDemandReport>) -> Result<Response<RouterDemandAck>, Status> {
         self.leader_only()?;
-        Err(Status::unimplemented("demand reports are not consumed by this head yet"))
+        let r = request.into_inner();
+        if r.router_id.is_empty() {
+            return Err(HeadError::InvalidArgument("router_id is required".into()).into());
+        }
+        let mut st = self.cluster.lock().await;
+        let wake = r.models.iter().any(|m| {
+            m.queued > 0
+                && st.view().deployments.values().filter_map(|d| d.record.spec.as_ref()).any(|s| {
+                    s.replicas == 0
+                        && s.engine.as_ref().map_or(s.name.as_str(), |e| e.served_model_name.as_str()) == m.model
+                })
+        });
+        st.record_demand(r.router_id, r.models, tokio::time::Instant::now());
+        drop(st);
+        if wake {
+            self.cluster.kick();
+        }
+        Ok(Response::new(RouterDemandAck {}))
     }
 
     async fn watch_routes(

@@ -257,7 +257,7 @@ def check_references(rep: Report, overlay: str, docs: list[dict]) -> None:
         rep.check(any(d["kind"] == ref.get("kind", "Deployment") and d["metadata"]["name"] == ref["name"]
                       for d in docs), where, f"scale target {ref} is not in the overlay")
         queries = " ".join(t["metadata"].get("query", "") for t in so["spec"]["triggers"])
-        for metric in ("vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc"):
+        for metric in ("vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc", "prism_gpu_demand"):
             rep.check(metric in queries, where, f"no trigger on {metric}")
         for t in so["spec"]["triggers"]:
             rep.check(t["type"] == "prometheus" and "serverAddress" in t["metadata"]

@@ -11,7 +11,8 @@
 //! - every probe path and port answers on the real binaries started with the manifests'
 //!   own arguments (`probe_binaries.py`; binaries from `cargo build --workspace --bins`);
 //! - the Dockerfile passes hadolint;
-//! - `scripts/keda_query.py` gives the values KEDA would see for the ScaledObject.
+//! - `scripts/keda_query.py` gives the values KEDA would see for the ScaledObject (the
+//!   workers' queue and KV-cache triggers, the head's GPU-demand trigger).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -166,6 +167,35 @@ fn keda_query_gives_what_keda_would_see() -> Result<()> {
     ensure!((number(&json, &["triggers", "1", "value"])? - 0.75).abs() < 1e-9);
     ensure!(number(&json, &["triggers", "1", "desired_replicas"])? == 2.0);
     ensure!(number(&json, &["desired_replicas"])? == 3.0);
+
+    // The head's GPU demand: 16 GPUs held on spot nodes + 16 of Pending replicas (the
+    // follower head exports none, the on-demand pool's 16 do not count), AverageValue 8
+    // GPUs per spot pod -> ceil(32 / 8) = 4 pods, more than the queue asks for.
+    let out = run(Command::new(&python).args([
+        "scripts/keda_query.py",
+        "--json",
+        "--current-replicas",
+        "2",
+        "--target",
+        &format!("{fixtures}/worker-0.prom"),
+        "pod=prism-worker-spot-0",
+        "--target",
+        &format!("{fixtures}/worker-1.prom"),
+        "pod=prism-worker-spot-1",
+        "--target",
+        &format!("{fixtures}/head-0.prom"),
+        "pod=prism-head-0",
+        "--target",
+        &format!("{fixtures}/head-1.prom"),
+        "pod=prism-head-1",
+    ]))?;
+    ensure!(out.status.success(), "keda_query.py failed");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(json["triggers"][2]["name"] == "gpu-demand", "{json}");
+    ensure!(number(&json, &["triggers", "2", "value"])? == 32.0, "{json}");
+    ensure!(number(&json, &["triggers", "2", "desired_replicas"])? == 4.0, "{json}");
+    ensure!(number(&json, &["triggers", "0", "desired_replicas"])? == 3.0, "{json}");
+    ensure!(number(&json, &["desired_replicas"])? == 4.0, "{json}");
 
     // A query that matches two series is an error for KEDA, and so for the script.
     let out = run(Command::new(&python).args([

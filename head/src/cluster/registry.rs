@@ -24,6 +24,7 @@ use super::Cluster;
 use super::state::{Session, State};
 use crate::drain;
 use crate::error::{HeadError, HeadResult};
+use crate::events::EventKind;
 
 /// Commands queued per worker session before it counts as stuck.
 const SESSION_QUEUE: usize = 1024;
@@ -248,6 +249,12 @@ async fn handle_status(
         match (cur, rs) {
             (_, ReplicaState::Stopped) => {
                 cluster.delete_replica(st, rid).await?;
+                cluster.events().push(
+                    EventKind::ReplicaStopped,
+                    &before.deployment,
+                    rid.as_str(),
+                    format!("on {node}"),
+                );
                 continue;
             }
             (ReplicaState::Draining | ReplicaState::Stopping, ReplicaState::Failed) => {
@@ -262,9 +269,11 @@ async fn handle_status(
                 rec.reason = if rs == ReplicaState::Failed { rep.reason.clone() } else { String::new() };
                 if rs == ReplicaState::Ready && rec.ready_unix_ms == 0 {
                     rec.ready_unix_ms = unix_ms();
+                    cluster.events().push(EventKind::ReplicaReady, &rec.deployment, rid.as_str(), format!("on {node}"));
                 }
                 if rs == ReplicaState::Failed && cur != ReplicaState::Failed {
                     rec.failed_unix_ms = unix_ms();
+                    cluster.events().push(EventKind::ReplicaFailed, &rec.deployment, rid.as_str(), rep.reason.clone());
                 }
             }
             (ReplicaState::Starting | ReplicaState::Ready, ReplicaState::Draining | ReplicaState::Stopping) => {

@@ -6,8 +6,9 @@
 //! happens under that lock.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
-use prism_common::proto::v1::{HeadMessage, LoadReport, head_message};
+use prism_common::proto::v1::{HeadMessage, LoadReport, ModelDemand, head_message};
 use prism_common::{NodeId, ReplicaId};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -15,6 +16,11 @@ use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 use super::view::ClusterView;
+use crate::placement::autoscaler::Autoscaler;
+
+/// A router's demand report counts this long after it came (routers report about once a
+/// second; one silent for longer is gone or cut off, and its queue with it).
+pub const ROUTER_DEMAND_TTL: Duration = Duration::from_secs(5);
 
 /// A held lock on [`State`].
 pub type StateGuard<'a> = tokio::sync::MutexGuard<'a, State>;
@@ -64,6 +70,10 @@ pub struct State {
     loads: HashMap<ReplicaId, LoadReport>,
     /// Drain timers of Draining replicas.
     draining: HashMap<ReplicaId, DrainTimer>,
+    /// Latest demand report per router id, with when it came (not persisted).
+    demand: HashMap<String, (Instant, Vec<ModelDemand>)>,
+    /// The autoscaler's load windows (this term's observations only).
+    autoscaler: Autoscaler,
     /// Number of store transactions this head has committed (benchmarks).
     writes: u64,
 }
@@ -110,6 +120,8 @@ impl State {
         self.sessions.clear();
         self.loads.clear();
         self.draining.clear();
+        self.demand.clear();
+        self.autoscaler = Autoscaler::default();
         self.loaded = true;
     }
 
@@ -224,5 +236,71 @@ impl State {
     /// Ends a replica's drain timer (it is being stopped).
     pub fn clear_drain_timer(&mut self, replica: &ReplicaId) {
         self.draining.remove(replica);
+    }
+
+    /// Keeps `router`'s latest demand report (received at `now`), replacing its previous
+    /// one, and forgets routers silent for [`ROUTER_DEMAND_TTL`].
+    pub fn record_demand(&mut self, router: String, models: Vec<ModelDemand>, now: Instant) {
+        self.demand.retain(|_, (at, _)| now.duration_since(*at) <= ROUTER_DEMAND_TTL);
+        self.demand.insert(router, (now, models));
+    }
+
+    /// Requests queued for served model `model` over the routers that reported within
+    /// [`ROUTER_DEMAND_TTL`] of `now`.
+    pub fn queued_for(&self, model: &str, now: Instant) -> u32 {
+        self.demand
+            .values()
+            .filter(|(at, _)| now.duration_since(*at) <= ROUTER_DEMAND_TTL)
+            .flat_map(|(_, models)| models.iter().filter(|m| m.model == model))
+            .fold(0u32, |sum, m| sum.saturating_add(m.queued))
+    }
+
+    /// Routers whose demand report still counts at `now`.
+    pub fn reporting_routers(&self, now: Instant) -> usize {
+        self.demand.values().filter(|(at, _)| now.duration_since(*at) <= ROUTER_DEMAND_TTL).count()
+    }
+
+    /// Takes the autoscaler's windows out (put them back with [`put_autoscaler`](Self::put_autoscaler)),
+    /// so a pass can read the view while it updates them.
+    pub fn take_autoscaler(&mut self) -> Autoscaler {
+        std::mem::take(&mut self.autoscaler)
+    }
+
+    /// Puts the autoscaler's windows back after a pass (dropped if the term ended meanwhile).
+    pub fn put_autoscaler(&mut self, a: Autoscaler) {
+        if self.loaded {
+            self.autoscaler = a;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn demand(model: &str, queued: u32) -> ModelDemand {
+        ModelDemand { model: model.into(), queued, ..Default::default() }
+    }
+
+    #[test]
+    fn demand_is_the_sum_of_the_latest_report_per_router_and_silent_routers_are_forgotten() {
+        let mut st = State::default();
+        let t0 = Instant::now();
+        st.record_demand("r1".into(), vec![demand("a", 3), demand("b", 1)], t0);
+        st.record_demand("r2".into(), vec![demand("a", 2)], t0 + Duration::from_secs(1));
+        assert_eq!(st.queued_for("a", t0 + Duration::from_secs(1)), 5);
+        assert_eq!(st.queued_for("b", t0 + Duration::from_secs(1)), 1);
+        assert_eq!(st.queued_for("c", t0 + Duration::from_secs(1)), 0);
+        // A newer report replaces the router's previous one.
+        st.record_demand("r1".into(), vec![demand("a", 1)], t0 + Duration::from_secs(2));
+        assert_eq!(st.queued_for("a", t0 + Duration::from_secs(2)), 3);
+        assert_eq!(st.queued_for("b", t0 + Duration::from_secs(2)), 0);
+        // r2 falls silent: its queue stops counting after the TTL.
+        let later = t0 + Duration::from_secs(1) + ROUTER_DEMAND_TTL + Duration::from_millis(1);
+        assert_eq!(st.queued_for("a", later), 1);
+        assert_eq!(st.reporting_routers(later), 1);
+        st.record_demand("r1".into(), vec![], later);
+        assert_eq!(st.queued_for("a", later), 0);
+        assert_eq!(st.demand.len(), 1, "the silent router was dropped");
     }
 }

@@ -106,7 +106,7 @@ impl ClusterView {
 
     /// The planner's inputs. `connected` holds the nodes with a live worker session;
     /// a replica that failed after being Ready is due for replacement `restart_delay`
-    /// after it failed.
+    /// after it failed. Replica loads are 0 here (the caller fills them from load reports).
     pub fn planner_inputs(
         &self,
         connected: &HashSet<NodeId>,
@@ -164,6 +164,7 @@ impl ClusterView {
                     restart_due: r.state() == ReplicaState::Failed
                         && r.ready_unix_ms > 0
                         && now.saturating_sub(r.failed_unix_ms) >= restart_delay.as_millis() as u64,
+                    load: 0,
                 }
             })
             .collect();

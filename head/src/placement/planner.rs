@@ -79,6 +79,9 @@ pub struct ReplicaView {
     /// Failed after having been Ready, and its restart delay has passed: stop it and
     /// create a replacement (startup failures keep `false`, so they never loop).
     pub restart_due: bool,
+    /// Requests on it (running + waiting, from its latest load report; 0 when none): a
+    /// scale-down drains the least-loaded Ready replica.
+    pub load: u32,
 }
 
 /// Where a replica goes: the planner's decision for one replica.
@@ -139,7 +142,8 @@ pub fn holds_slots(s: ReplicaState) -> bool {
     matches!(s, ReplicaState::Starting | ReplicaState::Ready | ReplicaState::Draining | ReplicaState::Stopping)
 }
 
-/// Removal preference: lower goes first.
+/// Removal preference: lower goes first (then, among Ready replicas, the least loaded), so
+/// a scale-down never drains a Ready replica while a Pending or Starting one could go.
 fn removal_rank(s: ReplicaState) -> u8 {
     match s {
         ReplicaState::Pending => 0,
@@ -223,12 +227,17 @@ pub fn plan(nodes: &[NodeView], deployments: &[DeploymentView], replicas: &[Repl
     for d in deps.values() {
         let mut mine = active.remove(&d.name).unwrap_or_default();
         let want = d.replicas as usize;
-        // Scale down: least useful first, from the most crowded node.
+        // Scale down: least useful first (Pending, Failed, Starting, then the least-loaded
+        // Ready replica, which drains), from the most crowded node among equals.
         while mine.len() > want {
             let Some((idx, _)) = mine.iter().enumerate().min_by(|(_, a), (_, b)| {
                 let ca = a.node.as_ref().map_or(0, |n| cap.dep_count(&d.name, n));
                 let cb = b.node.as_ref().map_or(0, |n| cap.dep_count(&d.name, n));
-                removal_rank(a.state).cmp(&removal_rank(b.state)).then(cb.cmp(&ca)).then(b.id.cmp(&a.id))
+                removal_rank(a.state)
+                    .cmp(&removal_rank(b.state))
+                    .then(a.load.cmp(&b.load))
+                    .then(cb.cmp(&ca))
+                    .then(b.id.cmp(&a.id))
             }) else {
                 break;
             };
@@ -360,6 +369,7 @@ mod tests {
                         reason: String::new(),
                         generation: *generation,
                         restart_due: false,
+                        load: 0,
                     };
                     set(&mut r, placement);
                     replicas.push(r);
@@ -531,6 +541,46 @@ mod tests {
         // Draining replicas keep their GPUs until stopped.
         no_slot_twice(&rs);
         assert!(plan(&nodes, &[dep("m", 1, 2)], &rs).is_empty());
+    }
+
+    #[test]
+    fn scale_down_goes_pending_then_starting_then_the_least_loaded_ready_one() {
+        let nodes = vec![node("a", 2, &[]), node("b", 1, &[])];
+        let mut rs = Vec::new();
+        let acts = plan(&nodes, &[dep("m", 1, 3)], &rs);
+        apply(&mut rs, &acts);
+        for (r, load) in rs.iter_mut().zip([5, 1, 3]) {
+            r.state = ReplicaState::Ready;
+            r.load = load;
+        }
+        // Scale up by two (one Starting, one Pending: no slot left), then at once back to 3.
+        let acts = plan(&nodes, &[dep("m", 1, 4)], &rs);
+        apply(&mut rs, &acts);
+        rs.push(ReplicaView { id: "m-pending".into(), node: None, slots: vec![], ..rs[0].clone() });
+        rs.last_mut().expect("pushed").state = ReplicaState::Pending;
+        assert_eq!(rs.iter().filter(|r| r.state == ReplicaState::Starting).count(), 0, "no free slot: {rs:?}");
+        // Free a slot so the 4th is Starting.
+        let mut nodes = nodes;
+        nodes.push(node("c", 1, &[]));
+        let acts = plan(&nodes, &[dep("m", 1, 5)], &rs);
+        apply(&mut rs, &acts);
+        let starting: Vec<ReplicaId> =
+            rs.iter().filter(|r| r.state == ReplicaState::Starting).map(|r| r.id.clone()).collect();
+        assert_eq!(starting.len(), 1, "{rs:?}");
+        let ready_before: Vec<ReplicaId> =
+            rs.iter().filter(|r| r.state == ReplicaState::Ready).map(|r| r.id.clone()).collect();
+        // 5 -> 3: the Pending one and the Starting one go; every Ready replica stays.
+        let acts = plan(&nodes, &[dep("m", 1, 3)], &rs);
+        let removed: Vec<&ReplicaId> =
+            acts.iter().filter_map(|a| if let Action::Remove { replica } = a { Some(replica) } else { None }).collect();
+        assert_eq!(removed.len(), 2, "{acts:?}");
+        assert!(removed.iter().all(|id| !ready_before.contains(id)), "a Ready replica removed: {acts:?}");
+        assert!(removed.contains(&&starting[0]));
+        apply(&mut rs, &acts);
+        // 3 -> 2: the least-loaded Ready replica (load 1) drains.
+        let acts = plan(&nodes, &[dep("m", 1, 2)], &rs);
+        let Some(Action::Remove { replica }) = acts.first() else { panic!("{acts:?}") };
+        assert_eq!(rs.iter().find(|r| &r.id == replica).map(|r| r.load), Some(1));
     }
 
     #[test]

@@ -2,26 +2,33 @@
 //! the leader compares desired state (deployments) with observed state (replica records,
 //! worker sessions and reports) and acts — marks nodes whose session is gone for
 //! `worker_timeout` Dead, stops drained replicas when idle or at their deadline
-//! ([`drain::stop_drained`]), and applies the [`planner`](super::planner)'s actions
-//! (create, place, remove — by draining, evict).
+//! ([`drain::stop_drained`]), feeds each autoscaled deployment's load to the
+//! [`autoscaler`](super::autoscaler) and writes its decisions (`spec.replicas` and
+//! `last_scaling`, one write per change), and applies the [`planner`](super::planner)'s
+//! actions (create, place, remove — by draining, evict).
 //! Every pass is idempotent; a failed pass (store error, lost compare-and-swap) reloads the
 //! view and is requeued with a short backoff.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use prism_common::proto::v1::{NodeState, ReplicaRecord, ReplicaState, StopReplica, head_message};
+use prism_common::proto::v1::{
+    DeploymentRecord, NodeState, ReplicaRecord, ReplicaState, ScalingDecision, StopReplica, head_message,
+};
 use prism_common::time::unix_ms;
-use prism_common::{DeploymentName, NodeId, ReplicaId};
+use prism_common::{NodeId, ReplicaId};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::autoscaler::{Autoscaler, Inputs};
 use super::planner::{Action, PlacementDecision, plan};
+use crate::admin::autoscaling_params;
 use crate::cluster::Cluster;
 use crate::cluster::registry::send_start;
 use crate::cluster::state::State;
 use crate::drain;
 use crate::error::HeadResult;
+use crate::events::EventKind;
 
 /// Runs the reconciler until `shutdown`.
 pub async fn run(cluster: Arc<Cluster>, shutdown: CancellationToken) {
@@ -70,11 +77,76 @@ pub async fn reconcile_once(cluster: &Cluster) -> HeadResult<()> {
 async fn pass(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
     mark_dead_nodes(cluster, st).await?;
     drain::stop_drained(cluster, st).await?;
+    let mut autoscaler = st.take_autoscaler();
+    let scaled = autoscale(cluster, st, &mut autoscaler).await;
+    st.put_autoscaler(autoscaler);
+    scaled?;
     let connected = st.connected_nodes();
-    let (nodes, deps, replicas) = st.view().planner_inputs(&connected, cluster.cfg().replica_restart_delay);
+    let (nodes, deps, mut replicas) = st.view().planner_inputs(&connected, cluster.cfg().replica_restart_delay);
+    for r in &mut replicas {
+        r.load = st.load(&r.id).map_or(0, |l| l.running.saturating_add(l.waiting));
+    }
     let actions = plan(&nodes, &deps, &replicas);
     for a in actions {
         apply(cluster, st, a).await?;
+    }
+    Ok(())
+}
+
+/// Observes every autoscaled deployment's load and writes the decisions that are due.
+async fn autoscale(cluster: &Cluster, st: &mut State, autoscaler: &mut Autoscaler) -> HeadResult<()> {
+    let now = std::time::Instant::now();
+    let tnow = Instant::now();
+    let mut due: Vec<(DeploymentRecord, super::autoscaler::Decision)> = Vec::new();
+    let view = st.view();
+    autoscaler.retain(|d| {
+        view.deployments.get(d).is_some_and(|e| e.record.spec.as_ref().is_some_and(|s| s.autoscaling.is_some()))
+    });
+    for (name, e) in &view.deployments {
+        let Some(spec) = e.record.spec.as_ref() else { continue };
+        let Some(p) = autoscaling_params(spec) else { continue };
+        let served = spec
+            .engine
+            .as_ref()
+            .map(|e| e.served_model_name.as_str())
+            .filter(|s| !s.is_empty())
+            .unwrap_or(name.as_str());
+        let ready: Vec<ReplicaId> = st
+            .view()
+            .replicas
+            .iter()
+            .filter(|(_, r)| r.record.deployment == name.as_str() && r.record.state() == ReplicaState::Ready)
+            .map(|(id, _)| id.clone())
+            .collect();
+        let loads: Vec<_> = ready.iter().filter_map(|id| st.load(id)).collect();
+        if loads.len() < ready.len() {
+            // A Ready replica has not reported yet (a new leader, a replica just Ready): no
+            // observation from missing data.
+            continue;
+        }
+        let queued = st.queued_for(served, tnow);
+        let running: f64 = loads.iter().map(|l| f64::from(l.running) + f64::from(l.waiting)).sum();
+        let kv = (!loads.is_empty()).then(|| {
+            loads.iter().map(|l| f64::from(l.kv_cache_usage.clamp(0.0, 1.0))).sum::<f64>() / loads.len() as f64
+        });
+        let inputs = Inputs { ongoing: running + f64::from(queued), queued, kv_cache_usage: kv };
+        if let Some(d) = autoscaler.observe(name, &p, now, spec.replicas, inputs) {
+            due.push((e.record.clone(), d));
+        }
+    }
+    for (mut rec, d) in due {
+        let spec = rec.spec.get_or_insert_with(Default::default);
+        let name = spec.name.clone();
+        spec.replicas = d.to;
+        rec.last_scaling = Some(ScalingDecision {
+            unix_ms: unix_ms(),
+            from_replicas: d.from,
+            to_replicas: d.to,
+            reason: d.reason.clone(),
+        });
+        cluster.put_deployment(st, rec).await?;
+        cluster.metrics().count_scaling(&name, d.to > d.from);
+        cluster.events().push(EventKind::Scaling, &name, "", format!("{} -> {}: {}", d.from, d.to, d.reason));
     }
     Ok(())
 }
@@ -142,13 +214,15 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
                     cluster.delete_replica(st, &replica).await
                 }
                 _ => {
-                    tracing::info!(replica = %replica, deployment = %rec.deployment, "removing replica: draining");
+                    let msg = format!("{:?} replica removed: draining", rec.state());
+                    cluster.events().push(EventKind::ReplicaRemoved, &rec.deployment, replica.as_str(), msg);
                     drain::drain_replica(cluster, st, rec, Duration::ZERO, "removed by scale-down or spec change").await
                 }
             }
         }
         Action::Evict { replica } => {
-            tracing::info!(replica = %replica, "evicting replica of a dead node");
+            let dep = st.view().replicas.get(&replica).map(|e| e.record.deployment.clone()).unwrap_or_default();
+            cluster.events().push(EventKind::ReplicaEvicted, &dep, replica.as_str(), "its node is dead".into());
             cluster.delete_replica(st, &replica).await
         }
     }
@@ -170,17 +244,110 @@ async fn place(cluster: &Cluster, st: &mut State, mut rec: ReplicaRecord, p: Pla
             rec.state = ReplicaState::Starting as i32;
             rec.reason.clear();
             let id = ReplicaId::from(rec.replica_id.as_str());
-            tracing::info!(replica = %id, node = %node, gpus = ?rec.gpu_indices, "replica placed");
+            let msg = format!("on {node}, slots {:?}", rec.gpu_indices);
+            cluster.events().push(EventKind::ReplicaPlaced, &rec.deployment, id.as_str(), msg);
             cluster.put_replica(st, rec).await?;
             cluster.metrics().placement_decisions.inc();
             send_start(st, &id);
         }
         PlacementDecision::Pending { reason } => {
-            tracing::info!(replica = %rec.replica_id, deployment = %DeploymentName::from(rec.deployment.as_str()), %reason, "replica pending");
+            cluster.events().push(EventKind::ReplicaPending, &rec.deployment, &rec.replica_id, reason.clone());
             rec.state = ReplicaState::Pending as i32;
             rec.reason = reason;
             cluster.put_replica(st, rec).await?;
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use prism_common::proto::v1::{AutoscalingConfig, DeploymentSpec, EngineConfig, ModelDemand, NodeInventory};
+    use prism_common::state_store::StateStore;
+    use prism_common::state_store::embedded::EmbeddedStore;
+    use tokio::sync::watch;
+
+    use super::*;
+    use crate::cluster::registry;
+    use crate::config::{HeadConfig, StoreSpec};
+    use crate::election::Leadership;
+    use crate::error::HeadError;
+    use crate::metrics::Metrics;
+
+    fn autoscaled(min: u32, max: u32) -> DeploymentSpec {
+        DeploymentSpec {
+            name: "d".into(),
+            engine: Some(EngineConfig {
+                model: "/m.gguf".into(),
+                served_model_name: "served".into(),
+                tensor_parallel_size: 1,
+                ..Default::default()
+            }),
+            autoscaling: Some(AutoscalingConfig {
+                min_replicas: min,
+                max_replicas: max,
+                upscale_delay_s: Some(0.0),
+                downscale_delay_s: Some(0.0),
+                look_back_period_s: Some(0.0),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    async fn leader() -> (Arc<Cluster>, watch::Sender<Leadership>) {
+        let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::in_memory().expect("store"));
+        let (lead_tx, lead_rx) = watch::channel(Leadership::Leader);
+        let cfg = HeadConfig::new(StoreSpec::Embedded("unused".into()), "http://127.0.0.1:50050");
+        let cluster = Cluster::new(cfg, store, lead_rx, Metrics::new());
+        cluster.on_elected(1).await.expect("elected");
+        (cluster, lead_tx)
+    }
+
+    async fn replicas_of(cluster: &Cluster) -> (u32, Option<ScalingDecision>) {
+        let st = cluster.lock().await;
+        let rec = &st.view().deployments[&prism_common::DeploymentName::from("d")].record;
+        (rec.spec.as_ref().map_or(0, |s| s.replicas), rec.last_scaling.clone())
+    }
+
+    #[tokio::test]
+    async fn queued_demand_scales_from_zero_and_an_idle_deployment_back_to_zero() {
+        let (cluster, _lead) = leader().await;
+        let inv = NodeInventory {
+            node_id: "n1".into(),
+            address: "http://127.0.0.1:1".into(),
+            cpu_slots: 2,
+            ..Default::default()
+        };
+        let _worker = registry::register(&cluster, inv).await.expect("registered");
+        crate::admin::apply_deployment(&cluster, autoscaled(0, 2)).await.expect("applied");
+        reconcile_once(&cluster).await.expect("pass");
+        assert_eq!(replicas_of(&cluster).await, (0, None), "initial = min = 0, nothing queued");
+        // A router queues 3 requests for the served model: 1 replica at the next pass.
+        let demand = vec![ModelDemand { model: "served".into(), queued: 3, ..Default::default() }];
+        cluster.lock().await.record_demand("router-1".into(), demand, Instant::now());
+        reconcile_once(&cluster).await.expect("pass");
+        let (n, last) = replicas_of(&cluster).await;
+        assert_eq!(n, 1);
+        let last = last.expect("a decision");
+        assert_eq!((last.from_replicas, last.to_replicas), (0, 1));
+        assert!(last.reason.starts_with("scale from zero: 3 requests queued"), "{}", last.reason);
+        assert_eq!(cluster.lock().await.view().replicas.len(), 1, "the planner created the replica");
+        assert!(
+            cluster.events().recent().iter().any(|e| e.kind == EventKind::Scaling && e.message.starts_with("0 -> 1"))
+        );
+        // `prism scale` is refused on an autoscaled deployment; re-applying keeps the count.
+        let refused = crate::admin::scale_deployment(&cluster, "d", 2).await;
+        assert!(matches!(refused, Err(HeadError::FailedPrecondition(m)) if m.contains("autoscaled")));
+        crate::admin::apply_deployment(&cluster, autoscaled(0, 3)).await.expect("re-applied");
+        assert_eq!(replicas_of(&cluster).await.0, 1);
+        // The queue drains and the router goes silent: back to zero (delays 0 here).
+        cluster.lock().await.record_demand("router-1".into(), vec![], Instant::now());
+        reconcile_once(&cluster).await.expect("pass");
+        let (n, last) = replicas_of(&cluster).await;
+        assert_eq!(n, 0, "{last:?}");
+        assert!(last.expect("a decision").reason.starts_with("no ongoing or queued requests"));
+    }
 }

@@ -12,12 +12,14 @@ pub struct Deployment {
     pub model: PathBuf,
     /// Name clients request (`served_model_name`; [`SERVED`] unless set).
     pub served_model_name: String,
-    /// Replica count.
+    /// Replica count (with `autoscaling`, the count it starts at: what `start` waits for).
     pub replicas: u32,
     /// Placement strategy (`spread` unless set).
     pub placement: String,
     /// Engine settings (`engine:` keys such as `max_num_seqs`), in order.
     pub engine: Vec<(String, String)>,
+    /// `autoscaling_config:` keys (Ray Serve's names), in order; empty = a fixed `replicas`.
+    pub autoscaling: Vec<(String, String)>,
 }
 
 impl Deployment {
@@ -30,7 +32,18 @@ impl Deployment {
             replicas: 1,
             placement: "spread".to_owned(),
             engine: Vec::new(),
+            autoscaling: Vec::new(),
         }
+    }
+
+    /// The same autoscaled with `autoscaling_config` keys such as `("max_replicas", "3")`;
+    /// it starts at `initial_replicas`, else `min_replicas`, else 0.
+    #[must_use]
+    pub fn autoscaling(mut self, keys: &[(&str, &str)]) -> Self {
+        self.autoscaling = keys.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        let get = |k: &str| self.autoscaling.iter().find(|(key, _)| key == k).and_then(|(_, v)| v.parse().ok());
+        self.replicas = get("initial_replicas").or_else(|| get("min_replicas")).unwrap_or(0);
+        self
     }
 
     /// The same with `replicas` replicas.
@@ -57,13 +70,20 @@ impl Deployment {
     /// The deployment file.
     pub fn to_yaml(&self) -> String {
         let mut yaml = format!(
-            "name: {}\nmodel: {}\nserved_model_name: {}\nreplicas: {}\nplacement: {}\n",
+            "name: {}\nmodel: {}\nserved_model_name: {}\n",
             self.name,
             self.model.display(),
-            self.served_model_name,
-            self.replicas,
-            self.placement
+            self.served_model_name
         );
+        if self.autoscaling.is_empty() {
+            yaml.push_str(&format!("replicas: {}\n", self.replicas));
+        } else {
+            yaml.push_str("autoscaling_config:\n");
+            for (k, v) in &self.autoscaling {
+                yaml.push_str(&format!("  {k}: {v}\n"));
+            }
+        }
+        yaml.push_str(&format!("placement: {}\n", self.placement));
         if !self.engine.is_empty() {
             yaml.push_str("engine:\n");
             for (k, v) in &self.engine {
@@ -89,5 +109,13 @@ mod tests {
         let engine = "engine:\n  max_num_seqs: 4\n  max_num_batched_tokens: 32\n";
         let tail = format!("served_model_name: Other\nreplicas: 2\nplacement: spread\n{engine}");
         assert!(d.to_yaml().ends_with(&tail), "{}", d.to_yaml());
+        let d = Deployment::new(Path::new("/m")).autoscaling(&[("min_replicas", "1"), ("max_replicas", "3")]);
+        assert_eq!(d.replicas, 1);
+        assert!(
+            d.to_yaml().ends_with("autoscaling_config:\n  min_replicas: 1\n  max_replicas: 3\nplacement: spread\n"),
+            "{}",
+            d.to_yaml()
+        );
+        assert!(!d.to_yaml().contains("replicas: 1\nplacement"));
     }
 }
