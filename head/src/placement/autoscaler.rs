@@ -17,7 +17,9 @@
 //!   the clock;
 //! - scale from zero: demand for a deployment at 0 replicas gives 1 at once;
 //! - scale to zero (min 0): no ongoing and no queued request over the look-back period, for
-//!   `downscale_delay_s`.
+//!   `downscale_delay_s`;
+//! - no downscale while a replica is Starting: the delay counts from when none is loading,
+//!   so clients that give up during a cold start do not cancel it for the next ones.
 //!
 //! A window starts empty (a new leader, a new deployment), so no decision is made from
 //! history this head did not see.
@@ -44,6 +46,9 @@ pub struct Inputs {
     pub queued: u32,
     /// Mean KV-cache usage of its Ready replicas, in [0, 1] (None when none reports).
     pub kv_cache_usage: Option<f64>,
+    /// Its replicas still loading (Starting). While one is, no downscale is due: a cold start
+    /// is never cut short because the clients that asked for it gave up.
+    pub starting: u32,
 }
 
 /// A change of a deployment's replica count.
@@ -133,6 +138,11 @@ impl Window {
                 return None;
             }
         };
+        if direction == Direction::Down && inputs.starting > 0 {
+            // The downscale clock starts once nothing is loading.
+            self.proposal = None;
+            return None;
+        }
         let since = match self.proposal {
             Some(pr) if pr.direction == direction => pr.since,
             _ => now,

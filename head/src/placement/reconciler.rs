@@ -129,7 +129,14 @@ async fn autoscale(cluster: &Cluster, st: &mut State, autoscaler: &mut Autoscale
         let kv = (!loads.is_empty()).then(|| {
             loads.iter().map(|l| f64::from(l.kv_cache_usage.clamp(0.0, 1.0))).sum::<f64>() / loads.len() as f64
         });
-        let inputs = Inputs { ongoing: running + f64::from(queued), queued, kv_cache_usage: kv };
+        let starting = st
+            .view()
+            .replicas
+            .values()
+            .filter(|r| r.record.deployment == name.as_str() && r.record.state() == ReplicaState::Starting)
+            .count();
+        let starting = u32::try_from(starting).unwrap_or(u32::MAX);
+        let inputs = Inputs { ongoing: running + f64::from(queued), queued, kv_cache_usage: kv, starting };
         if let Some(d) = autoscaler.observe(name, &p, now, spec.replicas, inputs) {
             due.push((e.record.clone(), d));
         }

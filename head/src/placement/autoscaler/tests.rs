@@ -23,7 +23,7 @@ fn params() -> Params {
 }
 
 fn load(ongoing: f64) -> Inputs {
-    Inputs { ongoing, queued: 0, kv_cache_usage: None }
+    Inputs { ongoing, queued: 0, kv_cache_usage: None, starting: 0 }
 }
 
 /// Feeds `inputs(t)` from `from_s` to `to_s` seconds, applying every decision; returns
@@ -125,7 +125,7 @@ fn scale_from_zero_is_immediate_and_scale_to_zero_waits_for_an_idle_window() {
     s.run(0.0, 20.0, |_| load(0.0));
     assert!(s.decisions.is_empty());
     // One queued request at 0 replicas: 1 replica at the first observation.
-    s.run(20.5, 20.5, |_| Inputs { ongoing: 1.0, queued: 1, kv_cache_usage: None });
+    s.run(20.5, 20.5, |_| Inputs { ongoing: 1.0, queued: 1, kv_cache_usage: None, starting: 0 });
     assert_eq!(s.decisions.len(), 1);
     assert_eq!((s.decisions[0].1.from, s.decisions[0].1.to), (0, 1));
     assert!(s.decisions[0].1.reason.starts_with("scale from zero: 1 requests queued"));
@@ -170,7 +170,8 @@ fn factors_smooth_each_step_rounding_away_from_current() {
 #[test]
 fn kv_cache_usage_above_target_adds_one_replica_and_blocks_downscale() {
     let p = Params { target_kv_cache_usage: Some(0.8), ..params() };
-    let kv = |usage: f64, ongoing: f64| move |_| Inputs { ongoing, queued: 0, kv_cache_usage: Some(usage) };
+    let kv =
+        |usage: f64, ongoing: f64| move |_| Inputs { ongoing, queued: 0, kv_cache_usage: Some(usage), starting: 0 };
     let mut s = Sim::new(p.clone(), 1);
     s.run(0.0, 30.0, kv(0.95, 1.0));
     assert_eq!(s.decisions.iter().map(|(_, d)| d.to).collect::<Vec<_>>(), vec![2, 3]);
@@ -199,4 +200,21 @@ fn a_fresh_window_makes_no_instant_decision() {
     // Forgotten windows start over.
     a.forget(&dep);
     assert_eq!(a.observe(&dep, &p, t0 + Duration::from_secs(9), 3, load(0.5)), None);
+}
+
+#[test]
+fn a_cold_start_is_not_cut_short_when_its_clients_give_up() {
+    let p = Params { min_replicas: 0, ..params() };
+    let mut s = Sim::new(p, 0);
+    s.run(0.0, 0.0, |_| Inputs { ongoing: 5.0, queued: 5, kv_cache_usage: None, starting: 0 });
+    assert_eq!(s.current, 1);
+    // The 5 clients left at once; the replica loads for 30 s (longer than look-back + delay).
+    let loading = |_| Inputs { ongoing: 0.0, queued: 0, kv_cache_usage: None, starting: 1 };
+    s.run(0.5, 30.0, loading);
+    assert_eq!(s.current, 1, "scaled down during the cold start: {:?}", s.decisions);
+    // Ready at 30 s and idle: the downscale delay (8 s) counts from there.
+    s.run(30.5, 60.0, |_| load(0.0));
+    let (t, d) = s.decisions.last().expect("scaled to zero after the cold start");
+    assert_eq!((d.from, d.to), (1, 0));
+    assert!((38.0..=39.5).contains(t), "to zero at {t}");
 }
