@@ -128,7 +128,9 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let g = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let http = format!("http://{}", h.local_addr()?);
-    let cfg = RouterConfig { heads: vec![head_addr], ..Default::default() };
+    // A model without a Ready replica waits in the admission queue for one; a short wait
+    // bound makes that wait end in the 503 checked below.
+    let cfg = RouterConfig { heads: vec![head_addr], max_queue_wait: Duration::from_millis(200), ..Default::default() };
     tokio::spawn(prism_router::run(cfg, h, g, shutdown.clone()));
 
     // Empty table: unknown model.
@@ -147,7 +149,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     let m = reqwest::get(format!("{http}/metrics")).await?.text().await?;
     assert!(m.contains("prism_route_table_version 2"), "{m}");
 
-    // Only Draining replicas: known model, none ready → 503.
+    // Only Draining replicas: known model, none ready → queued, 503 once the wait bound passes.
     tx.send(RouteTable {
         term: 0,
         models: vec![],
