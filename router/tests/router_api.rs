@@ -341,7 +341,7 @@ async fn a_burst_beyond_the_limit_queues_and_only_the_overflow_is_refused() -> a
         sampling: Some(SamplingParams { max_tokens: Some(5), ..Default::default() }),
         ..Default::default()
     };
-    let e = g.generate(req).await.err().expect("refused");
+    let e = g.generate(req).await.expect_err("refused");
     assert_eq!(e.code(), tonic::Code::ResourceExhausted);
     let retry: u32 = e.metadata().get("retry-after").expect("retry-after").to_str()?.parse()?;
     assert!((1..=60).contains(&retry), "retry-after {retry}");
