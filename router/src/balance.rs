@@ -3,13 +3,18 @@
 //! [`select`] filters the model's replicas down to those that may take work (Ready, not
 //! ejected, not excluded by a retry, below their in-flight limit), asks a [`BalancePolicy`]
 //! to choose, and admits the request with a [`DispatchGuard`] that counts its load from the
-//! moment of dispatch until the guard drops (stream end, error or client disconnect).
+//! moment of dispatch until the guard drops (stream end, error or client disconnect); the
+//! drop wakes the admission queue (`crate::admission`), whose waiters may take the slot.
+//! `capacity.rs` decides each replica's limit from what it reports.
 
+pub mod capacity;
 pub mod p2c;
 mod policy;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+
+use tokio::sync::Notify;
 
 use crate::routes::{ReplicaRoute, ReplicaStats, RouteSnapshot};
 
@@ -30,22 +35,25 @@ pub enum SelectError {
     AllFull,
 }
 
-/// Counts one request's load on a replica; releases it on drop.
+/// Counts one request's load on a replica; releases it on drop and wakes whoever waits for
+/// a slot (the admission queue).
 #[derive(Debug)]
 pub struct DispatchGuard {
     stats: Arc<ReplicaStats>,
     tokens: u64,
+    released: Arc<Notify>,
 }
 
 impl Drop for DispatchGuard {
     fn drop(&mut self) {
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.stats.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        self.released.notify_one();
     }
 }
 
 /// Tries to take a slot on `r`; `None` when it is full.
-fn try_admit(r: &ReplicaRoute, tokens: u64) -> Option<DispatchGuard> {
+fn try_admit(r: &ReplicaRoute, tokens: u64, released: &Arc<Notify>) -> Option<DispatchGuard> {
     let prev = r.stats.in_flight.fetch_add(1, Ordering::Relaxed);
     if prev >= r.max_in_flight {
         r.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -53,7 +61,7 @@ fn try_admit(r: &ReplicaRoute, tokens: u64) -> Option<DispatchGuard> {
     }
     r.stats.tokens.fetch_add(tokens, Ordering::Relaxed);
     r.stats.dispatched.fetch_add(1, Ordering::Relaxed);
-    Some(DispatchGuard { stats: r.stats.clone(), tokens })
+    Some(DispatchGuard { stats: r.stats.clone(), tokens, released: Arc::clone(released) })
 }
 
 /// Chooses and admits a replica of `model`, skipping replica ids in `exclude`.
@@ -79,7 +87,7 @@ pub fn select(
     candidates.retain(|r| r.stats.in_flight.load(Ordering::Relaxed) < r.max_in_flight);
     while !candidates.is_empty() {
         let i = policy.pick(&candidates, hint).min(candidates.len() - 1);
-        if let Some(g) = try_admit(candidates[i], hint.expected_tokens) {
+        if let Some(g) = try_admit(candidates[i], hint.expected_tokens, &snap.released) {
             return Ok((candidates[i].clone(), g));
         }
         candidates.swap_remove(i);

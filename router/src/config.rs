@@ -48,9 +48,22 @@ pub struct Args {
     /// Default per-request deadline in seconds (a request's own `timeout_ms` may shorten it).
     #[arg(long = "request-timeout", env = "PRISM_REQUEST_TIMEOUT", default_value_t = 600.0)]
     pub request_timeout_s: f64,
-    /// Requests in flight per replica before it counts as full (when the route gives none).
+    /// Requests in flight per replica before it counts as full, for replicas that report no
+    /// capacity (`max_num_seqs`) and whose deployment sets no `max_in_flight`.
     #[arg(long = "max-in-flight-per-replica", env = "PRISM_MAX_IN_FLIGHT_PER_REPLICA", default_value_t = 256)]
     pub max_in_flight_per_replica: u32,
+    /// Requests per model that may wait in the admission queue while every Ready replica is
+    /// at its limit (or none is Ready yet); past it: 429 with Retry-After. 0 = no queue.
+    #[arg(long = "max-queued-requests", env = "PRISM_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
+    pub max_queued_requests: u32,
+    /// Estimated tokens (prompt + max_tokens × n) per model that may wait in the admission
+    /// queue; past it: 429 with Retry-After.
+    #[arg(long = "max-queued-tokens", env = "PRISM_MAX_QUEUED_TOKENS", default_value_t = 4 << 20)]
+    pub max_queued_tokens: u64,
+    /// Longest wait in the admission queue, in seconds (a request's own deadline may end it
+    /// sooner); past it: 429, or 503 when the model still has no Ready replica.
+    #[arg(long = "max-queue-wait", env = "PRISM_MAX_QUEUE_WAIT", default_value_t = 30.0)]
+    pub max_queue_wait_s: f64,
     /// Fixed route `MODEL=ENDPOINT` (repeatable), bypassing the head; e.g. `smol=http://127.0.0.1:50061`.
     #[arg(long = "static-route", env = "PRISM_STATIC_ROUTE", value_delimiter = ',')]
     pub static_route: Vec<String>,
@@ -100,8 +113,14 @@ pub struct RouterConfig {
     pub max_body_bytes: usize,
     /// Default per-request deadline.
     pub request_timeout: Duration,
-    /// Default per-replica in-flight request limit.
+    /// Per-replica in-flight request limit of replicas that report no capacity.
     pub max_in_flight_per_replica: u32,
+    /// Most requests waiting per model in the admission queue (0 = no queue).
+    pub max_queued_requests: u32,
+    /// Most estimated tokens waiting per model in the admission queue.
+    pub max_queued_tokens: u64,
+    /// Longest wait of a request in the admission queue.
+    pub max_queue_wait: Duration,
     /// Fixed routes (replica ids `static-{model}-{i}`).
     pub static_routes: Vec<StaticRoute>,
     /// First ejection period of a failing replica.
@@ -120,6 +139,9 @@ impl Default for RouterConfig {
             max_body_bytes: 4 * 1024 * 1024,
             request_timeout: Duration::from_secs(600),
             max_in_flight_per_replica: 256,
+            max_queued_requests: 1024,
+            max_queued_tokens: 4 << 20,
+            max_queue_wait: Duration::from_secs(30),
             static_routes: Vec::new(),
             ejection_base: Duration::from_secs(2),
             worker_header_timeout: Duration::from_secs(2),
@@ -153,6 +175,12 @@ impl Args {
         if self.max_in_flight_per_replica == 0 {
             return Err(ConfigError::Zero("--max-in-flight-per-replica"));
         }
+        if self.max_queued_tokens == 0 {
+            return Err(ConfigError::Zero("--max-queued-tokens"));
+        }
+        if !(self.max_queue_wait_s > 0.0 && self.max_queue_wait_s.is_finite()) {
+            return Err(ConfigError::Zero("--max-queue-wait"));
+        }
         if self.request_timeout_s.is_nan() || self.request_timeout_s <= 0.0 {
             return Err(ConfigError::Zero("--request-timeout"));
         }
@@ -169,6 +197,9 @@ impl Args {
             max_body_bytes: self.max_body_bytes,
             request_timeout: Duration::from_secs_f64(self.request_timeout_s),
             max_in_flight_per_replica: self.max_in_flight_per_replica,
+            max_queued_requests: self.max_queued_requests,
+            max_queued_tokens: self.max_queued_tokens,
+            max_queue_wait: Duration::from_secs_f64(self.max_queue_wait_s),
             static_routes,
             ejection_base: Duration::from_secs_f64(self.ejection_base_s.max(0.01)),
             worker_header_timeout: Duration::from_secs_f64(self.worker_header_timeout_s),
@@ -198,5 +229,20 @@ mod tests {
         let c = a.into_config().expect("valid");
         assert_eq!(c.heads, vec!["http://head:50050".to_owned()]);
         assert_eq!(c.max_body_bytes, 4 * 1024 * 1024);
+        let d = RouterConfig::default();
+        assert_eq!((c.max_queued_requests, c.max_queued_tokens), (d.max_queued_requests, d.max_queued_tokens));
+        assert_eq!(c.max_queue_wait, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn queue_flags_parse_and_are_checked() {
+        let base = ["prism-router", "--head", "h:1"];
+        let a = Args::parse_from(base.iter().copied().chain(["--max-queued-requests", "0", "--max-queue-wait", "2.5"]));
+        let c = a.into_config().expect("0 queued requests = no queue");
+        assert_eq!((c.max_queued_requests, c.max_queue_wait), (0, Duration::from_millis(2500)));
+        let a = Args::parse_from(base.iter().copied().chain(["--max-queue-wait", "0"]));
+        assert!(matches!(a.into_config(), Err(ConfigError::Zero("--max-queue-wait"))));
+        let a = Args::parse_from(base.iter().copied().chain(["--max-queued-tokens", "0"]));
+        assert!(matches!(a.into_config(), Err(ConfigError::Zero("--max-queued-tokens"))));
     }
 }

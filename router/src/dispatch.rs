@@ -1,7 +1,8 @@
 //! Dispatch: sends a request to a replica's worker and streams its answer back.
 //!
-//! - [`Dispatcher::dispatch`] picks a replica and opens its worker stream
-//!   (`upstream`: replica choice, the worker call up to its first message, ejection).
+//! - [`Dispatcher::dispatch`] takes a slot through the admission queue (`crate::admission`:
+//!   waits in the model's FIFO while every replica is at its limit or none is Ready yet) and
+//!   opens its worker stream (`upstream`: the worker call up to its first message, ejection).
 //! - Before the first token a failed replica (UNAVAILABLE, transport error, stale route, no
 //!   response headers in time) is retried once on another replica; nothing was streamed,
 //!   so the retry is safe. UNAVAILABLE takes the replica out of rotation with exponential
@@ -25,6 +26,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::{Code, Status};
 
+use crate::admission::{Admission, AdmissionConfig};
 use crate::balance::{BalancePolicy, RequestHint};
 use crate::metrics::Metrics;
 use crate::routes::Routes;
@@ -50,6 +52,7 @@ pub struct Dispatched {
 #[derive(Clone)]
 pub struct Dispatcher {
     upstream: Arc<Upstream>,
+    admission: Admission,
 }
 
 /// Whether a status before the first token is worth another replica.
@@ -72,9 +75,23 @@ fn hint_for(req: &GenerateRequest) -> RequestHint {
 }
 
 impl Dispatcher {
-    /// A dispatcher over `routes` choosing replicas with `policy`.
-    pub fn new(routes: Routes, policy: Box<dyn BalancePolicy>, metrics: Metrics, cfg: DispatchConfig) -> Self {
-        Self { upstream: Arc::new(Upstream::new(routes, policy, metrics, cfg)) }
+    /// A dispatcher over `routes` choosing replicas with `policy`; first attempts wait in
+    /// admission queues bounded by `queue` (run [`Admission::run`] on [`Dispatcher::admission`]).
+    pub fn new(
+        routes: Routes,
+        policy: Box<dyn BalancePolicy>,
+        metrics: Metrics,
+        cfg: DispatchConfig,
+        queue: AdmissionConfig,
+    ) -> Self {
+        let policy: Arc<dyn BalancePolicy> = Arc::from(policy);
+        let admission = Admission::new(routes.clone(), Arc::clone(&policy), metrics.clone(), queue);
+        Self { upstream: Arc::new(Upstream::new(routes, policy, metrics, cfg)), admission }
+    }
+
+    /// The admission queues of first attempts.
+    pub fn admission(&self) -> &Admission {
+        &self.admission
     }
 
     /// The route table this dispatcher reads.
@@ -92,8 +109,11 @@ impl Dispatcher {
     /// Starts `req` on a replica of its model (retrying once elsewhere before the first
     /// token) and returns its stream.
     ///
+    /// The first attempt waits in the model's admission queue for a slot; a retry takes a
+    /// free slot on another replica or fails with the first attempt's status.
+    ///
     /// # Errors
-    /// [`DispatchError`]: unknown model, no ready replica, all full, deadline, or the
+    /// [`DispatchError`]: unknown model, no ready replica, a queue bound, deadline, or the
     /// worker's own status (e.g. INVALID_ARGUMENT for a prompt over the context length).
     pub async fn dispatch(&self, mut req: GenerateRequest) -> Result<Dispatched, DispatchError> {
         if req.request_id.is_empty() {
@@ -103,10 +123,20 @@ impl Dispatcher {
         let hint = hint_for(&req);
         let mut tried: Vec<String> = Vec::new();
         let mut last: Option<Status> = None;
+        let admitted = self
+            .admission
+            .admit(&req.model, hint, deadline)
+            .await
+            .map_err(|e| DispatchError::from_admit(e, &req.model))?;
+        self.upstream.metrics().dispatched(&admitted.0.replica_id);
+        let mut admitted = Some(admitted);
         loop {
-            let (replica, guard) = match self.upstream.pick(&req.model, &tried, &hint) {
-                Ok(p) => p,
-                Err(e) => return Err(last.map_or(e, DispatchError::from_status)),
+            let (replica, guard) = match admitted.take() {
+                Some(p) => p,
+                None => match self.upstream.pick(&req.model, &tried, &hint) {
+                    Ok(p) => p,
+                    Err(e) => return Err(last.map_or(e, DispatchError::from_status)),
+                },
             };
             match self.upstream.open(&replica, &req, &[], deadline).await {
                 Ok((stream, first)) => {

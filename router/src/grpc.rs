@@ -27,15 +27,24 @@ pub struct InferenceApi {
     pub started_at: i64,
 }
 
+/// gRPC metadata key carrying the suggested retry delay in whole seconds (HTTP's
+/// `Retry-After`) on RESOURCE_EXHAUSTED and UNAVAILABLE answers of the router.
+pub const RETRY_AFTER_METADATA: &str = "retry-after";
+
 /// Dispatch error → gRPC status (the only such mapping for the gRPC API).
 pub fn to_status(e: DispatchError) -> Status {
-    match e {
+    let retry_after = e.retry_after_s();
+    let mut s = match e {
         DispatchError::UnknownModel(_) => Status::not_found(e.to_string()),
-        DispatchError::NoReplica(_) => Status::unavailable(e.to_string()),
-        DispatchError::Overloaded => Status::resource_exhausted(e.to_string()),
+        DispatchError::NoReplica(_) | DispatchError::NoReplicaInTime { .. } => Status::unavailable(e.to_string()),
+        DispatchError::Overloaded { .. } => Status::resource_exhausted(e.to_string()),
         DispatchError::DeadlineExceeded => Status::deadline_exceeded(e.to_string()),
-        DispatchError::Worker(s) => s,
+        DispatchError::Worker(s) => return s,
+    };
+    if let Some(secs) = retry_after {
+        s.metadata_mut().insert(RETRY_AFTER_METADATA, tonic::metadata::MetadataValue::from(secs));
     }
+    s
 }
 
 fn outcome_of(s: &Status) -> Outcome {
@@ -96,7 +105,10 @@ impl InferenceService for InferenceApi {
     async fn generate(&self, request: Request<GenerateRequest>) -> Result<Response<GenStream>, Status> {
         let mut tracker = RequestTracker::new(&self.metrics);
         let d = match self.start(request).await {
-            Ok(d) => d,
+            Ok(d) => {
+                tracker.first_token();
+                d
+            }
             Err(s) => {
                 tracker.set(outcome_of(&s));
                 return Err(s);

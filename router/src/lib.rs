@@ -2,14 +2,17 @@
 //! the gRPC `InferenceService`, keeps the route table from the head (or static routes), and
 //! dispatches each request to a Ready replica chosen by power-of-two-choices on load counted
 //! from dispatch, with retry before the first token, migration after it, ejection of failing
-//! replicas, backpressure (429) and cancellation on client disconnect.
+//! replicas, a bounded per-model admission queue (backpressure, 429, only past its bounds),
+//! demand reports to the head, and cancellation on client disconnect.
 //!
 //! The `mock-engine` cargo feature (off by default; on in the router's own tests) adds
 //! `mock_engine`, a fake worker for runtime tests, and the `mock-engine` binary.
 
+pub mod admission;
 pub mod auth;
 pub mod balance;
 pub mod config;
+pub mod demand;
 pub mod dispatch;
 pub mod grpc;
 pub mod http_server;
@@ -52,10 +55,23 @@ pub async fn run(
             ejection_base: config.ejection_base,
             header_timeout: config.worker_header_timeout,
         },
+        admission::AdmissionConfig {
+            max_queued_requests: config.max_queued_requests,
+            max_queued_tokens: config.max_queued_tokens,
+            max_queue_wait: config.max_queue_wait,
+        },
     );
     let keys = auth::ApiKeys::new(config.api_keys.clone());
     let router_id = format!("router-{}", uuid::Uuid::new_v4().simple());
-    let watch = tokio::spawn(routes.clone().watch(config.heads.clone(), router_id, shutdown.child_token()));
+    let watch = tokio::spawn(routes.clone().watch(config.heads.clone(), router_id.clone(), shutdown.child_token()));
+    let queue = tokio::spawn(dispatcher.admission().clone().run(shutdown.child_token()));
+    let demand = tokio::spawn(demand::report(
+        dispatcher.admission().clone(),
+        routes.clone(),
+        config.heads.clone(),
+        router_id,
+        shutdown.child_token(),
+    ));
 
     let http_state = openai::HttpState {
         dispatcher: dispatcher.clone(),
@@ -102,6 +118,8 @@ pub async fn run(
     let (h, g) = tokio::join!(http, grpc);
     watch.abort();
     health_task.abort();
+    demand.abort();
+    queue.abort();
     h?;
     g?;
     Ok(())

@@ -1,5 +1,6 @@
 //! Router metrics (prometheus-client), all named `prism_…`: requests by outcome, request
-//! duration, retries, migrations, in-flight requests and the route table version.
+//! duration, time to first token, retries, migrations, in-flight requests, the admission
+//! queue (depth, tokens, wait, rejections per model) and the route table version.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -71,6 +72,17 @@ pub struct Metrics {
     pub stale_route_tables: Counter,
     /// `prism_router_replica_dispatches_total{replica_id}`: requests (and migrations) sent to each replica.
     dispatches: Family<Vec<(String, String)>, Counter>,
+    /// `prism_router_time_to_first_token_seconds`: arrival at the router to the first worker
+    /// message, admission queue time included.
+    ttft: Histogram,
+    /// `prism_router_queue_depth{model}`: requests waiting in the admission queue.
+    queue_depth: Family<Vec<(String, String)>, Gauge>,
+    /// `prism_router_queue_tokens{model}`: estimated tokens of those requests.
+    queue_tokens: Family<Vec<(String, String)>, Gauge>,
+    /// `prism_router_queue_wait_seconds`: time requests that queued spent in the queue.
+    queue_wait: Histogram,
+    /// `prism_router_queue_rejected_total{model,reason}`: requests refused by a queue bound.
+    queue_rejected: Family<Vec<(String, String)>, Counter>,
 }
 
 impl Default for Metrics {
@@ -93,6 +105,11 @@ impl Metrics {
         let route_replicas = Gauge::<u64, AtomicU64>::default();
         let stale_route_tables = Counter::default();
         let dispatches = Family::<Vec<(String, String)>, Counter>::default();
+        let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 18));
+        let queue_depth = Family::<Vec<(String, String)>, Gauge>::default();
+        let queue_tokens = Family::<Vec<(String, String)>, Gauge>::default();
+        let queue_wait = Histogram::new(exponential_buckets(0.001, 2.0, 18));
+        let queue_rejected = Family::<Vec<(String, String)>, Counter>::default();
         registry.register("prism_router_requests", "Requests by outcome", requests.clone());
         registry.register(
             "prism_router_request_duration_seconds",
@@ -119,6 +136,27 @@ impl Metrics {
             "Requests and migrations sent to each replica",
             dispatches.clone(),
         );
+        registry.register(
+            "prism_router_time_to_first_token_seconds",
+            "Arrival at the router to the first worker message, admission queue time included",
+            ttft.clone(),
+        );
+        registry.register("prism_router_queue_depth", "Requests waiting in the admission queue", queue_depth.clone());
+        registry.register(
+            "prism_router_queue_tokens",
+            "Estimated prompt + decode tokens of the requests in the admission queue",
+            queue_tokens.clone(),
+        );
+        registry.register(
+            "prism_router_queue_wait_seconds",
+            "Time requests that queued spent in the admission queue",
+            queue_wait.clone(),
+        );
+        registry.register(
+            "prism_router_queue_rejected",
+            "Requests refused by an admission queue bound, by reason (full, tokens, timeout, deadline)",
+            queue_rejected.clone(),
+        );
         Self {
             registry: Arc::new(registry),
             requests,
@@ -131,7 +169,32 @@ impl Metrics {
             route_replicas,
             stale_route_tables,
             dispatches,
+            ttft,
+            queue_depth,
+            queue_tokens,
+            queue_wait,
+            queue_rejected,
         }
+    }
+
+    /// Sets the admission queue gauges of `model`: `depth` requests, `tokens` estimated tokens.
+    pub fn set_queue(&self, model: &str, depth: usize, tokens: u64) {
+        let l = vec![("model".to_owned(), model.to_owned())];
+        self.queue_depth.get_or_create(&l).set(i64::try_from(depth).unwrap_or(i64::MAX));
+        self.queue_tokens.get_or_create(&l).set(i64::try_from(tokens).unwrap_or(i64::MAX));
+    }
+
+    /// Records the time one request spent in the admission queue.
+    pub fn queue_waited(&self, seconds: f64) {
+        self.queue_wait.observe(seconds);
+    }
+
+    /// Counts one request of `model` refused by a queue bound (`reason`: full, tokens,
+    /// timeout, deadline).
+    pub fn queue_rejected(&self, model: &str, reason: &str) {
+        self.queue_rejected
+            .get_or_create(&vec![("model".to_owned(), model.to_owned()), ("reason".to_owned(), reason.to_owned())])
+            .inc();
     }
 
     /// Records one finished request.
@@ -173,6 +236,12 @@ impl RequestTracker {
     /// Sets the outcome recorded when the tracker drops.
     pub fn set(&mut self, outcome: Outcome) {
         self.outcome = Some(outcome);
+    }
+
+    /// Records the time to first token: from the request's arrival (so the admission queue
+    /// counts) to now, when its first worker message came back.
+    pub fn first_token(&self) {
+        self.metrics.ttft.observe(self.start.elapsed().as_secs_f64());
     }
 }
 

@@ -429,7 +429,7 @@ enum Answer {
 }
 
 /// Dispatches; errors before the first token come back as `Err` with a proper status.
-async fn answer(state: &HttpState, prepared: Prepared) -> Result<Answer, ApiError> {
+async fn answer(state: &HttpState, tracker: &RequestTracker, prepared: Prepared) -> Result<Answer, ApiError> {
     let (req, mut shaper, stream) = prepared?;
     let kind = shaper.kind;
     // A worker's `prompt` (empty, over the context length) is `messages` in a chat request.
@@ -440,6 +440,7 @@ async fn answer(state: &HttpState, prepared: Prepared) -> Result<Answer, ApiErro
         e
     };
     let Dispatched { first, mut rest, .. } = state.dispatcher.dispatch(req).await.map_err(|e| chat_param(e.into()))?;
+    tracker.first_token();
     if !stream {
         shaper.absorb(&first);
         while let Some(m) = rest.recv().await {
@@ -454,7 +455,7 @@ async fn answer(state: &HttpState, prepared: Prepared) -> Result<Answer, ApiErro
 
 /// Shapes the answer as JSON or as an SSE body; the tracker lives until the last byte.
 async fn serve(state: HttpState, mut tracker: RequestTracker, prepared: Prepared) -> Response {
-    let (first, rest, shaper) = match answer(&state, prepared).await {
+    let (first, rest, shaper) = match answer(&state, &tracker, prepared).await {
         Err(e) => {
             tracker.set(e.outcome());
             return e.into_response();

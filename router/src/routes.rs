@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 use prism_common::proto::v1::head_service_client::HeadServiceClient;
 use prism_common::proto::v1::{ReplicaState, RouteTable, WatchRoutesRequest};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::balance::capacity::replica_limit;
 use crate::config::StaticRoute;
 
 /// How long a lower-term table must be held by the head answering as leader before it is
@@ -81,7 +82,8 @@ pub struct ReplicaRoute {
     pub reported_tokens: u64,
     /// Requests waiting on the worker according to its last load report.
     pub reported_waiting: u32,
-    /// Admission limit (requests in flight) for this replica.
+    /// Admission limit (requests in flight from this router) for this replica, from the
+    /// route's override or its reported capacity (`balance::capacity::replica_limit`).
     pub max_in_flight: u32,
     /// Context length, 0 = unknown.
     pub max_model_len: u32,
@@ -107,12 +109,20 @@ pub struct RouteSnapshot {
     pub models: BTreeMap<String, Vec<Arc<ReplicaRoute>>>,
     /// Whether a table was ever received (or static routes were given).
     pub loaded: bool,
+    /// Notified whenever a request admitted from this table releases its slot (shared by
+    /// every snapshot of one [`Routes`]).
+    pub released: Arc<Notify>,
 }
 
 impl RouteSnapshot {
     /// Whether at least one replica of some model is Ready.
     pub fn any_ready(&self) -> bool {
         self.models.values().flatten().any(|r| r.is_ready())
+    }
+
+    /// Whether `model` has a Ready replica (ejected ones included).
+    pub fn has_ready(&self, model: &str) -> bool {
+        self.models.get(model).is_some_and(|rs| rs.iter().any(|r| r.is_ready()))
     }
 }
 
@@ -124,6 +134,10 @@ struct Inner {
     metrics: Metrics,
     /// Bumped on every stored table (load-only updates included).
     updates: watch::Sender<u64>,
+    /// See [`RouteSnapshot::released`].
+    released: Arc<Notify>,
+    /// The head whose `WatchRoutes` stream is delivering tables now (the leader).
+    watched_head: RwLock<Option<String>>,
 }
 
 /// Shared handle on the route table (cheap `Clone`).
@@ -143,6 +157,8 @@ impl Routes {
                 default_max_in_flight,
                 metrics,
                 updates: watch::Sender::new(0),
+                released: Arc::new(Notify::new()),
+                watched_head: RwLock::new(None),
             }),
         }
     }
@@ -164,6 +180,26 @@ impl Routes {
     /// an update counter, not the head's version.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.inner.updates.subscribe()
+    }
+
+    /// Notified whenever a dispatched request releases its replica slot.
+    pub fn released(&self) -> Arc<Notify> {
+        Arc::clone(&self.inner.released)
+    }
+
+    /// The head endpoint whose route stream is live now (`None` while no head answers).
+    pub fn watched_head(&self) -> Option<String> {
+        match self.inner.watched_head.read() {
+            Ok(g) => g.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    fn set_watched_head(&self, head: Option<String>) {
+        match self.inner.watched_head.write() {
+            Ok(mut g) => *g = head,
+            Err(p) => *p.into_inner() = head,
+        }
     }
 
     /// Whether the current table lists `replica_id` (Ready or Draining) for `model`.
@@ -206,7 +242,7 @@ impl Routes {
                 stats,
             }));
         }
-        self.store(RouteSnapshot { version: 0, term: 0, models, loaded: true });
+        self.store(RouteSnapshot { version: 0, term: 0, models, loaded: true, released: self.released() });
     }
 
     /// Replaces the table with one received from the head, unless it is stale: published in
@@ -245,7 +281,7 @@ impl Routes {
             let stats = self.stats_for(&e.replica_id);
             let (reported_tokens, reported_waiting) =
                 e.load.as_ref().map(|l| (l.tokens_in_flight, l.waiting)).unwrap_or((0, 0));
-            let max_in_flight = if e.max_in_flight > 0 { e.max_in_flight } else { self.inner.default_max_in_flight };
+            let max_in_flight = replica_limit(e.max_in_flight, e.load.as_ref(), self.inner.default_max_in_flight);
             models.entry(e.model.clone()).or_default().push(Arc::new(ReplicaRoute {
                 replica_id: e.replica_id,
                 model: e.model,
@@ -272,7 +308,8 @@ impl Routes {
             let draining = models.values().flatten().filter(|r| r.state == ReplicaState::Draining).count();
             tracing::info!(version = table.version, replicas = live.len(), draining, "route table updated");
         }
-        self.store(RouteSnapshot { version: table.version, term: table.term, models, loaded: true });
+        let released = self.released();
+        self.store(RouteSnapshot { version: table.version, term: table.term, models, loaded: true, released });
     }
 
     /// Follows `WatchRoutes` on the given heads until `shutdown`, trying them in turn and
@@ -298,6 +335,7 @@ impl Routes {
                 let mut stream =
                     client.watch_routes(WatchRoutesRequest { router_id: router_id.clone() }).await?.into_inner();
                 let mut got_any = false;
+                self.set_watched_head(None);
                 // A table of a lower term than the one in use, still held after
                 // STALE_TERM_GRACE by the head that answers as leader, is applied: a deposed
                 // head learns it within its lease TTL and ends the stream, so only a store
@@ -323,6 +361,9 @@ impl Routes {
                         None => stream.message().await?,
                     };
                     let Some(table) = next else { break };
+                    if !got_any {
+                        self.set_watched_head(Some(head.clone()));
+                    }
                     got_any = true;
                     if self.apply(table.clone()) {
                         stale = None;
@@ -337,6 +378,7 @@ impl Routes {
                 _ = shutdown.cancelled() => return,
                 r = attempt => r,
             };
+            self.set_watched_head(None);
             match res {
                 Ok(true) => backoff = Duration::from_millis(100),
                 Ok(false) => {}

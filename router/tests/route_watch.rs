@@ -1,6 +1,7 @@
 //! The route table from a head's `WatchRoutes` (a fake head in this test): models appear,
 //! Draining replicas get no work, and the router keeps serving from the last table when
-//! the head goes away (fail static).
+//! the head goes away (fail static). The router's `ReportDemand` calls reach that head:
+//! about once a second, and at once when a request queues for a model with no replica.
 
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -16,8 +17,11 @@ use tokio_stream::wrappers::{TcpListenerStream, WatchStream};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-/// A head that only publishes routes (everything else is unimplemented).
-struct FakeHead(watch::Receiver<RouteTable>);
+/// A head that only publishes routes and records demand reports with their arrival time
+/// (everything else is unimplemented).
+struct FakeHead(watch::Receiver<RouteTable>, Reports);
+
+type Reports = std::sync::Arc<std::sync::Mutex<Vec<(Instant, RouterDemandReport)>>>;
 
 type S<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
@@ -32,7 +36,10 @@ impl HeadService for FakeHead {
         use futures::StreamExt;
         Ok(Response::new(Box::pin(WatchStream::new(self.0.clone()).map(Ok))))
     }
-    async fn report_demand(&self, _: Request<RouterDemandReport>) -> Result<Response<RouterDemandAck>, Status> {
+    async fn report_demand(&self, r: Request<RouterDemandReport>) -> Result<Response<RouterDemandAck>, Status> {
+        if let Ok(mut v) = self.1.lock() {
+            v.push((Instant::now(), r.into_inner()));
+        }
         Ok(Response::new(RouterDemandAck {}))
     }
     async fn apply_deployment(
@@ -121,14 +128,16 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     let head_addr = format!("http://{}", hl.local_addr()?);
     let head = tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(HeadServiceServer::new(FakeHead(rx)))
+            .add_service(HeadServiceServer::new(FakeHead(rx, Reports::default())))
             .serve_with_incoming_shutdown(TcpListenerStream::new(hl), head_stop.clone().cancelled_owned()),
     );
 
     let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let g = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let http = format!("http://{}", h.local_addr()?);
-    let cfg = RouterConfig { heads: vec![head_addr], ..Default::default() };
+    // A model without a Ready replica waits in the admission queue for one; a short wait
+    // bound makes that wait end in the 503 checked below.
+    let cfg = RouterConfig { heads: vec![head_addr], max_queue_wait: Duration::from_millis(200), ..Default::default() };
     tokio::spawn(prism_router::run(cfg, h, g, shutdown.clone()));
 
     // Empty table: unknown model.
@@ -147,7 +156,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     let m = reqwest::get(format!("{http}/metrics")).await?.text().await?;
     assert!(m.contains("prism_route_table_version 2"), "{m}");
 
-    // Only Draining replicas: known model, none ready → 503.
+    // Only Draining replicas: known model, none ready → queued, 503 once the wait bound passes.
     tx.send(RouteTable {
         term: 0,
         models: vec![],
@@ -166,6 +175,79 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
         wait_status(&http, 200).await?;
     }
     assert_eq!(reqwest::get(format!("{http}/health")).await?.status().as_u16(), 200);
+    shutdown.cancel();
+    Ok(())
+}
+
+/// Demand reports: every model of the table about once a second, and a request queued for a
+/// model listed without a replica (scale from zero) reported at once, with its wait.
+#[tokio::test]
+async fn demand_reports_reach_the_head() -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let a = MockEngineWorker::new(MockBehavior::default());
+    let ea = format!("http://{}", a.clone().spawn(shutdown.clone()).await?);
+    let table = RouteTable {
+        term: 0,
+        models: vec!["mock".into(), "cold".into()],
+        version: 1,
+        routes: vec![entry("ra", &ea, ReplicaState::Ready)],
+    };
+    let (_tx, rx) = watch::channel(table);
+    let reports = Reports::default();
+    let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let head_addr = format!("http://{}", hl.local_addr()?);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(HeadServiceServer::new(FakeHead(rx, reports.clone())))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(hl), shutdown.clone().cancelled_owned()),
+    );
+    let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let g = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let http = format!("http://{}", h.local_addr()?);
+    let cfg = RouterConfig { heads: vec![head_addr], max_queue_wait: Duration::from_secs(3), ..Default::default() };
+    tokio::spawn(prism_router::run(cfg, h, g, shutdown.clone()));
+    wait_status(&http, 200).await?;
+    let count = || reports.lock().map(|v| v.len()).unwrap_or(0);
+    // The periodic report: both models, nothing queued.
+    let t = Instant::now();
+    let n0 = count();
+    tokio::time::sleep(Duration::from_millis(3100)).await;
+    let periodic = count() - n0;
+    anyhow::ensure!((2..=5).contains(&periodic), "{periodic} reports in {:?}", t.elapsed());
+    let last = reports.lock().map(|v| v.last().map(|(_, r)| r.clone())).ok().flatten().expect("a report");
+    assert!(last.router_id.starts_with("router-"), "{last:?}");
+    let names: Vec<&str> = last.models.iter().map(|m| m.model.as_str()).collect();
+    assert_eq!(names, ["cold", "mock"]);
+    assert!(last.models.iter().all(|m| m.queued == 0 && m.in_flight == 0), "{last:?}");
+
+    // A request for the cold model queues: reported at once, not at the next tick.
+    let sent = Instant::now();
+    let cold = tokio::spawn(
+        reqwest::Client::new()
+            .post(format!("{http}/v1/completions"))
+            .json(&serde_json::json!({"model": "cold", "prompt": "a", "max_tokens": 4}))
+            .send(),
+    );
+    let until = sent + Duration::from_secs(2);
+    let seen = loop {
+        let hit = reports.lock().ok().and_then(|v| {
+            v.iter().find(|(at, r)| *at >= sent && r.models.iter().any(|m| m.model == "cold" && m.queued == 1)).cloned()
+        });
+        if let Some((at, r)) = hit {
+            break (at, r);
+        }
+        anyhow::ensure!(Instant::now() < until, "the queued request was never reported");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let latency = seen.0 - sent;
+    let m = seen.1.models.iter().find(|m| m.model == "cold").expect("cold");
+    assert!(m.queued_tokens > 0 && m.oldest_queued_s < 1.0, "{m:?}");
+    assert!(latency < Duration::from_millis(300), "reported {latency:?} after queueing, not at once");
+    // No replica comes: 503 with Retry-After once the wait bound passes.
+    let r = cold.await??;
+    assert_eq!(r.status().as_u16(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    assert!(sent.elapsed() >= Duration::from_secs(3), "waited the bound");
     shutdown.cancel();
     Ok(())
 }

@@ -271,10 +271,15 @@ async fn grpc_generate_list_models_and_health() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// With no admission queue (`max_queued_requests` 0) a full replica refuses at once.
 #[tokio::test]
 async fn all_full_is_429_with_retry_after() -> anyhow::Result<()> {
     let slow = MockBehavior { token_delay: Duration::from_millis(200), ..Default::default() };
-    let c = cluster_with(vec![slow], |cfg| cfg.max_in_flight_per_replica = 2).await?;
+    let c = cluster_with(vec![slow], |cfg| {
+        cfg.max_in_flight_per_replica = 2;
+        cfg.max_queued_requests = 0;
+    })
+    .await?;
     let http = reqwest::Client::new();
     let body = json!({"model": "mock", "prompt": "a", "max_tokens": 50, "stream": true});
     let mut open = vec![];

@@ -6,7 +6,9 @@
 //!   replicas come back without resubmission, and it never reports leadership with zero
 //!   deployments.
 //! - `all_workers_killed_then_back`: SIGKILL every worker: requests fail fast with
-//!   UNAVAILABLE (no hang); workers restarted with the same node ids get their replicas
+//!   UNAVAILABLE (no hang: at once while the dead replicas are listed and ejected; once the
+//!   head has removed them the model has no Ready replica, so a request waits in the router's
+//!   admission queue for one, here `--max-queue-wait 1`, then gets UNAVAILABLE); workers restarted with the same node ids get their replicas
 //!   back and the same router serves again, token-exact.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
@@ -125,7 +127,7 @@ async fn reference_check(grpc: &str, expected: &[Vec<u32>]) -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn all_workers_killed_then_back() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let mut cluster = Cluster::serving(&model, 2, 2).start().await?;
+    let mut cluster = Cluster::serving(&model, 2, 2).router_args(&["--max-queue-wait", "1"]).start().await?;
     if let Err(e) = workers_gone(&mut cluster).await {
         bail!("{e:#}\n{}", cluster.logs());
     }

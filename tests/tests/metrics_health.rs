@@ -73,7 +73,13 @@ async fn deploy(c: &mut Cluster, model: &std::path::Path) -> Result<()> {
         }
     })
     .await?;
-    let deployment = Deployment::new(model).replicas(2).engine("max_num_seqs", 4).engine("max_num_batched_tokens", 32);
+    // The router admits max_num_seqs + headroom (6) per replica unless the deployment sets
+    // max_in_flight: the mass abort needs all 100 streams on the engines, not in the router's queue.
+    let deployment = Deployment::new(model)
+        .replicas(2)
+        .engine("max_num_seqs", 4)
+        .engine("max_num_batched_tokens", 32)
+        .engine("max_in_flight", MASS_ABORT);
     c.deploy(&deployment)?;
     let c = &*c;
     eventually(Duration::from_secs(240), "2 replicas Ready, one per worker", || async {

@@ -53,7 +53,7 @@ pub struct DispatchConfig {
 /// client per worker endpoint, metrics and timing.
 pub(super) struct Upstream {
     routes: Routes,
-    policy: Box<dyn BalancePolicy>,
+    policy: Arc<dyn BalancePolicy>,
     clients: DashMap<String, WorkerServiceClient<Channel>>,
     metrics: Metrics,
     cfg: DispatchConfig,
@@ -83,7 +83,7 @@ fn left_routes_status() -> Status {
 }
 
 impl Upstream {
-    pub(super) fn new(routes: Routes, policy: Box<dyn BalancePolicy>, metrics: Metrics, cfg: DispatchConfig) -> Self {
+    pub(super) fn new(routes: Routes, policy: Arc<dyn BalancePolicy>, metrics: Metrics, cfg: DispatchConfig) -> Self {
         Self { routes, policy, clients: DashMap::new(), metrics, cfg }
     }
 
@@ -128,7 +128,7 @@ impl Upstream {
             select(&snap, model, tried, self.routes.now_ms(), self.policy.as_ref(), hint).map_err(|e| match e {
                 SelectError::UnknownModel => DispatchError::UnknownModel(model.to_owned()),
                 SelectError::NoneReady => DispatchError::NoReplica(model.to_owned()),
-                SelectError::AllFull => DispatchError::Overloaded,
+                SelectError::AllFull => DispatchError::Overloaded { reason: "every replica full", retry_after_s: 1 },
             })?;
         self.metrics.dispatched(&picked.0.replica_id);
         Ok(picked)

@@ -119,15 +119,16 @@ impl From<crate::validate::Invalid> for ApiError {
 impl From<DispatchError> for ApiError {
     fn from(e: DispatchError) -> Self {
         let message = e.to_string();
+        let retry_after = e.retry_after_s();
         match e {
             DispatchError::UnknownModel(_) => {
                 Self { param: Some("model".into()), ..Self::new(StatusCode::NOT_FOUND, message) }
             }
-            DispatchError::NoReplica(_) => {
-                Self { retry_after: Some(1), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, message) }
+            DispatchError::NoReplica(_) | DispatchError::NoReplicaInTime { .. } => {
+                Self { retry_after, ..Self::new(StatusCode::SERVICE_UNAVAILABLE, message) }
             }
-            DispatchError::Overloaded => {
-                Self { retry_after: Some(1), ..Self::new(StatusCode::TOO_MANY_REQUESTS, message) }
+            DispatchError::Overloaded { .. } => {
+                Self { retry_after, ..Self::new(StatusCode::TOO_MANY_REQUESTS, message) }
             }
             DispatchError::DeadlineExceeded => Self::new(StatusCode::GATEWAY_TIMEOUT, message),
             DispatchError::Worker(s) => {

@@ -260,6 +260,12 @@ impl EngineHandle {
         self.inner.stats.snapshot(self.inner.pool.num_free(), self.inner.pool.num_blocks())
     }
 
+    /// Most sequences the scheduler runs at once (`max_num_seqs`, at least 1): the batch
+    /// limit routers size their admission from.
+    pub fn max_num_seqs(&self) -> usize {
+        self.inner.cfg.max_num_seqs.max(1)
+    }
+
     /// Static model facts.
     pub fn model_info(&self) -> ModelInfo {
         self.inner.info.clone()

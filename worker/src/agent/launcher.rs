@@ -15,11 +15,16 @@ impl ReplicaEngine for EngineHandle {
 
     fn load(&self) -> EngineLoad {
         let s = self.stats();
+        let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
         EngineLoad {
-            running: u32::try_from(s.running).unwrap_or(u32::MAX),
-            waiting: u32::try_from(s.waiting).unwrap_or(u32::MAX),
+            running: n(s.running),
+            waiting: n(s.waiting),
             kv_cache_usage: s.kv_cache_usage as f32,
             num_preemptions_total: s.num_preemptions_total,
+            max_num_seqs: n(self.max_num_seqs()),
+            free_kv_blocks: n(s.free_blocks),
+            total_kv_blocks: n(s.total_blocks),
+            block_size: n(self.model_info().block_size),
         }
     }
 
@@ -168,5 +173,29 @@ mod tests {
         assert!(cfg.batch_invariant);
         // A CPU replica's budget is the worker's, already resolved into the launch spec.
         assert_eq!(cfg.kv_cache_bytes, Some(64 << 20));
+    }
+
+    /// The load a real replica reports carries its capacity: the launch spec's `max_num_seqs`,
+    /// the block pool's size and the block size, every block free while idle.
+    #[test]
+    fn real_engine_load_reports_its_capacity() {
+        let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        if !Path::new(model).exists() {
+            eprintln!("skipping: {model} not present");
+            return;
+        }
+        let mut s = spec(DevicePlacement::Cpu, None, None);
+        s.engine.model = model.into();
+        s.engine.max_num_seqs = Some(4);
+        s.engine.block_size = Some(16);
+        s.kv_cache_bytes = 8 << 20;
+        s.engine_threads = Some(1);
+        let engine = LocalLauncher.launch(&s).expect("the bundled model loads");
+        let load = engine.load();
+        engine.shutdown();
+        assert_eq!((load.max_num_seqs, load.block_size), (4, 16));
+        assert!(load.total_kv_blocks > 0, "{load:?}");
+        assert_eq!(load.free_kv_blocks, load.total_kv_blocks, "an idle engine holds no block");
+        assert_eq!((load.running, load.waiting), (0, 0));
     }
 }

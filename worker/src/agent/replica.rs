@@ -32,6 +32,14 @@ pub struct EngineLoad {
     pub kv_cache_usage: f32,
     /// Preemptions since start.
     pub num_preemptions_total: u64,
+    /// The scheduler's batch limit (`max_num_seqs`; 0 = unknown).
+    pub max_num_seqs: u32,
+    /// KV-cache blocks free now.
+    pub free_kv_blocks: u32,
+    /// KV-cache blocks in the pool (0 = unknown).
+    pub total_kv_blocks: u32,
+    /// Tokens per KV-cache block (0 = unknown).
+    pub block_size: u32,
 }
 
 /// What the agent needs from an engine replica. Implemented for the real
@@ -231,7 +239,10 @@ impl Replica {
             waiting: load.waiting,
             kv_cache_usage: load.kv_cache_usage,
             tokens_in_flight: self.tokens_in_flight(),
-            ..Default::default()
+            max_num_seqs: load.max_num_seqs,
+            free_kv_blocks: load.free_kv_blocks,
+            total_kv_blocks: load.total_kv_blocks,
+            block_size: load.block_size,
         })
     }
 

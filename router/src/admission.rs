@@ -1,0 +1,433 @@
+//! Admission: requests beyond what the Ready replicas of their model can take wait in a
+//! bounded per-model FIFO instead of being refused (vLLM queues a burst in its scheduler, Ray
+//! Serve at the deployment handle with `max_queued_requests`; the router is where every
+//! replica's capacity is visible, so the queue is here).
+//!
+//! - [`Admission::admit`] takes a slot at once when nothing of that model waits and a replica
+//!   is below its limit (`balance::capacity` derives limits from the replicas' reports).
+//!   Otherwise the request joins the back of its model's queue: no new arrival overtakes a
+//!   waiting one. A model listed in the route table with no Ready replica (scaled to zero,
+//!   replicas starting) queues too, and wakes the demand reporter at once (`crate::demand`).
+//! - Bounds, per model: `--max-queued-requests` (count), `--max-queued-tokens` (the
+//!   request's token estimate, prompt + decode), `--max-queue-wait` and the request's own
+//!   deadline (time). Past a count or token bound the request is refused at once with a
+//!   `Retry-After` from the queue's observed drain rate (429 / RESOURCE_EXHAUSTED); past the
+//!   wait bound 429, or 503 / UNAVAILABLE when the model still has no Ready replica; past
+//!   its own deadline 504 / DEADLINE_EXCEEDED.
+//! - Waiters are served in order by [`Admission::run`], woken when a dispatched request
+//!   releases its slot (`DispatchGuard` drop), when the route table changes (membership,
+//!   state, or a replica's new load report) and by a short tick (ejections that end).
+//! - A waiter whose client goes away (its future dropped) leaves the queue at once; a slot
+//!   handed to it in that instant is released with the dropped message.
+//! - Ready replicas that are all out of rotation after failures (ejected) fail a new arrival
+//!   at once with 503, as before: that is a fault, not a lack of capacity.
+
+mod queue;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use prism_common::proto::v1::ModelDemand;
+use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::balance::{BalancePolicy, DispatchGuard, RequestHint, SelectError, select};
+use crate::metrics::Metrics;
+use crate::routes::{ReplicaRoute, RouteSnapshot, Routes};
+pub use queue::{MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, retry_after_s};
+use queue::{ModelQueue, Waiter};
+
+/// Period of the safety-net pump (replicas whose ejection ended send no notification).
+const PUMP_TICK: Duration = Duration::from_millis(200);
+
+/// The queue's bounds (each per model).
+#[derive(Debug, Clone)]
+pub struct AdmissionConfig {
+    /// Most requests waiting; 0 = no queue (refused at once when every replica is full).
+    pub max_queued_requests: u32,
+    /// Most estimated tokens (prompt + decode) of the requests waiting.
+    pub max_queued_tokens: u64,
+    /// Longest wait of one request.
+    pub max_queue_wait: Duration,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self { max_queued_requests: 1024, max_queued_tokens: 4 << 20, max_queue_wait: Duration::from_secs(30) }
+    }
+}
+
+/// A slot on a replica: the replica and the guard counting the request there.
+pub type Admitted = (Arc<ReplicaRoute>, DispatchGuard);
+
+/// Which bound refused a request (the `reason` label of `prism_router_queue_rejected_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bound {
+    /// `--max-queued-requests`.
+    Full,
+    /// `--max-queued-tokens`.
+    Tokens,
+    /// `--max-queue-wait`.
+    Timeout,
+    /// The request's own deadline.
+    Deadline,
+}
+
+impl Bound {
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Full => "full",
+            Self::Tokens => "tokens",
+            Self::Timeout => "timeout",
+            Self::Deadline => "deadline",
+        }
+    }
+}
+
+/// Why a request got no slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AdmitError {
+    /// No route mentions the model (404).
+    #[error("model not found")]
+    UnknownModel,
+    /// The model has Ready replicas but none can take work (ejected after failures), or the
+    /// router is shutting down (503).
+    #[error("no usable replica")]
+    NoneUsable,
+    /// A queue bound refused it (429); retry after `retry_after_s` seconds.
+    #[error("admission queue bound `{}` reached", bound.as_str())]
+    Rejected {
+        /// The bound (never `Deadline`).
+        bound: Bound,
+        /// Suggested `Retry-After`, seconds.
+        retry_after_s: u32,
+    },
+    /// It waited for a Ready replica until its wait bound and none came (503).
+    #[error("no ready replica came in time")]
+    NoReplicaInTime {
+        /// Suggested `Retry-After`, seconds.
+        retry_after_s: u32,
+    },
+    /// Its own deadline passed while it waited (504).
+    #[error("deadline exceeded in the admission queue")]
+    DeadlineExceeded,
+}
+
+type Answer = Result<Admitted, AdmitError>;
+
+/// What one immediate try gave.
+enum Attempt {
+    Go(Admitted),
+    Fail(AdmitError),
+    /// No slot now; `no_ready`: the model has no Ready replica at all.
+    Wait {
+        no_ready: bool,
+    },
+}
+
+#[derive(Default)]
+struct Queues {
+    models: HashMap<String, ModelQueue<Answer>>,
+    next_id: u64,
+    closed: bool,
+}
+
+struct Inner {
+    routes: Routes,
+    policy: Arc<dyn BalancePolicy>,
+    metrics: Metrics,
+    cfg: AdmissionConfig,
+    queues: Mutex<Queues>,
+    /// Notified when a request queues for a model with no Ready replica.
+    scale_from_zero: Notify,
+    epoch: Instant,
+}
+
+/// The admission queues of every model (cheap `Clone`).
+#[derive(Clone)]
+pub struct Admission {
+    inner: Arc<Inner>,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, Queues> {
+        self.queues.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn sec(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.epoch).as_secs()
+    }
+
+    fn try_now(&self, snap: &RouteSnapshot, model: &str, hint: &RequestHint) -> Attempt {
+        match select(snap, model, &[], self.routes.now_ms(), self.policy.as_ref(), hint) {
+            Ok(a) => Attempt::Go(a),
+            Err(SelectError::UnknownModel) => Attempt::Fail(AdmitError::UnknownModel),
+            Err(SelectError::AllFull) => Attempt::Wait { no_ready: false },
+            Err(SelectError::NoneReady) if snap.has_ready(model) => Attempt::Fail(AdmitError::NoneUsable),
+            Err(SelectError::NoneReady) => Attempt::Wait { no_ready: true },
+        }
+    }
+
+    fn retry_after(&self, q: &mut ModelQueue<Answer>, now: Instant) -> u32 {
+        let rate = q.drain.per_second(self.sec(now));
+        retry_after_s(q.len() + 1, rate, self.cfg.max_queue_wait)
+    }
+
+    fn gauges(&self, model: &str, q: &ModelQueue<Answer>) {
+        self.metrics.set_queue(model, q.len(), q.tokens());
+    }
+
+    /// Hands slots to the first waiters of `model` while replicas can take them; returns
+    /// whether the queue changed.
+    fn pump_model(&self, model: &str, q: &mut ModelQueue<Answer>, snap: &RouteSnapshot, now: Instant) -> bool {
+        let mut changed = false;
+        while let Some(front) = q.front() {
+            if front.tx.is_closed() {
+                q.pop_front();
+                changed = true;
+                continue;
+            }
+            let tokens = front.tokens;
+            match self.try_now(snap, model, &RequestHint { expected_tokens: tokens }) {
+                Attempt::Go(a) => {
+                    let Some(w) = q.pop_front() else { break };
+                    changed = true;
+                    self.metrics.queue_waited(now.saturating_duration_since(w.since).as_secs_f64());
+                    q.drain.record(self.sec(now));
+                    // A receiver gone in this instant drops the slot with the message.
+                    let _ = w.tx.send(Ok(a));
+                }
+                Attempt::Fail(AdmitError::UnknownModel) => {
+                    // The model left the table (deleted): nobody of it will be served.
+                    while let Some(w) = q.pop_front() {
+                        self.metrics.queue_waited(now.saturating_duration_since(w.since).as_secs_f64());
+                        let _ = w.tx.send(Err(AdmitError::UnknownModel));
+                    }
+                    changed = true;
+                }
+                Attempt::Fail(_) | Attempt::Wait { .. } => break,
+            }
+        }
+        changed
+    }
+
+    /// A waiter's time bound passed: takes it out and says why, unless the pump answered it
+    /// in the meantime (then that answer stands).
+    fn expire(&self, model: &str, id: u64, bound: Bound, mut rx: oneshot::Receiver<Answer>) -> Answer {
+        let now = Instant::now();
+        let mut queues = self.lock();
+        if let Some(q) = queues.models.get_mut(model)
+            && let Some(w) = q.remove(id)
+        {
+            self.metrics.queue_waited(now.saturating_duration_since(w.since).as_secs_f64());
+            self.metrics.queue_rejected(model, bound.as_str());
+            self.gauges(model, q);
+            let retry_after_s = self.retry_after(q, now);
+            drop(queues);
+            return Err(if !self.routes.snapshot().has_ready(model) {
+                AdmitError::NoReplicaInTime { retry_after_s }
+            } else if bound == Bound::Deadline {
+                AdmitError::DeadlineExceeded
+            } else {
+                AdmitError::Rejected { bound, retry_after_s }
+            });
+        }
+        drop(queues);
+        // No longer queued: the pump sent its answer under the lock just taken.
+        rx.try_recv().unwrap_or(Err(AdmitError::NoneUsable))
+    }
+
+    /// Takes the waiter `id` out if it is still queued (its client went away).
+    fn leave(&self, model: &str, id: u64) {
+        let mut queues = self.lock();
+        if let Some(q) = queues.models.get_mut(model)
+            && let Some(w) = q.remove(id)
+        {
+            self.metrics.queue_waited(Instant::now().saturating_duration_since(w.since).as_secs_f64());
+            self.gauges(model, q);
+        }
+    }
+}
+
+/// Removes a waiter whose future is dropped before its answer (client disconnect).
+struct Leave<'a> {
+    inner: &'a Inner,
+    model: &'a str,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.inner.leave(self.model, self.id);
+        }
+    }
+}
+
+impl Admission {
+    /// Queues over `routes`, choosing replicas with `policy`.
+    pub fn new(routes: Routes, policy: Arc<dyn BalancePolicy>, metrics: Metrics, cfg: AdmissionConfig) -> Self {
+        let inner = Inner {
+            routes,
+            policy,
+            metrics,
+            cfg,
+            queues: Mutex::new(Queues::default()),
+            scale_from_zero: Notify::new(),
+            epoch: Instant::now(),
+        };
+        Self { inner: Arc::new(inner) }
+    }
+
+    /// A slot on a replica of `model` for a request of `hint.expected_tokens` tokens, waiting
+    /// in the model's queue (within its bounds and until `deadline`) when none is free.
+    ///
+    /// # Errors
+    /// [`AdmitError`]: unknown model, no usable replica, a bound reached.
+    pub async fn admit(&self, model: &str, hint: RequestHint, deadline: Instant) -> Answer {
+        let inner = &*self.inner;
+        let now = Instant::now();
+        let (id, mut rx) = {
+            let mut queues = inner.lock();
+            if queues.closed {
+                return Err(AdmitError::NoneUsable);
+            }
+            let snap = inner.routes.snapshot();
+            let waiting = queues.models.get(model).is_some_and(|q| !q.is_empty());
+            let no_ready = if waiting {
+                if !snap.models.contains_key(model) {
+                    return Err(AdmitError::UnknownModel);
+                }
+                !snap.has_ready(model)
+            } else {
+                match inner.try_now(&snap, model, &hint) {
+                    Attempt::Go(a) => {
+                        queues.models.entry(model.to_owned()).or_default().drain.record(inner.sec(now));
+                        return Ok(a);
+                    }
+                    Attempt::Fail(e) => return Err(e),
+                    Attempt::Wait { no_ready } => no_ready,
+                }
+            };
+            let id = queues.next_id;
+            queues.next_id += 1;
+            let q = queues.models.entry(model.to_owned()).or_default();
+            let bound = if q.len() >= inner.cfg.max_queued_requests as usize {
+                Some(Bound::Full)
+            } else if q.tokens().saturating_add(hint.expected_tokens) > inner.cfg.max_queued_tokens {
+                Some(Bound::Tokens)
+            } else {
+                None
+            };
+            if let Some(bound) = bound {
+                inner.metrics.queue_rejected(model, bound.as_str());
+                return Err(AdmitError::Rejected { bound, retry_after_s: inner.retry_after(q, now) });
+            }
+            let (tx, rx) = oneshot::channel();
+            q.push(Waiter { id, tokens: hint.expected_tokens, since: now, tx });
+            if waiting {
+                // A slot may have freed since the pump last ran: serve the line in order now.
+                inner.pump_model(model, q, &snap, now);
+            }
+            inner.gauges(model, q);
+            if no_ready {
+                inner.scale_from_zero.notify_one();
+            }
+            (id, rx)
+        };
+        let mut leave = Leave { inner, model, id, armed: true };
+        let wait_bound = now + inner.cfg.max_queue_wait;
+        let (until, bound) =
+            if deadline < wait_bound { (deadline, Bound::Deadline) } else { (wait_bound, Bound::Timeout) };
+        let res = tokio::time::timeout_at(until, &mut rx).await;
+        leave.armed = false;
+        match res {
+            Ok(Ok(answer)) => answer,
+            // The queues were closed (shutdown) without an answer.
+            Ok(Err(_)) => Err(AdmitError::NoneUsable),
+            Err(_) => inner.expire(model, id, bound, rx),
+        }
+    }
+
+    /// Serves waiters of every model while replicas can take them.
+    pub fn pump(&self) {
+        let inner = &*self.inner;
+        let now = Instant::now();
+        let snap = inner.routes.snapshot();
+        let mut queues = inner.lock();
+        for (model, q) in &mut queues.models {
+            if !q.is_empty() && inner.pump_model(model, q, &snap, now) {
+                inner.gauges(model, q);
+            }
+        }
+    }
+
+    /// Pumps the queues until `shutdown`, on every released slot, route-table update and
+    /// [`PUMP_TICK`]; then answers every waiter (503) and refuses new ones.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let released = self.inner.routes.released();
+        let mut updates = self.inner.routes.subscribe();
+        let mut tick = tokio::time::interval(PUMP_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = released.notified() => {}
+                r = updates.changed() => if r.is_err() { break },
+                _ = tick.tick() => {}
+            }
+            self.pump();
+        }
+        let mut queues = self.inner.lock();
+        queues.closed = true;
+        for (model, q) in &mut queues.models {
+            while let Some(w) = q.pop_front() {
+                let _ = w.tx.send(Err(AdmitError::NoneUsable));
+            }
+            self.inner.gauges(model, q);
+        }
+    }
+
+    /// Resolves when a request has queued for a model with no Ready replica (scale from zero)
+    /// since the last call.
+    pub async fn scale_from_zero_wanted(&self) {
+        self.inner.scale_from_zero.notified().await;
+    }
+
+    /// What this router holds per served model: every model of the route table, and any
+    /// with waiters.
+    pub fn demand(&self) -> Vec<ModelDemand> {
+        let now = Instant::now();
+        let snap = self.inner.routes.snapshot();
+        let mut out: BTreeMap<&str, ModelDemand> = BTreeMap::new();
+        for (model, replicas) in &snap.models {
+            let in_flight = replicas.iter().map(|r| r.stats.in_flight.load(Ordering::Relaxed)).sum();
+            out.insert(model, ModelDemand { model: model.clone(), in_flight, ..Default::default() });
+        }
+        let queues = self.inner.lock();
+        for (model, q) in &queues.models {
+            if q.is_empty() && !out.contains_key(model.as_str()) {
+                continue;
+            }
+            let d = out.entry(model).or_insert_with(|| ModelDemand { model: model.clone(), ..Default::default() });
+            d.queued = u32::try_from(q.len()).unwrap_or(u32::MAX);
+            d.queued_tokens = q.tokens();
+            d.oldest_queued_s = q.oldest_wait(now).as_secs_f64();
+        }
+        out.into_values().collect()
+    }
+
+    /// Requests waiting for `model` now.
+    pub fn queued(&self, model: &str) -> usize {
+        self.inner.lock().models.get(model).map_or(0, ModelQueue::len)
+    }
+}
+
+#[cfg(test)]
+#[path = "admission/tests.rs"]
+mod tests;

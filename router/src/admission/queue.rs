@@ -1,0 +1,205 @@
+//! The data of one model's admission queue: its FIFO of waiters with their token total, and
+//! the drain rate that `Retry-After` is derived from. Generic over what a waiter is sent, so
+//! it is tested without replicas.
+
+use std::collections::VecDeque;
+
+use tokio::sync::oneshot;
+use tokio::time::{Duration, Instant};
+
+/// Smallest `Retry-After` the router sends, seconds.
+pub const MIN_RETRY_AFTER_S: u32 = 1;
+/// Largest `Retry-After` the router sends, seconds (a client told to wait longer would rather
+/// give up; the queue's state a minute from now is unknown anyway).
+pub const MAX_RETRY_AFTER_S: u32 = 60;
+/// Seconds of history the drain rate is measured over.
+const DRAIN_WINDOW_S: usize = 10;
+
+/// One request waiting for a replica slot.
+pub struct Waiter<T> {
+    /// Unique within the router (the key a leaving request removes itself by).
+    pub id: u64,
+    /// Its estimated prompt + decode tokens (counted against `--max-queued-tokens`).
+    pub tokens: u64,
+    /// When it entered the queue.
+    pub since: Instant,
+    /// Where its slot (or its error) is sent.
+    pub tx: oneshot::Sender<T>,
+}
+
+/// Requests admitted per second over the last [`DRAIN_WINDOW_S`] seconds, in one-second
+/// buckets keyed by whole seconds since the admission epoch.
+#[derive(Debug, Default)]
+pub struct DrainRate {
+    buckets: [u32; DRAIN_WINDOW_S],
+    /// The second `buckets` are current up to.
+    head: u64,
+    /// The first second anything was recorded (the window is shorter before it fills).
+    first: Option<u64>,
+}
+
+impl DrainRate {
+    /// Clears the buckets of the seconds between the last update and `sec`.
+    fn advance(&mut self, sec: u64) {
+        if sec <= self.head {
+            return;
+        }
+        let n = (sec - self.head).min(DRAIN_WINDOW_S as u64);
+        for i in 1..=n {
+            self.buckets[((self.head + i) % DRAIN_WINDOW_S as u64) as usize] = 0;
+        }
+        self.head = sec;
+    }
+
+    /// Counts one request admitted during second `sec`.
+    pub fn record(&mut self, sec: u64) {
+        self.advance(sec);
+        let i = (sec % DRAIN_WINDOW_S as u64) as usize;
+        self.buckets[i] = self.buckets[i].saturating_add(1);
+        self.first.get_or_insert(sec);
+    }
+
+    /// Requests admitted per second at second `sec`: the window's count over the seconds it
+    /// covers (at least one, so a burst in the first second is not divided by ten); `None`
+    /// when nothing was admitted in the window.
+    pub fn per_second(&mut self, sec: u64) -> Option<f64> {
+        self.advance(sec);
+        let first = self.first?;
+        let covered = (sec.saturating_sub(first) + 1).min(DRAIN_WINDOW_S as u64);
+        let sum: u32 = self.buckets.iter().sum();
+        (sum > 0).then(|| f64::from(sum) / covered as f64)
+    }
+}
+
+/// `Retry-After` seconds for a request that would be `position`-th in line: the time the
+/// queue takes to drain that far at `rate` requests per second, or `fallback` (the queue's
+/// wait bound) when nothing drained lately; clamped to
+/// [`MIN_RETRY_AFTER_S`]..=[`MAX_RETRY_AFTER_S`].
+pub fn retry_after_s(position: usize, rate: Option<f64>, fallback: Duration) -> u32 {
+    let secs = match rate {
+        Some(r) if r > 0.0 => position as f64 / r,
+        _ => fallback.as_secs_f64(),
+    };
+    // Clamped to 1..=60 first, so the cast is exact.
+    secs.ceil().clamp(f64::from(MIN_RETRY_AFTER_S), f64::from(MAX_RETRY_AFTER_S)) as u32
+}
+
+/// One model's queue: waiters in arrival order and their token total.
+pub struct ModelQueue<T> {
+    waiters: VecDeque<Waiter<T>>,
+    tokens: u64,
+    /// Admissions of this model (from the queue or straight through).
+    pub drain: DrainRate,
+}
+
+impl<T> Default for ModelQueue<T> {
+    fn default() -> Self {
+        Self { waiters: VecDeque::new(), tokens: 0, drain: DrainRate::default() }
+    }
+}
+
+impl<T> ModelQueue<T> {
+    /// Requests waiting.
+    pub fn len(&self) -> usize {
+        self.waiters.len()
+    }
+
+    /// Whether nothing waits.
+    pub fn is_empty(&self) -> bool {
+        self.waiters.is_empty()
+    }
+
+    /// Estimated tokens of the waiting requests.
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// The first in line.
+    pub fn front(&self) -> Option<&Waiter<T>> {
+        self.waiters.front()
+    }
+
+    /// How long the first in line has waited at `now`.
+    pub fn oldest_wait(&self, now: Instant) -> Duration {
+        self.waiters.front().map_or(Duration::ZERO, |w| now.saturating_duration_since(w.since))
+    }
+
+    /// Appends `w` at the back (no overtaking).
+    pub fn push(&mut self, w: Waiter<T>) {
+        self.tokens = self.tokens.saturating_add(w.tokens);
+        self.waiters.push_back(w);
+    }
+
+    /// Takes the first in line.
+    pub fn pop_front(&mut self) -> Option<Waiter<T>> {
+        let w = self.waiters.pop_front()?;
+        self.tokens = self.tokens.saturating_sub(w.tokens);
+        Some(w)
+    }
+
+    /// Takes the waiter `id` out wherever it is (it left or timed out); `None` when it is no
+    /// longer queued.
+    pub fn remove(&mut self, id: u64) -> Option<Waiter<T>> {
+        let i = self.waiters.iter().position(|w| w.id == id)?;
+        let w = self.waiters.remove(i)?;
+        self.tokens = self.tokens.saturating_sub(w.tokens);
+        Some(w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiter(id: u64, tokens: u64) -> (Waiter<u32>, oneshot::Receiver<u32>) {
+        let (tx, rx) = oneshot::channel();
+        (Waiter { id, tokens, since: Instant::now(), tx }, rx)
+    }
+
+    #[test]
+    fn fifo_order_and_token_total_follow_push_pop_and_remove() {
+        let mut q = ModelQueue::<u32>::default();
+        let mut rxs = Vec::new();
+        for (id, tokens) in [(1, 10), (2, 20), (3, 30)] {
+            let (w, rx) = waiter(id, tokens);
+            q.push(w);
+            rxs.push(rx);
+        }
+        assert_eq!((q.len(), q.tokens()), (3, 60));
+        assert!(q.remove(2).is_some(), "a request that leaves is taken out of the middle");
+        assert!(q.remove(2).is_none());
+        assert_eq!((q.len(), q.tokens()), (2, 40));
+        assert_eq!(q.pop_front().map(|w| w.id), Some(1));
+        assert_eq!(q.pop_front().map(|w| w.id), Some(3));
+        assert!(q.pop_front().is_none());
+        assert_eq!((q.len(), q.tokens(), q.is_empty()), (0, 0, true));
+    }
+
+    #[test]
+    fn drain_rate_counts_the_last_ten_seconds() {
+        let mut d = DrainRate::default();
+        assert_eq!(d.per_second(0), None, "nothing drained yet");
+        for _ in 0..4 {
+            d.record(100);
+        }
+        assert_eq!(d.per_second(100), Some(4.0), "a burst in the first second counts over one second");
+        assert_eq!(d.per_second(101), Some(2.0));
+        for s in 101..110 {
+            d.record(s);
+        }
+        assert_eq!(d.per_second(109), Some(1.3), "13 over the 10 s window");
+        assert_eq!(d.per_second(110), Some(0.9), "second 100 left the window");
+        assert_eq!(d.per_second(130), None, "nothing in the last 10 s");
+    }
+
+    #[test]
+    fn retry_after_is_the_drain_time_clamped() {
+        let wait = Duration::from_secs(30);
+        assert_eq!(retry_after_s(1, Some(2.0), wait), 1, "next in line at 2/s: within a second");
+        assert_eq!(retry_after_s(9, Some(2.0), wait), 5, "ceil(9 / 2)");
+        assert_eq!(retry_after_s(10_000, Some(1.0), wait), MAX_RETRY_AFTER_S);
+        assert_eq!(retry_after_s(1, Some(1000.0), wait), MIN_RETRY_AFTER_S);
+        assert_eq!(retry_after_s(5, None, wait), 30, "nothing drained: the wait bound");
+        assert_eq!(retry_after_s(5, None, Duration::from_secs(600)), MAX_RETRY_AFTER_S);
+    }
+}

@@ -1,0 +1,281 @@
+//! Unit tests of the admission queue over a real route table (no worker: a slot is a
+//! `DispatchGuard`, held or dropped by the test).
+
+use super::*;
+use crate::balance::PowerOfTwoChoices;
+use prism_common::proto::v1::{ReplicaState, RouteEntry, RouteTable};
+
+const MODEL: &str = "m";
+
+/// A table with one Ready replica of [`MODEL`] taking `limit` requests, plus the model
+/// `cold`, listed with no replica.
+fn routes(limit: u32) -> Routes {
+    let routes = Routes::new(256, Metrics::new());
+    routes.apply(table(1, limit));
+    routes
+}
+
+fn table(version: u64, limit: u32) -> RouteTable {
+    RouteTable {
+        term: 0,
+        version,
+        models: vec![MODEL.into(), "cold".into()],
+        routes: vec![RouteEntry {
+            replica_id: "r0".into(),
+            model: MODEL.into(),
+            endpoint: "http://r0".into(),
+            state: ReplicaState::Ready as i32,
+            max_in_flight: limit,
+            ..Default::default()
+        }],
+    }
+}
+
+struct Fixture {
+    adm: Admission,
+    routes: Routes,
+    metrics: Metrics,
+    stop: CancellationToken,
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn fixture(limit: u32, cfg: AdmissionConfig) -> Fixture {
+    let routes = routes(limit);
+    let metrics = Metrics::new();
+    let adm = Admission::new(routes.clone(), Arc::new(PowerOfTwoChoices), metrics.clone(), cfg);
+    let stop = CancellationToken::new();
+    tokio::spawn(adm.clone().run(stop.clone()));
+    Fixture { adm, routes, metrics, stop }
+}
+
+fn hint(tokens: u64) -> RequestHint {
+    RequestHint { expected_tokens: tokens }
+}
+
+fn far() -> Instant {
+    Instant::now() + Duration::from_secs(60)
+}
+
+async fn admit_now(f: &Fixture) -> Admitted {
+    f.adm.admit(MODEL, hint(10), far()).await.expect("a free slot")
+}
+
+/// Waits (bounded) until `n` requests of `model` are queued.
+async fn queued(f: &Fixture, model: &str, n: usize) {
+    let until = Instant::now() + Duration::from_secs(5);
+    while f.adm.queued(model) != n {
+        assert!(Instant::now() < until, "queue of {model} stayed at {} (want {n})", f.adm.queued(model));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn in_flight(f: &Fixture) -> u32 {
+    f.routes.snapshot().models[MODEL][0].stats.in_flight.load(Ordering::Relaxed)
+}
+
+/// Spawns a waiter that reports `tag` on `done` once it has a slot, holding it until `release`.
+fn waiter(
+    f: &Fixture,
+    tag: usize,
+    done: tokio::sync::mpsc::UnboundedSender<usize>,
+    release: Arc<Notify>,
+) -> tokio::task::JoinHandle<Result<(), AdmitError>> {
+    let adm = f.adm.clone();
+    tokio::spawn(async move {
+        let slot = adm.admit(MODEL, hint(10), far()).await?;
+        let _ = done.send(tag);
+        release.notified().await;
+        drop(slot);
+        Ok(())
+    })
+}
+
+#[tokio::test]
+async fn waiters_are_served_in_arrival_order_as_slots_free() {
+    let f = fixture(2, AdmissionConfig::default());
+    let held = vec![admit_now(&f).await, admit_now(&f).await];
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let release = Arc::new(Notify::new());
+    let mut tasks = Vec::new();
+    for tag in 0..3 {
+        tasks.push(waiter(&f, tag, tx.clone(), release.clone()));
+        queued(&f, MODEL, tag + 1).await;
+    }
+    assert!(f.metrics.encode().contains("prism_router_queue_depth{model=\"m\"} 3"));
+    // Each freed slot goes to the first in line, and only to it.
+    let mut order = Vec::new();
+    for (i, g) in held.into_iter().enumerate() {
+        drop(g);
+        let tag = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.expect("woken").expect("tag");
+        order.push(tag);
+        queued(&f, MODEL, 2 - i).await;
+        assert!(rx.try_recv().is_err(), "one slot, one waiter served");
+    }
+    release.notify_one(); // the first waiter finishes: its slot goes to the third
+    order.push(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.expect("woken").expect("tag"));
+    assert_eq!(order, vec![0, 1, 2]);
+    queued(&f, MODEL, 0).await;
+    assert!(f.metrics.encode().contains("prism_router_queue_depth{model=\"m\"} 0"));
+    release.notify_waiters();
+    for t in tasks {
+        t.await.expect("join").expect("slot");
+    }
+    assert_eq!(in_flight(&f), 0, "every slot released");
+    assert!(f.metrics.encode().contains("prism_router_queue_wait_seconds_count 3"));
+}
+
+#[tokio::test]
+async fn a_new_arrival_never_overtakes_a_waiting_request() {
+    let f = fixture(1, AdmissionConfig::default());
+    let g = admit_now(&f).await;
+    // The first waiter keeps its slot (the task's output) until joined.
+    let first = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.admit(MODEL, hint(10), far()).await }
+    });
+    queued(&f, MODEL, 1).await;
+    // The slot frees and a new request arrives before the pump runs: the new one queues
+    // behind (the pump serves the first in line).
+    drop(g);
+    let second = f.adm.admit(MODEL, hint(10), Instant::now() + Duration::from_millis(300)).await;
+    assert_eq!(second.err(), Some(AdmitError::DeadlineExceeded), "the slot went to the first waiter");
+    assert!(first.await.expect("join").is_ok());
+}
+
+#[tokio::test]
+async fn count_bound_refuses_with_retry_after_from_the_drain_rate() {
+    let f = fixture(2, AdmissionConfig { max_queued_requests: 3, ..AdmissionConfig::default() });
+    // Two admitted within the first second: the model drains at 2 requests/s.
+    let held = vec![admit_now(&f).await, admit_now(&f).await];
+    let waiters: Vec<_> = (0..3)
+        .map(|_| {
+            let adm = f.adm.clone();
+            tokio::spawn(async move { adm.admit(MODEL, hint(10), far()).await.map(|_| ()) })
+        })
+        .collect();
+    queued(&f, MODEL, 3).await;
+    let r = f.adm.admit(MODEL, hint(10), far()).await;
+    // Fourth in line at 2/s: ceil(4 / 2) = 2 s.
+    assert_eq!(r.err(), Some(AdmitError::Rejected { bound: Bound::Full, retry_after_s: 2 }));
+    assert_eq!(f.adm.queued(MODEL), 3, "a refused request leaves no trace in the queue");
+    assert!(f.metrics.encode().contains("prism_router_queue_rejected_total{model=\"m\",reason=\"full\"} 1"));
+    drop(held);
+    for w in waiters {
+        w.abort();
+    }
+}
+
+#[tokio::test]
+async fn no_queue_refuses_at_once_when_full() {
+    let f = fixture(1, AdmissionConfig { max_queued_requests: 0, ..AdmissionConfig::default() });
+    let _g = admit_now(&f).await;
+    let r = f.adm.admit(MODEL, hint(10), far()).await;
+    assert!(matches!(r, Err(AdmitError::Rejected { bound: Bound::Full, retry_after_s: 1 })), "{r:?}");
+}
+
+#[tokio::test]
+async fn token_bound_counts_the_queued_estimates() {
+    let f = fixture(1, AdmissionConfig { max_queued_tokens: 100, ..AdmissionConfig::default() });
+    let _g = admit_now(&f).await;
+    let a = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.admit(MODEL, hint(60), far()).await.map(|_| ()) }
+    });
+    queued(&f, MODEL, 1).await;
+    assert!(f.metrics.encode().contains("prism_router_queue_tokens{model=\"m\"} 60"));
+    let r = f.adm.admit(MODEL, hint(41), far()).await;
+    assert!(matches!(r, Err(AdmitError::Rejected { bound: Bound::Tokens, .. })), "{r:?}");
+    // 60 + 40 fits exactly.
+    let b = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.admit(MODEL, hint(40), far()).await.map(|_| ()) }
+    });
+    queued(&f, MODEL, 2).await;
+    a.abort();
+    b.abort();
+    queued(&f, MODEL, 0).await;
+    assert!(f.metrics.encode().contains("prism_router_queue_tokens{model=\"m\"} 0"));
+}
+
+#[tokio::test]
+async fn time_bounds_end_the_wait() {
+    let wait = Duration::from_millis(150);
+    let f = fixture(1, AdmissionConfig { max_queue_wait: wait, ..AdmissionConfig::default() });
+    let _g = admit_now(&f).await;
+    let t = Instant::now();
+    let r = f.adm.admit(MODEL, hint(10), far()).await;
+    assert!(matches!(r, Err(AdmitError::Rejected { bound: Bound::Timeout, .. })), "{r:?}");
+    assert!(t.elapsed() >= wait && t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let r = f.adm.admit(MODEL, hint(10), Instant::now() + Duration::from_millis(20)).await;
+    assert_eq!(r.err(), Some(AdmitError::DeadlineExceeded), "the request's own deadline came first");
+    // A listed model with no Ready replica waits, then is unavailable.
+    let r = f.adm.admit("cold", hint(10), far()).await;
+    assert!(matches!(r, Err(AdmitError::NoReplicaInTime { retry_after_s }) if retry_after_s >= 1), "{r:?}");
+    let m = f.metrics.encode();
+    assert!(m.contains("prism_router_queue_rejected_total{model=\"m\",reason=\"timeout\"} 1"), "{m}");
+    assert!(m.contains("prism_router_queue_rejected_total{model=\"m\",reason=\"deadline\"} 1"), "{m}");
+    assert!(m.contains("prism_router_queue_rejected_total{model=\"cold\",reason=\"timeout\"} 1"), "{m}");
+    assert_eq!(f.adm.queued(MODEL) + f.adm.queued("cold"), 0);
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_takes_no_slot_and_no_count() {
+    let f = fixture(1, AdmissionConfig::default());
+    let g = admit_now(&f).await;
+    let gone = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.admit(MODEL, hint(10), far()).await.map(|_| ()) }
+    });
+    queued(&f, MODEL, 1).await;
+    gone.abort(); // the client disconnects: its future is dropped
+    let _ = gone.await;
+    assert_eq!(f.adm.queued(MODEL), 0, "left the queue at once");
+    let m = f.metrics.encode();
+    assert!(m.contains("prism_router_queue_depth{model=\"m\"} 0") && m.contains("queue_tokens{model=\"m\"} 0"), "{m}");
+    drop(g);
+    // The freed slot is not held by the departed waiter: the next request gets it at once.
+    let g = tokio::time::timeout(Duration::from_millis(500), admit_now(&f)).await.expect("slot free at once");
+    assert_eq!(in_flight(&f), 1);
+    drop(g);
+    assert_eq!(in_flight(&f), 0);
+}
+
+#[tokio::test]
+async fn unknown_model_fails_at_once_and_a_cold_model_waits_for_its_first_replica() {
+    let f = fixture(1, AdmissionConfig::default());
+    assert_eq!(f.adm.admit("nope", hint(1), far()).await.err(), Some(AdmitError::UnknownModel));
+    let cold = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.admit("cold", hint(10), far()).await.map(|(r, _g)| r.replica_id.clone()) }
+    });
+    tokio::time::timeout(Duration::from_secs(5), f.adm.scale_from_zero_wanted()).await.expect("demand signalled");
+    queued(&f, "cold", 1).await;
+    let d = f.adm.demand();
+    let c = d.iter().find(|d| d.model == "cold").expect("cold listed");
+    assert_eq!((c.queued, c.queued_tokens, c.in_flight), (1, 10, 0));
+    // Its first replica becomes Ready: the route-table update wakes the waiter.
+    let mut t = table(2, 1);
+    t.routes.push(RouteEntry {
+        replica_id: "c0".into(),
+        model: "cold".into(),
+        endpoint: "http://c0".into(),
+        state: ReplicaState::Ready as i32,
+        ..Default::default()
+    });
+    f.routes.apply(t);
+    let got = tokio::time::timeout(Duration::from_secs(5), cold).await.expect("woken").expect("join");
+    assert_eq!(got.ok().as_deref(), Some("c0"));
+}
+
+#[tokio::test]
+async fn ejected_replicas_fail_a_new_arrival_at_once() {
+    let f = fixture(1, AdmissionConfig::default());
+    f.routes.snapshot().models[MODEL][0].stats.record_failure(f.routes.now_ms(), Duration::from_secs(10));
+    assert_eq!(f.adm.admit(MODEL, hint(1), far()).await.err(), Some(AdmitError::NoneUsable));
+    assert_eq!(f.adm.queued(MODEL), 0);
+}
