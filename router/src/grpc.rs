@@ -144,14 +144,12 @@ impl InferenceService for InferenceApi {
         let models = snap
             .models
             .iter()
-            .filter_map(|(name, rs)| {
-                let ready = rs.iter().filter(|r| r.is_ready()).count();
-                (ready > 0).then(|| ModelInfo {
-                    id: name.clone(),
-                    ready_replicas: u32::try_from(ready).unwrap_or(u32::MAX),
-                    max_model_len: rs.iter().map(|r| r.max_model_len).max().unwrap_or(0),
-                    created: self.started_at,
-                })
+            // Also models with no Ready replica (scaled to zero, starting): ready_replicas 0.
+            .map(|(name, rs)| ModelInfo {
+                id: name.clone(),
+                ready_replicas: u32::try_from(rs.iter().filter(|r| r.is_ready()).count()).unwrap_or(u32::MAX),
+                max_model_len: rs.iter().map(|r| r.max_model_len).max().unwrap_or(0),
+                created: self.started_at,
             })
             .collect();
         Ok(Response::new(ListModelsResponse { models }))

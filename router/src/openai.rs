@@ -503,9 +503,10 @@ async fn serve(state: HttpState, mut tracker: RequestTracker, prepared: Prepared
 /// The OpenAI model objects of models with a Ready replica, by served name.
 fn model_objects(state: &HttpState) -> Vec<(String, Value)> {
     let snap = state.dispatcher.routes().snapshot();
+    // Every served model the head lists, also one with no Ready replica right now (scaled to
+    // zero, starting, draining): a request for it queues rather than failing with 404.
     snap.models
         .iter()
-        .filter(|(_, rs)| rs.iter().any(|r| r.is_ready()))
         .map(|(name, rs)| {
             let max_len = rs.iter().map(|r| r.max_model_len).max().unwrap_or(0);
             let obj = json!({"id": name, "object": "model", "created": state.started_at, "owned_by": "prism",

@@ -82,7 +82,7 @@ if not eng or not st:
 e = eng["result"]["output_tokens_per_s"]
 s = st["output_throughput"]
 failed = st.get("failed", -1)
-rejected = st.get("failures_by_status", {}).get("429", 0)
+rejected = sum(n for k, n in st.get("failures", {}).items() if "429" in k or "ResourceExhausted" in k)
 ratio = s / e if e else 0.0
 ok = failed == 0 and st.get("completed") == 512 and ratio >= 0.97
 print(f"{'PASS' if ok else 'FAIL'} stack trace: prism up {s:.0f} output tok/s vs engine alone {e:.0f} = {100 * ratio:.1f}% "
