@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The 512-request serving trace sent all at once through the whole stack (`prism up`: router,
 # head, worker on one H200; OpenAI HTTP, streaming) next to the engine alone, in one run:
-#   1. scripts/gpu/make_trace.py: the trace (seeded) -> $OUT/trace.json, and the same requests as
+#   1. scripts/gpu/make_trace.py: the trace (seeded) -> $WORK/trace.json, and the same requests as
 #      JSONL for `prism bench serve` (token-id prompts, max_tokens = output_len, ignore_eos).
 #   2. $BIN/cuda_trace: the engine alone, Llama-3-8B shapes, seeded weights, the trace at once.
 #   3. scripts/gpu/hf_trace.py --save: the same seeded weights as a bf16 safetensors checkpoint,
@@ -19,22 +19,25 @@ set -uo pipefail
 OUT=$(gpu_out run_stack_trace)
 BIN=${BIN:-.gpu-bin}
 CKPT=${CKPT:-/tmp/prism-llama3-8b-synthetic}
-mkdir -p "$OUT"
+# Inputs and bulky outputs stay out of $OUT (the device returns at most 8 files from it).
+WORK=${WORK:-/tmp/prism-stack-trace}
+mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 machine_txt "$OUT"
 rc=0
-python3 scripts/gpu/make_trace.py "$OUT/trace.json" || exit 1
-python3 - "$OUT/trace.json" "$OUT/trace.jsonl" <<'PY'
+python3 scripts/gpu/make_trace.py "$WORK/trace.json" || exit 1
+python3 - "$WORK/trace.json" "$WORK/trace.jsonl" <<'PY'
 import json, sys
 t = json.load(open(sys.argv[1]))
 with open(sys.argv[2], "w") as f:
     for r in t["requests"]:
         f.write(json.dumps({"prompt": r["prompt"], "output_len": r["output_len"]}, separators=(",", ":")) + "\n")
 PY
-timeout 240 "$BIN/cuda_trace" "$OUT/trace.json" "$OUT/cuda_trace.json" --timeout-s 200 2>&1 | tee "$OUT/cuda_trace.log" || rc=1
+timeout 240 "$BIN/cuda_trace" "$WORK/trace.json" "$WORK/cuda_trace.json" --timeout-s 200 2>&1 | tee -a "$OUT/steps.log" || rc=1
+cp "$WORK/cuda_trace.json" "$OUT/" 2>/dev/null
 if [ ! -f "$CKPT/config.json" ]; then
-  timeout 240 python3 scripts/gpu/hf_trace.py "$OUT/trace.json" "$OUT/hf_save.json" --skip-trace --save "$CKPT" \
-    > "$OUT/hf_save.log" 2>&1 || rc=1
+  timeout 240 python3 scripts/gpu/hf_trace.py "$WORK/trace.json" "$WORK/hf_save.json" --skip-trace --save "$CKPT" \
+    > "$WORK/hf_save.log" 2>&1 || rc=1
 fi
 python3 - "$CKPT" <<'PY' || rc=1
 import json, sys
@@ -57,18 +60,18 @@ for _ in $(seq 360); do
   kill -0 $UP 2>/dev/null || break
   sleep 0.5
 done
-echo "ready=$ready" | tee "$OUT/up_check.txt"
+echo "ready=$ready" | tee -a "$OUT/steps.log"
 if [ $ready = 1 ]; then
   timeout 300 "$BIN/prism" bench serve --base-url "http://127.0.0.1:$PORT" --backend openai --model llama3-8b-shape \
-    --dataset-name jsonl --dataset-path "$OUT/trace.jsonl" --num-prompts 512 --request-rate inf --ignore-eos \
-    --no-progress --result-file "$OUT/stack_bench.json" 2>&1 | tee "$OUT/stack_bench.log" || rc=1
+    --dataset-name jsonl --dataset-path "$WORK/trace.jsonl" --num-prompts 512 --request-rate inf --ignore-eos \
+    --no-progress --result-file "$OUT/stack_bench.json" 2>&1 | tee -a "$OUT/steps.log" || rc=1
   curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/router_metrics.txt"
 else
   rc=1
 fi
 kill -INT $UP 2>/dev/null
 timeout 60 tail --pid=$UP -f /dev/null
-python3 - "$OUT/cuda_trace.json" "$OUT/stack_bench.json" <<'PY' | tee "$OUT/stack_summary.txt"
+python3 - "$WORK/cuda_trace.json" "$OUT/stack_bench.json" <<'PY' | tee "$OUT/stack_summary.txt"
 import json, sys
 def load(p):
     try:
