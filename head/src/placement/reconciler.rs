@@ -271,7 +271,9 @@ async fn place(cluster: &Cluster, st: &mut State, mut rec: ReplicaRecord, p: Pla
 mod tests {
     use std::sync::Arc;
 
-    use prism_common::proto::v1::{AutoscalingConfig, DeploymentSpec, EngineConfig, ModelDemand, NodeInventory};
+    use prism_common::proto::v1::{
+        AutoscalingConfig, DeploymentSpec, EngineConfig, LoadReport, ModelDemand, NodeInventory,
+    };
     use prism_common::state_store::StateStore;
     use prism_common::state_store::embedded::EmbeddedStore;
     use tokio::sync::watch;
@@ -350,8 +352,20 @@ mod tests {
         assert!(matches!(refused, Err(HeadError::FailedPrecondition(m)) if m.contains("autoscaled")));
         crate::admin::apply_deployment(&cluster, autoscaled(0, 3)).await.expect("re-applied");
         assert_eq!(replicas_of(&cluster).await.0, 1);
-        // The queue drains and the router goes silent: back to zero (delays 0 here).
+        // The queue drains and the router goes silent while the replica still loads: the cold
+        // start is not cut short.
         cluster.lock().await.record_demand("router-1".into(), vec![], Instant::now());
+        reconcile_once(&cluster).await.expect("pass");
+        assert_eq!(replicas_of(&cluster).await.0, 1, "scaled down during the cold start");
+        // Ready (and reporting an idle engine): back to zero (delays 0 here).
+        {
+            let mut st = cluster.lock().await;
+            let mut rec = st.view().replicas.values().next().expect("the replica").record.clone();
+            rec.state = ReplicaState::Ready as i32;
+            let report = LoadReport { replica_id: rec.replica_id.clone(), ..Default::default() };
+            cluster.put_replica(&mut st, rec).await.expect("Ready");
+            st.record_load(&NodeId::from("n1"), report);
+        }
         reconcile_once(&cluster).await.expect("pass");
         let (n, last) = replicas_of(&cluster).await;
         assert_eq!(n, 0, "{last:?}");
