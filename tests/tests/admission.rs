@@ -5,7 +5,7 @@
 //!   SSE) through a router with the default queue: none fails, each gives every token, the
 //!   gRPC ones token-exact against an undisturbed greedy run and the HTTP ones text-exact
 //!   against an undisturbed HTTP completion; the engine never holds more than the router's
-//!   derived limit (`max_num_seqs` + headroom = 6) while the rest waits in the router.
+//!   derived limit (`max_num_seqs` 4, no headroom below 16) while the rest waits in the router.
 //! - A second router with `--max-queued-requests 4`: a burst past the bound gets 429 with
 //!   `Retry-After` (HTTP) / RESOURCE_EXHAUSTED with `retry-after` (gRPC) for the overflow, and
 //!   everything else completes; no other status, nothing hangs.
@@ -27,8 +27,8 @@ use std::time::Duration;
 
 /// The engine's batch limit in this test.
 const MAX_NUM_SEQS: usize = 4;
-/// What the router admits to the replica: `max_num_seqs` + the headroom of 2.
-const ROUTER_LIMIT: f64 = 6.0;
+/// What the router admits to the replica: `max_num_seqs` (a small engine gets no headroom).
+const ROUTER_LIMIT: f64 = 4.0;
 /// Tokens per request (EOS ignored).
 const MAX_TOKENS: u32 = 8;
 /// The bounded router's `--max-queued-requests`.

@@ -9,28 +9,29 @@
 //!    back to what it runs now: more work there would only wait (or preempt running
 //!    sequences), so it waits in the router's queue instead, where it can still go to another
 //!    replica.
-//! 3. Otherwise the engine's batch limit `max_num_seqs` plus a headroom of a quarter of it (at
-//!    least [`MIN_HEADROOM`]): with exactly `max_num_seqs` in flight, every completion would
-//!    leave a batch slot empty for a router round trip and a prefill chunk, so the engine keeps
-//!    a few requests of its own waiting to fill slots at once. A quarter bounds what waits there
-//!    (and is committed to that replica) while the rest waits in the router's FIFO.
+//! 3. Otherwise the engine's batch limit `max_num_seqs` plus a headroom of a sixteenth of it
+//!    (rounded down): with exactly `max_num_seqs` in flight every completion leaves a batch
+//!    slot empty for a router round trip and a prefill chunk, so a large engine keeps a few
+//!    requests of its own waiting to fill slots at once. Whatever waits on an engine waits
+//!    outside the router's bounded queue and cannot move to a replica that comes up later, for
+//!    about (its position / `max_num_seqs`) of a request's duration; a sixteenth keeps that a
+//!    small fraction, and a small engine (under 16 sequences, where one waiting request would
+//!    wait a large part of a request's duration) gets none: its requests wait in the router.
 //! 4. A replica that has not reported its capacity (`max_num_seqs` 0: an older worker, static
 //!    routes, or no report yet) gets the router's `--max-in-flight-per-replica`.
 
 use prism_common::proto::v1::LoadReport;
 
-/// Fewest extra requests beyond `max_num_seqs` a replica is given.
-pub const MIN_HEADROOM: u32 = 2;
-/// Headroom beyond `max_num_seqs`, as a fraction of it.
-pub const HEADROOM_FRACTION: f64 = 0.25;
+/// Headroom beyond `max_num_seqs`, as a fraction of it (rounded down).
+pub const HEADROOM_FRACTION: f64 = 1.0 / 16.0;
 /// Below this fraction of free KV-cache blocks the cache counts as nearly full.
 pub const KV_FREE_FLOOR: f64 = 0.05;
 
 /// Requests beyond `max_num_seqs` a replica may hold waiting on its engine.
 pub fn headroom(max_num_seqs: u32) -> u32 {
-    let h = (f64::from(max_num_seqs) * HEADROOM_FRACTION).ceil();
-    // `h` is at most a quarter of a u32 here.
-    (h as u32).max(MIN_HEADROOM)
+    let h = (f64::from(max_num_seqs) * HEADROOM_FRACTION).floor();
+    // `h` is at most a sixteenth of a u32 here.
+    h as u32
 }
 
 /// Whether `load` shows the KV cache nearly full (by blocks when reported, else by usage).
@@ -79,9 +80,10 @@ mod tests {
     fn override_then_reported_capacity_then_default() {
         let l = report(8, 0, 0, 100, 100);
         assert_eq!(replica_limit(3, Some(&l), 256), 3, "the deployment's max_in_flight wins");
-        assert_eq!(replica_limit(0, Some(&l), 256), 10, "8 + max(2, 8/4)");
-        assert_eq!(replica_limit(0, Some(&report(256, 0, 0, 9, 10)), 256), 320, "256 + 64");
-        assert_eq!(replica_limit(0, Some(&report(4, 0, 0, 9, 10)), 256), 6, "4 + the minimum 2");
+        assert_eq!(replica_limit(0, Some(&l), 256), 8, "a small engine: no headroom");
+        assert_eq!(replica_limit(0, Some(&report(256, 0, 0, 9, 10)), 256), 272, "256 + 256/16");
+        assert_eq!(replica_limit(0, Some(&report(16, 0, 0, 9, 10)), 256), 17, "16 + 1");
+        assert_eq!(replica_limit(0, Some(&report(31, 0, 0, 9, 10)), 256), 32, "31 + 1 (rounded down)");
         assert_eq!(replica_limit(0, Some(&report(0, 0, 0, 9, 10)), 256), 256, "no capacity reported");
         assert_eq!(replica_limit(0, None, 256), 256);
         assert_eq!(replica_limit(0, None, 0), 1, "never 0");
@@ -92,9 +94,9 @@ mod tests {
         // 2 of 100 blocks free and 3 requests waiting: only what runs now.
         assert_eq!(replica_limit(0, Some(&report(8, 5, 3, 2, 100)), 256), 5);
         // Nearly full but nothing waiting: the engine still admits; the normal limit.
-        assert_eq!(replica_limit(0, Some(&report(8, 5, 0, 2, 100)), 256), 10);
+        assert_eq!(replica_limit(0, Some(&report(8, 5, 0, 2, 100)), 256), 8);
         // Waiting but plenty of blocks (waiting for a batch slot): the normal limit.
-        assert_eq!(replica_limit(0, Some(&report(8, 8, 3, 50, 100)), 256), 10);
+        assert_eq!(replica_limit(0, Some(&report(8, 8, 3, 50, 100)), 256), 8);
         // Held back never goes to 0 (it would never get work again) nor above max_num_seqs.
         assert_eq!(replica_limit(0, Some(&report(8, 0, 3, 0, 100)), 256), 1);
         // Without block counts the usage fraction decides.
