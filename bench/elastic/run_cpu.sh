@@ -5,7 +5,7 @@
 #   1. burst: 10x max_num_seqs (8) = 80 requests at once on one replica, through
 #      router A (the admission queue, defaults) and router B (--max-queued-requests 0: the
 #      old behaviour, a fixed in-flight limit and 429 beyond it).
-#   2. ramp: a linear ramp 0.5 -> 4 req/s over 48 requests against a fixed one-replica
+#   2. ramp: a linear ramp 1 -> 8 req/s over 64 requests (64 in, 64 out) against a fixed one-replica
 #      deployment ("fixed") and an autoscaled one ("auto", min 1, max 3, target 2 ongoing
 #      requests per replica, upscale 2 s, downscale 20 s, look-back 3 s), both max_num_seqs 4;
 #      goodput under TTFT < 2 s / TPOT < 200 ms (CPU-sized SLOs) and TTFT p99.
@@ -74,8 +74,8 @@ deploy auto "autoscaling_config:
   upscale_delay_s: 2
   downscale_delay_s: 20
   look_back_period_s: 3" 4 && wait_ready auto || exit 1
-RAMP=(--dataset-name random --random-input-len 64 --random-output-len 32 --num-prompts 48 --seed 2
-  --ramp-up-strategy linear --ramp-up-start-rps 0.5 --ramp-up-end-rps 4 --goodput ttft:2000 tpot:200)
+RAMP=(--dataset-name random --random-input-len 64 --random-output-len 64 --num-prompts 64 --seed 2
+  --ramp-up-strategy linear --ramp-up-start-rps 1 --ramp-up-end-rps 8 --goodput ttft:2000 tpot:200)
 bench ramp_fixed "http://127.0.0.1:$AH" fixed "${RAMP[@]}"
 bench ramp_autoscaled "http://127.0.0.1:$AH" auto "${RAMP[@]}"
 curl -s "http://127.0.0.1:$HH/v1/events" > "$OUT/events.json"
