@@ -338,6 +338,23 @@ mod tests {
     }
 
     #[test]
+    fn queue_flags_default_to_the_routers_and_refuse_a_wait_of_zero() -> anyhow::Result<()> {
+        let parse = |flags: &[&str]| Cli::try_parse_from(std::iter::once("prism-up").chain(flags.iter().copied()));
+        let d = parse(&[])?.up;
+        let router = prism_router::RouterConfig::default();
+        assert_eq!(d.max_queued_requests, router.max_queued_requests);
+        assert_eq!(Duration::from_secs_f64(d.max_queue_wait), router.max_queue_wait);
+        let set = parse(&["--max-queued-requests=0", "--max-queue-wait=120"])?.up;
+        assert_eq!((set.max_queued_requests, set.max_queue_wait), (0, 120.0));
+        for bad in ["0", "-1", "nan", "inf", "soon"] {
+            let flag = format!("--max-queue-wait={bad}");
+            let err = parse(&[flag.as_str()]).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains("--max-queue-wait"), "{bad}: {err}");
+        }
+        Ok(())
+    }
+
+    #[test]
     fn names_from_model_paths() {
         let served = default_served_name(Path::new("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
         assert_eq!(served, "SmolLM2-135M-Instruct");

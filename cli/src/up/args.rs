@@ -67,6 +67,20 @@ pub struct UpArgs {
     /// Give up when the model is not Ready after this many seconds.
     #[arg(long, env = "PRISM_LOAD_TIMEOUT", default_value_t = 900)]
     pub load_timeout: u64,
+    /// Requests that may wait in the router's admission queue while the replicas are full
+    /// (Ray Serve's `max_queued_requests`); past it: 429 with Retry-After. 0 = no queue.
+    #[arg(long, env = "PRISM_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
+    pub max_queued_requests: u32,
+    /// Longest wait in the router's admission queue in seconds (> 0); past it: 429, or 503
+    /// when no replica is Ready. Raise it for large bursts such as `--request-rate inf`.
+    #[arg(long, env = "PRISM_MAX_QUEUE_WAIT", default_value_t = 30.0, value_parser = positive_seconds)]
+    pub max_queue_wait: f64,
+}
+
+/// A number of seconds above zero (finite).
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?} is not a number of seconds: {e}"))?;
+    if v > 0.0 && v.is_finite() && v < 1e9 { Ok(v) } else { Err(format!("must be above 0 seconds, got {s}")) }
 }
 
 /// The sockets `prism up` listens on (bound before anything starts, then handed to each `run`).

@@ -63,7 +63,12 @@ pub async fn start(store: &str, args: &UpArgs, listeners: Listeners, root: &Canc
     // Ctrl-C drains in-flight requests for at most this long.
     worker_config.sigterm_drain = Duration::from_secs(3);
 
-    let router_config = RouterConfig { heads: vec![head_url.clone()], ..RouterConfig::default() };
+    let router_config = RouterConfig {
+        heads: vec![head_url.clone()],
+        max_queued_requests: args.max_queued_requests,
+        max_queue_wait: Duration::from_secs_f64(args.max_queue_wait),
+        ..RouterConfig::default()
+    };
 
     let head_token = root.child_token();
     let worker_token = root.child_token();
