@@ -315,6 +315,9 @@ node_selector:
         let example = DeploymentFile::parse(include_str!("../../docs/examples/smollm2.yaml"))?.to_spec();
         let engine = example.engine.context("engine")?;
         assert_eq!((engine.max_model_len, engine.block_size, engine.max_num_seqs), (Some(2048), Some(16), Some(64)));
+        let auto = DeploymentFile::parse(include_str!("../../docs/examples/smollm2-autoscaled.yaml"))?.to_spec();
+        let a = auto.autoscaling.context("autoscaling")?;
+        assert_eq!((a.min_replicas, a.max_replicas, auto.replicas), (0, 2, 1), "starts at initial_replicas");
         let overlay = DeploymentFile::parse(include_str!("../../k8s/overlays/cpu/smollm2.yaml"))?.to_spec();
         assert_eq!(overlay.engine.context("engine")?.backend, "cpu");
         Ok(())

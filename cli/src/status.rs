@@ -153,7 +153,8 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
     out.push_str(&format!("\nReplicas ({}):\n", status.replicas.len()));
     out.push_str(&if replicas.is_empty() { "  (none)\n".to_owned() } else { replicas.render() });
     if status.pending_gpus > 0 {
-        out.push_str(&format!("\nUnmet GPU demand: {} GPUs\n", status.pending_gpus));
+        // Pending replicas' devices: GPUs, or CPU slots on CPU-only clusters.
+        out.push_str(&format!("\nUnmet demand (Pending replicas): {} GPUs or CPU slots\n", status.pending_gpus));
     }
     out
 }

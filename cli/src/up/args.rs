@@ -67,6 +67,11 @@ pub struct UpArgs {
     /// Give up when the model is not Ready after this many seconds.
     #[arg(long, env = "PRISM_LOAD_TIMEOUT", default_value_t = 900)]
     pub load_timeout: u64,
+    /// CPU slots of the embedded worker: replicas it can hold on the CPU backend (default:
+    /// `--replicas` × `--tensor-parallel-size`). Raise it to deploy more models or let an
+    /// autoscaled deployment grow (`prism deploy`).
+    #[arg(long, env = "PRISM_UP_CPU_SLOTS")]
+    pub cpu_slots: Option<u32>,
     /// Requests that may wait in the router's admission queue while the replicas are full
     /// (Ray Serve's `max_queued_requests`); past it: 429 with Retry-After. 0 = no queue.
     #[arg(long, env = "PRISM_MAX_QUEUED_REQUESTS", default_value_t = 1024)]

@@ -57,7 +57,8 @@ pub async fn start(store: &str, args: &UpArgs, listeners: Listeners, root: &Canc
     let head_config = HeadConfig::new(store, head_url.clone());
 
     let mut worker_config = prism_worker::WorkerConfig::for_test(head_url.clone(), &prism_worker::config::hostname());
-    worker_config.cpu_slots = args.replicas.saturating_mul(args.engine.tensor_parallel_size).max(1);
+    let own = args.replicas.saturating_mul(args.engine.tensor_parallel_size);
+    worker_config.cpu_slots = args.cpu_slots.unwrap_or(own).max(own).max(1);
     // The budget of CPU replicas that set none (`--kv-cache-bytes` travels in the spec).
     worker_config.kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES;
     // Ctrl-C drains in-flight requests for at most this long.
