@@ -86,6 +86,14 @@ pub struct EngineFlags {
     /// --max-in-flight-per-replica, 256).
     #[arg(long, env = "PRISM_MAX_IN_FLIGHT")]
     pub max_in_flight: Option<u32>,
+    /// Automatic prefix caching: reuse the KV blocks of prompt prefixes seen before (default
+    /// on, as in vLLM). YAML: `enable_prefix_caching: false`; flags: `--no-enable-prefix-caching`.
+    #[arg(long, env = "PRISM_ENABLE_PREFIX_CACHING", num_args = 0..=1, default_missing_value = "true")]
+    pub enable_prefix_caching: Option<bool>,
+    /// Turns automatic prefix caching off (vLLM's `--no-enable-prefix-caching`).
+    #[arg(long, conflicts_with = "enable_prefix_caching")]
+    #[serde(skip)]
+    pub no_enable_prefix_caching: bool,
 }
 
 fn one() -> u32 {
@@ -106,6 +114,8 @@ impl Default for EngineFlags {
             kv_cache_bytes: None,
             backend: None,
             max_in_flight: None,
+            enable_prefix_caching: None,
+            no_enable_prefix_caching: false,
         }
     }
 }
@@ -154,6 +164,7 @@ impl EngineFlags {
             backend: self.backend.map(BackendChoice::as_str).unwrap_or_default().to_owned(),
             max_in_flight: self.max_in_flight,
             batch_invariant: self.batch_invariant,
+            enable_prefix_caching: if self.no_enable_prefix_caching { Some(false) } else { self.enable_prefix_caching },
         };
         unset_zeros(&mut engine);
         engine

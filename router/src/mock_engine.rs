@@ -16,6 +16,7 @@ use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use futures::Stream;
+use prism_common::proto::v1 as pb;
 use prism_common::proto::v1::worker_service_server::{WorkerService, WorkerServiceServer};
 use prism_common::proto::v1::{
     FinishReason, GenerateResponse, TokenLogprob, TopLogprob, Usage, WorkerDrainRequest, WorkerDrainResponse,
@@ -214,6 +215,22 @@ type GenStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + S
 #[tonic::async_trait]
 impl WorkerService for MockEngineWorker {
     type GenerateStream = GenStream;
+    type WatchPrefixCacheStream = Pin<Box<dyn Stream<Item = Result<pb::PrefixCacheEvents, Status>> + Send>>;
+
+    /// The mock engine has no tokenizer: routers route it by load alone.
+    async fn get_prompt_codec(
+        &self,
+        _: Request<pb::GetPromptCodecRequest>,
+    ) -> Result<Response<pb::PromptCodec>, Status> {
+        Err(Status::unimplemented("mock engine: no prompt codec"))
+    }
+
+    async fn watch_prefix_cache(
+        &self,
+        _: Request<pb::WatchPrefixCacheRequest>,
+    ) -> Result<Response<Self::WatchPrefixCacheStream>, Status> {
+        Err(Status::unimplemented("mock engine: no prefix cache"))
+    }
 
     async fn generate(&self, request: Request<WorkerGenerateRequest>) -> Result<Response<GenStream>, Status> {
         let r = request.into_inner();
@@ -288,8 +305,11 @@ impl WorkerService for MockEngineWorker {
                         text: format!("t{i} "),
                         logprobs: logprobs.unwrap_or_default(),
                         finish_reason: if last_of_choice { reason as i32 } else { 0 },
-                        usage: (last_of_choice && choice + 1 == n)
-                            .then_some(Usage { prompt_tokens, completion_tokens: total + prior }),
+                        usage: (last_of_choice && choice + 1 == n).then_some(Usage {
+                            prompt_tokens,
+                            completion_tokens: total + prior,
+                            cached_tokens: 0,
+                        }),
                         prompt_tokens: if emitted == 0 { prompt_tokens } else { 0 },
                     };
                     if tx.send(Ok(msg)).await.is_err() {

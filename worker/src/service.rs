@@ -87,6 +87,7 @@ pub fn engine_request_from_proto(r: pb::WorkerGenerateRequest, now: Instant) -> 
         params: sampling_from_proto(req.sampling),
         prior_output_ids: r.prior_output_ids,
         deadline,
+        cache_salt: req.cache_salt,
     })
 }
 
@@ -127,7 +128,11 @@ pub fn output_to_proto(request_id: &str, o: EngineOutput) -> pb::GenerateRespons
         text: o.text,
         logprobs: o.logprobs.into_iter().map(logprob_to_proto).collect(),
         finish_reason: finish_reason_to_proto(o.finish_reason) as i32,
-        usage: o.usage.map(|u| pb::Usage { prompt_tokens, completion_tokens: u.completion_tokens }),
+        usage: o.usage.map(|u| pb::Usage {
+            prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            cached_tokens: u.cached_tokens,
+        }),
         prompt_tokens,
     }
 }
@@ -219,6 +224,21 @@ async fn forward(
 #[tonic::async_trait]
 impl WorkerService for WorkerGrpc {
     type GenerateStream = GenerateStream;
+    type WatchPrefixCacheStream = ReceiverStream<Result<pb::PrefixCacheEvents, Status>>;
+
+    async fn get_prompt_codec(
+        &self,
+        _request: Request<pb::GetPromptCodecRequest>,
+    ) -> Result<Response<pb::PromptCodec>, Status> {
+        Err(Status::unimplemented("get_prompt_codec: not yet"))
+    }
+
+    async fn watch_prefix_cache(
+        &self,
+        _request: Request<pb::WatchPrefixCacheRequest>,
+    ) -> Result<Response<Self::WatchPrefixCacheStream>, Status> {
+        Err(Status::unimplemented("watch_prefix_cache: not yet"))
+    }
 
     async fn generate(
         &self,

@@ -266,6 +266,7 @@ fn generate_req(replica: &str, prompt: &str, max_tokens: i64) -> pb::WorkerGener
             }),
             request_id: String::new(),
             timeout_ms: None,
+            cache_salt: None,
         }),
         ..Default::default()
     }
@@ -500,7 +501,7 @@ impl ReplicaEngine for TickingEngine {
                 token_ids: vec![i as u32],
                 text: format!("t{i} "),
                 finish_reason: last.then_some(FinishReason::Length),
-                usage: last.then_some(Usage { prompt_tokens: 3, completion_tokens: max as u32 }),
+                usage: last.then_some(Usage { prompt_tokens: 3, completion_tokens: max as u32, cached_tokens: 0 }),
                 prompt_tokens: 3,
                 ..Default::default()
             };

@@ -68,10 +68,12 @@ impl StreamUsage {
         }
         if self.migrated {
             m.prompt_tokens = 0;
-            if m.usage.is_some() {
+            if let Some(u) = m.usage {
                 m.usage = Some(Usage {
                     prompt_tokens: self.prompt_tokens,
                     completion_tokens: u32::try_from(self.generated.len()).unwrap_or(u32::MAX),
+                    // What the last replica found cached (it also saw the generated tokens).
+                    cached_tokens: u.cached_tokens.min(self.prompt_tokens),
                 });
             }
         }
@@ -240,7 +242,7 @@ mod tests {
         GenerateResponse {
             token_ids: tokens.to_vec(),
             prompt_tokens,
-            usage: usage.map(|(p, c)| Usage { prompt_tokens: p, completion_tokens: c }),
+            usage: usage.map(|(p, c)| Usage { prompt_tokens: p, completion_tokens: c, cached_tokens: 0 }),
             ..GenerateResponse::default()
         }
     }
@@ -250,7 +252,10 @@ mod tests {
         let mut u = StreamUsage::new(&msg(&[1], 7, None), true);
         let mut last = msg(&[2, 3], 7, Some((7, 3)));
         u.pass(&mut last);
-        assert_eq!((last.prompt_tokens, last.usage), (7, Some(Usage { prompt_tokens: 7, completion_tokens: 3 })));
+        assert_eq!(
+            (last.prompt_tokens, last.usage),
+            (7, Some(Usage { prompt_tokens: 7, completion_tokens: 3, cached_tokens: 0 }))
+        );
         assert_eq!(u.generated(), &[1, 2, 3]);
     }
 
@@ -269,7 +274,7 @@ mod tests {
         u.pass(&mut last);
         assert_eq!(last.prompt_tokens, 0);
         assert_eq!(last.usage.map(|u| u.prompt_tokens), Some(7));
-        assert_eq!(last.usage, Some(Usage { prompt_tokens: 7, completion_tokens: 4 }));
+        assert_eq!(last.usage, Some(Usage { prompt_tokens: 7, completion_tokens: 4, cached_tokens: 0 }));
         assert_eq!(u.generated(), &[10, 11, 12, 13]);
     }
 

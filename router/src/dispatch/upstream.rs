@@ -155,6 +155,8 @@ impl Upstream {
             replica_id: replica.replica_id.clone(),
             request: Some(inner),
             prior_output_ids: prior.to_vec(),
+            prompt_token_ids: Vec::new(),
+            codec_fingerprint: 0,
         });
         wreq.set_timeout(remaining);
         let mut client = self.client(&replica.endpoint)?;

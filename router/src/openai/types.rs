@@ -348,6 +348,7 @@ impl CompletionRequest {
             sampling: Some(self.sampling.to_proto(self.logprobs)?),
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
+            cache_salt: None,
         };
         check_request(&req)?;
         Ok(req)
@@ -383,6 +384,7 @@ impl ChatRequest {
             sampling: Some(self.sampling.to_proto(logprobs)?),
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
+            cache_salt: None,
         };
         check_request(&req)?;
         Ok(req)

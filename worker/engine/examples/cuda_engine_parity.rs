@@ -129,6 +129,7 @@ mod parity {
             params,
             prior_output_ids: Vec::new(),
             deadline: None,
+            cache_salt: None,
         }
     }
 

@@ -117,6 +117,7 @@ mod check {
                     params,
                     prior_output_ids: Vec::new(),
                     deadline: None,
+                    cache_salt: None,
                 })
             })
             .collect::<Result<_, _>>()?;

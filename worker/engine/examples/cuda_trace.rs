@@ -590,6 +590,7 @@ mod trace {
                 params,
                 prior_output_ids: Vec::new(),
                 deadline: None,
+                cache_salt: None,
             };
             let stream = engine.submit(req).with_context(|| format!("submit request {i}"))?;
             tasks.push(runtime.spawn(drain(stream, records[i].clone())));

@@ -91,6 +91,8 @@ pub struct EngineConfig {
     pub batch_invariant: bool,
     /// Most unfinished requests before `submit` answers `Overloaded`.
     pub max_pending_requests: usize,
+    /// Automatic prefix caching (on by default, as in vLLM).
+    pub enable_prefix_caching: bool,
 }
 
 impl EngineConfig {
@@ -112,6 +114,7 @@ impl EngineConfig {
             backend,
             batch_invariant: false,
             max_pending_requests: rt.max_pending_requests,
+            enable_prefix_caching: rt.enable_prefix_caching,
         }
     }
 
@@ -123,6 +126,10 @@ impl EngineConfig {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_pending_requests: self.max_pending_requests,
             engine_threads: Some(self.engine_threads.unwrap_or_else(|| self.backend.default_engine_threads())),
+            enable_prefix_caching: self.enable_prefix_caching,
+            // The model's identity for block hashes: its path as configured (a redeploy of
+            // another checkpoint under the same served name gets other hashes).
+            cache_namespace: super::kv_cache::prefix_hash::fingerprint(self.model.as_os_str().as_encoded_bytes()),
             ..RuntimeConfig::default()
         }
     }

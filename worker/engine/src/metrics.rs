@@ -182,6 +182,13 @@ pub struct EngineStats {
     /// Of those, steps whose tokens were picked by the backend's device argmax
     /// (`Backend::forward_greedy`) without copying logits to the host.
     pub device_greedy_steps_total: u64,
+    /// Prefix cache: prompt tokens looked up at scheduling (vLLM's `prefix_cache_queries`).
+    pub prefix_cache_queries_total: u64,
+    /// Of those, tokens found cached (vLLM's `prefix_cache_hits`).
+    pub prefix_cache_hits_total: u64,
+    /// Prompt tokens actually run through the model in prefill (cache hits excluded,
+    /// recomputation after preemption included).
+    pub prompt_tokens_computed_total: u64,
 }
 
 #[derive(Debug)]
@@ -207,6 +214,9 @@ pub struct StatsRecorder {
     pub(crate) in_flight: AtomicUsize,
     pub(crate) steps: AtomicU64,
     pub(crate) device_greedy_steps: AtomicU64,
+    pub(crate) prefix_cache_queries: AtomicU64,
+    pub(crate) prefix_cache_hits: AtomicU64,
+    pub(crate) prompt_tokens_computed: AtomicU64,
     pub(crate) alive: AtomicBool,
     /// Live threads of the replica's compute pool (counted by the pool's start/exit handlers).
     pub(crate) compute_threads: AtomicUsize,
@@ -229,6 +239,9 @@ impl Default for StatsRecorder {
             in_flight: AtomicUsize::new(0),
             steps: AtomicU64::new(0),
             device_greedy_steps: AtomicU64::new(0),
+            prefix_cache_queries: AtomicU64::new(0),
+            prefix_cache_hits: AtomicU64::new(0),
+            prompt_tokens_computed: AtomicU64::new(0),
             alive: AtomicBool::new(true),
             compute_threads: AtomicUsize::new(0),
             control: StepControl::default(),
@@ -319,6 +332,9 @@ impl StatsRecorder {
             kv_waste: h.kv_waste.snapshot(),
             steps_total: r(&self.steps),
             device_greedy_steps_total: r(&self.device_greedy_steps),
+            prefix_cache_queries_total: r(&self.prefix_cache_queries),
+            prefix_cache_hits_total: r(&self.prefix_cache_hits),
+            prompt_tokens_computed_total: r(&self.prompt_tokens_computed),
         }
     }
 }

@@ -26,7 +26,7 @@ pub use config::{ModelConfig, RopeScaling};
 pub use error::ModelError;
 pub use llama::{LayerWeights, Linear, LlamaWeights, QuantizedData};
 pub use loaded::{LoadOptions, LoadedModel, ProgressFn};
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{Tokenizer, TokenizerExport};
 
 use crate::request::EngineError;
 

@@ -21,6 +21,8 @@ use std::time::Instant;
 pub const MAX_N: u32 = 128;
 /// Most top-logprob alternatives per token (OpenAI's limit).
 pub const MAX_LOGPROBS: u32 = 20;
+/// Longest accepted `cache_salt`, in bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
 
 /// One chat message, rendered through the model's chat template.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,6 +116,10 @@ pub struct EngineRequest {
     pub prior_output_ids: Vec<u32>,
     /// The request is aborted (finish_reason `Abort`) when this passes.
     pub deadline: Option<Instant>,
+    /// Prefix-cache isolation (vLLM's `cache_salt`): cached blocks are shared only between
+    /// requests with equal salts; `None` = the shared namespace. Not empty, at most
+    /// [`MAX_CACHE_SALT_BYTES`] bytes.
+    pub cache_salt: Option<String>,
 }
 
 /// Why a choice ended.
@@ -173,6 +179,9 @@ pub struct Usage {
     pub prompt_tokens: u32,
     /// Tokens generated across all choices, `prior_output_ids` included.
     pub completion_tokens: u32,
+    /// Prompt tokens of choice 0 whose KV came from the prefix cache at its first
+    /// scheduling (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: u32,
 }
 
 /// One streamed output: the new tokens of one choice since the previous output.

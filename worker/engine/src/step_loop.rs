@@ -496,7 +496,11 @@ impl EngineCore {
         let Some(r) = self.reqs.get_mut(&s.req) else { return };
         r.unfinished = r.unfinished.saturating_sub(1);
         if r.unfinished == 0 {
-            out.usage = Some(Usage { prompt_tokens: r.prompt_len as u32, completion_tokens: r.completion_tokens });
+            out.usage = Some(Usage {
+                prompt_tokens: r.prompt_len as u32,
+                completion_tokens: r.completion_tokens,
+                cached_tokens: 0,
+            });
             self.stats.count_finished(reason);
             self.stats.observe_e2e(r.arrival.elapsed());
             tracing::debug!(request_id = %r.id, reason = reason.as_str(), "request finished");

@@ -40,6 +40,7 @@ fn submit(e: &EngineHandle, prompt: &str, max_tokens: i64) -> OutputStream {
         params,
         prior_output_ids: Vec::new(),
         deadline: None,
+        cache_salt: None,
     };
     e.submit(req).expect("submit")
 }
@@ -91,6 +92,7 @@ fn req_template() -> EngineRequest {
         params: SamplingParams { max_tokens: Some(1), ..SamplingParams::default() },
         prior_output_ids: Vec::new(),
         deadline: None,
+        cache_salt: None,
     }
 }
 

@@ -190,6 +190,7 @@ mod tests {
             params,
             prior_output_ids: Vec::new(),
             deadline: None,
+            cache_salt: None,
         }
     }
 

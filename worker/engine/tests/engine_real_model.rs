@@ -39,7 +39,7 @@ fn greedy(max_tokens: i64) -> SamplingParams {
 }
 
 fn req(prompt: Prompt, params: SamplingParams) -> EngineRequest {
-    EngineRequest { id: "test".into(), prompt, params, prior_output_ids: Vec::new(), deadline: None }
+    EngineRequest { id: "test".into(), prompt, params, prior_output_ids: Vec::new(), deadline: None, cache_salt: None }
 }
 
 fn text(p: &str) -> Prompt {

@@ -243,6 +243,7 @@ impl Replica {
             free_kv_blocks: load.free_kv_blocks,
             total_kv_blocks: load.total_kv_blocks,
             block_size: load.block_size,
+            ..pb::LoadReport::default()
         })
     }
 

@@ -5,7 +5,12 @@ use prism_engine::{TopLogprob, Usage};
 use tonic::Code;
 
 fn wreq(req: pb::GenerateRequest) -> pb::WorkerGenerateRequest {
-    pb::WorkerGenerateRequest { replica_id: "r".into(), request: Some(req), prior_output_ids: vec![5, 6] }
+    pb::WorkerGenerateRequest {
+        replica_id: "r".into(),
+        request: Some(req),
+        prior_output_ids: vec![5, 6],
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -71,6 +76,7 @@ fn request_conversion_prompts_deadline_and_prior_ids() -> anyhow::Result<()> {
             sampling: None,
             request_id: "abc".into(),
             timeout_ms: Some(1500),
+            cache_salt: None,
         }),
         now,
     )?;
@@ -135,14 +141,14 @@ fn output_conversion_carries_tokens_logprobs_finish_and_usage() {
             top_logprobs: vec![TopLogprob { token_id: 12, token: "c".into(), logprob: -1.0, bytes: b"c".to_vec() }],
         }],
         finish_reason: Some(FinishReason::Length),
-        usage: Some(Usage { prompt_tokens: 4, completion_tokens: 9 }),
+        usage: Some(Usage { prompt_tokens: 4, completion_tokens: 9, cached_tokens: 0 }),
         prompt_tokens: 4,
     };
     let p = output_to_proto("rid", o);
     assert_eq!(p.request_id, "rid");
     assert_eq!((p.index, p.token_ids.clone(), p.text.as_str()), (1, vec![10, 11], "ab"));
     assert_eq!(p.finish_reason, pb::FinishReason::Length as i32);
-    assert_eq!(p.usage, Some(pb::Usage { prompt_tokens: 4, completion_tokens: 9 }));
+    assert_eq!(p.usage, Some(pb::Usage { prompt_tokens: 4, completion_tokens: 9, cached_tokens: 0 }));
     assert_eq!(p.logprobs[0].top_logprobs[0].token_id, 12);
     assert_eq!(p.logprobs[0].bytes, b"a".to_vec());
     // The engine's own counts, also when the request continues a migrated stream: the

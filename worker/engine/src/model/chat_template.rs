@@ -17,6 +17,7 @@ const NAME: &str = "chat";
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -167,7 +168,12 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.set_unknown_method_callback(py_method);
         env.add_template_owned(NAME, source.to_owned())?;
-        Ok(Self { env, bos_token, eos_token })
+        Ok(Self { env, source: source.to_owned(), bos_token, eos_token })
+    }
+
+    /// The template's source and the `bos_token`/`eos_token` it was compiled with.
+    pub fn parts(&self) -> (&str, &str, &str) {
+        (&self.source, &self.bos_token, &self.eos_token)
     }
 
     /// Renders `messages`; with `add_generation_prompt` the template appends the assistant

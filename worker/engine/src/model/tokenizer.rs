@@ -123,6 +123,39 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, ModelError> {
     })
 }
 
+/// A tokenizer's encoding half, serializable: `tokenizer.json` and the BOS handling.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TokenizerExport {
+    /// The `tokenizers` pipeline as `tokenizer.json`.
+    pub json: String,
+    /// Prepend `bos_id` when special tokens are added (GGUF `add_bos_token`).
+    pub add_bos: bool,
+    /// The BOS id.
+    pub bos_id: Option<u32>,
+}
+
+/// Encodes `text` as [`Tokenizer::encode`] does (shared with [`crate::codec::PromptCodec`]).
+pub(crate) fn encode_with(
+    inner: &tokenizers::Tokenizer,
+    add_bos: bool,
+    bos_id: Option<u32>,
+    text: &str,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, EngineError> {
+    let enc = inner
+        .encode(text, add_special_tokens && !add_bos)
+        .map_err(|e| EngineError::Internal(format!("tokenizer: {e}")))?;
+    let mut ids = Vec::with_capacity(enc.len() + 1);
+    if add_special_tokens
+        && add_bos
+        && let Some(bos) = bos_id
+    {
+        ids.push(bos);
+    }
+    ids.extend_from_slice(enc.get_ids());
+    Ok(ids)
+}
+
 impl Tokenizer {
     /// Builds a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata.
     ///
@@ -238,19 +271,15 @@ impl Tokenizer {
     /// # Errors
     /// [`EngineError::Internal`] if the tokenizer fails (no user text in the message).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, EngineError> {
-        let enc = self
-            .inner
-            .encode(text, add_special_tokens && !self.add_bos)
-            .map_err(|e| EngineError::Internal(format!("tokenizer: {e}")))?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
-        if add_special_tokens
-            && self.add_bos
-            && let Some(bos) = self.bos_id
-        {
-            ids.push(bos);
-        }
-        ids.extend_from_slice(enc.get_ids());
-        Ok(ids)
+        encode_with(&self.inner, self.add_bos, self.bos_id, text, add_special_tokens)
+    }
+
+    /// What another process needs to encode exactly as this tokenizer does (routers).
+    ///
+    /// # Errors
+    /// [`ModelError::Tokenizer`] when the tokenizer cannot be serialized.
+    pub fn export(&self) -> Result<TokenizerExport, ModelError> {
+        Ok(TokenizerExport { json: self.inner.to_string(false)?, add_bos: self.add_bos, bos_id: self.bos_id })
     }
 
     /// Raw bytes of a token (special tokens: their text); empty for an unknown id.
