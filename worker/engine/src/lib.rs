@@ -21,6 +21,8 @@ pub mod backend;
 pub mod codec;
 mod config;
 pub mod detokenizer;
+#[cfg(test)]
+mod engine_prefix_tests;
 pub mod handle;
 pub mod kv_cache;
 pub mod metrics;
@@ -28,6 +30,8 @@ pub mod model;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;
+#[cfg(test)]
+mod scheduler_prefix_tests;
 mod step_loop;
 #[cfg(test)]
 mod stop_tests;
