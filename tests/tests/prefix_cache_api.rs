@@ -143,8 +143,8 @@ async fn run(cluster: &Cluster) -> Result<()> {
     let (text, prompt_tokens, cold) = complete(&http, SERVED, &a, None).await?;
     ensure!(prompt_tokens > 64, "a long prompt: {prompt_tokens} tokens");
     ensure!(cold == 0, "cold request: {cold} cached tokens");
-    let (again, _, warm) = complete(&http, SERVED, &a, None).await?;
-    ensure!(warm > 0 && warm < prompt_tokens, "exact repeat: {warm} of {prompt_tokens} cached");
+    let (again, _, warm_http) = complete(&http, SERVED, &a, None).await?;
+    ensure!(warm_http > 0 && warm_http < prompt_tokens, "exact repeat: {warm_http} of {prompt_tokens} cached");
     ensure!(again == text, "the cached prefix changes nothing: {again:?} vs {text:?}");
     let (salted, _, other_salt) = complete(&http, SERVED, &a, Some("tenant-b")).await?;
     ensure!(other_salt == 0, "another cache_salt shares no block: {other_salt} cached");
@@ -196,6 +196,11 @@ async fn run(cluster: &Cluster) -> Result<()> {
     })
     .await?;
     ensure!(rate <= 100.0, "hit rate {rate}%");
+    eprintln!(
+        "completion of {prompt_tokens} tokens: repeat {warm_http} cached; chat of {chat_prompt_tokens}: repeat {chat_warm} \
+         cached; gRPC {} of {}; worker hits {hits_before} -> {hits}; prism status {rate}%",
+        warm.cached_tokens, warm.prompt_tokens
+    );
     Ok(())
 }
 
