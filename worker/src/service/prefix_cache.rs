@@ -225,4 +225,28 @@ mod tests {
         stop.cancel();
         tokio::time::timeout(Duration::from_secs(2), task).await.expect("ends on stop").expect("join");
     }
+
+    /// The stream ends when the replica stops, and the task when the client leaves.
+    #[tokio::test]
+    async fn ends_when_the_replica_stops_or_the_client_leaves() {
+        let table = crate::agent::replica::ReplicaTable::default();
+        let engine = Arc::new(Events::default());
+        let replica = Arc::new(Replica::new("r1".into(), "d".into(), "m".into(), vec![0]));
+        replica.set_engine(engine.clone());
+        table.transition(&replica, ReplicaState::Ready, "");
+        let (tx, mut rx) = mpsc::channel(WATCH_BUFFER);
+        let task = tokio::spawn(watch(Arc::clone(&replica), engine.clone(), tx, CancellationToken::new()));
+        assert!(recv(&mut rx).await.reset);
+        table.transition(&replica, ReplicaState::Stopping, "stop requested");
+        let end = tokio::time::timeout(Duration::from_secs(2), rx.recv()).await.expect("the stream ends");
+        assert!(end.is_none(), "ends without an error: {end:?}");
+        tokio::time::timeout(Duration::from_secs(2), task).await.expect("task ends").expect("join");
+
+        let other = Arc::new(Replica::new("r2".into(), "d".into(), "m".into(), vec![0]));
+        other.set_engine(engine.clone());
+        let (tx, rx) = mpsc::channel(WATCH_BUFFER);
+        let task = tokio::spawn(watch(other, engine, tx, CancellationToken::new()));
+        drop(rx);
+        tokio::time::timeout(Duration::from_secs(2), task).await.expect("ends when the client leaves").expect("join");
+    }
 }
