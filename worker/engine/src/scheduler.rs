@@ -9,7 +9,8 @@
 //!    recently admitted running sequence is preempted (blocks freed, `num_computed = 0`,
 //!    requeued at the front of the waiting queue to be recomputed);
 //! 2. if nothing was preempted, waiting sequences are admitted FCFS while
-//!    `max_num_seqs`, the token budget (`max_num_batched_tokens`) and free blocks allow.
+//!    `max_num_seqs`, the token budget (`max_num_batched_tokens`) and free blocks allow
+//!    (a follower whose leader has not computed the prompt yet is skipped, not waited on).
 //!
 //! With the prefix cache on ([`Scheduler::with_prefix_caching`]), a sequence admitted with
 //! nothing computed (new, or preempted) first takes the cached blocks of its prefix: at most

@@ -150,3 +150,47 @@ fn preemption_keeps_the_head_cached_and_evicts_the_tail_first() {
     s.remove(2);
     assert_eq!(s.pool().num_free(), 4);
 }
+
+/// Step-thread cost of the prefix cache: 256 sequences of 1,024 tokens (half sharing a
+/// 512-token prefix), prefilled and decoded 64 steps, with the cache on and off. Ignored by
+/// default (a measurement); prints the time per step.
+#[test]
+#[ignore = "measurement"]
+fn scheduler_overhead_with_and_without_the_cache() {
+    for caching in [false, true] {
+        let cfg = SchedulerConfig { max_num_seqs: 256, max_num_batched_tokens: 8192, block_size: 16 };
+        let mut s = Scheduler::new(cfg, BlockPool::new(20_000));
+        if caching {
+            s = s.with_prefix_caching(1);
+        }
+        for i in 0..256u32 {
+            let t: Vec<u32> = (0..1024u32).map(|p| if i % 2 == 0 && p < 512 { p } else { p * 7 + i }).collect();
+            s.add(u64::from(i), t);
+        }
+        let t0 = std::time::Instant::now();
+        let mut steps = 0;
+        let mut decode_start = None;
+        while steps < 2000 {
+            let o = step(&mut s);
+            steps += 1;
+            if decode_start.is_none() && o.scheduled.iter().all(|x| x.num_tokens == 1) && o.scheduled.len() == 256 {
+                decode_start = Some((std::time::Instant::now(), steps));
+            }
+            if let Some((_, at)) = decode_start
+                && steps - at >= 64
+            {
+                break;
+            }
+        }
+        let (d0, at) = decode_start.expect("reached decode");
+        let decode = d0.elapsed() / (steps - at) as u32;
+        let c = s.prefix_counters();
+        eprintln!(
+            "prefix caching {caching}: {steps} steps in {:?}, decode step {decode:?}, hits {} of {} queried, cached {}",
+            t0.elapsed(),
+            c.hits,
+            c.queries,
+            s.pool().num_cached()
+        );
+    }
+}

@@ -445,10 +445,13 @@ mod tests {
         // lookup returns only blocks whose registered tokens are the asked ones.
         let pool = BlockPool::new(10);
         let r = RootKey::default();
+        // What each block's memory holds: the prefix whose K/V its last new holder wrote.
         let mut owner: std::collections::HashMap<u32, Vec<u32>> = Default::default();
         let mut hits = 0;
         for round in 0..40u32 {
-            let prompt: Vec<u32> = (0..12).map(|i| (round % 2) * 100 + i + u32::from(i > 8) * round).collect();
+            // Three families in an irregular order: heads are both re-hit and evicted.
+            let family = (round * round + round / 3) % 3;
+            let prompt: Vec<u32> = (0..12).map(|i| family * 100 + i + u32::from(i > 8) * round).collect();
             let Some(got) = pool.allocate_with_prefix(&r, &prompt, 2, 5, |m| 6 - m) else { continue };
             hits += got.matched;
             for (i, b) in got.blocks.iter().enumerate().take(got.matched) {
@@ -456,12 +459,10 @@ mod tests {
             }
             let mut chain = got.chain;
             for (i, b) in got.blocks.iter().enumerate().skip(got.matched) {
-                owner.remove(&b.id());
+                // The new holder writes this prefix's K/V into the block's memory.
+                owner.insert(b.id(), prompt[..(i + 1) * 2].to_vec());
                 if let Some(c) = pool.register(b, chain, &prompt[i * 2..i * 2 + 2], &r) {
                     chain = c;
-                    if pool.is_cached(b.id()) {
-                        owner.insert(b.id(), prompt[..(i + 1) * 2].to_vec());
-                    }
                 }
             }
             assert!(pool.num_cached() <= pool.num_blocks());
