@@ -5,11 +5,14 @@
 //! to choose, and admits the request with a [`DispatchGuard`] that counts its load from the
 //! moment of dispatch until the guard drops (stream end, error or client disconnect); the
 //! drop wakes the admission queue (`crate::admission`), whose waiters may take the slot.
-//! `capacity.rs` decides each replica's limit from what it reports.
+//! `capacity.rs` decides each replica's limit from what it reports. Policies: `p2c.rs`
+//! (power of two choices on load) and `prefix.rs` (cache-aware: the longest cached prompt
+//! prefix against load, with a load guard).
 
 pub mod capacity;
 pub mod p2c;
 mod policy;
+pub mod prefix;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -20,6 +23,7 @@ use crate::routes::{ReplicaRoute, ReplicaStats, RouteSnapshot};
 
 pub use p2c::PowerOfTwoChoices;
 pub use policy::{BalancePolicy, RequestHint, load_of};
+pub use prefix::PrefixAware;
 
 /// Why no replica was chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -88,6 +92,7 @@ pub fn select(
     while !candidates.is_empty() {
         let i = policy.pick(&candidates, hint).min(candidates.len() - 1);
         if let Some(g) = try_admit(candidates[i], hint.expected_tokens, &snap.released) {
+            policy.admitted(candidates[i], hint);
             return Ok((candidates[i].clone(), g));
         }
         candidates.swap_remove(i);
@@ -128,7 +133,7 @@ mod tests {
         let routes = table(&[ReplicaState::Draining, ReplicaState::Ready], 2);
         let snap = routes.snapshot();
         let p = PowerOfTwoChoices;
-        let h = RequestHint { expected_tokens: 10 };
+        let h = RequestHint::tokens(10);
         for _ in 0..20 {
             let (r, _g) = select(&snap, "m", &[], 0, &p, &h).expect("one ready");
             assert_eq!(r.replica_id, "r1");
@@ -148,7 +153,7 @@ mod tests {
     fn load_counted_from_dispatch_spreads_evenly() {
         let routes = table(&[ReplicaState::Ready, ReplicaState::Ready, ReplicaState::Ready], 1000);
         let snap = routes.snapshot();
-        let h = RequestHint { expected_tokens: 5000 };
+        let h = RequestHint::tokens(5000);
         // Held guards = long prompts still in flight: the next pick must avoid loaded replicas.
         let guards: Vec<_> =
             (0..300).map(|_| select(&snap, "m", &[], 0, &PowerOfTwoChoices, &h).expect("admit")).collect();
