@@ -24,8 +24,8 @@ use crate::routes::Routes;
 const BACKOFF_START: Duration = Duration::from_millis(200);
 /// Longest retry delay of a codec fetch or watch stream that keeps failing.
 const BACKOFF_MAX: Duration = Duration::from_secs(10);
-/// Delay before asking a worker without `GetPromptCodec` / `WatchPrefixCache` again (it may
-/// be upgraded in place).
+/// Delay before asking again a worker without `GetPromptCodec` / `WatchPrefixCache` (it may
+/// be upgraded in place) or whose replica's codec cannot be exported.
 const UNIMPLEMENTED_RETRY: Duration = Duration::from_secs(60);
 
 /// One replica followed by a task.
@@ -123,8 +123,8 @@ impl Replica {
                     tracing::info!(replica = %self.id, "replica caches no prefixes: routed by load alone");
                     return false;
                 }
-                Err(CodecError::Unimplemented) => {
-                    tracing::info!(replica = %self.id, "worker serves no prompt codec: routed by load alone");
+                Err(e @ (CodecError::Unimplemented | CodecError::NotExportable)) => {
+                    tracing::info!(replica = %self.id, error = %e, "routed by load alone");
                     UNIMPLEMENTED_RETRY
                 }
                 Err(e) => {

@@ -21,6 +21,9 @@ pub enum CodecError {
     /// The worker has no `GetPromptCodec` (an older worker): routed by load alone.
     #[error("the worker does not serve prompt codecs")]
     Unimplemented,
+    /// The replica's tokenizer cannot be exported (FAILED_PRECONDITION): routed by load alone.
+    #[error("the replica's prompt codec cannot be exported")]
+    NotExportable,
     /// The call failed (worker starting, unreachable, ...).
     #[error("GetPromptCodec failed: {0}")]
     Rpc(Status),
@@ -62,7 +65,11 @@ impl CodecCache {
         let msg = client
             .get_prompt_codec(GetPromptCodecRequest { replica_id: replica_id.to_owned() })
             .await
-            .map_err(|s| if s.code() == Code::Unimplemented { CodecError::Unimplemented } else { CodecError::Rpc(s) })?
+            .map_err(|s| match s.code() {
+                Code::Unimplemented => CodecError::Unimplemented,
+                Code::FailedPrecondition => CodecError::NotExportable,
+                _ => CodecError::Rpc(s),
+            })?
             .into_inner();
         if !msg.prefix_caching || msg.block_size == 0 {
             return Ok(None);

@@ -8,7 +8,7 @@
 //! missing (a block hash names its whole prefix, so a later match without the earlier blocks
 //! is no use to the engine either).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 /// How long a hash recorded at dispatch counts without the engine confirming it: longer than
@@ -23,9 +23,9 @@ const SWEEP_AT: usize = 4096;
 /// Block hashes held by one replica's prefix cache (confirmed) or expected there soon.
 #[derive(Debug, Default)]
 pub struct PrefixIndex {
-    /// Hash → how many cached blocks carry it (an engine may hold two blocks with one hash
-    /// briefly, e.g. two requests that computed the same prefix at once).
-    confirmed: HashMap<u64, u32>,
+    /// Hashes the replica reported holding (set semantics, as the worker's stream has: the
+    /// last event per hash wins).
+    confirmed: HashSet<u64>,
     /// Hash → when the expectation lapses.
     expected: HashMap<u64, Instant>,
 }
@@ -34,9 +34,7 @@ impl PrefixIndex {
     /// Replaces the confirmed set with `hashes` (a reset message: the whole set now).
     pub fn reset(&mut self, hashes: &[u64]) {
         self.confirmed.clear();
-        for &h in hashes {
-            *self.confirmed.entry(h).or_insert(0) += 1;
-        }
+        self.confirmed.extend(hashes);
         for h in hashes {
             self.expected.remove(h);
         }
@@ -45,16 +43,11 @@ impl PrefixIndex {
     /// Applies a delta: `stored` blocks became reusable, `removed` blocks were evicted.
     pub fn apply(&mut self, stored: &[u64], removed: &[u64]) {
         for &h in stored {
-            *self.confirmed.entry(h).or_insert(0) += 1;
+            self.confirmed.insert(h);
             self.expected.remove(&h);
         }
         for h in removed {
-            if let Some(n) = self.confirmed.get_mut(h) {
-                *n -= 1;
-                if *n == 0 {
-                    self.confirmed.remove(h);
-                }
-            }
+            self.confirmed.remove(h);
             self.expected.remove(h);
         }
     }
@@ -67,7 +60,7 @@ impl PrefixIndex {
         }
         let until = now + EXPECTED_TTL;
         for &h in hashes {
-            if !self.confirmed.contains_key(&h) {
+            if !self.confirmed.contains(&h) {
                 self.expected.insert(h, until);
             }
         }
@@ -77,7 +70,7 @@ impl PrefixIndex {
     pub fn matched(&self, hashes: &[u64], now: Instant) -> usize {
         hashes
             .iter()
-            .take_while(|h| self.confirmed.contains_key(h) || self.expected.get(h).is_some_and(|until| *until > now))
+            .take_while(|h| self.confirmed.contains(*h) || self.expected.get(h).is_some_and(|until| *until > now))
             .count()
     }
 
@@ -114,11 +107,11 @@ mod tests {
         ix.reset(&[9]);
         assert_eq!(ix.matched(&[1], now), 0, "a reset drops what is not in it");
         assert_eq!((ix.confirmed_len(), ix.matched(&[9], now)), (1, 1));
-        // A hash stored twice (two blocks) stays until both are evicted.
-        ix.apply(&[5, 5], &[]);
-        ix.apply(&[], &[5]);
-        assert_eq!(ix.matched(&[5], now), 1);
-        ix.apply(&[], &[5, 5, 77]);
+        // Set semantics: a hash stored again is one entry, and one removal drops it.
+        ix.apply(&[5], &[]);
+        ix.apply(&[5], &[]);
+        assert_eq!((ix.matched(&[5], now), ix.confirmed_len()), (1, 2));
+        ix.apply(&[], &[5, 77]);
         assert_eq!(ix.matched(&[5], now), 0, "removing an unknown hash is harmless");
     }
 
