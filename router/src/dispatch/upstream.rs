@@ -234,6 +234,46 @@ impl Upstream {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::prefix::{CodecKeys, HashKey, PrefixKeys, ReplicaCodec};
+    use prism_common::proto::v1::{ReplicaState, RouteEntry, RouteTable};
+
+    #[test]
+    fn ids_go_only_to_a_replica_of_the_same_fingerprint() {
+        let routes = Routes::new(4, Metrics::new());
+        let entry = |id: &str| RouteEntry {
+            replica_id: id.into(),
+            model: "m".into(),
+            endpoint: format!("http://{id}"),
+            state: ReplicaState::Ready as i32,
+            ..Default::default()
+        };
+        routes.apply(RouteTable {
+            term: 0,
+            version: 1,
+            routes: vec![entry("a"), entry("b"), entry("c")],
+            models: vec![],
+        });
+        let snap = routes.snapshot();
+        let reps = &snap.models["m"];
+        let codec = |fingerprint| {
+            let key = HashKey { fingerprint, block_size: 16, namespace: 0 };
+            Some(Arc::new(ReplicaCodec { key, codec: crate::prefix::tests::tiny_codec() }))
+        };
+        reps[0].cache.set_codec(codec(1));
+        reps[1].cache.set_codec(codec(2));
+        let key = HashKey { fingerprint: 1, block_size: 16, namespace: 0 };
+        let keys = |tokenized| {
+            let k = CodecKeys { key, ids: vec![5, 6, 7], hashes: vec![] };
+            Some(Arc::new(PrefixKeys::new(vec![k], tokenized)))
+        };
+        let hint = RequestHint { expected_tokens: 3, prefix: keys(true) };
+        assert_eq!(forwarded_ids(&reps[0], &hint), (vec![5, 6, 7], 1));
+        assert_eq!(forwarded_ids(&reps[1], &hint), (vec![], 0), "another tokenizer: the worker tokenizes");
+        assert_eq!(forwarded_ids(&reps[2], &hint), (vec![], 0), "no codec known");
+        let ids_prompt = RequestHint { expected_tokens: 3, prefix: keys(false) };
+        assert_eq!(forwarded_ids(&reps[0], &ids_prompt), (vec![], 0), "the prompt was ids already");
+        assert_eq!(forwarded_ids(&reps[0], &RequestHint::tokens(3)), (vec![], 0));
+    }
 
     #[test]
     fn own_deadline_never_ejects() {
