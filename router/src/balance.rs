@@ -45,6 +45,7 @@ pub enum SelectError {
 pub struct DispatchGuard {
     stats: Arc<ReplicaStats>,
     tokens: u64,
+    cached: u64,
     released: Arc<Notify>,
 }
 
@@ -52,20 +53,24 @@ impl Drop for DispatchGuard {
     fn drop(&mut self) {
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.stats.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        self.stats.cached_tokens.fetch_sub(self.cached, Ordering::Relaxed);
         self.released.notify_one();
     }
 }
 
-/// Tries to take a slot on `r`; `None` when it is full.
-fn try_admit(r: &ReplicaRoute, tokens: u64, released: &Arc<Notify>) -> Option<DispatchGuard> {
+/// Tries to take a slot on `r` for a request of `tokens` tokens, `cached` of them expected
+/// in its prefix cache; `None` when it is full.
+fn try_admit(r: &ReplicaRoute, tokens: u64, cached: u64, released: &Arc<Notify>) -> Option<DispatchGuard> {
     let prev = r.stats.in_flight.fetch_add(1, Ordering::Relaxed);
     if prev >= r.max_in_flight {
         r.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         return None;
     }
+    let cached = cached.min(tokens);
     r.stats.tokens.fetch_add(tokens, Ordering::Relaxed);
+    r.stats.cached_tokens.fetch_add(cached, Ordering::Relaxed);
     r.stats.dispatched.fetch_add(1, Ordering::Relaxed);
-    Some(DispatchGuard { stats: r.stats.clone(), tokens, released: Arc::clone(released) })
+    Some(DispatchGuard { stats: r.stats.clone(), tokens, cached, released: Arc::clone(released) })
 }
 
 /// Chooses and admits a replica of `model`, skipping replica ids in `exclude`.
@@ -91,7 +96,8 @@ pub fn select(
     candidates.retain(|r| r.stats.in_flight.load(Ordering::Relaxed) < r.max_in_flight);
     while !candidates.is_empty() {
         let i = policy.pick(&candidates, hint).min(candidates.len() - 1);
-        if let Some(g) = try_admit(candidates[i], hint.expected_tokens, &snap.released) {
+        let cached = policy.expected_cached(candidates[i], hint);
+        if let Some(g) = try_admit(candidates[i], hint.expected_tokens, cached, &snap.released) {
             policy.admitted(candidates[i], hint);
             return Ok((candidates[i].clone(), g));
         }

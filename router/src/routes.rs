@@ -39,6 +39,9 @@ pub struct ReplicaStats {
     pub in_flight: AtomicU32,
     /// Prompt + expected decode tokens of those requests.
     pub tokens: AtomicU64,
+    /// Prompt tokens of those requests expected in the replica's prefix cache at dispatch
+    /// (cache-aware routing; their K/V is shared, not computed again).
+    pub cached_tokens: AtomicU64,
     /// Requests ever dispatched here (tests, debugging).
     pub dispatched: AtomicU64,
     failures: AtomicU32,

@@ -1,7 +1,7 @@
 //! Cache-aware routing on real processes and the real model
 //! (`models/SmolLM2-135M-Instruct.Q4_1.gguf`, CPU engine, prefix caching on): `prism-head`,
-//! 3 `prism-worker`s with one replica each (64 MiB KV cache: about four of the prompt prefixes
-//! below fit on one replica, not all six), the fixture's router (`--routing-policy
+//! 3 `prism-worker`s with one replica each (48 MiB KV cache: about three of the prompt
+//! prefixes below fit on one replica, not all six), the fixture's router (`--routing-policy
 //! prefix-aware`, the default) and a second router with `--routing-policy p2c`.
 //!
 //! The same traffic goes through each router: 6 distinct shared prefixes of about 300 tokens,
@@ -22,7 +22,7 @@ use anyhow::{Context, Result, bail};
 use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
 use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
 use prism_common::proto::v1::{GenerateRequest, SamplingParams, WorkerGenerateRequest, generate_request};
-use prism_tests::{Cluster, Router, SERVED, metric_value, model, poll_until};
+use prism_tests::{Cluster, Deployment, Router, SERVED, metric_value, model, poll_until};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,10 @@ const SUFFIXES: usize = 2;
 /// Closed-loop clients and requests per client in each phase.
 const CLIENTS: usize = 6;
 const PER_CLIENT: usize = 6;
+/// KV cache per replica: 48 MiB, about 1,090 tokens of this model (f32 K/V, 45 KiB a token):
+/// the two prefixes a replica owns under prefix-aware routing fit with the requests in
+/// flight, not the four to six that P2C sends each replica.
+const KV_CACHE_BYTES: u64 = 48 << 20;
 /// Tokens generated per request (EOS ignored: equal lengths to compare).
 const MAX_TOKENS: u32 = 4;
 
@@ -131,7 +135,15 @@ fn hit_rate(answers: &[(usize, Answer)]) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn prefix_aware_routing_raises_the_hit_rate_and_keeps_the_spread() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let mut c = Cluster::serving(&model, 3, 3).start().await?;
+    // The serving cluster's settings, with a KV cache of its own size.
+    let mut c = Cluster::builder()
+        .head_args(&["--worker-timeout", "2s", "--drain-timeout", "30s"])
+        .workers(3)
+        .worker_args(&["--kv-cache-bytes", &KV_CACHE_BYTES.to_string()])
+        .routers(1)
+        .deploy(Deployment::new(&model).replicas(3))
+        .start()
+        .await?;
     let result = scenario(&mut c).await;
     c.with_logs(result)
 }
@@ -193,6 +205,9 @@ async fn scenario(c: &mut Cluster) -> Result<()> {
         "hit rate: p2c {p2c_rate:.3}, prefix-aware {aware_rate:.3}; prefix-aware dispatches {counts:?} (max/mean {:.2}); prefix_hit decisions {hits}",
         max / mean.max(1.0)
     );
+    for l in m.lines().filter(|l| l.starts_with("prism_router_routing_decisions_total{")) {
+        println!("{l}");
+    }
     if counts.len() != 3 {
         bail!("dispatch counts of 3 replicas expected, got {counts:?}");
     }

@@ -34,6 +34,12 @@ pub trait BalancePolicy: Send + Sync + 'static {
         false
     }
 
+    /// Prompt tokens of the request expected in `replica`'s prefix cache, counted with its
+    /// load while it is in flight (`ReplicaStats::cached_tokens`); 0 without prefix caching.
+    fn expected_cached(&self, _replica: &ReplicaRoute, _hint: &RequestHint) -> u64 {
+        0
+    }
+
     /// Called once the request holds a slot on `replica` (its pick, or the next candidate
     /// when the pick was full in the meantime).
     fn admitted(&self, _replica: &ReplicaRoute, _hint: &RequestHint) {}

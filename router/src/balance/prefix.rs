@@ -9,14 +9,15 @@
 //!
 //! - `cached_tokens_i`: full blocks of the request's chained block hashes found, from the
 //!   first block on, in the replica's prefix index (`crate::prefix`), times the block size.
-//! - `load_i`: [`load_of`], the tokens in flight there (prompt + expected decode of each
-//!   request from dispatch, raised to the worker's report): the same measure P2C balances, so
-//!   a cold request (nothing cached anywhere) goes to the least loaded replica. It counts a
-//!   shared prefix once per request although the replica holds it once, so a replica serving
-//!   one prefix looks busier than it is; `weight` (`--prefix-cache-weight`, default
-//!   `config::DEFAULT_PREFIX_CACHE_WEIGHT` = 2: an uncached prompt token costs prefill compute
-//!   now and KV memory after, a token in flight mostly the latter) keeps a request on its
-//!   prefix's replica across about one request of imbalance.
+//! - `load_i`: the tokens in flight there ([`load_of`]: prompt + expected decode of each
+//!   request from dispatch, raised to the worker's report) less the prompt tokens of this
+//!   router's requests there that were expected cached at dispatch: K/V of a shared prefix is
+//!   held once and not computed again (Dynamo counts active blocks the same way), so a replica
+//!   serving one prefix to many requests is not taken for busier than it is. A cold request
+//!   (nothing cached anywhere) goes to the least loaded replica. `weight`
+//!   (`--prefix-cache-weight`, default `config::DEFAULT_PREFIX_CACHE_WEIGHT` = 2: an uncached
+//!   prompt token costs prefill compute now and KV memory after, a token in flight mostly the
+//!   latter) sets how much imbalance a cached prefix outweighs.
 //! - Load guard (SGLang's balance thresholds, llm-d's and Dynamo's hot-prefix problem): a
 //!   replica whose load exceeds [`GUARD_RATIO`] × the candidates' mean plus the request's own
 //!   tokens (slack, so 1 request against 0 is not "hot") counts nothing cached: a shared
@@ -30,6 +31,7 @@
 //! After admission the request's hashes are recorded as expected on the chosen replica.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use rand::Rng;
@@ -37,6 +39,7 @@ use rand::Rng;
 use super::p2c::PowerOfTwoChoices;
 use super::policy::{BalancePolicy, RequestHint, load_of};
 use crate::metrics::{Metrics, RouteReason};
+use crate::prefix::PrefixKeys;
 use crate::routes::ReplicaRoute;
 
 /// A replica loaded beyond this multiple of the mean (plus slack) gets no cache preference.
@@ -66,18 +69,10 @@ impl PrefixAware {
     /// Scores every candidate; `None` when none has hashes for this request.
     fn score(&self, candidates: &[&Arc<ReplicaRoute>], hint: &RequestHint, now: Instant) -> Option<(Vec<Scored>, u64)> {
         let keys = hint.prefix.as_deref()?;
-        let matched: Vec<Option<(u64, u64)>> = candidates
-            .iter()
-            .map(|r| {
-                r.cache.matched_blocks(keys, now).map(|(blocks, k)| {
-                    let prompt = k.ids.len() as u64;
-                    (prompt, (blocks as u64 * u64::from(k.key.block_size)).min(prompt))
-                })
-            })
-            .collect();
+        let matched: Vec<Option<(u64, u64)>> = candidates.iter().map(|r| cached_on(r, keys, now)).collect();
         // Replicas without a codec: the longest prompt seen, nothing cached.
         let prompt = matched.iter().flatten().map(|(p, _)| *p).max()?;
-        let loads: Vec<u64> = candidates.iter().map(|r| load_of(r)).collect();
+        let loads: Vec<u64> = candidates.iter().map(|r| load(r)).collect();
         let mean = loads.iter().sum::<u64>() as f64 / loads.len() as f64;
         let guard = GUARD_RATIO * mean + hint.expected_tokens as f64;
         let scored = matched
@@ -92,6 +87,19 @@ impl PrefixAware {
             .collect();
         Some((scored, prompt))
     }
+}
+
+/// A replica's load for the cost: tokens in flight less those expected cached at dispatch.
+fn load(r: &ReplicaRoute) -> u64 {
+    load_of(r).saturating_sub(r.stats.cached_tokens.load(Ordering::Relaxed))
+}
+
+/// Prompt tokens of the request cached on `r` (full matched blocks, at most the prompt).
+fn cached_on(r: &ReplicaRoute, keys: &PrefixKeys, now: Instant) -> Option<(u64, u64)> {
+    r.cache.matched_blocks(keys, now).map(|(blocks, k)| {
+        let prompt = k.ids.len() as u64;
+        (prompt, (blocks as u64 * u64::from(k.key.block_size)).min(prompt))
+    })
 }
 
 /// Index of the lowest cost, a random one among equals.
@@ -131,6 +139,11 @@ impl BalancePolicy for PrefixAware {
 
     fn wants_prefix(&self) -> bool {
         true
+    }
+
+    fn expected_cached(&self, replica: &ReplicaRoute, hint: &RequestHint) -> u64 {
+        let Some(keys) = hint.prefix.as_deref() else { return 0 };
+        cached_on(replica, keys, Instant::now()).map_or(0, |(_, cached)| cached)
     }
 
     fn admitted(&self, replica: &ReplicaRoute, hint: &RequestHint) {

@@ -135,19 +135,32 @@ fn without_codecs_or_hashes_the_pick_is_p2c() {
 }
 
 /// A burst of one prefix sticks to the replica that got its first request before the
-/// engine reports anything (hashes expected from dispatch), until the load cost spills it.
+/// engine reports anything (hashes expected from dispatch); the shared prefix counts once in
+/// that replica's load, so the burst stays until its decode work alone outweighs a prefill
+/// elsewhere.
 #[test]
 fn a_burst_sticks_before_the_engine_confirms() {
     let routes = table(3);
     let p = PrefixAware::new(DEFAULT_WEIGHT, Metrics::new());
     let snap = routes.snapshot();
     let h = hint(4);
-    let (first, g1) = select(&snap, "m", &[], 0, &p, &h).expect("admitted");
+    let (first, g) = select(&snap, "m", &[], 0, &p, &h).expect("admitted");
     assert!(first.cache.index().expected_len(Instant::now()) > 0, "hashes recorded at dispatch");
-    let (second, g2) = select(&snap, "m", &[], 0, &p, &h).expect("admitted");
-    assert_eq!(second.replica_id, first.replica_id);
-    // Two requests there (672 tokens) cost more than prefilling 320 tokens on an idle one.
-    let (third, _g3) = select(&snap, "m", &[], 0, &p, &h).expect("admitted");
-    assert_ne!(third.replica_id, first.replica_id);
-    drop((g1, g2));
+    assert_eq!(first.stats.cached_tokens.load(Ordering::Relaxed), 0, "the first one computes the prefix");
+    let mut guards = vec![g];
+    for n in 1..10 {
+        let (r, g) = select(&snap, "m", &[], 0, &p, &h).expect("admitted");
+        assert_eq!(r.replica_id, first.replica_id, "request {n} of the burst");
+        guards.push(g);
+    }
+    assert_eq!(first.stats.cached_tokens.load(Ordering::Relaxed), 9 * u64::from(PROMPT));
+    // Each request there still adds its decode tokens: the burst spills over at last.
+    let spilled = (0..40).any(|_| {
+        let (r, g) = select(&snap, "m", &[], 0, &p, &h).expect("admitted");
+        guards.push(g);
+        r.replica_id != first.replica_id
+    });
+    assert!(spilled, "one replica took the whole burst");
+    drop(guards);
+    assert_eq!(first.stats.cached_tokens.load(Ordering::Relaxed), 0, "released with the requests");
 }
