@@ -208,6 +208,11 @@ async fn scenario(c: &mut Cluster) -> Result<()> {
     for l in m.lines().filter(|l| l.starts_with("prism_router_routing_decisions_total{")) {
         println!("{l}");
     }
+    let (t_sum, t_n) = (
+        metric_value(&m, "prism_router_prefix_tokenize_seconds_sum"),
+        metric_value(&m, "prism_router_prefix_tokenize_seconds_count"),
+    );
+    println!("tokenize + hash: {:.0} µs per prompt over {t_n} prompts", t_sum / t_n.max(1.0) * 1e6);
     if counts.len() != 3 {
         bail!("dispatch counts of 3 replicas expected, got {counts:?}");
     }
