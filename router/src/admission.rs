@@ -191,8 +191,8 @@ impl Inner {
                 changed = true;
                 continue;
             }
-            let tokens = front.tokens;
-            match self.try_now(snap, model, &RequestHint { expected_tokens: tokens }) {
+            let hint = RequestHint { expected_tokens: front.tokens, prefix: front.prefix.clone() };
+            match self.try_now(snap, model, &hint) {
                 Attempt::Go(a) => {
                     let Some(w) = q.pop_front() else { break };
                     changed = true;
@@ -329,7 +329,7 @@ impl Admission {
                 return Err(AdmitError::Rejected { bound, retry_after_s: inner.retry_after(q, now) });
             }
             let (tx, rx) = oneshot::channel();
-            q.push(Waiter { id, tokens: hint.expected_tokens, since: now, tx });
+            q.push(Waiter { id, tokens: hint.expected_tokens, prefix: hint.prefix.clone(), since: now, tx });
             if waiting {
                 // A slot may have freed since the pump last ran: serve the line in order now.
                 inner.pump_model(model, q, &snap, now);

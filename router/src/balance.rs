@@ -5,11 +5,14 @@
 //! to choose, and admits the request with a [`DispatchGuard`] that counts its load from the
 //! moment of dispatch until the guard drops (stream end, error or client disconnect); the
 //! drop wakes the admission queue (`crate::admission`), whose waiters may take the slot.
-//! `capacity.rs` decides each replica's limit from what it reports.
+//! `capacity.rs` decides each replica's limit from what it reports. Policies: `p2c.rs`
+//! (power of two choices on load) and `prefix.rs` (cache-aware: the longest cached prompt
+//! prefix against load, with a load guard).
 
 pub mod capacity;
 pub mod p2c;
 mod policy;
+pub mod prefix;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -20,6 +23,7 @@ use crate::routes::{ReplicaRoute, ReplicaStats, RouteSnapshot};
 
 pub use p2c::PowerOfTwoChoices;
 pub use policy::{BalancePolicy, RequestHint, load_of};
+pub use prefix::PrefixAware;
 
 /// Why no replica was chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -41,6 +45,7 @@ pub enum SelectError {
 pub struct DispatchGuard {
     stats: Arc<ReplicaStats>,
     tokens: u64,
+    cached: u64,
     released: Arc<Notify>,
 }
 
@@ -48,20 +53,24 @@ impl Drop for DispatchGuard {
     fn drop(&mut self) {
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.stats.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        self.stats.cached_tokens.fetch_sub(self.cached, Ordering::Relaxed);
         self.released.notify_one();
     }
 }
 
-/// Tries to take a slot on `r`; `None` when it is full.
-fn try_admit(r: &ReplicaRoute, tokens: u64, released: &Arc<Notify>) -> Option<DispatchGuard> {
+/// Tries to take a slot on `r` for a request of `tokens` tokens, `cached` of them expected
+/// in its prefix cache; `None` when it is full.
+fn try_admit(r: &ReplicaRoute, tokens: u64, cached: u64, released: &Arc<Notify>) -> Option<DispatchGuard> {
     let prev = r.stats.in_flight.fetch_add(1, Ordering::Relaxed);
     if prev >= r.max_in_flight {
         r.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         return None;
     }
+    let cached = cached.min(tokens);
     r.stats.tokens.fetch_add(tokens, Ordering::Relaxed);
+    r.stats.cached_tokens.fetch_add(cached, Ordering::Relaxed);
     r.stats.dispatched.fetch_add(1, Ordering::Relaxed);
-    Some(DispatchGuard { stats: r.stats.clone(), tokens, released: Arc::clone(released) })
+    Some(DispatchGuard { stats: r.stats.clone(), tokens, cached, released: Arc::clone(released) })
 }
 
 /// Chooses and admits a replica of `model`, skipping replica ids in `exclude`.
@@ -87,7 +96,9 @@ pub fn select(
     candidates.retain(|r| r.stats.in_flight.load(Ordering::Relaxed) < r.max_in_flight);
     while !candidates.is_empty() {
         let i = policy.pick(&candidates, hint).min(candidates.len() - 1);
-        if let Some(g) = try_admit(candidates[i], hint.expected_tokens, &snap.released) {
+        let cached = policy.expected_cached(candidates[i], hint);
+        if let Some(g) = try_admit(candidates[i], hint.expected_tokens, cached, &snap.released) {
+            policy.admitted(candidates[i], hint);
             return Ok((candidates[i].clone(), g));
         }
         candidates.swap_remove(i);
@@ -128,7 +139,7 @@ mod tests {
         let routes = table(&[ReplicaState::Draining, ReplicaState::Ready], 2);
         let snap = routes.snapshot();
         let p = PowerOfTwoChoices;
-        let h = RequestHint { expected_tokens: 10 };
+        let h = RequestHint::tokens(10);
         for _ in 0..20 {
             let (r, _g) = select(&snap, "m", &[], 0, &p, &h).expect("one ready");
             assert_eq!(r.replica_id, "r1");
@@ -148,7 +159,7 @@ mod tests {
     fn load_counted_from_dispatch_spreads_evenly() {
         let routes = table(&[ReplicaState::Ready, ReplicaState::Ready, ReplicaState::Ready], 1000);
         let snap = routes.snapshot();
-        let h = RequestHint { expected_tokens: 5000 };
+        let h = RequestHint::tokens(5000);
         // Held guards = long prompts still in flight: the next pick must avoid loaded replicas.
         let guards: Vec<_> =
             (0..300).map(|_| select(&snap, "m", &[], 0, &PowerOfTwoChoices, &h).expect("admit")).collect();

@@ -21,6 +21,23 @@ pub enum ConfigError {
     /// `--worker-header-timeout` below one second.
     #[error("--worker-header-timeout must be at least 1 second")]
     HeaderTimeout,
+    /// `--prefix-cache-weight` negative or not a number.
+    #[error("--prefix-cache-weight must be a finite number >= 0")]
+    PrefixWeight,
+}
+
+/// Default `--prefix-cache-weight`: an uncached prompt token costs prefill compute now and
+/// KV memory after, a token in flight mostly the latter (`balance/prefix.rs` explains the cost).
+pub const DEFAULT_PREFIX_CACHE_WEIGHT: f64 = 2.0;
+
+/// How the router chooses among a model's replicas (`--routing-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RoutingPolicy {
+    /// Power of two choices on load (tokens in flight).
+    P2c,
+    /// Cache-aware: the replica whose prefix cache holds most of the prompt, against load,
+    /// with a load guard (`balance/prefix.rs`); P2C for replicas without a prompt codec.
+    PrefixAware,
 }
 
 /// Command-line flags of `prism-router`.
@@ -79,6 +96,15 @@ pub struct Args {
     /// after that is closed (half-sent requests cannot hold connections).
     #[arg(long = "http-header-read-timeout", env = "PRISM_ROUTER_HTTP_HEADER_READ_TIMEOUT", default_value_t = 10.0)]
     pub http_header_read_timeout_s: f64,
+    /// Replica choice: `prefix-aware` (the longest prompt prefix already in a replica's prefix
+    /// cache, weighed against load; load alone where replicas have no prompt codec) or `p2c`
+    /// (power of two choices on load).
+    #[arg(long = "routing-policy", env = "PRISM_ROUTING_POLICY", value_enum, default_value = "prefix-aware")]
+    pub routing_policy: RoutingPolicy,
+    /// Prefix-aware routing: cost of one prompt token to prefill against one token in flight
+    /// (higher keeps requests with their cached prefix under more load imbalance; 0 = load alone).
+    #[arg(long = "prefix-cache-weight", env = "PRISM_PREFIX_CACHE_WEIGHT", default_value_t = DEFAULT_PREFIX_CACHE_WEIGHT)]
+    pub prefix_cache_weight: f64,
 }
 
 /// One `--static-route` entry.
@@ -129,6 +155,10 @@ pub struct RouterConfig {
     pub worker_header_timeout: Duration,
     /// Time an HTTP client has to send a request head.
     pub http_header_read_timeout: Duration,
+    /// How replicas are chosen.
+    pub routing_policy: RoutingPolicy,
+    /// Prefix-aware routing's weight of an uncached prompt token.
+    pub prefix_cache_weight: f64,
 }
 
 impl Default for RouterConfig {
@@ -146,6 +176,8 @@ impl Default for RouterConfig {
             ejection_base: Duration::from_secs(2),
             worker_header_timeout: Duration::from_secs(2),
             http_header_read_timeout: Duration::from_secs(10),
+            routing_policy: RoutingPolicy::PrefixAware,
+            prefix_cache_weight: DEFAULT_PREFIX_CACHE_WEIGHT,
         }
     }
 }
@@ -190,6 +222,9 @@ impl Args {
         if !(self.worker_header_timeout_s >= 1.0 && self.worker_header_timeout_s.is_finite()) {
             return Err(ConfigError::HeaderTimeout);
         }
+        if !(self.prefix_cache_weight >= 0.0 && self.prefix_cache_weight.is_finite()) {
+            return Err(ConfigError::PrefixWeight);
+        }
         let heads = self.head.into_iter().map(|h| if h.contains("://") { h } else { format!("http://{h}") }).collect();
         Ok(RouterConfig {
             heads,
@@ -204,6 +239,8 @@ impl Args {
             ejection_base: Duration::from_secs_f64(self.ejection_base_s.max(0.01)),
             worker_header_timeout: Duration::from_secs_f64(self.worker_header_timeout_s),
             http_header_read_timeout: Duration::from_secs_f64(self.http_header_read_timeout_s),
+            routing_policy: self.routing_policy,
+            prefix_cache_weight: self.prefix_cache_weight,
         })
     }
 }
@@ -232,6 +269,18 @@ mod tests {
         let d = RouterConfig::default();
         assert_eq!((c.max_queued_requests, c.max_queued_tokens), (d.max_queued_requests, d.max_queued_tokens));
         assert_eq!(c.max_queue_wait, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn routing_policy_flag() {
+        let base = ["prism-router", "--head", "h:1"];
+        let c = Args::parse_from(base).into_config().expect("valid");
+        assert_eq!(c.routing_policy, RoutingPolicy::PrefixAware, "cache-aware by default");
+        let a = Args::parse_from(base.iter().copied().chain(["--routing-policy", "p2c"]));
+        assert_eq!(a.into_config().expect("valid").routing_policy, RoutingPolicy::P2c);
+        assert!(Args::try_parse_from(base.iter().copied().chain(["--routing-policy", "nearest"])).is_err());
+        let a = Args::parse_from(base.iter().copied().chain(["--prefix-cache-weight=-1"]));
+        assert!(matches!(a.into_config(), Err(ConfigError::PrefixWeight)));
     }
 
     #[test]

@@ -29,6 +29,7 @@ use tonic::{Code, Status};
 use crate::admission::{Admission, AdmissionConfig};
 use crate::balance::{BalancePolicy, RequestHint};
 use crate::metrics::Metrics;
+use crate::prefix::{ReplicaCodec, prompt_keys};
 use crate::routes::Routes;
 pub use error::DispatchError;
 use migrate::{Continuation, StreamPump};
@@ -60,6 +61,15 @@ fn retryable(s: &Status) -> bool {
     matches!(s.code(), Code::Unavailable | Code::Unknown | Code::NotFound | Code::ResourceExhausted | Code::Aborted)
 }
 
+/// Expected decode tokens of all choices: `max_tokens` (or [`DEFAULT_EXPECTED_DECODE`]) × `n`.
+fn decode_tokens(req: &GenerateRequest) -> u64 {
+    let sampling = req.sampling.as_ref();
+    let decode =
+        sampling.and_then(|s| s.max_tokens).and_then(|m| u64::try_from(m).ok()).unwrap_or(DEFAULT_EXPECTED_DECODE);
+    let n = u64::from(sampling.and_then(|s| s.n).unwrap_or(1).max(1));
+    decode * n
+}
+
 fn hint_for(req: &GenerateRequest) -> RequestHint {
     let prompt = match &req.prompt {
         Some(generate_request::Prompt::Text(t)) => t.len() as u64 / 4 + 1,
@@ -67,11 +77,7 @@ fn hint_for(req: &GenerateRequest) -> RequestHint {
         Some(generate_request::Prompt::Chat(c)) => c.messages.iter().map(|m| m.content.len() as u64 / 4 + 8).sum(),
         None => 0,
     };
-    let sampling = req.sampling.as_ref();
-    let decode =
-        sampling.and_then(|s| s.max_tokens).and_then(|m| u64::try_from(m).ok()).unwrap_or(DEFAULT_EXPECTED_DECODE);
-    let n = u64::from(sampling.and_then(|s| s.n).unwrap_or(1).max(1));
-    RequestHint { expected_tokens: prompt + decode * n }
+    RequestHint::tokens(prompt + decode_tokens(req))
 }
 
 impl Dispatcher {
@@ -106,6 +112,29 @@ impl Dispatcher {
         Instant::now() + t
     }
 
+    /// Adds the request's token ids and block hashes under the codecs of its model's
+    /// replicas (none known: the hint stays as it is, routed by load); the token estimate
+    /// becomes the exact prompt length.
+    async fn add_prefix(&self, req: &GenerateRequest, hint: &mut RequestHint) {
+        let snap = self.routes().snapshot();
+        let mut codecs: Vec<Arc<ReplicaCodec>> = Vec::new();
+        for c in snap.models.get(&req.model).into_iter().flatten().filter_map(|r| r.cache.codec()) {
+            if !codecs.iter().any(|k| k.key == c.key) {
+                codecs.push(c);
+            }
+        }
+        if codecs.is_empty() {
+            return;
+        }
+        let started = std::time::Instant::now();
+        let Some(keys) = prompt_keys(req, codecs).await else { return };
+        self.upstream.metrics().tokenized(started.elapsed().as_secs_f64());
+        if let Some(prompt) = keys.prompt_tokens() {
+            hint.expected_tokens = prompt + decode_tokens(req);
+        }
+        hint.prefix = Some(keys);
+    }
+
     /// Starts `req` on a replica of its model (retrying once elsewhere before the first
     /// token) and returns its stream.
     ///
@@ -120,12 +149,15 @@ impl Dispatcher {
             req.request_id = uuid::Uuid::new_v4().to_string();
         }
         let deadline = self.deadline_for(&req);
-        let hint = hint_for(&req);
+        let mut hint = hint_for(&req);
+        if self.upstream.policy().wants_prefix() {
+            self.add_prefix(&req, &mut hint).await;
+        }
         let mut tried: Vec<String> = Vec::new();
         let mut last: Option<Status> = None;
         let admitted = self
             .admission
-            .admit(&req.model, hint, deadline)
+            .admit(&req.model, hint.clone(), deadline)
             .await
             .map_err(|e| DispatchError::from_admit(e, &req.model))?;
         self.upstream.metrics().dispatched(&admitted.0.replica_id);
@@ -138,7 +170,7 @@ impl Dispatcher {
                     Err(e) => return Err(last.map_or(e, DispatchError::from_status)),
                 },
             };
-            match self.upstream.open(&replica, &req, &[], deadline).await {
+            match self.upstream.open(&replica, &req, &hint, &[], deadline).await {
                 Ok((stream, first)) => {
                     replica.stats.record_success();
                     let (tx, rx) = mpsc::channel(32);

@@ -1,7 +1,8 @@
 //! `prism-router`: the public front end of Prism. Serves the OpenAI-compatible HTTP API and
 //! the gRPC `InferenceService`, keeps the route table from the head (or static routes), and
-//! dispatches each request to a Ready replica chosen by power-of-two-choices on load counted
-//! from dispatch, with retry before the first token, migration after it, ejection of failing
+//! dispatches each request to a Ready replica chosen by cache-aware routing (the longest
+//! prompt prefix in a replica's prefix cache, weighed against load, `balance/prefix.rs`) or
+//! power-of-two-choices on load counted from dispatch, with retry before the first token, migration after it, ejection of failing
 //! replicas, a bounded per-model admission queue (backpressure, 429, only past its bounds),
 //! demand reports to the head, and cancellation on client disconnect.
 //!
@@ -20,6 +21,8 @@ pub mod metrics;
 #[cfg(feature = "mock-engine")]
 pub mod mock_engine;
 pub mod openai;
+pub mod prefix;
+pub mod prefix_watch;
 pub mod routes;
 pub mod validate;
 
@@ -28,7 +31,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::TcpIncoming;
 
-pub use config::{Args, RouterConfig, StaticRoute};
+pub use config::{Args, RouterConfig, RoutingPolicy, StaticRoute};
 
 /// Runs the router until `shutdown` is cancelled: HTTP on `http_listener`, gRPC (inference,
 /// health, reflection) on `grpc_listener`, and the route watch on the configured heads.
@@ -46,9 +49,13 @@ pub async fn run(
     if !config.static_routes.is_empty() {
         routes.set_static(&config.static_routes);
     }
+    let policy: Box<dyn balance::BalancePolicy> = match config.routing_policy {
+        RoutingPolicy::P2c => Box::new(balance::PowerOfTwoChoices),
+        RoutingPolicy::PrefixAware => Box::new(balance::PrefixAware::new(config.prefix_cache_weight, metrics.clone())),
+    };
     let dispatcher = dispatch::Dispatcher::new(
         routes.clone(),
-        Box::new(balance::PowerOfTwoChoices),
+        policy,
         metrics.clone(),
         dispatch::DispatchConfig {
             default_timeout: config.request_timeout,
@@ -65,6 +72,9 @@ pub async fn run(
     let router_id = format!("router-{}", uuid::Uuid::new_v4().simple());
     let watch = tokio::spawn(routes.clone().watch(config.heads.clone(), router_id.clone(), shutdown.child_token()));
     let queue = tokio::spawn(dispatcher.admission().clone().run(shutdown.child_token()));
+    // Prompt codecs and prefix indexes of the replicas, for cache-aware routing only.
+    let caches = (config.routing_policy == RoutingPolicy::PrefixAware)
+        .then(|| tokio::spawn(prefix_watch::run(routes.clone(), metrics.clone(), shutdown.child_token())));
     let demand = tokio::spawn(demand::report(
         dispatcher.admission().clone(),
         routes.clone(),
@@ -120,6 +130,9 @@ pub async fn run(
     health_task.abort();
     demand.abort();
     queue.abort();
+    if let Some(c) = caches {
+        c.abort();
+    }
     h?;
     g?;
     Ok(())

@@ -1,6 +1,8 @@
 //! Router metrics (prometheus-client), all named `prism_…`: requests by outcome, request
 //! duration, time to first token, retries, migrations, in-flight requests, the admission
-//! queue (depth, tokens, wait, rejections per model) and the route table version.
+//! queue (depth, tokens, wait, rejections per model), the route table version, and
+//! cache-aware routing (decisions by reason, prompt tokens expected cached where routed,
+//! tokenization time, each replica's prefix index size).
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -50,6 +52,34 @@ impl Outcome {
     }
 }
 
+/// Why the cache-aware policy chose a replica (the `reason` label of
+/// `prism_router_routing_decisions_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteReason {
+    /// The replica holding the longest cached prefix of the prompt.
+    PrefixHit,
+    /// Nothing of the prompt is cached on any candidate: the least loaded.
+    Cold,
+    /// A replica with a longer cached prefix was passed over for load (the cost).
+    Load,
+    /// The replica with the longest cached prefix is loaded past the guard.
+    LoadGuard,
+    /// No candidate has a prompt codec (or the request no hashes): power of two choices.
+    NoCodec,
+}
+
+impl RouteReason {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::PrefixHit => "prefix_hit",
+            Self::Cold => "cold",
+            Self::Load => "load",
+            Self::LoadGuard => "load_guard",
+            Self::NoCodec => "no_codec",
+        }
+    }
+}
+
 /// All router metrics; cheap to clone (shared handles).
 #[derive(Clone)]
 pub struct Metrics {
@@ -83,6 +113,22 @@ pub struct Metrics {
     queue_wait: Histogram,
     /// `prism_router_queue_rejected_total{model,reason}`: requests refused by a queue bound.
     queue_rejected: Family<Vec<(String, String)>, Counter>,
+    /// `prism_router_routing_decisions_total{policy,reason}`: cache-aware picks by reason.
+    decisions: Family<Vec<(String, String)>, Counter>,
+    /// `prism_router_prefix_cached_tokens_total`: prompt tokens expected cached on the
+    /// replicas requests were routed to.
+    prefix_cached: Counter,
+    /// `prism_router_prefix_prompt_tokens_total`: prompt tokens of the requests routed with
+    /// block hashes (the ratio of the two is the expected hit rate).
+    prefix_prompt: Counter,
+    /// `prism_router_prefix_tokenize_seconds`: tokenizing and hashing one prompt for routing.
+    tokenize: Histogram,
+    /// `prism_router_prefix_index_blocks{replica_id}`: block hashes a replica's prefix cache
+    /// reported holding.
+    index_blocks: Family<Vec<(String, String)>, Gauge>,
+    /// `prism_router_prefix_expected_blocks{replica_id}`: hashes recorded at dispatch and not
+    /// yet confirmed by the replica.
+    expected_blocks: Family<Vec<(String, String)>, Gauge>,
 }
 
 impl Default for Metrics {
@@ -110,6 +156,12 @@ impl Metrics {
         let queue_tokens = Family::<Vec<(String, String)>, Gauge>::default();
         let queue_wait = Histogram::new(exponential_buckets(0.001, 2.0, 18));
         let queue_rejected = Family::<Vec<(String, String)>, Counter>::default();
+        let decisions = Family::<Vec<(String, String)>, Counter>::default();
+        let prefix_cached = Counter::default();
+        let prefix_prompt = Counter::default();
+        let tokenize = Histogram::new(exponential_buckets(0.00001, 2.0, 18));
+        let index_blocks = Family::<Vec<(String, String)>, Gauge>::default();
+        let expected_blocks = Family::<Vec<(String, String)>, Gauge>::default();
         registry.register("prism_router_requests", "Requests by outcome", requests.clone());
         registry.register(
             "prism_router_request_duration_seconds",
@@ -157,6 +209,36 @@ impl Metrics {
             "Requests refused by an admission queue bound, by reason (full, tokens, timeout, deadline)",
             queue_rejected.clone(),
         );
+        registry.register(
+            "prism_router_routing_decisions",
+            "Cache-aware routing decisions by reason (prefix_hit, cold, load, load_guard, no_codec)",
+            decisions.clone(),
+        );
+        registry.register(
+            "prism_router_prefix_cached_tokens",
+            "Prompt tokens expected in the prefix cache of the replica each request was routed to",
+            prefix_cached.clone(),
+        );
+        registry.register(
+            "prism_router_prefix_prompt_tokens",
+            "Prompt tokens of the requests routed by their block hashes",
+            prefix_prompt.clone(),
+        );
+        registry.register(
+            "prism_router_prefix_tokenize_seconds",
+            "Time to tokenize and hash one prompt for cache-aware routing",
+            tokenize.clone(),
+        );
+        registry.register(
+            "prism_router_prefix_index_blocks",
+            "Block hashes each replica's prefix cache reported holding",
+            index_blocks.clone(),
+        );
+        registry.register(
+            "prism_router_prefix_expected_blocks",
+            "Block hashes recorded at dispatch and not yet confirmed by the replica",
+            expected_blocks.clone(),
+        );
         Self {
             registry: Arc::new(registry),
             requests,
@@ -174,7 +256,42 @@ impl Metrics {
             queue_tokens,
             queue_wait,
             queue_rejected,
+            decisions,
+            prefix_cached,
+            prefix_prompt,
+            tokenize,
+            index_blocks,
+            expected_blocks,
         }
+    }
+
+    /// Counts one cache-aware decision: its reason, and the prompt tokens expected cached on
+    /// the chosen replica out of `prompt`.
+    pub fn routed(&self, reason: RouteReason, cached: u64, prompt: u64) {
+        let l =
+            vec![("policy".to_owned(), "prefix-aware".to_owned()), ("reason".to_owned(), reason.as_str().to_owned())];
+        self.decisions.get_or_create(&l).inc();
+        self.prefix_cached.inc_by(cached);
+        self.prefix_prompt.inc_by(prompt);
+    }
+
+    /// Records the time one prompt took to tokenize and hash.
+    pub fn tokenized(&self, seconds: f64) {
+        self.tokenize.observe(seconds);
+    }
+
+    /// Sets the prefix index gauges of `replica_id`.
+    pub fn set_prefix_index(&self, replica_id: &str, confirmed: usize, expected: usize) {
+        let l = vec![("replica_id".to_owned(), replica_id.to_owned())];
+        self.index_blocks.get_or_create(&l).set(i64::try_from(confirmed).unwrap_or(i64::MAX));
+        self.expected_blocks.get_or_create(&l).set(i64::try_from(expected).unwrap_or(i64::MAX));
+    }
+
+    /// Drops the prefix index gauges of a replica that left the table.
+    pub fn forget_prefix_index(&self, replica_id: &str) {
+        let l = vec![("replica_id".to_owned(), replica_id.to_owned())];
+        self.index_blocks.remove(&l);
+        self.expected_blocks.remove(&l);
     }
 
     /// Sets the admission queue gauges of `model`: `depth` requests, `tokens` estimated tokens.

@@ -6,7 +6,10 @@
 //! usage of its own attempt (its prompt count; completion tokens including the resubmitted
 //! ones); the router rewrites a migrated stream's counts. Behaviours (delay per token,
 //! frozen streams, a frozen process, failing before or after some tokens) are switchable at
-//! run time for fault tests.
+//! run time for fault tests. With a prompt codec set ([`MockEngineWorker::with_codec`]) it
+//! serves `GetPromptCodec` and a `WatchPrefixCache` stream of the block hashes a test says
+//! it holds ([`MockEngineWorker::set_cached`]: one reset per change); without one both are
+//! UNIMPLEMENTED, as on an older worker.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -68,6 +71,10 @@ pub struct MockEngineWorker {
     gate: Arc<FreezeGate>,
     /// Shared counters.
     pub stats: Arc<MockStats>,
+    /// The prompt codec served by `GetPromptCodec` (`None`: UNIMPLEMENTED).
+    codec: Option<pb::PromptCodec>,
+    /// The block hashes the mock's "prefix cache" holds (a reset is streamed per change).
+    cached: Arc<tokio::sync::watch::Sender<Vec<u64>>>,
 }
 
 /// Process-freeze switch shared by every connection of a mock.
@@ -143,7 +150,25 @@ impl MockEngineWorker {
     pub fn new(behavior: MockBehavior) -> Self {
         let gate = Arc::new(FreezeGate::default());
         gate.set(behavior.freeze_process);
-        Self { behavior: Arc::new(Mutex::new(behavior)), gate, stats: Arc::default() }
+        Self {
+            behavior: Arc::new(Mutex::new(behavior)),
+            gate,
+            stats: Arc::default(),
+            codec: None,
+            cached: Arc::new(tokio::sync::watch::Sender::new(Vec::new())),
+        }
+    }
+
+    /// The same mock serving `codec` from `GetPromptCodec` and a prefix-cache stream.
+    #[must_use]
+    pub fn with_codec(mut self, codec: pb::PromptCodec) -> Self {
+        self.codec = Some(codec);
+        self
+    }
+
+    /// Sets the block hashes the mock reports holding (sent as a reset to every watcher).
+    pub fn set_cached(&self, hashes: Vec<u64>) {
+        self.cached.send_replace(hashes);
     }
 
     /// Replaces the behaviour for requests that arrive from now on (`freeze_process` takes
@@ -217,19 +242,30 @@ impl WorkerService for MockEngineWorker {
     type GenerateStream = GenStream;
     type WatchPrefixCacheStream = Pin<Box<dyn Stream<Item = Result<pb::PrefixCacheEvents, Status>> + Send>>;
 
-    /// The mock engine has no tokenizer: routers route it by load alone.
+    /// Without a codec the mock has no tokenizer: routers route it by load alone.
     async fn get_prompt_codec(
         &self,
         _: Request<pb::GetPromptCodecRequest>,
     ) -> Result<Response<pb::PromptCodec>, Status> {
-        Err(Status::unimplemented("mock engine: no prompt codec"))
+        self.codec.clone().map(Response::new).ok_or_else(|| Status::unimplemented("mock engine: no prompt codec"))
     }
 
     async fn watch_prefix_cache(
         &self,
         _: Request<pb::WatchPrefixCacheRequest>,
     ) -> Result<Response<Self::WatchPrefixCacheStream>, Status> {
-        Err(Status::unimplemented("mock engine: no prefix cache"))
+        if self.codec.is_none() {
+            return Err(Status::unimplemented("mock engine: no prefix cache"));
+        }
+        let rx = self.cached.subscribe();
+        let stream = futures::stream::unfold((rx, true), |(mut rx, first)| async move {
+            if !first && rx.changed().await.is_err() {
+                return None;
+            }
+            let stored = rx.borrow_and_update().clone();
+            Some((Ok(pb::PrefixCacheEvents { reset: true, stored, removed: vec![], seq: 0 }), (rx, false)))
+        });
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn generate(&self, request: Request<WorkerGenerateRequest>) -> Result<Response<GenStream>, Status> {

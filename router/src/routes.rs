@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::balance::capacity::replica_limit;
 use crate::config::StaticRoute;
+use crate::prefix::ReplicaCache;
 
 /// How long a lower-term table must be held by the head answering as leader before it is
 /// applied anyway (longer than any lease TTL a deposed head needs to notice).
@@ -38,6 +39,9 @@ pub struct ReplicaStats {
     pub in_flight: AtomicU32,
     /// Prompt + expected decode tokens of those requests.
     pub tokens: AtomicU64,
+    /// Prompt tokens of those requests expected in the replica's prefix cache at dispatch
+    /// (cache-aware routing; their K/V is shared, not computed again).
+    pub cached_tokens: AtomicU64,
     /// Requests ever dispatched here (tests, debugging).
     pub dispatched: AtomicU64,
     failures: AtomicU32,
@@ -89,6 +93,8 @@ pub struct ReplicaRoute {
     pub max_model_len: u32,
     /// Router-side counters, shared across table versions.
     pub stats: Arc<ReplicaStats>,
+    /// Its prompt codec and prefix index (cache-aware routing), shared across table versions.
+    pub cache: Arc<ReplicaCache>,
 }
 
 impl ReplicaRoute {
@@ -129,6 +135,7 @@ impl RouteSnapshot {
 struct Inner {
     snapshot: RwLock<Arc<RouteSnapshot>>,
     stats: DashMap<String, Arc<ReplicaStats>>,
+    caches: DashMap<String, Arc<ReplicaCache>>,
     epoch: Instant,
     default_max_in_flight: u32,
     metrics: Metrics,
@@ -153,6 +160,7 @@ impl Routes {
             inner: Arc::new(Inner {
                 snapshot: RwLock::new(Arc::new(RouteSnapshot::default())),
                 stats: DashMap::new(),
+                caches: DashMap::new(),
                 epoch: Instant::now(),
                 default_max_in_flight,
                 metrics,
@@ -211,6 +219,10 @@ impl Routes {
         self.inner.stats.entry(replica_id.to_owned()).or_default().clone()
     }
 
+    fn cache_for(&self, replica_id: &str) -> Arc<ReplicaCache> {
+        self.inner.caches.entry(replica_id.to_owned()).or_default().clone()
+    }
+
     fn store(&self, snap: RouteSnapshot) {
         self.inner.metrics.route_version.set(snap.version);
         self.inner.metrics.route_term.set(snap.term);
@@ -230,6 +242,7 @@ impl Routes {
         for (i, r) in routes.iter().enumerate() {
             let replica_id = format!("static-{}-{i}", r.model);
             let stats = self.stats_for(&replica_id);
+            let cache = self.cache_for(&replica_id);
             models.entry(r.model.clone()).or_default().push(Arc::new(ReplicaRoute {
                 replica_id,
                 model: r.model.clone(),
@@ -240,6 +253,7 @@ impl Routes {
                 max_in_flight: self.inner.default_max_in_flight,
                 max_model_len: 0,
                 stats,
+                cache,
             }));
         }
         self.store(RouteSnapshot { version: 0, term: 0, models, loaded: true, released: self.released() });
@@ -279,6 +293,7 @@ impl Routes {
                 continue;
             }
             let stats = self.stats_for(&e.replica_id);
+            let cache = self.cache_for(&e.replica_id);
             let (reported_tokens, reported_waiting) =
                 e.load.as_ref().map(|l| (l.tokens_in_flight, l.waiting)).unwrap_or((0, 0));
             let max_in_flight = replica_limit(e.max_in_flight, e.load.as_ref(), self.inner.default_max_in_flight);
@@ -292,10 +307,13 @@ impl Routes {
                 max_in_flight,
                 max_model_len: e.max_model_len,
                 stats,
+                cache,
             }));
         }
         let live: std::collections::HashSet<&str> = models.values().flatten().map(|r| r.replica_id.as_str()).collect();
         self.inner.stats.retain(|k, v| live.contains(k.as_str()) || v.in_flight.load(Ordering::Relaxed) > 0);
+        // A replica that left takes its prefix index along (a replacement starts cold).
+        self.inner.caches.retain(|k, _| live.contains(k.as_str()));
         // Load-only updates arrive about once a second per worker: log membership/state changes only.
         let key = |m: &BTreeMap<String, Vec<Arc<ReplicaRoute>>>| -> Vec<(String, i32)> {
             let mut v: Vec<_> = m.values().flatten().map(|r| (r.replica_id.clone(), r.state as i32)).collect();

@@ -3,9 +3,12 @@
 //! it is tested without replicas.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use tokio::sync::oneshot;
 use tokio::time::{Duration, Instant};
+
+use crate::prefix::PrefixKeys;
 
 /// Smallest `Retry-After` the router sends, seconds.
 pub const MIN_RETRY_AFTER_S: u32 = 1;
@@ -21,6 +24,8 @@ pub struct Waiter<T> {
     pub id: u64,
     /// Its estimated prompt + decode tokens (counted against `--max-queued-tokens`).
     pub tokens: u64,
+    /// Its block hashes, for the cache-aware policy when it is served.
+    pub prefix: Option<Arc<PrefixKeys>>,
     /// When it entered the queue.
     pub since: Instant,
     /// Where its slot (or its error) is sent.
@@ -153,7 +158,7 @@ mod tests {
 
     fn waiter(id: u64, tokens: u64) -> (Waiter<u32>, oneshot::Receiver<u32>) {
         let (tx, rx) = oneshot::channel();
-        (Waiter { id, tokens, since: Instant::now(), tx }, rx)
+        (Waiter { id, tokens, prefix: None, since: Instant::now(), tx }, rx)
     }
 
     #[test]

@@ -54,7 +54,7 @@ fn fixture(limit: u32, cfg: AdmissionConfig) -> Fixture {
 }
 
 fn hint(tokens: u64) -> RequestHint {
-    RequestHint { expected_tokens: tokens }
+    RequestHint::tokens(tokens)
 }
 
 fn far() -> Instant {

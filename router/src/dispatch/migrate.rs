@@ -211,7 +211,8 @@ impl StreamPump {
             self.migrations += 1;
             let (replica, guard) = self.pick_for_migration().await?;
             self.c.tried.push(replica.replica_id.clone());
-            match self.upstream.open(&replica, &self.c.req, self.usage.generated(), self.c.deadline).await {
+            match self.upstream.open(&replica, &self.c.req, &self.c.hint, self.usage.generated(), self.c.deadline).await
+            {
                 Ok((s, first)) => return Some((s, replica, guard, first)),
                 Err(s) => self.upstream.note_failure(&replica, &s),
             }

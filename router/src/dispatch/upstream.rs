@@ -82,6 +82,14 @@ fn left_routes_status() -> Status {
     Status::unavailable("the replica left the route table before its first token")
 }
 
+/// The prompt ids to send `replica` with their codec fingerprint; empty and 0 when the
+/// router has none tokenized by a codec of that replica's fingerprint (it tokenizes itself).
+fn forwarded_ids(replica: &ReplicaRoute, hint: &RequestHint) -> (Vec<u32>, u64) {
+    let Some(codec) = replica.cache.codec() else { return (Vec::new(), 0) };
+    let fp = codec.key.fingerprint;
+    hint.prefix.as_ref().and_then(|k| k.ids_for(fp)).map_or((Vec::new(), 0), |ids| (ids.to_vec(), fp))
+}
+
 impl Upstream {
     pub(super) fn new(routes: Routes, policy: Arc<dyn BalancePolicy>, metrics: Metrics, cfg: DispatchConfig) -> Self {
         Self { routes, policy, clients: DashMap::new(), metrics, cfg }
@@ -97,6 +105,10 @@ impl Upstream {
 
     pub(super) fn cfg(&self) -> &DispatchConfig {
         &self.cfg
+    }
+
+    pub(super) fn policy(&self) -> &dyn BalancePolicy {
+        self.policy.as_ref()
     }
 
     fn client(&self, endpoint: &str) -> Result<WorkerServiceClient<Channel>, Status> {
@@ -135,11 +147,14 @@ impl Upstream {
     }
 
     /// Opens the worker stream of `req` on `replica` and waits for its first message;
-    /// `prior` are the token ids a migrated stream already sent its client.
+    /// `prior` are the token ids a migrated stream already sent its client. The prompt's
+    /// token ids go along when the router tokenized it with a codec of the replica's
+    /// fingerprint (`hint.prefix`): the worker then does not tokenize again.
     pub(super) async fn open(
         &self,
         replica: &ReplicaRoute,
         req: &GenerateRequest,
+        hint: &RequestHint,
         prior: &[u32],
         deadline: Instant,
     ) -> Result<(Streaming<GenerateResponse>, GenerateResponse), Status> {
@@ -147,6 +162,7 @@ impl Upstream {
         if remaining.is_zero() {
             return Err(Status::deadline_exceeded("deadline exceeded"));
         }
+        let (prompt_token_ids, codec_fingerprint) = forwarded_ids(replica, hint);
         let mut inner = req.clone();
         inner.timeout_ms = Some(u64::try_from(remaining.as_millis()).unwrap_or(u64::MAX).max(1));
         // The worker reports what its engine did; the router rewrites a migrated stream's
@@ -155,8 +171,8 @@ impl Upstream {
             replica_id: replica.replica_id.clone(),
             request: Some(inner),
             prior_output_ids: prior.to_vec(),
-            prompt_token_ids: Vec::new(),
-            codec_fingerprint: 0,
+            prompt_token_ids,
+            codec_fingerprint,
         });
         wreq.set_timeout(remaining);
         let mut client = self.client(&replica.endpoint)?;
@@ -218,6 +234,46 @@ impl Upstream {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::prefix::{CodecKeys, HashKey, PrefixKeys, ReplicaCodec};
+    use prism_common::proto::v1::{ReplicaState, RouteEntry, RouteTable};
+
+    #[test]
+    fn ids_go_only_to_a_replica_of_the_same_fingerprint() {
+        let routes = Routes::new(4, Metrics::new());
+        let entry = |id: &str| RouteEntry {
+            replica_id: id.into(),
+            model: "m".into(),
+            endpoint: format!("http://{id}"),
+            state: ReplicaState::Ready as i32,
+            ..Default::default()
+        };
+        routes.apply(RouteTable {
+            term: 0,
+            version: 1,
+            routes: vec![entry("a"), entry("b"), entry("c")],
+            models: vec![],
+        });
+        let snap = routes.snapshot();
+        let reps = &snap.models["m"];
+        let codec = |fingerprint| {
+            let key = HashKey { fingerprint, block_size: 16, namespace: 0 };
+            Some(Arc::new(ReplicaCodec { key, codec: crate::prefix::tests::tiny_codec() }))
+        };
+        reps[0].cache.set_codec(codec(1));
+        reps[1].cache.set_codec(codec(2));
+        let key = HashKey { fingerprint: 1, block_size: 16, namespace: 0 };
+        let keys = |tokenized| {
+            let k = CodecKeys { key, ids: vec![5, 6, 7], hashes: vec![] };
+            Some(Arc::new(PrefixKeys::new(vec![k], tokenized)))
+        };
+        let hint = RequestHint { expected_tokens: 3, prefix: keys(true) };
+        assert_eq!(forwarded_ids(&reps[0], &hint), (vec![5, 6, 7], 1));
+        assert_eq!(forwarded_ids(&reps[1], &hint), (vec![], 0), "another tokenizer: the worker tokenizes");
+        assert_eq!(forwarded_ids(&reps[2], &hint), (vec![], 0), "no codec known");
+        let ids_prompt = RequestHint { expected_tokens: 3, prefix: keys(false) };
+        assert_eq!(forwarded_ids(&reps[0], &ids_prompt), (vec![], 0), "the prompt was ids already");
+        assert_eq!(forwarded_ids(&reps[0], &RequestHint::tokens(3)), (vec![], 0));
+    }
 
     #[test]
     fn own_deadline_never_ejects() {
