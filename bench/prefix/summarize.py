@@ -15,9 +15,11 @@ The hit rate of a run is cached prompt tokens over prompt tokens as the server r
 `usage` (`prefix_cache_hit_rate`), else the workers' `vllm:prefix_cache_hits_total` over
 `vllm:prefix_cache_queries_total` (`workers.prefix_cache_hit_rate`).
 
-Usage: python3 bench/prefix/summarize.py OUT_DIR
+Usage: python3 bench/prefix/summarize.py OUT_DIR [--name summary]
+(writes OUT_DIR/NAME.json and OUT_DIR/NAME.md)
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -124,9 +126,11 @@ def markdown(s: dict) -> str:
     lines = ["# Prefix caching benchmark", ""]
     meta = s["meta"]
     lines.append("; ".join(x for x in (meta.get("machine"), meta.get("settings_line")) if x))
-    lines += ["", "## One replica, prefix cache on vs off", "",
-              "| trace | run | completed | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | cached tokens | hit rate |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    runs = s["runs"]
+    if any(k.startswith("a_") for k in runs):
+        lines += ["", "## One replica, prefix cache on vs off", "",
+                  "| trace | run | completed | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | cached tokens | hit rate |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for trace in ("multi_turn", "random"):
         for side in ("cache_on", "cache_off"):
             r = s["runs"].get(f"a_{trace}_{side}")
@@ -136,12 +140,13 @@ def markdown(s: dict) -> str:
                              f"| {fmt(r['total_cached_tokens'], digits=0)} | {fmt(r['hit_rate'], pct=True)} |")
     for trace in ("multi_turn", "random"):
         a = s["single_replica"].get(trace, {})
-        if "verdict" in a:
+        if "verdict" in a and any(k.startswith(f"a_{trace}") for k in runs):
             lines.append(f"\n{trace}: TTFT p50 off/on {fmt(a['ttft_p50_off_over_on'], digits=2)}x, output tok/s on/off "
                          f"{fmt(a['output_tok_s_on_over_off'], digits=3)}x — {a['verdict']} ({a['target']})")
-    lines += ["", "## Shared-prefix traces, one replica vs three", "",
-              "| trace | run | completed | hit rate | requests per replica | max/mean | TTFT p50 (ms) | output tok/s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    if any(k.startswith("b_") for k in runs):
+        lines += ["", "## Shared-prefix traces, one replica vs three", "",
+                  "| trace | run | completed | hit rate | requests per replica | max/mean | TTFT p50 (ms) | output tok/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for trace in ("shared_prefix", "system_prompt"):
         for run in ("1_replica", "3_replicas_prefix_aware", "3_replicas_p2c"):
             r = s["runs"].get(f"b_{trace}_{run}")
@@ -152,7 +157,7 @@ def markdown(s: dict) -> str:
                              f"| {fmt(r['output_throughput'])} |")
     for trace in ("shared_prefix", "system_prompt"):
         c = s["cluster"].get(trace, {})
-        if "verdict" in c:
+        if "verdict" in c and any(k.startswith(f"b_{trace}") for k in runs):
             lines.append(f"\n{trace}: {c['verdict']} ({c['target']})")
     if meta.get("note"):
         lines += ["", meta["note"]]
@@ -160,14 +165,15 @@ def markdown(s: dict) -> str:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print(__doc__)
-        return 2
-    out = Path(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--name", default="summary", help="output file name without extension")
+    a = ap.parse_args()
+    out = Path(a.out_dir)
     settings = load(out / "settings.json") or {}
     runs = {}
     for p in sorted(out.glob("*.json")):
-        if p.name[:2] not in ("a_", "b_"):
+        if p.name[:2] not in ("a_", "b_") or p.stem == a.name:
             continue
         r = load(p)
         if isinstance(r, dict) and "completed" in r:
@@ -185,9 +191,9 @@ def main() -> int:
         "cluster": {"shared_prefix": cluster(runs, "shared_prefix"),
                     "system_prompt": cluster(runs, "system_prompt")},
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / f"{a.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
     md = markdown(summary)
-    (out / "summary.md").write_text(md)
+    (out / f"{a.name}.md").write_text(md)
     print(md)
     return 0
 
