@@ -21,7 +21,7 @@
 # Sizes (env, defaults in brackets) keep the run near 10-15 minutes on 2 cores:
 #   MT_CONVERSATIONS [6] MT_TURNS [4] MT_SYSTEM_LEN [192] MT_USER_LEN [32] MT_OUTPUT_LEN [32]
 #   MT_RATE [1 req/s: beyond one replica's capacity without the cache, within it with the cache];
-#   RANDOM_INPUT_LEN [192] RANDOM_OUTPUT_LEN [32] (the control: as many requests as the
+#   RANDOM_INPUT_LEN [192] RANDOM_OUTPUT_LEN [32] RANDOM_PROMPTS (the control: as many requests as the
 #   multi-turn trace, the same rate, so capacity-bound: its throughput measures the cache's
 #   overhead); PR_PROMPTS [60] PR_PREFIXES [10] PR_PREFIX_LEN [256] PR_SUFFIX_LEN [32]
 #   PR_OUTPUT_LEN [16] PR_RATE [0.75]; SP_PROMPTS [30] SP_PREFIX_LEN [1000] SP_SUFFIX_LEN [32]
@@ -40,6 +40,7 @@ ENGINE_THREADS=${ENGINE_THREADS-1}
 MT_CONVERSATIONS=${MT_CONVERSATIONS:-6} MT_TURNS=${MT_TURNS:-4} MT_SYSTEM_LEN=${MT_SYSTEM_LEN:-192}
 MT_USER_LEN=${MT_USER_LEN:-32} MT_OUTPUT_LEN=${MT_OUTPUT_LEN:-32} MT_RATE=${MT_RATE:-1}
 RANDOM_INPUT_LEN=${RANDOM_INPUT_LEN:-192} RANDOM_OUTPUT_LEN=${RANDOM_OUTPUT_LEN:-32}
+RANDOM_PROMPTS=${RANDOM_PROMPTS:-$((MT_CONVERSATIONS * MT_TURNS))}
 PR_PROMPTS=${PR_PROMPTS:-60} PR_PREFIXES=${PR_PREFIXES:-10} PR_PREFIX_LEN=${PR_PREFIX_LEN:-256}
 PR_SUFFIX_LEN=${PR_SUFFIX_LEN:-32} PR_OUTPUT_LEN=${PR_OUTPUT_LEN:-16} PR_RATE=${PR_RATE:-0.75}
 SP_PROMPTS=${SP_PROMPTS:-30} SP_PREFIX_LEN=${SP_PREFIX_LEN:-1000} SP_SUFFIX_LEN=${SP_SUFFIX_LEN:-32}
@@ -112,7 +113,7 @@ MT=(--dataset-name multi-turn --multi-turn-conversations "$MT_CONVERSATIONS" --m
   --multi-turn-system-len "$MT_SYSTEM_LEN" --multi-turn-user-len "$MT_USER_LEN"
   --multi-turn-output-len "$MT_OUTPUT_LEN" --request-rate "$MT_RATE" --seed 1)
 RANDOM_TRACE=(--dataset-name random --random-input-len "$RANDOM_INPUT_LEN" --random-output-len "$RANDOM_OUTPUT_LEN"
-  --num-prompts $((MT_CONVERSATIONS * MT_TURNS)) --request-rate "$MT_RATE")
+  --num-prompts "$RANDOM_PROMPTS" --request-rate "$MT_RATE")
 PR=(--dataset-name prefix_repetition --prefix-repetition-num-prefixes "$PR_PREFIXES"
   --prefix-repetition-prefix-len "$PR_PREFIX_LEN" --prefix-repetition-suffix-len "$PR_SUFFIX_LEN"
   --prefix-repetition-output-len "$PR_OUTPUT_LEN" --num-prompts "$PR_PROMPTS" --request-rate "$PR_RATE" --seed 3)
@@ -155,7 +156,8 @@ cat > "$OUT/settings.json" <<EOF
  "wall_s": $(( $(date +%s) - STARTED )),
  "multi_turn": {"conversations": $MT_CONVERSATIONS, "turns": $MT_TURNS, "system_len": $MT_SYSTEM_LEN,
    "user_len": $MT_USER_LEN, "output_len": $MT_OUTPUT_LEN, "rate": $MT_RATE},
- "random": {"input_len": $RANDOM_INPUT_LEN, "output_len": $RANDOM_OUTPUT_LEN, "rate": $MT_RATE},
+ "random": {"prompts": $RANDOM_PROMPTS, "input_len": $RANDOM_INPUT_LEN, "output_len": $RANDOM_OUTPUT_LEN,
+   "rate": $MT_RATE},
  "shared_prefix": {"prompts": $PR_PROMPTS, "prefixes": $PR_PREFIXES, "prefix_len": $PR_PREFIX_LEN,
    "suffix_len": $PR_SUFFIX_LEN, "output_len": $PR_OUTPUT_LEN, "rate": $PR_RATE},
  "system_prompt": {"prompts": $SP_PROMPTS, "prefix_len": $SP_PREFIX_LEN, "suffix_len": $SP_SUFFIX_LEN,
