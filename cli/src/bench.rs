@@ -5,7 +5,8 @@
 //! `prism bench serve` is a serving benchmark comparable with `vllm bench serve` (same flag
 //! names, metrics and result keys): datasets (`dataset.rs`), arrival times (`arrivals.rs`),
 //! transports (`transport.rs`: OpenAI HTTP streaming or gRPC), metrics (`stats.rs`), the
-//! table and JSON result (`report.rs`), and the run itself (`serve.rs`). See docs/bench.md.
+//! table and JSON result (`report.rs`), workers' counters (`worker_metrics.rs`, `--metrics-url`),
+//! and the run itself (`serve.rs`). See docs/bench.md.
 
 pub mod args;
 pub mod arrivals;
@@ -14,6 +15,7 @@ pub mod report;
 pub mod serve;
 pub mod stats;
 pub mod transport;
+pub mod worker_metrics;
 
 use anyhow::Result;
 use clap::Subcommand;

@@ -6,6 +6,10 @@
 //!   16 completed, 0 failed, 16 × 8 output tokens and 16 × 32 input tokens (from the servers'
 //!   usage), and TTFT p50 is positive and at most the E2E latency p50.
 //! - the `multi-turn` chat set over `/v1/chat/completions` (`--backend openai-chat`).
+//! - `prefix_repetition`: token ids over `/v1/completions` (3 prefixes of 32 tokens, 8-token
+//!   suffixes: exactly 6 × 40 input tokens) and one shared system prompt over chat, with the
+//!   worker's `/metrics` as `--metrics-url`: the worker counted every request of the run, and the
+//!   cached prompt tokens, when the server reports them, are at most the prompt tokens.
 //! - `--request-rate 8 --burstiness 1000` (nearly constant gaps of 125 ms): the 16th request
 //!   leaves ≈ 1.875 s after the first, so the run lasts at least that and at most that plus
 //!   the slowest request.
@@ -124,6 +128,62 @@ async fn bench_serve_http_grpc_chat_and_rate() -> Result<()> {
     let v = cluster.with_logs(bench(&cluster, dir.path(), "chat", &chat))?;
     check_complete(&v, 8, 8 * OUTPUT_LEN).context("--backend openai-chat")?;
     ensure!(v["dataset_name"] == "multi-turn", "{v}");
+
+    let worker_metrics = format!("{}/metrics", cluster.workers[0].http);
+    let shared_ids = [
+        "--backend",
+        "openai",
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-num-prefixes",
+        "3",
+        "--prefix-repetition-prefix-len",
+        "32",
+        "--prefix-repetition-suffix-len",
+        "8",
+        "--prefix-repetition-output-len",
+        &output,
+        "--num-prompts",
+        "6",
+        "--metrics-url",
+        &worker_metrics,
+    ];
+    let system_prompt = [
+        "--backend",
+        "openai-chat",
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-num-prefixes",
+        "1",
+        "--prefix-repetition-prefix-len",
+        "48",
+        "--prefix-repetition-suffix-len",
+        "8",
+        "--prefix-repetition-output-len",
+        &output,
+        "--num-prompts",
+        "4",
+        "--metrics-url",
+        &worker_metrics,
+    ];
+    for (name, args, n) in [("shared-prefix", &shared_ids[..], 6u64), ("system-prompt", &system_prompt[..], 4)] {
+        let v = cluster.with_logs(bench(&cluster, dir.path(), name, args))?;
+        check_complete(&v, n, n * OUTPUT_LEN).with_context(|| name.to_owned())?;
+        ensure!(v["dataset_name"] == "prefix_repetition", "{name}: {v}");
+        ensure!(v["workers"]["requests"] == serde_json::json!([n as f64]), "{name}: workers {}", v["workers"]);
+        ensure!(v["workers"]["max_over_mean_requests"] == 1.0, "{name}: one worker: {}", v["workers"]);
+        let input = num(&v, "total_input_tokens")?;
+        if name == "shared-prefix" {
+            ensure!(input == 240.0, "token-id prompts of exactly 40 tokens: {input}");
+        }
+        match v["total_cached_tokens"].as_f64() {
+            None => ensure!(v["prefix_cache_hit_rate"].is_null(), "{name}: a rate without cached tokens: {v}"),
+            Some(cached) => {
+                let rate = num(&v, "prefix_cache_hit_rate")?;
+                ensure!(cached <= input && (rate - cached / input).abs() < 1e-9, "{name}: cached {cached} of {input}");
+            }
+        }
+    }
 
     let rated = [
         "--backend",

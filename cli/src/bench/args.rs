@@ -2,10 +2,12 @@
 //! `--num-prompts`, `--request-rate`, `--burstiness`, `--max-concurrency`, `--ramp-up-*`,
 //! `--random-*`, `--goodput`, `--percentile-metrics`, `--metric-percentiles`,
 //! `--save-result`, `--result-dir`, `--result-filename`, `--ignore-eos`, `--seed`), plus the
-//! Prism datasets' own (`--multi-turn-*`) and `--result-file`. The older `--concurrency` and
+//! Prism datasets' own (`--multi-turn-*`), `--prefix-repetition-*` (vLLM's), `--metrics-url`
+//! and `--result-file`. The older `--concurrency` and
 //! `--requests` remain as aliases of `--max-concurrency` and `--num-prompts`.
 
 use super::arrivals::{Ramp, RampUpStrategy, Schedule};
+use super::dataset::prefix_repetition::{self, PrefixForm, PrefixRepetitionConfig};
 use super::dataset::{self, BenchRequest, DatasetError, MultiTurnConfig, RandomConfig};
 use super::transport::{Backend, Target};
 use crate::client::ModelArg;
@@ -20,6 +22,9 @@ pub enum DatasetName {
     Random,
     /// Conversations sharing a system prompt, each turn extending the history (`--multi-turn-*`).
     MultiTurn,
+    /// Requests over a few shared prefixes, each with its own suffix (`--prefix-repetition-*`).
+    #[value(name = "prefix_repetition", alias = "prefix-repetition")]
+    PrefixRepetition,
     /// A JSONL file of prompts (`--dataset-path`).
     #[value(alias = "jsonl")]
     Custom,
@@ -31,6 +36,7 @@ impl DatasetName {
         match self {
             DatasetName::Random => "random",
             DatasetName::MultiTurn => "multi-turn",
+            DatasetName::PrefixRepetition => "prefix_repetition",
             DatasetName::Custom => "custom",
         }
     }
@@ -67,14 +73,14 @@ pub struct ServeArgs {
     #[arg(long, env = "PRISM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
 
-    /// Prompt set: random, multi-turn or custom (JSONL, alias jsonl).
+    /// Prompt set: random, multi-turn, prefix_repetition or custom (JSONL, alias jsonl).
     #[arg(long, value_enum, env = "PRISM_BENCH_DATASET_NAME", default_value_t = DatasetName::Random)]
     pub dataset_name: DatasetName,
     /// The JSONL file of `--dataset-name custom`.
     #[arg(long, env = "PRISM_BENCH_DATASET_PATH")]
     pub dataset_path: Option<PathBuf>,
-    /// Requests to send (default: 1000 for random; every turn of multi-turn; every line of
-    /// custom). Fewer than the set cuts it, more repeats it.
+    /// Requests to send (default: 1000 for random and prefix_repetition; every turn of
+    /// multi-turn; every line of custom). Fewer than the set cuts it, more repeats it.
     #[arg(long, visible_alias = "requests", env = "PRISM_BENCH_NUM_PROMPTS")]
     pub num_prompts: Option<usize>,
     /// Seed of the datasets and of the arrival times.
@@ -93,7 +99,8 @@ pub struct ServeArgs {
     /// random: tokens of a prefix shared by every request.
     #[arg(long, env = "PRISM_BENCH_RANDOM_PREFIX_LEN", default_value_t = 0)]
     pub random_prefix_len: usize,
-    /// random: token ids are drawn below this (keep it at or under the model's vocabulary).
+    /// random, prefix_repetition: token ids are drawn below this (keep it at or under the
+    /// model's vocabulary).
     #[arg(long, env = "PRISM_BENCH_RANDOM_VOCAB_SIZE", default_value_t = 32000)]
     pub random_vocab_size: u32,
 
@@ -112,6 +119,18 @@ pub struct ServeArgs {
     /// multi-turn: max_tokens per turn, and words of each assistant reply in the history.
     #[arg(long, env = "PRISM_BENCH_MULTI_TURN_OUTPUT_LEN", default_value_t = 64)]
     pub multi_turn_output_len: u32,
+    /// prefix_repetition: tokens of each shared prefix (words of the system message on chat).
+    #[arg(long, env = "PRISM_BENCH_PREFIX_REPETITION_PREFIX_LEN", default_value_t = prefix_repetition::DEFAULT_PREFIX_LEN)]
+    pub prefix_repetition_prefix_len: usize,
+    /// prefix_repetition: tokens of each request's own suffix (words of the user turn on chat).
+    #[arg(long, env = "PRISM_BENCH_PREFIX_REPETITION_SUFFIX_LEN", default_value_t = prefix_repetition::DEFAULT_SUFFIX_LEN)]
+    pub prefix_repetition_suffix_len: usize,
+    /// prefix_repetition: distinct prefixes; requests are spread evenly over them.
+    #[arg(long, env = "PRISM_BENCH_PREFIX_REPETITION_NUM_PREFIXES", default_value_t = prefix_repetition::DEFAULT_NUM_PREFIXES)]
+    pub prefix_repetition_num_prefixes: usize,
+    /// prefix_repetition: max_tokens of every request.
+    #[arg(long, env = "PRISM_BENCH_PREFIX_REPETITION_OUTPUT_LEN", default_value_t = prefix_repetition::DEFAULT_OUTPUT_LEN)]
+    pub prefix_repetition_output_len: u32,
     /// custom: max_tokens of lines without `max_tokens` / `output_len`.
     #[arg(long, env = "PRISM_BENCH_CUSTOM_OUTPUT_LEN", default_value_t = 256)]
     pub custom_output_len: u32,
@@ -156,6 +175,11 @@ pub struct ServeArgs {
     /// completed requests/s that meet all of them.
     #[arg(long, num_args = 1.., env = "PRISM_BENCH_GOODPUT", value_delimiter = ' ')]
     pub goodput: Vec<String>,
+
+    /// A worker's Prometheus endpoint (`http://HOST:PORT/metrics`), scraped before and after the
+    /// run for its requests and prefix-cache counters; repeat it for each worker.
+    #[arg(long = "metrics-url", env = "PRISM_BENCH_METRICS_URL", value_delimiter = ',')]
+    pub metrics_urls: Vec<String>,
 
     /// Write the JSON result (to --result-dir/--result-filename).
     #[arg(long, env = "PRISM_BENCH_SAVE_RESULT")]
@@ -226,6 +250,18 @@ impl ServeArgs {
                     vocab_size: self.random_vocab_size,
                 };
                 return dataset::random(&cfg, self.num_prompts.unwrap_or(1000), rng);
+            }
+            DatasetName::PrefixRepetition => {
+                let cfg = PrefixRepetitionConfig {
+                    prefix_len: self.prefix_repetition_prefix_len,
+                    suffix_len: self.prefix_repetition_suffix_len,
+                    num_prefixes: self.prefix_repetition_num_prefixes,
+                    output_len: self.prefix_repetition_output_len,
+                    vocab_size: self.random_vocab_size,
+                };
+                // Chat carries text: the prefix becomes the system message.
+                let form = if self.backend == Backend::OpenaiChat { PrefixForm::Chat } else { PrefixForm::TokenIds };
+                return prefix_repetition::prefix_repetition(&cfg, form, self.num_prompts.unwrap_or(1000), rng);
             }
             DatasetName::MultiTurn => dataset::multi_turn(
                 &MultiTurnConfig {
@@ -317,5 +353,41 @@ mod tests {
             Err(DatasetError::Invalid(_))
         ));
         assert!(matches!(parse(&["--num-prompts", "0"]).unwrap().dataset(&mut rng), Err(DatasetError::Invalid(_))));
+    }
+
+    #[test]
+    fn prefix_repetition_flags_and_form_by_backend() {
+        let mut rng = rand::SeedableRng::seed_from_u64(0);
+        let d = parse(&["--dataset-name", "prefix_repetition"]).unwrap();
+        assert_eq!(d.dataset_name, DatasetName::PrefixRepetition);
+        assert_eq!((d.prefix_repetition_prefix_len, d.prefix_repetition_suffix_len), (256, 256), "vLLM's defaults");
+        assert_eq!((d.prefix_repetition_num_prefixes, d.prefix_repetition_output_len), (10, 128));
+        let flags = [
+            "--dataset-name",
+            "prefix-repetition",
+            "--prefix-repetition-prefix-len",
+            "20",
+            "--prefix-repetition-suffix-len",
+            "4",
+            "--prefix-repetition-num-prefixes",
+            "1",
+            "--prefix-repetition-output-len",
+            "8",
+            "--num-prompts",
+            "3",
+        ];
+        let ids = parse(&flags).unwrap().dataset(&mut rng).unwrap();
+        assert_eq!(ids.len(), 3);
+        assert!(ids.iter().all(|r| matches!(&r.prompt, dataset::Prompt::TokenIds(t) if t.len() == 24)));
+        assert!(ids.iter().all(|r| r.output_len == 8));
+        let chat_flags: Vec<&str> = ["--backend", "openai-chat"].iter().chain(flags.iter()).copied().collect();
+        let chat = parse(&chat_flags).unwrap().dataset(&mut rng).unwrap();
+        assert!(chat.iter().all(|r| matches!(&r.prompt, dataset::Prompt::Chat(m) if m[0].role == "system")));
+        let too_few = parse(&["--dataset-name", "prefix_repetition", "--num-prompts", "5"]).unwrap();
+        assert!(matches!(too_few.dataset(&mut rng), Err(DatasetError::Invalid(_))), "5 requests over 10 prefixes");
+        let urls = parse(&["--metrics-url", "http://a/metrics", "--metrics-url", "http://b/metrics,http://c/metrics"])
+            .unwrap()
+            .metrics_urls;
+        assert_eq!(urls, ["http://a/metrics", "http://b/metrics", "http://c/metrics"]);
     }
 }

@@ -9,6 +9,8 @@
 //!   new user message, so each turn's prompt extends the previous turn's (what prefix caching
 //!   serves). The assistant replies in the history are synthetic text of the output length.
 //!   Requests are ordered turn by turn (turn 1 of every conversation, then turn 2, …).
+//! - `prefix_repetition` (vLLM's name): requests over a few shared prefixes, each with its own
+//!   suffix (`dataset/prefix_repetition.rs`).
 //! - `custom` (vLLM's name; alias `jsonl`): one JSON object per line, `{"prompt": "…"}` (or
 //!   token ids) or `{"messages": [{"role": …, "content": …}, …]}`, with optional `max_tokens`
 //!   or `output_len`.
@@ -16,6 +18,8 @@
 //! Synthetic text is made of common English words that are one token each in the usual BPE
 //! vocabularies, so a length in words is close to a length in tokens; the servers' `usage`
 //! gives the exact counts that the report uses.
+
+pub mod prefix_repetition;
 
 use rand::Rng;
 use rand::rngs::StdRng;

@@ -3,7 +3,9 @@
 //! `total_input_tokens`, `total_output_tokens`, `request_throughput`, `request_goodput`,
 //! `output_throughput`, `total_token_throughput`, `mean_/median_/std_/pNN_{ttft,tpot,itl,e2el}_ms`,
 //! and with `--save-detailed` the per-request `input_lens`, `output_lens`, `ttfts`, `itls`,
-//! `e2els` (seconds) and `errors`), plus Prism's `failures` (counts by status).
+//! `e2els` (seconds) and `errors`), plus Prism's `failures` (counts by status),
+//! `total_cached_tokens` and `prefix_cache_hit_rate` (`null` when the server reported no cached
+//! count) and, with `--metrics-url`, `workers` (see `worker_metrics.rs`).
 
 use super::stats::{Aggregate, Failure, Metric, Record, Summary};
 use serde_json::{Map, Value, json};
@@ -81,6 +83,9 @@ pub fn table(info: &RunInfo, agg: &Aggregate, metrics: &[Metric]) -> String {
     line(&mut s, "Benchmark duration (s):", format!("{:.2}", agg.duration_s));
     line(&mut s, "Total input tokens:", agg.total_input.to_string());
     line(&mut s, "Total generated tokens:", agg.total_output.to_string());
+    let na = || "n/a".to_owned();
+    line(&mut s, "Total cached prompt tokens:", agg.total_cached.map_or_else(na, |c| c.to_string()));
+    line(&mut s, "Prefix cache hit rate (%):", agg.cache_hit_rate.map_or_else(na, |r| format!("{:.2}", 100.0 * r)));
     line(&mut s, "Request throughput (req/s):", format!("{:.2}", agg.request_throughput));
     if let Some(g) = agg.request_goodput {
         line(&mut s, "Request goodput (req/s):", format!("{g:.2}"));
@@ -154,6 +159,8 @@ pub fn json(info: &RunInfo, agg: &Aggregate, records: &[Record], failures: &[Fai
     put("failures", json!(agg.failures));
     put("total_input_tokens", json!(agg.total_input));
     put("total_output_tokens", json!(agg.total_output));
+    put("total_cached_tokens", json!(agg.total_cached));
+    put("prefix_cache_hit_rate", json!(agg.cache_hit_rate));
     put("request_throughput", json!(agg.request_throughput));
     put("request_goodput", json!(agg.request_goodput));
     put("output_throughput", json!(agg.output_throughput));
@@ -165,6 +172,7 @@ pub fn json(info: &RunInfo, agg: &Aggregate, records: &[Record], failures: &[Fai
         let secs = |d: &std::time::Duration| json!(d.as_secs_f64());
         out.insert("input_lens".into(), json!(records.iter().map(|r| r.prompt_tokens).collect::<Vec<_>>()));
         out.insert("output_lens".into(), json!(records.iter().map(|r| r.output_tokens).collect::<Vec<_>>()));
+        out.insert("cached_lens".into(), json!(records.iter().map(|r| r.cached_tokens).collect::<Vec<_>>()));
         out.insert("ttfts".into(), Value::Array(records.iter().map(|r| secs(&r.ttft)).collect()));
         out.insert("e2els".into(), Value::Array(records.iter().map(|r| secs(&r.e2el)).collect()));
         out.insert(
@@ -223,7 +231,14 @@ mod tests {
     #[test]
     fn json_keys_match_vllm() {
         let d = Duration::from_millis;
-        let records = [Record { prompt_tokens: 4, output_tokens: 3, ttft: d(10), itl: vec![d(5), d(7)], e2el: d(22) }];
+        let records = [Record {
+            prompt_tokens: 4,
+            output_tokens: 3,
+            cached_tokens: Some(1),
+            ttft: d(10),
+            itl: vec![d(5), d(7)],
+            e2el: d(22),
+        }];
         let failures = [Failure { status: "http 429".into(), message: "full".into() }];
         let agg = aggregate(&records, &failures, d(1000), None, &[50.0, 99.9]);
         let v = json(&info(), &agg, &records, &failures, true);
@@ -231,6 +246,9 @@ mod tests {
         assert_eq!(v["failed"], json!(1));
         assert_eq!(v["failures"]["http 429"], json!(1));
         assert_eq!(v["total_output_tokens"], json!(3));
+        assert_eq!(v["total_cached_tokens"], json!(1));
+        assert_eq!(v["prefix_cache_hit_rate"], json!(0.25));
+        assert_eq!(v["cached_lens"], json!([1]));
         assert_eq!(v["request_rate"], json!("inf"));
         assert_eq!(v["median_ttft_ms"], json!(10.0));
         assert_eq!(v["p99.9_e2el_ms"], json!(22.0));
@@ -241,6 +259,14 @@ mod tests {
         assert!(brief.get("ttfts").is_none());
         let t = table(&info(), &agg, &[Metric::Ttft, Metric::E2el]);
         assert!(t.contains("Successful requests:") && t.contains("P99.9 E2EL (ms):") && !t.contains("TPOT"));
+        assert!(t.lines().any(|l| l.starts_with("Prefix cache hit rate (%):") && l.ends_with(" 25.00")));
+        let cold = aggregate(&[Record { cached_tokens: None, ..records[0].clone() }], &[], d(1000), None, &[50.0]);
+        assert_eq!(json(&info(), &cold, &[], &[], false)["prefix_cache_hit_rate"], Value::Null);
+        assert!(
+            table(&info(), &cold, &[])
+                .lines()
+                .any(|l| l.starts_with("Total cached prompt tokens:") && l.ends_with(" n/a"))
+        );
         assert_eq!(default_filename(&info()), "prism-grpc-infqps-concurrency4-20251201-123456.json");
         let ramp = RunInfo { ramp: Some(("linear", 1.0, 8.0)), max_concurrency: None, ..info() };
         assert_eq!(default_filename(&ramp), "prism-grpc-linear1-8qps-concurrencynone-20251201-123456.json");

@@ -2,7 +2,8 @@
 //! request at its time (a task per request; with `--max-concurrency` the task first waits
 //! for one of that many permits, so arrivals keep their schedule and wait client-side, as in
 //! vLLM), then prints the table and writes the JSON result. The benchmark's duration runs
-//! from the first send to the last response.
+//! from the first send to the last response. With `--metrics-url`, each worker's counters are
+//! scraped before the first send and after the last response (`worker_metrics.rs`).
 //!
 //! The progress bar is indicatif's (already the CLI's bar for `prism up`): it redraws at a
 //! bounded rate from any task through a cheap clone, and is hidden when stderr is not a
@@ -13,6 +14,7 @@ use super::report::{self, RunInfo};
 use super::stats::{self, Failure, Metric, Record, Slo};
 use super::transport::Client;
 use super::transport::stream::RequestOptions;
+use super::worker_metrics;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rand::SeedableRng;
@@ -76,6 +78,9 @@ pub async fn run(router: &str, args: ServeArgs) -> Result<()> {
         started_unix_s: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     };
 
+    let scraper = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
+    let before = worker_metrics::scrape_all(&scraper, &args.metrics_urls).await?;
+
     let bar = progress(requests.len(), args.no_progress);
     let permits = args.max_concurrency.map(|c| Arc::new(Semaphore::new(c)));
     let started = Instant::now();
@@ -107,8 +112,24 @@ pub async fn run(router: &str, args: ServeArgs) -> Result<()> {
     let duration = started.elapsed();
     bar.finish_and_clear();
 
+    let workers = if args.metrics_urls.is_empty() {
+        None
+    } else {
+        let wait = Duration::from_secs(3);
+        match worker_metrics::after_run(&scraper, &args.metrics_urls, &before, records.len(), wait).await {
+            Ok(load) => Some(load),
+            Err(e) => {
+                eprintln!("worker metrics after the run: {e:#}");
+                None
+            }
+        }
+    };
+
     let agg = stats::aggregate(&records, &failures, duration, slo.as_ref(), &percentiles);
     print!("{}", report::table(&info, &agg, &metrics));
+    if let Some(w) = &workers {
+        print!("{}", w.table());
+    }
     let path = match (&args.result_file, args.save_result) {
         (Some(p), _) => Some(p.clone()),
         (None, true) => {
@@ -121,7 +142,10 @@ pub async fn run(router: &str, args: ServeArgs) -> Result<()> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        let value = report::json(&info, &agg, &records, &failures, args.save_detailed);
+        let mut value = report::json(&info, &agg, &records, &failures, args.save_detailed);
+        if !args.metrics_urls.is_empty() {
+            value["workers"] = workers.as_ref().map_or(serde_json::Value::Null, worker_metrics::WorkerLoad::json);
+        }
         let text = serde_json::to_string_pretty(&value)?;
         std::fs::write(&path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
         println!("result written to {}", path.display());

@@ -3,7 +3,9 @@
 //! requests with more than one output token), ITL (each gap between streamed token chunks),
 //! E2E latency (send → end of stream); throughputs over the benchmark's duration; goodput:
 //! completed requests that meet every SLO of `--goodput` (`ttft:MS`, `tpot:MS`, `e2el:MS`),
-//! per second. Percentiles are nearest-rank; the median is p50.
+//! per second. Percentiles are nearest-rank; the median is p50. The prefix-cache hit rate is
+//! cached prompt tokens (`usage.prompt_tokens_details.cached_tokens`) over prompt tokens, over
+//! the requests whose server reported a cached count.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -15,6 +17,9 @@ pub struct Record {
     pub prompt_tokens: usize,
     /// Generated tokens: the server's `usage.completion_tokens`, else the tokens/chunks seen.
     pub output_tokens: usize,
+    /// Prompt tokens served from the prefix cache (`usage.prompt_tokens_details.cached_tokens`);
+    /// `None` when the server did not report it.
+    pub cached_tokens: Option<usize>,
     /// Send → first token.
     pub ttft: Duration,
     /// Gaps between consecutive token-bearing messages.
@@ -215,6 +220,10 @@ pub struct Aggregate {
     pub total_input: usize,
     /// Sum of generated tokens of the completed requests.
     pub total_output: usize,
+    /// Sum of cached prompt tokens over the requests that reported one; `None` when none did.
+    pub total_cached: Option<usize>,
+    /// `total_cached` over the prompt tokens of those same requests; `None` when none reported.
+    pub cache_hit_rate: Option<f64>,
     /// First send → last response, seconds.
     pub duration_s: f64,
     /// Completed requests/s.
@@ -240,6 +249,12 @@ pub fn aggregate(
     let secs = duration.as_secs_f64().max(f64::MIN_POSITIVE);
     let total_input: usize = records.iter().map(|r| r.prompt_tokens).sum();
     let total_output: usize = records.iter().map(|r| r.output_tokens).sum();
+    let reported: Vec<(usize, usize)> =
+        records.iter().filter_map(|r| r.cached_tokens.map(|c| (c, r.prompt_tokens))).collect();
+    let total_cached = (!reported.is_empty()).then(|| reported.iter().map(|r| r.0).sum::<usize>());
+    let reported_prompt: usize = reported.iter().map(|r| r.1).sum();
+    let cache_hit_rate =
+        total_cached.map(|c| if reported_prompt == 0 { 0.0 } else { c as f64 / reported_prompt as f64 });
     let mut by_status = BTreeMap::new();
     for f in failures {
         *by_status.entry(f.status.clone()).or_insert(0) += 1;
@@ -260,6 +275,8 @@ pub fn aggregate(
         failures: by_status,
         total_input,
         total_output,
+        total_cached,
+        cache_hit_rate,
         duration_s: duration.as_secs_f64(),
         request_throughput: records.len() as f64 / secs,
         request_goodput: slo.map(|s| records.iter().filter(|r| s.met(r)).count() as f64 / secs),
@@ -278,7 +295,7 @@ mod tests {
     }
 
     fn record(ttft: u64, e2el: u64, output_tokens: usize) -> Record {
-        Record { prompt_tokens: 10, output_tokens, ttft: d(ttft), itl: vec![], e2el: d(e2el) }
+        Record { prompt_tokens: 10, output_tokens, ttft: d(ttft), e2el: d(e2el), ..Record::default() }
     }
 
     #[test]
@@ -337,8 +354,22 @@ mod tests {
     #[test]
     fn aggregate_totals_throughputs_and_failures() {
         let records = [
-            Record { prompt_tokens: 32, output_tokens: 8, ttft: d(100), itl: vec![d(10), d(30)], e2el: d(200) },
-            Record { prompt_tokens: 16, output_tokens: 4, ttft: d(50), itl: vec![d(20)], e2el: d(110) },
+            Record {
+                prompt_tokens: 32,
+                output_tokens: 8,
+                cached_tokens: None,
+                ttft: d(100),
+                itl: vec![d(10), d(30)],
+                e2el: d(200),
+            },
+            Record {
+                prompt_tokens: 16,
+                output_tokens: 4,
+                cached_tokens: None,
+                ttft: d(50),
+                itl: vec![d(20)],
+                e2el: d(110),
+            },
         ];
         let failures = [
             Failure { status: "http 429".into(), message: "queue full".into() },
@@ -355,6 +386,18 @@ mod tests {
         assert_eq!(agg.metrics[&Metric::Itl].mean, 20.0);
         assert!((agg.metrics[&Metric::Tpot].mean - (100.0 / 7.0 + 20.0) / 2.0).abs() < 1e-3);
         assert_eq!(agg.metrics[&Metric::E2el].median, 110.0);
+        assert_eq!((agg.total_cached, agg.cache_hit_rate), (None, None), "no server reported cached tokens");
+    }
+
+    #[test]
+    fn cache_hit_rate_over_the_requests_that_report() {
+        let r = |prompt_tokens, cached_tokens| Record { prompt_tokens, cached_tokens, ..Record::default() };
+        let agg = aggregate(&[r(100, Some(60)), r(50, Some(0)), r(1000, None)], &[], d(1000), None, &[50.0]);
+        assert_eq!(agg.total_input, 1150);
+        assert_eq!(agg.total_cached, Some(60));
+        assert_eq!(agg.cache_hit_rate, Some(0.4), "60 of the 150 prompt tokens of the reporting requests");
+        let cold = aggregate(&[r(100, Some(0))], &[], d(1000), None, &[50.0]);
+        assert_eq!((cold.total_cached, cold.cache_hit_rate), (Some(0), Some(0.0)));
     }
 
     #[test]

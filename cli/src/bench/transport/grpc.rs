@@ -1,7 +1,8 @@
 //! The gRPC transport (`--backend grpc`): the router's `prism.v1.InferenceService/Generate`
 //! server stream on one HTTP/2 channel shared by every request. A message of choice 0 with
-//! token ids is a token arrival; the last message's `usage` gives the exact counts. Errors
-//! count as `grpc CODE` (`grpc ResourceExhausted` is the router's 429).
+//! token ids is a token arrival; the last message's `usage` gives the exact counts
+//! (`cached_tokens` included: a proto3 scalar, so a router without prefix caching reports 0, not
+//! absence). Errors count as `grpc CODE` (`grpc ResourceExhausted` is the router's 429).
 
 use super::stream::{RequestOptions, Timeline};
 use crate::bench::dataset::{BenchRequest, Prompt};
@@ -67,7 +68,9 @@ pub async fn send(
         }
     }
     let prompt_tokens = usage.map_or(req.prompt_len, |u| u.prompt_tokens as usize);
-    Ok(timeline.finish(prompt_tokens, Some(usage.map_or(tokens, |u| u.completion_tokens as usize))))
+    let mut record = timeline.finish(prompt_tokens, Some(usage.map_or(tokens, |u| u.completion_tokens as usize)));
+    record.cached_tokens = usage.map(|u| u.cached_tokens as usize);
+    Ok(record)
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! The OpenAI HTTP transport: streamed `POST /v1/completions` (`--backend openai`) or
 //! `/v1/chat/completions` (`--backend openai-chat`) with `stream_options.include_usage`, so
-//! the last chunk carries `usage` (the exact prompt and completion token counts). Server-sent
+//! the last chunk carries `usage` (the exact prompt and completion token counts, and the prompt
+//! tokens served from the prefix cache in `prompt_tokens_details.cached_tokens`). Server-sent
 //! events are parsed here ([`SseParser`]); a chunk whose text (completions `text`, chat
 //! `delta.content`) is not empty is a token arrival. Non-2xx answers count as `http CODE`
 //! with the OpenAI error body's message.
@@ -110,6 +111,8 @@ pub struct ChunkState {
     pub prompt_tokens: Option<usize>,
     /// `usage.completion_tokens` of the last chunk that had it.
     pub completion_tokens: Option<usize>,
+    /// `usage.prompt_tokens_details.cached_tokens` of the last chunk that had it.
+    pub cached_tokens: Option<usize>,
     /// `data: [DONE]` arrived.
     pub done: bool,
 }
@@ -133,6 +136,8 @@ impl ChunkState {
             let count = |k: &str| u.get(k).and_then(Value::as_u64).map(|n| n as usize);
             self.prompt_tokens = count("prompt_tokens").or(self.prompt_tokens);
             self.completion_tokens = count("completion_tokens").or(self.completion_tokens);
+            let cached = u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64);
+            self.cached_tokens = cached.map(|n| n as usize).or(self.cached_tokens);
         }
         let choice = v.get("choices").and_then(|c| c.get(0));
         let text = match (choice, chat) {
@@ -206,7 +211,9 @@ impl HttpClient {
         if !state.done {
             return Err(failure("stream", "stream ended before data: [DONE]"));
         }
-        Ok(timeline.finish(state.prompt_tokens.unwrap_or(req.prompt_len), state.completion_tokens))
+        let mut record = timeline.finish(state.prompt_tokens.unwrap_or(req.prompt_len), state.completion_tokens);
+        record.cached_tokens = state.cached_tokens;
+        Ok(record)
     }
 }
 
@@ -236,6 +243,13 @@ mod tests {
         assert!(!s.absorb(r#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":8}}"#, false).unwrap());
         assert!(!s.absorb("[DONE]", false).unwrap());
         assert_eq!((s.prompt_tokens, s.completion_tokens, s.done), (Some(5), Some(8), true));
+        assert_eq!(s.cached_tokens, None, "a server without prefix caching reports no cached tokens");
+        let mut hit = ChunkState::default();
+        let usage = r#"{"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":32}}}"#;
+        assert!(!hit.absorb(usage, false).unwrap());
+        assert_eq!((hit.prompt_tokens, hit.cached_tokens), (Some(40), Some(32)));
+        let null_details = r#"{"choices":[],"usage":{"prompt_tokens":4,"prompt_tokens_details":null}}"#;
+        assert_eq!(ChunkState::default().absorb(null_details, false).map(|_| ()), Ok(()));
         let mut c = ChunkState::default();
         assert!(!c.absorb(r#"{"choices":[{"delta":{"role":"assistant","content":""}}]}"#, true).unwrap());
         assert!(c.absorb(r#"{"choices":[{"delta":{"content":" there"}}]}"#, true).unwrap());

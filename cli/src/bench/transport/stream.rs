@@ -51,6 +51,7 @@ impl Timeline {
         Record {
             prompt_tokens,
             output_tokens: output_tokens.unwrap_or(self.chunks),
+            cached_tokens: None,
             ttft: self.first.map_or(e2el, |f| f - self.start),
             itl: self.itl,
             e2el,
