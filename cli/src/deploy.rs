@@ -12,6 +12,7 @@
 //!   max_num_seqs: 64
 //!   max_num_batched_tokens: 2048
 //!   gpu_memory_utilization: 0.9
+//!   enable_prefix_caching: true                   # automatic prefix caching (default on)
 //! replicas: 2                                     # fixed count (default 1) ...
 //! placement: spread                               # spread | pack
 //! node_selector: { capacity-type: on-demand }
@@ -320,6 +321,16 @@ node_selector:
         assert_eq!((a.min_replicas, a.max_replicas, auto.replicas), (0, 2, 1), "starts at initial_replicas");
         let overlay = DeploymentFile::parse(include_str!("../../k8s/overlays/cpu/smollm2.yaml"))?.to_spec();
         assert_eq!(overlay.engine.context("engine")?.backend, "cpu");
+        Ok(())
+    }
+
+    #[test]
+    fn prefix_caching_can_be_turned_off_in_the_engine_block() -> Result<()> {
+        let off = DeploymentFile::parse("name: a\nmodel: /m.gguf\nengine: {enable_prefix_caching: false}\n")?;
+        assert_eq!(off.to_spec().engine.context("engine")?.enable_prefix_caching, Some(false));
+        let default = DeploymentFile::parse("name: a\nmodel: /m.gguf\n")?;
+        assert_eq!(default.to_spec().engine.context("engine")?.enable_prefix_caching, None, "absent = on");
+        assert!(DeploymentFile::parse("name: a\nmodel: m\nengine: {enable_prefix_caching: nope}\n").is_err());
         Ok(())
     }
 

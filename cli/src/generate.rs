@@ -119,9 +119,13 @@ pub fn print_summary(g: &Generation) {
         FinishReason::Abort => "abort",
         FinishReason::Unspecified => "none",
     });
-    let (prompt, completion) = g.usage.map_or((0, g.tokens as u32), |u| (u.prompt_tokens, u.completion_tokens));
+    let (prompt, completion, cached) =
+        g.usage.map_or((0, g.tokens as u32, 0), |u| (u.prompt_tokens, u.completion_tokens, u.cached_tokens));
     let ttft = g.ttft.map_or_else(|| "-".to_owned(), |t| format!("{:.0} ms", t.as_secs_f64() * 1e3));
-    eprintln!("[prompt {prompt} tokens, completion {completion} tokens, TTFT {ttft}, finish_reason {reason}]");
+    eprintln!(
+        "[prompt {prompt} tokens ({cached} from the prefix cache), completion {completion} tokens, TTFT {ttft}, \
+         finish_reason {reason}]"
+    );
 }
 
 /// Sends `request` and writes choice 0's text to `out` as it arrives (flushed per message).

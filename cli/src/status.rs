@@ -1,6 +1,6 @@
 //! `prism status`: the cluster as the head sees it — nodes (GPUs, state, cordon), deployments
-//! (ready / current / target replicas, autoscaling bounds and the autoscaler's last decision
-//! with its reason and age), replicas (node, GPU group, state, reason) and their load — as
+//! (ready / current / target replicas, autoscaling bounds, prefix-cache hit rate and the
+//! autoscaler's last decision with its reason and age), replicas (node, GPU group, state, reason) and their load — as
 //! readable tables.
 
 use crate::client::{self, status_error};
@@ -45,6 +45,20 @@ fn drain_progress(node: &NodeRecord, status: &ClusterStatusResponse, now_unix_ms
     format!("{left}s left, {in_flight} in flight")
 }
 
+/// A deployment's prefix-cache hit rate: prompt tokens found cached over prompt tokens looked
+/// up, summed over its replicas' latest load reports (cumulative since each engine started);
+/// `-` before any lookup.
+fn prefix_cache_hit_rate(deployment: &str, status: &ClusterStatusResponse) -> String {
+    let mine: Vec<&str> =
+        status.replicas.iter().filter(|r| r.deployment == deployment).map(|r| r.replica_id.as_str()).collect();
+    let (queries, hits) = status
+        .load
+        .iter()
+        .filter(|l| mine.contains(&l.replica_id.as_str()))
+        .fold((0u64, 0u64), |(q, h), l| (q + l.prefix_cache_queries, h + l.prefix_cache_hits));
+    if queries == 0 { "-".to_owned() } else { format!("{:.1}%", hits as f64 * 100.0 / queries as f64) }
+}
+
 /// Renders a `ClusterStatusResponse` as the text `prism status` prints.
 pub fn render(status: &ClusterStatusResponse) -> String {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
@@ -86,7 +100,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
     out.push_str(&if nodes.is_empty() { "  (none)\n".to_owned() } else { nodes.render() });
 
     let mut deployments =
-        Table::new(&["DEPLOYMENT", "MODEL", "SERVED AS", "TP", "READY/DESIRED", "CURRENT", "AUTOSCALE"]);
+        Table::new(&["DEPLOYMENT", "MODEL", "SERVED AS", "TP", "READY/DESIRED", "CURRENT", "AUTOSCALE", "PREFIX HIT"]);
     let mut decisions = Vec::new();
     for d in &status.deployments {
         let spec = d.spec.clone().unwrap_or_default();
@@ -112,6 +126,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
                 spec.name, last.from_replicas, last.to_replicas, last.reason
             ));
         }
+        let hit_rate = prefix_cache_hit_rate(&spec.name, status);
         deployments.row(vec![
             spec.name,
             engine.model,
@@ -120,6 +135,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
             format!("{ready}/{}", spec.replicas),
             format!("{current}/{}", spec.replicas),
             autoscale,
+            hit_rate,
         ]);
     }
     out.push_str(&format!("\nDeployments ({}):\n", status.deployments.len()));
@@ -276,11 +292,49 @@ mod tests {
         let text = render_at(&status, 52_500);
         let line = text.lines().find(|l| l.starts_with("smol ")).unwrap_or_default();
         let cells: Vec<&str> = line.split_whitespace().collect();
-        assert_eq!(cells[cells.len() - 3..], ["1/3", "2/3", "1-4"], "{text}");
+        assert_eq!(cells[cells.len() - 4..cells.len() - 1], ["1/3", "2/3", "1-4"], "{text}");
+        assert_eq!(cells[cells.len() - 1], "-", "no prefix-cache lookups yet: {text}");
         assert!(
             text.contains("smol: 1 -> 3 replicas, 12s ago: ongoing 7.9 over 1 replica > target 2.0 for 2.0 s"),
             "{text}"
         );
+    }
+
+    /// The hit rate sums hits and queries over the deployment's own replicas only.
+    #[test]
+    fn deployments_show_their_prefix_cache_hit_rate() {
+        use prism_common::proto::v1::{DeploymentRecord, DeploymentSpec};
+        let dep = |name: &str| DeploymentRecord {
+            spec: Some(DeploymentSpec { name: name.into(), replicas: 2, ..DeploymentSpec::default() }),
+            ..DeploymentRecord::default()
+        };
+        let replica = |id: &str, d: &str| ReplicaRecord {
+            replica_id: id.into(),
+            deployment: d.into(),
+            state: ReplicaState::Ready as i32,
+            ..ReplicaRecord::default()
+        };
+        let load = |id: &str, q: u64, h: u64| LoadReport {
+            replica_id: id.into(),
+            prefix_cache_queries: q,
+            prefix_cache_hits: h,
+            ..LoadReport::default()
+        };
+        let status = ClusterStatusResponse {
+            deployments: vec![dep("chat"), dep("cold"), dep("rag")],
+            replicas: vec![replica("a", "chat"), replica("b", "chat"), replica("c", "cold"), replica("d", "rag")],
+            load: vec![load("a", 300, 200), load("b", 100, 50), load("c", 0, 0), load("d", 64, 64)],
+            ..ClusterStatusResponse::default()
+        };
+        let text = render_at(&status, 0);
+        let last_cell = |name: &str| {
+            let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_default();
+            line.split_whitespace().last().unwrap_or_default().to_owned()
+        };
+        assert!(text.contains("PREFIX HIT"), "{text}");
+        assert_eq!(last_cell("chat"), "62.5%", "{text}");
+        assert_eq!(last_cell("cold"), "-", "{text}");
+        assert_eq!(last_cell("rag"), "100.0%", "{text}");
     }
 
     #[test]

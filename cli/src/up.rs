@@ -337,6 +337,26 @@ mod tests {
         Ok(())
     }
 
+    /// vLLM's `--no-enable-prefix-caching` turns the prefix cache off in the deployment, as a
+    /// file's `enable_prefix_caching: false` does; no flag leaves it unset (on).
+    #[test]
+    fn prefix_caching_flags_reach_the_deployment_like_the_yaml_key() -> anyhow::Result<()> {
+        for (flags, block, want) in [
+            (&["--no-enable-prefix-caching"][..], "engine:\n  enable_prefix_caching: false\n", Some(false)),
+            (&["--enable-prefix-caching=false"][..], "engine: {enable_prefix_caching: false}\n", Some(false)),
+            (&["--enable-prefix-caching"][..], "engine:\n  enable_prefix_caching: true\n", Some(true)),
+            (&[][..], "engine: {}\n", None),
+        ] {
+            let (up, deployed) = both(flags, block)?;
+            assert_eq!((up.enable_prefix_caching, deployed.enable_prefix_caching), (want, want), "{flags:?}");
+        }
+        let parse = |flags: &[&str]| Cli::try_parse_from(std::iter::once("prism-up").chain(flags.iter().copied()));
+        assert!(parse(&["--enable-prefix-caching", "--no-enable-prefix-caching"]).is_err(), "contradicting flags");
+        // The flag has no YAML spelling: the key is `enable_prefix_caching`.
+        assert!(DeploymentFile::parse("name: a\nmodel: m\nengine:\n  no_enable_prefix_caching: true\n").is_err());
+        Ok(())
+    }
+
     #[test]
     fn queue_flags_default_to_the_routers_and_refuse_a_wait_of_zero() -> anyhow::Result<()> {
         let parse = |flags: &[&str]| Cli::try_parse_from(std::iter::once("prism-up").chain(flags.iter().copied()));

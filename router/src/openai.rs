@@ -192,6 +192,8 @@ struct Shaper {
     choices: Vec<Choice>,
     prompt_tokens: u32,
     completion_tokens: u32,
+    /// Prompt tokens served from the replica's prefix cache (`usage.prompt_tokens_details`).
+    cached_tokens: u32,
     usage_seen: bool,
 }
 
@@ -221,13 +223,16 @@ impl Shaper {
             choices: (0..n.max(1)).map(|_| Choice::default()).collect(),
             prompt_tokens: 0,
             completion_tokens: 0,
+            cached_tokens: 0,
             usage_seen: false,
         }
     }
 
+    /// OpenAI's usage object, with `prompt_tokens_details.cached_tokens` (0 on a miss).
     fn usage(&self) -> Value {
         json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-               "total_tokens": self.prompt_tokens + self.completion_tokens})
+               "total_tokens": self.prompt_tokens + self.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
     }
 
     /// Folds a message into the state; returns the choice index and this message's logprobs object.
@@ -239,6 +244,7 @@ impl Shaper {
         if let Some(u) = &m.usage {
             self.prompt_tokens = u.prompt_tokens;
             self.completion_tokens = u.completion_tokens;
+            self.cached_tokens = u.cached_tokens;
             self.usage_seen = true;
         } else if !self.usage_seen {
             self.completion_tokens += m.token_ids.len() as u32;
@@ -565,4 +571,48 @@ async fn readyz(State(state): State<HttpState>) -> Response {
 async fn metrics(State(state): State<HttpState>) -> Response {
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.encode())
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prism_common::proto::v1::Usage;
+
+    fn last(cached_tokens: u32) -> GenerateResponse {
+        GenerateResponse {
+            token_ids: vec![7],
+            text: "x".into(),
+            finish_reason: FinishReason::Length as i32,
+            usage: Some(Usage { prompt_tokens: 40, completion_tokens: 1, cached_tokens }),
+            prompt_tokens: 40,
+            ..GenerateResponse::default()
+        }
+    }
+
+    /// The worker's cached-token count is OpenAI's `usage.prompt_tokens_details.cached_tokens`,
+    /// in whole responses and in the streamed usage chunk of both endpoints.
+    #[test]
+    fn usage_carries_cached_tokens_whole_and_streamed() {
+        for kind in [Kind::Completion, Kind::Chat] {
+            let mut whole = Shaper::new(kind, "m".into(), 1, false, false);
+            whole.absorb(&last(32));
+            let v = whole.whole();
+            assert_eq!(v["usage"]["prompt_tokens_details"], json!({"cached_tokens": 32}));
+            assert_eq!(v["usage"]["total_tokens"], 41);
+
+            let mut streamed = Shaper::new(kind, "m".into(), 1, false, true);
+            let mut out = BytesMut::new();
+            streamed.stream_events(&last(0), &mut out);
+            streamed.stream_end(&mut out);
+            let text = String::from_utf8_lossy(&out).into_owned();
+            let usage_chunk = text
+                .split("\n\n")
+                .filter_map(|e| e.strip_prefix("data: "))
+                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                .find(|c| c["usage"].is_object())
+                .expect("a usage chunk");
+            assert_eq!(usage_chunk["choices"], json!([]));
+            assert_eq!(usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "a miss reports 0");
+        }
+    }
 }

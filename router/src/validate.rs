@@ -1,6 +1,7 @@
 //! Checks every `GenerateRequest` gets in the router, whichever API it came through (the
 //! OpenAI HTTP API converts first, then calls [`check_request`]; gRPC calls it directly), so
-//! a limit lives in one place: `n`, `logprobs`, `max_tokens`, chat roles and messages.
+//! a limit lives in one place: `n`, `logprobs`, `max_tokens`, chat roles and messages,
+//! `cache_salt`.
 
 use prism_common::proto::v1::{GenerateRequest, generate_request};
 
@@ -8,6 +9,10 @@ use prism_common::proto::v1::{GenerateRequest, generate_request};
 pub const MAX_N: u32 = 16;
 /// Most top alternatives per token (`logprobs` / `top_logprobs`), as OpenAI.
 pub const MAX_LOGPROBS: u32 = 20;
+/// Longest `cache_salt`, in bytes: the engine's limit (`prism_engine::MAX_CACHE_SALT_BYTES`,
+/// repeated here because the router does not depend on the engine crate), so a salt the
+/// router accepts is never refused by a worker.
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
 /// Chat roles accepted (OpenAI's, with `developer` and `tool`).
 pub const CHAT_ROLES: [&str; 5] = ["system", "user", "assistant", "developer", "tool"];
 
@@ -29,8 +34,9 @@ fn invalid(param: &'static str, message: impl Into<String>) -> Invalid {
 ///
 /// # Errors
 /// [`Invalid`] naming the first bad parameter: empty model, no prompt, `n` outside
-/// `1..=MAX_N`, `logprobs` over [`MAX_LOGPROBS`], `max_tokens` < 1, an empty chat, or a chat
-/// message with an empty or unknown role.
+/// `1..=MAX_N`, `logprobs` over [`MAX_LOGPROBS`], `max_tokens` < 1, an empty chat, a chat
+/// message with an empty or unknown role, or a `cache_salt` that is empty or longer than
+/// [`MAX_CACHE_SALT_BYTES`].
 pub fn check_request(req: &GenerateRequest) -> Result<(), Invalid> {
     if req.model.is_empty() {
         return Err(invalid("model", "model must not be empty"));
@@ -57,6 +63,17 @@ pub fn check_request(req: &GenerateRequest) -> Result<(), Invalid> {
             }
         }
         Some(_) => {}
+    }
+    if let Some(salt) = &req.cache_salt {
+        if salt.is_empty() {
+            return Err(invalid("cache_salt", "cache_salt must not be empty (omit it for the shared prefix cache)"));
+        }
+        if salt.len() > MAX_CACHE_SALT_BYTES {
+            return Err(invalid(
+                "cache_salt",
+                format!("cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes, got {}", salt.len()),
+            ));
+        }
     }
     if let Some(s) = &req.sampling {
         let n = s.n.unwrap_or(1);
@@ -104,5 +121,21 @@ mod tests {
         assert_eq!(check_request(&r).map_err(|e| e.param), Err("n"));
         r.sampling = Some(SamplingParams { n: Some(0), ..Default::default() });
         assert_eq!(check_request(&r).map_err(|e| e.param), Err("n"));
+    }
+
+    #[test]
+    fn cache_salt_is_non_empty_and_bounded() {
+        let mut r = chat(&["user"]);
+        for ok in [None, Some("a".to_owned()), Some("x".repeat(MAX_CACHE_SALT_BYTES))] {
+            r.cache_salt = ok;
+            assert!(check_request(&r).is_ok());
+        }
+        // Counted in bytes: 129 two-byte characters are 258 bytes.
+        for bad in [String::new(), "x".repeat(MAX_CACHE_SALT_BYTES + 1), "é".repeat(129)] {
+            r.cache_salt = Some(bad);
+            let e = check_request(&r).expect_err("rejected");
+            assert_eq!(e.param, "cache_salt");
+            assert!(e.message.starts_with("cache_salt"), "the message names the field: {}", e.message);
+        }
     }
 }

@@ -75,7 +75,11 @@ async fn openai_completion_and_chat_shapes() -> anyhow::Result<()> {
     assert_eq!(v["choices"][0]["logprobs"]["tokens"], json!(["t0 ", "t1 ", "t2 "]));
     assert_eq!(v["choices"][0]["logprobs"]["text_offset"], json!([0, 3, 6]));
     assert_eq!(v["choices"][0]["logprobs"]["top_logprobs"][0].as_object().map(|o| o.len()), Some(2));
-    assert_eq!(v["usage"], json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}));
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+               "prompt_tokens_details": {"cached_tokens": 0}})
+    );
 
     let (s, v) = post(&c, "/v1/completions", json!({"model": "mock", "prompt": "a", "max_tokens": null})).await?;
     assert_eq!(s, 200, "{v}");
@@ -579,6 +583,11 @@ async fn unsupported_openai_params_are_400_naming_the_field() -> anyhow::Result<
         ("/v1/completions", cmpl(json!({"n": "two"})), "n"),
         ("/v1/chat/completions", chat(json!({"logprobs": "yes"})), "logprobs"),
         ("/v1/completions", json!({"prompt": "a"}), "model"),
+        // cache_salt: a non-empty string of at most 256 bytes.
+        ("/v1/completions", cmpl(json!({"cache_salt": 5})), "cache_salt"),
+        ("/v1/chat/completions", chat(json!({"cache_salt": ["a"]})), "cache_salt"),
+        ("/v1/chat/completions", chat(json!({"cache_salt": ""})), "cache_salt"),
+        ("/v1/completions", cmpl(json!({"cache_salt": "x".repeat(300)})), "cache_salt"),
     ];
     for (path, body, param) in cases {
         let (s, v) = post(&c, path, body.clone()).await?;
@@ -591,7 +600,7 @@ async fn unsupported_openai_params_are_400_naming_the_field() -> anyhow::Result<
     for body in [
         chat(json!({"tool_choice": "none", "tools": [], "response_format": {"type": "text"}, "logit_bias": {},
                     "best_of": 1, "min_tokens": 0, "include_stop_str_in_output": false, "add_generation_prompt": true})),
-        chat(json!({"n": 16, "max_tokens": 1})),
+        chat(json!({"n": 16, "max_tokens": 1, "cache_salt": "x".repeat(256)})),
     ] {
         let (s, v) = post(&c, "/v1/chat/completions", body).await?;
         assert_eq!(s, 200, "{v}");
@@ -649,7 +658,29 @@ async fn malformed_chat_messages_are_400_over_http_and_grpc() -> anyhow::Result<
         let Err(e) = g.generate(req).await else { panic!("accepted") };
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     }
+    // cache_salt: the same rule as over HTTP, the status naming the field.
+    for salt in [String::new(), "x".repeat(257)] {
+        let req = GenerateRequest {
+            model: "mock".into(),
+            prompt: Some(Prompt::Chat(ChatMessages { messages: vec![msg("user")] })),
+            cache_salt: Some(salt),
+            ..Default::default()
+        };
+        let Err(e) = g.generate(req).await else { panic!("accepted") };
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains("cache_salt"), "{e:?}");
+    }
     assert_eq!(c.mocks[0].stats.requests.load(Ordering::Relaxed), 1);
+    let req = GenerateRequest {
+        model: "mock".into(),
+        prompt: Some(Prompt::Chat(ChatMessages { messages: vec![msg("user")] })),
+        sampling: Some(SamplingParams { max_tokens: Some(1), ..Default::default() }),
+        cache_salt: Some("x".repeat(256)),
+        ..Default::default()
+    };
+    let mut s = g.generate(req).await?.into_inner();
+    while s.message().await?.is_some() {}
+    assert_eq!(c.mocks[0].stats.requests.load(Ordering::Relaxed), 2, "a 256-byte salt is accepted");
     Ok(())
 }
 

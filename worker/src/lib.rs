@@ -93,7 +93,7 @@ pub async fn run_with_launcher(
         })
     };
 
-    let svc = service::WorkerGrpc::new(Arc::clone(&agent), Arc::clone(&metrics));
+    let svc = service::WorkerGrpc::new(Arc::clone(&agent), Arc::clone(&metrics)).with_stop(stop.clone());
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(health_service)

@@ -4,6 +4,11 @@
 //! soon as work ends (aborts included); latencies, token counts and finished requests are
 //! recorded by `service.rs` as requests stream.
 //!
+//! Prefix-cache counters (`vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`,
+//! in prompt tokens; hit rate = hits / queries) and `prism:prompt_tokens_computed_total`
+//! (prompt tokens actually prefilled: cache hits excluded, recomputation after preemption
+//! included; vLLM has no such metric, hence Prism's prefix) are read from the engines too.
+//!
 //! prometheus-client appends `_total` to counters itself, so counters are registered
 //! without it (`vllm:prompt_tokens` is exposed as `vllm:prompt_tokens_total`).
 
@@ -135,7 +140,13 @@ struct ModelLoad {
     kv_used: f64,
     engines: u32,
     preemptions: u64,
+    prefix_cache_queries: u64,
+    prefix_cache_hits: u64,
+    prompt_tokens_computed: u64,
 }
+
+/// A counter read from the summed load: (name without `_total`, help, value).
+type CountCounter = (&'static str, &'static str, fn(&ModelLoad) -> u64);
 
 impl prometheus_client::collector::Collector for EngineCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
@@ -149,6 +160,9 @@ impl prometheus_client::collector::Collector for EngineCollector {
             m.kv_used += f64::from(l.kv_cache_usage);
             m.engines += 1;
             m.preemptions += l.num_preemptions_total;
+            m.prefix_cache_queries += l.prefix_cache_queries_total;
+            m.prefix_cache_hits += l.prefix_cache_hits_total;
+            m.prompt_tokens_computed += l.prompt_tokens_computed_total;
         }
         let counts: [CountGauge; 2] = [
             ("vllm:num_requests_running", "Number of requests in model execution batches", |m| m.running),
@@ -172,17 +186,73 @@ impl prometheus_client::collector::Collector for EngineCollector {
                 ConstGauge::new(m.kv_used / f64::from(m.engines.max(1))).encode(me.encode_family(&labels)?)?;
             }
         }
-        let c = ConstCounter::new(0u64);
-        let mut me = encoder.encode_descriptor(
-            "vllm:num_preemptions",
-            "Cumulative number of preemptions from the engine",
-            None,
-            c.metric_type(),
-        )?;
-        for (model_name, m) in &by_model {
-            let labels = model(model_name);
-            ConstCounter::new(m.preemptions).encode(me.encode_family(&labels)?)?;
+        let counters: [CountCounter; 4] = [
+            ("vllm:num_preemptions", "Cumulative number of preemptions from the engine", |m| m.preemptions),
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens", |m| {
+                m.prefix_cache_queries
+            }),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens", |m| {
+                m.prefix_cache_hits
+            }),
+            (
+                "prism:prompt_tokens_computed",
+                "Prompt tokens run through the model in prefill (prefix cache hits excluded)",
+                |m| m.prompt_tokens_computed,
+            ),
+        ];
+        for (name, help, f) in counters {
+            let mut me = encoder.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;
+            for (model_name, m) in &by_model {
+                let labels = model(model_name);
+                ConstCounter::new(f(m)).encode(me.encode_family(&labels)?)?;
+            }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::replica::{EngineLoad, Replica, ReplicaEngine, ReplicaOutputStream};
+    use prism_engine::{EngineError, EngineRequest};
+    use std::sync::Arc;
+
+    struct Counting(EngineLoad);
+    impl ReplicaEngine for Counting {
+        fn submit(&self, _: EngineRequest) -> Result<ReplicaOutputStream, EngineError> {
+            Err(EngineError::Unavailable("test double".into()))
+        }
+        fn load(&self) -> EngineLoad {
+            self.0
+        }
+        fn is_alive(&self) -> bool {
+            true
+        }
+        fn shutdown(&self) {}
+    }
+
+    /// The prefix-cache counters of a model's replicas are summed under vLLM's names.
+    #[test]
+    fn prefix_cache_counters_are_summed_per_model() {
+        let table = ReplicaTable::default();
+        for (id, q, h, c) in [("a", 100, 64, 36), ("b", 50, 16, 34)] {
+            let r = Arc::new(Replica::new(id.into(), "d".into(), "smol".into(), vec![0]));
+            r.set_engine(Arc::new(Counting(EngineLoad {
+                prefix_cache_queries_total: q,
+                prefix_cache_hits_total: h,
+                prompt_tokens_computed_total: c,
+                ..EngineLoad::default()
+            })));
+            table.insert_new(r);
+        }
+        let text = WorkerMetrics::new(table).encode().expect("encode");
+        for line in [
+            "vllm:prefix_cache_queries_total{model_name=\"smol\"} 150",
+            "vllm:prefix_cache_hits_total{model_name=\"smol\"} 80",
+            "prism:prompt_tokens_computed_total{model_name=\"smol\"} 70",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line} in\n{text}");
+        }
     }
 }

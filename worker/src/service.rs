@@ -1,9 +1,18 @@
 //! `WorkerService` (gRPC): `Generate` streams a hosted replica's engine outputs through a
 //! bounded mpsc + `ReceiverStream` (a failed send means the client left: the engine stream
-//! is dropped, which aborts the request); `Drain`; `Health`. Proto ↔ engine conversion and
-//! the one mapping of [`EngineError`] to `tonic::Status` live here.
+//! is dropped, which aborts the request); `Drain`; `Health`; `GetPromptCodec` and
+//! `WatchPrefixCache` for cache-aware routers (`prefix_cache.rs`). Proto ↔ engine conversion
+//! and the one mapping of [`EngineError`] to `tonic::Status` live here.
+//!
+//! `GetPromptCodec(replica_id)`: NOT_FOUND for a replica not hosted here, UNAVAILABLE while
+//! its engine is not loaded, FAILED_PRECONDITION when its codec cannot be exported (route by
+//! load alone); built once per replica and kept. `Generate` uses `prompt_token_ids` instead
+//! of tokenizing only when `codec_fingerprint` equals that codec's fingerprint (the engine
+//! still validates the ids); otherwise it ignores them and tokenizes the prompt.
 
-use crate::agent::replica::{Refusal, ReplicaLoadGuard, ReplicaOutputStream};
+mod prefix_cache;
+
+use crate::agent::replica::{CodecRefusal, Refusal, Replica, ReplicaLoadGuard, ReplicaOutputStream};
 use crate::agent::{Agent, DrainSource};
 use crate::metrics::WorkerMetrics;
 use futures::StreamExt;
@@ -16,6 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 /// Responses buffered per stream before the engine output waits for the client.
@@ -66,12 +76,26 @@ pub fn sampling_from_proto(p: Option<pb::SamplingParams>) -> SamplingParams {
 }
 
 /// Converts a worker generate request into an engine request; `now` anchors the deadline.
+/// `codec_fingerprint` is the replica's prompt-codec fingerprint (`None`: unknown or not
+/// exportable): the router's `prompt_token_ids` replace the prompt only when the request's
+/// `codec_fingerprint` equals it (non-zero), since only then are they the ids the engine
+/// would compute.
 ///
 /// # Errors
 /// `INVALID_ARGUMENT` when the request has no prompt.
-pub fn engine_request_from_proto(r: pb::WorkerGenerateRequest, now: Instant) -> Result<EngineRequest, Status> {
+pub fn engine_request_from_proto(
+    r: pb::WorkerGenerateRequest,
+    now: Instant,
+    codec_fingerprint: Option<u64>,
+) -> Result<EngineRequest, Status> {
     let req = r.request.ok_or_else(|| Status::invalid_argument("request: missing"))?;
+    let use_ids =
+        !r.prompt_token_ids.is_empty() && r.codec_fingerprint != 0 && codec_fingerprint == Some(r.codec_fingerprint);
+    if !r.prompt_token_ids.is_empty() && !use_ids {
+        tracing::debug!(sent = r.codec_fingerprint, ours = ?codec_fingerprint, "codec fingerprint mismatch: tokenizing the prompt");
+    }
     let prompt = match req.prompt {
+        _ if use_ids => Prompt::TokenIds(r.prompt_token_ids),
         Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t),
         Some(pb::generate_request::Prompt::TokenIds(t)) => Prompt::TokenIds(t.ids),
         Some(pb::generate_request::Prompt::Chat(c)) => {
@@ -142,13 +166,39 @@ pub fn output_to_proto(request_id: &str, o: EngineOutput) -> pb::GenerateRespons
 pub struct WorkerGrpc {
     agent: Arc<Agent>,
     metrics: Arc<WorkerMetrics>,
+    /// Ends the long-lived `WatchPrefixCache` streams when the worker stops serving.
+    stop: CancellationToken,
 }
 
 impl WorkerGrpc {
     /// A service over `agent`.
     pub fn new(agent: Arc<Agent>, metrics: Arc<WorkerMetrics>) -> Self {
-        Self { agent, metrics }
+        Self { agent, metrics, stop: CancellationToken::new() }
     }
+
+    /// Ends watch streams when `stop` is cancelled (so a graceful server shutdown does not
+    /// wait on them).
+    #[must_use]
+    pub fn with_stop(mut self, stop: CancellationToken) -> Self {
+        self.stop = stop;
+        self
+    }
+
+    fn replica(&self, id: &str) -> Result<Arc<Replica>, Status> {
+        self.agent
+            .replicas()
+            .get(id)
+            .ok_or_else(|| Status::not_found(format!("replica {id} is not hosted on this worker")))
+    }
+}
+
+/// The replica's prompt codec, built off the async threads the first time.
+async fn prompt_codec(replica: &Arc<Replica>) -> Result<Arc<pb::PromptCodec>, CodecRefusal> {
+    if let Some(built) = replica.cached_prompt_codec() {
+        return built.ok_or(CodecRefusal::NotExportable);
+    }
+    let r = Arc::clone(replica);
+    tokio::task::spawn_blocking(move || r.prompt_codec()).await.unwrap_or(Err(CodecRefusal::NotExportable))
 }
 
 type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
@@ -228,16 +278,30 @@ impl WorkerService for WorkerGrpc {
 
     async fn get_prompt_codec(
         &self,
-        _request: Request<pb::GetPromptCodecRequest>,
+        request: Request<pb::GetPromptCodecRequest>,
     ) -> Result<Response<pb::PromptCodec>, Status> {
-        Err(Status::unimplemented("get_prompt_codec: not yet"))
+        let id = request.into_inner().replica_id;
+        let replica = self.replica(&id)?;
+        match prompt_codec(&replica).await {
+            Ok(codec) => Ok(Response::new(pb::PromptCodec::clone(&codec))),
+            Err(CodecRefusal::NotLoaded) => Err(Status::unavailable(format!("replica {id} is not loaded yet"))),
+            Err(CodecRefusal::NotExportable) => Err(Status::failed_precondition(format!(
+                "replica {id}: the model's tokenizer cannot be exported; route by load"
+            ))),
+        }
     }
 
     async fn watch_prefix_cache(
         &self,
-        _request: Request<pb::WatchPrefixCacheRequest>,
+        request: Request<pb::WatchPrefixCacheRequest>,
     ) -> Result<Response<Self::WatchPrefixCacheStream>, Status> {
-        Err(Status::unimplemented("watch_prefix_cache: not yet"))
+        let id = request.into_inner().replica_id;
+        let replica = self.replica(&id)?;
+        let engine =
+            replica.engine().cloned().ok_or_else(|| Status::unavailable(format!("replica {id} is not loaded yet")))?;
+        let (tx, rx) = mpsc::channel(prefix_cache::WATCH_BUFFER);
+        tokio::spawn(prefix_cache::watch(replica, engine, tx, self.stop.clone()));
+        Ok(Response::new(ReceiverStream::new(rx)))
     }
 
     async fn generate(
@@ -246,18 +310,16 @@ impl WorkerService for WorkerGrpc {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let arrived = Instant::now();
         let r = request.into_inner();
-        let replica = self
-            .agent
-            .replicas()
-            .get(&r.replica_id)
-            .ok_or_else(|| Status::not_found(format!("replica {} is not hosted on this worker", r.replica_id)))?;
+        let replica = self.replica(&r.replica_id)?;
         let (guard, engine) = replica.admit().map_err(|e| match e {
             Refusal::Draining => Status::unavailable(format!("replica {} is draining", r.replica_id)),
             Refusal::NotReady(s) => {
                 Status::unavailable(format!("replica {} is not ready ({})", r.replica_id, s.as_str_name()))
             }
         })?;
-        let req = engine_request_from_proto(r, arrived)?;
+        let fingerprint =
+            if r.prompt_token_ids.is_empty() { None } else { prompt_codec(&replica).await.ok().map(|c| c.fingerprint) };
+        let req = engine_request_from_proto(r, arrived, fingerprint)?;
         let request_id = req.id.0.clone();
         let outputs = engine.submit(req).map_err(|e| engine_error_to_status(&e))?;
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);

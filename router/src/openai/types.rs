@@ -82,6 +82,10 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
     /// Relative deadline in milliseconds (Prism extension).
     pub timeout_ms: Option<u64>,
+    /// Prefix-cache isolation (vLLM's `cache_salt`): requests reuse each other's cached KV
+    /// blocks only when their salts are equal; absent or `null` = the shared cache. A
+    /// non-empty string of at most 256 bytes (checked in [`crate::validate`]).
+    pub cache_salt: Option<String>,
     /// Token id → bias map; must be a map, and only an empty one is accepted (unsupported).
     pub logit_bias: Option<Value>,
     /// Candidates per choice; only `best_of == n` is supported.
@@ -348,7 +352,7 @@ impl CompletionRequest {
             sampling: Some(self.sampling.to_proto(self.logprobs)?),
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
-            cache_salt: None,
+            cache_salt: self.sampling.cache_salt.clone(),
         };
         check_request(&req)?;
         Ok(req)
@@ -384,7 +388,7 @@ impl ChatRequest {
             sampling: Some(self.sampling.to_proto(logprobs)?),
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
-            cache_salt: None,
+            cache_salt: self.sampling.cache_salt.clone(),
         };
         check_request(&req)?;
         Ok(req)
@@ -430,5 +434,20 @@ mod tests {
         .expect("parse");
         let s = c.to_proto().expect("valid").sampling.expect("s");
         assert_eq!((s.logprobs, s.max_tokens), (Some(3), Some(5)));
+    }
+
+    #[test]
+    fn cache_salt_reaches_the_request_on_both_endpoints() {
+        let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "cache_salt": "tenant-a"})).expect("valid");
+        assert_eq!(r.cache_salt.as_deref(), Some("tenant-a"));
+        let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "cache_salt": null})).expect("valid");
+        assert_eq!(r.cache_salt, None);
+        let c: ChatRequest = serde_json::from_value(serde_json::json!({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "s"
+        }))
+        .expect("parse");
+        assert_eq!(c.to_proto().expect("valid").cache_salt.as_deref(), Some("s"));
+        let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "cache_salt": ""})).expect_err("empty");
+        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("cache_salt")));
     }
 }

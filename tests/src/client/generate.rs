@@ -39,6 +39,8 @@ pub struct StreamResult {
     pub completion_tokens: u32,
     /// Prompt tokens from `usage`.
     pub prompt_tokens: u32,
+    /// Prompt tokens served from the prefix cache, from `usage`.
+    pub cached_tokens: u32,
 }
 
 /// A greedy request to [`SERVED`] for `prompt` (token ids) and `max_tokens`, stopping at
@@ -86,6 +88,7 @@ pub async fn stream(grpc: &str, req: GenerateRequest) -> Result<StreamResult> {
         if let Some(u) = m.usage {
             out.completion_tokens = u.completion_tokens;
             out.prompt_tokens = u.prompt_tokens;
+            out.cached_tokens = u.cached_tokens;
         }
         out.ended = Some(now);
     }

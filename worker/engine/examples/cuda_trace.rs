@@ -568,6 +568,10 @@ mod trace {
             max_pending_requests: reqs.len() + 16,
             output_buffer: 64,
             engine_threads: Some(prism_engine::BackendKind::Cuda { devices: vec![0] }.default_engine_threads()),
+            // The trace measures the scheduler and kernels on its synthetic prompts, as before
+            // the prefix cache existed: every prompt is computed in full.
+            enable_prefix_caching: false,
+            ..RuntimeConfig::default()
         };
         let engine = EngineHandle::start_with_parts(parts, rt)?;
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

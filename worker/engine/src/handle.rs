@@ -12,7 +12,7 @@ use super::codec::{CodecExport, TextCodec, prompt_ids_with};
 use super::kv_cache::BlockPool;
 use super::kv_cache::CacheEvents;
 use super::metrics::{EngineStats, StatsRecorder};
-use super::request::{EngineError, EngineOutput, EngineRequest, check_lengths, check_token_ids};
+use super::request::{EngineError, EngineOutput, EngineRequest, MAX_CACHE_SALT_BYTES, check_lengths, check_token_ids};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::step_loop::{Command, EngineCore, Fault, NewRequest};
 use std::pin::Pin;
@@ -172,8 +172,12 @@ impl EngineHandle {
             .filter(|n| *n > 0)
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get));
         let compute = build_compute_pool(threads, &stats)?;
+        let mut sched = Scheduler::new(sched_cfg, pool.clone());
+        if cfg.enable_prefix_caching {
+            sched = sched.with_prefix_caching(cfg.cache_namespace);
+        }
         let core = EngineCore::new(
-            Scheduler::new(sched_cfg, pool.clone()),
+            sched,
             parts.backend,
             parts.codec.clone(),
             &parts.eos_ids,
@@ -220,6 +224,7 @@ impl EngineHandle {
             return Err(EngineError::Unavailable("engine is not running".into()));
         }
         let sampling = req.params.validate()?;
+        let cache_salt = check_cache_salt(req.cache_salt.as_deref())?;
         let codec = &inner.codec;
         let prompt = prompt_ids_with(&req.prompt, |t, special| codec.encode(t, special), |m| codec.render_chat(m))?;
         check_token_ids(&prompt, inner.info.vocab_size, "prompt")?;
@@ -253,6 +258,7 @@ impl EngineHandle {
             max_new,
             deadline: req.deadline,
             arrival: Instant::now(),
+            cache_salt,
             tx,
         };
         let sent = {
@@ -296,8 +302,10 @@ impl EngineHandle {
     /// start: a snapshot). A reader too far behind gets a snapshot. Empty when prefix
     /// caching is off.
     pub fn prefix_cache_events(&self, after: u64) -> CacheEvents {
-        let _ = after;
-        CacheEvents::default()
+        if !self.inner.cfg.enable_prefix_caching {
+            return CacheEvents::default();
+        }
+        self.inner.pool.events(after)
     }
 
     /// Whether the step thread is running and its last step succeeded.
@@ -360,6 +368,22 @@ impl EngineHandle {
             tracing::error!("engine thread panicked");
         }
         self.inner.stats.alive.store(false, Ordering::Relaxed);
+    }
+}
+
+/// Checks a request's `cache_salt`: not empty, at most [`MAX_CACHE_SALT_BYTES`] bytes.
+fn check_cache_salt(salt: Option<&str>) -> Result<Option<Arc<str>>, EngineError> {
+    match salt {
+        None => Ok(None),
+        Some("") => Err(EngineError::InvalidRequest {
+            field: "cache_salt",
+            message: "cache_salt must not be empty (omit it to share the cache)".into(),
+        }),
+        Some(s) if s.len() > MAX_CACHE_SALT_BYTES => Err(EngineError::InvalidRequest {
+            field: "cache_salt",
+            message: format!("cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes, got {}", s.len()),
+        }),
+        Some(s) => Ok(Some(Arc::from(s))),
     }
 }
 

@@ -11,7 +11,8 @@
 //! - [`backend`]: the `Backend` trait (CPU reference, CUDA) that runs one forward step.
 //! - [`model`]: model formats (GGUF, Hugging Face safetensors), config, tokenizer, chat template.
 //! - [`codec`]: the tokenizer/chat-template interface the engine uses.
-//! - [`kv_cache`]: `BlockPool`, `BlockTable`.
+//! - [`kv_cache`]: `BlockPool` (refcounted blocks, the prefix cache's LRU), `BlockTable`, the
+//!   exact prefix-cache index and event log, the chained block hashes shared with routers.
 //! - [`scheduler`], [`sampler`], [`detokenizer`], `step_loop`: the step loop's parts.
 //! - [`backend::StepControl`]: stop requests and in-step progress shared by the handle, the
 //!   step loop and the backend; each replica computes on its own rayon pool.
@@ -21,6 +22,8 @@ pub mod backend;
 pub mod codec;
 mod config;
 pub mod detokenizer;
+#[cfg(test)]
+mod engine_prefix_tests;
 pub mod handle;
 pub mod kv_cache;
 pub mod metrics;
@@ -28,6 +31,8 @@ pub mod model;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;
+#[cfg(test)]
+mod scheduler_prefix_tests;
 mod step_loop;
 #[cfg(test)]
 mod stop_tests;

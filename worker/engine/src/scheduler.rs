@@ -9,14 +9,25 @@
 //!    recently admitted running sequence is preempted (blocks freed, `num_computed = 0`,
 //!    requeued at the front of the waiting queue to be recomputed);
 //! 2. if nothing was preempted, waiting sequences are admitted FCFS while
-//!    `max_num_seqs`, the token budget (`max_num_batched_tokens`) and free blocks allow.
+//!    `max_num_seqs`, the token budget (`max_num_batched_tokens`) and free blocks allow
+//!    (a follower whose leader has not computed the prompt yet is skipped, not waited on).
+//!
+//! With the prefix cache on ([`Scheduler::with_prefix_caching`]), a sequence admitted with
+//! nothing computed (new, or preempted) first takes the cached blocks of its prefix: at most
+//! `(len - 1) / block_size` full blocks (the last token is always computed, it yields the
+//! logits), so its prefill starts at the first uncached token. After each step every newly
+//! completed full block (prompt or generated tokens) is registered in the cache. The other
+//! choices of an `n > 1` request *follow* choice 0 ([`SeqOptions::follows`]): they are not
+//! admitted until choice 0 has computed the prompt's full blocks, then they hit them, so the
+//! prompt is prefilled once. Preemption releases blocks, and registered ones stay cached.
 //!
 //! The scheduler owns the token ids and block tables; sampling and detokenization state
 //! live in the step loop, keyed by [`SeqId`].
 
 use super::backend::{SeqStep, StepBatch};
-use super::kv_cache::{BlockPool, BlockTable};
+use super::kv_cache::{BlockPool, BlockTable, PrefixChain, RootKey};
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 /// Engine-internal id of one sequence (one choice of one request).
 pub type SeqId = u64;
@@ -32,11 +43,44 @@ pub struct SchedulerConfig {
     pub block_size: usize,
 }
 
+/// Per-sequence options of [`Scheduler::add_with`].
+#[derive(Clone, Debug, Default)]
+pub struct SeqOptions {
+    /// Prefix-cache salt: cached blocks are shared only between equal salts.
+    pub salt: Option<Arc<str>>,
+    /// Choice 0 of the same request: this sequence is not admitted while that one is
+    /// still computing the prompt's full blocks (prefix caching only).
+    pub follows: Option<SeqId>,
+}
+
+/// Prefix-cache counters since start (vLLM's `prefix_cache_queries` / `_hits`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixCacheCounters {
+    /// Tokens looked up: the sequence length at each admission with the cache on.
+    pub queries: u64,
+    /// Of those, tokens found cached.
+    pub hits: u64,
+    /// Tokens computed in prefill (positions below the sequence length at admission),
+    /// cache hits excluded, recomputation after preemption included.
+    pub prompt_tokens_computed: u64,
+}
+
 #[derive(Debug)]
 struct SchedSeq {
     tokens: Vec<u32>,
     num_computed: usize,
     blocks: BlockTable,
+    root: RootKey,
+    follows: Option<SeqId>,
+    /// Tokens at the last admission (what counts as prefill).
+    prefill_len: usize,
+    /// Leading full blocks whose chain is known (matched or registered).
+    chained: usize,
+    chain: PrefixChain,
+    /// False after a registration conflict: the rest of the sequence stays uncached.
+    can_register: bool,
+    /// Tokens taken from the cache at the first admission.
+    first_cached: Option<usize>,
 }
 
 /// One sequence's share of a step.
@@ -61,6 +105,8 @@ pub struct ScheduleOutput {
     pub preempted: Vec<SeqId>,
     /// Sequences that cannot fit in the whole cache even alone; the caller must finish them.
     pub unschedulable: Vec<SeqId>,
+    /// Sequences admitted this step and the tokens each took from the prefix cache.
+    pub admitted: Vec<(SeqId, usize)>,
 }
 
 /// The scheduler of one replica.
@@ -73,19 +119,74 @@ pub struct Scheduler {
     /// Admission order: oldest first, the preemption victim is the last.
     running: Vec<SeqId>,
     num_preemptions: u64,
+    /// `Some(namespace)` when the prefix cache is on.
+    prefix: Option<u64>,
+    counters: PrefixCacheCounters,
 }
 
 impl Scheduler {
     /// A scheduler allocating from `pool`.
     pub fn new(cfg: SchedulerConfig, pool: BlockPool) -> Self {
-        Self { cfg, pool, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), num_preemptions: 0 }
+        Self {
+            cfg,
+            pool,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            num_preemptions: 0,
+            prefix: None,
+            counters: PrefixCacheCounters::default(),
+        }
+    }
+
+    /// Turns the prefix cache on, chains rooted at `namespace` (the model identity).
+    #[must_use]
+    pub fn with_prefix_caching(mut self, namespace: u64) -> Self {
+        self.prefix = Some(namespace);
+        self
+    }
+
+    /// Whether the prefix cache is on.
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix.is_some()
     }
 
     /// Queues a sequence whose first `tokens.len()` tokens must be computed (prompt, plus
     /// any tokens generated before a migration).
     pub fn add(&mut self, seq: SeqId, tokens: Vec<u32>) {
-        self.seqs.insert(seq, SchedSeq { tokens, num_computed: 0, blocks: BlockTable::new() });
+        self.add_with(seq, tokens, SeqOptions::default());
+    }
+
+    /// [`Scheduler::add`] with a cache salt and, for choices 1.. of a request, the choice
+    /// they follow.
+    pub fn add_with(&mut self, seq: SeqId, tokens: Vec<u32>, opts: SeqOptions) {
+        let root = RootKey { namespace: self.prefix.unwrap_or(0), salt: opts.salt };
+        let chain = root.chain();
+        let s = SchedSeq {
+            prefill_len: tokens.len(),
+            tokens,
+            num_computed: 0,
+            blocks: BlockTable::new(),
+            root,
+            follows: opts.follows,
+            chained: 0,
+            chain,
+            can_register: true,
+            first_cached: None,
+        };
+        self.seqs.insert(seq, s);
         self.waiting.push_back(seq);
+    }
+
+    /// Prefix-cache counters since start.
+    pub fn prefix_counters(&self) -> PrefixCacheCounters {
+        self.counters
+    }
+
+    /// Tokens the sequence took from the prefix cache at its first admission (`None`
+    /// before it was admitted).
+    pub fn first_cached_tokens(&self, seq: SeqId) -> Option<usize> {
+        self.seqs.get(&seq).and_then(|s| s.first_cached)
     }
 
     /// Appends a sampled token to a sequence (computed in a later step).
@@ -147,8 +248,12 @@ impl Scheduler {
 
     fn preempt(&mut self, seq: SeqId, out: &mut ScheduleOutput) {
         if let Some(s) = self.seqs.get_mut(&seq) {
+            // Registered blocks stay cached: re-admission usually hits them.
             s.blocks.release();
             s.num_computed = 0;
+            s.chained = 0;
+            s.chain = s.root.chain();
+            s.can_register = true;
         }
         self.running.retain(|s| *s != seq);
         self.waiting.push_front(seq);
@@ -209,24 +314,27 @@ impl Scheduler {
 
         // 2. Admit waiting sequences FCFS (not in a step that had to preempt).
         if out.preempted.is_empty() {
-            while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-                let Some(&id) = self.waiting.front() else { break };
-                let pool = &self.pool;
-                let Some(s) = self.seqs.get_mut(&id) else {
-                    self.waiting.pop_front();
+            let mut w = 0;
+            while budget > 0 && self.running.len() < self.cfg.max_num_seqs && w < self.waiting.len() {
+                let id = self.waiting[w];
+                let Some(s) = self.seqs.get(&id) else {
+                    self.waiting.remove(w);
                     continue;
                 };
-                if s.blocks.blocks_needed(s.tokens.len(), bs) > pool.num_blocks() {
-                    self.waiting.pop_front();
+                if s.blocks.blocks_needed(s.tokens.len(), bs) > self.pool.num_blocks() {
+                    self.waiting.remove(w);
                     out.unschedulable.push(id);
                     continue;
                 }
-                let n = (s.tokens.len() - s.num_computed).min(budget);
-                if !s.blocks.ensure_capacity(pool, s.num_computed + n, bs) {
-                    break;
+                if self.must_wait_for_leader(s) {
+                    w += 1;
+                    continue;
                 }
-                self.waiting.pop_front();
+                let Some(n) = self.admit(id, budget) else { break };
+                let cached = self.seqs.get(&id).map_or(0, |s| s.num_computed);
+                self.waiting.remove(w);
                 self.running.push(id);
+                out.admitted.push((id, cached));
                 plan.push((id, n));
                 budget -= n;
             }
@@ -259,11 +367,77 @@ impl Scheduler {
         out
     }
 
-    /// Records that the backend computed the scheduled tokens.
+    /// Whether a follower must stay queued: its leader is still computing the prompt's
+    /// full blocks (which it will then take from the cache).
+    fn must_wait_for_leader(&self, s: &SchedSeq) -> bool {
+        if self.prefix.is_none() || s.num_computed > 0 {
+            return false;
+        }
+        let Some(leader) = s.follows.and_then(|l| self.seqs.get(&l)) else { return false };
+        let bs = self.cfg.block_size;
+        let shared = s.tokens.len().saturating_sub(1) / bs * bs;
+        leader.num_computed < shared
+    }
+
+    /// Gives a waiting sequence its blocks for its first chunk (taking its cached prefix
+    /// first when the prefix cache is on). Returns the chunk's size, or `None` (nothing
+    /// taken) when the pool lacks the blocks.
+    fn admit(&mut self, id: SeqId, budget: usize) -> Option<usize> {
+        let bs = self.cfg.block_size;
+        let pool = &self.pool;
+        let s = self.seqs.get_mut(&id)?;
+        let len = s.tokens.len();
+        if self.prefix.is_none() || s.num_computed > 0 || !s.blocks.is_empty() {
+            let n = (len - s.num_computed).min(budget);
+            if !s.blocks.ensure_capacity(pool, s.num_computed + n, bs) {
+                return None;
+            }
+            s.prefill_len = len;
+            s.first_cached.get_or_insert(0);
+            return Some(n);
+        }
+        let max_blocks = len.saturating_sub(1) / bs;
+        let extra = |matched: usize| {
+            let computed = matched * bs;
+            (computed + (len - computed).min(budget)).div_ceil(bs) - matched
+        };
+        let got = pool.allocate_with_prefix(&s.root, &s.tokens, bs, max_blocks, extra)?;
+        let cached = got.matched * bs;
+        s.blocks.extend(got.blocks);
+        s.num_computed = cached;
+        s.chained = got.matched;
+        s.chain = got.chain;
+        s.can_register = true;
+        s.prefill_len = len;
+        s.first_cached.get_or_insert(cached);
+        self.counters.queries += len as u64;
+        self.counters.hits += cached as u64;
+        Some((len - cached).min(budget))
+    }
+
+    /// Records that the backend computed the scheduled tokens, and registers every full
+    /// block they completed in the prefix cache.
     pub fn commit(&mut self, scheduled: &[Scheduled]) {
+        let bs = self.cfg.block_size;
         for sc in scheduled {
-            if let Some(s) = self.seqs.get_mut(&sc.seq) {
-                s.num_computed += sc.num_tokens;
+            let Some(s) = self.seqs.get_mut(&sc.seq) else { continue };
+            let start = s.num_computed;
+            s.num_computed += sc.num_tokens;
+            self.counters.prompt_tokens_computed += s.num_computed.min(s.prefill_len).saturating_sub(start) as u64;
+            if self.prefix.is_none() {
+                continue;
+            }
+            let full = (s.num_computed / bs).min(s.blocks.len());
+            while s.can_register && s.chained < full {
+                let i = s.chained;
+                let Some(block) = s.blocks.block(i) else { break };
+                match self.pool.register(block, s.chain, &s.tokens[i * bs..(i + 1) * bs], &s.root) {
+                    Some(chain) => {
+                        s.chain = chain;
+                        s.chained += 1;
+                    }
+                    None => s.can_register = false,
+                }
             }
         }
     }

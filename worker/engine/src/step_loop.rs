@@ -25,7 +25,7 @@ use super::detokenizer::Detokenizer;
 use super::metrics::StatsRecorder;
 use super::request::{EngineOutput, FinishReason, TokenLogprob, TopLogprob, Usage};
 use super::sampler::{Sampled, Sampler, SamplingConfig};
-use super::scheduler::{Scheduler, SeqId};
+use super::scheduler::{Scheduler, SeqId, SeqOptions};
 use prism_ids::RequestId;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -58,6 +58,8 @@ pub(crate) struct NewRequest {
     pub max_new: usize,
     pub deadline: Option<Instant>,
     pub arrival: Instant,
+    /// Prefix-cache salt (validated by `submit`).
+    pub cache_salt: Option<Arc<str>>,
     pub tx: tokio::sync::mpsc::Sender<EngineOutput>,
 }
 
@@ -108,6 +110,8 @@ struct ReqState {
     deadline: Option<Instant>,
     arrival: Instant,
     first_token_at: Option<Instant>,
+    /// Choice 0's prompt tokens taken from the prefix cache at its first admission.
+    cached_tokens: Option<u32>,
 }
 
 /// State owned by the step thread.
@@ -289,6 +293,10 @@ impl EngineCore {
         self.stats.running.store(self.sched.num_running(), Ordering::Relaxed);
         self.stats.waiting.store(self.sched.num_waiting(), Ordering::Relaxed);
         self.stats.preemptions.store(self.sched.num_preemptions(), Ordering::Relaxed);
+        let c = self.sched.prefix_counters();
+        self.stats.prefix_cache_queries.store(c.queries, Ordering::Relaxed);
+        self.stats.prefix_cache_hits.store(c.hits, Ordering::Relaxed);
+        self.stats.prompt_tokens_computed.store(c.prompt_tokens_computed, Ordering::Relaxed);
     }
 
     fn add_request(&mut self, r: NewRequest) {
@@ -306,7 +314,9 @@ impl EngineCore {
             }
             let mut tokens = r.prompt.clone();
             tokens.extend_from_slice(&r.prior);
-            self.sched.add(seq, tokens);
+            // Choices 1.. follow choice 0, so the prompt is prefilled once and shared.
+            let opts = SeqOptions { salt: r.cache_salt.clone(), follows: seqs.first().copied() };
+            self.sched.add_with(seq, tokens, opts);
             self.seqs.insert(
                 seq,
                 SeqState { req: key, index, sampler, detok, generated: r.prior.len(), last_token_at: None },
@@ -331,6 +341,7 @@ impl EngineCore {
                 deadline: r.deadline,
                 arrival: r.arrival,
                 first_token_at: None,
+                cached_tokens: None,
             },
         );
     }
@@ -388,6 +399,15 @@ impl EngineCore {
         let out = self.sched.schedule();
         for s in out.unschedulable {
             self.finish_seq(s, FinishReason::Length, EngineOutput::default());
+        }
+        for &(seq, cached) in &out.admitted {
+            let Some(s) = self.seqs.get(&seq) else { continue };
+            if s.index == 0
+                && let Some(r) = self.reqs.get_mut(&s.req)
+                && r.cached_tokens.is_none()
+            {
+                r.cached_tokens = Some(cached.min(r.prompt_len) as u32);
+            }
         }
         // Gauges before the (possibly long) forward pass.
         self.publish();
@@ -499,7 +519,7 @@ impl EngineCore {
             out.usage = Some(Usage {
                 prompt_tokens: r.prompt_len as u32,
                 completion_tokens: r.completion_tokens,
-                cached_tokens: 0,
+                cached_tokens: r.cached_tokens.unwrap_or(0),
             });
             self.stats.count_finished(reason);
             self.stats.observe_e2e(r.arrival.elapsed());

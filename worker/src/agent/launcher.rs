@@ -3,7 +3,9 @@
 
 use super::replica::{DevicePlacement, EngineLauncher, EngineLoad, LaunchSpec, ReplicaEngine, ReplicaOutputStream};
 use futures::StreamExt;
-use prism_engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault};
+use prism_engine::codec::CodecExport;
+use prism_engine::kv_cache::CacheEvents;
+use prism_engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault, ModelInfo};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +27,9 @@ impl ReplicaEngine for EngineHandle {
             free_kv_blocks: n(s.free_blocks),
             total_kv_blocks: n(s.total_blocks),
             block_size: n(self.model_info().block_size),
+            prefix_cache_queries_total: s.prefix_cache_queries_total,
+            prefix_cache_hits_total: s.prefix_cache_hits_total,
+            prompt_tokens_computed_total: s.prompt_tokens_computed_total,
         }
     }
 
@@ -52,6 +57,18 @@ impl ReplicaEngine for EngineHandle {
 
     fn max_model_len(&self) -> Option<usize> {
         Some(self.model_info().max_model_len)
+    }
+
+    fn model_info(&self) -> Option<ModelInfo> {
+        Some(EngineHandle::model_info(self))
+    }
+
+    fn codec_export(&self) -> Option<CodecExport> {
+        EngineHandle::codec_export(self)
+    }
+
+    fn prefix_cache_events(&self, after: u64) -> CacheEvents {
+        EngineHandle::prefix_cache_events(self, after)
     }
 
     fn inject_fault(&self, fault: Fault) -> Result<(), EngineError> {
@@ -87,6 +104,8 @@ pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
         gpu_memory_utilization: e.gpu_memory_utilization.unwrap_or(base.gpu_memory_utilization),
         backend,
         batch_invariant: e.batch_invariant,
+        // Absent = on, vLLM's default.
+        enable_prefix_caching: e.enable_prefix_caching.unwrap_or(base.enable_prefix_caching),
         ..base
     }
 }
@@ -171,6 +190,11 @@ mod tests {
         assert_eq!(cfg.served_model_name, "smol");
         assert_eq!((cfg.max_model_len, cfg.block_size, cfg.max_num_seqs), (Some(1024), 32, 8));
         assert!(cfg.batch_invariant);
+        assert!(defaults.enable_prefix_caching, "prefix caching is on unless the deployment turns it off");
+        s.engine.enable_prefix_caching = Some(false);
+        assert!(!engine_config(&s).enable_prefix_caching);
+        s.engine.enable_prefix_caching = Some(true);
+        assert!(engine_config(&s).enable_prefix_caching);
         // A CPU replica's budget is the worker's, already resolved into the launch spec.
         assert_eq!(cfg.kv_cache_bytes, Some(64 << 20));
     }
@@ -192,6 +216,16 @@ mod tests {
         s.engine_threads = Some(1);
         let engine = LocalLauncher.launch(&s).expect("the bundled model loads");
         let load = engine.load();
+        // The prompt codec a router gets: the engine's export, its fingerprint, the block size
+        // and namespace of its prefix cache (on by default).
+        let replica = super::super::replica::Replica::new("r1".into(), "d".into(), "m".into(), vec![0]);
+        replica.set_engine(Arc::clone(&engine));
+        let codec = replica.prompt_codec().expect("the bundled model's codec exports");
+        let export = engine.codec_export().expect("export");
+        assert_eq!(codec.fingerprint, export.fingerprint());
+        assert_eq!(prism_engine::codec::CodecExport::from_json(&codec.codec_json).ok(), Some(export));
+        let info = engine.model_info().expect("info");
+        assert_eq!((codec.block_size, codec.cache_namespace, codec.prefix_caching), (16, info.cache_namespace, true));
         engine.shutdown();
         assert_eq!((load.max_num_seqs, load.block_size), (4, 16));
         assert!(load.total_kv_blocks > 0, "{load:?}");

@@ -9,7 +9,9 @@
 use futures::stream::BoxStream;
 use prism_common::ReplicaId;
 use prism_common::proto::v1::{self as pb, ReplicaState};
-use prism_engine::{EngineError, EngineOutput, EngineRequest, Fault};
+use prism_engine::codec::CodecExport;
+use prism_engine::kv_cache::CacheEvents;
+use prism_engine::{EngineError, EngineOutput, EngineRequest, Fault, ModelInfo};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -40,6 +42,13 @@ pub struct EngineLoad {
     pub total_kv_blocks: u32,
     /// Tokens per KV-cache block (0 = unknown).
     pub block_size: u32,
+    /// Prefix cache: prompt tokens looked up since start (vLLM's `prefix_cache_queries`).
+    pub prefix_cache_queries_total: u64,
+    /// Of those, tokens found cached (vLLM's `prefix_cache_hits`).
+    pub prefix_cache_hits_total: u64,
+    /// Prompt tokens run through the model in prefill since start (cache hits excluded,
+    /// recomputation after preemption included).
+    pub prompt_tokens_computed_total: u64,
 }
 
 /// What the agent needs from an engine replica. Implemented for the real
@@ -69,6 +78,22 @@ pub trait ReplicaEngine: Send + Sync + 'static {
     /// (`ModelInfo::max_model_len`); `None` when unknown (doubles).
     fn max_model_len(&self) -> Option<usize> {
         None
+    }
+    /// The served model's facts (block size, prefix caching, cache namespace, ...); `None`
+    /// when unknown (doubles).
+    fn model_info(&self) -> Option<ModelInfo> {
+        None
+    }
+    /// The encoding half of the model's codec, for routers (`GetPromptCodec`); `None` when it
+    /// cannot be exported.
+    fn codec_export(&self) -> Option<CodecExport> {
+        None
+    }
+    /// Changes to the prefix cache's block hashes after sequence number `after` (0 = a
+    /// snapshot), as `EngineHandle::prefix_cache_events`. Default: nothing cached (doubles).
+    fn prefix_cache_events(&self, after: u64) -> CacheEvents {
+        let _ = after;
+        CacheEvents::default()
     }
     /// Injects a fault (opt-in, `--enable-fault-injection`).
     ///
@@ -127,6 +152,8 @@ pub struct Replica {
     pub gpu_indices: Vec<u32>,
     state: Mutex<(ReplicaState, String)>,
     engine: OnceLock<Arc<dyn ReplicaEngine>>,
+    /// Built once from the loaded engine (`None` inside: the codec cannot be exported).
+    prompt_codec: OnceLock<Option<Arc<pb::PromptCodec>>>,
     in_flight: AtomicU32,
     tokens_in_flight: AtomicU64,
     idle: Notify,
@@ -134,6 +161,15 @@ pub struct Replica {
     pub abort: CancellationToken,
     /// When the replica was created on this worker.
     pub created: Instant,
+}
+
+/// Why a replica has no prompt codec to give.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CodecRefusal {
+    /// The engine is not loaded yet.
+    NotLoaded,
+    /// The engine cannot export its tokenizer / chat template (or does not say its block size).
+    NotExportable,
 }
 
 /// Why a replica refuses a request.
@@ -155,6 +191,7 @@ impl Replica {
             gpu_indices,
             state: Mutex::new((ReplicaState::Starting, String::new())),
             engine: OnceLock::new(),
+            prompt_codec: OnceLock::new(),
             in_flight: AtomicU32::new(0),
             tokens_in_flight: AtomicU64::new(0),
             idle: Notify::new(),
@@ -176,6 +213,44 @@ impl Replica {
     /// The engine, once loaded.
     pub fn engine(&self) -> Option<&Arc<dyn ReplicaEngine>> {
         self.engine.get()
+    }
+
+    /// The replica's prompt codec for routers (`GetPromptCodec`), built on first use from the
+    /// loaded engine and kept: the JSON of [`CodecExport`], its fingerprint, and the engine's
+    /// block size, cache namespace and whether prefix caching is on. The first call
+    /// serializes the tokenizer (milliseconds, blocking): call it from `spawn_blocking`
+    /// unless [`Replica::cached_prompt_codec`] already has it.
+    ///
+    /// # Errors
+    /// [`CodecRefusal`]: not loaded yet, or nothing to export.
+    pub fn prompt_codec(&self) -> Result<Arc<pb::PromptCodec>, CodecRefusal> {
+        let engine = self.engine.get().ok_or(CodecRefusal::NotLoaded)?;
+        let built = self.prompt_codec.get_or_init(|| {
+            let info = engine.model_info()?;
+            let export = engine.codec_export()?;
+            let json = match export.to_json() {
+                Ok(j) => j,
+                Err(e) => {
+                    tracing::warn!(replica = %self.id, error = %e, "prompt codec does not serialize");
+                    return None;
+                }
+            };
+            Some(Arc::new(pb::PromptCodec {
+                replica_id: self.id.0.clone(),
+                fingerprint: export.fingerprint(),
+                codec_json: json,
+                block_size: u32::try_from(info.block_size).unwrap_or(0),
+                cache_namespace: info.cache_namespace,
+                prefix_caching: info.prefix_caching,
+            }))
+        });
+        built.clone().ok_or(CodecRefusal::NotExportable)
+    }
+
+    /// The prompt codec if [`Replica::prompt_codec`] already built it (`Some(None)`: it
+    /// cannot be exported; `None`: not built yet).
+    pub fn cached_prompt_codec(&self) -> Option<Option<Arc<pb::PromptCodec>>> {
+        self.prompt_codec.get().cloned()
     }
 
     /// Admits one request: only a Ready replica with an engine takes new work.
@@ -243,7 +318,8 @@ impl Replica {
             free_kv_blocks: load.free_kv_blocks,
             total_kv_blocks: load.total_kv_blocks,
             block_size: load.block_size,
-            ..pb::LoadReport::default()
+            prefix_cache_queries: load.prefix_cache_queries_total,
+            prefix_cache_hits: load.prefix_cache_hits_total,
         })
     }
 
@@ -463,6 +539,17 @@ pub(crate) mod tests {
         let unknown = Replica::new("r2".into(), "d".into(), "m".into(), vec![0]);
         unknown.set_engine(Arc::new(Idle(None)));
         assert_eq!(unknown.status().max_model_len, 0);
+    }
+
+    /// No codec before the engine is loaded, none from an engine that cannot export one.
+    #[test]
+    fn prompt_codec_needs_a_loaded_exporting_engine() {
+        let r = Replica::new("r1".into(), "d".into(), "m".into(), vec![0]);
+        assert_eq!(r.prompt_codec().err(), Some(CodecRefusal::NotLoaded));
+        assert!(r.cached_prompt_codec().is_none());
+        r.set_engine(Arc::new(Idle(None)));
+        assert_eq!(r.prompt_codec().err(), Some(CodecRefusal::NotExportable));
+        assert_eq!(r.cached_prompt_codec(), Some(None), "the refusal is kept, not recomputed");
     }
 
     /// Every state change goes through the table: allowed ones are applied and reach the head

@@ -76,14 +76,16 @@ fn request_conversion_prompts_deadline_and_prior_ids() -> anyhow::Result<()> {
             sampling: None,
             request_id: "abc".into(),
             timeout_ms: Some(1500),
-            cache_salt: None,
+            cache_salt: Some("tenant-a".into()),
         }),
         now,
+        None,
     )?;
     assert!(matches!(&r.prompt, Prompt::TokenIds(ids) if *ids == vec![1, 2, 3]));
     assert_eq!(r.id.as_str(), "abc");
     assert_eq!(r.deadline, Some(now + Duration::from_millis(1500)));
     assert_eq!(r.prior_output_ids, vec![5, 6]);
+    assert_eq!(r.cache_salt.as_deref(), Some("tenant-a"));
 
     let chat = engine_request_from_proto(
         wreq(pb::GenerateRequest {
@@ -94,22 +96,62 @@ fn request_conversion_prompts_deadline_and_prior_ids() -> anyhow::Result<()> {
             ..Default::default()
         }),
         now,
+        None,
     )?;
     assert!(
         matches!(&chat.prompt, Prompt::Chat(m) if *m == vec![ChatMessage { role: "user".into(), content: "hi".into() }])
     );
     assert_eq!(chat.deadline, None, "timeout 0 = no deadline");
     assert!(!chat.id.as_str().is_empty(), "empty request id gets a fresh one");
+    assert_eq!(chat.cache_salt, None);
+    Ok(())
+}
+
+fn with_router_ids(ids: Vec<u32>, fingerprint: u64) -> pb::WorkerGenerateRequest {
+    pb::WorkerGenerateRequest {
+        prompt_token_ids: ids,
+        codec_fingerprint: fingerprint,
+        ..wreq(pb::GenerateRequest {
+            model: "m".into(),
+            prompt: Some(pb::generate_request::Prompt::Text("hello".into())),
+            ..Default::default()
+        })
+    }
+}
+
+/// The router's token ids replace the prompt only when they were computed with this
+/// replica's codec (same fingerprint); otherwise the worker tokenizes the prompt itself.
+#[test]
+fn router_token_ids_are_used_only_with_the_replicas_codec_fingerprint() -> anyhow::Result<()> {
+    let now = Instant::now();
+    let matched = engine_request_from_proto(with_router_ids(vec![1, 9, 9], 42), now, Some(42))?;
+    assert!(matches!(&matched.prompt, Prompt::TokenIds(ids) if *ids == vec![1, 9, 9]), "{:?}", matched.prompt);
+    for (fp_sent, ours) in [(41, Some(42)), (42, None), (0, Some(0))] {
+        let r = engine_request_from_proto(with_router_ids(vec![1, 9, 9], fp_sent), now, ours)?;
+        assert!(matches!(&r.prompt, Prompt::Text(t) if t == "hello"), "sent {fp_sent}, ours {ours:?}: {:?}", r.prompt);
+    }
+    // No ids: the prompt as sent, whatever the fingerprints.
+    let none = engine_request_from_proto(with_router_ids(vec![], 42), now, Some(42))?;
+    assert!(matches!(&none.prompt, Prompt::Text(t) if t == "hello"));
+    // Matching ids stand in for the prompt even when the request carries none.
+    let mut bare = with_router_ids(vec![3, 4], 7);
+    if let Some(req) = bare.request.as_mut() {
+        req.prompt = None;
+    }
+    let r = engine_request_from_proto(bare.clone(), now, Some(7))?;
+    assert!(matches!(&r.prompt, Prompt::TokenIds(ids) if *ids == vec![3, 4]));
+    assert_eq!(engine_request_from_proto(bare, now, Some(8)).err().map(|e| e.code()), Some(Code::InvalidArgument));
     Ok(())
 }
 
 #[test]
 fn missing_prompt_is_invalid_argument() {
-    let err = engine_request_from_proto(wreq(pb::GenerateRequest::default()), Instant::now()).err();
+    let err = engine_request_from_proto(wreq(pb::GenerateRequest::default()), Instant::now(), None).err();
     assert_eq!(err.map(|e| e.code()), Some(Code::InvalidArgument));
     let err = engine_request_from_proto(
         pb::WorkerGenerateRequest { replica_id: "r".into(), request: None, ..Default::default() },
         Instant::now(),
+        None,
     )
     .err();
     assert_eq!(err.map(|e| e.code()), Some(Code::InvalidArgument));

@@ -4,10 +4,17 @@
 use super::block_pool::{BlockPool, KvBlock};
 
 /// Blocks of one sequence. Dropping the table (finish, abort) or calling
-/// [`BlockTable::release`] (preemption) returns every block to the pool.
+/// [`BlockTable::release`] (preemption) returns every block to the pool, last block first
+/// (so the pool evicts a sequence's tail before its shared head).
 #[derive(Debug, Default)]
 pub struct BlockTable {
     blocks: Vec<KvBlock>,
+}
+
+impl Drop for BlockTable {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 impl BlockTable {
@@ -52,6 +59,16 @@ impl BlockTable {
         num_tokens.div_ceil(block_size).saturating_sub(self.blocks.len())
     }
 
+    /// Appends blocks (from [`BlockPool::allocate_with_prefix`]) after those held.
+    pub fn extend(&mut self, blocks: Vec<KvBlock>) {
+        self.blocks.extend(blocks);
+    }
+
+    /// The `i`-th block.
+    pub fn block(&self, i: usize) -> Option<&KvBlock> {
+        self.blocks.get(i)
+    }
+
     /// Physical block ids in position order.
     pub fn ids(&self) -> Vec<u32> {
         self.blocks.iter().map(KvBlock::id).collect()
@@ -63,9 +80,9 @@ impl BlockTable {
         block * block_size as u32 + (pos % block_size) as u32
     }
 
-    /// Frees every block (preemption by recompute).
+    /// Releases every block, last first (preemption by recompute).
     pub fn release(&mut self) {
-        self.blocks.clear();
+        while self.blocks.pop().is_some() {}
     }
 }
 
