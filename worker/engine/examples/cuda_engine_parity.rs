@@ -22,6 +22,13 @@
 //! 4. together with a 16-block KV cache (the first four prompts fill it, their decodes need more
 //!    blocks: preemption by recompute; at least one must happen).
 //!
+//! Scenarios 1–4 run with the prefix cache off, so each computes every prompt. With it on:
+//! 5. the prompts one at a time on a fresh engine (cold: every full block gets registered);
+//! 6. the same prompts again, together (warm: all full blocks but the one holding the last
+//!    token come from the cache; hits must be counted);
+//! 7. each prompt's first two thirds followed by its remaining tokens reversed, together (hits
+//!    ending mid-prompt), against the same prompts on the cache-off engine one at a time.
+//!
 //! When `reference.json` also has HF f32's greedy tokens for these prompts (`parity_greedy_f32`,
 //! `parity_margins_f32`), the one-at-a-time tokens are compared with them and, with
 //! `--both-modes`, the two modes with each other. These two checks are strict when HF's smallest
@@ -171,14 +178,29 @@ mod parity {
         chunked: Vec<Vec<u32>>,
         preempted: Vec<Vec<u32>>,
         preemptions: u64,
+        cold: Vec<Vec<u32>>,
+        warm: Vec<Vec<u32>>,
+        partial: Vec<Vec<u32>>,
+        partial_ref: Vec<Vec<u32>>,
+        prefix_hits: u64,
         seconds: f64,
+    }
+
+    /// Scenario 7's prompts: the first two thirds of each prompt, then its other tokens reversed.
+    fn partial_prompts(ps: &[Vec<u32>]) -> Vec<Vec<u32>> {
+        ps.iter()
+            .map(|p| {
+                let k = p.len() * 2 / 3;
+                p[..k].iter().chain(p[k..].iter().rev()).copied().collect()
+            })
+            .collect()
     }
 
     /// Runs the four scenarios; `prompts` is filled from the formula (the engine's vocabulary)
     /// when empty.
     fn run_mode(dir: &Path, prompts: &mut Option<Vec<Vec<u32>>>, invariant: bool) -> Result<ModeRun> {
         let t0 = Instant::now();
-        let e = start(dir, invariant, |_| {})?;
+        let e = start(dir, invariant, |c| c.enable_prefix_caching = false)?;
         let info = e.model_info();
         let ps: &[Vec<u32>] = prompts.get_or_insert_with(|| formula_prompts(info.vocab_size));
         println!(
@@ -190,16 +212,32 @@ mod parity {
         let alone = run(&e, ps, false)?;
         ensure!(alone.iter().all(|t| t.len() == NEW as usize), "short output: {alone:?}");
         let batched = run(&e, ps, true)?;
+        let partial_ps = partial_prompts(ps);
+        let partial_ref = run(&e, &partial_ps, false)?;
         wait_idle(&e)?;
         e.shutdown();
 
-        let chunked_e = start(dir, invariant, |c| c.max_num_batched_tokens = 7)?;
+        let pc = start(dir, invariant, |c| c.enable_prefix_caching = true)?;
+        let cold = run(&pc, ps, false)?;
+        let warm = run(&pc, ps, true)?;
+        let prefix_hits = pc.stats().prefix_cache_hits_total;
+        let partial = run(&pc, &partial_ps, true)?;
+        wait_idle(&pc)?;
+        pc.shutdown();
+
+        let chunked_e = start(dir, invariant, |c| {
+            c.max_num_batched_tokens = 7;
+            c.enable_prefix_caching = false;
+        })?;
         let chunked = run(&chunked_e, ps, true)?;
         wait_idle(&chunked_e)?;
         chunked_e.shutdown();
 
         let kv = 16 * 16 * info.kv_bytes_per_token as u64;
-        let tiny = start(dir, invariant, |c| c.kv_cache_bytes = Some(kv))?;
+        let tiny = start(dir, invariant, |c| {
+            c.kv_cache_bytes = Some(kv);
+            c.enable_prefix_caching = false;
+        })?;
         ensure!(tiny.model_info().num_kv_blocks == 16, "{:?}", tiny.model_info());
         let preempted = run(&tiny, ps, true)?;
         let preemptions = tiny.stats().num_preemptions_total;
@@ -213,6 +251,11 @@ mod parity {
             chunked,
             preempted,
             preemptions,
+            cold,
+            warm,
+            partial,
+            partial_ref,
+            prefix_hits,
             seconds: t0.elapsed().as_secs_f64(),
         })
     }
@@ -268,6 +311,10 @@ mod parity {
             checks.push((format!("{n}/chunked_prefill_7_tokens"), m.chunked == m.alone, true));
             checks.push((format!("{n}/preemption"), m.preempted == m.alone, true));
             checks.push((format!("{n}/preemptions_happened"), m.preemptions > 0, true));
+            checks.push((format!("{n}/prefix_cache_cold"), m.cold == m.alone, true));
+            checks.push((format!("{n}/prefix_cache_warm"), m.warm == m.alone, true));
+            checks.push((format!("{n}/prefix_cache_hits_counted"), m.prefix_hits > 0, true));
+            checks.push((format!("{n}/prefix_cache_partial"), m.partial == m.partial_ref, true));
             if let Some((hf, _)) = &r.hf {
                 checks.push((format!("{n}/alone_eq_hf_f32"), &m.alone == hf, confident));
             }
@@ -282,12 +329,15 @@ mod parity {
         if !pass {
             for m in &runs {
                 println!(
-                    "[{}]\nalone     {:?}\nbatched   {:?}\nchunked   {:?}\npreempted {:?}",
+                    "[{}]\nalone     {:?}\nbatched   {:?}\nchunked   {:?}\npreempted {:?}\nwarm      {:?}\npartial   {:?}\npart_ref  {:?}",
                     mode_name(m.invariant),
                     m.alone,
                     m.batched,
                     m.chunked,
-                    m.preempted
+                    m.preempted,
+                    m.warm,
+                    m.partial,
+                    m.partial_ref
                 );
             }
             if let Some((hf, _)) = &r.hf {
@@ -302,6 +352,7 @@ mod parity {
                 "modes": runs.iter().map(|m| json!({
                     "mode": mode_name(m.invariant), "batch_invariant": m.invariant, "kv_blocks": m.kv_blocks,
                     "preemptions": m.preemptions, "alone": m.alone, "seconds": m.seconds,
+                    "prefix_cache_hits": m.prefix_hits,
                 })).collect::<Vec<_>>(),
                 "checks": checks.iter().map(|(n, ok, strict)| json!({"name": n, "pass": ok, "strict": strict})).collect::<Vec<_>>(),
                 "pass": pass,
