@@ -70,6 +70,7 @@ fn try_admit(r: &ReplicaRoute, tokens: u64, cached: u64, released: &Arc<Notify>)
     r.stats.tokens.fetch_add(tokens, Ordering::Relaxed);
     r.stats.cached_tokens.fetch_add(cached, Ordering::Relaxed);
     r.stats.dispatched.fetch_add(1, Ordering::Relaxed);
+    r.stats.record_dispatch(std::time::Instant::now());
     Some(DispatchGuard { stats: r.stats.clone(), tokens, cached, released: Arc::clone(released) })
 }
 

@@ -44,11 +44,30 @@ pub struct ReplicaStats {
     pub cached_tokens: AtomicU64,
     /// Requests ever dispatched here (tests, debugging).
     pub dispatched: AtomicU64,
+    /// Dispatches decayed with a half-life of [`RECENT_HALF_LIFE`]: the replica's recent share
+    /// of this router's traffic (cache-aware routing's balance guard).
+    recent: std::sync::Mutex<Option<(f64, Instant)>>,
     failures: AtomicU32,
     ejected_until_ms: AtomicU64,
 }
 
+/// Half-life of [`ReplicaStats::recent_dispatches`].
+pub const RECENT_HALF_LIFE: Duration = Duration::from_secs(20);
+
 impl ReplicaStats {
+    /// Counts one dispatch in the decayed count.
+    pub fn record_dispatch(&self, now: Instant) {
+        let mut g = self.recent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let v = g.map_or(0.0, |(v, at)| decay(v, at, now));
+        *g = Some((v + 1.0, now));
+    }
+
+    /// Dispatches here, each weighted by `0.5^(age / RECENT_HALF_LIFE)`.
+    pub fn recent_dispatches(&self, now: Instant) -> f64 {
+        let g = self.recent.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        g.map_or(0.0, |(v, at)| decay(v, at, now))
+    }
+
     /// Whether the replica is out of rotation at `now_ms` (ms since the router's epoch).
     pub fn is_ejected(&self, now_ms: u64) -> bool {
         self.ejected_until_ms.load(Ordering::Relaxed) > now_ms
@@ -69,6 +88,10 @@ impl ReplicaStats {
             self.ejected_until_ms.store(0, Ordering::Relaxed);
         }
     }
+}
+
+fn decay(v: f64, at: Instant, now: Instant) -> f64 {
+    v * 0.5f64.powf(now.saturating_duration_since(at).as_secs_f64() / RECENT_HALF_LIFE.as_secs_f64())
 }
 
 /// One replica in the table.

@@ -18,10 +18,16 @@
 //!   (`--prefix-cache-weight`, default `config::DEFAULT_PREFIX_CACHE_WEIGHT` = 2: an uncached
 //!   prompt token costs prefill compute now and KV memory after, a token in flight mostly the
 //!   latter) sets how much imbalance a cached prefix outweighs.
-//! - Load guard (SGLang's balance thresholds, llm-d's and Dynamo's hot-prefix problem): a
-//!   replica whose load exceeds [`GUARD_RATIO`] × the candidates' mean plus the request's own
-//!   tokens (slack, so 1 request against 0 is not "hot") counts nothing cached: a shared
-//!   system prompt cannot pin all traffic to one replica.
+//! - Load guards (SGLang's balance thresholds, llm-d's and Dynamo's hot-prefix problem): a
+//!   replica counts nothing cached, so a shared system prompt cannot pin the traffic to the
+//!   replicas that computed it first, when
+//!   - its load exceeds [`GUARD_RATIO`] × the candidates' mean plus the request's own tokens
+//!     (slack, so 1 request against 0 is not "hot"): a burst piling up on it now; or
+//!   - its recent dispatches (this router's, decayed with a 20 s half-life:
+//!     `ReplicaStats::recent_dispatches`) exceed [`SHARE_GUARD_RATIO`] × the candidates' mean
+//!     plus one request: a steady share above its due, which at low concurrency never shows
+//!     as load (one request at a time everywhere) yet leaves a replica idle. The cold replica
+//!     then takes a request, computes the prefix once, and competes on equal terms after.
 //! - Ties (equal cost) fall to a random candidate, so replicas with equal prefixes split by
 //!   load and equal loads split at random.
 //!
@@ -44,6 +50,10 @@ use crate::routes::ReplicaRoute;
 
 /// A replica loaded beyond this multiple of the mean (plus slack) gets no cache preference.
 pub const GUARD_RATIO: f64 = 1.5;
+/// A replica whose recent dispatches exceed this multiple of the mean (plus one) gets no cache
+/// preference. Below 1.5, so that two of three replicas sharing all traffic (each at 1.5× the
+/// mean) are both over it and the third gets its turn.
+pub const SHARE_GUARD_RATIO: f64 = 1.25;
 
 /// The cache-aware policy.
 #[derive(Clone)]
@@ -75,12 +85,15 @@ impl PrefixAware {
         let loads: Vec<u64> = candidates.iter().map(|r| load(r)).collect();
         let mean = loads.iter().sum::<u64>() as f64 / loads.len() as f64;
         let guard = GUARD_RATIO * mean + hint.expected_tokens as f64;
+        let recent: Vec<f64> = candidates.iter().map(|r| r.stats.recent_dispatches(now)).collect();
+        let share_guard = SHARE_GUARD_RATIO * recent.iter().sum::<f64>() / recent.len() as f64 + 1.0;
         let scored = matched
             .iter()
             .zip(&loads)
-            .map(|(m, &load)| {
+            .zip(&recent)
+            .map(|((m, &load), &recent)| {
                 let (p, cached) = m.unwrap_or((prompt, 0));
-                let hot = load as f64 > guard;
+                let hot = load as f64 > guard || recent > share_guard;
                 let counted = if hot { 0 } else { cached };
                 Scored { cached, hot, cost: self.weight * (p - counted) as f64 + load as f64 }
             })

@@ -1,6 +1,10 @@
 //! Engine benchmark on the bundled model: prefill tokens/s for a 512-token
 //! prompt, TTFT, decode tokens/s at batch 1, 8 and 32 (continuous batching, aggregate),
 //! resident memory and KV-cache bytes per token. Compare with `bench/llama_cpp_engine.py`.
+//! Those run with the prefix cache off (the prefill figure repeats one prompt). Then the
+//! prefix cache's overhead where it cannot help: a random trace (64 prompts of 192 random
+//! token ids, 32 tokens each, all at once) on fresh engines with the cache on and off, in the
+//! order on, off, off, on so that drift in the machine's load cancels out of the means.
 //!
 //! Run: `cargo bench -p prism-engine --bench engine` (or `--profile dev`, whose engine and
 //! dependencies are optimised too). Env: `PRISM_MODEL` (default: the bundled GGUF),
@@ -72,7 +76,8 @@ fn main() -> Result<()> {
     let load = Instant::now();
     let mut cfg = EngineConfig::new(&model);
     cfg.max_num_seqs = 64;
-    let e = EngineHandle::start(cfg, None)?;
+    cfg.enable_prefix_caching = false;
+    let e = EngineHandle::start(cfg.clone(), None)?;
     let load_s = load.elapsed().as_secs_f64();
     let info = e.model_info();
     let codec = e.codec();
@@ -124,7 +129,43 @@ fn main() -> Result<()> {
     println!("| resident memory | {rss_mib:.0} MiB (peak {hwm_mib:.0} MiB, KV cache reserved up front) |");
     println!("| KV bytes per token | {} |", info.kv_bytes_per_token);
     println!("| preemptions during run | {} |", st.num_preemptions_total);
+
+    let mut on = Vec::new();
+    let mut off = Vec::new();
+    for (i, cache) in [true, false, false, true].into_iter().enumerate() {
+        let mut c = cfg.clone();
+        c.enable_prefix_caching = cache;
+        let tps = random_trace(c, info.vocab_size, 1 + i as u64 / 2)?;
+        if cache { on.push(tps) } else { off.push(tps) }
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    println!(
+        "| random trace (64 x 192 tokens, 32 out), prefix cache on / off | {:.1} / {:.1} output tokens/s ({:.3}x; runs on {on:.1?}, off {off:.1?}) |",
+        mean(&on),
+        mean(&off),
+        mean(&on) / mean(&off)
+    );
     Ok(())
+}
+
+/// Output tokens/s of the random trace on a fresh engine: every request at once, wall time
+/// from the first submission to the last token.
+fn random_trace(cfg: EngineConfig, vocab: usize, seed: u64) -> Result<f64> {
+    let e = EngineHandle::start(cfg, None)?;
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % (vocab as u64 - 1)) as u32 + 1
+    };
+    let prompts: Vec<Vec<u32>> = (0..64).map(|_| (0..192).map(|_| next()).collect()).collect();
+    let t0 = Instant::now();
+    let handles: Vec<_> = prompts.into_iter().map(|p| collect(&e, p, 32)).collect::<Result<_>>()?;
+    let tokens: usize = handles.into_iter().map(|h| h.join().unwrap_or_default().len()).sum();
+    let wall = t0.elapsed().as_secs_f64();
+    e.shutdown();
+    Ok(tokens as f64 / wall)
 }
 
 fn rayon_threads() -> usize {

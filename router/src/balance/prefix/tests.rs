@@ -148,12 +148,12 @@ fn a_burst_sticks_before_the_engine_confirms() {
     assert!(first.cache.index().expected_len(Instant::now()) > 0, "hashes recorded at dispatch");
     assert_eq!(first.stats.cached_tokens.load(Ordering::Relaxed), 0, "the first one computes the prefix");
     let mut guards = vec![g];
-    for n in 1..10 {
-        let (r, g) = select(&snap, "m", &[], 0, &p, &h).expect("admitted");
-        assert_eq!(r.replica_id, first.replica_id, "request {n} of the burst");
-        guards.push(g);
-    }
-    assert_eq!(first.stats.cached_tokens.load(Ordering::Relaxed), 9 * u64::from(PROMPT));
+    // The second follows the first before the engine confirms anything; the third finds the
+    // first replica over its share of recent dispatches (two of three against none elsewhere).
+    let (r, g) = select(&snap, "m", &[], 0, &p, &h).expect("admitted");
+    assert_eq!(r.replica_id, first.replica_id, "request 2 of the burst");
+    guards.push(g);
+    assert_eq!(first.stats.cached_tokens.load(Ordering::Relaxed), u64::from(PROMPT));
     // Each request there still adds its decode tokens: the burst spills over at last.
     let spilled = (0..40).any(|_| {
         let (r, g) = select(&snap, "m", &[], 0, &p, &h).expect("admitted");
@@ -163,4 +163,27 @@ fn a_burst_sticks_before_the_engine_confirms() {
     assert!(spilled, "one replica took the whole burst");
     drop(guards);
     assert_eq!(first.stats.cached_tokens.load(Ordering::Relaxed), 0, "released with the requests");
+}
+
+#[test]
+fn a_shared_prefix_spreads_over_every_replica() {
+    // One system prompt for everything, one request at a time (no load ever shows): without the
+    // share guard the replicas that computed it first would take every request.
+    let routes = table(3);
+    let m = Metrics::new();
+    let p = PrefixAware::new(DEFAULT_WEIGHT, m.clone());
+    let snap = routes.snapshot();
+    let h = hint(5);
+    let mut per = [0usize; 3];
+    for _ in 0..60 {
+        let (r, g) = select(&snap, "m", &[], 0, &p, &h).expect("admitted");
+        let i = snap.models["m"].iter().position(|x| x.replica_id == r.replica_id).expect("listed");
+        per[i] += 1;
+        cache_on(&routes, i, &h); // the engine confirms the prefix
+        drop(g);
+    }
+    let max = *per.iter().max().expect("three") as f64;
+    assert!(max <= 1.5 * 20.0, "requests per replica {per:?}");
+    assert!(per.iter().all(|&n| n > 0), "requests per replica {per:?}");
+    assert!(decisions(&m, "prefix_hit") >= 50.0, "hits: {}", decisions(&m, "prefix_hit"));
 }
