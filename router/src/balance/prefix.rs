@@ -28,8 +28,9 @@
 //!     plus one request: a steady share above its due, which at low concurrency never shows
 //!     as load (one request at a time everywhere) yet leaves a replica idle. The cold replica
 //!     then takes a request, computes the prefix once, and competes on equal terms after.
-//! - Ties (equal cost) fall to a random candidate, so replicas with equal prefixes split by
-//!   load and equal loads split at random.
+//! - Ties (equal cost) fall to the candidate with the fewest recent dispatches, then to a
+//!   random one: cold requests at an idle moment even out the replicas' shares, so the share
+//!   guard below rarely has to break a prefix's affinity.
 //!
 //! Candidates are those `balance::select` admits (Ready, not ejected, below their limit):
 //! capacity and the admission queue stay as they are. Replicas without a codec count no
@@ -68,6 +69,7 @@ struct Scored {
     cached: u64,
     hot: bool,
     cost: f64,
+    recent: f64,
 }
 
 impl PrefixAware {
@@ -95,7 +97,7 @@ impl PrefixAware {
                 let (p, cached) = m.unwrap_or((prompt, 0));
                 let hot = load as f64 > guard || recent > share_guard;
                 let counted = if hot { 0 } else { cached };
-                Scored { cached, hot, cost: self.weight * (p - counted) as f64 + load as f64 }
+                Scored { cached, hot, cost: self.weight * (p - counted) as f64 + load as f64, recent }
             })
             .collect();
         Some((scored, prompt))
@@ -115,10 +117,13 @@ fn cached_on(r: &ReplicaRoute, keys: &PrefixKeys, now: Instant) -> Option<(u64, 
     })
 }
 
-/// Index of the lowest cost, a random one among equals.
+/// Index of the lowest cost; among equals the fewest recent dispatches (within half a
+/// request), then a random one.
 fn cheapest(scored: &[Scored]) -> usize {
     let best = scored.iter().map(|s| s.cost).fold(f64::INFINITY, f64::min);
-    let ties: Vec<usize> = (0..scored.len()).filter(|&i| scored[i].cost <= best).collect();
+    let tied = |i: &usize| scored[*i].cost <= best;
+    let fewest = (0..scored.len()).filter(tied).map(|i| scored[i].recent).fold(f64::INFINITY, f64::min);
+    let ties: Vec<usize> = (0..scored.len()).filter(|i| tied(i) && scored[*i].recent <= fewest + 0.5).collect();
     if ties.len() <= 1 {
         return ties.first().copied().unwrap_or(0);
     }

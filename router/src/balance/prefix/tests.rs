@@ -187,3 +187,32 @@ fn a_shared_prefix_spreads_over_every_replica() {
     assert!(per.iter().all(|&n| n > 0), "requests per replica {per:?}");
     assert!(decisions(&m, "prefix_hit") >= 50.0, "hits: {}", decisions(&m, "prefix_hit"));
 }
+
+#[test]
+fn families_of_repeats_keep_their_replica() {
+    // 50 prompt families, each sent 4 times in a row, one request at a time, on 2 replicas: the
+    // first of a family computes its prefix, the 3 repeats should find it. Cold picks going to the
+    // replica with fewer recent dispatches keep the shares even, so the share guard rarely fires.
+    let routes = table(2);
+    let p = PrefixAware::new(DEFAULT_WEIGHT, Metrics::new());
+    let snap = routes.snapshot();
+    let mut misses = 0;
+    for f in 0..50 {
+        let h = hint(100 + f);
+        let mut home = None;
+        for _ in 0..4 {
+            let (r, g) = select(&snap, "m", &[], 0, &p, &h).expect("admitted");
+            let i = snap.models["m"].iter().position(|x| x.replica_id == r.replica_id).expect("listed");
+            match home {
+                None => home = Some(i),
+                Some(h) if h != i => misses += 1,
+                Some(_) => {}
+            }
+            cache_on(&routes, i, &h);
+            drop(g);
+        }
+    }
+    let per: Vec<u64> = snap.models["m"].iter().map(|r| r.stats.dispatched.load(Ordering::Relaxed)).collect();
+    assert!(misses <= 3, "{misses} of 150 repeats left their family's replica; dispatches {per:?}");
+    assert!(per.iter().all(|&n| n >= 80), "dispatches {per:?}");
+}
