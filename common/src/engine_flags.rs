@@ -52,10 +52,15 @@ pub struct EngineFlags {
     /// Context length in tokens (default: the model's own).
     #[arg(long, env = "PRISM_MAX_MODEL_LEN")]
     pub max_model_len: Option<u32>,
-    /// GPUs per replica: tensor-parallel ranks, at least 1.
+    /// Tensor-parallel ranks per pipeline stage, at least 1 (each rank holds 1/N of every
+    /// layer's attention heads, KV heads and MLP columns: N must divide them).
     #[arg(long, env = "PRISM_TENSOR_PARALLEL_SIZE", default_value_t = 1)]
     #[serde(default = "one")]
     pub tensor_parallel_size: u32,
+    /// Pipeline stages per replica (default 1); each stage holds a contiguous range of layers.
+    /// A replica uses tensor_parallel_size x pipeline_parallel_size GPUs (CPU slots on CPU nodes).
+    #[arg(long, env = "PRISM_PIPELINE_PARALLEL_SIZE")]
+    pub pipeline_parallel_size: Option<u32>,
     /// Fraction of GPU memory for weights + KV cache on the CUDA backend, in (0, 1]
     /// (default 0.9).
     #[arg(long, env = "PRISM_GPU_MEMORY_UTILIZATION")]
@@ -106,6 +111,7 @@ impl Default for EngineFlags {
         Self {
             max_model_len: None,
             tensor_parallel_size: one(),
+            pipeline_parallel_size: None,
             gpu_memory_utilization: None,
             batch_invariant: false,
             max_num_seqs: None,
@@ -155,6 +161,7 @@ impl EngineFlags {
             model: model.into(),
             served_model_name: served_model_name.into(),
             tensor_parallel_size: self.tensor_parallel_size,
+            pipeline_parallel_size: self.pipeline_parallel_size,
             max_model_len: self.max_model_len,
             block_size: self.block_size,
             max_num_seqs: self.max_num_seqs,
@@ -189,6 +196,7 @@ pub fn unset_zeros(engine: &mut pb::EngineConfig) {
     clear(&mut engine.gpu_memory_utilization);
     clear(&mut engine.kv_cache_bytes);
     clear(&mut engine.max_in_flight);
+    clear(&mut engine.pipeline_parallel_size);
 }
 
 #[cfg(test)]

@@ -103,6 +103,7 @@ async fn session(
                         reason: String::new(),
                         gpu_indices: s.gpu_indices,
                         max_model_len: 0,
+                        ..ReplicaStatus::default()
                     },
                 );
             }

@@ -248,6 +248,7 @@ fn start_cmd(id: &str, model: &str) -> head_message::Msg {
             ..Default::default()
         }),
         gpu_indices: vec![0],
+        ..Default::default()
     })
 }
 

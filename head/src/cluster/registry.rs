@@ -335,6 +335,7 @@ pub fn send_start(st: &mut State, rid: &ReplicaId) {
         deployment: rec.deployment.clone(),
         engine: Some(engine),
         gpu_indices: rec.gpu_indices.clone(),
+        ..StartReplica::default()
     };
     if st.send(&node, head_message::Msg::Start(start)) {
         st.mark_started(&node, rid);

@@ -93,6 +93,8 @@ pub struct EngineConfig {
     pub max_pending_requests: usize,
     /// Automatic prefix caching (on by default, as in vLLM).
     pub enable_prefix_caching: bool,
+    /// Tensor/pipeline parallelism and where the ranks run (default: one rank, in-process).
+    pub parallel: super::parallel::ParallelConfig,
 }
 
 impl EngineConfig {
@@ -115,6 +117,7 @@ impl EngineConfig {
             batch_invariant: false,
             max_pending_requests: rt.max_pending_requests,
             enable_prefix_caching: rt.enable_prefix_caching,
+            parallel: super::parallel::ParallelConfig::default(),
         }
     }
 

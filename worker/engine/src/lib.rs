@@ -16,6 +16,8 @@
 //! - [`scheduler`], [`sampler`], [`detokenizer`], `step_loop`: the step loop's parts.
 //! - [`backend::StepControl`]: stop requests and in-step progress shared by the handle, the
 //!   step loop and the backend; each replica computes on its own rayon pool.
+//! - [`parallel`]: tensor and pipeline parallelism with ranks as processes (communicator,
+//!   rank process, driver).
 //! - [`metrics`]: engine statistics and latency histograms for the worker's `vllm:*` metrics.
 
 pub mod backend;
@@ -28,6 +30,7 @@ pub mod handle;
 pub mod kv_cache;
 pub mod metrics;
 pub mod model;
+pub mod parallel;
 pub mod request;
 pub mod sampler;
 pub mod scheduler;

@@ -335,6 +335,7 @@ impl Replica {
             reason,
             gpu_indices: self.gpu_indices.clone(),
             max_model_len,
+            ..pb::ReplicaStatus::default()
         }
     }
 }
