@@ -53,6 +53,7 @@ mod nccl;
 pub mod options;
 mod runner;
 mod scratch;
+pub mod stage;
 pub mod tp;
 mod weights;
 

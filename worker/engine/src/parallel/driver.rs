@@ -34,6 +34,13 @@ pub struct ParallelConfig {
     pub collective_timeout: Duration,
     /// Micro-batches per step with pipeline parallelism (`None` = the number of stages).
     pub micro_batches: Option<usize>,
+    /// Rank 0 runs in the driver's process (the default). `false`: rank 0 is a child process
+    /// too and the driver only schedules (vLLM's multiprocessing executor); this is how the
+    /// rank-process overhead of a one-rank replica is measured.
+    pub rank0_in_process: bool,
+    /// CUDA ranks sum and pass activations through the host communicator (staged through
+    /// host memory) instead of NCCL: several ranks on one device (NCCL refuses that), tests.
+    pub host_collectives: bool,
 }
 
 impl Default for ParallelConfig {
@@ -46,6 +53,8 @@ impl Default for ParallelConfig {
             join_timeout: Duration::from_secs(600),
             collective_timeout: Duration::from_secs(30),
             micro_batches: None,
+            rank0_in_process: true,
+            host_collectives: false,
         }
     }
 }

@@ -95,6 +95,8 @@ pub struct InitSpec {
     pub nccl_unique_id: Option<Vec<u8>>,
     /// Threads of the rank's compute pool (`None` = every core / the backend's default).
     pub engine_threads: Option<usize>,
+    /// CUDA: collectives and activations through the host communicator instead of NCCL.
+    pub host_collectives: bool,
 }
 
 /// Everything a rank needs to build its [`StageBackend`].
