@@ -58,7 +58,7 @@ fn contribution(rank: usize, len: usize) -> Vec<f32> {
 
 #[test]
 fn all_reduce_sums_in_rank_order_bitwise_equal_on_every_member() {
-    for algorithm in [AllReduceAlgorithm::GatherAll, AllReduceAlgorithm::ReduceBroadcast] {
+    for algorithm in [AllReduceAlgorithm::Auto, AllReduceAlgorithm::GatherAll, AllReduceAlgorithm::ReduceBroadcast] {
         for n in 2..=4 {
             let mut comms = mesh(n, Duration::from_secs(20));
             comms.iter_mut().for_each(|c| c.set_all_reduce_algorithm(algorithm));
@@ -165,6 +165,13 @@ fn a_peer_whose_comm_is_dropped_is_gone_at_once() {
     assert!(matches!(err, CommError::PeerGone { peer: 2, .. }), "got {err:?}");
     assert!(start.elapsed() < Duration::from_millis(200), "noticed after {:?}", start.elapsed());
     let err = comm.send(1, &[1.0]).expect_err("failed stays failed");
+    assert!(matches!(err, CommError::PeerGone { peer: 2, .. }), "got {err:?}");
+    // Rank 1, fresh: a send to the dead rank may still be taken by the kernel (a send returns
+    // once the transport has it), but by the next operation the closed connection is seen.
+    let mut rank1 = comms.remove(0);
+    thread::sleep(Duration::from_millis(50));
+    let _ = rank1.send(2, &[1.0; 576]);
+    let err = rank1.send(2, &[1.0; 576]).expect_err("rank 2 is gone");
     assert!(matches!(err, CommError::PeerGone { peer: 2, .. }), "got {err:?}");
 }
 

@@ -282,17 +282,22 @@ fn accept_handshake(
     Some(peer)
 }
 
-/// How [`HostComm`] computes an all-reduce; both sum in ascending group order, so the result
-/// is bitwise the same either way.
+/// How [`HostComm`] computes an all-reduce; all sum in ascending group order, so the result
+/// is bitwise the same whichever is used.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AllReduceAlgorithm {
-    /// Every member sends its buffer to every other member and sums all of them itself: one
-    /// network hop, `n-1` sends per member (the default: on loopback and for the hidden
-    /// states of a step, latency is what counts; see docs/benchmarks.md).
+    /// Gather-all for a group of two, reduce-broadcast for more: the faster of the two at
+    /// the sizes a step moves on a 2-core host (docs/benchmarks.md, "Host communicator
+    /// (CPU)"). With two members both move the same bytes and gather-all saves a hop; with
+    /// more, the ranks share the cores and gather-all's `n(n-1)` transfers cost more than
+    /// reduce-broadcast's second hop.
     #[default]
+    Auto,
+    /// Every member sends its buffer to every other member and sums all of them itself: one
+    /// network hop, `n(n-1)` transfers and `n` sums in all.
     GatherAll,
     /// `group[0]` receives every contribution, sums them and sends the result back: two hops,
-    /// but `2(n-1)` transfers in all instead of `n(n-1)`.
+    /// `2(n-1)` transfers and one sum.
     ReduceBroadcast,
 }
 
@@ -486,7 +491,13 @@ impl HostComm {
         let deadline = Instant::now() + self.timeout;
         loop {
             for out in outgoing.iter_mut().filter(|o| !o.done()) {
-                write_some(self.peers[out.peer].as_mut().expect("outgoing peer is connected"), out)?;
+                let peer = self.peers[out.peer].as_mut().expect("outgoing peer is connected");
+                // A peer whose connection ended is gone for sends too (its socket would take a
+                // small frame into a buffer no one reads).
+                if let Some(why) = &peer.gone {
+                    return Err(CommError::PeerGone { peer: out.peer, message: why.clone() });
+                }
+                write_some(peer, out)?;
             }
             for peer in self.peers.iter_mut().flatten() {
                 peer.drain();
@@ -670,8 +681,12 @@ impl Communicator for HostComm {
             c.check_group(group)?;
             match (group.len(), c.algorithm) {
                 (1, _) => Ok(()),
-                (_, AllReduceAlgorithm::GatherAll) => c.all_reduce_gather_all(group, buf),
-                (_, AllReduceAlgorithm::ReduceBroadcast) => c.all_reduce_reduce_broadcast(group, buf),
+                (2, AllReduceAlgorithm::Auto) | (_, AllReduceAlgorithm::GatherAll) => {
+                    c.all_reduce_gather_all(group, buf)
+                }
+                (_, AllReduceAlgorithm::Auto | AllReduceAlgorithm::ReduceBroadcast) => {
+                    c.all_reduce_reduce_broadcast(group, buf)
+                }
             }
         })
     }
