@@ -269,3 +269,52 @@ fn setup_refuses_a_stray_connection_and_still_forms() {
     let l = HostCommListener::bind(LOOPBACK, "127.0.0.1").expect("bind");
     assert!(matches!(l.connect(2, &addresses, Duration::from_secs(1)), Err(CommError::Invalid(_))));
 }
+
+const CHILD_ENV: &str = "PRISM_TEST_COMM_RANK0";
+
+/// Rank 1 as a process of its own (this test binary again, all-reducing with rank 0 until an
+/// error), frozen with SIGSTOP: rank 0 times out naming it.
+#[test]
+fn a_frozen_rank_process_times_out() {
+    if let Ok(rank0) = std::env::var(CHILD_ENV) {
+        let listener = HostCommListener::bind(LOOPBACK, "127.0.0.1").expect("bind");
+        let addresses = [rank0, listener.address().to_string()];
+        let mut comm = listener.connect(1, &addresses, Duration::from_secs(10)).expect("mesh");
+        while comm.all_reduce_sum(&[0, 1], &mut [1.0; 576]).is_ok() {}
+        std::process::exit(0);
+    }
+    // Also the setup bound: the child process has this long to start and connect.
+    let timeout = Duration::from_secs(2);
+    let listener = HostCommListener::bind(LOOPBACK, "127.0.0.1").expect("bind");
+    let address = listener.address().to_string();
+    let mut child = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "a_frozen_rank_process_times_out", "--test-threads=1"])
+        .env(CHILD_ENV, &address)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start rank 1");
+    let pid = nix::unistd::Pid::from_raw(child.id().cast_signed());
+    let mut comm = listener.connect(0, &[address, String::new()], timeout).expect("mesh with the rank process");
+    let mut buf = [2.0; 576];
+    comm.all_reduce_sum(&[0, 1], &mut buf).expect("all-reduce with a live rank");
+    assert_eq!(buf[0], 3.0);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    // The signal is asynchronous: wait until the process is stopped ("T" in /proc/<pid>/stat).
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T')))
+    };
+    let wait_start = Instant::now();
+    while !stopped() && wait_start.elapsed() < Duration::from_secs(5) {
+        thread::sleep(Duration::from_millis(5));
+    }
+    assert!(stopped(), "rank 1 did not stop");
+    // Rank 1 may have sent its next contribution before it stopped; the one after never comes.
+    let start = Instant::now();
+    let err = (0..2).find_map(|_| comm.all_reduce_sum(&[0, 1], &mut [1.0; 576]).err()).expect("rank 1 is frozen");
+    let took = start.elapsed();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(matches!(err, CommError::Timeout { peer: 1, .. }), "got {err:?}");
+    assert!(took >= timeout && took < timeout + Duration::from_millis(300), "timed out after {took:?}");
+}
