@@ -247,13 +247,18 @@ fn setup_refuses_a_stray_connection_and_still_forms() {
     hello.extend_from_slice(&5u32.to_le_bytes());
     hello.extend_from_slice(&2u32.to_le_bytes());
     std::io::Write::write_all(&mut stray, &hello).expect("stray hello");
+    // And one that never says anything: refused after a short wait, not at the setup timeout.
+    let _silent = TcpStream::connect(&addresses[0]).expect("silent connect");
     let mut it = listeners.into_iter();
     let (l0, l1) = (it.next().expect("0"), it.next().expect("1"));
     let a = addresses.clone();
+    let setup_start = Instant::now();
     let r0 = thread::spawn(move || l0.connect(0, &a, Duration::from_secs(5)));
     thread::sleep(Duration::from_millis(100));
     let mut c1 = l1.connect(1, &addresses, Duration::from_secs(5)).expect("rank 1 joins");
     let mut c0 = r0.join().expect("rank 0").expect("rank 0 forms the mesh");
+    let setup = setup_start.elapsed();
+    assert!(setup < Duration::from_secs(3), "the silent connection held the setup up for {setup:?}");
     let t = thread::spawn(move || {
         let mut b = [2.0f32];
         c1.all_reduce_sum(&[0, 1], &mut b).map(|_| b[0])

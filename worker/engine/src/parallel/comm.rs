@@ -265,7 +265,10 @@ fn accept_handshake(
     streams: &[Option<TcpStream>],
     deadline: Instant,
 ) -> Option<usize> {
-    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    // A rank writes its handshake right after connecting; a connection that stays silent (not
+    // a rank) must not hold up the others' for the whole setup timeout.
+    let left =
+        deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(1), Duration::from_secs(1));
     stream.set_nonblocking(false).ok()?;
     stream.set_read_timeout(Some(left)).ok()?;
     stream.set_write_timeout(Some(left)).ok()?;
