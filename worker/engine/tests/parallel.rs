@@ -288,3 +288,71 @@ fn cpu_stages_on_threads_match_the_unsharded_backend() -> Result<()> {
     }
     Ok(())
 }
+
+/// One group of rank processes at a time (the fault tests count processes).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Live rank processes (by their `PRISM_RANK_SPEC`): `(pid, rank)` of those whose spec
+/// names `rendezvous`, or of this process's children when `None`.
+fn rank_processes(rendezvous: Option<&str>) -> Vec<(u32, usize)> {
+    let me = std::process::id().to_string();
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(env) = std::fs::read(entry.path().join("environ")) else { continue };
+        let Some(spec) = env
+            .split(|&b| b == 0)
+            .find_map(|kv| kv.strip_prefix(b"PRISM_RANK_SPEC=").map(|v| String::from_utf8_lossy(v).into_owned()))
+        else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        // pid (comm) state ppid ...: fields after the last ')'.
+        let after = stat.rsplit_once(')').map_or("", |(_, a)| a);
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        if fields.first() == Some(&"Z") {
+            continue;
+        }
+        let ours = match rendezvous {
+            Some(r) => spec.contains(&format!("\"rendezvous\":\"{r}\"")),
+            None => fields.get(1) == Some(&me.as_str()),
+        };
+        if ours {
+            let v: serde_json::Value = serde_json::from_str(&spec).unwrap_or_default();
+            found.push((pid, v["rank"].as_u64().unwrap_or(u64::MAX) as usize));
+        }
+    }
+    found
+}
+
+fn start_group(path: &PathBuf, sizes: ParallelSizes, micro: Option<usize>) -> Result<ParallelBackend> {
+    let cfg = ParallelConfig { micro_batches: micro, ..parallel_config(sizes) };
+    let m = load(path)?;
+    let kv = prism_engine::parallel::driver::rank_kv_budget(KV_BYTES, &m.config, sizes, BLOCK);
+    Ok(ParallelBackend::start(&cfg, init_spec(path, sizes, kv), StepControl::default())?)
+}
+
+#[test]
+fn rank_process_groups_match_the_unsharded_backend() -> Result<()> {
+    let Some(path) = model_path()? else { return Ok(()) };
+    let _serial = serial();
+    let s = script(load(&path)?, 3)?;
+    for (tp, pp, micro) in [(3, 1, None), (1, 2, None), (1, 3, Some(2)), (3, 2, None)] {
+        let sizes = ParallelSizes::new(tp, pp);
+        let started = Instant::now();
+        let mut group = start_group(&path, sizes, micro)?;
+        let load_time = started.elapsed();
+        assert_eq!(group.rank_pids().len(), sizes.world_size() - 1, "rank 0 runs in this process");
+        assert_eq!(group.num_kv_blocks(), (KV_BYTES / (30 * 2 * 192 * 4 * BLOCK as u64)) as usize);
+        let got: Vec<Logits> = s.batches.iter().map(|b| group.forward(b)).collect::<Result<_, _>>()?;
+        compare(&format!("rank processes TP={tp} PP={pp} (loaded in {load_time:?})"), &got, &s.reference)?;
+        let address = group.rendezvous_address().to_owned();
+        drop(group);
+        ensure!(rank_processes(Some(&address)).is_empty(), "rank processes left after the group was dropped");
+    }
+    Ok(())
+}
