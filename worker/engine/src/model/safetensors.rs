@@ -142,6 +142,58 @@ impl SafetensorsFiles {
         }
         Ok(bytes.len())
     }
+
+    /// Appends the block `rows × cols` of the 2-D tensor `name` (stored `[shape[0], shape[1]]`,
+    /// row-major) to `out` as bf16, row by row, converting as [`SafetensorsFiles::append_bf16`];
+    /// returns the bytes read. A tensor-parallel shard takes whole rows (q/k/v, gate/up) or a
+    /// column range of every row (o_proj, down_proj) this way, straight from the mmap.
+    ///
+    /// # Errors
+    /// As [`SafetensorsFiles::append_bf16`]; [`ModelError::Shard`] when the block is outside
+    /// the tensor.
+    pub fn append_bf16_block(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        out: &mut Vec<bf16>,
+    ) -> Result<usize, ModelError> {
+        let (info, bytes) = self.raw(name)?.ok_or_else(|| ModelError::MissingTensor { name: name.to_owned() })?;
+        if info.shape != shape {
+            return Err(ModelError::Shape {
+                name: name.to_owned(),
+                expected: shape.to_vec(),
+                actual: info.shape.clone(),
+            });
+        }
+        if rows.start > rows.end || rows.end > shape[0] || cols.start > cols.end || cols.end > shape[1] {
+            return Err(ModelError::Shard(format!(
+                "{name}: block rows {rows:?} x cols {cols:?} is outside its shape {shape:?}"
+            )));
+        }
+        let es = match info.dtype {
+            Dtype::BF16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+            other => return Err(ModelError::TensorType { name: name.to_owned(), ty: format!("{other:?}") }),
+        };
+        let mut read = 0;
+        for r in rows {
+            let a = (r * shape[1] + cols.start) * es;
+            let b = (r * shape[1] + cols.end) * es;
+            let row = bytes.get(a..b).ok_or_else(|| ModelError::TensorBounds { name: name.to_owned() })?;
+            match info.dtype {
+                Dtype::BF16 => out.extend(row.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]))),
+                Dtype::F16 => {
+                    out.extend(row.chunks_exact(2).map(|c| bf16::from_f32(f16::from_le_bytes([c[0], c[1]]).to_f32())))
+                }
+                _ => out
+                    .extend(row.chunks_exact(4).map(|c| bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))),
+            }
+            read += row.len();
+        }
+        Ok(read)
+    }
 }
 
 /// A Hugging Face model directory opened without reading its weights: configuration,
