@@ -6,6 +6,7 @@ use prism_worker::{Args, WorkerConfig};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    prism_engine::parallel::rank::exit_if_rank();
     prism_common::telemetry::init_logging();
     let args = Args::parse();
     let (listen, http_listen) = (args.listen, args.http_listen);
