@@ -8,7 +8,7 @@
 # with summary.json (scripts/gpu/summarize.py); RESULTS=bench/cuda/runN copies the summary there.
 # Every step has its own timeout. PARTS picks the steps (default all three; the whole run can
 # take more than one 10-minute command: run "parity" and "speed bench" as two commands).
-#   usage (repo root): [OUT=dir] [BIN=.gpu-bin] [PARTS="parity speed bench"] [RESULTS=bench/cuda/runN] \
+#   usage (repo root): [OUT=dir] [BIN=.gpu-bin] [PARTS="parity speed bench"] [TWO_GPUS=1] [RESULTS=bench/cuda/runN] \
 #                      bash scripts/gpu/run_parallel.sh
 set -uo pipefail
 . "$(dirname "$0")/run_common.sh"
@@ -32,7 +32,9 @@ if has parity; then
   rm -rf "$MODEL"
   timeout 240 python3 scripts/gpu/hf_reference.py "$MODEL" 2>&1 | tee "$OUT/hf_reference.log" || rc=1
   if [ -f "$MODEL/trained/reference.json" ]; then
-    timeout 300 "$BIN/cuda_parallel" --rank-program "$BIN/prism-rank" --model "$MODEL/trained" 2>&1 \
+    # TWO_GPUS=1 (a two-GPU machine) adds the NCCL layouts (tp2_nccl, pp2_nccl).
+    timeout 300 "$BIN/cuda_parallel" --rank-program "$BIN/prism-rank" --model "$MODEL/trained" \
+      ${TWO_GPUS:+--two-gpus} 2>&1 \
       | tee "$OUT/cuda_parallel_parity.log" || rc=1
   else
     echo "cuda_parallel: FAIL (no trained reference model)" | tee "$OUT/cuda_parallel_parity.log"

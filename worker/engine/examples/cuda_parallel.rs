@@ -2,7 +2,7 @@
 //! parity of sharded / staged / rank-process replicas with the unsharded backend and with
 //! Hugging Face, and the rank-process overhead of a one-rank replica at batch-1 decode.
 //!
-//! `cuda_parallel --rank-program .gpu-bin/prism-rank [--model DIR] [--speed-model DIR] [--steps N]`
+//! `cuda_parallel --rank-program .gpu-bin/prism-rank [--model DIR] [--speed-model DIR] [--steps N] [--two-gpus]`
 //!
 //! - `--model DIR`: the trained reference model of `scripts/gpu/hf_reference.py` (its
 //!   `reference.json`: 8 prompts, HF f32 last-token logits, 64 HF f32 greedy tokens each,
@@ -18,6 +18,10 @@
 //!   backend and a one-rank `ParallelBackend` (rank process on the same GPU) both load it;
 //!   batch-1 greedy decode steps at a 512-token context alternate between the two, each timed
 //!   wall clock to its host synchronisation; p50 over `--steps` (≥ 200) and the ratio.
+//!
+//! - `--two-gpus` (a two-GPU machine): the parity check also runs `tp2_nccl` and `pp2_nccl`
+//!   (ranks on GPUs 0 and 1, NCCL all-reduces captured in the decode graphs, `ncclSend` /
+//!   `ncclRecv` between the stages).
 //!
 //! Prints one JSON line per check (`"check": "parity" | "speed"`, `"pass"`), then
 //! `cuda_parallel: PASS|FAIL`, and exits 1 when one fails.
@@ -61,10 +65,11 @@ mod run {
         model: Option<PathBuf>,
         speed_model: Option<PathBuf>,
         steps: usize,
+        two_gpus: bool,
     }
 
     fn parse() -> anyhow::Result<Args> {
-        let mut a = Args { rank_program: PathBuf::new(), model: None, speed_model: None, steps: 300 };
+        let mut a = Args { rank_program: PathBuf::new(), model: None, speed_model: None, steps: 300, two_gpus: false };
         let mut it = std::env::args().skip(1);
         while let Some(flag) = it.next() {
             let mut val = || it.next().with_context(|| format!("{flag} needs a value"));
@@ -73,6 +78,7 @@ mod run {
                 "--model" => a.model = Some(val()?.into()),
                 "--speed-model" => a.speed_model = Some(val()?.into()),
                 "--steps" => a.steps = val()?.parse().context("--steps")?,
+                "--two-gpus" => a.two_gpus = true,
                 other => bail!("unknown flag {other} (see the example's doc)"),
             }
         }
@@ -89,7 +95,7 @@ mod run {
         let args = parse()?;
         let mut pass = true;
         if let Some(dir) = &args.model {
-            pass &= parity(dir, &args.rank_program)?;
+            pass &= parity(dir, &args.rank_program, args.two_gpus)?;
         }
         if let Some(dir) = &args.speed_model {
             pass &= speed(dir, &args.rank_program, args.steps)?;
@@ -111,6 +117,28 @@ mod run {
         sizes: ParallelSizes,
         host_collectives: bool,
         rank0_in_process: bool,
+        /// CUDA ordinal of each rank.
+        devices: Vec<u32>,
+    }
+
+    impl Layout {
+        /// Every rank on GPU 0.
+        fn one_gpu(name: &'static str, tp: usize, pp: usize, host_collectives: bool, rank0_in_process: bool) -> Self {
+            let sizes = ParallelSizes::new(tp, pp);
+            let devices = vec![0; sizes.world_size()];
+            Self { name, sizes, host_collectives, rank0_in_process, devices }
+        }
+
+        /// NCCL over GPUs 0 and 1 (a two-GPU machine).
+        fn two_gpus(name: &'static str, tp: usize, pp: usize) -> Self {
+            Self {
+                name,
+                sizes: ParallelSizes::new(tp, pp),
+                host_collectives: false,
+                rank0_in_process: true,
+                devices: vec![0, 1],
+            }
+        }
     }
 
     /// What the driver and every rank get; the same limits as the unsharded options.
@@ -133,7 +161,7 @@ mod run {
         }
     }
 
-    /// Starts `l` with every rank on GPU 0.
+    /// Starts `l` (rank `i` on `l.devices[i]`).
     fn start(dir: &Path, opts: &CudaOptions, l: &Layout, program: &Path) -> anyhow::Result<ParallelBackend> {
         let world = l.sizes.world_size();
         let cfg = ParallelConfig {
@@ -147,7 +175,7 @@ mod run {
             ..ParallelConfig::default()
         };
         let config = open_dir_model(dir)?.config;
-        let model = DriverModel { config, weights: None, devices: vec![0; world] };
+        let model = DriverModel { config, weights: None, devices: l.devices.clone() };
         let be = ParallelBackend::start_with_model(&cfg, init_spec(dir, opts, l), StepControl::default(), model)
             .with_context(|| format!("starting the {} replica", l.name))?;
         Ok(be)
@@ -211,7 +239,7 @@ mod run {
     }
 
     /// Parity of every layout with the unsharded backend and HF; prints one line each.
-    fn parity(dir: &Path, program: &Path) -> anyhow::Result<bool> {
+    fn parity(dir: &Path, program: &Path, two_gpus: bool) -> anyhow::Result<bool> {
         let path = dir.join("reference.json");
         let raw = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         let v: Value = serde_json::from_str(&raw).with_context(|| format!("parsing {}", path.display()))?;
@@ -249,16 +277,15 @@ mod run {
                    "prompts": prompts.len(), "greedy_equal_hf": eq_base, "pass": base_pass})
         );
         let mut pass = base_pass;
-        let layouts = [
-            Layout { name: "tp2_host", sizes: ParallelSizes::new(2, 1), host_collectives: true, rank0_in_process: true },
-            Layout { name: "pp2_host", sizes: ParallelSizes::new(1, 2), host_collectives: true, rank0_in_process: true },
-            Layout {
-                name: "tp1_rank_process",
-                sizes: ParallelSizes::new(1, 1),
-                host_collectives: false,
-                rank0_in_process: false,
-            },
+        let mut layouts = vec![
+            Layout::one_gpu("tp2_host", 2, 1, true, true),
+            Layout::one_gpu("pp2_host", 1, 2, true, true),
+            Layout::one_gpu("tp1_rank_process", 1, 1, false, false),
         ];
+        if two_gpus {
+            layouts.push(Layout::two_gpus("tp2_nccl", 2, 1));
+            layouts.push(Layout::two_gpus("pp2_nccl", 1, 2));
+        }
         for l in &layouts {
             let t0 = Instant::now();
             let got = start(dir, &opts, l, program).and_then(|mut be| {
@@ -313,12 +340,7 @@ mod run {
         let mut base = CudaBackend::from_safetensors(&m.files, &m.config, &opts, &|_, _| {})?;
         let base_init = t0.elapsed().as_secs_f64();
         drop(m);
-        let l = Layout {
-            name: "tp1_rank_process",
-            sizes: ParallelSizes::new(1, 1),
-            host_collectives: false,
-            rank0_in_process: false,
-        };
+        let l = Layout::one_gpu("tp1_rank_process", 1, 1, false, false);
         let t0 = Instant::now();
         let mut par = start(dir, &opts, &l, program)?;
         let par_init = t0.elapsed().as_secs_f64();
