@@ -78,7 +78,7 @@ impl Drop for NcclComms {
         // The split communicator first, then the one it was split from.
         for c in self.tp.into_iter().chain([self.world]) {
             // SAFETY: created by ncclCommInitRank / ncclCommSplit, destroyed once; no operation
-            // is pending (every step ends with `RankComm::wait`).
+            // is pending (`RankComm` aborts instead when its last work was not seen finished).
             let _ = unsafe { nccl::comm_destroy(c) };
         }
     }
@@ -105,7 +105,19 @@ pub(crate) struct RankComm {
     pub tp_size: usize,
     /// Bound of [`RankComm::wait`].
     timeout: Duration,
+    /// NCCL work was enqueued and not yet seen finished by [`RankComm::wait`] (then the
+    /// communicators are aborted, not destroyed, on drop: destroying one with an operation
+    /// that never completes would block).
+    pending: bool,
     kind: Kind,
+}
+
+impl Drop for RankComm {
+    fn drop(&mut self) {
+        if let (true, Kind::Nccl(c)) = (self.pending, &mut self.kind) {
+            c.abort();
+        }
+    }
 }
 
 // SAFETY: the communicators are used by one thread at a time (the rank's step thread); NCCL
@@ -175,18 +187,21 @@ impl RankComm {
                 nccl_sys::ncclCommSplit(world, spec.pp_rank as i32, spec.tp_rank as i32, &mut tp, std::ptr::null_mut())
             };
             if r != nccl_sys::ncclResult_t::ncclSuccess {
+                // The other ranks may be inside the split: abort rather than destroy.
+                comms.abort();
                 return Err(CudaError::op("ncclCommSplit(color pp_rank, key tp_rank)", CudaError::Nccl(r)));
             }
             comms.tp = Some(tp);
         }
-        Ok(Self { tp_rank: spec.tp_rank, tp_size: spec.tp_size, timeout: spec.timeout, kind: Kind::Nccl(comms) })
+        let kind = Kind::Nccl(comms);
+        Ok(Self { tp_rank: spec.tp_rank, tp_size: spec.tp_size, timeout: spec.timeout, pending: false, kind })
     }
 
     /// Collectives through the host communicator (`comm`), `tp_group` being the stage's
     /// tensor-parallel group in global ranks.
     pub fn host(spec: &RankCommSpec, comm: Box<dyn Communicator>, tp_group: Vec<usize>) -> Self {
         let kind = Kind::Host(HostColl { comm, tp_group, f32s: Vec::new(), bf16s: Vec::new() });
-        Self { tp_rank: spec.tp_rank, tp_size: spec.tp_size, timeout: spec.timeout, kind }
+        Self { tp_rank: spec.tp_rank, tp_size: spec.tp_size, timeout: spec.timeout, pending: false, kind }
     }
 
     fn check_alive(&self) -> Result<(), CudaError> {
@@ -206,6 +221,7 @@ impl RankComm {
         self.check_alive()?;
         match &mut self.kind {
             Kind::Nccl(c) => {
+                self.pending = true;
                 // SAFETY: `ptr` holds `count` values of `elem` on this rank's device; in-place
                 // all-reduce on the stream every other launch of the shard uses.
                 unsafe {
@@ -238,6 +254,7 @@ impl RankComm {
         self.check_alive()?;
         match &mut self.kind {
             Kind::Nccl(c) => {
+                self.pending = true;
                 // SAFETY: `ptr` holds `count` f32 on this device; stream-ordered after the
                 // layers that wrote them.
                 unsafe {
@@ -268,6 +285,7 @@ impl RankComm {
         self.check_alive()?;
         match &mut self.kind {
             Kind::Nccl(c) => {
+                self.pending = true;
                 // SAFETY: `ptr` has room for `count` f32 on this device; the layers that read
                 // them are enqueued after it on the same stream.
                 unsafe {
@@ -310,7 +328,10 @@ impl RankComm {
         loop {
             // SAFETY: queries the rank's own stream.
             match unsafe { cudarc::driver::sys::cuStreamQuery(gpu.stream.cu_stream()) } {
-                cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS => {
+                    self.pending = false;
+                    return Ok(());
+                }
                 cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 e => {
                     c.abort();
