@@ -386,13 +386,14 @@ impl HostColl {
 
     /// Copies `f32s` to `ptr` as `elem` and waits (the staging buffers are reused).
     fn upload(&mut self, gpu: &Gpu, ptr: u64, elem: Elem) -> Result<(), CudaError> {
-        // SAFETY (both arms): the caller's buffer at `ptr` holds `f32s.len()` values of `elem`.
         match elem {
+            // SAFETY: the caller's buffer at `ptr` holds `f32s.len()` f32.
             Elem::F32 => unsafe { cudarc::driver::result::memcpy_htod_async(ptr, &self.f32s, gpu.stream.cu_stream()) }
                 .op("memcpy HtoD")?,
             Elem::Bf16 => {
                 self.bf16s.clear();
                 self.bf16s.extend(self.f32s.iter().map(|&v| bf16::from_f32(v)));
+                // SAFETY: the caller's buffer at `ptr` holds `f32s.len()` bf16.
                 unsafe { cudarc::driver::result::memcpy_htod_async(ptr, &self.bf16s, gpu.stream.cu_stream()) }
                     .op("memcpy HtoD")?;
             }

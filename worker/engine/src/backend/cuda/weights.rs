@@ -336,3 +336,55 @@ impl DeviceWeights {
         Ok((Self::from_layout(buf, &l), d))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(layers: usize) -> Dims {
+        Dims { hidden: 64, q_heads: 4, kv_heads: 2, head_dim: 16, inter: 96, vocab: 100, layers, eps: 1e-5 }
+    }
+
+    /// Offsets rounded to 128 elements (256 bytes), as `layout` places them.
+    fn up(n: usize) -> usize {
+        n.div_ceil(128) * 128
+    }
+
+    #[test]
+    fn the_whole_model_keeps_its_layout_and_stages_hold_only_their_tensors() {
+        let d = dims(2);
+        let (emb, norm) = (up(100 * 64), up(64));
+        let layer = up(64) + up(d.qkv_dim() * 64) + up(64 * d.q_dim()) + up(64) + up(2 * 96 * 64) + up(64 * 96);
+        // Whole model, untied: embedding, lm_head, norm, then the layers in order.
+        let l = layout(&d, false, true, true);
+        assert_eq!((l.embed, l.lm_head, l.norm), (Some(0), Some(emb), 2 * emb));
+        assert_eq!(l.layers[0][0], 2 * emb + norm);
+        assert_eq!(l.layers[1][0], 2 * emb + norm + layer);
+        assert_eq!(l.total, 2 * emb + norm + 2 * layer);
+        // Tied: no lm_head slot (the embedding serves).
+        let l = layout(&d, true, true, true);
+        assert_eq!((l.embed, l.lm_head, l.norm), (Some(0), None, emb));
+        // A middle stage: neither the embedding nor an lm_head.
+        let l = layout(&d, false, false, false);
+        assert_eq!((l.embed, l.lm_head, l.total), (None, None, norm + 2 * layer));
+        // The last stage of a tied model holds the embedding as its lm_head; untied, the lm_head.
+        assert_eq!(layout(&d, true, false, true).embed, Some(0));
+        let l = layout(&d, false, false, true);
+        assert_eq!((l.embed, l.lm_head), (None, Some(0)));
+        // The first stage of an untied model: the embedding, no lm_head.
+        let l = layout(&d, false, true, false);
+        assert_eq!((l.embed, l.lm_head), (Some(0), None));
+    }
+
+    #[test]
+    fn the_full_spec_is_every_layer_on_one_rank() {
+        let s = ShardSpec::full(30);
+        assert_eq!(s, ShardSpec { tp_rank: 0, tp_size: 1, layers: 0..30, first_stage: true, last_stage: true });
+        // A whole-tensor part reads the tensor as stored; a partial one reads a block.
+        assert!(Part::rows("w", &[8, 4], 0..8).block.is_none());
+        assert_eq!(Part::rows("w", &[8, 4], 2..4).block, Some((2..4, 0..4)));
+        assert!(Part::cols("w", &[8, 4], 0..4).block.is_none());
+        assert_eq!(Part::cols("w", &[8, 4], 1..3).block, Some((0..8, 1..3)));
+        assert!(Part::whole("n", &[8]).block.is_none());
+    }
+}
