@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Default CPU KV-cache budget: 1 GiB (about 23k tokens of SmolLM2-135M).
-pub const DEFAULT_KV_CACHE_BYTES: u64 = 1 << 30;
+pub const DEFAULT_KV_CACHE_BYTES: u64 = super::backend::cpu::DEFAULT_KV_CACHE_BYTES;
 
 /// CPU default of `max_num_batched_tokens`: small prefill chunks keep each step short
 /// (Sarathi-Serve's point: decodes keep flowing between chunks, and no single step runs

@@ -9,7 +9,9 @@
 //! The tests skip (printing a notice) only when the model file is missing and
 //! `PRISM_REQUIRE_MODEL` is unset.
 
-use std::path::PathBuf;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::time::{Duration, Instant};
 
@@ -20,7 +22,8 @@ use prism_engine::backend::{Backend, Logits, SeqStep, StepBatch, StepControl};
 use prism_engine::model::{LoadOptions, LoadedModel, ModelSource, load_model_with};
 use prism_engine::parallel::comm::{AbortHandle, CommError, Communicator};
 use prism_engine::parallel::layout::ParallelSizes;
-use prism_engine::parallel::spawn::RankProgram;
+use prism_engine::parallel::rank::{RankSpec, Rendezvous};
+use prism_engine::parallel::spawn::{RankProgram, spawn_rank};
 use prism_engine::parallel::stage::{InitSpec, StageBackendKind, StageContext, StageOutput, run_micro_batches};
 use prism_engine::parallel::{ParallelBackend, ParallelConfig};
 use prism_engine::{EngineConfig, EngineError, EngineHandle, EngineRequest, Prompt, SamplingParams};
@@ -40,7 +43,7 @@ fn model_path() -> Result<Option<PathBuf>> {
     Ok(None)
 }
 
-fn load(path: &PathBuf) -> Result<LoadedModel> {
+fn load(path: &Path) -> Result<LoadedModel> {
     Ok(load_model_with(&ModelSource::detect(path)?, None, LoadOptions { keep_quantized: true })?)
 }
 
@@ -48,9 +51,9 @@ fn rank_program() -> RankProgram {
     RankProgram { program: env!("CARGO_BIN_EXE_prism-rank").into(), args: Vec::new() }
 }
 
-fn init_spec(path: &PathBuf, sizes: ParallelSizes, kv_bytes: u64) -> InitSpec {
+fn init_spec(path: &Path, sizes: ParallelSizes, kv_bytes: u64) -> InitSpec {
     InitSpec {
-        model: path.clone(),
+        model: path.to_path_buf(),
         backend: StageBackendKind::Cpu,
         sizes,
         block_size: BLOCK,
@@ -101,8 +104,8 @@ fn script(m: LoadedModel, decode_steps: usize) -> Result<Script> {
         let mut b = StepBatch::default();
         for (i, s) in seqs.iter().enumerate() {
             let start = b.token_ids.len();
-            for p in done[i]..s.len() {
-                b.token_ids.push(s[p]);
+            for (p, &t) in s.iter().enumerate().skip(done[i]) {
+                b.token_ids.push(t);
                 b.positions.push(p as u32);
                 b.slot_mapping.push((i * 4 * BLOCK + p) as u32);
             }
@@ -229,7 +232,7 @@ impl Communicator for LocalComm {
 /// the last stage's tensor-parallel rank 0.
 fn run_stages_in_process(
     m: &LoadedModel,
-    path: &PathBuf,
+    path: &Path,
     sizes: ParallelSizes,
     micro: usize,
     s: &Script,
@@ -329,7 +332,7 @@ fn rank_processes(rendezvous: Option<&str>) -> Vec<(u32, usize)> {
     found
 }
 
-fn start_group(path: &PathBuf, sizes: ParallelSizes, micro: Option<usize>) -> Result<ParallelBackend> {
+fn start_group(path: &Path, sizes: ParallelSizes, micro: Option<usize>) -> Result<ParallelBackend> {
     let cfg = ParallelConfig { micro_batches: micro, ..parallel_config(sizes) };
     let m = load(path)?;
     let kv = prism_engine::parallel::driver::rank_kv_budget(KV_BYTES, &m.config, sizes, BLOCK);
@@ -354,5 +357,201 @@ fn rank_process_groups_match_the_unsharded_backend() -> Result<()> {
         drop(group);
         ensure!(rank_processes(Some(&address)).is_empty(), "rank processes left after the group was dropped");
     }
+    Ok(())
+}
+
+fn engine(path: &Path, parallel: Option<ParallelConfig>) -> Result<EngineHandle, EngineError> {
+    let mut cfg = EngineConfig::new(path);
+    cfg.kv_cache_bytes = Some(KV_BYTES);
+    if let Some(p) = parallel {
+        cfg.engine_threads = Some(1);
+        cfg.parallel = p;
+    }
+    EngineHandle::start(cfg, None)
+}
+
+fn request(prompt: &str, max_tokens: i64) -> EngineRequest {
+    EngineRequest {
+        id: "parallel".into(),
+        prompt: Prompt::Text(prompt.to_owned()),
+        params: SamplingParams {
+            temperature: 0.0,
+            max_tokens: Some(max_tokens),
+            ignore_eos: true,
+            ..Default::default()
+        },
+        prior_output_ids: Vec::new(),
+        deadline: None,
+        cache_salt: None,
+    }
+}
+
+const PROMPTS: [&str; 3] = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"];
+
+/// Greedy tokens of the prompts, submitted together (one batch).
+fn generate(e: &EngineHandle, max_tokens: i64) -> Result<Vec<Vec<u32>>> {
+    let streams: Vec<_> = PROMPTS.iter().map(|p| e.submit(request(p, max_tokens))).collect::<Result<_, _>>()?;
+    let mut out = Vec::new();
+    for mut s in streams {
+        let mut toks = Vec::new();
+        let mut finish = None;
+        while let Some(o) = s.blocking_recv() {
+            toks.extend(o.token_ids);
+            finish = finish.or(o.finish_reason);
+        }
+        ensure!(finish.is_some(), "a stream ended without a finish reason");
+        out.push(toks);
+    }
+    Ok(out)
+}
+
+#[test]
+fn parallel_replicas_generate_the_unsharded_replicas_greedy_tokens() -> Result<()> {
+    let Some(path) = model_path()? else { return Ok(()) };
+    let _serial = serial();
+    let whole = engine(&path, None)?;
+    let (want, blocks) = (generate(&whole, 32)?, whole.model_info().num_kv_blocks);
+    whole.shutdown();
+    assert!(want.iter().all(|t| t.len() == 32));
+    for (tp, pp, micro) in [(3, 1, None), (3, 2, None), (1, 3, Some(2))] {
+        let cfg = ParallelConfig { micro_batches: micro, ..parallel_config(ParallelSizes::new(tp, pp)) };
+        let e = engine(&path, Some(cfg))?;
+        assert_eq!(e.model_info().num_kv_blocks, blocks, "TP={tp} PP={pp}: the unsharded replica's KV blocks");
+        assert_eq!(e.model_info().backend, "parallel");
+        let got = generate(&e, 32)?;
+        assert_eq!(got, want, "TP={tp} PP={pp} micro-batches {micro:?}: greedy tokens");
+        e.shutdown();
+    }
+    ensure!(rank_processes(None).is_empty(), "rank processes left after shutdown");
+    Ok(())
+}
+
+#[test]
+fn splits_the_model_cannot_take_are_refused_before_any_rank_starts() -> Result<()> {
+    let Some(path) = model_path()? else { return Ok(()) };
+    let _serial = serial();
+    let cases = [
+        (
+            ParallelSizes::new(2, 1),
+            "tensor_parallel_size",
+            "tensor_parallel_size 2 does not divide the model's num_attention_heads 9",
+        ),
+        (
+            ParallelSizes::new(1, 31),
+            "pipeline_parallel_size",
+            "pipeline_parallel_size 31 is more than the model's num_hidden_layers 30",
+        ),
+    ];
+    for (sizes, want_field, want_message) in cases {
+        match engine(&path, Some(parallel_config(sizes))) {
+            Err(EngineError::InvalidRequest { field, message }) => {
+                assert_eq!(field, want_field);
+                assert_eq!(message, want_message);
+            }
+            other => bail!("{sizes:?}: expected InvalidRequest, got {other:?}"),
+        }
+        ensure!(rank_processes(None).is_empty(), "{sizes:?}: a rank process was started");
+    }
+    Ok(())
+}
+
+fn signal(pid: u32, sig: &str) -> Result<()> {
+    let st = std::process::Command::new("kill").args([sig, &pid.to_string()]).status()?;
+    ensure!(st.success(), "kill {sig} {pid} failed");
+    Ok(())
+}
+
+/// Starts a TP=3 replica on a rendezvous the test knows, streams a long greedy request and
+/// returns once it has produced a few tokens.
+fn streaming_replica(
+    path: &Path,
+    token: &str,
+    tweak: impl FnOnce(&mut ParallelConfig),
+) -> Result<(EngineHandle, String, prism_engine::OutputStream)> {
+    let rdv = Arc::new(Rendezvous::bind(IpAddr::V4(Ipv4Addr::LOCALHOST), "127.0.0.1", token)?);
+    let address = rdv.address().to_owned();
+    let mut cfg = ParallelConfig { rendezvous: Some(rdv), ..parallel_config(ParallelSizes::new(3, 1)) };
+    tweak(&mut cfg);
+    let e = engine(path, Some(cfg))?;
+    let mut s = e.submit(request("Tell me a long story about a dragon.", 600))?;
+    let mut n = 0;
+    while n < 3 {
+        n += s.blocking_recv().context("the stream ended early")?.token_ids.len();
+    }
+    Ok((e, address, s))
+}
+
+/// Drains the stream; returns how long it took and whether it carried a finish reason.
+fn drain_stream(mut s: prism_engine::OutputStream) -> (Duration, bool) {
+    let t = Instant::now();
+    let mut finished = false;
+    while let Some(o) = s.blocking_recv() {
+        finished |= o.finish_reason.is_some();
+    }
+    (t.elapsed(), finished)
+}
+
+fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) -> Result<()> {
+    let deadline = Instant::now() + within;
+    while !f() {
+        ensure!(Instant::now() < deadline, "{what} not within {within:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+#[test]
+fn a_killed_rank_fails_the_replica_within_seconds_and_leaves_no_rank_behind() -> Result<()> {
+    let Some(path) = model_path()? else { return Ok(()) };
+    let _serial = serial();
+    let (e, address, s) = streaming_replica(&path, "kill-test", |_| {})?;
+    let ranks = rank_processes(Some(&address));
+    assert_eq!(ranks.iter().map(|r| r.1).collect::<std::collections::BTreeSet<_>>(), [1, 2].into());
+    let victim = ranks.iter().find(|r| r.1 == 1).context("rank 1")?.0;
+    let killed = Instant::now();
+    signal(victim, "-9")?;
+    let (took, finished) = drain_stream(s);
+    assert!(!finished, "the stream of a failed replica ends without a finish reason");
+    assert!(took < Duration::from_secs(5), "the stream ended {took:?} after the kill");
+    wait_for("the engine dead", Duration::from_secs(5).saturating_sub(killed.elapsed()), || !e.is_alive())?;
+    wait_for("no rank process left", Duration::from_secs(2), || rank_processes(Some(&address)).is_empty())?;
+    eprintln!("kill -9 of rank 1: stream ended after {took:?}");
+    Ok(())
+}
+
+#[test]
+fn a_frozen_rank_fails_the_replica_after_the_collective_timeout_and_never_rejoins() -> Result<()> {
+    let Some(path) = model_path()? else { return Ok(()) };
+    let _serial = serial();
+    // Rank 2 joins from outside the driver (as from another node), so the driver cannot
+    // kill it: after SIGCONT it must notice by itself that its group is gone.
+    let token = "stop-test";
+    let mut outsider = None;
+    let (e, address, s) = streaming_replica(&path, token, |cfg| {
+        cfg.local_ranks = vec![0, 1];
+        cfg.collective_timeout = Duration::from_secs(3);
+        let spec = RankSpec {
+            rendezvous: cfg.rendezvous.as_ref().map(|r| r.address().to_owned()).unwrap_or_default(),
+            token: token.into(),
+            rank: 2,
+            device: None,
+            bind_ip: Some(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            advertise_host: "127.0.0.1".into(),
+            engine_threads: Some(1),
+        };
+        outsider = Some(spawn_rank(&rank_program(), &spec));
+    })?;
+    let mut outsider = outsider.context("rank 2 not started")??;
+    signal(outsider.pid(), "-STOP")?;
+    let (took, finished) = drain_stream(s);
+    assert!(!finished, "the stream of a failed replica ends without a finish reason");
+    assert!(took < Duration::from_secs(6), "the stream ended {took:?} after SIGSTOP (collective timeout 3 s)");
+    wait_for("the engine dead", Duration::from_secs(2), || !e.is_alive())?;
+    wait_for("rank 1 gone", Duration::from_secs(2), || rank_processes(Some(&address)).iter().all(|r| r.1 == 2))?;
+    signal(outsider.pid(), "-CONT")?;
+    wait_for("the continued rank exited", Duration::from_secs(10), || matches!(outsider.try_wait(), Ok(Some(_))))?;
+    assert!(!e.is_alive(), "a continued rank does not bring the group back");
+    assert!(e.submit(request("hi", 4)).is_err() || !e.is_alive());
+    eprintln!("SIGSTOP of rank 2: stream ended after {took:?}");
     Ok(())
 }

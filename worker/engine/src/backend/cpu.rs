@@ -29,6 +29,9 @@ use crate::model::{LlamaWeights, ModelConfig};
 use crate::request::EngineError;
 pub use forward::{CpuModel, ModelParts};
 
+/// Default CPU KV-cache budget: 1 GiB (about 23k tokens of SmolLM2-135M).
+pub const DEFAULT_KV_CACHE_BYTES: u64 = 1 << 30;
+
 /// Sums a buffer element-wise across tensor-parallel ranks (NCCL's all-reduce on CUDA;
 /// shared memory in tests). Every rank calls it with the same shape in the same order.
 pub trait AllReduce: Send {

@@ -23,6 +23,7 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 pub const POLL: Duration = Duration::from_millis(10);
 
 /// A joined rank: its hello and its connection.
+#[derive(Debug)]
 pub struct Joined {
     /// Its host-communicator address.
     pub mesh_address: String,
@@ -215,5 +216,66 @@ impl Drop for RankLink {
     /// the close.
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use super::*;
+    use crate::parallel::wire::encode;
+
+    fn hello(address: &str, token: &str, rank: usize) -> TcpStream {
+        let mut s = TcpStream::connect(address).unwrap();
+        let msg = Msg::Hello { token: token.into(), rank, mesh_address: format!("127.0.0.1:{}", 9000 + rank) };
+        s.write_all(&encode(&msg)).unwrap();
+        s
+    }
+
+    /// The connection was closed by the driver (EOF, or reset).
+    fn refused(mut s: TcpStream) -> bool {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = [0u8; 1];
+        matches!(s.read(&mut buf), Ok(0) | Err(_))
+    }
+
+    #[test]
+    fn bad_joins_are_refused_and_good_ones_accepted() {
+        let rdv = Rendezvous::bind(IpAddr::V4(Ipv4Addr::LOCALHOST), "127.0.0.1", "secret").unwrap();
+        let address = rdv.address().to_owned();
+        let client = std::thread::spawn(move || {
+            let wrong_token = hello(&address, "guess", 1);
+            let out_of_range = hello(&address, "secret", 7);
+            let driver_rank = hello(&address, "secret", 0);
+            let mut malformed = TcpStream::connect(&address).unwrap();
+            malformed.write_all(&[0xff, 0xff, 0xff, 0x7f, 1]).unwrap();
+            let mut garbage = TcpStream::connect(&address).unwrap();
+            garbage.write_all(&[3, 0, 0, 0, 99, 1, 2]).unwrap();
+            let good = hello(&address, "secret", 1);
+            std::thread::sleep(Duration::from_millis(200));
+            let duplicate = hello(&address, "secret", 1);
+            let second = hello(&address, "secret", 2);
+            let all_refused = [wrong_token, out_of_range, driver_rank, malformed, garbage, duplicate]
+                .into_iter()
+                .map(refused)
+                .collect::<Vec<_>>();
+            (all_refused, good, second)
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let joined = accept_joins(&rdv, 3, &[1, 2], deadline, &mut [], &StepControl::default()).unwrap();
+        assert_eq!(joined.keys().copied().collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(joined[&1].mesh_address, "127.0.0.1:9001");
+        let (all_refused, _good, _second) = client.join().unwrap();
+        assert_eq!(all_refused, vec![true; 6]);
+    }
+
+    #[test]
+    fn missing_ranks_are_named_when_the_join_deadline_passes() {
+        let rdv = Rendezvous::bind(IpAddr::V4(Ipv4Addr::LOCALHOST), "127.0.0.1", "secret").unwrap();
+        let deadline = Instant::now() + Duration::from_millis(200);
+        let err = accept_joins(&rdv, 4, &[1, 2, 3], deadline, &mut [], &StepControl::default()).unwrap_err();
+        assert!(err.to_string().contains("ranks [1, 2, 3] did not join"), "{err}");
     }
 }

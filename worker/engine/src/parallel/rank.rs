@@ -143,7 +143,7 @@ pub fn run_rank(spec: &RankSpec) -> Result<(), String> {
                         write_msg(&mut conn, &Msg::StepDone { seq, outputs }).map_err(|e| e.to_string())?;
                     }
                     Err(e) => {
-                        let message = format!("rank {}: step {seq}: {e}", spec.rank);
+                        let message = format!("step {seq}: {e}");
                         let _ = write_msg(&mut conn, &Msg::StepFailed { message: message.clone() });
                         return Err(message);
                     }

@@ -9,7 +9,7 @@ use super::forward::{CpuModel, ModelParts};
 use crate::backend::{BackendError, StepBatch, StepControl};
 use crate::model::{self, LlamaWeights, ModelConfig, ModelSource};
 use crate::parallel::comm::{CommError, Communicator};
-use crate::parallel::stage::{StageBackend, StageContext, StageOutput};
+use crate::parallel::stage::types::{StageBackend, StageContext, StageOutput};
 
 /// One rank's stage on the CPU (see the module docs).
 pub struct CpuStage {
@@ -103,7 +103,7 @@ pub fn build_cpu_stage(
         head: last.then_some((weights.norm, weights.lm_head)),
         embeds_tokens: first,
     };
-    let kv_bytes = ctx.init.kv_cache_bytes.unwrap_or(crate::config::DEFAULT_KV_CACHE_BYTES);
+    let kv_bytes = ctx.init.kv_cache_bytes.unwrap_or(super::DEFAULT_KV_CACHE_BYTES);
     let model = CpuModel::new(parts, &config, kv_bytes, ctx.init.block_size).map_err(|e| dev(&e))?;
     Ok(CpuStage {
         model,
