@@ -26,7 +26,7 @@ use super::runner::CudaBackend;
 use super::weights::ShardSpec;
 use crate::backend::{Backend, BackendError, StepBatch};
 use crate::parallel::comm::Communicator;
-use crate::parallel::stage::{StageBackend, StageBackendKind, StageContext, StageOutput};
+use crate::parallel::stage::types::{StageBackend, StageBackendKind, StageContext, StageOutput};
 
 /// One rank's stage on its GPU.
 pub struct CudaStage {
