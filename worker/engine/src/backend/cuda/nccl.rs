@@ -11,8 +11,12 @@
 //! `cuStreamSynchronize`: it polls the stream, checks `ncclCommGetAsyncError` and, past the
 //! deadline, aborts the communicators (`ncclCommAbort` releases the kernels blocked in a
 //! collective) and fails the step; an aborted communicator fails every later step and is
-//! never destroyed. `ncclCommInitRank` itself blocks until every rank joined; a rank that
-//! never joins is bounded by the driver's start timeout, which kills the group.
+//! never destroyed. Not bounded here: `ncclCommInitRank` (blocks until every rank joined) and
+//! NCCL's connection set-up on a communicator's first collective or send/receive (host-side,
+//! inside the enqueue), and a pageable host-to-device copy that waits behind a receive whose
+//! sender died. A rank process stuck there is killed by the driver once its step answer is
+//! overdue (collective timeout) or its load is (join timeout); rank 0, in the driver's
+//! process, never receives from another stage, and its metadata copies follow a finished wait.
 
 use std::time::{Duration, Instant};
 
