@@ -15,8 +15,10 @@
 //! NCCL's connection set-up on a communicator's first collective or send/receive (host-side,
 //! inside the enqueue), and a pageable host-to-device copy that waits behind a receive whose
 //! sender died. A rank process stuck there is killed by the driver once its step answer is
-//! overdue (collective timeout) or its load is (join timeout); rank 0, in the driver's
-//! process, never receives from another stage, and its metadata copies follow a finished wait.
+//! overdue (collective timeout) or its load is (join timeout). Rank 0, in the driver's
+//! process, never receives from another stage and its metadata copies follow a finished wait,
+//! so it can block only in `ncclCommInitRank` and in the first step's connection set-up when a
+//! peer freezes exactly then (a peer that exits makes NCCL fail instead).
 
 use std::time::{Duration, Instant};
 
