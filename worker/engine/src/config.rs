@@ -191,16 +191,6 @@ impl EngineHandle {
                     .with_all_reduce(Box::new(LayerCheckpoint(control.clone()))),
             ),
             #[cfg(feature = "cuda")]
-            // A GPU group of several devices: tensor-parallel shards (NCCL).
-            BackendKind::Cuda { devices } if devices.len() > 1 => {
-                Box::new(super::backend::cuda::tp::CudaTpBackend::new(
-                    loaded.weights,
-                    &loaded.config,
-                    &cuda_options(&cfg, devices),
-                    devices,
-                )?)
-            }
-            #[cfg(feature = "cuda")]
             BackendKind::Cuda { devices } => Box::new(super::backend::cuda::CudaBackend::new(
                 loaded.weights,
                 &loaded.config,

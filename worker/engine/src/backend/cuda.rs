@@ -31,15 +31,22 @@
 //! (`CudaOptions::batch_invariant`) keeps the fixed-algorithm GEMMs and the split-KV kernel
 //! below, trading speed for logits that never depend on the rest of the step.
 //!
-//! Tensor parallelism: [`tp::CudaTpBackend`] runs one shard of this backend per GPU of a replica's
-//! group with NCCL all-reduces after o_proj and down_proj (graphs and the fused GEMVs off there).
+//! Parallel replicas: every rank of a tensor- and pipeline-parallel group is a process of its
+//! own (`crate::parallel`), and its CUDA part is [`stage::CudaStage`]: this backend built from
+//! only the rank's shard of its stage's layers (read straight from the mmapped safetensors),
+//! with NCCL (`ncclCommInitRank` from the driver's unique id, the stage's group split off the
+//! world) for the all-reduces after o_proj and down_proj and `ncclSend`/`ncclRecv` for the
+//! stage-to-stage hidden states. The fused decode GEMVs and CUDA graphs stay on (the NCCL
+//! calls are captured with the rest); every step's wait is bounded by the collective timeout
+//! and aborts the communicators past it. With host collectives (several ranks sharing one GPU,
+//! for tests) the values go through host memory and graphs are off for a tensor-parallel stage.
 //!
 //! Files: [`options`] (options, model dimensions, synthetic shapes), [`error`] ([`CudaError`]),
 //! [`device`] (context, stream, buffers, the `llama.cu` kernels), `weights.rs` (uploads),
 //! `kv_cache.rs` and `scratch.rs` (device memory of the cache and of a step), [`gemm`],
 //! [`gemv`], [`attn_decode`], [`attn_prefill`] (kernels and their launches), `forward.rs` (one
 //! step of a shard), `runner.rs` ([`CudaBackend`]: validation, metadata, CUDA graphs),
-//! `nccl.rs` and [`tp`] (tensor parallelism).
+//! `nccl.rs` (a rank's collectives) and [`stage`] (a rank of a parallel replica).
 
 pub mod attn_decode;
 pub mod attn_prefill;
@@ -54,7 +61,6 @@ pub mod options;
 mod runner;
 mod scratch;
 pub mod stage;
-pub mod tp;
 mod weights;
 
 pub use device::cuda_available;

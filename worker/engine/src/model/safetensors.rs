@@ -142,6 +142,58 @@ impl SafetensorsFiles {
         }
         Ok(bytes.len())
     }
+
+    /// Appends the block `rows × cols` of the 2-D tensor `name` (stored `[shape[0], shape[1]]`,
+    /// row-major) to `out` as bf16, row by row, converting as [`SafetensorsFiles::append_bf16`];
+    /// returns the bytes read. A tensor-parallel shard takes whole rows (q/k/v, gate/up) or a
+    /// column range of every row (o_proj, down_proj) this way, straight from the mmap.
+    ///
+    /// # Errors
+    /// As [`SafetensorsFiles::append_bf16`]; [`ModelError::Shard`] when the block is outside
+    /// the tensor.
+    pub fn append_bf16_block(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        out: &mut Vec<bf16>,
+    ) -> Result<usize, ModelError> {
+        let (info, bytes) = self.raw(name)?.ok_or_else(|| ModelError::MissingTensor { name: name.to_owned() })?;
+        if info.shape != shape {
+            return Err(ModelError::Shape {
+                name: name.to_owned(),
+                expected: shape.to_vec(),
+                actual: info.shape.clone(),
+            });
+        }
+        if rows.start > rows.end || rows.end > shape[0] || cols.start > cols.end || cols.end > shape[1] {
+            return Err(ModelError::Shard(format!(
+                "{name}: block rows {rows:?} x cols {cols:?} is outside its shape {shape:?}"
+            )));
+        }
+        let es = match info.dtype {
+            Dtype::BF16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+            other => return Err(ModelError::TensorType { name: name.to_owned(), ty: format!("{other:?}") }),
+        };
+        let mut read = 0;
+        for r in rows {
+            let a = (r * shape[1] + cols.start) * es;
+            let b = (r * shape[1] + cols.end) * es;
+            let row = bytes.get(a..b).ok_or_else(|| ModelError::TensorBounds { name: name.to_owned() })?;
+            match info.dtype {
+                Dtype::BF16 => out.extend(row.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]))),
+                Dtype::F16 => {
+                    out.extend(row.chunks_exact(2).map(|c| bf16::from_f32(f16::from_le_bytes([c[0], c[1]]).to_f32())))
+                }
+                _ => out
+                    .extend(row.chunks_exact(4).map(|c| bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))),
+            }
+            read += row.len();
+        }
+        Ok(read)
+    }
 }
 
 /// A Hugging Face model directory opened without reading its weights: configuration,
@@ -334,6 +386,42 @@ mod tests {
         );
         let e = files.append_bf16("zz", &[1], &mut Vec::new()).expect_err("must fail");
         assert!(matches!(&e, ModelError::MissingTensor { name } if name == "zz"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn bf16_blocks_are_the_rows_and_columns_of_the_whole_tensor() {
+        let dir = std::env::temp_dir().join(format!("prism-st-block-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("test dir");
+        // A 4 x 6 tensor with distinct values, in each dtype.
+        let vals: Vec<f32> = (0..24).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let f32b: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let f16b: Vec<u8> = vals.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect();
+        let bf16b: Vec<u8> = vals.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect();
+        write_file(
+            &dir,
+            &[("a", "F32", vec![4, 6], f32b), ("b", "F16", vec![4, 6], f16b), ("c", "BF16", vec![4, 6], bf16b)],
+        );
+        let files = SafetensorsFiles::open_dir(&dir).expect("test file");
+        for name in ["a", "b", "c"] {
+            let mut whole = Vec::new();
+            files.append_bf16(name, &[4, 6], &mut whole).expect("test file");
+            // Rows 1..3 (a q/k/v shard), appended after what is there.
+            let mut out = vec![bf16::ONE];
+            files.append_bf16_block(name, [4, 6], 1..3, 0..6, &mut out).expect("test file");
+            assert_eq!(out[0], bf16::ONE);
+            assert_eq!(&out[1..], &whole[6..18], "{name} rows");
+            // Columns 2..5 of every row (an o_proj shard).
+            let mut out = Vec::new();
+            let n = files.append_bf16_block(name, [4, 6], 0..4, 2..5, &mut out).expect("test file");
+            let want: Vec<bf16> = (0..4).flat_map(|r| whole[r * 6 + 2..r * 6 + 5].to_vec()).collect();
+            assert_eq!(out, want, "{name} cols");
+            assert_eq!(n, 12 * if name == "a" { 4 } else { 2 });
+        }
+        let e = files.append_bf16_block("a", [4, 6], 0..5, 0..6, &mut Vec::new()).expect_err("outside");
+        assert!(matches!(&e, ModelError::Shard(m) if m.contains("rows 0..5")), "{e}");
+        let e = files.append_bf16_block("a", [6, 4], 0..1, 0..1, &mut Vec::new()).expect_err("wrong shape");
+        assert!(matches!(&e, ModelError::Shape { name, .. } if name == "a"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -81,6 +81,13 @@ pub enum CudaError {
     /// Reading the checkpoint failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// A collective through the host communicator failed (`host_collectives`).
+    #[error("host collective: {0}")]
+    HostComm(#[from] crate::parallel::comm::CommError),
+    /// An NCCL step did not finish within the collective timeout (a peer died or froze);
+    /// the communicators were aborted.
+    #[error("NCCL step did not finish within {0:?} (communicators aborted)")]
+    CollectiveTimeout(std::time::Duration),
 }
 
 impl CudaError {

@@ -10,8 +10,14 @@
 //! through cuBLASLt's per-`M` heuristic; batch-invariant mode uses one fixed cuBLASLt algorithm
 //! per weight shape. Attention is the tensor-core pair (`attn_decode.rs` for decode rows,
 //! `attn_prefill.rs` for prefill chunks) on sm_80 and later in fast mode, else the split-KV
-//! kernel of `kernels/llama.cu` with fixed 128-position chunks merged in chunk order. With
-//! tensor parallelism the o_proj and down_proj outputs are all-reduced before the residual add.
+//! kernel of `kernels/llama.cu` with fixed 128-position chunks merged in chunk order.
+//!
+//! A rank of a parallel replica ([`RankComm`]) holds whole heads and MLP rows of its stage's
+//! layers: with tensor parallelism the o_proj and down_proj outputs are all-reduced before the
+//! residual add (the GEMM path reduces the bf16 products; the GEMV path, whose GEMVs add into
+//! the residual themselves, reduces the f32 residual rows, every rank but 0 contributing only
+//! its product). A stage other than the first starts from the residual stream it was sent; one
+//! other than the last ends with it complete (no final norm, no lm_head).
 
 use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg};
 
@@ -22,7 +28,7 @@ use super::error::{CudaError, CudaResultExt};
 use super::gemm::LtGemm;
 use super::gemv::{GEMV_MAX_M, Gemv, GemvArgs, GemvKind, RopeArgs};
 use super::kv_cache::KvCache;
-use super::nccl::TpComm;
+use super::nccl::{Elem, RankComm};
 use super::options::{CudaOptions, Dims};
 use super::scratch::{Scratch, StepPtrs};
 use super::weights::DeviceWeights;
@@ -49,8 +55,15 @@ pub(crate) struct ShardModel {
     /// This step's attention work: runs of decode rows (first token, count) and prefill chunks.
     plan_decode: Vec<(usize, usize)>,
     plan_prefill: Vec<PrefillSeq>,
-    /// Tensor-parallel shard: its communicator (all-reduce after o_proj and down_proj).
-    pub tp: Option<TpComm>,
+    /// A rank of a parallel replica: its collectives (the tensor-parallel all-reduce after
+    /// o_proj and down_proj; the stage runner sends and receives hidden states with it).
+    pub comm: Option<RankComm>,
+    /// Embeds the tokens (first pipeline stage); otherwise the step starts from the hidden
+    /// states the stage runner put into the residual stream.
+    pub first_stage: bool,
+    /// Applies the final norm and lm_head (last pipeline stage); otherwise the step ends with
+    /// the complete residual stream in `s.x` for the next stage.
+    pub last_stage: bool,
     /// Per-launch events while a profiled step runs.
     pub prof: Option<Vec<(&'static str, CudaEvent)>>,
     pub d: Dims,
@@ -81,6 +94,12 @@ fn add_rmsnorm(g: &Gpu, d: &Dims, a: &NormArgs) -> Result<(), cudarc::driver::Dr
     // SAFETY: the caller passes x, delta with every indexed row of `hidden` values, gain
     // `hidden`, out `blocks` rows, and rows (when set) `blocks` indices of rows of x.
     unsafe { b.launch(per_row(a.blocks, a.threads)) }.map(|_| ())
+}
+
+/// Enqueues a zero fill of `bytes` bytes at `ptr` (capturable into a graph).
+fn zero(g: &Gpu, ptr: u64, bytes: usize) -> Result<(), CudaError> {
+    // SAFETY: the caller passes a device range of at least `bytes` bytes.
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, g.stream.cu_stream()) }.op("memset")
 }
 
 impl ShardModel {
@@ -155,7 +174,9 @@ impl ShardModel {
             pattn,
             plan_decode: Vec::new(),
             plan_prefill: Vec::new(),
-            tp: None,
+            comm: None,
+            first_stage: true,
+            last_stage: true,
             prof: None,
             d,
             w,
@@ -221,7 +242,11 @@ impl ShardModel {
         // SiLU·mul inside).
         let small = n <= self.gemv_max;
         let invariant = self.invariant;
-        let Self { tp, gpu: g, lt, gemv, s, w, kv, prof, dattn, pattn, plan_decode, plan_prefill, .. } = self;
+        let (first_stage, last_stage) = (self.first_stage, self.last_stage);
+        let Self { comm, gpu: g, lt, gemv, s, w, kv, prof, dattn, pattn, plan_decode, plan_prefill, .. } = self;
+        // Tensor parallelism: the all-reduce and this rank's place in its group.
+        let mut tp = comm.as_mut().filter(|c| c.tp_size > 1);
+        let tp_rank = tp.as_ref().map_or(0, |c| c.tp_rank);
         let block_size = kv.block_size;
         // The small path's fused decode GEMVs over `m` tokens (see `gemv.rs` for the kinds).
         let gv = |a: GemvArgs| {
@@ -243,13 +268,13 @@ impl ShardModel {
         let st = &g.stream;
         let h = d.hidden as i32;
         let null = 0u64;
-        {
+        if first_stage {
             let mut b = st.launch_builder(&g.k.embed_gather);
             b.arg(&s.x.ptr).arg(&w.embed).arg(&ids).arg(&h);
             // SAFETY: x holds n × hidden f32; ids are validated < vocab.
             unsafe { b.launch(per_row(n, 256)) }.op("embed_gather")?;
+            mark("embed")?;
         }
-        mark("embed")?;
         let norm_threads = if d.hidden >= 2048 { 1024 } else { 256 };
         let (qh, kvh, hd, bs) = (d.q_heads as i32, d.kv_heads as i32, d.head_dim as i32, block_size as i32);
         let scale = 1.0 / (d.head_dim as f32).sqrt();
@@ -377,6 +402,13 @@ impl ShardModel {
             }
             if small {
                 let none = RopeArgs::default();
+                // Tensor parallelism: the Residual GEMV adds its partial product into the
+                // residual rows; every rank but tp_rank 0 zeroes its copy first, so the f32
+                // all-reduce of the rows yields residual + the sum of the partials on all ranks.
+                let x_bytes = n * d.hidden * 4;
+                if tp.is_some() && tp_rank != 0 {
+                    zero(g, s.x.ptr, x_bytes)?;
+                }
                 gv(GemvArgs {
                     kind: GemvKind::Residual,
                     m: n,
@@ -390,6 +422,10 @@ impl ShardModel {
                     rope: none,
                 })?;
                 mark("gemv_o_proj")?;
+                if let Some(c) = tp.as_mut() {
+                    c.all_reduce(g, s.x.ptr, n * d.hidden, Elem::F32)?;
+                    mark("all_reduce")?;
+                }
                 gv(GemvArgs {
                     kind: GemvKind::NormGateUpSilu,
                     m: n,
@@ -403,6 +439,9 @@ impl ShardModel {
                     rope: none,
                 })?;
                 mark("gemv_gate_up_silu")?;
+                if tp.is_some() && tp_rank != 0 {
+                    zero(g, s.x.ptr, x_bytes)?;
+                }
                 gv(GemvArgs {
                     kind: GemvKind::Residual,
                     m: n,
@@ -416,13 +455,17 @@ impl ShardModel {
                     rope: none,
                 })?;
                 mark("gemv_down")?;
+                if let Some(c) = tp.as_mut() {
+                    c.all_reduce(g, s.x.ptr, n * d.hidden, Elem::F32)?;
+                    mark("all_reduce")?;
+                }
                 continue;
             }
             matmul(g, s.proj.ptr, s.attn.ptr, lw.o_proj, GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
             mark("gemm_o_proj")?;
-            if let Some(t) = tp.as_ref() {
+            if let Some(c) = tp.as_mut() {
                 // Row-parallel o_proj: each shard holds a partial sum.
-                t.all_reduce_bf16(g, s.proj.ptr, n * d.hidden)?;
+                c.all_reduce(g, s.proj.ptr, n * d.hidden, Elem::Bf16)?;
                 mark("all_reduce")?;
             }
             let norm = NormArgs {
@@ -445,13 +488,32 @@ impl ShardModel {
             mark("silu_mul")?;
             matmul(g, s.proj.ptr, s.act.ptr, lw.down, GemmShape { n, out: d.hidden, inp: d.inter }, false)?;
             mark("gemm_down")?;
-            if let Some(t) = tp.as_ref() {
-                t.all_reduce_bf16(g, s.proj.ptr, n * d.hidden)?;
+            if let Some(c) = tp.as_mut() {
+                c.all_reduce(g, s.proj.ptr, n * d.hidden, Elem::Bf16)?;
                 mark("all_reduce")?;
             }
         }
-        // Tensor parallelism: rank 0 computes the logits (lm_head is replicated).
-        if rows > 0 && tp.as_ref().is_none_or(|t| t.rank == 0) {
+        if !last_stage {
+            // The next stage gets the complete residual stream: add the last down_proj
+            // output (the small path's down GEMV already did). The norm written to `hn` is
+            // not used.
+            if let (false, Some(last)) = (small, w.layers.last()) {
+                let norm = NormArgs {
+                    x: s.x.ptr,
+                    delta: s.proj.ptr,
+                    gain: last.post_norm,
+                    out: s.hn.ptr,
+                    rows: null,
+                    blocks: n,
+                    threads: norm_threads,
+                };
+                add_rmsnorm(g, &d, &norm).op("residual_add")?;
+                mark("residual_add")?;
+            }
+            return Ok(());
+        }
+        // Tensor parallelism: tp_rank 0 computes the logits (lm_head is replicated).
+        if rows > 0 && tp_rank == 0 {
             // Last residual add (already done by the small path's down GEMV) + final norm,
             // only for the rows that want logits.
             let delta = if small { null } else { s.proj.ptr };

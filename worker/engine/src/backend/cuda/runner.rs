@@ -18,10 +18,10 @@ use super::forward::{ATTN_CHUNK, ShardModel};
 use super::gemm::GemmPlanInfo;
 use super::gemv::GEMV_MAX_M;
 use super::kv_cache::KvCache;
-use super::nccl::TpComm;
+use super::nccl::RankComm;
 use super::options::{CudaOptions, Dims, SyntheticShape};
 use super::scratch::Uploaded;
-use super::weights::DeviceWeights;
+use super::weights::{DeviceWeights, ShardSpec};
 use crate::backend::{Backend, BackendError, Logits, StepBatch};
 use crate::model::config::ModelConfig;
 use crate::model::llama::LlamaWeights;
@@ -34,7 +34,7 @@ unsafe impl Send for Graph {}
 
 /// bf16 Llama on one CUDA device with a paged KV cache.
 pub struct CudaBackend {
-    m: ShardModel,
+    pub(super) m: ShardModel,
     /// Decode graphs by (bucket, context-chunk bucket); `None` = seen once, not captured yet.
     graphs: HashMap<(usize, usize), Option<Graph>>,
     /// Decode batch-size buckets (ascending); empty when graphs are off.
@@ -89,27 +89,117 @@ impl CudaBackend {
         progress: &dyn Fn(u64, u64),
     ) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
-        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, progress)?;
+        let spec = ShardSpec::full(config.num_hidden_layers);
+        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, &spec, progress)?;
         Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
     }
 
-    /// One tensor-parallel shard: `weights` is the shard's slice ([`LlamaWeights::shard`]) and
-    /// `comm` its rank's communicator. The fused GEMV path and CUDA graphs are off (the residual
-    /// adds wait for the all-reduce; NCCL launches are not captured).
+    /// One rank's part of a parallel replica, straight from the mmapped checkpoint:
+    /// `spec`'s layers and tensor-parallel slice ([`ShardSpec`]). The same kernels, GEMVs and
+    /// CUDA graphs as the whole model (`opts.cuda_graphs` as the caller decides); its
+    /// collectives come with [`CudaBackend::set_comm`].
     ///
     /// # Errors
-    /// As [`CudaBackend::new`].
-    pub(crate) fn new_shard(
-        weights: LlamaWeights,
+    /// As [`CudaBackend::from_safetensors`].
+    pub(super) fn from_safetensors_shard(
+        files: &SafetensorsFiles,
         config: &ModelConfig,
         opts: &CudaOptions,
-        comm: TpComm,
+        spec: &ShardSpec,
     ) -> Result<Self, CudaError> {
-        let opts = CudaOptions { cuda_graphs: false, ..opts.clone() };
-        let mut be = Self::new(weights, config, &opts)?;
-        be.m.gemv_max = 0;
-        be.m.tp = Some(comm);
+        let gpu = Gpu::new(opts.device)?;
+        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, spec, &|_, _| {})?;
+        let mut be = Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)?;
+        be.m.first_stage = spec.first_stage;
+        be.m.last_stage = spec.last_stage;
         Ok(be)
+    }
+
+    /// Gives a rank's shard its collectives (before its first step).
+    pub(super) fn set_comm(&mut self, comm: RankComm) {
+        self.m.comm = Some(comm);
+        self.graphs.clear();
+    }
+
+    /// The shard's device.
+    pub(super) fn gpu(&self) -> &Gpu {
+        &self.m.gpu
+    }
+
+    /// Makes the device current on this thread.
+    ///
+    /// # Errors
+    /// [`BackendError::Cuda`] when the context cannot be bound.
+    pub(super) fn bind(&self) -> Result<(), BackendError> {
+        Ok(self.m.gpu.bind()?)
+    }
+
+    /// Enqueues the receive of the previous stage's `count` f32 residual values (`count ≤`
+    /// the scratch's tokens × hidden: the batch was validated) into the residual stream.
+    ///
+    /// # Errors
+    /// [`BackendError::Cuda`] when the shard has no collectives or the receive fails.
+    pub(super) fn recv_hidden(&mut self, count: usize, peer: usize) -> Result<(), BackendError> {
+        let m = &mut self.m;
+        let c = m.comm.as_mut().ok_or(CudaError::TensorParallel("a pipeline stage without collectives"))?;
+        Ok(c.recv_f32(&m.gpu, m.s.x.ptr, count, peer)?)
+    }
+
+    /// Enqueues the send of the residual stream's first `count` f32 values to the next stage.
+    ///
+    /// # Errors
+    /// As [`CudaBackend::recv_hidden`].
+    pub(super) fn send_hidden(&mut self, count: usize, peer: usize) -> Result<(), BackendError> {
+        let m = &mut self.m;
+        let c = m.comm.as_mut().ok_or(CudaError::TensorParallel("a pipeline stage without collectives"))?;
+        Ok(c.send_f32(&m.gpu, m.s.x.ptr, count, peer)?)
+    }
+
+    /// Waits for the step's work, bounded by the collective timeout when NCCL is in it.
+    ///
+    /// # Errors
+    /// [`BackendError::Cuda`] on a fault, an NCCL error or a timeout.
+    pub(super) fn wait_step(&mut self) -> Result<(), BackendError> {
+        let m = &mut self.m;
+        match m.comm.as_mut() {
+            Some(c) => Ok(c.wait(&m.gpu)?),
+            None => Ok(m.gpu.sync()?),
+        }
+    }
+
+    /// The argmax of the first `rows` logit rows of the last step, computed on the device.
+    ///
+    /// # Errors
+    /// [`BackendError::Cuda`] on a launch or copy failure.
+    pub(super) fn greedy_rows(&self, rows: usize) -> Result<Vec<u32>, BackendError> {
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let m = &self.m;
+        let cfg = per_row(rows, 1024);
+        let vocab = m.d.vocab as i32;
+        let mut b = m.gpu.stream.launch_builder(&m.gpu.k.argmax_rows);
+        b.arg(&m.s.argmax.ptr).arg(&m.s.logits.ptr).arg(&vocab);
+        // SAFETY: logits hold rows × vocab f32, argmax rows u32.
+        unsafe { b.launch(cfg) }.op("argmax_rows")?;
+        let mut out = vec![0u32; rows];
+        m.gpu.download(&mut out, m.s.argmax.ptr)?;
+        Ok(out)
+    }
+
+    /// The first `rows` logit rows of the last step.
+    ///
+    /// # Errors
+    /// [`BackendError::Cuda`] on a copy failure (or an earlier asynchronous fault).
+    pub(super) fn logit_rows(&self, rows: usize) -> Result<Logits, BackendError> {
+        let vocab = self.m.d.vocab;
+        let mut data = vec![0f32; rows * vocab];
+        if rows > 0 {
+            self.m.gpu.download(&mut data, self.m.s.logits.ptr)?;
+        } else {
+            self.m.gpu.sync()?;
+        }
+        Ok(Logits { rows, vocab_size: vocab, data })
     }
 
     /// A model of the given shape with seeded random bf16 weights generated on the device
@@ -165,19 +255,7 @@ impl CudaBackend {
     /// As [`Backend::forward`].
     pub fn forward_greedy(&mut self, batch: &StepBatch) -> Result<Vec<u32>, BackendError> {
         let rows = self.run(batch)?;
-        if rows == 0 {
-            return Ok(Vec::new());
-        }
-        let m = &self.m;
-        let cfg = per_row(rows, 1024);
-        let vocab = m.d.vocab as i32;
-        let mut b = m.gpu.stream.launch_builder(&m.gpu.k.argmax_rows);
-        b.arg(&m.s.argmax.ptr).arg(&m.s.logits.ptr).arg(&vocab);
-        // SAFETY: logits hold rows × vocab f32, argmax rows u32.
-        unsafe { b.launch(cfg) }.op("argmax_rows")?;
-        let mut out = vec![0u32; rows];
-        m.gpu.download(&mut out, m.s.argmax.ptr)?;
-        Ok(out)
+        self.greedy_rows(rows)
     }
 
     /// Selects a compiled decode-GEMV variant (benchmarks; see `gemv.rs`). Graphs are dropped.
@@ -191,7 +269,7 @@ impl CudaBackend {
     /// Sets [`CudaOptions::gemv_max_tokens`] (benchmarks; ignored in batch-invariant mode).
     /// Captured graphs are dropped.
     pub fn set_gemv_max_tokens(&mut self, m: usize) {
-        if self.m.gemv.is_some() && self.m.tp.is_none() {
+        if self.m.gemv.is_some() {
             self.m.gemv_max = m.min(GEMV_MAX_M);
             self.graphs.clear();
         }
@@ -355,14 +433,7 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     fn forward(&mut self, batch: &StepBatch) -> Result<Logits, BackendError> {
         let rows = self.run(batch)?;
-        let vocab = self.m.d.vocab;
-        let mut data = vec![0f32; rows * vocab];
-        if rows > 0 {
-            self.m.gpu.download(&mut data, self.m.s.logits.ptr)?;
-        } else {
-            self.m.gpu.sync()?;
-        }
-        Ok(Logits { rows, vocab_size: vocab, data })
+        self.logit_rows(rows)
     }
 
     fn has_device_greedy(&self) -> bool {
