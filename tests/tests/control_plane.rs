@@ -294,8 +294,20 @@ async fn bad_input_is_rejected_and_changes_nothing() -> Result<()> {
         let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
         assert!(deps.is_empty(), "nothing stored");
 
-        // More GPUs than any node has: Pending with a reason, not an error loop.
-        c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("big", 8, 1)) }).await?;
+        // A GPU group larger than all registered nodes together: refused, naming the numbers.
+        let e = c
+            .apply_deployment(ApplyDeploymentRequest { spec: Some(spec("huge", 8, 1)) })
+            .await
+            .err()
+            .context("8 GPUs")?;
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert_eq!(
+            e.message(),
+            "a replica needs 8 GPUs or CPU slots (engine.tensor_parallel_size 8 x engine.pipeline_parallel_size 1), \
+             more than the registered nodes have together: 4 (node-a 4)"
+        );
+        // More GPUs than any node has free: Pending with a reason, not an error loop.
+        c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("big", 4, 2)) }).await?;
         let r =
             poll_until(Duration::from_secs(10), "big pending", || {
                 let mut c = c.clone();
@@ -305,9 +317,9 @@ async fn bad_input_is_rejected_and_changes_nothing() -> Result<()> {
             })
             .await?;
         assert_eq!(r.state(), ReplicaState::Pending);
-        assert_eq!(r.reason, "needs 8 GPUs on one node; largest free group is 4");
+        assert_eq!(r.reason, "needs 4 GPUs on one node; largest free group is 0");
         // Changing the same name's spec is an update, scaling outside bounds is rejected.
-        let mut bounded = spec("big", 8, 1);
+        let mut bounded = spec("big", 4, 2);
         bounded.max_replicas = 2;
         c.apply_deployment(ApplyDeploymentRequest { spec: Some(bounded) }).await?;
         let e = c
