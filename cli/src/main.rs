@@ -9,6 +9,7 @@ mod cordon;
 mod deploy;
 mod drain;
 mod generate;
+mod model_check;
 mod scale;
 mod status;
 mod table;
@@ -58,7 +59,23 @@ enum Command {
     Bench(bench::BenchCommand),
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    // A rank of a GPU group: `prism up`'s embedded worker spawns its ranks as this binary
+    // with `PRISM_RANK_SPEC` set; such a process runs the rank and nothing else.
+    if let Some(code) = prism_engine::parallel::rank::main_from_env() {
+        return code;
+    }
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // What `fn main() -> Result` prints.
+            eprintln!("Error: {e:?}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     let cli = Cli::parse();
     if matches!(cli.command, Command::Up(_)) && std::env::var_os("RUST_LOG").is_none() {
         // `prism up` draws a progress bar: only warnings and errors go to the terminal.
