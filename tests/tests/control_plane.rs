@@ -143,7 +143,6 @@ async fn session(
                         max_model_len: 0,
                         rendezvous,
                         group_member: member,
-                        ..ReplicaStatus::default()
                     },
                 );
             }
