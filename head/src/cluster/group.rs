@@ -331,10 +331,11 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_driver_failure_stops_the_members_and_a_new_leader_restarts_members_from_the_record() {
+    async fn a_member_worker_with_a_new_session_is_started_from_the_record_and_a_driver_failure_frees_it() {
         let (cluster, _lead, mut a, b, rid) = group_of_two_nodes().await;
         report(&cluster, "a", vec![status(&rid, ReplicaState::Starting, "10.0.0.1:41000", false, "")]).await;
-        // The member's session is new (a new leader's view): its unreported Starting ranks
+        // The member's worker has a new session (it restarted, or a new leader took over):
+        // its unreported Starting ranks
         // are started from the stored rendezvous and token, once.
         let b2 = {
             drop(b);
@@ -354,6 +355,26 @@ mod tests {
         assert_eq!((rec.state(), rec.reason.as_str()), (ReplicaState::Failed, "engine died"));
         assert_eq!(stops(&commands(&mut b)), vec![rid.to_string()], "member ranks are freed");
         assert_eq!(stops(&commands(&mut a)), vec![rid.to_string()]);
+    }
+
+    #[tokio::test]
+    async fn a_driver_worker_that_lost_a_starting_group_fails_it_instead_of_restarting_rank_0() {
+        let (cluster, _lead, a, mut b, rid) = group_of_two_nodes().await;
+        report(&cluster, "a", vec![status(&rid, ReplicaState::Starting, "10.0.0.1:41000", false, "")]).await;
+        assert_eq!(starts(&commands(&mut b)).len(), 1, "the member was started at the rendezvous");
+        // The driver's worker restarts (a new session) and reports nothing.
+        drop(a);
+        let mut a = registry::register(&cluster, inventory("a")).await.expect("a again");
+        report(&cluster, "a", vec![]).await;
+        let rec = record(&cluster, &rid).await;
+        assert_eq!(
+            (rec.state(), rec.reason.as_str()),
+            (ReplicaState::Failed, "rank 0 on node a lost (its worker restarted)")
+        );
+        let sent = commands(&mut a);
+        assert!(starts(&sent).is_empty(), "rank 0 is not restarted alone: {sent:?}");
+        assert_eq!(stops(&sent), vec![rid.to_string()]);
+        assert_eq!(stops(&commands(&mut b)), vec![rid.to_string()]);
     }
 
     #[tokio::test]

@@ -330,7 +330,18 @@ pub(crate) async fn handle_status(
     let started = st.started_on(node);
     for (rid, state) in mine {
         match state {
-            ReplicaState::Starting if !started.contains(&rid) => send_start(st, &rid),
+            ReplicaState::Starting if !started.contains(&rid) => {
+                let rec = st.view().replicas.get(&rid).map(|e| e.record.clone());
+                match rec {
+                    // Its member ranks were started at a rendezvous this worker no longer
+                    // has: they cannot join a new one, so the group fails.
+                    Some(rec) if group::spans_nodes(&rec) && !rec.rendezvous.is_empty() => {
+                        let reason = format!("rank 0 on node {node} lost (its worker restarted)");
+                        group::fail_group(cluster, st, rec, reason).await?;
+                    }
+                    _ => send_start(st, &rid),
+                }
+            }
             ReplicaState::Ready => {
                 let Some(mut rec) = st.view().replicas.get(&rid).map(|e| e.record.clone()) else { continue };
                 if group::spans_nodes(&rec) {
