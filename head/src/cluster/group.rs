@@ -335,8 +335,7 @@ mod tests {
         let (cluster, _lead, mut a, b, rid) = group_of_two_nodes().await;
         report(&cluster, "a", vec![status(&rid, ReplicaState::Starting, "10.0.0.1:41000", false, "")]).await;
         // The member's worker has a new session (it restarted, or a new leader took over):
-        // its unreported Starting ranks
-        // are started from the stored rendezvous and token, once.
+        // its unreported Starting ranks are started from the stored rendezvous and token, once.
         let b2 = {
             drop(b);
             registry::register(&cluster, inventory("b")).await.expect("b again")
