@@ -7,6 +7,7 @@
 //! served_model_name: smollm2                      # optional, default = name
 //! engine:                                         # optional; 0/absent = the engine's default
 //!   tensor_parallel_size: 1                       # the keys are `prism up`'s engine flags
+//!   pipeline_parallel_size: 1                     # stages; a replica holds tp x pp GPUs (CPU slots)
 //!   max_model_len: 2048                           # (prism_common::engine_flags::EngineFlags)
 //!   block_size: 16
 //!   max_num_seqs: 64
@@ -247,6 +248,10 @@ pub async fn run(head_addr: &str, args: DeployArgs) -> Result<()> {
     };
     let file = DeploymentFile::parse(&yaml)?;
     let spec = file.to_spec();
+    // The engine's model checks when the model is here too (else the engine checks at load).
+    if let Some(engine) = &spec.engine {
+        crate::model_check::check_parallel(engine).with_context(|| format!("model {}", engine.model))?;
+    }
     if args.dry_run {
         println!("{spec:#?}");
         return Ok(());
@@ -331,6 +336,19 @@ node_selector:
         let default = DeploymentFile::parse("name: a\nmodel: /m.gguf\n")?;
         assert_eq!(default.to_spec().engine.context("engine")?.enable_prefix_caching, None, "absent = on");
         assert!(DeploymentFile::parse("name: a\nmodel: m\nengine: {enable_prefix_caching: nope}\n").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn pipeline_parallel_size_is_a_deployment_key() -> Result<()> {
+        let file = DeploymentFile::parse(
+            "name: big\nmodel: m\nengine:\n  tensor_parallel_size: 2\n  pipeline_parallel_size: 3\n",
+        )?;
+        let engine = file.to_spec().engine.context("engine")?;
+        assert_eq!((engine.tensor_parallel_size, engine.pipeline_parallel_size), (2, Some(3)));
+        let e =
+            DeploymentFile::parse("name: a\nmodel: m\nengine:\n  pipeline_parallel_size: 0\n").err().context("pp 0")?;
+        assert_eq!(e.to_string(), "engine.pipeline_parallel_size must be at least 1");
         Ok(())
     }
 

@@ -9,6 +9,7 @@ mod cordon;
 mod deploy;
 mod drain;
 mod generate;
+mod model_check;
 mod scale;
 mod status;
 mod table;

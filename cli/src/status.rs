@@ -1,13 +1,14 @@
 //! `prism status`: the cluster as the head sees it — nodes (GPUs, state, cordon), deployments
 //! (ready / current / target replicas, autoscaling bounds, prefix-cache hit rate and the
 //! autoscaler's last decision with its reason and age), replicas (node, GPU group, state, reason) and their load — as
-//! readable tables.
+//! readable tables. A replica of more than one rank shows its ranks per node (RANKS,
+//! e.g. `node-a:0-1 node-b:2-3` for a group across two nodes; NODE / GPUS are the driver's).
 
 use crate::client::{self, status_error};
 use crate::table::Table;
 use anyhow::Result;
 use prism_common::proto::v1::{
-    ClusterStatusRequest, ClusterStatusResponse, LoadReport, NodeRecord, NodeState, ReplicaState,
+    ClusterStatusRequest, ClusterStatusResponse, LoadReport, NodeRecord, NodeState, ReplicaRecord, ReplicaState,
 };
 use std::collections::HashMap;
 
@@ -31,6 +32,34 @@ fn join_indices(indices: &[u32]) -> String {
     indices.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
 
+/// A replica's ranks per node (`node-a:0-1 node-b:2-3`); empty for a one-rank replica.
+fn ranks(r: &ReplicaRecord) -> String {
+    let range = |first: u32, n: usize| {
+        if n <= 1 { first.to_string() } else { format!("{first}-{}", first as usize + n - 1) }
+    };
+    if r.rank_groups.is_empty() {
+        // Records from before groups could span nodes: every rank on `node_id`.
+        return if r.gpu_indices.len() > 1 {
+            format!("{}:{}", r.node_id, range(0, r.gpu_indices.len()))
+        } else {
+            String::new()
+        };
+    }
+    if r.rank_groups.iter().map(|g| g.gpu_indices.len()).sum::<usize>() <= 1 {
+        return String::new();
+    }
+    r.rank_groups
+        .iter()
+        .map(|g| format!("{}:{}", g.node_id, range(g.first_rank, g.gpu_indices.len())))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// True when any rank of the replica runs on `node` (its driver or a member part).
+fn on_node(r: &ReplicaRecord, node: &str) -> bool {
+    r.node_id == node || r.rank_groups.iter().any(|g| g.node_id == node)
+}
+
 /// Drain progress of a node: time left to its deadline and requests still in flight on its
 /// replicas (running + waiting, from the latest load reports); `-` when not draining.
 fn drain_progress(node: &NodeRecord, status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
@@ -38,7 +67,7 @@ fn drain_progress(node: &NodeRecord, status: &ClusterStatusResponse, now_unix_ms
         return "-".to_owned();
     }
     let id = node.inventory.as_ref().map_or("", |i| i.node_id.as_str());
-    let mine: Vec<&str> = status.replicas.iter().filter(|r| r.node_id == id).map(|r| r.replica_id.as_str()).collect();
+    let mine: Vec<&str> = status.replicas.iter().filter(|r| on_node(r, id)).map(|r| r.replica_id.as_str()).collect();
     let in_flight: u32 =
         status.load.iter().filter(|l| mine.contains(&l.replica_id.as_str())).map(|l| l.running + l.waiting).sum();
     let left = node.drain_deadline_unix_ms.saturating_sub(now_unix_ms) / 1000;
@@ -99,8 +128,17 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
     out.push_str(&format!("Nodes ({}):\n", status.nodes.len()));
     out.push_str(&if nodes.is_empty() { "  (none)\n".to_owned() } else { nodes.render() });
 
-    let mut deployments =
-        Table::new(&["DEPLOYMENT", "MODEL", "SERVED AS", "TP", "READY/DESIRED", "CURRENT", "AUTOSCALE", "PREFIX HIT"]);
+    let mut deployments = Table::new(&[
+        "DEPLOYMENT",
+        "MODEL",
+        "SERVED AS",
+        "TP",
+        "PP",
+        "READY/DESIRED",
+        "CURRENT",
+        "AUTOSCALE",
+        "PREFIX HIT",
+    ]);
     let mut decisions = Vec::new();
     for d in &status.deployments {
         let spec = d.spec.clone().unwrap_or_default();
@@ -132,6 +170,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
             engine.model,
             engine.served_model_name,
             engine.tensor_parallel_size.to_string(),
+            engine.pipeline_parallel_size.unwrap_or(1).to_string(),
             format!("{ready}/{}", spec.replicas),
             format!("{current}/{}", spec.replicas),
             autoscale,
@@ -147,7 +186,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
 
     let load: HashMap<&str, &LoadReport> = status.load.iter().map(|l| (l.replica_id.as_str(), l)).collect();
     let mut replicas =
-        Table::new(&["REPLICA", "DEPLOYMENT", "NODE", "GPUS", "STATE", "RUNNING", "WAITING", "KV", "REASON"]);
+        Table::new(&["REPLICA", "DEPLOYMENT", "NODE", "GPUS", "STATE", "RUNNING", "WAITING", "KV", "RANKS", "REASON"]);
     for r in &status.replicas {
         let (running, waiting, kv) = load.get(r.replica_id.as_str()).map_or_else(
             || ("-".to_owned(), "-".to_owned(), "-".to_owned()),
@@ -163,6 +202,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
             running,
             waiting,
             kv,
+            ranks(r),
             r.reason.clone(),
         ]);
     }
@@ -189,7 +229,7 @@ pub async fn run(head_addr: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use prism_common::proto::v1::{GpuInfo, NodeInventory, ReplicaRecord};
+    use prism_common::proto::v1::{GpuInfo, NodeInventory, RankGroup};
 
     #[test]
     fn render_lists_nodes_replicas_and_load() {
@@ -335,6 +375,55 @@ mod tests {
         assert_eq!(last_cell("chat"), "62.5%", "{text}");
         assert_eq!(last_cell("cold"), "-", "{text}");
         assert_eq!(last_cell("rag"), "100.0%", "{text}");
+    }
+
+    #[test]
+    fn group_replicas_show_their_ranks_per_node_and_pending_reasons_whole() {
+        let group =
+            |node: &str, first_rank: u32| RankGroup { node_id: node.into(), first_rank, gpu_indices: vec![0, 1] };
+        let reason = "needs 4 GPUs (tensor_parallel_size 2 x pipeline_parallel_size 2); free: node-a 1, node-b 1";
+        let status = ClusterStatusResponse {
+            nodes: vec![NodeRecord {
+                inventory: Some(NodeInventory { node_id: "node-b".into(), cpu_slots: 2, ..NodeInventory::default() }),
+                state: NodeState::Draining as i32,
+                drain_deadline_unix_ms: 10_000,
+                ..NodeRecord::default()
+            }],
+            replicas: vec![
+                ReplicaRecord {
+                    replica_id: "big-1".into(),
+                    deployment: "big".into(),
+                    node_id: "node-a".into(),
+                    gpu_indices: vec![0, 1],
+                    rank_groups: vec![group("node-a", 0), group("node-b", 2)],
+                    state: ReplicaState::Ready as i32,
+                    ..ReplicaRecord::default()
+                },
+                ReplicaRecord {
+                    replica_id: "big-2".into(),
+                    deployment: "big".into(),
+                    state: ReplicaState::Pending as i32,
+                    reason: reason.into(),
+                    ..ReplicaRecord::default()
+                },
+                ReplicaRecord {
+                    replica_id: "tp2-1".into(),
+                    node_id: "node-c".into(),
+                    gpu_indices: vec![2, 3],
+                    ..ReplicaRecord::default()
+                },
+            ],
+            load: vec![LoadReport { replica_id: "big-1".into(), running: 4, ..LoadReport::default() }],
+            ..ClusterStatusResponse::default()
+        };
+        let text = render_at(&status, 0);
+        assert!(text.contains("RANKS"), "{text}");
+        let line = |id: &str| text.lines().find(|l| l.starts_with(id)).unwrap_or_default().to_owned();
+        assert!(line("big-1").ends_with("node-a:0-1 node-b:2-3"), "{text}");
+        assert!(line("big-2").ends_with(reason), "the reason is shown whole: {text}");
+        assert!(line("tp2-1").ends_with("node-c:0-1"), "{text}");
+        // The member node's drain counts the group's requests.
+        assert!(text.contains("10s left, 4 in flight"), "{text}");
     }
 
     #[test]

@@ -80,7 +80,10 @@ pub async fn run(args: UpArgs) -> Result<()> {
     if args.engine.tensor_parallel_size == 0 || args.replicas == 0 {
         bail!("--tensor-parallel-size and --replicas must be at least 1");
     }
+    args.engine.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
     let model = resolve_model(&args.model)?;
+    let engine = args.engine.to_proto(model.to_string_lossy(), "");
+    crate::model_check::check_parallel(&engine).with_context(|| format!("model {}", model.display()))?;
     let served = args.served_model_name.clone().unwrap_or_else(|| default_served_name(&model));
     let listeners = Listeners::bind(&args).await?;
     let endpoints = Endpoints::of(&listeners)?;

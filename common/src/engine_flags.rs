@@ -132,6 +132,9 @@ pub enum EngineFlagsError {
     /// `tensor_parallel_size` is 0.
     #[error("tensor_parallel_size must be at least 1")]
     TensorParallelSize,
+    /// `pipeline_parallel_size` is 0.
+    #[error("pipeline_parallel_size must be at least 1")]
+    PipelineParallelSize,
     /// `gpu_memory_utilization` is not in (0, 1].
     #[error("gpu_memory_utilization must be in (0, 1], got {0}")]
     GpuMemoryUtilization(f32),
@@ -145,6 +148,9 @@ impl EngineFlags {
     pub fn validate(&self) -> Result<(), EngineFlagsError> {
         if self.tensor_parallel_size == 0 {
             return Err(EngineFlagsError::TensorParallelSize);
+        }
+        if self.pipeline_parallel_size == Some(0) {
+            return Err(EngineFlagsError::PipelineParallelSize);
         }
         if let Some(u) = self.gpu_memory_utilization
             && !(u > 0.0 && u <= 1.0)
@@ -294,6 +300,8 @@ mod tests {
         assert_eq!(EngineFlags::default().validate(), Ok(()));
         let tp0 = EngineFlags { tensor_parallel_size: 0, ..EngineFlags::default() };
         assert_eq!(tp0.validate(), Err(EngineFlagsError::TensorParallelSize));
+        let pp0 = EngineFlags { pipeline_parallel_size: Some(0), ..EngineFlags::default() };
+        assert_eq!(pp0.validate().map_err(|e| e.to_string()), Err("pipeline_parallel_size must be at least 1".into()));
         for u in [0.0, 1.5, f32::NAN] {
             let bad = EngineFlags { gpu_memory_utilization: Some(u), ..EngineFlags::default() };
             assert!(matches!(bad.validate(), Err(EngineFlagsError::GpuMemoryUtilization(_))), "{u}");

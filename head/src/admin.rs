@@ -5,12 +5,12 @@
 
 use prism_common::DeploymentName;
 use prism_common::proto::v1::{
-    ClusterStatusResponse, DeploymentRecord, DeploymentSpec, NodeRecord, NodeState, ReplicaRecord,
+    ClusterStatusResponse, DeploymentRecord, DeploymentSpec, NodeInventory, NodeRecord, NodeState, ReplicaRecord,
 };
 use prism_common::time::unix_ms;
 
 use crate::cluster::Cluster;
-use crate::cluster::view::ClusterView;
+use crate::cluster::view::{ClusterView, world_size};
 use crate::election::Leadership;
 use crate::error::{HeadError, HeadResult};
 use crate::placement::autoscaler::Params;
@@ -51,6 +51,11 @@ pub fn validate_spec(mut spec: DeploymentSpec) -> HeadResult<DeploymentSpec> {
             "engine.tensor_parallel_size must be between 1 and {MAX_TENSOR_PARALLEL}, got {}",
             engine.tensor_parallel_size
         ));
+    }
+    if let Some(pp) = engine.pipeline_parallel_size
+        && (pp == 0 || pp > MAX_TENSOR_PARALLEL)
+    {
+        return bad(format!("engine.pipeline_parallel_size must be between 1 and {MAX_TENSOR_PARALLEL}, got {pp}"));
     }
     if let Some(u) = engine.gpu_memory_utilization
         && !(0.0..=1.0).contains(&u)
@@ -102,6 +107,57 @@ fn check_bounds(spec: &DeploymentSpec, replicas: u32) -> HeadResult<()> {
     Ok(())
 }
 
+/// Refuses a spec whose replica's GPU group (`tensor_parallel_size x
+/// pipeline_parallel_size` GPUs, CPU slots on CPU nodes) is larger than all the registered,
+/// non-Dead nodes matching its `node_selector` hold together: no placement across nodes
+/// could ever hold it. A cluster with no live node registered yet accepts any size and
+/// keeps the replica Pending (naming what it needs): deployments are routinely applied
+/// before the workers come up (`prism up`, a Helm install, a node pool scaled to zero), and
+/// then nothing says what the cluster will hold.
+///
+/// # Errors
+/// `InvalidArgument` naming the sizes and each matching node's slots.
+pub fn check_capacity(view: &ClusterView, spec: &DeploymentSpec) -> HeadResult<()> {
+    let Some(engine) = spec.engine.as_ref() else { return Ok(()) };
+    let world = world_size(engine);
+    let live: Vec<&NodeInventory> = view
+        .nodes
+        .values()
+        .filter(|e| e.record.state() != NodeState::Dead)
+        .filter_map(|e| e.record.inventory.as_ref())
+        .collect();
+    if live.is_empty() {
+        return Ok(());
+    }
+    let matching: Vec<(&str, u32)> = live
+        .iter()
+        .filter(|i| spec.node_selector.iter().all(|(k, v)| i.labels.get(k) == Some(v)))
+        .map(|i| {
+            let slots = if i.gpus.is_empty() { i.cpu_slots } else { u32::try_from(i.gpus.len()).unwrap_or(u32::MAX) };
+            (i.node_id.as_str(), slots)
+        })
+        .collect();
+    let total: u32 = matching.iter().map(|(_, n)| *n).fold(0, u32::saturating_add);
+    if world <= total {
+        return Ok(());
+    }
+    let pp = engine.pipeline_parallel_size.unwrap_or(1).max(1);
+    let nodes = if spec.node_selector.is_empty() {
+        "the registered nodes".to_owned()
+    } else {
+        let mut sel: Vec<String> = spec.node_selector.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        sel.sort();
+        format!("the registered nodes matching node_selector {{{}}}", sel.join(","))
+    };
+    let each: Vec<String> = matching.iter().map(|(id, n)| format!("{id} {n}")).collect();
+    let each = if each.is_empty() { "none match".to_owned() } else { each.join(", ") };
+    Err(HeadError::InvalidArgument(format!(
+        "a replica needs {world} GPUs or CPU slots (engine.tensor_parallel_size {} x engine.pipeline_parallel_size {pp}), \
+         more than {nodes} have together: {total} ({each})",
+        engine.tensor_parallel_size.max(1)
+    )))
+}
+
 /// Fields whose change replaces running replicas (the replica template).
 fn template_changed(a: &DeploymentSpec, b: &DeploymentSpec) -> bool {
     a.engine != b.engine || a.node_selector != b.node_selector
@@ -123,8 +179,13 @@ pub async fn apply_deployment(cluster: &Cluster, spec: DeploymentSpec) -> HeadRe
     {
         spec.replicas = old.replicas.clamp(p.min_replicas, p.max_replicas);
     }
+    if let Some(e) = st.view().deployments.get(&name)
+        && e.record.spec.as_ref() == Some(&spec)
+    {
+        return Ok((e.record.clone(), false));
+    }
+    check_capacity(st.view(), &spec)?;
     let rec = match st.view().deployments.get(&name) {
-        Some(e) if e.record.spec.as_ref() == Some(&spec) => return Ok((e.record.clone(), false)),
         Some(e) => {
             let old = e.record.spec.clone().unwrap_or_default();
             let generation = e.record.generation + u64::from(template_changed(&old, &spec));
@@ -314,5 +375,66 @@ mod tests {
         assert_eq!(m, "autoscaling_config.min_replicas (3) is greater than max_replicas (1)");
         let both = DeploymentSpec { autoscaling: Some(auto(1, 3, None)), max_replicas: 3, ..spec() };
         assert!(matches!(validate_spec(both), Err(HeadError::InvalidArgument(m)) if m.contains("autoscaling_config")));
+    }
+
+    #[test]
+    fn parallel_sizes_name_their_field() {
+        let with = |tp: u32, pp: Option<u32>| DeploymentSpec {
+            engine: spec().engine.map(|e| EngineConfig { tensor_parallel_size: tp, pipeline_parallel_size: pp, ..e }),
+            ..spec()
+        };
+        let Err(HeadError::InvalidArgument(m)) = validate_spec(with(0, None)) else { panic!("tp 0 accepted") };
+        assert_eq!(m, "engine.tensor_parallel_size must be between 1 and 1024, got 0");
+        let Err(HeadError::InvalidArgument(m)) = validate_spec(with(2, Some(0))) else { panic!("pp 0 accepted") };
+        assert_eq!(m, "engine.pipeline_parallel_size must be between 1 and 1024, got 0");
+        let s = validate_spec(with(2, Some(3))).expect("valid");
+        assert_eq!(s.engine.and_then(|e| e.pipeline_parallel_size), Some(3));
+    }
+
+    #[test]
+    fn a_group_larger_than_every_live_node_together_is_refused() {
+        use crate::cluster::view::Entry;
+        use prism_common::proto::v1::GpuInfo;
+        let node = |id: &str, gpus: u32, state: NodeState, zone: &str| NodeRecord {
+            inventory: Some(NodeInventory {
+                node_id: id.into(),
+                gpus: (0..gpus).map(|index| GpuInfo { index, ..Default::default() }).collect(),
+                labels: [("zone".to_owned(), zone.to_owned())].into_iter().collect(),
+                ..Default::default()
+            }),
+            state: state as i32,
+            ..Default::default()
+        };
+        let sized = |tp: u32, pp: u32| DeploymentSpec {
+            engine: spec().engine.map(|e| EngineConfig {
+                tensor_parallel_size: tp,
+                pipeline_parallel_size: Some(pp),
+                ..e
+            }),
+            ..spec()
+        };
+        let mut view = ClusterView::default();
+        // No node yet: anything goes (it waits Pending).
+        assert!(check_capacity(&view, &sized(8, 8)).is_ok());
+        for (id, gpus, state, zone) in
+            [("a", 2, NodeState::Ready, "x"), ("b", 2, NodeState::Ready, "y"), ("c", 8, NodeState::Dead, "x")]
+        {
+            view.nodes.insert(id.into(), Entry { record: node(id, gpus, state, zone), mod_revision: 1 });
+        }
+        // 4 GPUs across a and b (the Dead node does not count).
+        assert!(check_capacity(&view, &sized(2, 2)).is_ok());
+        let Err(HeadError::InvalidArgument(m)) = check_capacity(&view, &sized(2, 3)) else { panic!("6 accepted") };
+        assert_eq!(
+            m,
+            "a replica needs 6 GPUs or CPU slots (engine.tensor_parallel_size 2 x engine.pipeline_parallel_size 3), \
+             more than the registered nodes have together: 4 (a 2, b 2)"
+        );
+        let mut zoned = sized(2, 2);
+        zoned.node_selector.insert("zone".into(), "x".into());
+        let Err(HeadError::InvalidArgument(m)) = check_capacity(&view, &zoned) else { panic!("zone x holds 2") };
+        assert!(
+            m.ends_with("more than the registered nodes matching node_selector {zone=x} have together: 2 (a 2)"),
+            "{m}"
+        );
     }
 }

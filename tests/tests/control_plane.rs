@@ -2,7 +2,8 @@
 //! processes on loopback ports (the cluster fixture, without workers or routers), and workers
 //! played by [`FakeWorker`], a test client that speaks the `WorkerSession` protocol exactly
 //! as `prism-worker --simulate-gpus N` does (register, full status, Ready after StartReplica,
-//! gone after StopReplica). None of these tests need the real worker binary. Build the head
+//! gone after StopReplica; for a GPU group across nodes, the driver reports a rendezvous and
+//! the member nodes report their ranks with `group_member`). None of these tests need the real worker binary. Build the head
 //! first:
 //! `cargo build -p prism-head --bin prism-head`.
 
@@ -14,8 +15,8 @@ use anyhow::{Context, Result, bail};
 use prism_common::proto::v1::head_service_client::HeadServiceClient;
 use prism_common::proto::v1::{
     self as pb, ApplyDeploymentRequest, ClusterStatusRequest, DeploymentSpec, EngineConfig, GpuInfo, ListNodesRequest,
-    NodeInventory, ReplicaRecord, ReplicaState, ReplicaStatus, ScaleDeploymentRequest, WorkerMessage, WorkerStatus,
-    head_message, worker_message,
+    NodeInventory, ReplicaRecord, ReplicaState, ReplicaStatus, ScaleDeploymentRequest, StartReplica, WorkerMessage,
+    WorkerStatus, head_message, worker_message,
 };
 use prism_common::state_store::{StateStore, keys};
 use prism_tests::{Cluster, ClusterBuilder, Store, poll_until, wait_until};
@@ -41,7 +42,13 @@ struct FakeWorker {
     task: tokio::task::JoinHandle<()>,
     /// Every StartReplica received (replica ids), across sessions.
     starts: Arc<Mutex<Vec<String>>>,
+    /// Every StartReplica received in full, across sessions.
+    start_msgs: Arc<Mutex<Vec<StartReplica>>>,
+    /// Changes the reported state of a replica it runs (a rank failing): id, state, reason.
+    inject: mpsc::UnboundedSender<(String, ReplicaState, String)>,
 }
+
+type Injected = mpsc::UnboundedReceiver<(String, ReplicaState, String)>;
 
 fn gpus(n: u32) -> Vec<GpuInfo> {
     (0..n).map(|i| GpuInfo { index: i, name: "simulated".into(), memory_bytes: 80 << 30 }).collect()
@@ -57,15 +64,21 @@ impl FakeWorker {
             ..Default::default()
         };
         let starts = Arc::new(Mutex::new(Vec::new()));
-        let s2 = starts.clone();
+        let start_msgs = Arc::new(Mutex::new(Vec::new()));
+        let (inject, mut injected) = mpsc::unbounded_channel();
+        let (s2, m2) = (starts.clone(), start_msgs.clone());
         let task = tokio::spawn(async move {
             let mut running: BTreeMap<String, ReplicaStatus> = BTreeMap::new();
             loop {
-                let _ = session(&head, &inv, &mut running, &s2).await;
+                let _ = session(&head, &inv, &mut running, &s2, &m2, &mut injected).await;
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         });
-        Self { task, starts }
+        Self { task, starts, start_msgs, inject }
+    }
+
+    fn start_msgs(&self) -> Result<Vec<StartReplica>> {
+        Ok(self.start_msgs.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone())
     }
 
     fn kill(&self) {
@@ -84,16 +97,41 @@ async fn session(
     inv: &NodeInventory,
     running: &mut BTreeMap<String, ReplicaStatus>,
     starts: &Mutex<Vec<String>>,
+    start_msgs: &Mutex<Vec<StartReplica>>,
+    injected: &mut Injected,
 ) -> Result<()> {
     let mut c = HeadServiceClient::new(Channel::from_shared(head.to_owned())?.connect().await?);
     let (tx, rx) = mpsc::channel(64);
     tx.send(WorkerMessage { msg: Some(worker_message::Msg::Register(inv.clone())) }).await?;
     tx.send(status(running)).await?;
     let mut inbound = c.worker_session(ReceiverStream::new(rx)).await?.into_inner();
-    while let Some(m) = inbound.message().await? {
+    loop {
+        let m = tokio::select! {
+            m = inbound.message() => match m? {
+                Some(m) => m,
+                None => break,
+            },
+            Some((id, state, reason)) = injected.recv() => {
+                if let Some(r) = running.get_mut(&id) {
+                    r.state = state as i32;
+                    r.reason = reason;
+                }
+                tx.send(status(running)).await?;
+                continue;
+            }
+        };
         match m.msg {
             Some(head_message::Msg::Start(s)) => {
                 starts.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.push(s.replica_id.clone());
+                start_msgs.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.push(s.clone());
+                // A group across nodes: the driver (no rendezvous given) reports the one it
+                // bound; a member node (rendezvous given) reports its ranks as a member.
+                let member = !s.rendezvous.is_empty();
+                let rendezvous = if s.rank_groups.is_empty() || member {
+                    String::new()
+                } else {
+                    format!("{}.fake:41000", inv.node_id)
+                };
                 running.insert(
                     s.replica_id.clone(),
                     ReplicaStatus {
@@ -103,7 +141,8 @@ async fn session(
                         reason: String::new(),
                         gpu_indices: s.gpu_indices,
                         max_model_len: 0,
-                        ..ReplicaStatus::default()
+                        rendezvous,
+                        group_member: member,
                     },
                 );
             }
@@ -294,8 +333,20 @@ async fn bad_input_is_rejected_and_changes_nothing() -> Result<()> {
         let deps = c.list_deployments(pb::ListDeploymentsRequest {}).await?.into_inner().deployments;
         assert!(deps.is_empty(), "nothing stored");
 
-        // More GPUs than any node has: Pending with a reason, not an error loop.
-        c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("big", 8, 1)) }).await?;
+        // A GPU group larger than all registered nodes together: refused, naming the numbers.
+        let e = c
+            .apply_deployment(ApplyDeploymentRequest { spec: Some(spec("huge", 8, 1)) })
+            .await
+            .err()
+            .context("8 GPUs")?;
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert_eq!(
+            e.message(),
+            "a replica needs 8 GPUs or CPU slots (engine.tensor_parallel_size 8 x engine.pipeline_parallel_size 1), \
+             more than the registered nodes have together: 4 (node-a 4)"
+        );
+        // More GPUs than any node has free: Pending with a reason, not an error loop.
+        c.apply_deployment(ApplyDeploymentRequest { spec: Some(spec("big", 4, 2)) }).await?;
         let r =
             poll_until(Duration::from_secs(10), "big pending", || {
                 let mut c = c.clone();
@@ -305,9 +356,9 @@ async fn bad_input_is_rejected_and_changes_nothing() -> Result<()> {
             })
             .await?;
         assert_eq!(r.state(), ReplicaState::Pending);
-        assert_eq!(r.reason, "needs 8 GPUs on one node; largest free group is 4");
+        assert_eq!(r.reason, "needs 4 GPUs on one node; largest free group is 0");
         // Changing the same name's spec is an update, scaling outside bounds is rejected.
-        let mut bounded = spec("big", 8, 1);
+        let mut bounded = spec("big", 4, 2);
         bounded.max_replicas = 2;
         c.apply_deployment(ApplyDeploymentRequest { spec: Some(bounded) }).await?;
         let e = c
@@ -474,6 +525,82 @@ async fn embedded_head_restart_keeps_deployments_and_adopts_replicas() -> Result
         let starts_after = w.starts.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.len();
         assert_eq!(starts_before, starts_after, "no StartReplica after the head restart");
         w.kill();
+        anyhow::Ok(())
+    }
+    .await;
+    cluster.with_logs(outcome)
+}
+
+/// A replica of tensor_parallel_size 2 x pipeline_parallel_size 2 on two 2-GPU workers: stage 0
+/// on one, stage 1 on the other. The driver's node is started first; the member node once the
+/// driver reported its rendezvous, with that rendezvous and the group token. A member rank's
+/// failure fails the replica, stops it on both nodes, and a replacement group is placed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_across_two_workers_starts_in_two_phases_and_a_member_failure_replaces_it() -> Result<()> {
+    let cluster = Cluster::builder()
+        .store(Store::Embedded)
+        .head_args(&["--worker-timeout", "2s", "--reconcile-interval", "200ms", "--replica-restart-delay", "200ms"])
+        .env("RUST_LOG", "info")
+        .start()
+        .await?;
+    let outcome = async {
+        let head = cluster.head();
+        let mut c = head.wait_leader(Duration::from_secs(20)).await?;
+        let a = FakeWorker::spawn(head.url.clone(), "node-a", 2);
+        let b = FakeWorker::spawn(head.url.clone(), "node-b", 2);
+        wait_until(Duration::from_secs(10), "two workers", || {
+            let mut c = c.clone();
+            async move { c.list_nodes(ListNodesRequest {}).await.is_ok_and(|n| n.into_inner().nodes.len() == 2) }
+        })
+        .await?;
+        let mut big = spec("big", 2, 1);
+        if let Some(e) = big.engine.as_mut() {
+            e.pipeline_parallel_size = Some(2);
+        }
+        c.apply_deployment(ApplyDeploymentRequest { spec: Some(big) }).await?;
+        let rs = poll_until(Duration::from_secs(10), "the group Ready", || {
+            let mut c = c.clone();
+            async move { replicas(&mut c, "big").await.ok().filter(|rs| count(rs, ReplicaState::Ready) == 1) }
+        })
+        .await?;
+        let r = rs[0].clone();
+        let groups: Vec<(String, u32, Vec<u32>)> =
+            r.rank_groups.iter().map(|g| (g.node_id.clone(), g.first_rank, g.gpu_indices.clone())).collect();
+        assert_eq!(groups, vec![("node-a".into(), 0, vec![0, 1]), ("node-b".into(), 2, vec![0, 1])]);
+        assert_eq!((r.node_id.as_str(), r.rendezvous.as_str()), ("node-a", "node-a.fake:41000"));
+        let (sa, sb) = (a.start_msgs()?, b.start_msgs()?);
+        assert_eq!(sa.len(), 1, "{sa:?}");
+        assert_eq!(sb.len(), 1, "{sb:?}");
+        assert_eq!((sa[0].rendezvous.as_str(), sa[0].gpu_indices.clone()), ("", vec![0, 1]));
+        assert_eq!((sb[0].rendezvous.as_str(), sb[0].gpu_indices.clone()), ("node-a.fake:41000", vec![0, 1]));
+        assert!(!r.group_token.is_empty());
+        for s in [&sa[0], &sb[0]] {
+            assert_eq!((&s.group_token, &s.rank_groups), (&r.group_token, &r.rank_groups));
+        }
+        // A member rank fails: the replica is Failed naming it, both nodes stop it, and a new
+        // group takes its place (it had been Ready; restart delay 200 ms here).
+        b.inject.send((r.replica_id.clone(), ReplicaState::Failed, "rank 3 exited".into()))?;
+        let next = poll_until(Duration::from_secs(10), "a replacement group Ready", || {
+            let mut c = c.clone();
+            let old = r.replica_id.clone();
+            async move {
+                replicas(&mut c, "big")
+                    .await
+                    .ok()
+                    .filter(|rs| rs.len() == 1 && rs[0].replica_id != old && rs[0].state() == ReplicaState::Ready)
+            }
+        })
+        .await?;
+        let (sa, sb) = (a.start_msgs()?, b.start_msgs()?);
+        assert_eq!(sa.iter().map(|s| &s.replica_id).collect::<Vec<_>>(), [&r.replica_id, &next[0].replica_id]);
+        assert_eq!(sb.iter().map(|s| &s.replica_id).collect::<Vec<_>>(), [&r.replica_id, &next[0].replica_id]);
+        assert_ne!(next[0].group_token, r.group_token);
+        let events: serde_json::Value = reqwest::get(format!("{}/v1/events", head.http)).await?.json().await?;
+        let failed =
+            events["events"].as_array().context("events")?.iter().any(|e| {
+                e["kind"] == "replica_failed" && e["message"] == "ranks 2-3 on node node-b failed: rank 3 exited"
+            });
+        assert!(failed, "{events}");
         anyhow::Ok(())
     }
     .await;

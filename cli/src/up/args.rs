@@ -68,7 +68,7 @@ pub struct UpArgs {
     #[arg(long, env = "PRISM_LOAD_TIMEOUT", default_value_t = 900)]
     pub load_timeout: u64,
     /// CPU slots of the embedded worker: replicas it can hold on the CPU backend (default:
-    /// `--replicas` × `--tensor-parallel-size`). Raise it to deploy more models or let an
+    /// `--replicas` × `--tensor-parallel-size` × `--pipeline-parallel-size`: one per rank). Raise it to deploy more models or let an
     /// autoscaled deployment grow (`prism deploy`).
     #[arg(long, env = "PRISM_UP_CPU_SLOTS")]
     pub cpu_slots: Option<u32>,

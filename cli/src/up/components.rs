@@ -57,7 +57,9 @@ pub async fn start(store: &str, args: &UpArgs, listeners: Listeners, root: &Canc
     let head_config = HeadConfig::new(store, head_url.clone());
 
     let mut worker_config = prism_worker::WorkerConfig::for_test(head_url.clone(), &prism_worker::config::hostname());
-    let own = args.replicas.saturating_mul(args.engine.tensor_parallel_size);
+    // Every rank of every replica holds a CPU slot: replicas x tp x pp.
+    let pp = args.engine.pipeline_parallel_size.unwrap_or(1).max(1);
+    let own = args.replicas.saturating_mul(args.engine.tensor_parallel_size).saturating_mul(pp);
     worker_config.cpu_slots = args.cpu_slots.unwrap_or(own).max(own).max(1);
     // The budget of CPU replicas that set none (`--kv-cache-bytes` travels in the spec).
     worker_config.kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES;
