@@ -2,12 +2,14 @@
 //! transport is the same between processes). All-reduce latency (p50/p99) for 2, 3 and 4
 //! ranks with both algorithms at the sizes a step moves: 576 f32 (SmolLM2-135M's hidden state,
 //! batch 1), 576x32 (batch 32), 4096 (Llama-3-8B, batch 1), 4096x64 and 16 MiB; then send/recv
-//! latency (ping-pong, half the round trip) and bandwidth, and barrier latency.
+//! latency (ping-pong, half the round trip) and bandwidth, and barrier latency; last, the
+//! default all-reduce with ranks 1.. as processes of their own (this binary run again).
 //!
 //! Run: `cargo bench -p prism-engine --bench comm` (or `--profile dev`, whose engine and
 //! dependencies are optimised too). Env: `PRISM_BENCH_COMM_SCALE` multiplies the iteration
 //! counts (default 1).
 
+use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, Ipv4Addr};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -104,6 +106,9 @@ fn row(op: &str, ranks: usize, values: &str, algorithm: &str, times: &mut [Durat
 }
 
 fn main() {
+    if let Ok(spec) = std::env::var(RANK_ENV) {
+        return rank_process(&spec);
+    }
     println!("| operation | ranks | f32 values | algorithm | p50 µs | p99 µs | MB/s (p50) | iterations |");
     println!("|---|---|---|---|---|---|---|---|");
     let sizes = [("576", 576), ("576x32", 576 * 32), ("4096", 4096), ("4096x64", 4096 * 64), ("16 MiB", 4 << 20)];
@@ -144,6 +149,77 @@ fn main() {
         times.iter_mut().for_each(|t| *t /= 2);
         row("send/recv (half round trip)", 2, label, "", &mut times, Some(len * 4));
     }
+    process_rows();
+}
+
+const RANK_ENV: &str = "PRISM_BENCH_COMM_RANK";
+/// The all-reduces timed between processes: (label, values), default algorithm.
+const PROCESS_CELLS: [(&str, usize); 3] = [("576", 576), ("576x32", 576 * 32), ("4096", 4096)];
+
+/// Times the default all-reduce with ranks 1.. as processes of their own (this binary again);
+/// rank 0 is this process.
+fn process_rows() {
+    for n in 2..=4 {
+        let mut children: Vec<_> = (1..n)
+            .map(|rank| {
+                std::process::Command::new(std::env::current_exe().expect("bench binary"))
+                    .env(RANK_ENV, format!("{rank}"))
+                    .stdin(std::process::Stdio::piped())
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("start a rank process")
+            })
+            .collect();
+        let listener = HostCommListener::bind(IpAddr::V4(Ipv4Addr::LOCALHOST), "127.0.0.1").expect("bind");
+        let mut addresses = vec![listener.address().to_string()];
+        for child in &mut children {
+            let mut line = String::new();
+            BufRead::read_line(&mut BufReader::new(child.stdout.as_mut().expect("stdout")), &mut line)
+                .expect("address");
+            addresses.push(line.trim().to_string());
+        }
+        for child in &mut children {
+            let stdin = child.stdin.as_mut().expect("stdin");
+            writeln!(stdin, "{}", addresses.join(",")).expect("send addresses");
+        }
+        let mut comm = listener.connect(0, &addresses, Duration::from_secs(60)).expect("mesh");
+        for (label, len) in PROCESS_CELLS {
+            let mut times = timed_all_reduces(&mut comm, len);
+            row("all-reduce, rank processes", n, label, "auto", &mut times, Some(len * 4));
+        }
+        for mut child in children {
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A rank process of [`process_rows`]: prints its address, reads everyone's, runs the cells.
+fn rank_process(rank: &str) {
+    let rank: usize = rank.parse().expect("rank");
+    let listener = HostCommListener::bind(IpAddr::V4(Ipv4Addr::LOCALHOST), "127.0.0.1").expect("bind");
+    println!("{}", listener.address());
+    std::io::stdout().flush().expect("flush");
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).expect("addresses");
+    let addresses: Vec<String> = line.trim().split(',').map(str::to_string).collect();
+    let mut comm = listener.connect(rank, &addresses, Duration::from_secs(60)).expect("mesh");
+    for (_, len) in PROCESS_CELLS {
+        timed_all_reduces(&mut comm, len);
+    }
+}
+
+fn timed_all_reduces(comm: &mut HostComm, len: usize) -> Vec<Duration> {
+    let mut buf = vec![1.0f32; len];
+    for _ in 0..3 {
+        all_reduce(comm, &mut buf);
+    }
+    (0..iters_for(len))
+        .map(|_| {
+            let start = Instant::now();
+            all_reduce(comm, &mut buf);
+            start.elapsed()
+        })
+        .collect()
 }
 
 /// Rank 0 sends its buffer to rank 1, which sends it back.

@@ -289,11 +289,12 @@ fn accept_handshake(
 /// is bitwise the same whichever is used.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AllReduceAlgorithm {
-    /// Gather-all for a group of two, reduce-broadcast for more: the faster of the two at
-    /// the sizes a step moves on a 2-core host (docs/benchmarks.md, "Host communicator
-    /// (CPU)"). With two members both move the same bytes and gather-all saves a hop; with
-    /// more, the ranks share the cores and gather-all's `n(n-1)` transfers cost more than
-    /// reduce-broadcast's second hop.
+    /// Gather-all for a group of two, reduce-broadcast for more. On a 2-core host
+    /// reduce-broadcast was faster for 3 and 4 ranks at every size (the ranks share the
+    /// cores, and gather-all's `n(n-1)` transfers cost more than a second hop); for two both
+    /// move the same bytes, the measurements were within noise, and gather-all's single hop
+    /// is what counts once ranks have cores of their own or the hop crosses a network
+    /// (docs/benchmarks.md, "Host communicator (CPU)").
     #[default]
     Auto,
     /// Every member sends its buffer to every other member and sums all of them itself: one
