@@ -128,13 +128,14 @@ pub fn print_summary(g: &Generation) {
     );
 }
 
-/// Sends `request` and writes choice 0's text to `out` as it arrives (flushed per message).
+/// Sends `request` (a `GenerateRequest`, or a `tonic::Request` of one carrying metadata such
+/// as an API key) and writes choice 0's text to `out` as it arrives (flushed per message).
 ///
 /// # Errors
 /// Fails on a gRPC error before or during the stream, or when writing fails.
 pub async fn stream(
     client: &mut InferenceServiceClient<Channel>,
-    request: GenerateRequest,
+    request: impl tonic::IntoRequest<GenerateRequest>,
     out: &mut (dyn Write + Send),
 ) -> Result<Generation> {
     let started = std::time::Instant::now();
