@@ -22,7 +22,7 @@
 //! - Ready replicas that are all out of rotation after failures (ejected) fail a new arrival
 //!   at once with 503, as before: that is a fault, not a lack of capacity.
 
-mod queue;
+pub mod queue;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use crate::admission::{MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S};
+use crate::admission::queue::{MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S};
 
 /// `capacity` units that refill at `rate` per second; a take may drive the level below zero
 /// (a request larger than the whole bucket passes when the bucket is full, then pays it off).
