@@ -1,7 +1,7 @@
 //! API keys through a real `prism up` child process serving the bundled model: `--api-key`
 //! and `--api-key-file` (a key with `rps=2`); the key opens the API, no key gets 401 (gRPC
 //! UNAUTHENTICATED), the probes stay open, `/metrics` needs the key, the limited key gets 429
-//! + Retry-After on its third immediate request, `prism up`'s own `--prompt` runs with the key,
+//! with Retry-After on its third immediate request, `prism up`'s own `--prompt` runs with the key,
 //! and neither key appears in what the process logs. Skipped when the model is absent unless
 //! `PRISM_REQUIRE_MODEL=1`.
 
