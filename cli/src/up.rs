@@ -85,7 +85,7 @@ pub async fn run(args: UpArgs) -> Result<()> {
     // Checked before anything listens: a missing or malformed key file stops startup.
     let api_keys = args.keys.entries()?;
     // `prism up`'s own calls to the router (readiness, `--prompt`) use the first key.
-    let auth = api_keys.first().map(|k| format!("Bearer {}", k.key));
+    let auth = api_keys.first().map(|k| k.key.clone());
     let listeners = Listeners::bind(&args).await?;
     let endpoints = Endpoints::of(&listeners)?;
     let root = CancellationToken::new();
@@ -159,27 +159,10 @@ impl Endpoints {
     }
 }
 
-/// A router request carrying `authorization` when keys are set.
-fn with_auth<T>(message: T, authorization: Option<&str>) -> Result<tonic::Request<T>> {
-    let mut r = tonic::Request::new(message);
-    if let Some(a) = authorization {
-        // Never shown: the error names the flag, not the value.
-        let v = a.parse().map_err(|_| anyhow::anyhow!("an API key holds characters not allowed in gRPC metadata"))?;
-        r.metadata_mut().insert("authorization", v);
-    }
-    Ok(r)
-}
-
 /// Deploys the model, shows progress until it is served, prints the endpoints and runs the
-/// `--prompt` (the router calls carry `authorization` when API keys are set). Returns
-/// `Ok(true)` when serving.
-async fn bring_up(
-    args: &UpArgs,
-    model: &Path,
-    served: &str,
-    ep: &Endpoints,
-    authorization: Option<&str>,
-) -> Result<bool> {
+/// `--prompt` (the router calls carry `api_key` when API keys are set). Returns `Ok(true)`
+/// when serving.
+async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints, api_key: Option<&str>) -> Result<bool> {
     let bar = ProgressBar::new(4);
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:24}] {pos}/{len} {msg}")
@@ -255,7 +238,7 @@ async fn bring_up(
     let mut router = client::router(&ep.grpc).await?;
     loop {
         let models = router
-            .list_models(with_auth(ListModelsRequest {}, authorization)?)
+            .list_models(client::authorized(ListModelsRequest {}, api_key)?)
             .await
             .map_err(status_error)?
             .into_inner()
@@ -269,7 +252,7 @@ async fn bring_up(
         tokio::time::sleep(poll).await;
     }
     bar.finish_and_clear();
-    print_banner(served, model, ep, authorization.is_some());
+    print_banner(served, model, ep, api_key.is_some());
 
     let prompt = if args.demo { Some(DEMO_PROMPT.to_owned()) } else { args.prompt.clone() };
     if let Some(prompt) = prompt {
@@ -285,7 +268,7 @@ async fn bring_up(
             ..GenerateRequest::default()
         };
         let mut stdout = std::io::stdout();
-        generate::stream(&mut router, with_auth(request, authorization)?, &mut stdout).await?;
+        generate::stream(&mut router, client::authorized(request, api_key)?, &mut stdout).await?;
         println!("\n");
         println!("Still serving; press Ctrl-C to stop.");
     }

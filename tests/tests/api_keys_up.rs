@@ -3,12 +3,12 @@
 //! UNAUTHENTICATED), the probes stay open, `/metrics` needs the key, the limited key gets 429
 //! with Retry-After on its third immediate request, `prism up`'s own `--prompt` runs with the key,
 //! and neither key appears in what the process logs. Skipped when the model is absent unless
-//! `PRISM_REQUIRE_MODEL=1`.
+//! `PRISM_REQUIRE_MODEL=1`. `prism generate --api-key` is checked against it too.
 
 use anyhow::{Context, Result, bail};
 use prism_common::proto::v1::ListModelsRequest;
 use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
-use prism_tests::{PrismUp, model};
+use prism_tests::{PrismUp, model, prism_cli};
 use std::time::Duration;
 
 const KEY: &str = "sk-up-flag-5d41402abc4b2a76";
@@ -63,6 +63,19 @@ async fn checks(up: &mut PrismUp) -> Result<()> {
     let mut req = tonic::Request::new(ListModelsRequest {});
     req.metadata_mut().insert("authorization", format!("Bearer {KEY}").parse()?);
     assert_eq!(g.list_models(req).await?.into_inner().models.len(), 1);
+
+    // `prism generate --api-key` (the CLI's gRPC client) gets an answer; without the key the
+    // model lookup is refused.
+    let grpc = ep.grpc.clone();
+    let (with, without) = tokio::task::spawn_blocking(move || {
+        let base = ["--router", grpc.as_str(), "generate", "The sky is", "--raw", "--max-tokens", "3"];
+        let with = prism_cli(&[&base[..], &["--api-key", KEY]].concat());
+        (with, prism_cli(&base))
+    })
+    .await?;
+    assert!(!with?.trim().is_empty(), "prism generate --api-key printed nothing");
+    let err = without.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("Unauthenticated"), "prism generate without a key: {err}");
 
     let m = status(&http, &format!("{}/metrics", ep.http), Some(KEY)).await?.text().await?;
     assert!(m.contains(r#"prism_router_rate_limited_total{key="limited",limit="requests"} 1"#), "{m}");
