@@ -294,6 +294,19 @@ mod tests {
     }
 
     #[test]
+    fn api_key_flags_reach_the_config_and_a_bad_key_file_is_an_error() {
+        let base = ["prism-router", "--head", "h:1"];
+        let a = Args::parse_from(base.iter().copied().chain(["--api-key", "sk-1,sk-2", "--metrics-without-auth"]));
+        let c = a.into_config().expect("valid");
+        assert_eq!(c.api_keys.iter().map(|k| k.key.as_str()).collect::<Vec<_>>(), ["sk-1", "sk-2"]);
+        assert!(c.metrics_without_auth);
+        assert!(!format!("{c:?}").contains("sk-1"), "Debug of the config shows a key");
+        let a = Args::parse_from(base.iter().copied().chain(["--api-key-file", "/nonexistent/keys"]));
+        let err = a.into_config().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("--api-key-file /nonexistent/keys"), "{err}");
+    }
+
+    #[test]
     fn queue_flags_parse_and_are_checked() {
         let base = ["prism-router", "--head", "h:1"];
         let a = Args::parse_from(base.iter().copied().chain(["--max-queued-requests", "0", "--max-queue-wait", "2.5"]));
