@@ -184,15 +184,22 @@ async fn every_route_method_and_spelling_needs_the_key_but_the_probes() -> anyho
         }
     }
 
-    // Two Authorization headers: refused even when one holds the key.
-    let mut s = tokio::net::TcpStream::connect(keyed.http).await?;
-    let req = format!(
-        "GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nAuthorization: Bearer x\r\nConnection: close\r\n\r\n"
-    );
-    s.write_all(req.as_bytes()).await?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await?;
-    assert!(out.starts_with("HTTP/1.1 401"), "{out}");
+    // Two Authorization headers: refused even when one holds the key. Only Authorization is
+    // read: the key in x-api-key, api-key or the query string is no key.
+    for headers in [
+        format!("Authorization: Bearer {KEY}\r\nAuthorization: Bearer x\r\n"),
+        format!("X-Api-Key: {KEY}\r\n"),
+        format!("Api-Key: {KEY}\r\n"),
+    ] {
+        let mut s = tokio::net::TcpStream::connect(keyed.http).await?;
+        let req = format!("GET /v1/models HTTP/1.1\r\nHost: x\r\n{headers}Connection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await?;
+        assert!(out.starts_with("HTTP/1.1 401"), "{headers}: {out}");
+    }
+    let q = raw(keyed.http, "GET", &format!("/v1/models?api_key={KEY}"), None).await?;
+    assert_eq!(q.status, 401);
 
     let m = raw(keyed.http, "GET", "/metrics", Some(&bearer)).await?;
     assert!(m.body.contains(r#"prism_router_auth_rejected_total{reason="missing"}"#), "{}", m.body);
