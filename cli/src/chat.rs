@@ -26,6 +26,9 @@ pub struct ChatArgs {
     pub verbose: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// `--api-key`: for a router that requires one.
+    #[command(flatten)]
+    pub key: client::KeyArg,
 }
 
 /// The next input line without its line ending, invalid UTF-8 replaced; `None` at end of input.
@@ -48,7 +51,7 @@ fn initial_history(system: Option<&str>) -> Vec<ChatMessage> {
 /// reported and the conversation continues without it.
 pub async fn run(router_addr: &str, args: ChatArgs) -> Result<()> {
     let mut client = client::router(router_addr).await?;
-    let model = args.model.resolve(&mut client).await?;
+    let model = args.model.resolve(&mut client, &args.key).await?;
     let mut history = initial_history(args.system.as_deref());
     let interactive = std::io::stdin().is_terminal();
     let mut input = BufReader::new(tokio::io::stdin());
@@ -83,7 +86,7 @@ pub async fn run(router_addr: &str, args: ChatArgs) -> Result<()> {
             sampling: Some(args.sampling.to_proto()),
             ..GenerateRequest::default()
         };
-        match generate::stream(&mut client, request, &mut stdout).await {
+        match generate::stream(&mut client, args.key.request(request)?, &mut stdout).await {
             Ok(reply) => {
                 writeln!(stdout)?;
                 if args.verbose {

@@ -34,16 +34,57 @@ pub struct ModelArg {
     pub name: Option<String>,
 }
 
+/// `--api-key`: the key a router with API keys asks for (`Debug` hides it).
+#[derive(Args, Clone, Default)]
+pub struct KeyArg {
+    /// API key of the router, sent as `authorization: Bearer KEY` (vLLM's `--api-key`).
+    #[arg(long = "api-key", env = "PRISM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+}
+
+impl std::fmt::Debug for KeyArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.api_key.is_some() { "KeyArg(<redacted>)" } else { "KeyArg(None)" })
+    }
+}
+
+impl KeyArg {
+    /// `message` as a router request, with the key when one is set.
+    ///
+    /// # Errors
+    /// The key holds characters gRPC metadata cannot carry (the message does not show it).
+    pub fn request<T>(&self, message: T) -> Result<tonic::Request<T>> {
+        authorized(message, self.api_key.as_deref())
+    }
+}
+
+/// `message` as a router request carrying `authorization: Bearer KEY` when `api_key` is set.
+///
+/// # Errors
+/// The key holds characters gRPC metadata cannot carry (the message does not show it).
+pub fn authorized<T>(message: T, api_key: Option<&str>) -> Result<tonic::Request<T>> {
+    let mut r = tonic::Request::new(message);
+    if let Some(k) = api_key {
+        let v = format!("Bearer {k}")
+            .parse()
+            .map_err(|_| anyhow::anyhow!("the API key holds characters not allowed in gRPC metadata"))?;
+        r.metadata_mut().insert("authorization", v);
+    }
+    Ok(r)
+}
+
 impl ModelArg {
-    /// The model named by `--model`, or the router's only model when none is given.
+    /// The model named by `--model`, or the router's only model when none is given (asked
+    /// with `key`).
     ///
     /// # Errors
     /// Fails when no model is served, or several are and none was named.
-    pub async fn resolve(self, client: &mut InferenceServiceClient<Channel>) -> Result<String> {
+    pub async fn resolve(self, client: &mut InferenceServiceClient<Channel>, key: &KeyArg) -> Result<String> {
         if let Some(model) = self.name {
             return Ok(model);
         }
-        let models = client.list_models(ListModelsRequest {}).await.map_err(status_error)?.into_inner().models;
+        let models =
+            client.list_models(key.request(ListModelsRequest {})?).await.map_err(status_error)?.into_inner().models;
         match models.as_slice() {
             [] => bail!("the router serves no model yet (deploy one, or wait until a replica is Ready)"),
             [one] => Ok(one.id.clone()),

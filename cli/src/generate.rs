@@ -67,6 +67,9 @@ pub struct GenerateArgs {
     pub verbose: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// `--api-key`: for a router that requires one.
+    #[command(flatten)]
+    pub key: client::KeyArg,
 }
 
 /// What one streamed generation produced.
@@ -90,7 +93,7 @@ pub struct Generation {
 /// Fails when the router is unreachable, rejects the request, or the stream breaks.
 pub async fn run(router_addr: &str, args: GenerateArgs) -> Result<()> {
     let mut client = client::router(router_addr).await?;
-    let model = args.model.resolve(&mut client).await?;
+    let model = args.model.resolve(&mut client, &args.key).await?;
     let prompt = if args.raw {
         Prompt::Text(args.prompt)
     } else {
@@ -103,7 +106,7 @@ pub async fn run(router_addr: &str, args: GenerateArgs) -> Result<()> {
         ..GenerateRequest::default()
     };
     let mut stdout = std::io::stdout();
-    let generation = stream(&mut client, request, &mut stdout).await?;
+    let generation = stream(&mut client, args.key.request(request)?, &mut stdout).await?;
     writeln!(stdout)?;
     if args.verbose {
         print_summary(&generation);
@@ -128,13 +131,14 @@ pub fn print_summary(g: &Generation) {
     );
 }
 
-/// Sends `request` and writes choice 0's text to `out` as it arrives (flushed per message).
+/// Sends `request` (a `GenerateRequest`, or a `tonic::Request` of one carrying metadata such
+/// as an API key) and writes choice 0's text to `out` as it arrives (flushed per message).
 ///
 /// # Errors
 /// Fails on a gRPC error before or during the stream, or when writing fails.
 pub async fn stream(
     client: &mut InferenceServiceClient<Channel>,
-    request: GenerateRequest,
+    request: impl tonic::IntoRequest<GenerateRequest>,
     out: &mut (dyn Write + Send),
 ) -> Result<Generation> {
     let started = std::time::Instant::now();

@@ -85,15 +85,19 @@ pub async fn run(args: UpArgs) -> Result<()> {
     let engine = args.engine.to_proto(model.to_string_lossy(), "");
     crate::model_check::check_parallel(&engine).with_context(|| format!("model {}", model.display()))?;
     let served = args.served_model_name.clone().unwrap_or_else(|| default_served_name(&model));
+    // Checked before anything listens: a missing or malformed key file stops startup.
+    let api_keys = args.keys.entries()?;
+    // `prism up`'s own calls to the router (readiness, `--prompt`) use the first key.
+    let auth = api_keys.first().map(|k| k.key.clone());
     let listeners = Listeners::bind(&args).await?;
     let endpoints = Endpoints::of(&listeners)?;
     let root = CancellationToken::new();
-    let mut cluster = components::start(&args.store, &args, listeners, &root).await?;
+    let mut cluster = components::start(&args.store, &args, api_keys, listeners, &root).await?;
 
     let signal = wait_for_signal();
     tokio::pin!(signal);
     let outcome = tokio::select! {
-        r = bring_up(&args, &model, &served, &endpoints) => r,
+        r = bring_up(&args, &model, &served, &endpoints, auth.as_deref()) => r,
         s = &mut signal => { eprintln!("\n{}: stopping during startup", signal_name(&s)); Ok(false) }
         r = cluster.failed() => Err(r),
     };
@@ -159,8 +163,9 @@ impl Endpoints {
 }
 
 /// Deploys the model, shows progress until it is served, prints the endpoints and runs the
-/// `--prompt`. Returns `Ok(true)` when serving.
-async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints) -> Result<bool> {
+/// `--prompt` (the router calls carry `api_key` when API keys are set). Returns `Ok(true)`
+/// when serving.
+async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints, api_key: Option<&str>) -> Result<bool> {
     let bar = ProgressBar::new(4);
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:24}] {pos}/{len} {msg}")
@@ -235,7 +240,12 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints) -> 
     }
     let mut router = client::router(&ep.grpc).await?;
     loop {
-        let models = router.list_models(ListModelsRequest {}).await.map_err(status_error)?.into_inner().models;
+        let models = router
+            .list_models(client::authorized(ListModelsRequest {}, api_key)?)
+            .await
+            .map_err(status_error)?
+            .into_inner()
+            .models;
         if models.iter().any(|m| m.id == served && m.ready_replicas > 0) {
             break;
         }
@@ -245,7 +255,7 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints) -> 
         tokio::time::sleep(poll).await;
     }
     bar.finish_and_clear();
-    print_banner(served, model, ep);
+    print_banner(served, model, ep, api_key.is_some());
 
     let prompt = if args.demo { Some(DEMO_PROMPT.to_owned()) } else { args.prompt.clone() };
     if let Some(prompt) = prompt {
@@ -261,23 +271,29 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints) -> 
             ..GenerateRequest::default()
         };
         let mut stdout = std::io::stdout();
-        generate::stream(&mut router, request, &mut stdout).await?;
+        generate::stream(&mut router, client::authorized(request, api_key)?, &mut stdout).await?;
         println!("\n");
         println!("Still serving; press Ctrl-C to stop.");
     }
     Ok(true)
 }
 
-fn print_banner(served: &str, model: &Path, ep: &Endpoints) {
+fn print_banner(served: &str, model: &Path, ep: &Endpoints, keys: bool) {
     println!("Prism is up: serving {served} ({})", model.display());
     println!("  OpenAI API:   {}/v1", ep.http);
     println!("  gRPC:         {}  (prism.v1.InferenceService; `prism generate`, `prism chat`)", ep.grpc);
     println!("  Head:         {}  (`prism status`)", ep.head);
     println!("  Metrics:      {}/metrics  {}/metrics  {}/metrics", ep.http, ep.worker_http, ep.head_http);
     println!();
+    if keys {
+        // The key itself is never printed: the example reads it from the environment.
+        println!("API keys required: send Authorization: Bearer KEY (the probes /health, /healthz, /readyz are open)");
+        println!();
+    }
+    let auth = if keys { " -H \"Authorization: Bearer $PRISM_API_KEY\"" } else { "" };
     println!("Try:");
     println!(
-        "  curl {}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{DEMO_PROMPT}\"}}], \"temperature\": 0}}'",
+        "  curl {}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{DEMO_PROMPT}\"}}], \"temperature\": 0}}'",
         ep.http
     );
     println!("Press Ctrl-C to stop.");
@@ -374,6 +390,26 @@ mod tests {
             let err = parse(&[flag.as_str()]).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(err.contains("--max-queue-wait"), "{bad}: {err}");
         }
+        Ok(())
+    }
+
+    /// `prism up` takes the router's key flags; a key file that cannot be read is a startup
+    /// error naming it.
+    #[test]
+    fn api_key_flags_reach_the_router_config() -> anyhow::Result<()> {
+        let parse = |flags: &[&str]| Cli::try_parse_from(std::iter::once("prism-up").chain(flags.iter().copied()));
+        let up =
+            parse(&["--api-key", "sk-1", "--api-key=sk-2", "--api-key-rate-limit=5", "--metrics-without-auth"])?.up;
+        let keys = up.keys.entries()?;
+        assert_eq!(
+            keys.iter().map(|k| (k.key.as_str(), k.rps)).collect::<Vec<_>>(),
+            [("sk-1", Some(5.0)), ("sk-2", Some(5.0))]
+        );
+        assert!(up.keys.metrics_without_auth);
+        assert!(!format!("{up:?}").contains("sk-1"), "Debug of the flags shows a key");
+        assert!(parse(&[])?.up.keys.entries()?.is_empty());
+        let err = parse(&["--api-key-file", "/nonexistent/keys"])?.up.keys.entries().err().map(|e| e.to_string());
+        assert!(err.unwrap_or_default().contains("/nonexistent/keys"));
         Ok(())
     }
 

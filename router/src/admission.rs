@@ -22,7 +22,7 @@
 //! - Ready replicas that are all out of rotation after failures (ejected) fail a new arrival
 //!   at once with 503, as before: that is a fault, not a lack of capacity.
 
-mod queue;
+pub mod queue;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -37,6 +37,10 @@ use tokio_util::sync::CancellationToken;
 use crate::balance::{BalancePolicy, DispatchGuard, RequestHint, SelectError, select};
 use crate::metrics::Metrics;
 use crate::routes::{ReplicaRoute, RouteSnapshot, Routes};
+/// gRPC metadata key carrying the suggested retry delay in whole seconds (HTTP's
+/// `Retry-After`) on RESOURCE_EXHAUSTED and UNAVAILABLE answers of the router.
+pub const RETRY_AFTER_METADATA: &str = "retry-after";
+
 pub use queue::{MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, retry_after_s};
 use queue::{ModelQueue, Waiter};
 

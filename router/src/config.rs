@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use clap::Parser;
 
+use crate::auth::{ApiKeyArgs, ApiKeyEntry};
+
 /// Errors found while validating the router's flags.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -24,6 +26,9 @@ pub enum ConfigError {
     /// `--prefix-cache-weight` negative or not a number.
     #[error("--prefix-cache-weight must be a finite number >= 0")]
     PrefixWeight,
+    /// The API keys (`--api-key`, `--api-key-file`, the limits).
+    #[error(transparent)]
+    Keys(#[from] crate::auth::KeyConfigError),
 }
 
 /// Default `--prefix-cache-weight`: an uncached prompt token costs prefill compute now and
@@ -56,9 +61,9 @@ pub struct Args {
     /// gRPC listen address (`prism.v1.InferenceService`, health, reflection).
     #[arg(long = "grpc-listen", env = "PRISM_ROUTER_GRPC_LISTEN", default_value = "0.0.0.0:50051")]
     pub grpc_listen: SocketAddr,
-    /// Accepted API key (repeatable); when none is given, requests need no key.
-    #[arg(long = "api-key", env = "PRISM_API_KEY", value_delimiter = ',')]
-    pub api_key: Vec<String>,
+    /// API keys and their limits; when none is given, requests need no key.
+    #[command(flatten)]
+    pub keys: ApiKeyArgs,
     /// Largest accepted request body in bytes; larger bodies get 413 before parsing.
     #[arg(long = "max-body-bytes", env = "PRISM_MAX_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -133,8 +138,10 @@ impl std::str::FromStr for StaticRoute {
 pub struct RouterConfig {
     /// Head gRPC endpoints (with scheme); empty = static routes only.
     pub heads: Vec<String>,
-    /// Accepted API keys; empty = no authentication.
-    pub api_keys: Vec<String>,
+    /// Accepted API keys with their limits; empty = no authentication (`Debug` hides them).
+    pub api_keys: Vec<ApiKeyEntry>,
+    /// Whether `/metrics` needs no key when keys are set.
+    pub metrics_without_auth: bool,
     /// Body size limit in bytes (413 above it).
     pub max_body_bytes: usize,
     /// Default per-request deadline.
@@ -166,6 +173,7 @@ impl Default for RouterConfig {
         Self {
             heads: Vec::new(),
             api_keys: Vec::new(),
+            metrics_without_auth: false,
             max_body_bytes: 4 * 1024 * 1024,
             request_timeout: Duration::from_secs(600),
             max_in_flight_per_replica: 256,
@@ -195,7 +203,8 @@ impl Args {
     /// Validates the flags into a [`RouterConfig`].
     ///
     /// # Errors
-    /// [`ConfigError`] for a malformed static route, no route source, or zero limits.
+    /// [`ConfigError`] for a malformed static route, no route source, zero limits, or bad
+    /// API keys (an unreadable or malformed key file).
     pub fn into_config(self) -> Result<RouterConfig, ConfigError> {
         let static_routes = self.static_route.iter().map(|s| s.parse()).collect::<Result<Vec<StaticRoute>, _>>()?;
         if self.head.is_empty() && static_routes.is_empty() {
@@ -228,7 +237,8 @@ impl Args {
         let heads = self.head.into_iter().map(|h| if h.contains("://") { h } else { format!("http://{h}") }).collect();
         Ok(RouterConfig {
             heads,
-            api_keys: self.api_key,
+            api_keys: self.keys.entries()?,
+            metrics_without_auth: self.keys.metrics_without_auth,
             max_body_bytes: self.max_body_bytes,
             request_timeout: Duration::from_secs_f64(self.request_timeout_s),
             max_in_flight_per_replica: self.max_in_flight_per_replica,
@@ -281,6 +291,19 @@ mod tests {
         assert!(Args::try_parse_from(base.iter().copied().chain(["--routing-policy", "nearest"])).is_err());
         let a = Args::parse_from(base.iter().copied().chain(["--prefix-cache-weight=-1"]));
         assert!(matches!(a.into_config(), Err(ConfigError::PrefixWeight)));
+    }
+
+    #[test]
+    fn api_key_flags_reach_the_config_and_a_bad_key_file_is_an_error() {
+        let base = ["prism-router", "--head", "h:1"];
+        let a = Args::parse_from(base.iter().copied().chain(["--api-key", "sk-1,sk-2", "--metrics-without-auth"]));
+        let c = a.into_config().expect("valid");
+        assert_eq!(c.api_keys.iter().map(|k| k.key.as_str()).collect::<Vec<_>>(), ["sk-1", "sk-2"]);
+        assert!(c.metrics_without_auth);
+        assert!(!format!("{c:?}").contains("sk-1"), "Debug of the config shows a key");
+        let a = Args::parse_from(base.iter().copied().chain(["--api-key-file", "/nonexistent/keys"]));
+        let err = a.into_config().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("--api-key-file /nonexistent/keys"), "{err}");
     }
 
     #[test]

@@ -70,14 +70,20 @@ fn decode_tokens(req: &GenerateRequest) -> u64 {
     decode * n
 }
 
-fn hint_for(req: &GenerateRequest) -> RequestHint {
+/// Estimated tokens of a request: prompt (a quarter of its bytes for text) + max_tokens × n;
+/// what the admission queue and the per-key token limit count.
+pub fn estimated_tokens(req: &GenerateRequest) -> u64 {
     let prompt = match &req.prompt {
         Some(generate_request::Prompt::Text(t)) => t.len() as u64 / 4 + 1,
         Some(generate_request::Prompt::TokenIds(t)) => t.ids.len() as u64,
         Some(generate_request::Prompt::Chat(c)) => c.messages.iter().map(|m| m.content.len() as u64 / 4 + 8).sum(),
         None => 0,
     };
-    RequestHint::tokens(prompt + decode_tokens(req))
+    prompt + decode_tokens(req)
+}
+
+fn hint_for(req: &GenerateRequest) -> RequestHint {
+    RequestHint::tokens(estimated_tokens(req))
 }
 
 impl Dispatcher {

@@ -1,6 +1,9 @@
-//! gRPC `prism.v1.InferenceService` (Generate, ListModels). Authentication reads the
-//! `authorization: Bearer KEY` metadata; dispatch errors map to gRPC codes in
-//! [`to_status`]. Dropping the response stream (client gone) cancels the worker request.
+//! gRPC `prism.v1.InferenceService` (Generate, ListModels). API keys are checked by
+//! [`guard`] in front of every service; `Generate` applies the key's token limit. Dispatch
+//! errors map to gRPC codes in [`to_status`]. Dropping the response stream (client gone)
+//! cancels the worker request.
+
+pub mod guard;
 
 use std::pin::Pin;
 use std::time::Duration;
@@ -10,7 +13,7 @@ use prism_common::proto::v1::inference_service_server::InferenceService;
 use prism_common::proto::v1::{GenerateRequest, GenerateResponse, ListModelsRequest, ListModelsResponse, ModelInfo};
 use tonic::{Request, Response, Status};
 
-use crate::auth::ApiKeys;
+use crate::auth::{ApiKeys, Caller};
 use crate::dispatch::{DispatchError, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
 
@@ -19,7 +22,7 @@ use crate::metrics::{Metrics, Outcome, RequestTracker};
 pub struct InferenceApi {
     /// Sends requests to workers.
     pub dispatcher: Dispatcher,
-    /// Accepted API keys.
+    /// Accepted API keys (checked by [`guard`]; the token limit is applied in `Generate`).
     pub keys: ApiKeys,
     /// Router metrics.
     pub metrics: Metrics,
@@ -27,9 +30,7 @@ pub struct InferenceApi {
     pub started_at: i64,
 }
 
-/// gRPC metadata key carrying the suggested retry delay in whole seconds (HTTP's
-/// `Retry-After`) on RESOURCE_EXHAUSTED and UNAVAILABLE answers of the router.
-pub const RETRY_AFTER_METADATA: &str = "retry-after";
+pub use crate::admission::RETRY_AFTER_METADATA;
 
 /// Dispatch error → gRPC status (the only such mapping for the gRPC API).
 pub fn to_status(e: DispatchError) -> Status {
@@ -79,17 +80,14 @@ fn grpc_timeout(v: &str) -> Option<Duration> {
 type GenStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
 impl InferenceApi {
-    fn authorize<T>(&self, r: &Request<T>) -> Result<(), Status> {
-        let v = r.metadata().get("authorization").and_then(|v| v.to_str().ok());
-        if self.keys.check(v) { Ok(()) } else { Err(Status::unauthenticated("missing or invalid API key")) }
-    }
-
     async fn start(&self, request: Request<GenerateRequest>) -> Result<crate::dispatch::Dispatched, Status> {
-        self.authorize(&request)?;
+        let caller = request.extensions().get::<Caller>().copied();
         let header_timeout =
             request.metadata().get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(grpc_timeout);
         let mut req = request.into_inner();
         crate::validate::check_request(&req).map_err(|e| Status::invalid_argument(e.message))?;
+        // The key's tokens-per-minute limit, on the same estimate the admission queue counts.
+        self.keys.admit_tokens(caller, crate::dispatch::estimated_tokens(&req)).map_err(guard::limited_status)?;
         if let Some(t) = header_timeout {
             let ms = u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1);
             req.timeout_ms = Some(req.timeout_ms.filter(|&x| x > 0).map_or(ms, |x| x.min(ms)));
@@ -138,8 +136,7 @@ impl InferenceService for InferenceApi {
         Ok(Response::new(Box::pin(s)))
     }
 
-    async fn list_models(&self, request: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
-        self.authorize(&request)?;
+    async fn list_models(&self, _request: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
         let snap = self.dispatcher.routes().snapshot();
         let models = snap
             .models

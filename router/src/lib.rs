@@ -68,7 +68,15 @@ pub async fn run(
             max_queue_wait: config.max_queue_wait,
         },
     );
-    let keys = auth::ApiKeys::new(config.api_keys.clone());
+    let keys = auth::ApiKeys::new(&config.api_keys, metrics.clone());
+    if keys.enabled() {
+        // The count only: keys are never logged.
+        tracing::info!(
+            keys = config.api_keys.len(),
+            metrics_without_auth = config.metrics_without_auth,
+            "API keys required"
+        );
+    }
     let router_id = format!("router-{}", uuid::Uuid::new_v4().simple());
     let watch = tokio::spawn(routes.clone().watch(config.heads.clone(), router_id.clone(), shutdown.child_token()));
     let queue = tokio::spawn(dispatcher.admission().clone().run(shutdown.child_token()));
@@ -87,6 +95,7 @@ pub async fn run(
         dispatcher: dispatcher.clone(),
         metrics: metrics.clone(),
         keys: keys.clone(),
+        metrics_open: config.metrics_without_auth,
         max_body_bytes: config.max_body_bytes,
         started_at: openai::unix_now(),
     };
@@ -116,8 +125,10 @@ pub async fn run(
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(prism_common::proto::FILE_DESCRIPTOR_SET)
         .build_v1()?;
-    let api = grpc::InferenceApi { dispatcher, keys, metrics, started_at: openai::unix_now() };
+    let api = grpc::InferenceApi { dispatcher, keys: keys.clone(), metrics, started_at: openai::unix_now() };
+    // The key guard wraps the whole server: reflection and unknown methods too (health stays open).
     let grpc = tonic::transport::Server::builder()
+        .layer(grpc::guard::GrpcGuardLayer { keys })
         .add_service(health_service)
         .add_service(reflection)
         .add_service(InferenceServiceServer::new(api))

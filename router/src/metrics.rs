@@ -129,6 +129,11 @@ pub struct Metrics {
     /// `prism_router_prefix_expected_blocks{replica_id}`: hashes recorded at dispatch and not
     /// yet confirmed by the replica.
     expected_blocks: Family<Vec<(String, String)>, Gauge>,
+    /// `prism_router_auth_rejected_total{reason}`: requests refused for their API key.
+    auth_rejected: Family<Vec<(String, String)>, Counter>,
+    /// `prism_router_rate_limited_total{key,limit}`: requests over a per-key limit (`key` is
+    /// the key's label, never the key).
+    rate_limited: Family<Vec<(String, String)>, Counter>,
 }
 
 impl Default for Metrics {
@@ -162,6 +167,18 @@ impl Metrics {
         let tokenize = Histogram::new(exponential_buckets(0.00001, 2.0, 18));
         let index_blocks = Family::<Vec<(String, String)>, Gauge>::default();
         let expected_blocks = Family::<Vec<(String, String)>, Gauge>::default();
+        let auth_rejected = Family::<Vec<(String, String)>, Counter>::default();
+        let rate_limited = Family::<Vec<(String, String)>, Counter>::default();
+        registry.register(
+            "prism_router_auth_rejected",
+            "Requests refused for a missing, malformed or unknown API key, by reason",
+            auth_rejected.clone(),
+        );
+        registry.register(
+            "prism_router_rate_limited",
+            "Requests refused by a per-key limit (key: the key's label; limit: requests or tokens)",
+            rate_limited.clone(),
+        );
         registry.register("prism_router_requests", "Requests by outcome", requests.clone());
         registry.register(
             "prism_router_request_duration_seconds",
@@ -262,6 +279,8 @@ impl Metrics {
             tokenize,
             index_blocks,
             expected_blocks,
+            auth_rejected,
+            rate_limited,
         }
     }
 
@@ -323,6 +342,18 @@ impl Metrics {
     /// Counts one dispatch (new request, retry or migration) to `replica_id`.
     pub fn dispatched(&self, replica_id: &str) {
         self.dispatches.get_or_create(&vec![("replica_id".to_owned(), replica_id.to_owned())]).inc();
+    }
+
+    /// Counts a request refused for its API key.
+    pub fn auth_rejected(&self, reason: &str) {
+        self.auth_rejected.get_or_create(&vec![("reason".to_owned(), reason.to_owned())]).inc();
+    }
+
+    /// Counts a request refused by a per-key limit (`key`: the key's label).
+    pub fn rate_limited(&self, key: &str, limit: &str) {
+        self.rate_limited
+            .get_or_create(&vec![("key".to_owned(), key.to_owned()), ("limit".to_owned(), limit.to_owned())])
+            .inc();
     }
 
     /// The text exposition format.

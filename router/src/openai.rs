@@ -12,6 +12,7 @@
 //! type (`GenerationEndpoint`).
 
 pub mod errors;
+pub mod guard;
 pub mod sse;
 pub mod types;
 
@@ -20,7 +21,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -30,7 +31,7 @@ use prism_common::proto::v1::{FinishReason, GenerateRequest, GenerateResponse, T
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
-use crate::auth::ApiKeys;
+use crate::auth::{ApiKeys, Caller};
 use crate::dispatch::{DispatchError, Dispatched, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
 use errors::ApiError;
@@ -46,17 +47,21 @@ pub struct HttpState {
     pub dispatcher: Dispatcher,
     /// Router metrics.
     pub metrics: Metrics,
-    /// Accepted API keys.
+    /// Accepted API keys (checked by [`guard`]; the token limit is applied here).
     pub keys: ApiKeys,
+    /// Whether `/metrics` needs no key (`--metrics-without-auth`).
+    pub metrics_open: bool,
     /// Body size limit in bytes.
     pub max_body_bytes: usize,
     /// `created` of models whose deployment time is unknown: the router's start (Unix seconds).
     pub started_at: i64,
 }
 
-/// The HTTP application.
+/// The HTTP application: the routes behind the API-key guard ([`guard`]), which runs before
+/// routing so that it answers for every path, known or not.
 pub fn router(state: HttpState) -> Router {
-    Router::new()
+    let g = guard::Guard { keys: state.keys.clone(), metrics_open: state.metrics_open };
+    let routes = Router::new()
         .route("/v1/completions", post(generate::<CompletionRequest>))
         .route("/v1/chat/completions", post(generate::<ChatRequest>))
         .route("/v1/models", get(models))
@@ -69,21 +74,14 @@ pub fn router(state: HttpState) -> Router {
         .method_not_allowed_fallback(|| async {
             ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this path")
         })
-        .with_state(state)
+        .with_state(state);
+    let guarded = tower_layer::Layer::layer(&axum::middleware::from_fn_with_state(g, guard::require_key), routes);
+    Router::new().fallback_service(guarded)
 }
 
 /// Now in Unix seconds.
 pub fn unix_now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
-}
-
-fn authorize(state: &HttpState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let v = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-    if state.keys.check(v) {
-        Ok(())
-    } else {
-        Err(ApiError::new(StatusCode::UNAUTHORIZED, "missing or invalid API key"))
-    }
 }
 
 /// Reads the body: 413 over the limit, 400 when it ends early (a Content-Length not met,
@@ -405,13 +403,22 @@ impl GenerationEndpoint for ChatRequest {
 }
 
 /// `POST /v1/completions` (`R` = [`CompletionRequest`]) and `POST /v1/chat/completions`
-/// (`R` = [`ChatRequest`]): authorize, parse, dispatch, answer as JSON or SSE.
-async fn generate<R: GenerationEndpoint>(State(state): State<HttpState>, headers: HeaderMap, body: Body) -> Response {
+/// (`R` = [`ChatRequest`]): parse, apply the key's token limit, dispatch, answer as JSON or SSE.
+async fn generate<R: GenerationEndpoint>(
+    State(state): State<HttpState>,
+    caller: Option<Extension<Caller>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let tracker = RequestTracker::new(&state.metrics);
     let prepared = async {
-        authorize(&state, &headers)?;
         let req: R = read_json(&state, &headers, body).await?;
         let proto = req.proto()?; // validates `n` before the shaper sizes its choices
+        // The key's tokens-per-minute limit, on the same estimate the admission queue counts.
+        state
+            .keys
+            .admit_tokens(caller.map(|c| c.0), crate::dispatch::estimated_tokens(&proto))
+            .map_err(guard::limited)?;
         let sampling = req.sampling();
         let shaper = Shaper::new(
             R::KIND,
@@ -524,19 +531,13 @@ fn model_objects(state: &HttpState) -> Vec<(String, Value)> {
 }
 
 /// `GET /v1/models`.
-async fn models(State(state): State<HttpState>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&state, &headers) {
-        return e.into_response();
-    }
+async fn models(State(state): State<HttpState>) -> Response {
     let data: Vec<Value> = model_objects(&state).into_iter().map(|(_, v)| v).collect();
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
 /// `GET /v1/models/{id}`: the model object, or 404.
-async fn model(State(state): State<HttpState>, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    if let Err(e) = authorize(&state, &headers) {
-        return e.into_response();
-    }
+async fn model(State(state): State<HttpState>, Path(id): Path<String>) -> Response {
     match model_objects(&state).into_iter().find(|(name, _)| *name == id) {
         Some((_, v)) => axum::Json(v).into_response(),
         None => ApiError {

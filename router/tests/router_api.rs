@@ -217,12 +217,18 @@ async fn api_keys_guard_http_and_grpc() -> anyhow::Result<()> {
     let body = json!({"model": "mock", "prompt": "a", "max_tokens": 1});
     let r = http.post(format!("{}/v1/completions", c.http)).json(&body).send().await?;
     assert_eq!(r.status().as_u16(), 401);
-    assert_eq!(r.json::<Value>().await?["error"]["type"], "authentication_error");
+    // OpenAI's 401 shape: type invalid_request_error, code invalid_api_key.
+    let v = r.json::<Value>().await?;
+    assert_eq!(
+        (&v["error"]["type"], &v["error"]["code"]),
+        (&json!("invalid_request_error"), &json!("invalid_api_key"))
+    );
     let r = http.post(format!("{}/v1/completions", c.http)).bearer_auth("wrong").json(&body).send().await?;
     assert_eq!(r.status().as_u16(), 401);
     assert_eq!(http.get(format!("{}/v1/models", c.http)).send().await?.status().as_u16(), 401);
     assert_eq!(http.get(format!("{}/health", c.http)).send().await?.status().as_u16(), 200);
-    assert_eq!(http.get(format!("{}/metrics", c.http)).send().await?.status().as_u16(), 200);
+    // /metrics needs the key too unless --metrics-without-auth.
+    assert_eq!(http.get(format!("{}/metrics", c.http)).send().await?.status().as_u16(), 401);
 
     use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
     use prism_common::proto::v1::{GenerateRequest, generate_request::Prompt};

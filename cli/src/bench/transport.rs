@@ -79,8 +79,8 @@ pub struct Target {
 /// A connected client.
 #[derive(Debug, Clone)]
 pub enum Client {
-    /// gRPC channel to the router.
-    Grpc(InferenceServiceClient<Channel>),
+    /// gRPC channel to the router, and the API key its model lookup sends.
+    Grpc(InferenceServiceClient<Channel>, client::KeyArg),
     /// OpenAI HTTP client.
     Http(http::HttpClient),
 }
@@ -92,7 +92,9 @@ impl Client {
     /// An invalid address, or a router that does not answer within 5 s.
     pub async fn connect(t: &Target) -> Result<Self> {
         Ok(match t.backend {
-            Backend::Grpc => Client::Grpc(client::router(&t.router).await?),
+            Backend::Grpc => {
+                Client::Grpc(client::router(&t.router).await?, client::KeyArg { api_key: t.api_key.clone() })
+            }
             b => {
                 let endpoint = t.endpoint.as_deref().unwrap_or(b.default_endpoint());
                 let base = client::normalize(&t.base_url);
@@ -107,7 +109,7 @@ impl Client {
     /// No model served, several and none named, or the server unreachable.
     pub async fn resolve_model(&self, model: ModelArg) -> Result<String> {
         match self {
-            Client::Grpc(c) => model.resolve(&mut c.clone()).await,
+            Client::Grpc(c, key) => model.resolve(&mut c.clone(), key).await,
             Client::Http(h) => {
                 if let Some(name) = model.name {
                     return Ok(name);
@@ -129,7 +131,7 @@ impl Client {
     /// The request's [`Failure`].
     pub async fn send(&self, opts: &RequestOptions, req: &BenchRequest) -> Result<Record, Failure> {
         match self {
-            Client::Grpc(c) => grpc::send(c, opts, req).await,
+            Client::Grpc(c, _) => grpc::send(c, opts, req).await,
             Client::Http(h) => h.send(opts, req).await,
         }
     }

@@ -80,6 +80,10 @@ pub struct UpArgs {
     /// when no replica is Ready. Raise it for large bursts such as `--request-rate inf`.
     #[arg(long, env = "PRISM_MAX_QUEUE_WAIT", default_value_t = 30.0, value_parser = positive_seconds)]
     pub max_queue_wait: f64,
+    /// API keys of the router (`--api-key`, `--api-key-file`, per-key limits,
+    /// `--metrics-without-auth`), as `prism-router` takes them.
+    #[command(flatten)]
+    pub keys: prism_router::auth::ApiKeyArgs,
 }
 
 /// A number of seconds above zero (finite).

@@ -41,12 +41,18 @@ pub struct Cluster {
     _state_dir: Option<tempfile::TempDir>,
 }
 
-/// Starts head, worker and router on `listeners`. `store` is `embedded`, `embedded:PATH`
-/// or `etcd://…`.
+/// Starts head, worker and router on `listeners`; the router accepts `api_keys` (none = no
+/// authentication). `store` is `embedded`, `embedded:PATH` or `etcd://…`.
 ///
 /// # Errors
 /// Fails on an invalid store or configuration.
-pub async fn start(store: &str, args: &UpArgs, listeners: Listeners, root: &CancellationToken) -> Result<Cluster> {
+pub async fn start(
+    store: &str,
+    args: &UpArgs,
+    api_keys: Vec<prism_router::auth::ApiKeyEntry>,
+    listeners: Listeners,
+    root: &CancellationToken,
+) -> Result<Cluster> {
     let (store, state_dir) = if store == "embedded" {
         let dir = tempfile::Builder::new().prefix("prism-up-").tempdir()?;
         (StoreSpec::Embedded(dir.path().join("state.json")), Some(dir))
@@ -70,6 +76,8 @@ pub async fn start(store: &str, args: &UpArgs, listeners: Listeners, root: &Canc
         heads: vec![head_url.clone()],
         max_queued_requests: args.max_queued_requests,
         max_queue_wait: Duration::from_secs_f64(args.max_queue_wait),
+        api_keys,
+        metrics_without_auth: args.keys.metrics_without_auth,
         ..RouterConfig::default()
     };
 

@@ -47,7 +47,7 @@ impl ApiError {
     /// OpenAI's `type` for this status.
     fn kind(&self) -> &'static str {
         match self.status {
-            StatusCode::UNAUTHORIZED => "authentication_error",
+            // OpenAI's own 401: `invalid_request_error` with code `invalid_api_key`.
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
             StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => "service_unavailable",
