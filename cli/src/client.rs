@@ -24,6 +24,10 @@ pub struct Endpoints {
     /// Router gRPC address (generate, chat, bench).
     #[arg(long, global = true, env = "PRISM_ROUTER", default_value = DEFAULT_ROUTER)]
     pub router: String,
+    /// Mutual TLS toward the head (admin commands); `prism up` ignores these and stays
+    /// plaintext on loopback.
+    #[command(flatten)]
+    pub tls: prism_common::tls::TlsArgs,
 }
 
 /// The served model a client command (generate, chat, bench) asks the router for.
@@ -107,7 +111,10 @@ async fn channel(addr: &str, what: &str) -> Result<Channel> {
         .with_context(|| format!("invalid {what} address {uri:?}"))?
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true);
-    endpoint.connect().await.with_context(|| {
+    // The internal identity is for the head only: the router's public gRPC port is not mTLS.
+    let connected =
+        if what == "head" { prism_common::tls::client::channel(endpoint).await } else { endpoint.connect().await };
+    connected.with_context(|| {
         format!(
             "cannot reach the {what} at {uri} (is `prism up` running? set --{what} or PRISM_{})",
             what.to_uppercase()

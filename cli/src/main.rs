@@ -69,6 +69,9 @@ fn main() -> Result<()> {
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let endpoints = cli.endpoints;
+    if !matches!(cli.command, Command::Up(_)) {
+        endpoints.tls.install()?;
+    }
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Up(args) => up::run(*args).await,

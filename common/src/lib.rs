@@ -9,6 +9,7 @@ pub mod shutdown;
 pub mod state_store;
 pub mod telemetry;
 pub mod time;
+pub mod tls;
 
 /// The newtype ids live in `prism-ids` (shared with the engine, which has no protocol
 /// dependency); re-exported here so `prism_common::ids::NodeId` keeps working.

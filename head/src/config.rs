@@ -57,6 +57,10 @@ pub struct Args {
     /// broken spec never becomes a restart loop.
     #[arg(long, env = "PRISM_HEAD_REPLICA_RESTART_DELAY", default_value = "10s", value_parser = parse_duration)]
     pub replica_restart_delay: Duration,
+
+    /// Mutual TLS on the gRPC listener (workers, routers and the CLI present certificates).
+    #[command(flatten)]
+    pub tls: prism_common::tls::TlsArgs,
 }
 
 /// Where cluster state lives.
@@ -140,7 +144,7 @@ impl TryFrom<Args> for HeadConfig {
         }
         let advertise_address = a.advertise_address.unwrap_or_else(|| {
             let ip = if a.listen.ip().is_unspecified() { "127.0.0.1".to_owned() } else { a.listen.ip().to_string() };
-            format!("http://{ip}:{}", a.listen.port())
+            format!("{}://{ip}:{}", prism_common::tls::client::scheme(), a.listen.port())
         });
         let head_id = a.head_id.unwrap_or_else(|| {
             let u = uuid::Uuid::new_v4().simple().to_string();

@@ -24,7 +24,6 @@ use prism_common::proto::v1::head_service_server::HeadServiceServer;
 use prism_common::state_store::{StateStore, keys};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 
 pub use cluster::Cluster;
@@ -94,7 +93,10 @@ pub async fn run_with_store(
     let grpc = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(HeadServiceServer::new(service::HeadGrpc::new(cluster.clone(), shutdown.clone())))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), shutdown.clone().cancelled_owned())
+        .serve_with_incoming_shutdown(
+            prism_common::tls::server::incoming(grpc_listener),
+            shutdown.clone().cancelled_owned(),
+        )
         .await;
     shutdown.cancel();
     let _ = bridge.await;

@@ -9,6 +9,7 @@ async fn main() -> anyhow::Result<()> {
     let args = prism_head::Args::parse();
     let grpc = tokio::net::TcpListener::bind(args.listen).await?;
     let http = tokio::net::TcpListener::bind(args.http_listen).await?;
+    args.tls.install()?;
     let cfg = prism_head::HeadConfig::try_from(args)?;
     let shutdown = CancellationToken::new();
     let s = shutdown.clone();

@@ -29,6 +29,9 @@ pub enum ConfigError {
     /// The API keys (`--api-key`, `--api-key-file`, the limits).
     #[error(transparent)]
     Keys(#[from] crate::auth::KeyConfigError),
+    /// The TLS flags or files (`--tls-*`, `--public-tls-*`).
+    #[error(transparent)]
+    Tls(#[from] prism_common::tls::TlsError),
 }
 
 /// Default `--prefix-cache-weight`: an uncached prompt token costs prefill compute now and
@@ -110,6 +113,12 @@ pub struct Args {
     /// (higher keeps requests with their cached prefix under more load imbalance; 0 = load alone).
     #[arg(long = "prefix-cache-weight", env = "PRISM_PREFIX_CACHE_WEIGHT", default_value_t = DEFAULT_PREFIX_CACHE_WEIGHT)]
     pub prefix_cache_weight: f64,
+    /// Mutual TLS toward the head and the workers (the router's identity).
+    #[command(flatten)]
+    pub tls: prism_common::tls::TlsArgs,
+    /// Server-only TLS on the public HTTP and gRPC listeners.
+    #[command(flatten)]
+    pub public_tls: prism_common::tls::PublicTlsArgs,
 }
 
 /// One `--static-route` entry.
@@ -166,6 +175,8 @@ pub struct RouterConfig {
     pub routing_policy: RoutingPolicy,
     /// Prefix-aware routing's weight of an uncached prompt token.
     pub prefix_cache_weight: f64,
+    /// TLS identity of the public HTTP and gRPC listeners (`None`: plaintext).
+    pub public_tls: Option<std::sync::Arc<prism_common::tls::Tls>>,
 }
 
 impl Default for RouterConfig {
@@ -186,6 +197,7 @@ impl Default for RouterConfig {
             http_header_read_timeout: Duration::from_secs(10),
             routing_policy: RoutingPolicy::PrefixAware,
             prefix_cache_weight: DEFAULT_PREFIX_CACHE_WEIGHT,
+            public_tls: None,
         }
     }
 }
@@ -251,6 +263,7 @@ impl Args {
             http_header_read_timeout: Duration::from_secs_f64(self.http_header_read_timeout_s),
             routing_policy: self.routing_policy,
             prefix_cache_weight: self.prefix_cache_weight,
+            public_tls: self.public_tls.load(self.tls.tls_reload_interval, true)?,
         })
     }
 }

@@ -88,7 +88,7 @@ fn client_for<'a>(
                 return None;
             }
         };
-        clients.insert(head.to_owned(), HeadServiceClient::new(ep.connect_lazy()));
+        clients.insert(head.to_owned(), HeadServiceClient::new(prism_common::tls::client::channel_lazy(ep)));
     }
     clients.get_mut(head)
 }

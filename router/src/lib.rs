@@ -29,7 +29,6 @@ pub mod validate;
 use prism_common::proto::v1::inference_service_server::InferenceServiceServer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::server::TcpIncoming;
 
 pub use config::{Args, RouterConfig, RoutingPolicy, StaticRoute};
 
@@ -101,7 +100,13 @@ pub async fn run(
     };
     let app = openai::router(http_state);
     let http_shutdown = shutdown.clone();
-    let http = http_server::serve(http_listener, app, config.http_header_read_timeout, http_shutdown);
+    let http = http_server::serve_with_tls(
+        http_listener,
+        app,
+        config.http_header_read_timeout,
+        config.public_tls.clone(),
+        http_shutdown,
+    );
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     // grpc.health.v1 follows readiness: SERVING while at least one replica is Ready.
@@ -133,7 +138,7 @@ pub async fn run(
         .add_service(reflection)
         .add_service(InferenceServiceServer::new(api))
         .serve_with_incoming_shutdown(
-            TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+            prism_common::tls::server::incoming_with(grpc_listener, config.public_tls.clone(), "public grpc"),
             shutdown.clone().cancelled_owned(),
         );
     let (h, g) = tokio::join!(http, grpc);

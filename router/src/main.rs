@@ -10,6 +10,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let http_addr = args.http_addr();
     let grpc_addr = args.grpc_listen;
+    args.tls.install()?;
     let config = args.into_config()?;
     let http = tokio::net::TcpListener::bind(http_addr).await?;
     let grpc = tokio::net::TcpListener::bind(grpc_addr).await?;

@@ -92,11 +92,11 @@ impl Replica {
 
     async fn follow(self, endpoint: String, codecs: Arc<CodecCache>) {
         let Ok(ep) = Endpoint::from_shared(endpoint) else { return };
-        let ch = ep
-            .connect_timeout(Duration::from_secs(2))
-            .http2_keep_alive_interval(Duration::from_secs(5))
-            .keep_alive_timeout(Duration::from_secs(5))
-            .connect_lazy();
+        let ch = prism_common::tls::client::channel_lazy(
+            ep.connect_timeout(Duration::from_secs(2))
+                .http2_keep_alive_interval(Duration::from_secs(5))
+                .keep_alive_timeout(Duration::from_secs(5)),
+        );
         let mut client = WorkerServiceClient::new(ch).max_decoding_message_size(MAX_CODEC_BYTES);
         if !self.fetch_codec(&mut client, &codecs).await {
             return;

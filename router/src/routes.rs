@@ -366,12 +366,11 @@ impl Routes {
             let head = heads[i % heads.len()].clone();
             i = i.wrapping_add(1);
             let attempt = async {
-                let ch = tonic::transport::Endpoint::from_shared(head.clone())?
+                let ep = tonic::transport::Endpoint::from_shared(head.clone())?
                     .connect_timeout(Duration::from_secs(3))
                     .http2_keep_alive_interval(Duration::from_secs(5))
-                    .keep_alive_timeout(Duration::from_secs(5))
-                    .connect()
-                    .await?;
+                    .keep_alive_timeout(Duration::from_secs(5));
+                let ch = prism_common::tls::client::channel(ep).await?;
                 let mut client = HeadServiceClient::new(ch);
                 let mut stream =
                     client.watch_routes(WatchRoutesRequest { router_id: router_id.clone() }).await?.into_inner();

@@ -68,6 +68,7 @@ pub struct ClusterBuilder {
     routers: usize,
     router_args: Vec<String>,
     envs: Vec<(String, String)>,
+    cli_args: Vec<String>,
     deployment: Option<Deployment>,
 }
 
@@ -148,6 +149,13 @@ impl ClusterBuilder {
         self
     }
 
+    /// Flags every [`Cluster::cli`] call passes before its own (e.g. the TLS identity).
+    #[must_use]
+    pub fn cli_args(mut self, args: &[&str]) -> Self {
+        self.cli_args.extend(owned(args));
+        self
+    }
+
     /// Applies `deployment` once the workers have registered, and waits until its replicas
     /// are Ready at the head and listed by the router.
     #[must_use]
@@ -220,6 +228,7 @@ impl Cluster {
             routers: 0,
             router_args: Vec::new(),
             envs: Vec::new(),
+            cli_args: Vec::new(),
             deployment: None,
         }
     }
@@ -266,7 +275,8 @@ impl Cluster {
         Ok(())
     }
 
-    fn head_urls(&self) -> String {
+    /// Every head's gRPC URL, comma-separated (the `--head` value of workers and routers).
+    pub fn head_urls(&self) -> String {
         self.heads.iter().map(|h| h.url.as_str()).collect::<Vec<_>>().join(",")
     }
 
@@ -551,6 +561,7 @@ impl Cluster {
     /// When the command fails.
     pub fn cli(&self, args: &[&str]) -> Result<String> {
         let mut all = vec!["--head", self.head_url()];
+        all.extend(self.spec.cli_args.iter().map(String::as_str));
         all.extend_from_slice(args);
         tokio::task::block_in_place(|| prism_cli(&all))
     }

@@ -93,6 +93,10 @@ pub struct Args {
     /// Off by default; never enable it on a port clients can reach.
     #[arg(long, env = "PRISM_WORKER_ENABLE_FAULT_INJECTION", default_value_t = false)]
     pub enable_fault_injection: bool,
+
+    /// Mutual TLS on the gRPC listener and toward the head.
+    #[command(flatten)]
+    pub tls: prism_common::tls::TlsArgs,
 }
 
 /// Invalid flag values.

@@ -21,7 +21,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 
@@ -32,9 +31,9 @@ pub const WORKER_SERVICE_NAME: &str = "prism.v1.WorkerService";
 /// an unspecified IP (`0.0.0.0`, `::`) replaced by this host's name.
 pub fn advertise_from(local: SocketAddr) -> String {
     if local.ip().is_unspecified() {
-        format!("http://{}:{}", config::hostname(), local.port())
+        format!("{}://{}:{}", prism_common::tls::client::scheme(), config::hostname(), local.port())
     } else {
-        format!("http://{local}")
+        format!("{}://{local}", prism_common::tls::client::scheme())
     }
 }
 
@@ -98,7 +97,10 @@ pub async fn run_with_launcher(
         tonic::transport::Server::builder()
             .add_service(health_service)
             .add_service(WorkerServiceServer::new(svc))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), stop.clone().cancelled_owned()),
+            .serve_with_incoming_shutdown(
+                prism_common::tls::server::incoming(grpc_listener),
+                stop.clone().cancelled_owned(),
+            ),
     );
     let http = tokio::spawn(
         axum::serve(http_listener, http::router(Arc::clone(&agent), metrics))

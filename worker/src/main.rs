@@ -10,6 +10,7 @@ async fn main() -> anyhow::Result<()> {
     prism_common::telemetry::init_logging();
     let args = Args::parse();
     let (listen, http_listen) = (args.listen, args.http_listen);
+    args.tls.install()?;
     let cfg = WorkerConfig::try_from(args)?;
     let grpc = tokio::net::TcpListener::bind(listen).await?;
     let http = tokio::net::TcpListener::bind(http_listen).await?;

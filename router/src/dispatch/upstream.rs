@@ -115,14 +115,14 @@ impl Upstream {
         if let Some(c) = self.clients.get(endpoint) {
             return Ok(c.clone());
         }
-        let ch = Endpoint::from_shared(endpoint.to_owned())
+        let ep = Endpoint::from_shared(endpoint.to_owned())
             .map_err(|_| Status::unavailable("invalid worker endpoint"))?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
             .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-            .keep_alive_while_idle(true)
-            .connect_lazy();
+            .keep_alive_while_idle(true);
+        let ch = prism_common::tls::client::channel_lazy(ep);
         let c = WorkerServiceClient::new(ch).max_decoding_message_size(64 * 1024 * 1024);
         self.clients.insert(endpoint.to_owned(), c.clone());
         Ok(c)

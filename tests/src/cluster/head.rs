@@ -46,7 +46,8 @@ impl Head {
     /// # Errors
     /// When the head does not accept the connection.
     pub async fn client(&self) -> Result<HeadServiceClient<Channel>> {
-        Ok(HeadServiceClient::new(Channel::from_shared(self.url.clone())?.connect().await?))
+        // Mutual TLS when the test installed an identity (`prism_common::tls::install_internal`).
+        Ok(HeadServiceClient::new(prism_common::tls::client::channel(Channel::from_shared(self.url.clone())?).await?))
     }
 
     /// `ClusterStatus` as this head answers it.

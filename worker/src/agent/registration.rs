@@ -104,7 +104,7 @@ async fn session(agent: &Arc<Agent>, target: &str, shutdown: &CancellationToken)
     };
     let channel = tokio::select! {
         _ = shutdown.cancelled() => return SessionEnd::Shutdown,
-        c = endpoint.connect() => match c {
+        c = prism_common::tls::client::channel(endpoint) => match c {
             Ok(c) => c,
             Err(e) => return failed(format!("connect: {e}")),
         },
