@@ -98,6 +98,8 @@ pub struct Tls {
     files: TlsFiles,
     /// HTTP/1.1 offered next to h2 in ALPN (the router's public HTTP listener).
     http11: bool,
+    /// The name servers' certificates are checked against instead of the address's host.
+    server_name: Option<String>,
     current: RwLock<Arc<Material>>,
     /// Contents that failed to build, so one bad rotation logs once, not every poll.
     failed: Mutex<Option<Contents>>,
@@ -124,11 +126,37 @@ impl Tls {
     /// # Errors
     /// [`TlsError`] naming the file that cannot be read or used.
     pub fn load_with_alpn(files: TlsFiles, reload_interval: Duration, http11: bool) -> Result<Arc<Self>, TlsError> {
+        Self::load_full(files, reload_interval, http11, None)
+    }
+
+    /// As [`Tls::load`]; as a client, checks every server's certificate against
+    /// `server_name` (when given) instead of the host of the address dialled: internal
+    /// addresses are pod IPs that no certificate can name in advance.
+    ///
+    /// # Errors
+    /// [`TlsError`] naming the file that cannot be read or used.
+    pub fn load_full(
+        files: TlsFiles,
+        reload_interval: Duration,
+        http11: bool,
+        server_name: Option<String>,
+    ) -> Result<Arc<Self>, TlsError> {
         let contents = read_all(&files)?;
         let material = build(&files, contents, http11)?;
-        let tls = Arc::new(Self { files, http11, current: RwLock::new(Arc::new(material)), failed: Mutex::new(None) });
+        let tls = Arc::new(Self {
+            files,
+            http11,
+            server_name,
+            current: RwLock::new(Arc::new(material)),
+            failed: Mutex::new(None),
+        });
         spawn_watcher(Arc::downgrade(&tls), reload_interval);
         Ok(tls)
+    }
+
+    /// The name servers are verified as, when it overrides the dialled host.
+    pub fn server_name(&self) -> Option<&str> {
+        self.server_name.as_deref()
     }
 
     /// The files this identity is read from.

@@ -184,11 +184,22 @@ impl MockEngineWorker {
         self.behavior.lock().map(|g| g.clone()).unwrap_or_default()
     }
 
-    /// Serves `WorkerService` on `listener` until `shutdown`.
+    /// Serves `WorkerService` on `listener` until `shutdown` (mutual TLS when the process has
+    /// an internal identity installed; then `freeze` does not apply).
     ///
     /// # Errors
     /// Transport errors of the gRPC server.
     pub async fn serve(self, listener: tokio::net::TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+        if let Some(tls) = prism_common::tls::internal() {
+            tonic::transport::Server::builder()
+                .add_service(WorkerServiceServer::new(self))
+                .serve_with_incoming_shutdown(
+                    prism_common::tls::server::incoming_with(listener, Some(tls), "mock grpc"),
+                    shutdown.cancelled_owned(),
+                )
+                .await?;
+            return Ok(());
+        }
         let gate = self.gate.clone();
         let incoming = futures::stream::unfold((listener, gate), |(l, gate)| async move {
             let r = l.accept().await.map(|(tcp, _)| {

@@ -20,7 +20,10 @@ For each overlay:
     at steady-state readiness each allows at least one eviction (no
     `kubectl drain` deadlock) while etcd keeps its quorum;
   * Services, PodMonitors and the KEDA ScaledObject point at things that
-    exist (selectors, named ports, scale target, the vLLM metric names).
+    exist (selectors, named ports, scale target, the vLLM metric names);
+  * mutual TLS: every prism container's PRISM_TLS_CERT/KEY/CA lie in a
+    mounted Secret that a cert-manager Certificate writes, Certificates name
+    existing Issuers, PRISM_TLS_SERVER_NAME is in every server certificate.
 
 With --probe-plan, writes the HTTP probes of the prism binaries and etcd
 (binary, args and env as written, probe kind, port, path) for
@@ -294,6 +297,43 @@ def probe_plan(docs: list[dict]) -> list[dict]:
     return plan
 
 
+TLS_ENV = ("PRISM_TLS_CERT", "PRISM_TLS_KEY", "PRISM_TLS_CA")
+
+
+def check_mtls(rep: Report, overlay: str, docs: list[dict]) -> None:
+    """Every prism workload runs with mutual TLS: the three PRISM_TLS_* files lie under a
+    mounted Secret that a cert-manager Certificate writes (from an Issuer that exists), and
+    clients check servers against a name every server certificate carries."""
+    certs = {d["spec"]["secretName"]: d for d in docs if d["kind"] == "Certificate"}
+    issuers = {d["metadata"]["name"] for d in docs if d["kind"] == "Issuer"}
+    for c in certs.values():
+        ref = c["spec"]["issuerRef"]["name"]
+        rep.check(ref in issuers, f"{overlay} {name_of(c)}", f"issuer {ref} does not exist")
+    servers = [c for c in certs.values() if "server auth" in c["spec"].get("usages", [])]
+    for d in docs:
+        spec = pod_spec(d)
+        if spec is None:
+            continue
+        where = f"{overlay} {name_of(d)}"
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec["containers"]:
+            binary = Path((c.get("command") or [""])[0]).name
+            if binary not in ("prism-head", "prism-worker", "prism-router", "prism"):
+                continue
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            for key in TLS_ENV:
+                if not rep.check(bool(env.get(key)), where, f"{key} not set (mTLS off)"):
+                    continue
+                mount = next((m for m in c.get("volumeMounts", []) if env[key].startswith(m["mountPath"] + "/")), None)
+                if not rep.check(mount is not None, where, f"{key}={env[key]} is not under a mounted volume"):
+                    continue
+                secret = volumes.get(mount["name"], {}).get("secret", {}).get("secretName")
+                rep.check(secret in certs, where, f"{key}: Secret {secret} is written by no Certificate")
+            name = env.get("PRISM_TLS_SERVER_NAME")
+            rep.check(bool(name) and all(name in s["spec"].get("dnsNames", []) for s in servers),
+                      where, f"PRISM_TLS_SERVER_NAME {name!r} is not in every server certificate")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[2])
@@ -311,7 +351,7 @@ def main() -> int:
             if d["apiVersion"] in CORE_GROUPS:
                 validate_schema(rep, where, d)
             else:
-                rep.check(d["apiVersion"] in ("monitoring.coreos.com/v1", "keda.sh/v1alpha1"),
+                rep.check(d["apiVersion"] in ("monitoring.coreos.com/v1", "keda.sh/v1alpha1", "cert-manager.io/v1"),
                           where, f"unexpected API {d['apiVersion']}")
             spec = pod_spec(d)
             if spec is None:
@@ -328,6 +368,7 @@ def main() -> int:
                     res = spec["containers"][0]["resources"]
                     rep.check("nvidia.com/gpu" in res.get("limits", {}), where, "GPU pool without nvidia.com/gpu")
         check_pdbs(rep, overlay.name, docs)
+        check_mtls(rep, overlay.name, docs)
         check_references(rep, overlay.name, docs)
         plan += [dict(p, overlay=overlay.name) for p in probe_plan(docs)]
     if opts.probe_plan:

@@ -15,7 +15,10 @@ containers' args rewritten only where Kubernetes would differ:
   * Service names (`prism-head:50050`, `etcd-N.etcd:2379`) become the
     loopback address of the process started for them;
   * `$(VAR)` is expanded from the container's env, with the downward API
-    values a pod would get (pod name, pod IP 127.0.0.1, a zone label).
+    values a pod would get (pod name, pod IP 127.0.0.1, a zone label);
+  * the mTLS Secret the manifests mount (PRISM_TLS_CERT/KEY/CA) is made here
+    with openssl: a CA and a certificate naming PRISM_TLS_SERVER_NAME, so the
+    components talk mutual TLS as they would in the cluster.
 
 Then every probe path is requested until it answers. Liveness and startup
 probes must answer 200; readiness probes must answer 200 (etcd, head =
@@ -108,6 +111,24 @@ class Cluster:
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
         self.head_grpc: int | None = None
         self.etcd_client: int | None = None
+        self.tls: dict[str, str] | None = None
+
+    def tls_files(self, server_name: str) -> dict[str, str]:
+        """The mounted Secret's files (ca.crt, tls.crt, tls.key), made once per cluster."""
+        if self.tls is None:
+            d = self.workdir / "tls"
+            d.mkdir()
+            ossl = lambda *a: subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True)
+            ossl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                 "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=probe-ca")
+            ossl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                 "-keyout", "tls.key", "-out", "tls.csr", "-subj", f"/CN={server_name}")
+            (d / "ext.cnf").write_text(f"subjectAltName=DNS:{server_name},DNS:localhost,IP:127.0.0.1\n")
+            ossl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", "tls.crt", "-days", "1", "-extfile", "ext.cnf")
+            self.tls = {"PRISM_TLS_CERT": str(d / "tls.crt"), "PRISM_TLS_KEY": str(d / "tls.key"),
+                        "PRISM_TLS_CA": str(d / "ca.crt")}
+        return self.tls
 
     def pod_env(self, entry: dict, name: str) -> dict[str, str]:
         env: dict[str, str] = {}
@@ -118,6 +139,8 @@ class Cluster:
                 env[key] = downward.get(field, "probe-zone" if "zone" in field else "")
             else:
                 env[key] = expand(value, env)
+        if "PRISM_TLS_CERT" in env:
+            env.update(self.tls_files(env.get("PRISM_TLS_SERVER_NAME") or "localhost"))
         return env
 
     def rewrite(self, binary: str, args: list[str], env: dict[str, str]) -> tuple[list[str], dict[int, int]]:

@@ -27,6 +27,12 @@ pub struct TlsArgs {
     /// (`500ms`, `5s`, `1m`).
     #[arg(long, global = true, env = "PRISM_TLS_RELOAD_INTERVAL", default_value = "5s", value_parser = parse_interval)]
     pub tls_reload_interval: Duration,
+
+    /// Check every server's certificate against this DNS name instead of the host of the
+    /// address dialled (internal addresses are pod IPs; the Kubernetes certificates all carry
+    /// `prism-internal`).
+    #[arg(long, global = true, env = "PRISM_TLS_SERVER_NAME")]
+    pub tls_server_name: Option<String>,
 }
 
 impl TlsArgs {
@@ -54,7 +60,9 @@ impl TlsArgs {
     /// # Errors
     /// Incomplete flags, or a file that cannot be read or used.
     pub fn load(&self) -> Result<Option<Arc<Tls>>, TlsError> {
-        self.files()?.map(|f| Tls::load(f, self.tls_reload_interval)).transpose()
+        self.files()?
+            .map(|f| Tls::load_full(f, self.tls_reload_interval, false, self.tls_server_name.clone()))
+            .transpose()
     }
 
     /// Loads the identity and installs it as the process's internal one

@@ -4,7 +4,9 @@
 //!
 //! With TLS on, the connection is TLS whatever the URI's scheme: `http://` addresses
 //! published by an older peer, or typed by hand, do not downgrade the connection. The server
-//! name checked against the certificate is the URI's host (a DNS name or an IP address).
+//! name checked against the certificate is the URI's host (a DNS name or an IP address), or
+//! `--tls-server-name` when set (Kubernetes: addresses are pod IPs, certificates carry a
+//! shared internal name).
 
 use std::future::Future;
 use std::io;
@@ -45,6 +47,7 @@ impl tower_service::Service<http::Uri> for TlsConnector {
 
     fn call(&mut self, uri: http::Uri) -> Connecting {
         let config = self.tls.client_config();
+        let server_name = self.tls.server_name().map(str::to_owned);
         Box::pin(async move {
             let config = config.ok_or_else(|| io::Error::other("TLS identity has no CA: cannot verify a server"))?;
             let host = uri
@@ -54,8 +57,9 @@ impl tower_service::Service<http::Uri> for TlsConnector {
                 .trim_end_matches(']')
                 .to_owned();
             let port = uri.port_u16().unwrap_or(if uri.scheme_str() == Some("https") { 443 } else { 80 });
-            let name = ServerName::try_from(host.clone())
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("server name {host:?}: {e}")))?;
+            let checked = server_name.unwrap_or_else(|| host.clone());
+            let name = ServerName::try_from(checked.clone())
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("server name {checked:?}: {e}")))?;
             let tcp = TcpStream::connect((host.as_str(), port)).await?;
             tcp.set_nodelay(true)?;
             let tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;

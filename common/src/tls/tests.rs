@@ -17,8 +17,12 @@ fn ca() -> Ca {
 }
 
 fn leaf(ca: &Ca) -> (String, String) {
+    leaf_named(ca, "localhost")
+}
+
+fn leaf_named(ca: &Ca, name: &str) -> (String, String) {
     let key = KeyPair::generate().expect("key");
-    let p = CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
+    let p = CertificateParams::new(vec![name.to_owned()]).expect("params");
     (p.signed_by(&key, &ca.cert, &ca.key).expect("leaf").pem(), key.serialize_pem())
 }
 
@@ -77,6 +81,7 @@ fn flags_come_as_a_set_and_name_what_is_missing() {
         tls_key: Some("k".into()),
         tls_ca: Some("a".into()),
         tls_reload_interval: Duration::from_secs(5),
+        tls_server_name: None,
     }
     .load()
     .expect_err("missing file")
@@ -85,4 +90,48 @@ fn flags_come_as_a_set_and_name_what_is_missing() {
     assert_eq!(args::parse_interval("500ms"), Ok(Duration::from_millis(500)));
     assert_eq!(args::parse_interval("2"), Ok(Duration::from_secs(2)));
     assert!(args::parse_interval("0s").is_err());
+}
+
+/// A server whose certificate names only `prism-internal`, dialled at 127.0.0.1: refused
+/// unless the client checks the certificate against `--tls-server-name prism-internal`; and
+/// a client certificate of another CA is refused by the server.
+#[tokio::test]
+async fn server_name_override_and_client_certificates_from_another_ca() {
+    use futures::StreamExt;
+    use tower_service::Service;
+    let dir = tempfile::tempdir().expect("dir");
+    let (sdir, cdir, fdir) = (dir.path().join("s"), dir.path().join("c"), dir.path().join("f"));
+    for d in [&sdir, &cdir, &fdir] {
+        std::fs::create_dir(d).expect("mkdir");
+    }
+    let ca = ca();
+    let server =
+        Tls::load(write(&sdir, &ca, &leaf_named(&ca, "prism-internal")), Duration::from_secs(3600)).expect("server");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let uri: http::Uri = format!("https://{}", listener.local_addr().expect("addr")).parse().expect("uri");
+    let mut incoming = server::incoming_with(listener, Some(server), "test");
+    let accepted = tokio::spawn(async move { incoming.next().await.map(|r| r.is_ok()) });
+
+    let client_files = write(&cdir, &ca, &leaf(&ca));
+    let by_host = Tls::load(client_files.clone(), Duration::from_secs(3600)).expect("client");
+    let e = client::TlsConnector::new(by_host).call(uri.clone()).await.expect_err("127.0.0.1 not in the certificate");
+    assert!(e.to_string().contains("certificate"), "{e}");
+    let by_name =
+        Tls::load_full(client_files, Duration::from_secs(3600), false, Some("prism-internal".into())).expect("client");
+    client::TlsConnector::new(by_name).call(uri.clone()).await.expect("verified as prism-internal");
+    assert_eq!(accepted.await.expect("join"), Some(true), "the server accepted the verified client");
+
+    // A client that trusts the CA but presents a certificate of another CA: the server
+    // refuses it (the client learns it on its first read; TLS 1.3 sends the alert late).
+    let other = ca();
+    let foreign_files = write(&fdir, &other, &leaf(&other));
+    std::fs::write(foreign_files.ca.as_ref().expect("ca"), ca.cert.pem()).expect("write");
+    let foreign = Tls::load_full(foreign_files, Duration::from_secs(3600), false, Some("prism-internal".into()))
+        .expect("foreign");
+    if let Ok(io) = client::TlsConnector::new(foreign).call(uri).await {
+        use tokio::io::AsyncReadExt;
+        let mut io = io.into_inner();
+        let mut b = [0u8; 1];
+        assert!(io.read(&mut b).await.is_err(), "the server must refuse a foreign client certificate");
+    }
 }

@@ -20,12 +20,16 @@ struct Args {
     /// Microseconds to wait before each token.
     #[arg(long, env = "PRISM_MOCK_TOKEN_DELAY_US", default_value_t = 0)]
     token_delay_us: u64,
+    /// Mutual TLS on the listener (the router benchmark's mTLS runs).
+    #[command(flatten)]
+    tls: prism_common::tls::TlsArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     prism_common::telemetry::init_logging();
     let a = Args::parse();
+    a.tls.install()?;
     let l = tokio::net::TcpListener::bind(a.listen).await?;
     tracing::info!(addr = %l.local_addr()?, "mock-engine listening");
     let shutdown = CancellationToken::new();
