@@ -9,7 +9,7 @@ struct Ca {
     key: KeyPair,
 }
 
-fn ca() -> Ca {
+fn new_ca() -> Ca {
     let mut p = CertificateParams::new(Vec::<String>::new()).expect("params");
     p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     let key = KeyPair::generate().expect("key");
@@ -36,7 +36,7 @@ fn write(dir: &Path, ca: &Ca, (cert, key): &(String, String)) -> TlsFiles {
 #[test]
 fn loads_mutual_material_and_reloads_a_changed_pair() {
     let dir = tempfile::tempdir().expect("dir");
-    let ca = ca();
+    let ca = new_ca();
     let files = write(dir.path(), &ca, &leaf(&ca));
     let tls = Tls::load(files.clone(), Duration::from_secs(3600)).expect("load");
     assert!(tls.client_config().is_some());
@@ -51,7 +51,7 @@ fn loads_mutual_material_and_reloads_a_changed_pair() {
 #[test]
 fn a_bad_rotation_keeps_the_previous_material() {
     let dir = tempfile::tempdir().expect("dir");
-    let ca = ca();
+    let ca = new_ca();
     let files = write(dir.path(), &ca, &leaf(&ca));
     let tls = Tls::load(files.clone(), Duration::from_secs(3600)).expect("load");
     let before = tls.server_config();
@@ -104,7 +104,7 @@ async fn server_name_override_and_client_certificates_from_another_ca() {
     for d in [&sdir, &cdir, &fdir] {
         std::fs::create_dir(d).expect("mkdir");
     }
-    let ca = ca();
+    let ca = new_ca();
     let server =
         Tls::load(write(&sdir, &ca, &leaf_named(&ca, "prism-internal")), Duration::from_secs(3600)).expect("server");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -123,7 +123,7 @@ async fn server_name_override_and_client_certificates_from_another_ca() {
 
     // A client that trusts the CA but presents a certificate of another CA: the server
     // refuses it (the client learns it on its first read; TLS 1.3 sends the alert late).
-    let other = ca();
+    let other = new_ca();
     let foreign_files = write(&fdir, &other, &leaf(&other));
     std::fs::write(foreign_files.ca.as_ref().expect("ca"), ca.cert.pem()).expect("write");
     let foreign = Tls::load_full(foreign_files, Duration::from_secs(3600), false, Some("prism-internal".into()))
