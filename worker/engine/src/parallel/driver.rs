@@ -103,6 +103,8 @@ pub struct ParallelBackend {
     kv_bytes_per_token: usize,
     vocab: usize,
     micro_batches: usize,
+    /// Greedy steps take the argmax where the logits are (a CUDA device, or a rank process
+    /// that would otherwise send every logit row over its control connection).
     device_greedy: bool,
     collective_timeout: Duration,
     /// Rank 0's stage when it runs in this process.
@@ -308,7 +310,8 @@ impl ParallelBackend {
             kv_bytes_per_token,
             vocab: model.config.vocab_size,
             micro_batches: if pp > 1 { cfg.micro_batches.unwrap_or(pp).max(1) } else { 1 },
-            device_greedy: cuda,
+            // The argmax on the last rank: only ids cross the control connection.
+            device_greedy: cuda || sizes.rank_of(0, pp - 1) != 0 || !in_process,
             collective_timeout,
             local,
             output_rank: sizes.rank_of(0, pp - 1),
