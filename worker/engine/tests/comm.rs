@@ -58,7 +58,7 @@ fn contribution(rank: usize, len: usize) -> Vec<f32> {
 
 #[test]
 fn all_reduce_sums_in_rank_order_bitwise_equal_on_every_member() {
-    for algorithm in [AllReduceAlgorithm::GatherAll, AllReduceAlgorithm::ReduceBroadcast] {
+    for algorithm in [AllReduceAlgorithm::Auto, AllReduceAlgorithm::GatherAll, AllReduceAlgorithm::ReduceBroadcast] {
         for n in 2..=4 {
             let mut comms = mesh(n, Duration::from_secs(20));
             comms.iter_mut().for_each(|c| c.set_all_reduce_algorithm(algorithm));
@@ -166,6 +166,13 @@ fn a_peer_whose_comm_is_dropped_is_gone_at_once() {
     assert!(start.elapsed() < Duration::from_millis(200), "noticed after {:?}", start.elapsed());
     let err = comm.send(1, &[1.0]).expect_err("failed stays failed");
     assert!(matches!(err, CommError::PeerGone { peer: 2, .. }), "got {err:?}");
+    // Rank 1, fresh: a send to the dead rank may still be taken by the kernel (a send returns
+    // once the transport has it), but by the next operation the closed connection is seen.
+    let mut rank1 = comms.remove(0);
+    thread::sleep(Duration::from_millis(50));
+    let _ = rank1.send(2, &[1.0; 576]);
+    let err = rank1.send(2, &[1.0; 576]).expect_err("rank 2 is gone");
+    assert!(matches!(err, CommError::PeerGone { peer: 2, .. }), "got {err:?}");
 }
 
 #[test]
@@ -240,13 +247,18 @@ fn setup_refuses_a_stray_connection_and_still_forms() {
     hello.extend_from_slice(&5u32.to_le_bytes());
     hello.extend_from_slice(&2u32.to_le_bytes());
     std::io::Write::write_all(&mut stray, &hello).expect("stray hello");
+    // And one that never says anything: refused after a short wait, not at the setup timeout.
+    let _silent = TcpStream::connect(&addresses[0]).expect("silent connect");
     let mut it = listeners.into_iter();
     let (l0, l1) = (it.next().expect("0"), it.next().expect("1"));
     let a = addresses.clone();
+    let setup_start = Instant::now();
     let r0 = thread::spawn(move || l0.connect(0, &a, Duration::from_secs(5)));
     thread::sleep(Duration::from_millis(100));
     let mut c1 = l1.connect(1, &addresses, Duration::from_secs(5)).expect("rank 1 joins");
     let mut c0 = r0.join().expect("rank 0").expect("rank 0 forms the mesh");
+    let setup = setup_start.elapsed();
+    assert!(setup < Duration::from_secs(3), "the silent connection held the setup up for {setup:?}");
     let t = thread::spawn(move || {
         let mut b = [2.0f32];
         c1.all_reduce_sum(&[0, 1], &mut b).map(|_| b[0])
@@ -261,4 +273,53 @@ fn setup_refuses_a_stray_connection_and_still_forms() {
     // A rank index outside the addresses is a clear error, not a panic.
     let l = HostCommListener::bind(LOOPBACK, "127.0.0.1").expect("bind");
     assert!(matches!(l.connect(2, &addresses, Duration::from_secs(1)), Err(CommError::Invalid(_))));
+}
+
+const CHILD_ENV: &str = "PRISM_TEST_COMM_RANK0";
+
+/// Rank 1 as a process of its own (this test binary again, all-reducing with rank 0 until an
+/// error), frozen with SIGSTOP: rank 0 times out naming it.
+#[test]
+fn a_frozen_rank_process_times_out() {
+    if let Ok(rank0) = std::env::var(CHILD_ENV) {
+        let listener = HostCommListener::bind(LOOPBACK, "127.0.0.1").expect("bind");
+        let addresses = [rank0, listener.address().to_string()];
+        let mut comm = listener.connect(1, &addresses, Duration::from_secs(10)).expect("mesh");
+        while comm.all_reduce_sum(&[0, 1], &mut [1.0; 576]).is_ok() {}
+        std::process::exit(0);
+    }
+    // Also the setup bound: the child process has this long to start and connect.
+    let timeout = Duration::from_secs(2);
+    let listener = HostCommListener::bind(LOOPBACK, "127.0.0.1").expect("bind");
+    let address = listener.address().to_string();
+    let mut child = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "a_frozen_rank_process_times_out", "--test-threads=1"])
+        .env(CHILD_ENV, &address)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start rank 1");
+    let pid = nix::unistd::Pid::from_raw(child.id().cast_signed());
+    let mut comm = listener.connect(0, &[address, String::new()], timeout).expect("mesh with the rank process");
+    let mut buf = [2.0; 576];
+    comm.all_reduce_sum(&[0, 1], &mut buf).expect("all-reduce with a live rank");
+    assert_eq!(buf[0], 3.0);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+    // The signal is asynchronous: wait until the process is stopped ("T" in /proc/<pid>/stat).
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T')))
+    };
+    let wait_start = Instant::now();
+    while !stopped() && wait_start.elapsed() < Duration::from_secs(5) {
+        thread::sleep(Duration::from_millis(5));
+    }
+    assert!(stopped(), "rank 1 did not stop");
+    // Rank 1 may have sent its next contribution before it stopped; the one after never comes.
+    let start = Instant::now();
+    let err = (0..2).find_map(|_| comm.all_reduce_sum(&[0, 1], &mut [1.0; 576]).err()).expect("rank 1 is frozen");
+    let took = start.elapsed();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(matches!(err, CommError::Timeout { peer: 1, .. }), "got {err:?}");
+    assert!(took >= timeout && took < timeout + Duration::from_millis(300), "timed out after {took:?}");
 }

@@ -265,7 +265,10 @@ fn accept_handshake(
     streams: &[Option<TcpStream>],
     deadline: Instant,
 ) -> Option<usize> {
-    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    // A rank writes its handshake right after connecting; a connection that stays silent (not
+    // a rank) must not hold up the others' for the whole setup timeout.
+    let left =
+        deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(1), Duration::from_secs(1));
     stream.set_nonblocking(false).ok()?;
     stream.set_read_timeout(Some(left)).ok()?;
     stream.set_write_timeout(Some(left)).ok()?;
@@ -282,17 +285,23 @@ fn accept_handshake(
     Some(peer)
 }
 
-/// How [`HostComm`] computes an all-reduce; both sum in ascending group order, so the result
-/// is bitwise the same either way.
+/// How [`HostComm`] computes an all-reduce; all sum in ascending group order, so the result
+/// is bitwise the same whichever is used.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AllReduceAlgorithm {
-    /// Every member sends its buffer to every other member and sums all of them itself: one
-    /// network hop, `n-1` sends per member (the default: on loopback and for the hidden
-    /// states of a step, latency is what counts; see docs/benchmarks.md).
+    /// Gather-all for a group of two, reduce-broadcast for more. On a 2-core host
+    /// reduce-broadcast was faster for 3 and 4 ranks at every size (the ranks share the
+    /// cores, and gather-all's `n(n-1)` transfers cost more than a second hop); for two both
+    /// move the same bytes, the measurements were within noise, and gather-all's single hop
+    /// is what counts once ranks have cores of their own or the hop crosses a network
+    /// (docs/benchmarks.md, "Host communicator (CPU)").
     #[default]
+    Auto,
+    /// Every member sends its buffer to every other member and sums all of them itself: one
+    /// network hop, `n(n-1)` transfers and `n` sums in all.
     GatherAll,
     /// `group[0]` receives every contribution, sums them and sends the result back: two hops,
-    /// but `2(n-1)` transfers in all instead of `n(n-1)`.
+    /// `2(n-1)` transfers and one sum.
     ReduceBroadcast,
 }
 
@@ -486,7 +495,13 @@ impl HostComm {
         let deadline = Instant::now() + self.timeout;
         loop {
             for out in outgoing.iter_mut().filter(|o| !o.done()) {
-                write_some(self.peers[out.peer].as_mut().expect("outgoing peer is connected"), out)?;
+                let peer = self.peers[out.peer].as_mut().expect("outgoing peer is connected");
+                // A peer whose connection ended is gone for sends too (its socket would take a
+                // small frame into a buffer no one reads).
+                if let Some(why) = &peer.gone {
+                    return Err(CommError::PeerGone { peer: out.peer, message: why.clone() });
+                }
+                write_some(peer, out)?;
             }
             for peer in self.peers.iter_mut().flatten() {
                 peer.drain();
@@ -670,8 +685,12 @@ impl Communicator for HostComm {
             c.check_group(group)?;
             match (group.len(), c.algorithm) {
                 (1, _) => Ok(()),
-                (_, AllReduceAlgorithm::GatherAll) => c.all_reduce_gather_all(group, buf),
-                (_, AllReduceAlgorithm::ReduceBroadcast) => c.all_reduce_reduce_broadcast(group, buf),
+                (2, AllReduceAlgorithm::Auto) | (_, AllReduceAlgorithm::GatherAll) => {
+                    c.all_reduce_gather_all(group, buf)
+                }
+                (_, AllReduceAlgorithm::Auto | AllReduceAlgorithm::ReduceBroadcast) => {
+                    c.all_reduce_reduce_broadcast(group, buf)
+                }
             }
         })
     }
