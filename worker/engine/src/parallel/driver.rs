@@ -1,11 +1,24 @@
 //! The driver side of a parallel replica: [`ParallelBackend`] is the `Backend` the step loop
 //! drives. Rank 0 (first stage, tensor-parallel rank 0) runs in the driver's process; every
-//! other rank is a process ([`super::spawn`]) that joined through the [`Rendezvous`]. Each
-//! step the driver validates the batch, sends it to every rank, runs rank 0's micro-batches
-//! and collects the logit rows from the last stage's tensor-parallel rank 0. A rank that
-//! exits, fails its step or stalls past the collective timeout fails the step; the backend
-//! then aborts the group, kills the ranks it started and refuses every later step, so the
-//! engine reports the replica dead (and the agent replaces it).
+//! other rank is a process ([`super::spawn`]) that joined through the [`Rendezvous`].
+//!
+//! Start: bind a loopback rendezvous (or take the configured one), spawn this node's ranks
+//! (the cores split among them), accept every expected rank's hello within `join_timeout`
+//! (an error names the missing ranks, or the child that exited), send each the
+//! [`InitSpec`] with the full mesh (and an NCCL id on CUDA), then connect rank 0's mesh and
+//! build its stage while the others do, and wait for every `Loaded` (the replica has the
+//! fewest KV blocks of any rank). With `rank0_in_process == false` rank 0 is a child too and
+//! the driver only schedules.
+//!
+//! Each step the driver validates the batch against the group's geometry, sends it to every
+//! rank ([`super::wire`]), runs rank 0's micro-batches and waits for every rank's answer
+//! (each bounded by `collective_timeout` after rank 0's part, polling the replica's
+//! [`StepControl`]); the last stage's tensor-parallel rank 0 returns the logit rows, or the
+//! argmax ids for a greedy step when it is not in this process. A rank that exits, fails its
+//! step or stalls past the collective timeout fails the step; the backend then aborts rank
+//! 0's communicator, closes every control connection, kills the ranks it started and
+//! refuses every later step, so the engine reports the replica dead (and the agent replaces
+//! it). Dropping the backend sends `Shutdown`, waits up to 500 ms, then kills what is left.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::atomic::{AtomicBool, Ordering};
