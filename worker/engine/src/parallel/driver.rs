@@ -296,7 +296,17 @@ impl ParallelBackend {
             let local = rank0.map(|h| h.join().unwrap_or_else(|_| Err(dev("rank 0's load panicked".into()))));
             (local.transpose(), loaded)
         });
-        let mut loaded = loaded?;
+        // A rank whose connection closed: name its exit status when it is a child here.
+        let mut loaded = loaded.map_err(|e| {
+            let until = Instant::now() + Duration::from_millis(200);
+            loop {
+                match check_children(&mut children) {
+                    Err(exited) => return exited,
+                    Ok(()) if Instant::now() >= until => return e,
+                    Ok(()) => std::thread::sleep(POLL),
+                }
+            }
+        })?;
         let local = local?;
         check_children(&mut children)?;
         if let Some(l) = &local {
