@@ -1,11 +1,24 @@
 //! The driver side of a parallel replica: [`ParallelBackend`] is the `Backend` the step loop
 //! drives. Rank 0 (first stage, tensor-parallel rank 0) runs in the driver's process; every
-//! other rank is a process ([`super::spawn`]) that joined through the [`Rendezvous`]. Each
-//! step the driver validates the batch, sends it to every rank, runs rank 0's micro-batches
-//! and collects the logit rows from the last stage's tensor-parallel rank 0. A rank that
-//! exits, fails its step or stalls past the collective timeout fails the step; the backend
-//! then aborts the group, kills the ranks it started and refuses every later step, so the
-//! engine reports the replica dead (and the agent replaces it).
+//! other rank is a process ([`super::spawn`]) that joined through the [`Rendezvous`].
+//!
+//! Start: bind a loopback rendezvous (or take the configured one), spawn this node's ranks
+//! (the cores split among them), accept every expected rank's hello within `join_timeout`
+//! (an error names the missing ranks, or the child that exited), send each the
+//! [`InitSpec`] with the full mesh (and an NCCL id on CUDA), then connect rank 0's mesh and
+//! build its stage while the others do, and wait for every `Loaded` (the replica has the
+//! fewest KV blocks of any rank). With `rank0_in_process == false` rank 0 is a child too and
+//! the driver only schedules.
+//!
+//! Each step the driver validates the batch against the group's geometry, sends it to every
+//! rank ([`super::wire`]), runs rank 0's micro-batches and waits for every rank's answer
+//! (each bounded by `collective_timeout` after rank 0's part, polling the replica's
+//! [`StepControl`]); the last stage's tensor-parallel rank 0 returns the logit rows, or the
+//! argmax ids for a greedy step when it is not in this process. A rank that exits, fails its
+//! step or stalls past the collective timeout fails the step; the backend then aborts rank
+//! 0's communicator, closes every control connection, kills the ranks it started and
+//! refuses every later step, so the engine reports the replica dead (and the agent replaces
+//! it). Dropping the backend sends `Shutdown`, waits up to 500 ms, then kills what is left.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -103,6 +116,8 @@ pub struct ParallelBackend {
     kv_bytes_per_token: usize,
     vocab: usize,
     micro_batches: usize,
+    /// Greedy steps take the argmax where the logits are (a CUDA device, or a rank process
+    /// that would otherwise send every logit row over its control connection).
     device_greedy: bool,
     collective_timeout: Duration,
     /// Rank 0's stage when it runs in this process.
@@ -281,7 +296,17 @@ impl ParallelBackend {
             let local = rank0.map(|h| h.join().unwrap_or_else(|_| Err(dev("rank 0's load panicked".into()))));
             (local.transpose(), loaded)
         });
-        let mut loaded = loaded?;
+        // A rank whose connection closed: name its exit status when it is a child here.
+        let mut loaded = loaded.map_err(|e| {
+            let until = Instant::now() + Duration::from_millis(200);
+            loop {
+                match check_children(&mut children) {
+                    Err(exited) => return exited,
+                    Ok(()) if Instant::now() >= until => return e,
+                    Ok(()) => std::thread::sleep(POLL),
+                }
+            }
+        })?;
         let local = local?;
         check_children(&mut children)?;
         if let Some(l) = &local {
@@ -308,7 +333,8 @@ impl ParallelBackend {
             kv_bytes_per_token,
             vocab: model.config.vocab_size,
             micro_batches: if pp > 1 { cfg.micro_batches.unwrap_or(pp).max(1) } else { 1 },
-            device_greedy: cuda,
+            // The argmax on the last rank: only ids cross the control connection.
+            device_greedy: cuda || sizes.rank_of(0, pp - 1) != 0 || !in_process,
             collective_timeout,
             local,
             output_rank: sizes.rank_of(0, pp - 1),

@@ -1,9 +1,15 @@
 //! The rank process: started by a worker agent (or by the driver for ranks on its own node)
-//! with a [`RankSpec`] in the `PRISM_RANK_SPEC` environment variable, it connects to the
-//! driver's [`Rendezvous`], presents the group token, receives the [`super::stage::InitSpec`],
-//! forms the host mesh, loads its shard and then runs every step the driver broadcasts until
-//! the driver says stop or its connection closes (then it exits: a rank never outlives its
-//! driver).
+//! with a [`RankSpec`] in the `PRISM_RANK_SPEC` environment variable, it binds its
+//! host-communicator listener, connects to the driver's [`Rendezvous`] (retrying for
+//! [`RANK_CONNECT_TIMEOUT`]), says hello with the group token, its rank and its listener's
+//! address, receives the [`super::stage::InitSpec`], forms the host mesh, loads its shard
+//! (`Loaded` / `LoadFailed`) and then runs every step the driver broadcasts
+//! ([`super::stage::run_micro_batches`], answering `StepDone` / `StepFailed`) until the
+//! driver says stop or its connection closes — then it exits: a rank never outlives its
+//! driver, and a failed rank never serves again (it exits after `StepFailed`).
+//!
+//! Exit codes: 0 when the driver stopped it or went away, 1 when it failed (join, load,
+//! step), 2 when the spec does not parse.
 
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::process::ExitCode;
