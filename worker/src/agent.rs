@@ -18,7 +18,8 @@
 //! loads. A member node (a `StartReplica` with the driver's `rendezvous`) starts one rank
 //! process per local rank and reports the entry with `group_member`: Ready once they are
 //! started (the driver's replica says whether the group formed), Failed as soon as one of
-//! them exits (the others are killed with it); a stop or drain kills them at once.
+//! them exits (the others are killed with it); a stop kills them at once, a node drain
+//! leaves them serving until the head stops the group or the drain's deadline passes.
 
 pub mod drain;
 pub mod gpu;

@@ -2,7 +2,8 @@
 //! head session would: the driver's node binds the rendezvous for ranks of other nodes and
 //! reports it while the engine still loads, and hands the engine its rank group; a member
 //! node starts one rank process per local rank, reports the entry as a group member, fails
-//! it when a rank exits (killing the others), and kills its ranks on stop and drain. Rank
+//! it when a rank exits (killing the others), kills its ranks on stop, and keeps them through
+//! a node drain until the head stops the group or the deadline passes. Rank
 //! processes are stood in for by `/bin/sleep`, which lets the supervision be tested without
 //! a driver to join.
 
@@ -185,12 +186,13 @@ async fn a_member_whose_rank_exits_fails_and_kills_the_others() -> Result<()> {
     Ok(())
 }
 
-/// A stop (whatever its deadline) and a node drain kill a member's ranks at once.
+/// A stop (whatever its deadline) kills a member's ranks at once; a node drain leaves them
+/// serving their group until the head stops it (or the deadline passes).
 #[tokio::test]
-async fn stop_and_drain_kill_member_ranks_at_once() -> Result<()> {
-    let (a, _launcher, _release) = agent("node-b", 2);
-    let groups = || vec![group("node-a", 0, &[0]), group("node-b", 1, &[0])];
-    a.start_replica(start("r-stop", 1, 2, &[0], groups(), "127.0.0.1:9"));
+async fn stop_kills_member_ranks_at_once_and_a_drain_waits_for_the_heads_stop() -> Result<()> {
+    let (a, _launcher, _release) = agent("node-b", 3);
+    let groups = |slot: u32| vec![group("node-a", 0, &[0]), group("node-b", 1, &[slot])];
+    a.start_replica(start("r-stop", 1, 2, &[0], groups(0), "127.0.0.1:9"));
     wait_state(&a, "r-stop", ReplicaState::Ready).await?;
     let pids = a.replicas().get("r-stop").context("entry")?.member_ranks().pids();
     let t = Instant::now();
@@ -199,19 +201,31 @@ async fn stop_and_drain_kill_member_ranks_at_once() -> Result<()> {
     assert!(t.elapsed() < Duration::from_secs(2), "a member has no requests to wait for: {:?}", t.elapsed());
     assert!(pids.iter().all(|p| !alive(*p)), "stopped member's ranks are gone");
 
-    a.start_replica(start(
-        "r-drain",
-        1,
-        2,
-        &[1],
-        vec![group("node-a", 0, &[0]), group("node-b", 1, &[1])],
-        "127.0.0.1:9",
-    ));
+    // Drain with the head's stop: the ranks serve on, the drain ends once the head stopped them.
+    a.start_replica(start("r-drain", 1, 2, &[1], groups(1), "127.0.0.1:9"));
     wait_state(&a, "r-drain", ReplicaState::Ready).await?;
     let pids = a.replicas().get("r-drain").context("entry")?.member_ranks().pids();
     a.drain(Duration::from_secs(30), "test drain", DrainSource::Rpc);
-    a.node_drain().wait_done().await;
-    assert_eq!(status(&a, "r-drain").map(|s| s.state()), Some(ReplicaState::Stopped));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(status(&a, "r-drain").map(|s| s.state()), Some(ReplicaState::Ready), "members serve on while draining");
+    assert!(pids.iter().all(|p| alive(*p)));
+    assert!(!a.drain_state().is_some_and(|d| d.done), "the drain waits for the group's stop");
+    a.stop_replica("r-drain", Duration::from_secs(30));
+    tokio::time::timeout(Duration::from_secs(5), a.node_drain().wait_done())
+        .await
+        .context("drain done after the stop")?;
     assert!(pids.iter().all(|p| !alive(*p)), "drained member's ranks are gone");
+    a.node_drain().reopen_if_finished();
+
+    // Drain without a stop: the deadline kills them.
+    a.start_replica(start("r-deadline", 1, 2, &[2], groups(2), "127.0.0.1:9"));
+    wait_state(&a, "r-deadline", ReplicaState::Ready).await?;
+    let pids = a.replicas().get("r-deadline").context("entry")?.member_ranks().pids();
+    let t = Instant::now();
+    a.drain(Duration::from_millis(800), "test drain", DrainSource::Rpc);
+    tokio::time::timeout(Duration::from_secs(5), a.node_drain().wait_done()).await.context("drain done")?;
+    assert!(t.elapsed() >= Duration::from_millis(700), "kept until the deadline: {:?}", t.elapsed());
+    assert_eq!(status(&a, "r-deadline").map(|s| s.state()), Some(ReplicaState::Stopped));
+    assert!(pids.iter().all(|p| !alive(*p)), "ranks are gone at the deadline");
     Ok(())
 }

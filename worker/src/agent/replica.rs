@@ -513,6 +513,14 @@ impl ReplicaTable {
         self.all().iter().map(|r| r.in_flight()).sum()
     }
 
+    /// Member entries whose ranks still run (not failed, stopping or stopped).
+    pub fn live_members(&self) -> usize {
+        self.all()
+            .iter()
+            .filter(|r| r.is_group_member() && matches!(r.state().0, ReplicaState::Starting | ReplicaState::Ready))
+            .count()
+    }
+
     /// Subscribes to replica changes (a counter; each bump means "send a status").
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.changes.subscribe()
