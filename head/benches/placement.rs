@@ -35,6 +35,7 @@ fn pure_planner() {
         .map(|d| DeploymentView {
             name: format!("dep-{d}").into(),
             tensor_parallel_size: 1,
+            pipeline_parallel_size: 1,
             replicas: PER_DEPLOYMENT,
             strategy: PlacementStrategy::Spread,
             node_selector: BTreeMap::new(),

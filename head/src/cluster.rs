@@ -7,6 +7,7 @@
 //! committed; the flows built on them live in `cluster/registry.rs` (worker sessions),
 //! `admin.rs`, `drain.rs` and `placement/reconciler.rs`.
 
+pub mod group;
 pub mod registry;
 pub mod state;
 pub mod view;
@@ -192,15 +193,7 @@ impl Cluster {
     }
 
     async fn gc_reservations(&self, view: &ClusterView) -> HeadResult<()> {
-        let held: HashSet<String> = view
-            .replicas
-            .values()
-            .filter(|e| holds_slots(e.record.state()) && !e.record.node_id.is_empty())
-            .flat_map(|e| {
-                let n = NodeId::from(e.record.node_id.as_str());
-                e.record.gpu_indices.iter().map(move |g| keys::reservation(&n, *g)).collect::<Vec<_>>()
-            })
-            .collect();
+        let held: HashSet<String> = view.replicas.values().flat_map(|e| reservation_keys(&e.record)).collect();
         let (all, _) = self.store.list(keys::RESERVATIONS).await?;
         for (k, _) in all.into_iter().filter(|(k, _)| !held.contains(k)) {
             tracing::info!(key = %k, "dropping orphan reservation");
@@ -390,11 +383,14 @@ impl Cluster {
     }
 }
 
-/// Reservation keys a replica record holds (none unless placed and holding slots).
+/// Reservation keys a replica record holds (none unless placed and holding slots): every
+/// slot of its GPU group, on every node of it.
 pub fn reservation_keys(r: &ReplicaRecord) -> HashSet<String> {
     if r.node_id.is_empty() || !holds_slots(r.state()) {
         return HashSet::new();
     }
-    let n = NodeId::from(r.node_id.as_str());
-    r.gpu_indices.iter().map(|g| keys::reservation(&n, *g)).collect()
+    view::group_nodes(r)
+        .into_iter()
+        .flat_map(|(n, slots)| slots.into_iter().map(move |g| keys::reservation(&n, g)))
+        .collect()
 }

@@ -18,13 +18,14 @@
 use std::time::Duration;
 
 use prism_common::proto::v1::{
-    DrainCommand, DrainProgress, NodeRecord, NodeState, ReplicaRecord, ReplicaState, StopReplica, head_message,
+    DrainCommand, DrainProgress, NodeRecord, NodeState, ReplicaRecord, ReplicaState, head_message,
 };
 use prism_common::time::unix_ms;
 use prism_common::{NodeId, ReplicaId};
 use tokio::time::Instant;
 
 use crate::cluster::Cluster;
+use crate::cluster::group::stop_group;
 use crate::cluster::state::{DrainTimer, State};
 use crate::error::HeadResult;
 
@@ -108,8 +109,13 @@ pub fn ready_on_register(rec: &mut NodeRecord) {
     }
 }
 
-/// Marks every Starting/Ready replica of `node` Draining with a deadline `rel` from now
-/// (reason "node draining" when `reason` is empty).
+/// Marks every Starting/Ready replica with ranks on `node` Draining with a deadline `rel`
+/// from now (reason "node draining" when `reason` is empty). A replica whose GPU group only
+/// has member ranks there drains exactly like one whose driver runs there: routers stop
+/// sending it work, its replacement is placed on schedulable nodes (a Draining node takes
+/// none), and it is stopped on every node of its group when idle or at the deadline — the
+/// member ranks must serve its in-flight requests until then, since the driver cannot
+/// step without them.
 ///
 /// # Errors
 /// Store failures.
@@ -122,7 +128,7 @@ pub async fn mark_node_replicas_draining(
 ) -> HeadResult<()> {
     let recs: Vec<ReplicaRecord> = st
         .view()
-        .replicas_on(node)
+        .replicas_touching(node)
         .filter(|e| matches!(e.record.state(), ReplicaState::Starting | ReplicaState::Ready))
         .map(|e| e.record.clone())
         .collect();
@@ -180,10 +186,8 @@ pub async fn stop_drained(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
             continue;
         }
         let left = t.deadline.saturating_duration_since(now);
-        st.send(
-            &node,
-            head_message::Msg::Stop(StopReplica { replica_id: id.to_string(), deadline_ms: left.as_millis() as u64 }),
-        );
+        // Every node of its GPU group (the driver's first): each frees its ranks' slots.
+        stop_group(st, &rec, left.as_millis() as u64);
         rec.state = ReplicaState::Stopping as i32;
         cluster.put_replica(st, rec).await?;
         st.clear_drain_timer(&id);

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prism_common::proto::v1::{
-    HeadMessage, NodeInventory, NodeRecord, NodeState, RegisterAck, ReplicaState, ReplicaStatus, StartReplica,
-    StopReplica, WorkerMessage, head_message, worker_message,
+    HeadMessage, NodeInventory, NodeRecord, NodeState, RegisterAck, ReplicaState, ReplicaStatus, StopReplica,
+    WorkerMessage, head_message, worker_message,
 };
 use prism_common::time::unix_ms;
 use prism_common::{NodeId, ReplicaId};
@@ -21,7 +21,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
 use super::Cluster;
+use super::group;
 use super::state::{Session, State};
+use super::view::member_part;
 use crate::drain;
 use crate::error::{HeadError, HeadResult};
 use crate::events::EventKind;
@@ -219,8 +221,9 @@ async fn handle_message(cluster: &Cluster, node: &NodeId, id: u64, msg: worker_m
     Ok(())
 }
 
-/// Reconciles a worker's full replica list with the records of its node.
-async fn handle_status(
+/// Reconciles a worker's full replica list with the records of its node (the replicas
+/// whose driver runs there, and the member ranks it hosts for groups driven elsewhere).
+pub(crate) async fn handle_status(
     cluster: &Cluster,
     st: &mut State,
     node: &NodeId,
@@ -230,6 +233,11 @@ async fn handle_status(
         reports.into_iter().map(|r| (ReplicaId::from(r.replica_id.as_str()), r)).collect();
     for (rid, rep) in &reported {
         let rs = rep.state();
+        // Ranks of a group whose driver runs elsewhere: their report only fails the group.
+        if st.view().replicas.get(rid).is_some_and(|e| member_part(&e.record, node).is_some()) {
+            group::on_member_status(cluster, st, node, rep).await?;
+            continue;
+        }
         let Some(e) = st.view().replicas.get(rid).filter(|e| e.record.node_id == node.as_str()) else {
             if !matches!(rs, ReplicaState::Stopped | ReplicaState::Failed) {
                 tracing::info!(node = %node, replica = %rid, "stopping a replica no record assigns to this node");
@@ -237,6 +245,11 @@ async fn handle_status(
             }
             continue;
         };
+        if rep.group_member {
+            // A member report from the driver's own node (never sent by a consistent
+            // worker): it says nothing about the driver.
+            continue;
+        }
         let cur = e.record.state();
         let before = e.record.clone();
         let mut rec = before.clone();
@@ -246,7 +259,14 @@ async fn handle_status(
             rec.max_model_len = rep.max_model_len;
         }
         st.mark_started(node, rid);
+        let spans = group::spans_nodes(&rec);
         match (cur, rs) {
+            (ReplicaState::Failed, ReplicaState::Stopped) if spans => {
+                // Stopped because the group failed: the Failed record stays until it is
+                // replaced like any Failed replica (so a group that fails at startup is not
+                // retried in a loop).
+                continue;
+            }
             (_, ReplicaState::Stopped) => {
                 cluster.delete_replica(st, rid).await?;
                 cluster.events().push(
@@ -274,6 +294,19 @@ async fn handle_status(
                 if rs == ReplicaState::Failed && cur != ReplicaState::Failed {
                     rec.failed_unix_ms = unix_ms();
                     cluster.events().push(EventKind::ReplicaFailed, &rec.deployment, rid.as_str(), rep.reason.clone());
+                    if spans {
+                        // The driver failed: free the member nodes' ranks too.
+                        group::stop_group(st, &rec, 0);
+                    }
+                }
+                if !rep.rendezvous.is_empty() && rec.rendezvous != rep.rendezvous && rs != ReplicaState::Failed {
+                    // The driver bound its rendezvous: the member nodes' ranks may join.
+                    rec.rendezvous.clone_from(&rep.rendezvous);
+                    if rec != before {
+                        cluster.put_replica(st, rec).await?;
+                    }
+                    group::send_member_starts(st, rid);
+                    continue;
                 }
             }
             (ReplicaState::Starting | ReplicaState::Ready, ReplicaState::Draining | ReplicaState::Stopping) => {
@@ -299,8 +332,16 @@ async fn handle_status(
         match state {
             ReplicaState::Starting if !started.contains(&rid) => send_start(st, &rid),
             ReplicaState::Ready => {
+                let Some(mut rec) = st.view().replicas.get(&rid).map(|e| e.record.clone()) else { continue };
+                if group::spans_nodes(&rec) {
+                    // The driver's worker lost rank 0: the other ranks cannot rejoin a new
+                    // driver, so the group fails and is stopped everywhere.
+                    let reason = format!("rank 0 on node {node} lost (its worker restarted)");
+                    group::fail_group(cluster, st, rec, reason).await?;
+                    continue;
+                }
                 // The worker lost it (restarted): start it again on the same GPUs.
-                if let Some(mut rec) = st.view().replicas.get(&rid).map(|e| e.record.clone()) {
+                {
                     rec.state = ReplicaState::Starting as i32;
                     rec.reason = "worker lost the replica; restarting".into();
                     cluster.put_replica(st, rec).await?;
@@ -313,30 +354,15 @@ async fn handle_status(
             _ => {}
         }
     }
-    Ok(())
+    group::reconcile_members(cluster, st, node, &reported).await
 }
 
-/// Sends `StartReplica` for a placed replica to its node (when connected).
+/// Sends `StartReplica` for a placed replica to its driver's node (when connected); a
+/// group spanning nodes starts its other nodes once the driver reports its rendezvous.
 pub fn send_start(st: &mut State, rid: &ReplicaId) {
     let Some(rec) = st.view().replicas.get(rid).map(|e| e.record.clone()) else { return };
     let node = NodeId::from(rec.node_id.as_str());
-    let Some(mut engine) = st
-        .view()
-        .deployments
-        .get(&prism_common::DeploymentName::from(rec.deployment.as_str()))
-        .and_then(|d| d.record.spec.as_ref())
-        .and_then(|s| s.engine.clone())
-    else {
-        return;
-    };
-    engine.served_model_name.clone_from(&rec.served_model_name);
-    let start = StartReplica {
-        replica_id: rec.replica_id.clone(),
-        deployment: rec.deployment.clone(),
-        engine: Some(engine),
-        gpu_indices: rec.gpu_indices.clone(),
-        ..StartReplica::default()
-    };
+    let Some(start) = group::start_message(st, &rec, &node) else { return };
     if st.send(&node, head_message::Msg::Start(start)) {
         st.mark_started(&node, rid);
     }

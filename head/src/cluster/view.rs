@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use prism_common::proto::v1::{
-    DeploymentRecord, NodeRecord, NodeState, PlacementStrategy, ReplicaRecord, ReplicaState,
+    DeploymentRecord, EngineConfig, NodeRecord, NodeState, PlacementStrategy, RankGroup, ReplicaRecord, ReplicaState,
 };
 use prism_common::state_store::{Revision, StateStore, keys};
 use prism_common::{DeploymentName, NodeId, ReplicaId};
@@ -81,18 +81,31 @@ impl ClusterView {
         keys::replica(&DeploymentName::from(r.deployment.as_str()), &ReplicaId::from(r.replica_id.as_str()))
     }
 
-    /// Replicas placed on `node`.
+    /// Replicas placed on `node`: those whose driver (rank 0) runs there.
     pub fn replicas_on<'a>(&'a self, node: &'a NodeId) -> impl Iterator<Item = &'a Entry<ReplicaRecord>> + 'a {
         self.replicas.values().filter(move |e| e.record.node_id == node.as_str())
     }
 
-    /// Tensor-parallel size of a deployment (1 when unknown).
+    /// Replicas whose GPU group has ranks on `node` besides their driver's node (member ranks).
+    pub fn members_on<'a>(&'a self, node: &'a NodeId) -> impl Iterator<Item = &'a Entry<ReplicaRecord>> + 'a {
+        self.replicas.values().filter(move |e| member_part(&e.record, node).is_some())
+    }
+
+    /// Replicas with any rank on `node` (driver or member).
+    pub fn replicas_touching<'a>(&'a self, node: &'a NodeId) -> impl Iterator<Item = &'a Entry<ReplicaRecord>> + 'a {
+        self.replicas
+            .values()
+            .filter(move |e| e.record.node_id == node.as_str() || member_part(&e.record, node).is_some())
+    }
+
+    /// GPUs (slots) per replica of a deployment: `tensor_parallel_size x
+    /// pipeline_parallel_size` (1 when unknown).
     pub fn tp_of(&self, deployment: &str) -> u32 {
         self.deployments
             .get(&DeploymentName::from(deployment))
             .and_then(|d| d.record.spec.as_ref())
             .and_then(|s| s.engine.as_ref())
-            .map_or(1, |e| e.tensor_parallel_size.max(1))
+            .map_or(1, world_size)
     }
 
     /// GPUs (slots) asked for by Pending replicas: unmet demand for cluster autoscalers.
@@ -140,6 +153,7 @@ impl ClusterView {
                 Some(DeploymentView {
                     name: name.clone(),
                     tensor_parallel_size: s.engine.as_ref().map_or(1, |e| e.tensor_parallel_size.max(1)),
+                    pipeline_parallel_size: s.engine.as_ref().map_or(1, pipeline_size),
                     replicas: s.replicas,
                     strategy: PlacementStrategy::try_from(s.placement).unwrap_or(PlacementStrategy::Spread),
                     node_selector: s.node_selector.clone().into_iter().collect(),
@@ -158,6 +172,9 @@ impl ClusterView {
                     deployment: DeploymentName::from(r.deployment.as_str()),
                     node: (!r.node_id.is_empty()).then(|| NodeId::from(r.node_id.as_str())),
                     slots: r.gpu_indices.clone(),
+                    members: member_parts(r)
+                        .map(|g| (NodeId::from(g.node_id.as_str()), g.gpu_indices.clone()))
+                        .collect(),
                     state: r.state(),
                     reason: r.reason.clone(),
                     generation: r.generation,
@@ -170,4 +187,36 @@ impl ClusterView {
             .collect();
         (nodes, deployments, replicas)
     }
+}
+
+/// Pipeline stages of an engine config (absent or 0 = 1).
+pub fn pipeline_size(e: &EngineConfig) -> u32 {
+    e.pipeline_parallel_size.unwrap_or(1).max(1)
+}
+
+/// GPUs (slots) one replica of an engine config holds: `tensor_parallel_size x
+/// pipeline_parallel_size`.
+pub fn world_size(e: &EngineConfig) -> u32 {
+    e.tensor_parallel_size.max(1).saturating_mul(pipeline_size(e))
+}
+
+/// The parts of a replica's GPU group on nodes other than its driver's (none when every
+/// rank is on the driver's node, or on records written before groups could span nodes).
+pub fn member_parts(r: &ReplicaRecord) -> impl Iterator<Item = &RankGroup> {
+    r.rank_groups.iter().filter(move |g| g.node_id != r.node_id)
+}
+
+/// The part of a replica's GPU group on member node `node` (None for its driver's node).
+pub fn member_part<'a>(r: &'a ReplicaRecord, node: &NodeId) -> Option<&'a RankGroup> {
+    member_parts(r).find(|g| g.node_id == node.as_str())
+}
+
+/// Every node of a replica's GPU group with its slots, the driver's first (none while Pending).
+pub fn group_nodes(r: &ReplicaRecord) -> Vec<(NodeId, Vec<u32>)> {
+    if r.node_id.is_empty() {
+        return Vec::new();
+    }
+    std::iter::once((NodeId::from(r.node_id.as_str()), r.gpu_indices.clone()))
+        .chain(member_parts(r).map(|g| (NodeId::from(g.node_id.as_str()), g.gpu_indices.clone())))
+        .collect()
 }

@@ -3,15 +3,23 @@
 //! their decision logic pure.
 //!
 //! Rules (Ray placement groups with STRICT_PACK per replica, SPREAD across replicas):
-//! - each replica's `tensor_parallel_size` slots (GPUs; CPU slots on CPU-only nodes) come
-//!   from ONE node, and a slot is never given to two replicas;
+//! - a replica's GPU group is `tensor_parallel_size x pipeline_parallel_size` slots (GPUs;
+//!   CPU slots on CPU-only nodes); one node holds the whole group when any can, and a slot
+//!   is never given to two replicas;
+//! - when no node holds the group whole it is gang-scheduled across nodes, all-or-nothing
+//!   ([`split_group`]): whole pipeline stages (`tensor_parallel_size` contiguous ranks) per
+//!   node — TP inside a node, PP across nodes — on the nodes with the most free slots first
+//!   (ties by id), stages in rank order; only when whole stages cannot cover the group are
+//!   its ranks split in order over the nodes (TP across nodes, the last resort). The node
+//!   holding rank 0 is the driver's node: the replica's `node` / `slots`, its endpoint;
 //! - replicas of one deployment spread over nodes (fewest of its replicas first; best fit
 //!   among equals, to keep large free groups for large gangs), or pack (`PACK`);
 //! - cordoned, draining, dead and disconnected nodes take no new replicas; `node_selector`
 //!   must match the node's labels;
 //! - the first `min_on_demand` replicas prefer `capacity-type=on-demand` nodes;
 //! - a replica that fits nowhere stays Pending with a reason such as
-//!   "needs 8 GPUs on one node; largest free group is 4".
+//!   "needs 8 GPUs on one node; largest free group is 4" (at most one node has free slots)
+//!   or "needs 4 GPUs (tensor_parallel_size 2 x pipeline_parallel_size 2); free: a 1, b 1".
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -45,8 +53,11 @@ pub struct NodeView {
 pub struct DeploymentView {
     /// Deployment name.
     pub name: DeploymentName,
-    /// Slots per replica (`tensor_parallel_size`, ≥ 1).
+    /// Tensor-parallel ranks per stage (`tensor_parallel_size`, ≥ 1).
     pub tensor_parallel_size: u32,
+    /// Pipeline stages per replica (`pipeline_parallel_size`, ≥ 1): a replica holds
+    /// `tensor_parallel_size x pipeline_parallel_size` slots.
+    pub pipeline_parallel_size: u32,
     /// Desired replica count.
     pub replicas: u32,
     /// Spread or pack.
@@ -66,10 +77,12 @@ pub struct ReplicaView {
     pub id: ReplicaId,
     /// Owning deployment.
     pub deployment: DeploymentName,
-    /// Node it is placed on (None while Pending).
+    /// Node it is placed on: the driver's node, holding rank 0 (None while Pending).
     pub node: Option<NodeId>,
     /// Slots it holds on that node.
     pub slots: Vec<u32>,
+    /// The rest of its GPU group, when it spans nodes: (node, slots) per other node.
+    pub members: Vec<(NodeId, Vec<u32>)>,
     /// Current state.
     pub state: ReplicaState,
     /// Current Pending reason (to avoid rewriting an unchanged one).
@@ -84,15 +97,29 @@ pub struct ReplicaView {
     pub load: u32,
 }
 
+/// The ranks of a GPU group on one node: rank `first_rank + i` runs on `slots[i]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupPart {
+    /// The node.
+    pub node: NodeId,
+    /// Its first rank (vLLM's order: `rank = pp_rank * tp + tp_rank`).
+    pub first_rank: u32,
+    /// GPU indices (or CPU slot indices), one per rank.
+    pub slots: Vec<u32>,
+}
+
 /// Where a replica goes: the planner's decision for one replica.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PlacementDecision {
-    /// On `node`, holding `slots`.
+    /// Its driver (rank 0) on `node`, holding `slots`; the whole group is `groups`.
     Assigned {
-        /// Target node.
+        /// The driver's node (`groups[0].node`).
         node: NodeId,
-        /// GPU indices (or CPU slot indices), `tensor_parallel_size` of them.
+        /// The driver node's GPU indices (or CPU slot indices): the whole group's
+        /// `tensor_parallel_size x pipeline_parallel_size` when one node holds it.
         slots: Vec<u32>,
+        /// The group in rank order, one part per node (one part when one node holds it).
+        groups: Vec<GroupPart>,
     },
     /// Nowhere yet.
     Pending {
@@ -195,15 +222,19 @@ pub fn plan(nodes: &[NodeView], deployments: &[DeploymentView], replicas: &[Repl
     let mut active: BTreeMap<&DeploymentName, Vec<&ReplicaView>> = BTreeMap::new();
 
     for r in replicas {
-        let node_alive = r.node.as_ref().is_some_and(|id| node_by_id.get(id).is_some_and(|n| n.alive));
-        if r.node.is_some() && !node_alive && r.state != ReplicaState::Stopped {
+        let alive = |id: &NodeId| node_by_id.get(id).is_some_and(|n| n.alive);
+        // Every node of the group must live: ranks on a dead member node are gone too.
+        let group_alive = r.node.as_ref().is_some_and(alive) && r.members.iter().all(|(id, _)| alive(id));
+        if r.node.is_some() && !group_alive && r.state != ReplicaState::Stopped {
             actions.push(Action::Evict { replica: r.id.clone() });
             continue;
         }
-        if let (Some(node), true) = (&r.node, holds_slots(r.state))
-            && let Some(n) = node_by_id.get(node)
-        {
-            cap.used.entry(&n.id).or_default().extend(r.slots.iter().copied());
+        if let (Some(node), true) = (&r.node, holds_slots(r.state)) {
+            for (id, slots) in std::iter::once((node, &r.slots)).chain(r.members.iter().map(|(n, s)| (n, s))) {
+                if let Some(n) = node_by_id.get(id) {
+                    cap.used.entry(&n.id).or_default().extend(slots.iter().copied());
+                }
+            }
         }
         let Some(d) = deps.get(&r.deployment) else {
             if is_active(r.state) {
@@ -275,13 +306,16 @@ pub fn plan(nodes: &[NodeView], deployments: &[DeploymentView], replicas: &[Repl
     actions
 }
 
-/// Picks a node and slots for one replica of `d`, updating `cap`.
+/// Picks a node and slots for one replica of `d` — or, when no node holds its group whole,
+/// the nodes of a group split across nodes — updating `cap`.
 fn place_one(cap: &mut Capacity<'_>, d: &DeploymentView, on_demand_count: &mut u32) -> PlacementDecision {
     let tp = d.tensor_parallel_size.max(1) as usize;
+    let pp = d.pipeline_parallel_size.max(1) as usize;
+    let world = tp * pp;
     let eligible: Vec<&NodeView> =
         cap.nodes.iter().copied().filter(|n| n.schedulable && selector_matches(n, &d.node_selector)).collect();
     let fits: Vec<(&NodeView, Vec<u32>)> =
-        eligible.iter().map(|n| (*n, cap.free(n))).filter(|(_, f)| f.len() >= tp).collect();
+        eligible.iter().map(|n| (*n, cap.free(n))).filter(|(_, f)| f.len() >= world).collect();
     let prefer_od = *on_demand_count < d.min_on_demand;
     let pool: Vec<&(&NodeView, Vec<u32>)> = if prefer_od && fits.iter().any(|(n, _)| on_demand(n)) {
         fits.iter().filter(|(n, _)| on_demand(n)).collect()
@@ -297,33 +331,104 @@ fn place_one(cap: &mut Capacity<'_>, d: &DeploymentView, on_demand_count: &mut u
         };
         by_count.then(fa.len().cmp(&fb.len())).then(a.id.cmp(&b.id))
     });
-    let Some((node, free)) = best else {
-        return PlacementDecision::Pending { reason: pending_reason(cap, d, &eligible, tp) };
+    let parts: Vec<(&NodeView, Vec<u32>)> = match best {
+        Some((node, free)) => vec![(*node, free.iter().copied().take(world).collect())],
+        None => match split_group(cap, &eligible, tp, pp) {
+            Some(parts) => parts,
+            None => return PlacementDecision::Pending { reason: pending_reason(cap, d, &eligible, tp, pp) },
+        },
     };
-    let slots: Vec<u32> = free.iter().copied().take(tp).collect();
-    cap.used.entry(&node.id).or_default().extend(slots.iter().copied());
-    *cap.per_dep.entry((d.name.clone(), node.id.clone())).or_default() += 1;
-    if on_demand(node) {
+    let mut groups = Vec::with_capacity(parts.len());
+    let mut first_rank = 0;
+    for (n, slots) in &parts {
+        cap.used.entry(&n.id).or_default().extend(slots.iter().copied());
+        groups.push(GroupPart { node: n.id.clone(), first_rank, slots: slots.clone() });
+        first_rank += slots.len() as u32;
+    }
+    let (driver, slots) = parts.into_iter().next().expect("a placed group has a part");
+    *cap.per_dep.entry((d.name.clone(), driver.id.clone())).or_default() += 1;
+    if on_demand(driver) {
         *on_demand_count += 1;
     }
-    PlacementDecision::Assigned { node: node.id.clone(), slots }
+    PlacementDecision::Assigned { node: driver.id.clone(), slots, groups }
 }
 
-fn pending_reason(cap: &Capacity<'_>, d: &DeploymentView, eligible: &[&NodeView], tp: usize) -> String {
+/// Splits a group of `tp x pp` ranks over `eligible` nodes, all-or-nothing (None when
+/// their free slots together cannot hold it). Nodes go most free first (ties by id). Whole
+/// stages (`tp` contiguous ranks) per node first: tensor-parallel all-reduces stay inside a
+/// node and only pipeline activations cross nodes. When whole stages cannot cover the group
+/// (a stage is larger than any node's free slots, or free slots are fragmented), the ranks
+/// are split in order over the nodes: tensor parallelism across nodes, the last resort.
+fn split_group<'a>(
+    cap: &Capacity<'_>,
+    eligible: &[&'a NodeView],
+    tp: usize,
+    pp: usize,
+) -> Option<Vec<(&'a NodeView, Vec<u32>)>> {
+    let world = tp * pp;
+    let mut free: Vec<(&NodeView, Vec<u32>)> =
+        eligible.iter().map(|n| (*n, cap.free(n))).filter(|(_, f)| !f.is_empty()).collect();
+    if free.len() < 2 || free.iter().map(|(_, f)| f.len()).sum::<usize>() < world {
+        return None;
+    }
+    free.sort_by(|(a, fa), (b, fb)| fb.len().cmp(&fa.len()).then(a.id.cmp(&b.id)));
+    let mut stages_left = pp;
+    let mut parts = Vec::new();
+    for (n, f) in &free {
+        let k = (f.len() / tp).min(stages_left);
+        if k > 0 {
+            parts.push((*n, f[..k * tp].to_vec()));
+            stages_left -= k;
+        }
+        if stages_left == 0 {
+            return Some(parts);
+        }
+    }
+    let mut left = world;
+    let mut parts = Vec::new();
+    for (n, f) in free {
+        let k = f.len().min(left);
+        parts.push((n, f[..k].to_vec()));
+        left -= k;
+        if left == 0 {
+            break;
+        }
+    }
+    Some(parts)
+}
+
+/// "N GPUs" / "N CPU slots", with the sizes when the group has more than one stage.
+fn group_size(unit: &str, tp: usize, pp: usize) -> String {
+    if pp > 1 {
+        format!("{} {unit} (tensor_parallel_size {tp} x pipeline_parallel_size {pp})", tp * pp)
+    } else {
+        format!("{tp} {unit}")
+    }
+}
+
+fn pending_reason(cap: &Capacity<'_>, d: &DeploymentView, eligible: &[&NodeView], tp: usize, pp: usize) -> String {
     let schedulable = cap.nodes.iter().filter(|n| n.schedulable).count();
+    let one_node = if pp > 1 { "" } else { " on one node" };
     if schedulable == 0 {
-        return format!("needs {tp} slots on one node; no schedulable node");
+        return format!("needs {}{one_node}; no schedulable node", group_size("slots", tp, pp));
     }
     if eligible.is_empty() {
         let sel: Vec<String> = d.node_selector.iter().map(|(k, v)| format!("{k}={v}")).collect();
         return format!(
-            "needs {tp} slots on one node; no schedulable node matches node_selector {{{}}}",
+            "needs {}{one_node}; no schedulable node matches node_selector {{{}}}",
+            group_size("slots", tp, pp),
             sel.join(",")
         );
     }
     let unit = if eligible.iter().any(|n| n.gpu) { "GPUs" } else { "CPU slots" };
-    let largest = eligible.iter().map(|n| cap.free(n).len()).max().unwrap_or(0);
-    format!("needs {tp} {unit} on one node; largest free group is {largest}")
+    let free: Vec<(&NodeView, usize)> = eligible.iter().map(|n| (*n, cap.free(n).len())).collect();
+    let largest = free.iter().map(|(_, f)| *f).max().unwrap_or(0);
+    if pp == 1 && free.iter().filter(|(_, f)| *f > 0).count() <= 1 {
+        // No split is possible: the group needs one node with room for it.
+        return format!("needs {tp} {unit} on one node; largest free group is {largest}");
+    }
+    let listed: Vec<String> = free.iter().map(|(n, f)| format!("{} {f}", n.id)).collect();
+    format!("needs {}; free: {}", group_size(unit, tp, pp), listed.join(", "))
 }
 
 #[cfg(test)]
@@ -345,6 +450,7 @@ mod tests {
         DeploymentView {
             name: name.into(),
             tensor_parallel_size: tp,
+            pipeline_parallel_size: 1,
             replicas,
             strategy: PlacementStrategy::Spread,
             node_selector: BTreeMap::new(),
@@ -365,6 +471,7 @@ mod tests {
                         deployment: deployment.clone(),
                         node: None,
                         slots: vec![],
+                        members: vec![],
                         state: ReplicaState::Pending,
                         reason: String::new(),
                         generation: *generation,
@@ -391,9 +498,11 @@ mod tests {
 
     fn set(r: &mut ReplicaView, p: &PlacementDecision) {
         match p {
-            PlacementDecision::Assigned { node, slots } => {
+            PlacementDecision::Assigned { node, slots, groups } => {
+                assert_eq!((&groups[0].node, &groups[0].slots), (node, slots), "the driver's part comes first");
                 r.node = Some(node.clone());
                 r.slots = slots.clone();
+                r.members = groups[1..].iter().map(|g| (g.node.clone(), g.slots.clone())).collect();
                 r.state = ReplicaState::Starting;
                 r.reason.clear();
             }
@@ -407,9 +516,11 @@ mod tests {
     fn no_slot_twice(replicas: &[ReplicaView]) {
         let mut seen = BTreeSet::new();
         for r in replicas.iter().filter(|r| holds_slots(r.state)) {
-            for s in &r.slots {
-                let node = r.node.clone().map(|n| n.0).unwrap_or_default();
-                assert!(seen.insert((node, *s)), "slot {s} used twice");
+            let driver = r.node.clone().map(|n| (n, r.slots.clone()));
+            for (node, slots) in driver.into_iter().chain(r.members.iter().cloned()) {
+                for s in slots {
+                    assert!(seen.insert((node.0.clone(), s)), "slot {s} of {node} used twice");
+                }
             }
         }
     }
@@ -455,19 +566,173 @@ mod tests {
         );
     }
 
+    /// The groups of a placement as `node:first_rank:slots`.
+    fn parts(p: &PlacementDecision) -> Vec<String> {
+        let PlacementDecision::Assigned { groups, .. } = p else { panic!("not placed: {p:?}") };
+        groups.iter().map(|g| format!("{}:{}:{:?}", g.node, g.first_rank, g.slots)).collect()
+    }
+
+    fn created(acts: &[Action]) -> Vec<&PlacementDecision> {
+        acts.iter()
+            .filter_map(|a| if let Action::Create { placement, .. } = a { Some(placement) } else { None })
+            .collect()
+    }
+
+    fn dep_pp(name: &str, tp: u32, pp: u32, replicas: u32) -> DeploymentView {
+        DeploymentView { pipeline_parallel_size: pp, ..dep(name, tp, replicas) }
+    }
+
     #[test]
-    fn eight_gpus_never_split_across_nodes() {
+    fn eight_gpus_split_across_nodes_only_when_no_node_holds_them() {
+        // A group splits only when no node holds it whole: 8 GPUs on two 4-GPU nodes is
+        // tensor parallelism across the two, ranks in order.
         let nodes = vec![node("a", 4, &[]), node("b", 4, &[])];
         let acts = plan(&nodes, &[dep("big", 8, 1)], &[]);
+        assert_eq!(
+            created(&acts).iter().map(|p| parts(p)).collect::<Vec<_>>(),
+            vec![vec!["a:0:[0, 1, 2, 3]".to_owned(), "b:4:[0, 1, 2, 3]".to_owned()]]
+        );
+        // A node with 8 GPUs holds it whole, even when the other nodes have room together.
+        let nodes = vec![node("a", 4, &[]), node("b", 4, &[]), node("c", 8, &[])];
+        let acts = plan(&nodes, &[dep("big", 8, 1)], &[]);
+        assert_eq!(
+            created(&acts).iter().map(|p| parts(p)).collect::<Vec<_>>(),
+            vec![vec!["c:0:[0, 1, 2, 3, 4, 5, 6, 7]".to_owned()]]
+        );
+        // 9 GPUs fit nowhere, not even split: Pending, naming what is free.
+        let acts = plan(&nodes[..2], &[dep("big", 9, 1)], &[]);
         assert_eq!(
             acts,
             vec![Action::Create {
                 deployment: "big".into(),
                 generation: 1,
+                placement: PlacementDecision::Pending { reason: "needs 9 GPUs; free: a 4, b 4".into() },
+            }]
+        );
+    }
+
+    #[test]
+    fn one_node_holding_the_group_gets_all_of_it() {
+        let nodes = vec![node("a", 2, &[]), node("b", 4, &[])];
+        let acts = plan(&nodes, &[dep_pp("m", 2, 2, 1)], &[]);
+        assert_eq!(
+            created(&acts).iter().map(|p| parts(p)).collect::<Vec<_>>(),
+            vec![vec!["b:0:[0, 1, 2, 3]".to_owned()]]
+        );
+    }
+
+    #[test]
+    fn tp_inside_a_node_pp_across_nodes() {
+        let nodes = vec![node("b", 2, &[]), node("a", 2, &[])];
+        let deps = vec![dep_pp("m", 2, 2, 1)];
+        let mut rs = Vec::new();
+        let acts = plan(&nodes, &deps, &rs);
+        assert_eq!(
+            created(&acts).iter().map(|p| parts(p)).collect::<Vec<_>>(),
+            vec![vec!["a:0:[0, 1]".to_owned(), "b:2:[0, 1]".to_owned()]]
+        );
+        apply(&mut rs, &acts);
+        assert_eq!(rs[0].node.as_ref().map(NodeId::as_str), Some("a"), "rank 0's node is the driver's");
+        assert!(plan(&nodes, &deps, &rs).is_empty(), "idempotent");
+        // Whole stages first: a 3-GPU node takes one stage of 2 (not 3 ranks), the rest of
+        // the stages go to the next nodes in order.
+        let nodes = vec![node("a", 3, &[]), node("b", 2, &[]), node("c", 2, &[])];
+        let acts = plan(&nodes, &[dep_pp("m", 2, 3, 1)], &[]);
+        assert_eq!(
+            created(&acts).iter().map(|p| parts(p)).collect::<Vec<_>>(),
+            vec![vec!["a:0:[0, 1]".to_owned(), "b:2:[0, 1]".to_owned(), "c:4:[0, 1]".to_owned()]]
+        );
+    }
+
+    #[test]
+    fn tp_larger_than_any_node_splits_ranks_in_order() {
+        let nodes = vec![node("a", 2, &[]), node("b", 2, &[])];
+        let acts = plan(&nodes, &[dep("m", 4, 1)], &[]);
+        assert_eq!(
+            created(&acts).iter().map(|p| parts(p)).collect::<Vec<_>>(),
+            vec![vec!["a:0:[0, 1]".to_owned(), "b:2:[0, 1]".to_owned()]]
+        );
+        // Fragmented free slots: whole stages cannot cover tp=2 x pp=2 on 3 + 1 free GPUs,
+        // so the ranks go in order (rank 3 alone on b).
+        let nodes = vec![node("a", 3, &[]), node("b", 1, &[])];
+        let acts = plan(&nodes, &[dep_pp("m", 2, 2, 1)], &[]);
+        assert_eq!(
+            created(&acts).iter().map(|p| parts(p)).collect::<Vec<_>>(),
+            vec![vec!["a:0:[0, 1, 2]".to_owned(), "b:3:[0]".to_owned()]]
+        );
+    }
+
+    #[test]
+    fn short_capacity_places_nothing_and_names_the_numbers() {
+        let nodes = vec![node("node-a", 1, &[]), node("node-b", 1, &[])];
+        let acts = plan(&nodes, &[dep_pp("m", 2, 2, 1)], &[]);
+        assert_eq!(
+            acts,
+            vec![Action::Create {
+                deployment: "m".into(),
+                generation: 1,
                 placement: PlacementDecision::Pending {
-                    reason: "needs 8 GPUs on one node; largest free group is 4".into()
+                    reason:
+                        "needs 4 GPUs (tensor_parallel_size 2 x pipeline_parallel_size 2); free: node-a 1, node-b 1"
+                            .into()
                 },
             }]
+        );
+        let mut cpu = node("cpu", 2, &[]);
+        cpu.gpu = false;
+        let acts = plan(&[cpu], &[dep_pp("m", 1, 3, 1)], &[]);
+        assert!(matches!(&acts[0], Action::Create { placement: PlacementDecision::Pending { reason }, .. }
+            if reason == "needs 3 CPU slots (tensor_parallel_size 1 x pipeline_parallel_size 3); free: cpu 2"));
+    }
+
+    #[test]
+    fn split_groups_are_counted_on_every_node() {
+        let nodes = vec![node("a", 2, &[]), node("b", 3, &[])];
+        let deps = vec![dep_pp("m", 2, 2, 2)];
+        let mut rs = Vec::new();
+        let acts = plan(&nodes, &deps, &rs);
+        apply(&mut rs, &acts);
+        no_slot_twice(&rs);
+        assert_eq!(rs[0].node.as_ref().map(NodeId::as_str), Some("b"));
+        assert_eq!(rs[0].slots, vec![0, 1]);
+        assert_eq!(rs[0].members, vec![(NodeId::from("a"), vec![0, 1])]);
+        // One GPU is left (b's third): the second replica waits, and stays waiting.
+        assert_eq!(rs[1].state, ReplicaState::Pending);
+        assert_eq!(rs[1].reason, "needs 4 GPUs (tensor_parallel_size 2 x pipeline_parallel_size 2); free: a 0, b 1");
+        assert!(plan(&nodes, &deps, &rs).is_empty());
+        // A third node: the second replica goes on b's last GPU and c's, still no slot twice.
+        let nodes = vec![node("a", 2, &[]), node("b", 3, &[]), node("c", 3, &[])];
+        let acts = plan(&nodes, &deps, &rs);
+        // Whole stages do not cover it (c holds one stage, b one GPU): ranks in order.
+        let placed: Vec<Vec<String>> = acts
+            .iter()
+            .map(|a| match a {
+                Action::Place { placement, .. } => parts(placement),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(placed, vec![vec!["c:0:[0, 1, 2]".to_owned(), "b:3:[2]".to_owned()]]);
+        apply(&mut rs, &acts);
+        no_slot_twice(&rs);
+    }
+
+    #[test]
+    fn a_dead_member_node_evicts_the_replica() {
+        let mut nodes = vec![node("a", 2, &[]), node("b", 2, &[]), node("c", 4, &[])];
+        nodes[2].schedulable = false;
+        let deps = vec![dep_pp("m", 2, 2, 1)];
+        let mut rs = Vec::new();
+        let acts = plan(&nodes, &deps, &rs);
+        apply(&mut rs, &acts);
+        assert_eq!(rs[0].members, vec![(NodeId::from("b"), vec![0, 1])]);
+        nodes[1].alive = false;
+        nodes[1].schedulable = false;
+        nodes[2].schedulable = true;
+        let acts = plan(&nodes, &deps, &rs);
+        assert_eq!(acts[0], Action::Evict { replica: rs[0].id.clone() });
+        assert_eq!(
+            created(&acts).iter().map(|p| parts(p)).collect::<Vec<_>>(),
+            vec![vec!["c:0:[0, 1, 2, 3]".to_owned()]]
         );
     }
 

@@ -12,9 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use prism_common::proto::v1::{
-    DeploymentRecord, NodeState, ReplicaRecord, ReplicaState, ScalingDecision, StopReplica, head_message,
-};
+use prism_common::proto::v1::{DeploymentRecord, NodeState, RankGroup, ReplicaRecord, ReplicaState, ScalingDecision};
 use prism_common::time::unix_ms;
 use prism_common::{NodeId, ReplicaId};
 use tokio::time::Instant;
@@ -24,8 +22,10 @@ use super::autoscaler::{Autoscaler, Inputs};
 use super::planner::{Action, PlacementDecision, plan};
 use crate::admin::autoscaling_params;
 use crate::cluster::Cluster;
+use crate::cluster::group::{rank_range, stop_group};
 use crate::cluster::registry::send_start;
 use crate::cluster::state::State;
+use crate::cluster::view::member_parts;
 use crate::drain;
 use crate::error::HeadResult;
 use crate::events::EventKind;
@@ -210,14 +210,10 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
         }
         Action::Remove { replica } => {
             let Some(rec) = st.view().replicas.get(&replica).map(|e| e.record.clone()) else { return Ok(()) };
-            let node = NodeId::from(rec.node_id.as_str());
             match rec.state() {
                 ReplicaState::Pending => cluster.delete_replica(st, &replica).await,
                 ReplicaState::Failed => {
-                    st.send(
-                        &node,
-                        head_message::Msg::Stop(StopReplica { replica_id: replica.to_string(), deadline_ms: 0 }),
-                    );
+                    stop_group(st, &rec, 0);
                     cluster.delete_replica(st, &replica).await
                 }
                 _ => {
@@ -228,16 +224,32 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
             }
         }
         Action::Evict { replica } => {
-            let dep = st.view().replicas.get(&replica).map(|e| e.record.deployment.clone()).unwrap_or_default();
-            cluster.events().push(EventKind::ReplicaEvicted, &dep, replica.as_str(), "its node is dead".into());
+            let Some(rec) = st.view().replicas.get(&replica).map(|e| e.record.clone()) else { return Ok(()) };
+            let why = dead_part(st, &rec);
+            cluster.events().push(EventKind::ReplicaEvicted, &rec.deployment, replica.as_str(), why);
+            // Ranks on the group's other (live) nodes cannot go on without the dead ones.
+            stop_group(st, &rec, 0);
             cluster.delete_replica(st, &replica).await
         }
     }
 }
 
+/// Why an evicted replica's group cannot run: "its node is dead" for the driver's node,
+/// else which member node (and ranks) is.
+fn dead_part(st: &State, rec: &ReplicaRecord) -> String {
+    let dead = |id: &str| st.view().nodes.get(&NodeId::from(id)).is_none_or(|n| n.record.state() == NodeState::Dead);
+    if rec.rank_groups.len() < 2 || dead(&rec.node_id) {
+        return "its node is dead".into();
+    }
+    match member_parts(rec).find(|g| dead(&g.node_id)) {
+        Some(g) => format!("node {} (ranks {}) of its GPU group is dead", g.node_id, rank_range(g)),
+        None => "a node of its GPU group is dead".into(),
+    }
+}
+
 async fn place(cluster: &Cluster, st: &mut State, mut rec: ReplicaRecord, p: PlacementDecision) -> HeadResult<()> {
     match p {
-        PlacementDecision::Assigned { node, slots } => {
+        PlacementDecision::Assigned { node, slots, groups } => {
             let endpoint = st
                 .view()
                 .nodes
@@ -250,8 +262,29 @@ async fn place(cluster: &Cluster, st: &mut State, mut rec: ReplicaRecord, p: Pla
             rec.endpoint = endpoint;
             rec.state = ReplicaState::Starting as i32;
             rec.reason.clear();
+            rec.rank_groups = groups
+                .iter()
+                .map(|g| RankGroup {
+                    node_id: g.node.to_string(),
+                    first_rank: g.first_rank,
+                    gpu_indices: g.slots.clone(),
+                })
+                .collect();
+            // A new placement is a new group: the driver binds a new rendezvous, and only
+            // ranks holding this placement's token may join it.
+            rec.rendezvous.clear();
+            rec.group_token = uuid::Uuid::new_v4().to_string();
             let id = ReplicaId::from(rec.replica_id.as_str());
-            let msg = format!("on {node}, slots {:?}", rec.gpu_indices);
+            let msg = if rec.rank_groups.len() > 1 {
+                let parts: Vec<String> = rec
+                    .rank_groups
+                    .iter()
+                    .map(|g| format!("{} ranks {} slots {:?}", g.node_id, rank_range(g), g.gpu_indices))
+                    .collect();
+                format!("GPU group across nodes: {}", parts.join("; "))
+            } else {
+                format!("on {node}, slots {:?}", rec.gpu_indices)
+            };
             cluster.events().push(EventKind::ReplicaPlaced, &rec.deployment, id.as_str(), msg);
             cluster.put_replica(st, rec).await?;
             cluster.metrics().placement_decisions.inc();
