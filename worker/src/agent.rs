@@ -284,14 +284,11 @@ impl Agent {
                 return;
             }
         };
-        let engine_threads = match placement {
-            DevicePlacement::Cpu if !sizes.is_single() => {
-                Some(group::threads_per_rank(self.cfg.engine_threads, share.ranks.len()))
-            }
-            _ => self.cfg.engine_threads,
-        };
         if member {
-            self.start_member(&replica, &cmd, &share, &placement, engine_threads);
+            // CPU member ranks share this node's cores (the driver's engine splits its own).
+            let threads = matches!(placement, DevicePlacement::Cpu)
+                .then(|| group::threads_per_rank(self.cfg.engine_threads, share.ranks.len()));
+            self.start_member(&replica, &cmd, &share, &placement, threads.or(self.cfg.engine_threads));
             return;
         }
         let rendezvous = if share.spans_nodes {
@@ -316,7 +313,7 @@ impl Agent {
             engine,
             placement,
             kv_cache_bytes,
-            engine_threads,
+            engine_threads: self.cfg.engine_threads,
             parallel: ParallelLaunch {
                 sizes,
                 local_ranks: share.ranks,

@@ -125,7 +125,7 @@ async fn the_driver_reports_its_rendezvous_while_loading_and_launches_its_ranks(
         Some((s.rendezvous.clone(), "secret".to_owned()))
     );
     assert_eq!((p.collective_timeout, p.join_timeout), (Duration::from_secs(30), Duration::from_secs(600)));
-    assert_eq!(spec.engine_threads, Some(1), "--engine-threads is per rank");
+    assert_eq!(spec.engine_threads, Some(1), "--engine-threads as given (the engine splits it among its ranks)");
     release.send(())?;
     let failed = wait_state(&a, "r-driver", ReplicaState::Failed).await?;
     assert_eq!(failed.reason, "engine internal error: test launcher: no engine");

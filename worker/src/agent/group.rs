@@ -95,14 +95,14 @@ impl LocalShare {
     }
 }
 
-/// Compute threads of each of `local_ranks` CPU ranks on this node: `--engine-threads` when
-/// set (per rank), else the node's cores split evenly (at least one each), so the ranks of
-/// one group do not oversubscribe the cores they share.
+/// Compute threads of each of `local_ranks` CPU ranks on this node: the replica's threads
+/// (`--engine-threads`, else every core) split evenly, at least one each, so the ranks of
+/// one group do not oversubscribe the cores they share (the driver's engine splits its own
+/// node's share the same way).
 pub fn threads_per_rank(engine_threads: Option<usize>, local_ranks: usize) -> usize {
-    engine_threads.unwrap_or_else(|| {
-        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-        (cores / local_ranks.max(1)).max(1)
-    })
+    let total =
+        engine_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get));
+    (total / local_ranks.max(1)).max(1)
 }
 
 /// The host part of an advertised endpoint (`http://host:port` → `host`, `[::1]:5` → `::1`):
@@ -248,7 +248,7 @@ mod tests {
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
         assert_eq!(threads_per_rank(None, 1), cores);
         assert_eq!(threads_per_rank(None, cores * 4), 1, "at least one thread per rank");
-        assert_eq!(threads_per_rank(Some(3), 6), 3);
+        assert_eq!(threads_per_rank(Some(6), 3), 2, "--engine-threads is the replica's, split among its ranks");
     }
 
     #[test]

@@ -136,7 +136,8 @@ pub struct LaunchSpec {
     /// KV-cache budget for the CPU backend, bytes (the config's, or the worker default).
     pub kv_cache_bytes: u64,
     /// Threads of the replica's compute pool (`--engine-threads`); `None` = the backend's
-    /// default (every core on CPU). For a parallel CPU replica: per rank.
+    /// default (every core on CPU). A parallel CPU replica's engine splits them among this
+    /// node's ranks.
     pub engine_threads: Option<usize>,
     /// The rank group (one rank, in-process, by default).
     pub parallel: ParallelLaunch,
