@@ -59,6 +59,7 @@ enum Command {
 }
 
 fn main() -> Result<()> {
+    prism_engine::parallel::rank::exit_if_rank();
     let cli = Cli::parse();
     if matches!(cli.command, Command::Up(_)) && std::env::var_os("RUST_LOG").is_none() {
         // `prism up` draws a progress bar: only warnings and errors go to the terminal.

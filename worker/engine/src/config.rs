@@ -11,12 +11,14 @@ use super::backend::{Backend, BackendError, StepControl};
 use super::codec::ModelCodec;
 use super::handle::{EngineHandle, EngineParts, RuntimeConfig};
 use super::model::{self, ModelSource, ProgressFn};
+use super::parallel::driver::{DriverModel, ParallelBackend, rank_kv_budget};
+use super::parallel::stage::{InitSpec, StageBackendKind};
 use super::request::EngineError;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Default CPU KV-cache budget: 1 GiB (about 23k tokens of SmolLM2-135M).
-pub const DEFAULT_KV_CACHE_BYTES: u64 = 1 << 30;
+pub const DEFAULT_KV_CACHE_BYTES: u64 = super::backend::cpu::DEFAULT_KV_CACHE_BYTES;
 
 /// CPU default of `max_num_batched_tokens`: small prefill chunks keep each step short
 /// (Sarathi-Serve's point: decodes keep flowing between chunks, and no single step runs
@@ -150,6 +152,9 @@ impl EngineHandle {
             return Err(EngineError::InvalidRequest { field: "block_size", message: "block_size must be >= 1".into() });
         }
         let source = ModelSource::detect(&cfg.model)?;
+        if !cfg.parallel.sizes.is_single() || !cfg.parallel.rank0_in_process {
+            return start_parallel(&cfg, &source, progress);
+        }
         // A CUDA replica of a Hugging Face checkpoint uploads the tensors straight from the
         // mmapped files (no f32 copy of the model on the host).
         #[cfg(feature = "cuda")]
@@ -210,6 +215,74 @@ impl EngineHandle {
         let parts = EngineParts { backend, codec, eos_ids, model_max_len, control };
         Self::start_with_parts(parts, cfg.runtime())
     }
+}
+
+/// A replica of several ranks ([`ParallelBackend`]): reads the model's architecture and
+/// tokenizer (for a CPU replica the whole model, whose weights rank 0 then shards in this
+/// process), checks the split against the model, and starts the rank group. The CPU KV
+/// budget `kv_cache_bytes` is the replica's total ([`rank_kv_budget`]: as many blocks as the
+/// unsharded replica); the compute cores are split among this node's ranks.
+fn start_parallel(
+    cfg: &EngineConfig,
+    source: &ModelSource,
+    progress: Option<ProgressFn<'_>>,
+) -> Result<EngineHandle, EngineError> {
+    let par = &cfg.parallel;
+    let (kind, devices) = match &cfg.backend {
+        BackendKind::Cpu => (StageBackendKind::Cpu, Vec::new()),
+        BackendKind::Cuda { devices } => (StageBackendKind::Cuda, devices.clone()),
+    };
+    let (config, codec, weights) = match (kind, source) {
+        (StageBackendKind::Cuda, ModelSource::HfDir(dir)) => {
+            let m = model::safetensors::open_dir_model(dir)?;
+            (m.config, ModelCodec { tokenizer: m.tokenizer, chat_template: m.chat_template }, None)
+        }
+        _ => {
+            let loaded = model::load_model_with(source, progress, model::LoadOptions { keep_quantized: true })?;
+            let keep = kind == StageBackendKind::Cpu && par.rank0_in_process;
+            let codec = ModelCodec { tokenizer: loaded.tokenizer, chat_template: loaded.chat_template };
+            (loaded.config, codec, keep.then_some(loaded.weights))
+        }
+    };
+    par.sizes.validate(&config)?;
+    let kv_cache_bytes = match kind {
+        StageBackendKind::Cpu => Some(rank_kv_budget(
+            cfg.kv_cache_bytes.unwrap_or(DEFAULT_KV_CACHE_BYTES),
+            &config,
+            par.sizes,
+            cfg.block_size,
+        )),
+        StageBackendKind::Cuda => cfg.kv_cache_bytes,
+    };
+    let threads = cfg.engine_threads.filter(|n| *n > 0).unwrap_or_else(|| cfg.backend.default_engine_threads());
+    let init = InitSpec {
+        model: cfg.model.clone(),
+        backend: kind,
+        sizes: par.sizes,
+        block_size: cfg.block_size,
+        kv_cache_bytes,
+        gpu_memory_utilization: cfg.gpu_memory_utilization,
+        max_num_batched_tokens: cfg.max_num_batched_tokens,
+        max_num_seqs: cfg.max_num_seqs,
+        batch_invariant: cfg.batch_invariant,
+        mesh: Vec::new(),
+        collective_timeout_ms: u64::try_from(par.collective_timeout.as_millis()).unwrap_or(u64::MAX),
+        nccl_unique_id: None,
+        engine_threads: Some(threads),
+        host_collectives: par.host_collectives,
+    };
+    let control = StepControl::default();
+    let (eos_ids, model_max_len) = (config.eos_token_ids.clone(), config.max_position_embeddings);
+    let driver_model = DriverModel { config, weights, devices };
+    let backend = ParallelBackend::start_with_model(par, init, control.clone(), driver_model)
+        .map_err(|e| EngineError::Internal(format!("parallel replica: {e}")))?;
+    let mut runtime = cfg.runtime();
+    // Rank 0 computes in this process on its share of the cores; a driver without a stage
+    // only schedules.
+    let share = if par.rank0_in_process { (threads / par.local_ranks.len().max(1)).max(1) } else { 1 };
+    runtime.engine_threads = Some(share);
+    let parts = EngineParts { backend: Box::new(backend), codec: Arc::new(codec), eos_ids, model_max_len, control };
+    EngineHandle::start_with_parts(parts, runtime)
 }
 
 /// The CUDA backend's options for a replica on `devices` (the first one: one shard).

@@ -18,10 +18,12 @@
 
 pub mod comm;
 pub mod driver;
+pub mod group;
 pub mod layout;
 pub mod rank;
 pub mod spawn;
 pub mod stage;
+pub mod wire;
 
 pub use driver::{ParallelBackend, ParallelConfig};
 pub use layout::ParallelSizes;

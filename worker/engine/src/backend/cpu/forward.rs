@@ -1,0 +1,321 @@
+//! The CPU forward pass in parts, shared by the whole-model [`super::CpuBackend`] and a
+//! pipeline stage ([`super::stage::CpuStage`]): [`CpuModel::begin`] sizes the scratch and
+//! the RoPE tables, [`CpuModel::embed`] fills the residual stream `x` (`[tokens, hidden]`)
+//! from the embedding (first stage) — or a stage writes it from the previous stage's
+//! activations ([`CpuModel::hidden_mut`]) — [`CpuModel::run_layers`] runs the model's
+//! (stage's) decoder layers on `x` in place, [`CpuModel::logits`] applies the final norm
+//! and the output projection to the rows that want logits (last stage).
+//!
+//! A model holds only what its part needs: the embedding when it embeds tokens (or when it
+//! is the last stage of a model with tied embeddings, as the output projection), the final
+//! norm and output projection when it computes logits.
+
+use super::AllReduce;
+use super::attention::{AttnShape, TokenCtx, paged_attention};
+use super::ops::{rms_norm, rope_apply, rope_tables, silu_mul};
+use super::qmatmul::{PackedWeight, matmul};
+use crate::backend::{BackendError, Logits, StepBatch};
+use crate::model::{LayerWeights, Linear, ModelConfig};
+use crate::request::EngineError;
+
+struct Layer {
+    input_norm: Vec<f32>,
+    /// `[q + 2·kv, hidden]`: q_proj, k_proj, v_proj rows stacked.
+    qkv: PackedWeight,
+    o_proj: PackedWeight,
+    post_norm: Vec<f32>,
+    /// `[2·inter, hidden]`: gate_proj then up_proj rows.
+    gate_up: PackedWeight,
+    down: PackedWeight,
+}
+
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    last: Vec<f32>,
+}
+
+/// The weights a [`CpuModel`] is built from: a whole model, or one stage's part of one
+/// (tensor-parallel shards are read off the weight shapes).
+pub struct ModelParts {
+    /// `[vocab, hidden]` token embedding: present on the first stage, and on the last
+    /// stage of a tied model (there only as the output projection).
+    pub embed: Option<Linear>,
+    /// Decoder layers, in order.
+    pub layers: Vec<LayerWeights>,
+    /// Final norm and, when untied, `lm_head` (`None` for a stage that is not the last).
+    pub head: Option<(Vec<f32>, Option<Linear>)>,
+    /// Whether `embed` embeds the tokens (false: only the tied output projection).
+    pub embeds_tokens: bool,
+}
+
+/// Weights, KV cache and scratch of a CPU model (or stage); see the module docs.
+pub struct CpuModel {
+    hidden: usize,
+    /// Local (this shard's) query / KV heads and MLP width.
+    q_heads: usize,
+    kv_heads: usize,
+    inter: usize,
+    head_dim: usize,
+    eps: f32,
+    vocab: usize,
+    inv_freq: Vec<f32>,
+    embed: Option<PackedWeight>,
+    embeds_tokens: bool,
+    /// Final norm, and the untied output projection (`None`: `embed`).
+    head: Option<(Vec<f32>, Option<PackedWeight>)>,
+    layers: Vec<Layer>,
+    block_size: usize,
+    num_blocks: usize,
+    k_cache: Vec<Vec<f32>>,
+    v_cache: Vec<Vec<f32>>,
+    s: Scratch,
+}
+
+impl CpuModel {
+    /// Fuses q/k/v and gate/up (quantized matrices stay quantized) and allocates
+    /// `kv_cache_bytes / (block_size · kv_bytes_per_token)` KV blocks.
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidRequest`] (field `kv_cache_bytes`) when the budget holds no
+    /// block, or `block_size` is 0; [`EngineError::Internal`] when weights and config disagree.
+    pub fn new(
+        parts: ModelParts,
+        config: &ModelConfig,
+        kv_cache_bytes: u64,
+        block_size: usize,
+    ) -> Result<Self, EngineError> {
+        let hd = config.head_dim;
+        let first = parts.layers.first().ok_or_else(|| EngineError::Internal("model has no layers".into()))?;
+        let q_dim = first.q_proj.out_features;
+        let kv_dim = first.k_proj.out_features;
+        let inter = first.gate_proj.out_features;
+        if !q_dim.is_multiple_of(hd)
+            || !kv_dim.is_multiple_of(hd)
+            || kv_dim == 0
+            || !(q_dim / hd).is_multiple_of(kv_dim / hd)
+        {
+            return Err(EngineError::Internal("weight shapes do not match head_dim".into()));
+        }
+        if block_size == 0 {
+            return Err(EngineError::InvalidRequest { field: "block_size", message: "block_size must be >= 1".into() });
+        }
+        if parts.head.as_ref().is_some_and(|(_, lm)| lm.is_none()) && parts.embed.is_none() {
+            return Err(EngineError::Internal("a tied output projection needs the embedding".into()));
+        }
+        let layers_n = parts.layers.len();
+        let per_token = layers_n * 2 * kv_dim * 4;
+        let num_blocks = usize::try_from(kv_cache_bytes / (per_token * block_size) as u64).unwrap_or(usize::MAX);
+        if num_blocks == 0 {
+            return Err(EngineError::InvalidRequest {
+                field: "kv_cache_bytes",
+                message: format!(
+                    "KV budget {kv_cache_bytes} B holds no block of {block_size} tokens ({per_token} B/token)"
+                ),
+            });
+        }
+        let layers = parts
+            .layers
+            .into_iter()
+            .map(|l| Layer {
+                input_norm: l.input_layernorm,
+                qkv: PackedWeight::stack(vec![l.q_proj, l.k_proj, l.v_proj]),
+                o_proj: PackedWeight::stack(vec![l.o_proj]),
+                post_norm: l.post_attention_layernorm,
+                gate_up: PackedWeight::stack(vec![l.gate_proj, l.up_proj]),
+                down: PackedWeight::stack(vec![l.down_proj]),
+            })
+            .collect();
+        let cache_len = num_blocks * block_size * kv_dim;
+        Ok(Self {
+            hidden: config.hidden_size,
+            q_heads: q_dim / hd,
+            kv_heads: kv_dim / hd,
+            inter,
+            head_dim: hd,
+            eps: config.rms_norm_eps,
+            vocab: config.vocab_size,
+            inv_freq: config.rope_inv_freq(),
+            embed: parts.embed.map(|e| PackedWeight::stack(vec![e])),
+            embeds_tokens: parts.embeds_tokens,
+            head: parts.head.map(|(norm, lm)| (norm, lm.map(|l| PackedWeight::stack(vec![l])))),
+            layers,
+            block_size,
+            num_blocks,
+            k_cache: (0..layers_n).map(|_| vec![0.0; cache_len]).collect(),
+            v_cache: (0..layers_n).map(|_| vec![0.0; cache_len]).collect(),
+            s: Scratch::default(),
+        })
+    }
+
+    /// Bytes held by the weight matrices (f32 or blocks; norms excluded).
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.qkv.size_bytes() + l.o_proj.size_bytes() + l.gate_up.size_bytes() + l.down.size_bytes())
+            .sum();
+        let lm = self.head.as_ref().and_then(|(_, lm)| lm.as_ref()).map_or(0, PackedWeight::size_bytes);
+        layers + self.embed.as_ref().map_or(0, PackedWeight::size_bytes) + lm
+    }
+
+    /// Checks a batch against the cache geometry.
+    ///
+    /// # Errors
+    /// [`BackendError::InvalidBatch`] naming the first violation.
+    pub fn validate(&self, b: &StepBatch) -> Result<(), BackendError> {
+        b.validate(self.vocab, self.num_blocks, self.block_size).map(|_| ())
+    }
+
+    /// Model width.
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    /// Vocabulary size (logit row length).
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// KV blocks allocated.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// KV bytes per token over this model's layers and KV heads (K and V).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.layers.len() * 2 * self.kv_heads * self.head_dim * std::mem::size_of::<f32>()
+    }
+
+    /// Sizes the scratch for `batch` (already validated) and builds its RoPE tables.
+    pub fn begin(&mut self, batch: &StepBatch) {
+        let n = batch.token_ids.len();
+        let (h, inter) = (self.hidden, self.inter);
+        let q_dim = self.q_heads * self.head_dim;
+        let qkv_dim = q_dim + 2 * self.kv_heads * self.head_dim;
+        let s = &mut self.s;
+        s.x.resize(n * h, 0.0);
+        s.h.resize(n * h, 0.0);
+        s.qkv.resize(n * qkv_dim, 0.0);
+        s.attn.resize(n * q_dim, 0.0);
+        s.proj.resize(n * h, 0.0);
+        s.gate_up.resize(n * 2 * inter, 0.0);
+        s.act.resize(n * inter, 0.0);
+        rope_tables(&batch.positions, &self.inv_freq, &mut s.cos, &mut s.sin);
+    }
+
+    /// The residual stream `[tokens, hidden]` after [`CpuModel::begin`]: a stage's input
+    /// (written from the previous stage) and output (sent to the next).
+    pub fn hidden_mut(&mut self) -> &mut [f32] {
+        &mut self.s.x
+    }
+
+    /// Fills the residual stream with the tokens' embeddings.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] when this model does not embed tokens (not a first stage).
+    pub fn embed(&mut self, batch: &StepBatch) -> Result<(), BackendError> {
+        let h = self.hidden;
+        let embed = match &self.embed {
+            Some(e) if self.embeds_tokens => e,
+            _ => return Err(BackendError::Device("this stage does not hold the token embedding".into())),
+        };
+        for (t, &id) in batch.token_ids.iter().enumerate() {
+            embed.row_f32(id as usize, &mut self.s.x[t * h..(t + 1) * h]);
+        }
+        Ok(())
+    }
+
+    /// Runs the decoder layers on the residual stream, writing each token's K/V to its
+    /// slot. `reduce` is called after o_proj and after down_proj of every layer (the
+    /// tensor-parallel all-reduce, and the place a replica's stop request is checked).
+    ///
+    /// # Errors
+    /// What `reduce` returns.
+    pub fn run_layers(&mut self, batch: &StepBatch, reduce: &mut dyn AllReduce) -> Result<(), BackendError> {
+        let n = batch.token_ids.len();
+        let (hd, inter) = (self.head_dim, self.inter);
+        let q_dim = self.q_heads * hd;
+        let kv_dim = self.kv_heads * hd;
+        let qkv_dim = q_dim + 2 * kv_dim;
+        let half = hd / 2;
+        let s = &mut self.s;
+        let mut tokens: Vec<TokenCtx<'_>> = Vec::with_capacity(n);
+        for seq in &batch.seqs {
+            for i in 0..seq.query_len {
+                tokens.push(TokenCtx { pos: seq.context_len - seq.query_len + i, block_table: &seq.block_table });
+            }
+        }
+        let shape =
+            AttnShape { q_heads: self.q_heads, kv_heads: self.kv_heads, head_dim: hd, block_size: self.block_size };
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm(&s.x, &layer.input_norm, self.eps, &mut s.h);
+            matmul(&s.h, n, &layer.qkv, &mut s.qkv);
+            let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
+            for t in 0..n {
+                let row = &mut s.qkv[t * qkv_dim..(t + 1) * qkv_dim];
+                let (cos, sin) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
+                rope_apply(&mut row[..q_dim + kv_dim], cos, sin);
+                let slot = batch.slot_mapping[t] as usize;
+                kc[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
+                vc[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
+            }
+            paged_attention(shape, &s.qkv, qkv_dim, &tokens, kc, vc, &mut s.attn);
+            matmul(&s.attn, n, &layer.o_proj, &mut s.proj);
+            reduce.all_reduce_sum(&mut s.proj)?;
+            for (x, p) in s.x.iter_mut().zip(&s.proj) {
+                *x += p;
+            }
+            rms_norm(&s.x, &layer.post_norm, self.eps, &mut s.h);
+            matmul(&s.h, n, &layer.gate_up, &mut s.gate_up);
+            silu_mul(&s.gate_up, inter, &mut s.act);
+            matmul(&s.act, n, &layer.down, &mut s.proj);
+            reduce.all_reduce_sum(&mut s.proj)?;
+            for (x, p) in s.x.iter_mut().zip(&s.proj) {
+                *x += p;
+            }
+        }
+        Ok(())
+    }
+
+    /// Final norm and output projection of the last token of every sequence that wants
+    /// logits, in batch order.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] when this model holds no output head (not a last stage).
+    pub fn logits(&mut self, batch: &StepBatch) -> Result<Logits, BackendError> {
+        let h = self.hidden;
+        let Some((norm, lm_head)) = &self.head else {
+            return Err(BackendError::Device("this stage does not hold the output head".into()));
+        };
+        let Some(out_proj) = lm_head.as_ref().or(self.embed.as_ref()) else {
+            return Err(BackendError::Device("this stage does not hold the output projection".into()));
+        };
+        let s = &mut self.s;
+        let want: Vec<usize> =
+            batch.seqs.iter().filter(|q| q.want_logits).map(|q| q.query_start + q.query_len - 1).collect();
+        let rows = want.len();
+        s.last.resize(rows * h, 0.0);
+        s.h.resize(rows * h, 0.0);
+        for (r, &t) in want.iter().enumerate() {
+            s.last[r * h..(r + 1) * h].copy_from_slice(&s.x[t * h..(t + 1) * h]);
+        }
+        rms_norm(&s.last, norm, self.eps, &mut s.h[..rows * h]);
+        let mut data = vec![0f32; rows * self.vocab];
+        matmul(&s.h[..rows * h], rows, out_proj, &mut data);
+        Ok(Logits { rows, vocab_size: self.vocab, data })
+    }
+}
