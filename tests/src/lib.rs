@@ -29,7 +29,8 @@ pub mod wait;
 pub use cli::prism_cli;
 pub use client::{
     Load, LoadReport, PROMPTS, ReferenceCase, SERVED, StreamResult, check_models, check_reference_greedy,
-    greedy_request, post_json, post_sse, reference, reference_cases, router_ready_replicas, stream, wait_route_change,
+    greedy_request, post_json, post_sse, reference, reference_cases, router_ready_replicas, stream, stream_counted,
+    wait_route_change,
 };
 pub use cluster::{Cluster, ClusterBuilder, Deployment, Head, Router, Store, Worker};
 pub use etcd::EtcdFixture;

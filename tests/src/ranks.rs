@@ -1,6 +1,7 @@
 //! Rank processes of parallel replicas, found from `/proc`: every process started with
 //! `PRISM_RANK_SPEC` in its environment (the rank spec, JSON), grouped by the driver's
-//! rendezvous they joined (one rendezvous per replica's group); and signals to them.
+//! rendezvous they joined (one rendezvous per replica's group; [`crate::Cluster::rank_groups`]
+//! keeps those of one cluster's workers); and signals to them.
 
 use anyhow::{Context, Result};
 use nix::sys::signal::Signal;
@@ -52,11 +53,12 @@ pub fn rank_processes() -> Vec<RankProcess> {
     out
 }
 
-/// The live rank processes grouped by rendezvous (one entry per replica's group), each
-/// group's ranks in rank order.
-pub fn rank_groups() -> BTreeMap<String, Vec<RankProcess>> {
+/// The live rank processes started by one of `parents` (a cluster's workers: other
+/// programs on the machine may run rank processes too), grouped by rendezvous (one entry per
+/// replica's group), each group's ranks in rank order.
+pub fn rank_groups(parents: &[u32]) -> BTreeMap<String, Vec<RankProcess>> {
     let mut groups: BTreeMap<String, Vec<RankProcess>> = BTreeMap::new();
-    for p in rank_processes() {
+    for p in rank_processes().into_iter().filter(|p| parents.contains(&p.parent)) {
         groups.entry(p.rendezvous.clone()).or_default().push(p);
     }
     for ranks in groups.values_mut() {

@@ -17,22 +17,23 @@
 //!   same outcome; after `SIGCONT` the old group does not come back (its rank is gone, the
 //!   replacement is a new replica id).
 //!
-//! The token reference of the fault tests is the unsharded engine's greedy fixture
-//! (`tests/fixtures/smollm2_reference.json`, which an unsharded replica serves exactly, see
-//! `e2e_distributed`). Budget: 2-core CI; 16-token completions, a few requests, one cluster
+//! The token reference of the fault tests is an unsharded replica in the same cluster
+//! (96-token streams of the reference fixture's prompts). Budget: 2-core CI; 16-token completions, a few requests, one cluster
 //! at a time. Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use nix::sys::signal::Signal;
 use prism_common::proto::v1::{
     FinishReason, GenerateRequest, ReplicaRecord, ReplicaState, SamplingParams, TokenIds, generate_request,
 };
 use prism_tests::{
-    Cluster, Deployment, ReferenceCase, SERVED, alive, eventually, model, post_json, rank_groups, reference_cases,
-    router_ready_replicas, signal_pid, stream,
+    Cluster, Deployment, SERVED, alive, eventually, model, post_json, reference_cases, router_ready_replicas,
+    signal_pid, stream, stream_counted,
 };
 use serde_json::json;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// One cluster at a time (2 cores).
@@ -99,14 +100,14 @@ async fn undeploy(c: &Cluster, name: &str) -> Result<()> {
     .await
 }
 
-/// A parallel deployment of the bundled model.
-fn parallel(model: &Path, name: &str, tp: u32, pp: u32) -> Deployment {
+/// A parallel deployment of the bundled model running at most `max_num_seqs` sequences.
+fn parallel(model: &Path, name: &str, tp: u32, pp: u32, max_num_seqs: u32) -> Deployment {
     Deployment::new(model)
         .named(name)
         .served_as(name)
         .engine("tensor_parallel_size", tp)
         .engine("pipeline_parallel_size", pp)
-        .engine("max_num_seqs", 4)
+        .engine("max_num_seqs", max_num_seqs)
         .engine("max_num_batched_tokens", 64)
 }
 
@@ -128,22 +129,18 @@ async fn tensor_and_pipeline_parallel_replicas_match_the_unsharded_replica() -> 
         let want = completions(c.http(), "unsharded").await?;
         assert!(want.iter().all(|t| !t.is_empty()), "{want:?}");
         for (name, tp, pp) in [("tp3", 3, 1), ("pp2", 1, 2), ("tp3pp2", 3, 2)] {
-            let ready = deploy_ready(&mut c, &parallel(&model, name, tp, pp)).await?;
+            let ready = deploy_ready(&mut c, &parallel(&model, name, tp, pp, 4)).await?;
             let world = (tp * pp) as usize;
             assert_eq!(ready[0].gpu_indices.len(), world, "{name}: one CPU slot per rank");
             // Rank 0 runs in the worker; the others are processes of one group.
-            let groups = rank_groups();
-            let ranks: Vec<usize> = groups
-                .values()
-                .find(|g| g.len() == world - 1)
-                .map(|g| g.iter().map(|p| p.rank).collect())
-                .unwrap_or_default();
-            assert_eq!(ranks, (1..world).collect::<Vec<_>>(), "{name}: rank processes {groups:?}");
+            let groups = c.rank_groups();
+            let ranks: Vec<Vec<usize>> = groups.values().map(|g| g.iter().map(|p| p.rank).collect()).collect();
+            assert_eq!(ranks, vec![(1..world).collect::<Vec<_>>()], "{name}: rank processes {groups:?}");
             let got = completions(c.http(), name).await?;
             assert_eq!(got, want, "{name} (tp {tp} x pp {pp}) against the unsharded replica");
             undeploy(&c, name).await?;
             eventually(Duration::from_secs(10), &format!("{name}: no rank process outlives its replica"), || async {
-                Ok(rank_groups().is_empty().then_some(()))
+                Ok(c.rank_groups().is_empty().then_some(()))
             })
             .await?;
         }
@@ -173,7 +170,7 @@ async fn a_pipeline_over_two_workers_matches_the_unsharded_replica() -> Result<(
             bail!("one unsharded replica");
         };
         let want = completions(c.http(), "unsharded").await?;
-        let Ok([r]) = <[ReplicaRecord; 1]>::try_from(deploy_ready(&mut c, &parallel(&model, "pp2", 1, 2)).await?)
+        let Ok([r]) = <[ReplicaRecord; 1]>::try_from(deploy_ready(&mut c, &parallel(&model, "pp2", 1, 2, 4)).await?)
         else {
             bail!("one pp2 replica")
         };
@@ -184,7 +181,7 @@ async fn a_pipeline_over_two_workers_matches_the_unsharded_replica() -> Result<(
         let shape: Vec<(u32, Vec<u32>)> = r.rank_groups.iter().map(|g| (g.first_rank, g.gpu_indices.clone())).collect();
         assert_eq!(shape, vec![(0, vec![0]), (1, vec![0])]);
         assert!(!r.rendezvous.is_empty(), "the driver reported its rendezvous");
-        let groups = rank_groups();
+        let groups = c.rank_groups();
         let member = groups.get(&r.rendezvous).context("rank processes joined the driver's rendezvous")?;
         assert_eq!(member.iter().map(|p| p.rank).collect::<Vec<_>>(), vec![1]);
         assert_eq!(member[0].parent, c.worker(nodes[1])?.process.pid(), "rank 1 runs under the member node's worker");
@@ -194,7 +191,7 @@ async fn a_pipeline_over_two_workers_matches_the_unsharded_replica() -> Result<(
         assert!(status.contains(&r.replica_id), "{status}");
         undeploy(&c, "pp2").await?;
         eventually(Duration::from_secs(10), "member ranks gone", || async {
-            Ok(rank_groups().is_empty().then_some(()))
+            Ok(c.rank_groups().is_empty().then_some(()))
         })
         .await?;
         anyhow::Ok(())
@@ -203,10 +200,15 @@ async fn a_pipeline_over_two_workers_matches_the_unsharded_replica() -> Result<(
     c.with_logs(outcome)
 }
 
-/// The fault tests' cluster: one worker of 4 CPU slots (`extra` flags added) holding two
-/// TP=1 × PP=2 replicas served as [`SERVED`], failed replicas replaced after 1 s.
+/// Tokens per stream in the fault tests: long enough to be mid-stream when the rank goes.
+const FAULT_TOKENS: u32 = 96;
+
+/// The fault tests' cluster: one worker of 5 CPU slots and 64 MiB of KV cache per replica
+/// (`extra` flags added) holding an
+/// unsharded replica served as `unsharded` (the token reference) and two TP=1 × PP=2
+/// replicas served as [`SERVED`]; failed replicas are replaced after 1 s.
 async fn two_pipeline_replicas(model: &Path, extra: &[&str]) -> Result<Cluster> {
-    let mut args = vec!["--cpu-slots", "4", "--kv-cache-bytes", "16777216"];
+    let mut args = vec!["--cpu-slots", "5", "--kv-cache-bytes", "67108864"];
     args.extend_from_slice(extra);
     let mut c = Cluster::builder()
         .head_args(&["--worker-timeout", "2s", "--replica-restart-delay", "1s"])
@@ -216,31 +218,42 @@ async fn two_pipeline_replicas(model: &Path, extra: &[&str]) -> Result<Cluster> 
         .router_args(&["--ejection-base", "0.5"])
         .start()
         .await?;
-    let d = parallel(model, "smollm2", 1, 2).served_as(SERVED).replicas(2);
+    let unsharded = Deployment::new(model).named("unsharded").served_as("unsharded").engine("max_num_seqs", 4);
+    let ready = deploy_ready(&mut c, &unsharded).await;
+    c.with_logs(ready)?;
+    // Room for every stream on the surviving replica (6 of up to 135 tokens each).
+    let d = parallel(model, "smollm2", 1, 2, 8).served_as(SERVED).replicas(2);
     let ready = deploy_ready(&mut c, &d).await;
     c.with_logs(ready)?;
     Ok(c)
 }
 
-fn greedy(case: &ReferenceCase) -> Result<GenerateRequest> {
-    Ok(GenerateRequest {
-        model: SERVED.into(),
-        prompt: Some(generate_request::Prompt::TokenIds(TokenIds {
-            ids: case.prompt_ids.clone().context("reference case without prompt ids")?,
-        })),
-        sampling: Some(SamplingParams {
-            temperature: Some(0.0),
-            max_tokens: Some(i64::try_from(case.output_ids.len())?),
-            ignore_eos: true,
-            skip_special_tokens: Some(true),
-            ..SamplingParams::default()
-        }),
-        ..GenerateRequest::default()
-    })
+/// Greedy requests (EOS ignored, [`FAULT_TOKENS`]) of the reference fixture's prompts.
+fn greedy_requests(served: &str) -> Result<Vec<GenerateRequest>> {
+    let mut out = Vec::new();
+    for case in reference_cases()? {
+        out.push(GenerateRequest {
+            model: served.into(),
+            prompt: Some(generate_request::Prompt::TokenIds(TokenIds {
+                ids: case.prompt_ids.context("reference case without prompt ids")?,
+            })),
+            sampling: Some(SamplingParams {
+                temperature: Some(0.0),
+                max_tokens: Some(i64::from(FAULT_TOKENS)),
+                ignore_eos: true,
+                skip_special_tokens: Some(true),
+                ..SamplingParams::default()
+            }),
+            ..GenerateRequest::default()
+        });
+    }
+    Ok(out)
 }
 
 /// What a rank fault did, measured from the signal.
 struct FaultOutcome {
+    /// When the signal was sent.
+    signalled: Instant,
     /// Signal → the head's record says Failed.
     detected: Duration,
     /// Largest gap between two token messages of any in-flight stream (the migration).
@@ -251,32 +264,41 @@ struct FaultOutcome {
     group_pids: Vec<u32>,
 }
 
-/// Streams every reference case through the router, signals rank 1 of one group with
-/// `signal` mid-stream, and checks: the replica turns Failed, every stream ends with all its
-/// reference tokens (migrated), the router counted a migration, the group's ranks are gone.
+/// Streams every reference prompt through the router, signals rank 1 of one group with
+/// `signal` mid-stream, and checks: the replica turns Failed, every stream ends with the
+/// unsharded replica's tokens (migrated), the router counted a migration, the group's ranks
+/// are gone.
 async fn rank_fault(c: &Cluster, signal: Signal) -> Result<FaultOutcome> {
-    let cases = reference_cases()?;
+    let reference = greedy_requests("unsharded")?.into_iter().map(|req| stream(c.grpc(), req));
+    let mut want = Vec::new();
+    for r in futures::future::join_all(reference).await {
+        want.push(r?.tokens);
+    }
+    ensure!(want.iter().all(|t| t.len() == FAULT_TOKENS as usize), "unsharded reference lengths");
     let migrations_before = c.router_metric("prism_router_migrations_total").await?;
     let mut streams = Vec::new();
-    for case in &cases {
-        let (grpc, req) = (c.grpc().to_owned(), greedy(case)?);
-        streams.push(tokio::spawn(async move { stream(&grpc, req).await }));
+    let mut received = Vec::new();
+    for req in greedy_requests(SERVED)? {
+        let (grpc, count) = (c.grpc().to_owned(), Arc::new(AtomicUsize::new(0)));
+        received.push(Arc::clone(&count));
+        streams.push(tokio::spawn(async move { stream_counted(&grpc, req, &count).await }));
     }
-    // Every stream running (prefill done, decoding) before the fault.
-    let worker = &c.workers[0];
-    eventually(Duration::from_secs(60), "every stream running", || async {
-        let m = worker.metrics().await?;
-        Ok((prism_tests::metric_sum(&m, "vllm:num_requests_running").unwrap_or(0.0) >= cases.len() as f64)
-            .then_some(()))
+    // Mid-stream: every stream has some of its tokens.
+    eventually(Duration::from_secs(60), "every stream has 4 tokens", || async {
+        Ok(received.iter().all(|n| n.load(Ordering::SeqCst) >= 4).then_some(()))
     })
     .await?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let groups = rank_groups();
+    let groups = c.rank_groups();
     let (_, victim_group) = groups.iter().next().context("a rank group")?;
     let victim = victim_group.iter().find(|p| p.rank == 1).context("rank 1")?.clone();
     let group_pids: Vec<u32> = victim_group.iter().map(|p| p.pid).collect();
     let signalled = Instant::now();
     signal_pid(victim.pid, signal)?;
+    let at_fault: Vec<usize> = received.iter().map(|n| n.load(Ordering::SeqCst)).collect();
+    ensure!(
+        at_fault.iter().all(|n| *n < FAULT_TOKENS as usize),
+        "a stream ended before the fault ({at_fault:?} tokens): make them longer"
+    );
     let failed = eventually(Duration::from_secs(20), "a replica Failed", || async {
         let recs = records(c, "smollm2").await?;
         Ok(recs.into_iter().find(|r| r.state() == ReplicaState::Failed).map(|r| (r.replica_id, r.reason)))
@@ -285,29 +307,29 @@ async fn rank_fault(c: &Cluster, signal: Signal) -> Result<FaultOutcome> {
     let detected = signalled.elapsed();
     eprintln!("rank fault ({signal}): replica {} Failed after {detected:?}: {}", failed.0, failed.1);
     let mut max_gap = Duration::ZERO;
-    for (case, s) in cases.iter().zip(streams) {
+    for (i, (want, s)) in want.iter().zip(streams).enumerate() {
         let r = s.await??;
-        assert_eq!(r.tokens, case.output_ids, "stream of {:?} after the fault", case.prompt);
-        assert_eq!(r.finish, FinishReason::Length as i32);
+        ensure!(&r.tokens == want, "stream {i} after the fault: {:?}, unsharded: {want:?}", r.tokens);
+        ensure!(r.finish == FinishReason::Length as i32, "stream {i} finish {}", r.finish);
         max_gap = max_gap.max(r.max_gap);
     }
     let migrations = c.router_metric("prism_router_migrations_total").await? - migrations_before;
-    assert!(migrations >= 1.0, "the failed replica's streams were migrated ({migrations})");
+    ensure!(migrations >= 1.0, "the failed replica's streams were migrated ({migrations})");
     eprintln!("rank fault ({signal}): {migrations} streams migrated, largest token gap {max_gap:?}");
     eventually(Duration::from_secs(5), "the failed group's ranks are gone", || async {
         Ok(group_pids.iter().all(|p| !alive(*p)).then_some(()))
     })
     .await?;
-    Ok(FaultOutcome { detected, max_gap, failed: failed.0, group_pids })
+    Ok(FaultOutcome { signalled, detected, max_gap, failed: failed.0, group_pids })
 }
 
-/// Waits until two replicas are Ready again, neither of them `failed`; returns how long.
-async fn replaced(c: &Cluster, failed: &str) -> Result<Duration> {
-    let t = Instant::now();
+/// Waits until two replicas are Ready again, neither of them `failed`; returns how long
+/// after `since` that was.
+async fn replaced(c: &Cluster, failed: &str, since: Instant) -> Result<Duration> {
     eventually(LOAD_TIMEOUT, "the failed replica replaced", || async {
         let recs = records(c, "smollm2").await?;
         let ready: Vec<_> = recs.iter().filter(|r| r.state() == ReplicaState::Ready).collect();
-        assert!(!ready.iter().any(|r| r.replica_id == failed), "the failed replica {failed} came back: {recs:?}");
+        ensure!(!ready.iter().any(|r| r.replica_id == failed), "the failed replica {failed} came back: {recs:?}");
         Ok((ready.len() == 2).then_some(()))
     })
     .await?;
@@ -315,7 +337,7 @@ async fn replaced(c: &Cluster, failed: &str) -> Result<Duration> {
         Ok((router_ready_replicas(c.grpc(), SERVED).await? == 2).then_some(()))
     })
     .await?;
-    Ok(t.elapsed())
+    Ok(since.elapsed())
 }
 
 /// `kill -9` of a rank mid-stream: Failed within 5 s, the streams complete token-exact on
@@ -327,10 +349,10 @@ async fn a_killed_rank_fails_its_replica_and_the_streams_migrate_token_exact() -
     let c = two_pipeline_replicas(&model, &[]).await?;
     let outcome = async {
         let fault = rank_fault(&c, Signal::SIGKILL).await?;
-        assert!(fault.detected < Duration::from_secs(5), "Failed {:?} after kill -9", fault.detected);
-        let took = replaced(&c, &fault.failed).await?;
+        ensure!(fault.detected < Duration::from_secs(5), "Failed {:?} after kill -9", fault.detected);
+        let took = replaced(&c, &fault.failed, fault.signalled).await?;
         eprintln!(
-            "kill -9: detected {:?}, largest token gap {:?}, replaced {took:?} later",
+            "kill -9: detected {:?}, largest token gap {:?}, replaced {took:?} after the signal",
             fault.detected, fault.max_gap
         );
         anyhow::Ok(())
@@ -349,7 +371,7 @@ async fn a_stopped_rank_fails_its_replica_after_the_collective_timeout() -> Resu
     let c = two_pipeline_replicas(&model, &["--collective-timeout", "3"]).await?;
     let outcome = async {
         let fault = rank_fault(&c, Signal::SIGSTOP).await?;
-        assert!(
+        ensure!(
             fault.detected >= Duration::from_millis(2500) && fault.detected < Duration::from_secs(6),
             "Failed {:?} after SIGSTOP (collective timeout 3 s)",
             fault.detected
@@ -358,15 +380,15 @@ async fn a_stopped_rank_fails_its_replica_after_the_collective_timeout() -> Resu
             // Already killed by the driver: nothing to continue (an error is expected).
             let _ = signal_pid(*pid, Signal::SIGCONT);
         }
-        let took = replaced(&c, &fault.failed).await?;
-        assert!(fault.group_pids.iter().all(|p| !alive(*p)), "the old group does not come back");
+        let took = replaced(&c, &fault.failed, fault.signalled).await?;
+        ensure!(fault.group_pids.iter().all(|p| !alive(*p)), "the old group does not come back");
         let recs = records(&c, "smollm2").await?;
-        assert!(
+        ensure!(
             recs.iter().all(|r| r.replica_id != fault.failed || r.state() != ReplicaState::Ready),
             "the failed replica is never Ready again: {recs:?}"
         );
         eprintln!(
-            "SIGSTOP: detected {:?}, largest token gap {:?}, replaced {took:?} later",
+            "SIGSTOP: detected {:?}, largest token gap {:?}, replaced {took:?} after the signal",
             fault.detected, fault.max_gap
         );
         anyhow::Ok(())
