@@ -9,7 +9,8 @@
 //! - A TP=1 × PP=2 replica on two workers of one CPU slot each (no worker holds it, so the
 //!   head gang-schedules a stage on each): the same text as the unsharded replica; the
 //!   head's record holds the group over both nodes, and the member node's rank runs under
-//!   that node's worker.
+//!   that node's worker; `kill -9` of that rank fails the group within 5 s and a new group
+//!   (a new replica id) serves the same text.
 //! - `kill -9` of a rank mid-stream: the replica turns Failed within 5 s, every in-flight
 //!   stream completes token-exact (the router migrates it to the other replica), no rank of
 //!   the group is left, and the replica is replaced.
@@ -91,6 +92,22 @@ async fn deploy_ready(c: &mut Cluster, d: &Deployment) -> Result<Vec<ReplicaReco
     Ok(ready)
 }
 
+/// Waits until `name` has one Ready replica other than `failed` (its replacement) and the
+/// router lists it.
+async fn deploy_ready_again(c: &Cluster, name: &str, failed: &str) -> Result<[ReplicaRecord; 1]> {
+    let ready = eventually(LOAD_TIMEOUT, &format!("{name}: {failed} replaced"), || async {
+        let ready: Vec<_> = records(c, name).await?.into_iter().filter(|r| r.state() == ReplicaState::Ready).collect();
+        ensure!(ready.iter().all(|r| r.replica_id != failed), "{failed} came back");
+        Ok(<[ReplicaRecord; 1]>::try_from(ready).ok())
+    })
+    .await?;
+    eventually(Duration::from_secs(30), &format!("router lists {name}"), || async {
+        Ok((router_ready_replicas(c.grpc(), name).await? == 1).then_some(()))
+    })
+    .await?;
+    Ok(ready)
+}
+
 /// Scales `name` to 0 and waits until its records are gone (its ranks freed).
 async fn undeploy(c: &Cluster, name: &str) -> Result<()> {
     c.cli(&["scale", name, "0"])?;
@@ -151,12 +168,14 @@ async fn tensor_and_pipeline_parallel_replicas_match_the_unsharded_replica() -> 
 }
 
 /// A TP=1 × PP=2 replica over two workers of one slot each: the head splits it into a stage
-/// per node; the member node's worker runs rank 1; the text is the unsharded replica's.
+/// per node; the member node's worker runs rank 1; the text is the unsharded replica's. A
+/// `kill -9` of that rank fails the group within 5 s and a new group serves the same text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pipeline_over_two_workers_matches_the_unsharded_replica() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let _serial = SERIAL.lock().await;
     let mut c = Cluster::builder()
+        .head_args(&["--replica-restart-delay", "1s"])
         .workers(3)
         .worker_args(&["--cpu-slots", "1", "--kv-cache-bytes", "16777216"])
         .routers(1)
@@ -189,6 +208,26 @@ async fn a_pipeline_over_two_workers_matches_the_unsharded_replica() -> Result<(
         assert_eq!(got, want, "pp2 over {nodes:?} against the unsharded replica");
         let status = c.cli(&["status"])?;
         assert!(status.contains(&r.replica_id), "{status}");
+
+        // The member node's rank dies: the member entry and the driver's replica fail, the
+        // head stops the group on both nodes and places a new one, which serves the same text.
+        let killed = Instant::now();
+        signal_pid(member[0].pid, Signal::SIGKILL)?;
+        let reason = eventually(Duration::from_secs(10), "the group Failed", || async {
+            let recs = records(&c, "pp2").await?;
+            Ok(recs
+                .into_iter()
+                .find(|x| x.replica_id == r.replica_id && x.state() == ReplicaState::Failed)
+                .map(|x| x.reason))
+        })
+        .await?;
+        let detected = killed.elapsed();
+        eprintln!("member rank kill -9: group Failed after {detected:?}: {reason}");
+        ensure!(detected < Duration::from_secs(5), "member rank failure seen after {detected:?}");
+        let [again] = deploy_ready_again(&c, "pp2", &r.replica_id).await?;
+        eprintln!("member rank kill -9: replaced by {} {:?} after the kill", again.replica_id, killed.elapsed());
+        let got = completions(c.http(), "pp2").await?;
+        assert_eq!(got, want, "the replacement group against the unsharded replica");
         undeploy(&c, "pp2").await?;
         eventually(Duration::from_secs(10), "member ranks gone", || async {
             Ok(c.rank_groups().is_empty().then_some(()))
