@@ -268,6 +268,9 @@ impl Agent {
         );
         let share = match LocalShare::of(&self.cfg.node_id, sizes, &cmd.rank_groups, &cmd.gpu_indices) {
             Ok(s) if !member && !s.holds_rank_zero() => Err(group::GroupError::NoRankZero(self.cfg.node_id.clone())),
+            Ok(s) if member && s.holds_rank_zero() => {
+                Err(group::GroupError::MemberWithRankZero(self.cfg.node_id.clone()))
+            }
             other => other,
         };
         let placement = share.map_err(|e| e.to_string()).and_then(|share| {

@@ -154,6 +154,9 @@ async fn a_start_that_does_not_fit_the_group_fails_with_the_reason() -> Result<(
     a.start_replica(start("r3", 1, 2, &[0], vec![group("node-b", 0, &[0]), group("node-c", 1, &[0])], "h:1"));
     let s = wait_state(&a, "r3", ReplicaState::Failed).await?;
     assert_eq!(s.reason, "rank_groups has no group for node node-a");
+    a.start_replica(start("r5", 1, 2, &[0, 1], vec![], "h:1"));
+    let s = wait_state(&a, "r5", ReplicaState::Failed).await?;
+    assert_eq!(s.reason, "a start with a rendezvous to join gives node node-a rank 0, the driver's own");
     let mut no_token = start("r4", 1, 2, &[0], vec![group("node-a", 0, &[0]), group("node-b", 1, &[0])], "");
     no_token.group_token.clear();
     a.start_replica(no_token);

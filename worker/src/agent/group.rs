@@ -37,6 +37,9 @@ pub enum GroupError {
         /// What is wrong.
         message: String,
     },
+    /// A member start (a `rendezvous` to join) whose ranks include rank 0, the driver's.
+    #[error("a start with a rendezvous to join gives node {0} rank 0, the driver's own")]
+    MemberWithRankZero(NodeId),
     /// A driver start (no `rendezvous`) on a node that does not hold rank 0.
     #[error("this node ({0}) got the driver's start (no rendezvous) but does not hold rank 0")]
     NoRankZero(NodeId),
