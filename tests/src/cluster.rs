@@ -581,6 +581,13 @@ impl Cluster {
         wait_route_change(self.grpc(), &self.served, from, timeout).await
     }
 
+    /// The rank processes of this cluster's parallel replicas (children of its workers),
+    /// grouped by the rendezvous they joined, each group in rank order.
+    pub fn rank_groups(&self) -> std::collections::BTreeMap<String, Vec<crate::ranks::RankProcess>> {
+        let workers: Vec<u32> = self.workers.iter().map(|w| w.process.pid()).collect();
+        crate::ranks::rank_groups(&workers)
+    }
+
     /// Fails when a process has exited.
     ///
     /// # Errors

@@ -5,6 +5,8 @@ use super::replica::{DevicePlacement, EngineLauncher, EngineLoad, LaunchSpec, Re
 use futures::StreamExt;
 use prism_engine::codec::CodecExport;
 use prism_engine::kv_cache::CacheEvents;
+use prism_engine::parallel::ParallelConfig;
+use prism_engine::parallel::spawn::RankProgram;
 use prism_engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault, ModelInfo};
 use std::path::Path;
 use std::sync::Arc;
@@ -79,7 +81,11 @@ impl ReplicaEngine for EngineHandle {
 /// The engine configuration of a launch spec: the one mapping from the protocol's
 /// `EngineConfig` to the engine's. An absent knob takes the engine's default
 /// ([`EngineConfig::new`], the backend's step token budget); the KV-cache budget of a CPU
-/// replica that sets none is the worker's (`LaunchSpec::kv_cache_bytes`).
+/// replica that sets none is the worker's (`LaunchSpec::kv_cache_bytes`). A parallel replica
+/// (tensor × pipeline size above 1) gets its rank group: the sizes, this node's ranks (rank
+/// 0 first; on CUDA `devices[i]` is rank `local_ranks[i]`'s GPU), the rendezvous bound for
+/// ranks of other nodes, the running executable as the program of the local ranks, and the
+/// worker's collective and join timeouts.
 pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
     let e = &spec.engine;
     let backend = match &spec.placement {
@@ -106,7 +112,26 @@ pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
         batch_invariant: e.batch_invariant,
         // Absent = on, vLLM's default.
         enable_prefix_caching: e.enable_prefix_caching.unwrap_or(base.enable_prefix_caching),
+        parallel: parallel_config(spec),
         ..base
+    }
+}
+
+/// The engine's [`ParallelConfig`] of a launch spec (the default, one in-process rank, for
+/// an unsharded replica).
+fn parallel_config(spec: &LaunchSpec) -> ParallelConfig {
+    let p = &spec.parallel;
+    if p.sizes.is_single() {
+        return ParallelConfig::default();
+    }
+    ParallelConfig {
+        sizes: p.sizes,
+        local_ranks: p.local_ranks.clone(),
+        rendezvous: p.rendezvous.clone(),
+        rank_program: p.rank_program.clone().or_else(|| RankProgram::current_exe().ok()),
+        join_timeout: p.join_timeout,
+        collective_timeout: p.collective_timeout,
+        ..ParallelConfig::default()
     }
 }
 
@@ -145,7 +170,32 @@ mod tests {
             placement,
             kv_cache_bytes: 64 << 20,
             engine_threads: None,
+            parallel: super::super::replica::ParallelLaunch::default(),
         }
+    }
+
+    /// A sharded replica's engine gets its rank group; an unsharded one the one-rank default.
+    #[test]
+    fn a_parallel_replica_gets_its_rank_group_and_the_workers_timeouts() {
+        let single = engine_config(&spec(DevicePlacement::Cpu, None, None)).parallel;
+        assert!(single.sizes.is_single());
+        assert_eq!((single.local_ranks, single.rank_program), (vec![0], None));
+        let mut s = spec(DevicePlacement::Cuda(vec![2, 3]), None, None);
+        s.parallel = super::super::replica::ParallelLaunch {
+            sizes: prism_engine::parallel::ParallelSizes::new(2, 2),
+            local_ranks: vec![0, 1],
+            rendezvous: None,
+            collective_timeout: Duration::from_secs(3),
+            join_timeout: Duration::from_secs(90),
+            rank_program: None,
+        };
+        let cfg = engine_config(&s);
+        let p = &cfg.parallel;
+        assert_eq!((p.sizes.world_size(), p.local_ranks.clone()), (4, vec![0, 1]));
+        assert_eq!((p.collective_timeout, p.join_timeout), (Duration::from_secs(3), Duration::from_secs(90)));
+        assert_eq!(p.rank_program, RankProgram::current_exe().ok(), "local ranks run this executable");
+        assert!(p.rank0_in_process);
+        assert_eq!(cfg.backend, BackendKind::Cuda { devices: vec![2, 3] }, "one GPU per local rank, in rank order");
     }
 
     #[test]
