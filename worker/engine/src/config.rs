@@ -11,7 +11,8 @@ use super::backend::{Backend, BackendError, StepControl};
 use super::codec::ModelCodec;
 use super::handle::{EngineHandle, EngineParts, RuntimeConfig};
 use super::model::{self, ModelSource, ProgressFn};
-use super::parallel::driver::{DriverModel, ParallelBackend, rank_kv_budget};
+use super::parallel::ParallelSizes;
+use super::parallel::driver::{DriverModel, ParallelBackend, ParallelConfig, rank_kv_budget};
 use super::parallel::stage::{InitSpec, StageBackendKind};
 use super::request::EngineError;
 use std::path::PathBuf;
@@ -152,8 +153,9 @@ impl EngineHandle {
             return Err(EngineError::InvalidRequest { field: "block_size", message: "block_size must be >= 1".into() });
         }
         let source = ModelSource::detect(&cfg.model)?;
-        if !cfg.parallel.sizes.is_single() || !cfg.parallel.rank0_in_process {
-            return start_parallel(&cfg, &source, progress);
+        let parallel = effective_parallel(&cfg);
+        if !parallel.sizes.is_single() || !parallel.rank0_in_process {
+            return start_parallel(&cfg, &parallel, &source, progress);
         }
         // A CUDA replica of a Hugging Face checkpoint uploads the tensors straight from the
         // mmapped files (no f32 copy of the model on the host).
@@ -207,6 +209,21 @@ impl EngineHandle {
     }
 }
 
+/// The replica's rank layout: `cfg.parallel`, except that a CUDA replica given several
+/// devices with single sizes is tensor-parallel over them (`tensor_parallel_size` = the
+/// number of devices, every rank on this node), as a GPU group has always meant.
+fn effective_parallel(cfg: &EngineConfig) -> ParallelConfig {
+    let mut par = cfg.parallel.clone();
+    if let BackendKind::Cuda { devices } = &cfg.backend
+        && devices.len() > 1
+        && par.sizes.is_single()
+    {
+        par.sizes = ParallelSizes::new(devices.len(), 1);
+        par.local_ranks = (0..devices.len()).collect();
+    }
+    par
+}
+
 /// A replica of several ranks ([`ParallelBackend`]): reads the model's architecture and
 /// tokenizer (for a CPU replica the whole model, whose weights rank 0 then shards in this
 /// process), checks the split against the model, and starts the rank group. The CPU KV
@@ -214,10 +231,10 @@ impl EngineHandle {
 /// unsharded replica); the compute cores are split among this node's ranks.
 fn start_parallel(
     cfg: &EngineConfig,
+    par: &ParallelConfig,
     source: &ModelSource,
     progress: Option<ProgressFn<'_>>,
 ) -> Result<EngineHandle, EngineError> {
-    let par = &cfg.parallel;
     let (kind, devices) = match &cfg.backend {
         BackendKind::Cpu => (StageBackendKind::Cpu, Vec::new()),
         BackendKind::Cuda { devices } => (StageBackendKind::Cuda, devices.clone()),

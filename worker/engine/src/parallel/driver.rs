@@ -239,7 +239,7 @@ impl ParallelBackend {
         }
         init.mesh = mesh;
         #[cfg(feature = "cuda")]
-        if cuda && !init.host_collectives {
+        if cuda && !init.host_collectives && world > 1 {
             init.nccl_unique_id = Some(crate::backend::cuda::stage::nccl_unique_id()?);
         }
         let abort = Arc::new(OnceLock::new());
