@@ -96,6 +96,8 @@ pub struct EngineConfig {
     pub max_pending_requests: usize,
     /// Automatic prefix caching (on by default, as in vLLM).
     pub enable_prefix_caching: bool,
+    /// Parse special-token text inside chat messages (the opt-out; off: only the template makes special tokens).
+    pub chat_content_special_tokens: bool,
     /// Tensor/pipeline parallelism and where the ranks run (default: one rank, in-process).
     pub parallel: super::parallel::ParallelConfig,
 }
@@ -120,6 +122,7 @@ impl EngineConfig {
             batch_invariant: false,
             max_pending_requests: rt.max_pending_requests,
             enable_prefix_caching: rt.enable_prefix_caching,
+            chat_content_special_tokens: rt.chat_content_special_tokens,
             parallel: super::parallel::ParallelConfig::default(),
         }
     }
@@ -133,6 +136,7 @@ impl EngineConfig {
             max_pending_requests: self.max_pending_requests,
             engine_threads: Some(self.engine_threads.unwrap_or_else(|| self.backend.default_engine_threads())),
             enable_prefix_caching: self.enable_prefix_caching,
+            chat_content_special_tokens: self.chat_content_special_tokens,
             // The model's identity for block hashes: its path as configured (a redeploy of
             // another checkpoint under the same served name gets other hashes).
             cache_namespace: super::kv_cache::prefix_hash::fingerprint(self.model.as_os_str().as_encoded_bytes()),

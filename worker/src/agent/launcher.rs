@@ -113,6 +113,7 @@ pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
         // Absent = on, vLLM's default.
         enable_prefix_caching: e.enable_prefix_caching.unwrap_or(base.enable_prefix_caching),
         parallel: parallel_config(spec),
+        chat_content_special_tokens: e.chat_content_special_tokens,
         ..base
     }
 }
@@ -245,6 +246,12 @@ mod tests {
         assert!(!engine_config(&s).enable_prefix_caching);
         s.engine.enable_prefix_caching = Some(true);
         assert!(engine_config(&s).enable_prefix_caching);
+        assert!(
+            !defaults.chat_content_special_tokens,
+            "chat message text is plain text unless the deployment opts out"
+        );
+        s.engine.chat_content_special_tokens = true;
+        assert!(engine_config(&s).chat_content_special_tokens);
         // A CPU replica's budget is the worker's, already resolved into the launch spec.
         assert_eq!(cfg.kv_cache_bytes, Some(64 << 20));
     }
