@@ -178,7 +178,7 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints, api
 
     bar.set_message("starting the head");
     let mut head = loop {
-        match client::head(&ep.head).await {
+        match client::head(&client::HeadTarget::open(&ep.head)).await {
             Ok(h) => break h,
             Err(e) if Instant::now() > deadline => return Err(e),
             Err(_) => tokio::time::sleep(poll).await,

@@ -121,7 +121,7 @@ pub async fn start(
 async fn wait_for_leader(head_url: &str) -> Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
-        if let Ok(mut head) = crate::client::head(head_url).await
+        if let Ok(mut head) = crate::client::head(&crate::client::HeadTarget::open(head_url)).await
             && let Ok(status) = head.cluster_status(ClusterStatusRequest {}).await
             && status.get_ref().is_leader
         {
