@@ -3,8 +3,12 @@
 //! failed or was refused (`UNAUTHENTICATED` / `PERMISSION_DENIED`). Fields: `who` (the
 //! token's label, or `anonymous`), `role`, `rpc`, `args` (the key arguments, strings quoted
 //! so a hostile name cannot forge a line), `outcome` (`ok` or the gRPC code, e.g.
-//! `PERMISSION_DENIED`) and, on failure, `error`. The timestamp is the log line's. Tokens
-//! never appear: callers are named by label.
+//! `PERMISSION_DENIED`) and, on failure, `error` (quoted). The timestamp is the log line's.
+//! Tokens never appear: callers are named by label. In the default text format:
+//!
+//! ```text
+//! 2026-12-01T19:46:17.493300Z  INFO audit who=ops role=admin rpc=DrainNode args="node=\"w1\" deadline_ms=5000 reason=\"maintenance\"" outcome=ok
+//! ```
 
 use tonic::{Code, Status};
 
@@ -33,20 +37,20 @@ pub fn record(caller: &Caller, rpc: Rpc, args: &str, outcome: Result<(), &Status
         Ok(()) => tracing::info!(
             target: AUDIT_TARGET,
             who = %caller.name,
-            role,
-            rpc = rpc.name(),
+            role = %role,
+            rpc = %rpc.name(),
             args,
-            outcome = "ok",
+            outcome = %"ok",
             "audit"
         ),
         Err(s) => tracing::info!(
             target: AUDIT_TARGET,
             who = %caller.name,
-            role,
-            rpc = rpc.name(),
+            role = %role,
+            rpc = %rpc.name(),
             args,
             outcome = %code_name(s.code()),
-            error = %s.message(),
+            error = s.message(),
             "audit"
         ),
     }
