@@ -65,13 +65,6 @@ pub struct HeadTarget {
     pub credential: HeadCredential,
 }
 
-impl HeadTarget {
-    /// A head that needs no token.
-    pub fn open(addr: &str) -> Self {
-        Self { addr: addr.to_owned(), credential: HeadCredential::None }
-    }
-}
-
 /// The served model a client command (generate, chat, bench) asks the router for.
 #[derive(Args, Clone, Debug, Default)]
 pub struct ModelArg {
