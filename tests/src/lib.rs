@@ -32,7 +32,7 @@ pub use client::{
     greedy_request, post_json, post_sse, reference, reference_cases, router_ready_replicas, stream, stream_counted,
     wait_route_change,
 };
-pub use cluster::{Cluster, ClusterBuilder, Deployment, Head, Router, Store, Worker};
+pub use cluster::{Cluster, ClusterBuilder, Deployment, Head, HeadTokens, Router, Store, Worker};
 pub use etcd::EtcdFixture;
 pub use metrics::{metric_sum, metric_value, quantile};
 pub use paths::{MODEL_FILE, bin_path, model, workspace_root};

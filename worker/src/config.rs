@@ -3,6 +3,7 @@
 
 use prism_common::NodeId;
 use prism_common::engine_flags::DEFAULT_CPU_KV_CACHE_BYTES;
+use prism_common::head_auth::HeadCredential;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -19,6 +20,10 @@ pub struct Args {
     /// The worker connects to one, follows `UNAVAILABLE` leader hints and reconnects with backoff.
     #[arg(long, env = "PRISM_HEAD", value_delimiter = ',', default_value = "http://127.0.0.1:50050")]
     pub head: Vec<String>,
+
+    /// The token this worker presents to the head (role `worker`).
+    #[command(flatten)]
+    pub head_token: prism_common::head_auth::HeadTokenArgs,
 
     /// gRPC listen address (WorkerService + grpc.health.v1).
     #[arg(long, env = "PRISM_WORKER_LISTEN", default_value = "0.0.0.0:50061")]
@@ -160,6 +165,8 @@ pub enum ConfigError {
 pub struct WorkerConfig {
     /// Head endpoints (`http://host:port`), tried in order.
     pub heads: Vec<String>,
+    /// The token presented to the head (none: an open head).
+    pub head_token: HeadCredential,
     /// Advertised endpoint; `None` = derive from the gRPC listener.
     pub advertise_address: Option<String>,
     /// This node's id.
@@ -206,6 +213,7 @@ impl WorkerConfig {
     pub fn for_test(head: impl Into<String>, node_id: &str) -> Self {
         Self {
             heads: vec![head.into()],
+            head_token: HeadCredential::None,
             advertise_address: None,
             node_id: NodeId::from(node_id),
             labels: BTreeMap::new(),
@@ -287,6 +295,7 @@ impl TryFrom<Args> for WorkerConfig {
         }
         Ok(Self {
             heads,
+            head_token: a.head_token.credential(),
             advertise_address: a.advertise_address.map(|s| normalize_endpoint(&s)),
             node_id: NodeId(node_id),
             labels,
