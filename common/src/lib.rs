@@ -4,6 +4,7 @@
 //! trait crates do.
 
 pub mod engine_flags;
+pub mod model_root;
 pub mod proto;
 pub mod shutdown;
 pub mod state_store;

@@ -57,6 +57,13 @@ pub struct Args {
     /// broken spec never becomes a restart loop.
     #[arg(long, env = "PRISM_HEAD_REPLICA_RESTART_DELAY", default_value = "10s", value_parser = parse_duration)]
     pub replica_restart_delay: Duration,
+
+    /// The directory deployments may load models from: `engine.model` must name a path under
+    /// it (no `..`, no absolute path elsewhere; a relative path is taken under it), or
+    /// ApplyDeployment answers INVALID_ARGUMENT. Workers check the same with symlinks
+    /// resolved (their own `--model-root`). Unset: any path (a single-user cluster).
+    #[arg(long, env = "PRISM_MODEL_ROOT")]
+    pub model_root: Option<PathBuf>,
 }
 
 /// Where cluster state lives.
@@ -87,6 +94,8 @@ pub struct HeadConfig {
     pub reconcile_interval: Duration,
     /// Delay before a replica that failed after being Ready is replaced.
     pub replica_restart_delay: Duration,
+    /// Where deployments may load models from (`None`: anywhere); see `Args::model_root`.
+    pub model_root: Option<PathBuf>,
 }
 
 /// Invalid flag values.
@@ -155,6 +164,7 @@ impl TryFrom<Args> for HeadConfig {
             drain_timeout: a.drain_timeout,
             reconcile_interval: a.reconcile_interval,
             replica_restart_delay: a.replica_restart_delay,
+            model_root: a.model_root,
         })
     }
 }
@@ -173,6 +183,7 @@ impl HeadConfig {
             drain_timeout: Duration::from_secs(30),
             reconcile_interval: Duration::from_secs(1),
             replica_restart_delay: Duration::from_secs(10),
+            model_root: None,
         }
     }
 }

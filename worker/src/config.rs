@@ -93,6 +93,13 @@ pub struct Args {
     /// Off by default; never enable it on a port clients can reach.
     #[arg(long, env = "PRISM_WORKER_ENABLE_FAULT_INJECTION", default_value_t = false)]
     pub enable_fault_injection: bool,
+
+    /// The directory replicas may load models from: a model path outside it, or resolving
+    /// out of it through a symlink (the model file, or any file of a model directory), fails
+    /// the replica with the reason. Set it to the same directory as the head's
+    /// `--model-root`. Unset: any path.
+    #[arg(long, env = "PRISM_MODEL_ROOT")]
+    pub model_root: Option<PathBuf>,
 }
 
 /// Invalid flag values.
@@ -155,6 +162,8 @@ pub struct WorkerConfig {
     pub enable_fault_injection: bool,
     /// Threads of each replica's compute pool; `None` = the backend's default.
     pub engine_threads: Option<usize>,
+    /// Where replicas may load models from (`None`: anywhere); see `Args::model_root`.
+    pub model_root: Option<PathBuf>,
 }
 
 impl WorkerConfig {
@@ -177,6 +186,7 @@ impl WorkerConfig {
             engine_stall_timeout: Duration::from_secs(60),
             enable_fault_injection: false,
             engine_threads: None,
+            model_root: None,
         }
     }
 }
@@ -246,6 +256,7 @@ impl TryFrom<Args> for WorkerConfig {
             engine_stall_timeout: Duration::from_secs_f64(stall),
             enable_fault_injection: a.enable_fault_injection,
             engine_threads: a.engine_threads.filter(|n| *n > 0),
+            model_root: a.model_root,
         })
     }
 }

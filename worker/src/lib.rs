@@ -50,7 +50,14 @@ pub async fn run(
     http_listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    run_with_launcher(cfg, grpc_listener, http_listener, shutdown, Arc::new(agent::launcher::LocalLauncher)).await
+    run_with_launcher(
+        cfg,
+        grpc_listener,
+        http_listener,
+        shutdown,
+        Arc::new(agent::launcher::LocalLauncher::new(cfg.model_root.clone())),
+    )
+    .await
 }
 
 /// [`run`] with a chosen engine launcher (tests use doubles).

@@ -6,7 +6,7 @@ use futures::StreamExt;
 use prism_engine::codec::CodecExport;
 use prism_engine::kv_cache::CacheEvents;
 use prism_engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault, ModelInfo};
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -110,20 +110,37 @@ pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
     }
 }
 
-/// Launches replicas on this worker's engine.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct LocalLauncher;
+/// Launches replicas on this worker's engine, loading models only from under the model root
+/// when one is set.
+#[derive(Clone, Debug, Default)]
+pub struct LocalLauncher {
+    model_root: Option<PathBuf>,
+}
+
+impl LocalLauncher {
+    /// A launcher; with `model_root`, a model path outside it (lexically, or through a
+    /// symlink) fails the replica ([`prism_common::model_root::check_on_disk`]).
+    pub fn new(model_root: Option<PathBuf>) -> Self {
+        Self { model_root }
+    }
+}
 
 impl EngineLauncher for LocalLauncher {
     fn launch(&self, spec: &LaunchSpec) -> Result<Arc<dyn ReplicaEngine>, EngineError> {
-        let model = Path::new(&spec.engine.model);
         if spec.engine.model.is_empty() {
             return Err(EngineError::InvalidRequest { field: "model", message: "model path is empty".into() });
         }
+        let mut config = engine_config(spec);
+        if let Some(root) = &self.model_root {
+            let path = prism_common::model_root::check_on_disk(root, &spec.engine.model)
+                .map_err(|e| EngineError::InvalidRequest { field: "engine.model", message: e.to_string() })?;
+            config.model = path;
+        }
+        let model = config.model.as_path();
         if !model.exists() {
             return Err(EngineError::Internal(format!("model path {} does not exist", model.display())));
         }
-        let handle = EngineHandle::start(engine_config(spec), None)?;
+        let handle = EngineHandle::start(config, None)?;
         Ok(Arc::new(handle))
     }
 }
