@@ -216,12 +216,39 @@ mod tests {
         assert_eq!(cfg.kv_cache_bytes, Some(64 << 20));
     }
 
+    /// With a model root, a path outside it or a link out of it fails the launch naming
+    /// `engine.model` before anything is loaded.
+    #[test]
+    fn model_paths_outside_the_root_fail_the_launch() -> Result<(), Box<dyn std::error::Error>> {
+        let tmp = tempfile::tempdir()?;
+        let root = tmp.path().join("models");
+        std::fs::create_dir_all(&root)?;
+        std::fs::write(tmp.path().join("outside.gguf"), b"GGUF")?;
+        std::os::unix::fs::symlink(tmp.path().join("outside.gguf"), root.join("link.gguf"))?;
+        let launcher = LocalLauncher::new(Some(root.clone()));
+        for (model, needle) in [
+            (tmp.path().join("outside.gguf").display().to_string(), "is outside the model root"),
+            (root.join("link.gguf").display().to_string(), "a symlink points out of it"),
+            (format!("{}/../outside.gguf", root.display()), "`..`"),
+            (root.join("missing.gguf").display().to_string(), "No such file"),
+        ] {
+            let mut s = spec(DevicePlacement::Cpu, None, None);
+            s.engine.model = model.clone();
+            let e = launcher.launch(&s).err().ok_or("must fail")?;
+            assert!(
+                matches!(&e, EngineError::InvalidRequest { field: "engine.model", message } if message.contains(needle)),
+                "{model}: {e}"
+            );
+        }
+        Ok(())
+    }
+
     /// The load a real replica reports carries its capacity: the launch spec's `max_num_seqs`,
     /// the block pool's size and the block size, every block free while idle.
     #[test]
     fn real_engine_load_reports_its_capacity() {
         let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if !Path::new(model).exists() {
+        if !std::path::Path::new(model).exists() {
             eprintln!("skipping: {model} not present");
             return;
         }
@@ -231,7 +258,7 @@ mod tests {
         s.engine.block_size = Some(16);
         s.kv_cache_bytes = 8 << 20;
         s.engine_threads = Some(1);
-        let engine = LocalLauncher.launch(&s).expect("the bundled model loads");
+        let engine = LocalLauncher::default().launch(&s).expect("the bundled model loads");
         let load = engine.load();
         // The prompt codec a router gets: the engine's export, its fingerprint, the block size
         // and namespace of its prefix cache (on by default).
