@@ -5,6 +5,7 @@
 
 pub mod engine_flags;
 pub mod head_auth;
+pub mod model_root;
 pub mod proto;
 pub mod shutdown;
 pub mod state_store;

@@ -66,6 +66,12 @@ pub struct Args {
     /// does on loopback.
     #[arg(long, env = "PRISM_HEAD_AUTH_TOKEN_FILE")]
     pub auth_token_file: Option<PathBuf>,
+    /// The directory deployments may load models from: `engine.model` must name a path under
+    /// it (no `..`, no absolute path elsewhere; a relative path is taken under it), or
+    /// ApplyDeployment answers INVALID_ARGUMENT. Workers check the same with symlinks
+    /// resolved (their own `--model-root`). Unset: any path (a single-user cluster).
+    #[arg(long, env = "PRISM_MODEL_ROOT")]
+    pub model_root: Option<PathBuf>,
 }
 
 /// Where cluster state lives.
@@ -98,6 +104,8 @@ pub struct HeadConfig {
     pub replica_restart_delay: Duration,
     /// Accepted tokens and roles ([`HeadAuth::open`] without `--auth-token-file`).
     pub auth: HeadAuth,
+    /// Where deployments may load models from (`None`: anywhere); see `Args::model_root`.
+    pub model_root: Option<PathBuf>,
 }
 
 /// Invalid flag values.
@@ -174,6 +182,7 @@ impl TryFrom<Args> for HeadConfig {
             reconcile_interval: a.reconcile_interval,
             replica_restart_delay: a.replica_restart_delay,
             auth,
+            model_root: a.model_root,
         })
     }
 }
@@ -193,6 +202,7 @@ impl HeadConfig {
             reconcile_interval: Duration::from_secs(1),
             replica_restart_delay: Duration::from_secs(10),
             auth: HeadAuth::open(),
+            model_root: None,
         }
     }
 }

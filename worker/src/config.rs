@@ -120,6 +120,12 @@ pub struct Args {
     /// other nodes reach them at the host of the advertised address.
     #[arg(long, env = "PRISM_RENDEZVOUS_BIND")]
     pub rendezvous_bind: Option<IpAddr>,
+    /// The directory replicas may load models from: a model path outside it, or resolving
+    /// out of it through a symlink (the model file, or any file of a model directory), fails
+    /// the replica with the reason. Set it to the same directory as the head's
+    /// `--model-root`. Unset: any path.
+    #[arg(long, env = "PRISM_MODEL_ROOT")]
+    pub model_root: Option<PathBuf>,
 }
 
 /// Invalid flag values.
@@ -206,6 +212,8 @@ pub struct WorkerConfig {
     pub rendezvous_bind: Option<IpAddr>,
     /// The program rank processes run; `None` = this executable (tests substitute one).
     pub rank_program: Option<prism_engine::parallel::spawn::RankProgram>,
+    /// Where replicas may load models from (`None`: anywhere); see `Args::model_root`.
+    pub model_root: Option<PathBuf>,
 }
 
 impl WorkerConfig {
@@ -233,6 +241,7 @@ impl WorkerConfig {
             join_timeout: Duration::from_secs(600),
             rendezvous_bind: None,
             rank_program: None,
+            model_root: None,
         }
     }
 }
@@ -315,6 +324,7 @@ impl TryFrom<Args> for WorkerConfig {
             join_timeout: Duration::from_secs_f64(join),
             rendezvous_bind: a.rendezvous_bind,
             rank_program: None,
+            model_root: a.model_root,
         })
     }
 }

@@ -50,7 +50,8 @@ pub async fn run(
     http_listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    run_with_launcher(cfg, grpc_listener, http_listener, shutdown, Arc::new(agent::launcher::LocalLauncher)).await
+    let launcher = Arc::new(agent::launcher::LocalLauncher::new(cfg.model_root.clone()));
+    run_with_launcher(cfg, grpc_listener, http_listener, shutdown, launcher).await
 }
 
 /// [`run`] with a chosen engine launcher (tests use doubles).

@@ -8,7 +8,7 @@ use prism_engine::kv_cache::CacheEvents;
 use prism_engine::parallel::ParallelConfig;
 use prism_engine::parallel::spawn::RankProgram;
 use prism_engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault, ModelInfo};
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -136,20 +136,37 @@ fn parallel_config(spec: &LaunchSpec) -> ParallelConfig {
     }
 }
 
-/// Launches replicas on this worker's engine.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct LocalLauncher;
+/// Launches replicas on this worker's engine, loading models only from under the model root
+/// when one is set.
+#[derive(Clone, Debug, Default)]
+pub struct LocalLauncher {
+    model_root: Option<PathBuf>,
+}
+
+impl LocalLauncher {
+    /// A launcher; with `model_root`, a model path outside it (lexically, or through a
+    /// symlink) fails the replica ([`prism_common::model_root::check_on_disk`]).
+    pub fn new(model_root: Option<PathBuf>) -> Self {
+        Self { model_root }
+    }
+}
 
 impl EngineLauncher for LocalLauncher {
     fn launch(&self, spec: &LaunchSpec) -> Result<Arc<dyn ReplicaEngine>, EngineError> {
-        let model = Path::new(&spec.engine.model);
         if spec.engine.model.is_empty() {
             return Err(EngineError::InvalidRequest { field: "model", message: "model path is empty".into() });
         }
+        let mut config = engine_config(spec);
+        if let Some(root) = &self.model_root {
+            let path = prism_common::model_root::check_on_disk(root, &spec.engine.model)
+                .map_err(|e| EngineError::InvalidRequest { field: "engine.model", message: e.to_string() })?;
+            config.model = path;
+        }
+        let model = config.model.as_path();
         if !model.exists() {
             return Err(EngineError::Internal(format!("model path {} does not exist", model.display())));
         }
-        let handle = EngineHandle::start(engine_config(spec), None)?;
+        let handle = EngineHandle::start(config, None)?;
         Ok(Arc::new(handle))
     }
 }
@@ -256,12 +273,39 @@ mod tests {
         assert_eq!(cfg.kv_cache_bytes, Some(64 << 20));
     }
 
+    /// With a model root, a path outside it or a link out of it fails the launch naming
+    /// `engine.model` before anything is loaded.
+    #[test]
+    fn model_paths_outside_the_root_fail_the_launch() -> Result<(), Box<dyn std::error::Error>> {
+        let tmp = tempfile::tempdir()?;
+        let root = tmp.path().join("models");
+        std::fs::create_dir_all(&root)?;
+        std::fs::write(tmp.path().join("outside.gguf"), b"GGUF")?;
+        std::os::unix::fs::symlink(tmp.path().join("outside.gguf"), root.join("link.gguf"))?;
+        let launcher = LocalLauncher::new(Some(root.clone()));
+        for (model, needle) in [
+            (tmp.path().join("outside.gguf").display().to_string(), "is outside the model root"),
+            (root.join("link.gguf").display().to_string(), "a symlink points out of it"),
+            (format!("{}/../outside.gguf", root.display()), "`..`"),
+            (root.join("missing.gguf").display().to_string(), "No such file"),
+        ] {
+            let mut s = spec(DevicePlacement::Cpu, None, None);
+            s.engine.model = model.clone();
+            let e = launcher.launch(&s).err().ok_or("must fail")?;
+            assert!(
+                matches!(&e, EngineError::InvalidRequest { field: "engine.model", message } if message.contains(needle)),
+                "{model}: {e}"
+            );
+        }
+        Ok(())
+    }
+
     /// The load a real replica reports carries its capacity: the launch spec's `max_num_seqs`,
     /// the block pool's size and the block size, every block free while idle.
     #[test]
     fn real_engine_load_reports_its_capacity() {
         let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if !Path::new(model).exists() {
+        if !std::path::Path::new(model).exists() {
             eprintln!("skipping: {model} not present");
             return;
         }
@@ -271,7 +315,7 @@ mod tests {
         s.engine.block_size = Some(16);
         s.kv_cache_bytes = 8 << 20;
         s.engine_threads = Some(1);
-        let engine = LocalLauncher.launch(&s).expect("the bundled model loads");
+        let engine = LocalLauncher::default().launch(&s).expect("the bundled model loads");
         let load = engine.load();
         // The prompt codec a router gets: the engine's export, its fingerprint, the block size
         // and namespace of its prefix cache (on by default).
