@@ -27,5 +27,5 @@ pub mod spawn;
 pub mod stage;
 pub mod wire;
 
-pub use driver::{ParallelBackend, ParallelConfig};
+pub use driver::{ParallelBackend, ParallelConfig, StepTiming};
 pub use layout::ParallelSizes;

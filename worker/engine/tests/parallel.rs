@@ -584,7 +584,11 @@ fn one_rank_process_overhead_per_decode_step() -> Result<()> {
     let Some(path) = model_path()? else { return Ok(()) };
     let _serial = serial();
     let m = load(&path)?;
-    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    // RAYON_NUM_THREADS sizes this process's pool (the plain backend's) and the ranks' alike.
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get));
     let mut plain = CpuBackend::new(m.weights, &m.config, KV_BYTES, BLOCK)?;
     let sizes = ParallelSizes::new(1, 1);
     let cfg = ParallelConfig { rank0_in_process: false, ..parallel_config(sizes) };

@@ -132,7 +132,23 @@ pub struct ParallelBackend {
     failed: Option<String>,
     step_seq: u64,
     rendezvous: Arc<Rendezvous>,
+    /// The last step's timing (its round trip sizes the next step's spin window).
+    timing: Option<StepTiming>,
 }
+
+/// Where a step's time went, as the driver saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepTiming {
+    /// From sending the step to having every rank's answer.
+    pub round_trip: Duration,
+    /// The output rank's own time running the step (what it reported in `StepDone`; zero
+    /// when rank 0 in this process returns the outputs).
+    pub rank_compute: Duration,
+}
+
+/// The most the driver polls for a step's answer without sleeping (around when the last
+/// step's answer came; outside that window it sleeps until the answer wakes it).
+const ANSWER_SPIN: Duration = Duration::from_millis(2);
 
 impl std::fmt::Debug for ParallelBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -345,12 +361,18 @@ impl ParallelBackend {
             failed: None,
             step_seq: 0,
             rendezvous,
+            timing: None,
         })
     }
 
     /// Process ids of the rank processes this driver started, by rank.
     pub fn rank_pids(&self) -> Vec<(usize, u32)> {
         self.children.iter().map(|c| (c.rank, c.pid())).collect()
+    }
+
+    /// Where the last step's time went (`None` before the first step).
+    pub fn last_step_timing(&self) -> Option<StepTiming> {
+        self.timing
     }
 
     /// The rendezvous the group formed on.
@@ -388,21 +410,34 @@ impl ParallelBackend {
         for l in &mut self.links {
             l.send_frame(&frame)?;
         }
+        let sent = Instant::now();
+        // Poll for the answers around when the last step's came (at most ANSWER_SPIN).
+        let spin = self.timing.map(|t| {
+            let margin = (t.round_trip / 8).clamp(Duration::from_micros(100), ANSWER_SPIN / 2);
+            (sent + t.round_trip.saturating_sub(margin), sent + t.round_trip + margin)
+        });
         let mut out = match &mut self.local {
             Some(stage) => Some(run_micro_batches(stage.as_mut(), batch, greedy, self.micro_batches)?),
             None => None,
         };
         let deadline = Instant::now() + self.collective_timeout;
+        let mut rank_compute = Duration::ZERO;
         for l in &mut self.links {
-            match l.recv(deadline, &self.control, "the step")? {
-                Msg::StepDone { seq: s, outputs } if s == seq => {
+            let answer = match spin {
+                Some(window) => l.recv_spinning(deadline, &self.control, "the step", window)?,
+                None => l.recv(deadline, &self.control, "the step")?,
+            };
+            match answer {
+                Msg::StepDone { seq: s, outputs, compute_ns } if s == seq => {
                     if l.rank == self.output_rank {
                         out = Some(outputs);
+                        rank_compute = Duration::from_nanos(compute_ns);
                     }
                 }
                 _ => return Err(BackendError::Device(format!("rank {}: an unexpected answer to step {seq}", l.rank))),
             }
         }
+        self.timing = Some(StepTiming { round_trip: sent.elapsed(), rank_compute });
         out.ok_or_else(|| BackendError::Device(format!("rank {} returned no outputs", self.output_rank)))
     }
 }
