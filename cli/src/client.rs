@@ -4,8 +4,8 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use prism_common::head_auth::{HeadClient, HeadCredential, head_client};
 use prism_common::proto::v1::ListModelsRequest;
-use prism_common::proto::v1::head_service_client::HeadServiceClient;
 use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
 use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
@@ -15,8 +15,9 @@ pub const DEFAULT_HEAD: &str = "http://127.0.0.1:50050";
 /// Default router gRPC address.
 pub const DEFAULT_ROUTER: &str = "http://127.0.0.1:50051";
 
-/// Where the cluster is: shared by every subcommand.
-#[derive(Args, Clone, Debug)]
+/// Where the cluster is, and the head's token: shared by every subcommand. `Debug` hides
+/// the token.
+#[derive(Args, Clone)]
 pub struct Endpoints {
     /// Head gRPC address (admin commands: status, deploy, scale, cordon, drain).
     #[arg(long, global = true, env = "PRISM_HEAD", default_value = DEFAULT_HEAD)]
@@ -28,6 +29,45 @@ pub struct Endpoints {
     /// plaintext on loopback.
     #[command(flatten)]
     pub tls: prism_common::tls::TlsArgs,
+    /// Bearer token for the head (a head with --auth-token-file asks for one: role `read`
+    /// for status, `admin` for deploy, scale, cordon, drain). Prefer --token-file: a flag
+    /// shows in `ps` and the shell history.
+    #[arg(long, global = true, env = "PRISM_TOKEN", hide_env_values = true, conflicts_with = "token_file")]
+    pub token: Option<String>,
+    /// File holding the head's bearer token (read on each run).
+    #[arg(long, global = true, env = "PRISM_TOKEN_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Debug for Endpoints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoints")
+            .field("head", &self.head)
+            .field("router", &self.router)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("token_file", &self.token_file)
+            .field("tls", &self.tls)
+            .finish()
+    }
+}
+
+impl Endpoints {
+    /// The head and the credential the admin commands present to it.
+    pub fn head_target(&self) -> HeadTarget {
+        HeadTarget {
+            addr: self.head.clone(),
+            credential: HeadCredential::from_flags(self.token.clone(), self.token_file.clone()),
+        }
+    }
+}
+
+/// A head and the token presented to it.
+#[derive(Clone, Debug)]
+pub struct HeadTarget {
+    /// gRPC address.
+    pub addr: String,
+    /// Token (none: an open head, as `prism up` runs it).
+    pub credential: HeadCredential,
 }
 
 /// The served model a client command (generate, chat, bench) asks the router for.
@@ -122,12 +162,14 @@ async fn channel(addr: &str, what: &str) -> Result<Channel> {
     })
 }
 
-/// Connects to the head's `HeadService`.
+/// Connects to the head's `HeadService`; every call carries the target's token.
 ///
 /// # Errors
-/// Fails when the address is invalid or nothing answers within 5 s.
-pub async fn head(addr: &str) -> Result<HeadServiceClient<Channel>> {
-    Ok(HeadServiceClient::new(channel(addr, "head").await?))
+/// Fails when the address is invalid, nothing answers within 5 s, or the token file cannot
+/// be read.
+pub async fn head(target: &HeadTarget) -> Result<HeadClient> {
+    let bearer = target.credential.bearer().context("--token / --token-file")?;
+    Ok(head_client(channel(&target.addr, "head").await?, bearer))
 }
 
 /// Connects to the router's `InferenceService`.
@@ -140,7 +182,14 @@ pub async fn router(addr: &str) -> Result<InferenceServiceClient<Channel>> {
 
 /// Turns a gRPC status into a readable error (`NotFound: deployment "x" does not exist`).
 pub fn status_error(status: tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{:?}: {}", status.code(), status.message())
+    match status.code() {
+        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => anyhow::anyhow!(
+            "{:?}: {} (give the head's token with --token, PRISM_TOKEN or --token-file)",
+            status.code(),
+            status.message()
+        ),
+        code => anyhow::anyhow!("{code:?}: {}", status.message()),
+    }
 }
 
 #[cfg(test)]

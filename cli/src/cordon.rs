@@ -9,7 +9,7 @@ use prism_common::proto::v1::NodeRequest;
 ///
 /// # Errors
 /// Fails when the head is unreachable or does not know the node.
-pub async fn run(head_addr: &str, node: String, cordon: bool) -> Result<()> {
+pub async fn run(head_addr: &client::HeadTarget, node: String, cordon: bool) -> Result<()> {
     let mut head = client::head(head_addr).await?;
     let request = NodeRequest { node_id: node.clone() };
     if cordon {

@@ -240,7 +240,7 @@ impl DeploymentFile {
 ///
 /// # Errors
 /// Fails when the file is unreadable or invalid, or the head rejects the deployment.
-pub async fn run(head_addr: &str, args: DeployArgs) -> Result<()> {
+pub async fn run(head_addr: &client::HeadTarget, args: DeployArgs) -> Result<()> {
     let yaml = if args.file.as_os_str() == "-" {
         std::io::read_to_string(std::io::stdin())?
     } else {

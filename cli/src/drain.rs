@@ -46,7 +46,7 @@ pub fn parse_duration(text: &str) -> Result<Duration> {
 ///
 /// # Errors
 /// Fails when the head is unreachable or does not know the node.
-pub async fn run(head_addr: &str, args: DrainArgs) -> Result<()> {
+pub async fn run(head_addr: &client::HeadTarget, args: DrainArgs) -> Result<()> {
     let mut head = client::head(head_addr).await?;
     let deadline_ms = u64::try_from(args.deadline.as_millis()).unwrap_or(u64::MAX).max(1);
     head.drain_node(DrainNodeRequest { node_id: args.node.clone(), deadline_ms, reason: args.reason })

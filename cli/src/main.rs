@@ -72,17 +72,18 @@ fn main() -> Result<()> {
     if !matches!(cli.command, Command::Up(_)) {
         endpoints.tls.install()?;
     }
+    let head = endpoints.head_target();
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Up(args) => up::run(*args).await,
             Command::Generate(args) => generate::run(&endpoints.router, args).await,
             Command::Chat(args) => chat::run(&endpoints.router, args).await,
-            Command::Status => status::run(&endpoints.head).await,
-            Command::Deploy(args) => deploy::run(&endpoints.head, args).await,
-            Command::Scale(args) => scale::run(&endpoints.head, args).await,
-            Command::Cordon { node } => cordon::run(&endpoints.head, node, true).await,
-            Command::Uncordon { node } => cordon::run(&endpoints.head, node, false).await,
-            Command::Drain(args) => drain::run(&endpoints.head, args).await,
+            Command::Status => status::run(&head).await,
+            Command::Deploy(args) => deploy::run(&head, args).await,
+            Command::Scale(args) => scale::run(&head, args).await,
+            Command::Cordon { node } => cordon::run(&head, node, true).await,
+            Command::Uncordon { node } => cordon::run(&head, node, false).await,
+            Command::Drain(args) => drain::run(&head, args).await,
             Command::Bench(command) => bench::run(&endpoints.router, command).await,
         }
     });

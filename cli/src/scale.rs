@@ -18,7 +18,7 @@ pub struct ScaleArgs {
 ///
 /// # Errors
 /// Fails when the head is unreachable or rejects the request (unknown deployment, …).
-pub async fn run(head_addr: &str, args: ScaleArgs) -> Result<()> {
+pub async fn run(head_addr: &client::HeadTarget, args: ScaleArgs) -> Result<()> {
     let mut head = client::head(head_addr).await?;
     head.scale_deployment(ScaleDeploymentRequest { name: args.name.clone(), replicas: args.replicas })
         .await

@@ -219,7 +219,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
 ///
 /// # Errors
 /// Fails when the head is unreachable or refuses.
-pub async fn run(head_addr: &str) -> Result<()> {
+pub async fn run(head_addr: &client::HeadTarget) -> Result<()> {
     let mut head = client::head(head_addr).await?;
     let status = head.cluster_status(ClusterStatusRequest {}).await.map_err(status_error)?.into_inner();
     print!("{}", render(&status));

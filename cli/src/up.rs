@@ -6,6 +6,7 @@
 
 mod args;
 mod components;
+mod head_auth;
 
 pub use args::{DEFAULT_MODEL, DEMO_PROMPT, FETCH_SCRIPT, Listeners, UpArgs};
 
@@ -89,10 +90,13 @@ pub async fn run(args: UpArgs) -> Result<()> {
     let api_keys = args.keys.entries()?;
     // `prism up`'s own calls to the router (readiness, `--prompt`) use the first key.
     let auth = api_keys.first().map(|k| k.key.clone());
+    let head_auth = if args.head_auth { Some(head_auth::UpHeadAuth::generate()?) } else { None };
     let listeners = Listeners::bind(&args).await?;
-    let endpoints = Endpoints::of(&listeners)?;
+    let mut endpoints = Endpoints::of(&listeners)?;
+    endpoints.head_token = head_auth.as_ref().map(|a| a.admin()).unwrap_or_default();
+    endpoints.head_token_file = head_auth.as_ref().map(|a| a.admin_file().to_owned());
     let root = CancellationToken::new();
-    let mut cluster = components::start(&args.store, &args, api_keys, listeners, &root).await?;
+    let mut cluster = components::start(&args.store, &args, api_keys, head_auth.as_ref(), listeners, &root).await?;
 
     let signal = wait_for_signal();
     tokio::pin!(signal);
@@ -145,6 +149,10 @@ struct Endpoints {
     head: String,
     head_http: String,
     worker_http: String,
+    /// What `prism up`'s own head calls present (none: an open head).
+    head_token: prism_common::head_auth::HeadCredential,
+    /// The admin token's file, with `--head-auth`.
+    head_token_file: Option<PathBuf>,
 }
 
 impl Endpoints {
@@ -158,6 +166,8 @@ impl Endpoints {
             head: format!("http://{}", show(l.head_grpc.local_addr()?)),
             head_http: format!("http://{}", show(l.head_http.local_addr()?)),
             worker_http: format!("http://{}", show(l.worker_http.local_addr()?)),
+            head_token: prism_common::head_auth::HeadCredential::None,
+            head_token_file: None,
         })
     }
 }
@@ -178,7 +188,7 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints, api
 
     bar.set_message("starting the head");
     let mut head = loop {
-        match client::head(&ep.head).await {
+        match client::head(&client::HeadTarget { addr: ep.head.clone(), credential: ep.head_token.clone() }).await {
             Ok(h) => break h,
             Err(e) if Instant::now() > deadline => return Err(e),
             Err(_) => tokio::time::sleep(poll).await,
@@ -282,7 +292,10 @@ fn print_banner(served: &str, model: &Path, ep: &Endpoints, keys: bool) {
     println!("Prism is up: serving {served} ({})", model.display());
     println!("  OpenAI API:   {}/v1", ep.http);
     println!("  gRPC:         {}  (prism.v1.InferenceService; `prism generate`, `prism chat`)", ep.grpc);
-    println!("  Head:         {}  (`prism status`)", ep.head);
+    match &ep.head_token_file {
+        Some(f) => println!("  Head:         {}  (`prism status --token-file {}`)", ep.head, f.display()),
+        None => println!("  Head:         {}  (`prism status`)", ep.head),
+    }
     println!("  Metrics:      {}/metrics  {}/metrics  {}/metrics", ep.http, ep.worker_http, ep.head_http);
     println!();
     if keys {

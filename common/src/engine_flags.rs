@@ -99,6 +99,13 @@ pub struct EngineFlags {
     #[arg(long, conflicts_with = "enable_prefix_caching")]
     #[serde(skip)]
     pub no_enable_prefix_caching: bool,
+    /// Parse special-token text typed inside chat messages (`<|im_end|>`, ...) as special
+    /// tokens, as before this option existed. Off by default: only the chat template makes
+    /// special tokens, so a user cannot close their turn or forge a system turn. Completion
+    /// prompts always parse special-token text. YAML: `chat_content_special_tokens: true`.
+    #[arg(long, env = "PRISM_CHAT_CONTENT_SPECIAL_TOKENS")]
+    #[serde(default)]
+    pub chat_content_special_tokens: bool,
 }
 
 fn one() -> u32 {
@@ -122,6 +129,7 @@ impl Default for EngineFlags {
             max_in_flight: None,
             enable_prefix_caching: None,
             no_enable_prefix_caching: false,
+            chat_content_special_tokens: false,
         }
     }
 }
@@ -178,6 +186,7 @@ impl EngineFlags {
             max_in_flight: self.max_in_flight,
             batch_invariant: self.batch_invariant,
             enable_prefix_caching: if self.no_enable_prefix_caching { Some(false) } else { self.enable_prefix_caching },
+            chat_content_special_tokens: self.chat_content_special_tokens,
         };
         unset_zeros(&mut engine);
         engine
@@ -255,6 +264,14 @@ mod tests {
         assert_eq!((e.max_num_batched_tokens, e.kv_cache_bytes, e.max_in_flight), (Some(1024), Some(1 << 20), Some(8)));
         assert_eq!((e.tensor_parallel_size, e.backend.as_str(), e.batch_invariant), (2, "cuda", true));
         assert_eq!(e.gpu_memory_utilization, Some(0.8));
+    }
+
+    #[test]
+    fn chat_content_special_tokens_is_off_unless_asked_for() {
+        assert!(!EngineFlags::default().to_proto("/m.gguf", "m").chat_content_special_tokens);
+        let on = flags(&["--chat-content-special-tokens"]);
+        assert_eq!(on, yaml("chat_content_special_tokens: true\n"));
+        assert!(on.to_proto("/m.gguf", "m").chat_content_special_tokens);
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! trait crates do.
 
 pub mod engine_flags;
+pub mod head_auth;
+pub mod model_root;
 pub mod proto;
 pub mod shutdown;
 pub mod state_store;

@@ -87,6 +87,19 @@ pub fn validate_spec(mut spec: DeploymentSpec) -> HeadResult<DeploymentSpec> {
     Ok(spec)
 }
 
+/// Refuses a spec whose `engine.model` is not under the model root (lexically: the head
+/// cannot see the workers' disks; each worker checks again with symlinks resolved). No root:
+/// any path.
+///
+/// # Errors
+/// `InvalidArgument` naming `engine.model` and the root.
+pub fn check_model_root(root: Option<&std::path::Path>, spec: &DeploymentSpec) -> HeadResult<()> {
+    let (Some(root), Some(engine)) = (root, spec.engine.as_ref()) else { return Ok(()) };
+    prism_common::model_root::check_lexical(root, &engine.model)
+        .map(drop)
+        .map_err(|e| HeadError::InvalidArgument(e.to_string()))
+}
+
 /// The validated autoscaling parameters of an autoscaled spec (None otherwise).
 pub fn autoscaling_params(spec: &DeploymentSpec) -> Option<Params> {
     spec.autoscaling.as_ref().and_then(|a| Params::from_config(a).ok())
@@ -169,6 +182,7 @@ fn template_changed(a: &DeploymentSpec, b: &DeploymentSpec) -> bool {
 /// `InvalidArgument`, `NotLeader`, store failures.
 pub async fn apply_deployment(cluster: &Cluster, spec: DeploymentSpec) -> HeadResult<(DeploymentRecord, bool)> {
     let mut spec = validate_spec(spec)?;
+    check_model_root(cluster.cfg().model_root.as_deref(), &spec)?;
     let mut st = cluster.lock().await;
     cluster.require_leader(&st)?;
     let name = DeploymentName::from(spec.name.as_str());
@@ -324,6 +338,27 @@ mod tests {
         for bad in ["", "-a", "a-", "Llama", "a_b", "a.b", &"a".repeat(64)] {
             assert!(!is_dns1123_label(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn model_paths_outside_the_root_are_refused_naming_engine_model() {
+        let with = |model: &str| DeploymentSpec {
+            engine: Some(EngineConfig { model: model.into(), tensor_parallel_size: 1, ..Default::default() }),
+            ..spec()
+        };
+        let root = std::path::Path::new("/models");
+        for ok in ["/models/smol.gguf", "smol.gguf", "/models/hf/llama"] {
+            assert!(check_model_root(Some(root), &with(ok)).is_ok(), "{ok}");
+        }
+        for bad in ["/etc/passwd", "../etc/passwd", "/models/../etc/passwd", "/models-x/a.gguf", "a/../../b"] {
+            let e = check_model_root(Some(root), &with(bad)).expect_err(bad);
+            assert!(
+                matches!(&e, HeadError::InvalidArgument(m) if m.starts_with("engine.model") && m.contains(bad)),
+                "{bad}: {e}"
+            );
+        }
+        // Without a root any path is accepted.
+        assert!(check_model_root(None, &with("/etc/passwd")).is_ok());
     }
 
     #[test]

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use clap::Parser;
 
+use crate::auth::{HeadAuth, TokenFileError};
+
 /// Command-line flags of `prism-head`.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "prism-head", about = "Prism control plane: cluster state, placement, routes")]
@@ -61,6 +63,18 @@ pub struct Args {
     /// Mutual TLS on the gRPC listener (workers, routers and the CLI present certificates).
     #[command(flatten)]
     pub tls: prism_common::tls::TlsArgs,
+    /// Bearer tokens and their roles, one `TOKEN role=admin|read|worker|router [name=LABEL]`
+    /// per line (`#` comments). Callers send `authorization: Bearer TOKEN`. Unset: the head
+    /// runs open (anyone who reaches its port may deploy, scale and drain), as `prism up`
+    /// does on loopback.
+    #[arg(long, env = "PRISM_HEAD_AUTH_TOKEN_FILE")]
+    pub auth_token_file: Option<PathBuf>,
+    /// The directory deployments may load models from: `engine.model` must name a path under
+    /// it (no `..`, no absolute path elsewhere; a relative path is taken under it), or
+    /// ApplyDeployment answers INVALID_ARGUMENT. Workers check the same with symlinks
+    /// resolved (their own `--model-root`). Unset: any path (a single-user cluster).
+    #[arg(long, env = "PRISM_MODEL_ROOT")]
+    pub model_root: Option<PathBuf>,
 }
 
 /// Where cluster state lives.
@@ -91,6 +105,10 @@ pub struct HeadConfig {
     pub reconcile_interval: Duration,
     /// Delay before a replica that failed after being Ready is replaced.
     pub replica_restart_delay: Duration,
+    /// Accepted tokens and roles ([`HeadAuth::open`] without `--auth-token-file`).
+    pub auth: HeadAuth,
+    /// Where deployments may load models from (`None`: anywhere); see `Args::model_root`.
+    pub model_root: Option<PathBuf>,
 }
 
 /// Invalid flag values.
@@ -102,6 +120,9 @@ pub enum ConfigError {
     /// A duration that must be positive is zero.
     #[error("{0} must be greater than zero")]
     ZeroDuration(&'static str),
+    /// `--auth-token-file` cannot be read or is malformed (the message names the line).
+    #[error(transparent)]
+    Auth(#[from] TokenFileError),
 }
 
 impl StoreSpec {
@@ -150,6 +171,10 @@ impl TryFrom<Args> for HeadConfig {
             let u = uuid::Uuid::new_v4().simple().to_string();
             format!("head-{}", &u[..8])
         });
+        let auth = match &a.auth_token_file {
+            Some(p) => HeadAuth::from_file(p)?,
+            None => HeadAuth::open(),
+        };
         Ok(Self {
             store,
             advertise_address,
@@ -159,6 +184,8 @@ impl TryFrom<Args> for HeadConfig {
             drain_timeout: a.drain_timeout,
             reconcile_interval: a.reconcile_interval,
             replica_restart_delay: a.replica_restart_delay,
+            auth,
+            model_root: a.model_root,
         })
     }
 }
@@ -177,6 +204,8 @@ impl HeadConfig {
             drain_timeout: Duration::from_secs(30),
             reconcile_interval: Duration::from_secs(1),
             replica_restart_delay: Duration::from_secs(10),
+            auth: HeadAuth::open(),
+            model_root: None,
         }
     }
 }
@@ -241,5 +270,21 @@ mod tests {
         assert_eq!(c.advertise_address, "http://127.0.0.1:7000");
         assert_eq!(c.worker_timeout, Duration::from_secs(5));
         assert_eq!(c.store, StoreSpec::Embedded("prism-state.json".into()));
+        assert!(!c.auth.enabled());
+    }
+
+    #[test]
+    fn a_malformed_token_file_is_a_startup_error_naming_the_line() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("tokens");
+        std::fs::write(&file, "# ops\nsecret-secret-secret-1 role=admin\nsecret-secret-secret-2 role=boss\n")
+            .expect("write");
+        let a = Args::parse_from(["prism-head", "--auth-token-file", file.to_str().expect("utf-8")]);
+        let e = HeadConfig::try_from(a).expect_err("role boss");
+        let m = e.to_string();
+        assert!(m.contains("line 3: role \"boss\""), "{m}");
+        assert!(!m.contains("secret-secret"), "{m}");
+        let a = Args::parse_from(["prism-head", "--auth-token-file", "/nonexistent/tokens"]);
+        assert!(matches!(HeadConfig::try_from(a), Err(ConfigError::Auth(TokenFileError::Read { .. }))));
     }
 }

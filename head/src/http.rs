@@ -1,7 +1,10 @@
 //! The head's HTTP endpoints: `/healthz` (process up), `/readyz` (200 only on the leader,
 //! so a Kubernetes Service reaches the leader), `/metrics` (Prometheus text) and
 //! `/v1/events` (the recent control-plane events as JSON: `{"events": [...]}`, oldest
-//! first; see `events.rs`).
+//! first; see `events.rs`). With `--auth-token-file` the event log needs a `read` or
+//! `admin` bearer token (it names deployments, replicas and failure reasons); the probes
+//! and `/metrics` stay open: kubelets and Prometheus scrape them without credentials, and
+//! they carry counts and states, never a token or a model path.
 
 use std::sync::Arc;
 
@@ -11,6 +14,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use tokio_util::sync::CancellationToken;
 
+use crate::auth::Rpc;
 use crate::cluster::Cluster;
 use crate::election::Leadership;
 
@@ -34,8 +38,21 @@ async fn metrics(AxState(c): AxState<Arc<Cluster>>) -> impl IntoResponse {
     )
 }
 
-async fn events(AxState(c): AxState<Arc<Cluster>>) -> impl IntoResponse {
-    axum::Json(serde_json::json!({ "events": c.events().recent() }))
+async fn events(AxState(c): AxState<Arc<Cluster>>, headers: axum::http::HeaderMap) -> axum::response::Response {
+    let value = headers.get(axum::http::header::AUTHORIZATION).map(axum::http::HeaderValue::as_bytes);
+    if let Err(refused) = c.cfg().auth.authorize(value, Rpc::Events) {
+        let status = match refused.status.code() {
+            tonic::Code::PermissionDenied => StatusCode::FORBIDDEN,
+            _ => StatusCode::UNAUTHORIZED,
+        };
+        let body = axum::Json(serde_json::json!({ "error": refused.status.message() }));
+        return if status == StatusCode::UNAUTHORIZED {
+            (status, [(axum::http::header::WWW_AUTHENTICATE, "Bearer")], body).into_response()
+        } else {
+            (status, body).into_response()
+        };
+    }
+    axum::Json(serde_json::json!({ "events": c.events().recent() })).into_response()
 }
 
 /// Serves `/healthz`, `/readyz`, `/metrics` and `/v1/events` until `shutdown`.

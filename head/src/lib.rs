@@ -4,6 +4,8 @@
 //! `UNAVAILABLE` naming the leader and report not-ready).
 
 pub mod admin;
+pub mod audit;
+pub mod auth;
 pub mod cluster;
 pub mod config;
 pub mod drain;
@@ -65,6 +67,12 @@ pub async fn run_with_store(
         http = %http_listener.local_addr()?,
         "prism-head starting"
     );
+    if !cfg.auth.enabled() {
+        tracing::warn!(
+            "no --auth-token-file: the head is open, anyone who reaches its gRPC port may deploy, scale, drain \
+             and cordon (keep it on loopback or a private network, or give it a token file)"
+        );
+    }
     let election = election::spawn(
         store.clone(),
         election::ElectionConfig {

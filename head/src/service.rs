@@ -1,6 +1,8 @@
 //! `HeadService` over gRPC: worker sessions, route watches and admin RPCs. Errors are
 //! mapped to `tonic::Status` once, through `From<HeadError>`; followers answer
-//! `UNAVAILABLE` naming the leader (message and `prism-leader` metadata).
+//! `UNAVAILABLE` naming the leader (message and `prism-leader` metadata). Every call is
+//! first checked against the caller's token and role (`auth.rs`); every admin action leaves
+//! an audit line (`audit.rs`), refused ones too.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -19,10 +21,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::auth::{Caller, HeadAuth, Rpc};
 use crate::cluster::{Cluster, registry};
 use crate::election::Leadership;
 use crate::error::HeadError;
-use crate::{admin, drain};
+use crate::{admin, audit, drain};
 
 /// Route tables buffered per watching router.
 const ROUTE_QUEUE: usize = 16;
@@ -31,13 +34,46 @@ const ROUTE_QUEUE: usize = 16;
 #[derive(Clone)]
 pub struct HeadGrpc {
     cluster: Arc<Cluster>,
+    auth: HeadAuth,
     shutdown: CancellationToken,
 }
 
 impl HeadGrpc {
-    /// Wraps the shared cluster state; streams end when `shutdown` fires.
+    /// Wraps the shared cluster state (its configuration's tokens guard every call);
+    /// streams end when `shutdown` fires.
     pub fn new(cluster: Arc<Cluster>, shutdown: CancellationToken) -> Self {
-        Self { cluster, shutdown }
+        let auth = cluster.cfg().auth.clone();
+        Self { cluster, auth, shutdown }
+    }
+
+    /// The caller of `rpc`, or the refusal (`UNAUTHENTICATED` / `PERMISSION_DENIED`); a
+    /// refused admin action is audited with `args`.
+    fn authorize<T>(&self, request: &Request<T>, rpc: Rpc, args: &str) -> Result<Caller, Status> {
+        let value = request.metadata().get(prism_common::head_auth::AUTHORIZATION).map(|v| v.as_bytes());
+        self.auth.authorize(value, rpc).map_err(|refused| {
+            if rpc.is_admin_action() {
+                audit::record(&refused.caller, rpc, args, Err(&refused.status));
+            } else {
+                tracing::debug!(rpc = rpc.name(), who = %refused.caller.name, code = ?refused.status.code(), "call refused");
+            }
+            refused.status
+        })
+    }
+
+    /// Runs an admin action as `caller` (on the leader only) and audits its outcome.
+    async fn audited<R>(
+        &self,
+        caller: &Caller,
+        rpc: Rpc,
+        args: &str,
+        action: impl Future<Output = Result<R, HeadError>>,
+    ) -> Result<Response<R>, Status> {
+        let result = match self.leader_only() {
+            Ok(()) => action.await.map_err(Status::from),
+            Err(s) => Err(s),
+        };
+        audit::record(caller, rpc, args, result.as_ref().map(|_| ()));
+        result.map(Response::new)
     }
 
     fn leader_only(&self) -> Result<(), Status> {
@@ -59,6 +95,8 @@ impl HeadService for HeadGrpc {
         &self,
         request: Request<Streaming<WorkerMessage>>,
     ) -> Result<Response<Self::WorkerSessionStream>, Status> {
+        let caller = self.authorize(&request, Rpc::WorkerSession, "")?;
+        tracing::debug!(who = %caller.name, "worker session opened");
         self.leader_only()?;
         Ok(Response::new(registry::open_session(&self.cluster, request.into_inner()).await?))
     }
@@ -66,6 +104,7 @@ impl HeadService for HeadGrpc {
     /// Keeps the router's latest demand (the autoscaler's queue input); a model with queued
     /// requests and no replica wakes the reconciler at once (scale from zero).
     async fn report_demand(&self, request: Request<RouterDemandReport>) -> Result<Response<RouterDemandAck>, Status> {
+        self.authorize(&request, Rpc::ReportDemand, "")?;
         self.leader_only()?;
         let r = request.into_inner();
         if r.router_id.is_empty() {
@@ -91,6 +130,7 @@ impl HeadService for HeadGrpc {
         &self,
         request: Request<WatchRoutesRequest>,
     ) -> Result<Response<Self::WatchRoutesStream>, Status> {
+        self.authorize(&request, Rpc::WatchRoutes, "")?;
         self.leader_only()?;
         let router = request.into_inner().router_id;
         let mut routes = self.cluster.subscribe_routes();
@@ -131,44 +171,64 @@ impl HeadService for HeadGrpc {
         &self,
         request: Request<ApplyDeploymentRequest>,
     ) -> Result<Response<ApplyDeploymentResponse>, Status> {
-        self.leader_only()?;
-        let spec = request
-            .into_inner()
-            .spec
-            .ok_or_else(|| Status::from(HeadError::InvalidArgument("spec is required".into())))?;
-        let (deployment, created) = admin::apply_deployment(&self.cluster, spec).await?;
-        Ok(Response::new(ApplyDeploymentResponse { deployment: Some(deployment), created }))
+        let args = request.get_ref().spec.as_ref().map_or_else(String::new, |s| {
+            format!(
+                "deployment={:?} replicas={} model={:?}",
+                s.name,
+                s.replicas,
+                s.engine.as_ref().map_or("", |e| e.model.as_str())
+            )
+        });
+        let caller = self.authorize(&request, Rpc::ApplyDeployment, &args)?;
+        let spec = request.into_inner().spec;
+        self.audited(&caller, Rpc::ApplyDeployment, &args, async {
+            let spec = spec.ok_or_else(|| HeadError::InvalidArgument("spec is required".into()))?;
+            let (deployment, created) = admin::apply_deployment(&self.cluster, spec).await?;
+            Ok(ApplyDeploymentResponse { deployment: Some(deployment), created })
+        })
+        .await
     }
 
     async fn delete_deployment(
         &self,
         request: Request<DeleteDeploymentRequest>,
     ) -> Result<Response<DeleteDeploymentResponse>, Status> {
-        self.leader_only()?;
-        admin::delete_deployment(&self.cluster, &request.into_inner().name).await?;
-        Ok(Response::new(DeleteDeploymentResponse {}))
+        let args = format!("deployment={:?}", request.get_ref().name);
+        let caller = self.authorize(&request, Rpc::DeleteDeployment, &args)?;
+        let name = request.into_inner().name;
+        self.audited(&caller, Rpc::DeleteDeployment, &args, async {
+            admin::delete_deployment(&self.cluster, &name).await?;
+            Ok(DeleteDeploymentResponse {})
+        })
+        .await
     }
 
     async fn scale_deployment(
         &self,
         request: Request<ScaleDeploymentRequest>,
     ) -> Result<Response<ScaleDeploymentResponse>, Status> {
-        self.leader_only()?;
+        let args = format!("deployment={:?} replicas={}", request.get_ref().name, request.get_ref().replicas);
+        let caller = self.authorize(&request, Rpc::ScaleDeployment, &args)?;
         let r = request.into_inner();
-        let d = admin::scale_deployment(&self.cluster, &r.name, r.replicas).await?;
-        Ok(Response::new(ScaleDeploymentResponse { deployment: Some(d) }))
+        self.audited(&caller, Rpc::ScaleDeployment, &args, async {
+            let d = admin::scale_deployment(&self.cluster, &r.name, r.replicas).await?;
+            Ok(ScaleDeploymentResponse { deployment: Some(d) })
+        })
+        .await
     }
 
     async fn list_deployments(
         &self,
-        _request: Request<ListDeploymentsRequest>,
+        request: Request<ListDeploymentsRequest>,
     ) -> Result<Response<ListDeploymentsResponse>, Status> {
+        self.authorize(&request, Rpc::ListDeployments, "")?;
         self.leader_only()?;
         let s = admin::snapshot(&self.cluster).await?;
         Ok(Response::new(ListDeploymentsResponse { deployments: s.deployments }))
     }
 
-    async fn list_nodes(&self, _request: Request<ListNodesRequest>) -> Result<Response<ListNodesResponse>, Status> {
+    async fn list_nodes(&self, request: Request<ListNodesRequest>) -> Result<Response<ListNodesResponse>, Status> {
+        self.authorize(&request, Rpc::ListNodes, "")?;
         self.leader_only()?;
         let s = admin::snapshot(&self.cluster).await?;
         Ok(Response::new(ListNodesResponse { nodes: s.nodes }))
@@ -178,6 +238,7 @@ impl HeadService for HeadGrpc {
         &self,
         request: Request<ListReplicasRequest>,
     ) -> Result<Response<ListReplicasResponse>, Status> {
+        self.authorize(&request, Rpc::ListReplicas, "")?;
         self.leader_only()?;
         let dep = request.into_inner().deployment;
         let s = admin::snapshot(&self.cluster).await?;
@@ -188,27 +249,41 @@ impl HeadService for HeadGrpc {
     /// Answered by followers too (from the store), with `is_leader = false`.
     async fn cluster_status(
         &self,
-        _request: Request<ClusterStatusRequest>,
+        request: Request<ClusterStatusRequest>,
     ) -> Result<Response<ClusterStatusResponse>, Status> {
+        self.authorize(&request, Rpc::ClusterStatus, "")?;
         Ok(Response::new(admin::snapshot(&self.cluster).await?))
     }
 
     async fn cordon_node(&self, request: Request<NodeRequest>) -> Result<Response<NodeResponse>, Status> {
-        self.leader_only()?;
-        let node = admin::cordon(&self.cluster, &request.into_inner().node_id).await?;
-        Ok(Response::new(NodeResponse { node: Some(node) }))
+        let args = format!("node={:?}", request.get_ref().node_id);
+        let caller = self.authorize(&request, Rpc::CordonNode, &args)?;
+        let node = request.into_inner().node_id;
+        self.audited(&caller, Rpc::CordonNode, &args, async {
+            Ok(NodeResponse { node: Some(admin::cordon(&self.cluster, &node).await?) })
+        })
+        .await
     }
 
     async fn uncordon_node(&self, request: Request<NodeRequest>) -> Result<Response<NodeResponse>, Status> {
-        self.leader_only()?;
-        let node = admin::uncordon(&self.cluster, &request.into_inner().node_id).await?;
-        Ok(Response::new(NodeResponse { node: Some(node) }))
+        let args = format!("node={:?}", request.get_ref().node_id);
+        let caller = self.authorize(&request, Rpc::UncordonNode, &args)?;
+        let node = request.into_inner().node_id;
+        self.audited(&caller, Rpc::UncordonNode, &args, async {
+            Ok(NodeResponse { node: Some(admin::uncordon(&self.cluster, &node).await?) })
+        })
+        .await
     }
 
     async fn drain_node(&self, request: Request<DrainNodeRequest>) -> Result<Response<NodeResponse>, Status> {
-        self.leader_only()?;
+        let r = request.get_ref();
+        let args = format!("node={:?} deadline_ms={} reason={:?}", r.node_id, r.deadline_ms, r.reason);
+        let caller = self.authorize(&request, Rpc::DrainNode, &args)?;
         let r = request.into_inner();
-        let node = drain::drain_node(&self.cluster, &r.node_id, r.deadline_ms, &r.reason).await?;
-        Ok(Response::new(NodeResponse { node: Some(node) }))
+        self.audited(&caller, Rpc::DrainNode, &args, async {
+            let node = drain::drain_node(&self.cluster, &r.node_id, r.deadline_ms, &r.reason).await?;
+            Ok(NodeResponse { node: Some(node) })
+        })
+        .await
     }
 }

@@ -55,6 +55,9 @@ pub struct Args {
     /// Head gRPC address(es) to watch routes from, e.g. http://head:50050 (repeatable or comma separated).
     #[arg(long = "head", env = "PRISM_HEAD", value_delimiter = ',')]
     pub head: Vec<String>,
+    /// The token this router presents to the head (role `router`).
+    #[command(flatten)]
+    pub head_token: prism_common::head_auth::HeadTokenArgs,
     /// HTTP listen address (OpenAI API, /health, /healthz, /readyz, /metrics).
     #[arg(long = "http-listen", env = "PRISM_ROUTER_HTTP_LISTEN", default_value = "0.0.0.0:8000")]
     pub http_listen: SocketAddr,
@@ -147,6 +150,8 @@ impl std::str::FromStr for StaticRoute {
 pub struct RouterConfig {
     /// Head gRPC endpoints (with scheme); empty = static routes only.
     pub heads: Vec<String>,
+    /// The token presented to the head for route watches and demand reports (none: an open head).
+    pub head_token: prism_common::head_auth::HeadCredential,
     /// Accepted API keys with their limits; empty = no authentication (`Debug` hides them).
     pub api_keys: Vec<ApiKeyEntry>,
     /// Whether `/metrics` needs no key when keys are set.
@@ -183,6 +188,7 @@ impl Default for RouterConfig {
     fn default() -> Self {
         Self {
             heads: Vec::new(),
+            head_token: prism_common::head_auth::HeadCredential::None,
             api_keys: Vec::new(),
             metrics_without_auth: false,
             max_body_bytes: 4 * 1024 * 1024,
@@ -249,6 +255,7 @@ impl Args {
         let heads = self.head.into_iter().map(|h| if h.contains("://") { h } else { format!("http://{h}") }).collect();
         Ok(RouterConfig {
             heads,
+            head_token: self.head_token.credential(),
             api_keys: self.keys.entries()?,
             metrics_without_auth: self.keys.metrics_without_auth,
             max_body_bytes: self.max_body_bytes,

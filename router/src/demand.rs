@@ -13,10 +13,10 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use prism_common::head_auth::{HeadClient, HeadCredential, head_client};
 use prism_common::proto::v1::RouterDemandReport;
-use prism_common::proto::v1::head_service_client::HeadServiceClient;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 use crate::admission::Admission;
 use crate::routes::Routes;
@@ -34,12 +34,13 @@ pub async fn report(
     routes: Routes,
     heads: Vec<String>,
     router_id: String,
+    credential: HeadCredential,
     shutdown: CancellationToken,
 ) {
     if heads.is_empty() {
         return;
     }
-    let mut clients: HashMap<String, HeadServiceClient<Channel>> = HashMap::new();
+    let mut clients: HashMap<String, HeadClient> = HashMap::new();
     let mut next = 0usize;
     let mut hint: Option<String> = None;
     let mut tick = tokio::time::interval(REPORT_PERIOD);
@@ -57,7 +58,7 @@ pub async fn report(
                 heads[next % heads.len()].clone()
             }
         };
-        let Some(client) = client_for(&mut clients, &head) else { continue };
+        let Some(client) = client_for(&mut clients, &head, &credential) else { continue };
         let req = RouterDemandReport { router_id: router_id.clone(), models: admission.demand() };
         match tokio::time::timeout(REPORT_TIMEOUT, client.report_demand(req)).await {
             Ok(Ok(_)) => {}
@@ -77,9 +78,10 @@ pub async fn report(
 
 /// The client of `head` (connected lazily, kept for the next reports).
 fn client_for<'a>(
-    clients: &'a mut HashMap<String, HeadServiceClient<Channel>>,
+    clients: &'a mut HashMap<String, HeadClient>,
     head: &str,
-) -> Option<&'a mut HeadServiceClient<Channel>> {
+    credential: &HeadCredential,
+) -> Option<&'a mut HeadClient> {
     if !clients.contains_key(head) {
         let ep = match Endpoint::from_shared(head.to_owned()) {
             Ok(ep) => ep.connect_timeout(Duration::from_secs(1)),
@@ -88,7 +90,14 @@ fn client_for<'a>(
                 return None;
             }
         };
-        clients.insert(head.to_owned(), HeadServiceClient::new(prism_common::tls::client::channel_lazy(ep)));
+        let bearer = match credential.bearer() {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "no head token for demand reports");
+                return None;
+            }
+        };
+        clients.insert(head.to_owned(), head_client(prism_common::tls::client::channel_lazy(ep), bearer));
     }
     clients.get_mut(head)
 }

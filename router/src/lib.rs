@@ -77,7 +77,12 @@ pub async fn run(
         );
     }
     let router_id = format!("router-{}", uuid::Uuid::new_v4().simple());
-    let watch = tokio::spawn(routes.clone().watch(config.heads.clone(), router_id.clone(), shutdown.child_token()));
+    let watch = tokio::spawn(routes.clone().watch(
+        config.heads.clone(),
+        router_id.clone(),
+        config.head_token.clone(),
+        shutdown.child_token(),
+    ));
     let queue = tokio::spawn(dispatcher.admission().clone().run(shutdown.child_token()));
     // Prompt codecs and prefix indexes of the replicas, for cache-aware routing only.
     let caches = (config.routing_policy == RoutingPolicy::PrefixAware)
@@ -87,6 +92,7 @@ pub async fn run(
         routes.clone(),
         config.heads.clone(),
         router_id,
+        config.head_token.clone(),
         shutdown.child_token(),
     ));
 

@@ -15,7 +15,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
-use prism_common::proto::v1::head_service_client::HeadServiceClient;
+use prism_common::head_auth::{HeadCredential, head_client};
 use prism_common::proto::v1::{ReplicaState, RouteTable, WatchRoutesRequest};
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
@@ -356,7 +356,13 @@ impl Routes {
     /// Follows `WatchRoutes` on the given heads until `shutdown`, trying them in turn and
     /// reconnecting with exponential backoff (100 ms → 5 s). The last table stays in use
     /// while no head answers.
-    pub async fn watch(self, heads: Vec<String>, router_id: String, shutdown: CancellationToken) {
+    pub async fn watch(
+        self,
+        heads: Vec<String>,
+        router_id: String,
+        credential: HeadCredential,
+        shutdown: CancellationToken,
+    ) {
         if heads.is_empty() {
             return;
         }
@@ -371,7 +377,7 @@ impl Routes {
                     .http2_keep_alive_interval(Duration::from_secs(5))
                     .keep_alive_timeout(Duration::from_secs(5));
                 let ch = prism_common::tls::client::channel(ep).await?;
-                let mut client = HeadServiceClient::new(ch);
+                let mut client = head_client(ch, credential.bearer()?);
                 let mut stream =
                     client.watch_routes(WatchRoutesRequest { router_id: router_id.clone() }).await?.into_inner();
                 let mut got_any = false;

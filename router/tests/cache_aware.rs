@@ -30,6 +30,7 @@ fn export() -> CodecExport {
     CodecExport {
         tokenizer: TokenizerExport { json: json.to_string(), add_bos: false, bos_id: None },
         chat_template: None,
+        chat_content_special_tokens: false,
     }
 }
 

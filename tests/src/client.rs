@@ -9,7 +9,8 @@ mod openai;
 mod reference;
 
 pub use generate::{
-    PROMPTS, SERVED, StreamResult, greedy_request, reference, router_ready_replicas, stream, wait_route_change,
+    PROMPTS, SERVED, StreamResult, greedy_request, reference, router_ready_replicas, stream, stream_counted,
+    wait_route_change,
 };
 pub use load::{Load, LoadReport};
 pub use openai::{check_models, post_json, post_sse};

@@ -70,6 +70,38 @@ pub struct ClusterBuilder {
     envs: Vec<(String, String)>,
     cli_args: Vec<String>,
     deployment: Option<Deployment>,
+    head_auth: bool,
+}
+
+/// The tokens of a cluster started with [`ClusterBuilder::head_auth`], one per role, each
+/// also in a file of the cluster's directory (`admin.token` …); the heads' token file is
+/// `head-tokens`.
+#[derive(Clone, Debug)]
+pub struct HeadTokens {
+    /// Role `admin`, label `ops`: what the fixture's own queries and [`Cluster::cli`] use.
+    pub admin: String,
+    /// Role `read`, label `dashboard`.
+    pub read: String,
+    /// Role `worker`, label `workers`: every worker's `--head-token-file`.
+    pub worker: String,
+    /// Role `router`, label `routers`: every router's `--head-token-file`.
+    pub router: String,
+}
+
+impl HeadTokens {
+    fn generate() -> Result<Self> {
+        let random = || -> Result<String> {
+            let mut b = [0u8; 16];
+            std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut b)?;
+            Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+        };
+        Ok(Self { admin: random()?, read: random()?, worker: random()?, router: random()? })
+    }
+
+    /// Every token, for "no token appears in the logs" checks.
+    pub fn all(&self) -> [&str; 4] {
+        [&self.admin, &self.read, &self.worker, &self.router]
+    }
 }
 
 fn owned<'a>(args: &'a [&'a str]) -> impl Iterator<Item = String> + 'a {
@@ -156,6 +188,16 @@ impl ClusterBuilder {
         self
     }
 
+    /// Turns on the heads' authentication: [`HeadTokens`] are generated into a token file
+    /// given as `--auth-token-file`; workers and routers get their role's token through
+    /// `--head-token-file`, and the fixture's own queries and [`Cluster::cli`] use the admin
+    /// token ([`Cluster::tokens`]).
+    #[must_use]
+    pub fn head_auth(mut self) -> Self {
+        self.head_auth = true;
+        self
+    }
+
     /// Applies `deployment` once the workers have registered, and waits until its replicas
     /// are Ready at the head and listed by the router.
     #[must_use]
@@ -171,8 +213,9 @@ impl ClusterBuilder {
     /// # Errors
     /// When a process cannot be started or a wait times out; the message ends with every
     /// process's log.
-    pub async fn start(self) -> Result<Cluster> {
+    pub async fn start(mut self) -> Result<Cluster> {
         let dir = tempfile::Builder::new().prefix("prism-cluster-").tempdir()?;
+        let tokens = if self.head_auth { Some(self.write_tokens(dir.path())?) } else { None };
         let (etcd, store) = match self.store {
             Store::Etcd | Store::EtcdCluster(_) => {
                 let members = if let Store::EtcdCluster(n) = self.store { n } else { 1 };
@@ -189,6 +232,7 @@ impl ClusterBuilder {
             served: SERVED.to_owned(),
             store,
             spec: self,
+            tokens,
             etcd,
             dir,
         };
@@ -196,6 +240,33 @@ impl ClusterBuilder {
             bail!("{e:#}\n{}", cluster.logs());
         }
         Ok(cluster)
+    }
+
+    /// Generates the tokens, writes the heads' token file and one file per token into
+    /// `dir`, and adds the flags that use them.
+    fn write_tokens(&mut self, dir: &Path) -> Result<HeadTokens> {
+        let t = HeadTokens::generate()?;
+        let file = dir.join("head-tokens");
+        std::fs::write(
+            &file,
+            format!(
+                "# role per token\n{} role=admin name=ops\n{} role=read name=dashboard\n{} role=worker name=workers\n\
+                 {} role=router name=routers\n",
+                t.admin, t.read, t.worker, t.router
+            ),
+        )?;
+        let path = |name: &str, token: &str| -> Result<String> {
+            let p = dir.join(name);
+            std::fs::write(&p, format!("{token}\n"))?;
+            Ok(p.to_string_lossy().into_owned())
+        };
+        path("admin.token", &t.admin)?;
+        path("read.token", &t.read)?;
+        let (worker, router) = (path("worker.token", &t.worker)?, path("router.token", &t.router)?);
+        self.head_args.extend(["--auth-token-file".to_owned(), file.to_string_lossy().into_owned()]);
+        self.worker_args.extend(["--head-token-file".to_owned(), worker]);
+        self.router_args.extend(["--head-token-file".to_owned(), router]);
+        Ok(t)
     }
 }
 
@@ -211,6 +282,7 @@ pub struct Cluster {
     served: String,
     store: String,
     spec: ClusterBuilder,
+    tokens: Option<HeadTokens>,
     etcd: Option<EtcdFixture>,
     dir: tempfile::TempDir,
 }
@@ -230,6 +302,7 @@ impl Cluster {
             envs: Vec::new(),
             cli_args: Vec::new(),
             deployment: None,
+            head_auth: false,
         }
     }
 
@@ -290,7 +363,8 @@ impl Cluster {
             0 => "prism-head".to_owned(),
             n => format!("prism-head-{}", n + 1),
         };
-        let head = Head::spawn(&name, &self.store, &self.spec.head_args, &self.spec.envs)?;
+        let mut head = Head::spawn(&name, &self.store, &self.spec.head_args, &self.spec.envs)?;
+        head.token = self.tokens.as_ref().map(|t| t.admin.clone());
         self.heads.push(head);
         self.heads.last_mut().context("head just added")
     }
@@ -366,6 +440,11 @@ impl Cluster {
     /// When the cluster has no router.
     pub fn http(&self) -> &str {
         &self.router().http
+    }
+
+    /// The tokens, with [`ClusterBuilder::head_auth`].
+    pub fn tokens(&self) -> Option<&HeadTokens> {
+        self.tokens.as_ref()
     }
 
     /// The store the heads were given (`etcd://127.0.0.1:PORT` or `embedded:FILE`).
@@ -555,13 +634,18 @@ impl Cluster {
     }
 
     /// Runs `prism --head HEAD ARGS` against the first head (on a blocking section of the
-    /// multi-threaded runtime) and returns its stdout.
+    /// multi-threaded runtime; with [`ClusterBuilder::head_auth`], `--token-file` of the
+    /// admin token too) and returns its stdout.
     ///
     /// # Errors
     /// When the command fails.
     pub fn cli(&self, args: &[&str]) -> Result<String> {
+        let admin = self.dir.path().join("admin.token").to_string_lossy().into_owned();
         let mut all = vec!["--head", self.head_url()];
         all.extend(self.spec.cli_args.iter().map(String::as_str));
+        if self.tokens.is_some() {
+            all.extend(["--token-file", admin.as_str()]);
+        }
         all.extend_from_slice(args);
         tokio::task::block_in_place(|| prism_cli(&all))
     }
@@ -592,6 +676,13 @@ impl Cluster {
         wait_route_change(self.grpc(), &self.served, from, timeout).await
     }
 
+    /// The rank processes of this cluster's parallel replicas (children of its workers),
+    /// grouped by the rendezvous they joined, each group in rank order.
+    pub fn rank_groups(&self) -> std::collections::BTreeMap<String, Vec<crate::ranks::RankProcess>> {
+        let workers: Vec<u32> = self.workers.iter().map(|w| w.process.pid()).collect();
+        crate::ranks::rank_groups(&workers)
+    }
+
     /// Fails when a process has exited.
     ///
     /// # Errors
@@ -620,6 +711,17 @@ impl Cluster {
             let cut = log.len().saturating_sub(LOG_TAIL);
             let cut = (cut..log.len()).find(|i| log.is_char_boundary(*i)).unwrap_or(log.len());
             out.push_str(&format!("--- etcd ---\n{}\n", &log[cut..]));
+        }
+        out
+    }
+
+    /// Every process's whole kept stderr (etcd's log too), for checks over all the logs.
+    pub fn logs_full(&self) -> String {
+        let procs = self.heads.iter().map(|h| &h.process);
+        let procs = procs.chain(self.workers.iter().map(|w| &w.process));
+        let mut out: String = procs.chain(self.routers.iter().map(|r| &r.process)).map(|p| p.stderr()).collect();
+        if let Some(etcd) = &self.etcd {
+            out.push_str(&etcd.log());
         }
         out
     }

@@ -5,6 +5,8 @@
 //! - [`PrismUp`]: `prism up` (the one-machine mode) as one child process.
 //! - [`EtcdFixture`]: a real etcd (one member or a cluster), killed and restarted on demand.
 //! - [`TcpProxy`]: a TCP forwarder between two components that a test cuts and heals.
+//! - rank processes of parallel replicas, from `/proc` ([`rank_processes`], [`rank_groups`]),
+//!   and signals to them ([`signal_pid`]).
 //! - clients: greedy gRPC streams ([`stream`]), checked closed-loop load ([`Load`]), the
 //!   OpenAI HTTP API ([`post_json`], [`post_sse`]), the model's greedy reference
 //!   ([`check_reference_greedy`]), Prometheus text ([`metric_sum`], [`metric_value`]).
@@ -20,19 +22,22 @@ pub mod metrics;
 pub mod paths;
 pub mod process;
 pub mod proxy;
+pub mod ranks;
 pub mod up;
 pub mod wait;
 
 pub use cli::prism_cli;
 pub use client::{
     Load, LoadReport, PROMPTS, ReferenceCase, SERVED, StreamResult, check_models, check_reference_greedy,
-    greedy_request, post_json, post_sse, reference, reference_cases, router_ready_replicas, stream, wait_route_change,
+    greedy_request, post_json, post_sse, reference, reference_cases, router_ready_replicas, stream, stream_counted,
+    wait_route_change,
 };
-pub use cluster::{Cluster, ClusterBuilder, Deployment, Head, Router, Store, Worker};
+pub use cluster::{Cluster, ClusterBuilder, Deployment, Head, HeadTokens, Router, Store, Worker};
 pub use etcd::EtcdFixture;
 pub use metrics::{metric_sum, metric_value, quantile};
 pub use paths::{MODEL_FILE, bin_path, model, workspace_root};
 pub use process::{Process, ProcessGuard, alive, descendants};
 pub use proxy::TcpProxy;
+pub use ranks::{RankProcess, rank_groups, rank_processes, signal_pid};
 pub use up::{PrismUp, UpEndpoints};
 pub use wait::{eventually, free_port, poll_until, wait_until};

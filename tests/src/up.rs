@@ -22,6 +22,8 @@ pub struct UpEndpoints {
     pub head: String,
     /// Worker `/metrics` URL (vLLM metric names).
     pub worker_metrics: String,
+    /// The head's admin token file, printed with `--head-auth`.
+    pub head_token_file: Option<String>,
 }
 
 /// A running `prism up` on free ports; dropping it kills the process.
@@ -58,6 +60,7 @@ impl PrismUp {
         let mut grpc = None;
         let mut head = None;
         let mut worker_metrics = None;
+        let mut head_token_file = None;
         while http.is_none() || grpc.is_none() || head.is_none() || worker_metrics.is_none() {
             let line = proc
                 .wait_for_line(START_TIMEOUT, |l| {
@@ -75,6 +78,8 @@ impl PrismUp {
                 grpc = Some(format!("http://{v}"));
             } else if let Some(v) = field_after(&line, "Head:") {
                 head = Some(v);
+                head_token_file =
+                    line.split_once("--token-file ").and_then(|(_, f)| f.split(['`', ' ']).next()).map(str::to_owned);
             }
         }
         let endpoints = UpEndpoints {
@@ -82,6 +87,7 @@ impl PrismUp {
             grpc: grpc.context("grpc")?,
             head: head.context("head")?,
             worker_metrics: worker_metrics.context("worker metrics")?,
+            head_token_file,
         };
         Ok(Self { proc, endpoints })
     }

@@ -7,10 +7,23 @@
 //! discovery and device placement), [`replica`] (one replica and its engine, the replica table
 //! through which every state change goes), [`drain`] (the node drain: SIGTERM, drain commands,
 //! spot notices, the deadline hand-back), [`launcher`] (the real engine behind
-//! [`replica::EngineLauncher`]), [`spot`] (spot-termination notice poller).
+//! [`replica::EngineLauncher`]), [`spot`] (spot-termination notice poller), [`group`] (this
+//! node's ranks of a parallel replica, and the member role's rank processes).
+//!
+//! A parallel replica (`tensor_parallel_size × pipeline_parallel_size` > 1) takes one of two
+//! roles on a node. The driver's node (a `StartReplica` without `rendezvous`) holds rank 0:
+//! its engine runs rank 0 in this process and starts the node's other ranks as processes;
+//! when the group has ranks on other nodes it first binds a rendezvous and reports its
+//! address in the replica's status at once, so the head can start them while the model
+//! loads. A member node (a `StartReplica` with the driver's `rendezvous`) starts one rank
+//! process per local rank and reports the entry with `group_member`: Ready once they are
+//! started (the driver's replica says whether the group formed), Failed as soon as one of
+//! them exits (the others are killed with it); a stop kills them at once, a node drain
+//! leaves them serving until the head stops the group or the drain's deadline passes.
 
 pub mod drain;
 pub mod gpu;
+pub mod group;
 pub mod launcher;
 pub mod registration;
 pub mod replica;
@@ -20,9 +33,13 @@ pub use drain::{DrainSource, DrainState};
 
 use crate::config::WorkerConfig;
 use drain::NodeDrain;
+use group::{LocalShare, MemberLaunch};
 use prism_common::proto::v1::{self as pb, ReplicaState};
 use prism_common::{NodeId, ReplicaId};
-use replica::{EngineLauncher, LaunchSpec, Replica, ReplicaTable};
+use prism_engine::parallel::ParallelSizes;
+use prism_engine::parallel::rank::Rendezvous;
+use prism_engine::parallel::spawn::RankProgram;
+use replica::{DevicePlacement, EngineLauncher, LaunchSpec, ParallelLaunch, Replica, ReplicaTable};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -151,6 +168,10 @@ impl Agent {
     pub fn check_engines(&self) {
         for r in self.replicas.all() {
             let (state, _) = r.state();
+            if r.is_group_member() {
+                self.check_member(&r, state);
+                continue;
+            }
             if !matches!(state, ReplicaState::Ready | ReplicaState::Draining) {
                 continue;
             }
@@ -163,6 +184,20 @@ impl Agent {
                     engine.stop();
                 }
             }
+        }
+    }
+
+    /// A member entry whose rank exited turns Failed (naming the rank and its exit) and its
+    /// other ranks are killed: the group is broken, the driver's replica fails with it.
+    fn check_member(&self, r: &Replica, state: ReplicaState) {
+        if !matches!(state, ReplicaState::Starting | ReplicaState::Ready | ReplicaState::Draining) {
+            return;
+        }
+        if let Some(why) = r.member_ranks().exited()
+            && self.replicas.transition(r, ReplicaState::Failed, why.clone())
+        {
+            tracing::warn!(replica = %r.id, reason = %why, "member rank exited: group failed");
+            r.member_ranks().kill_all();
         }
     }
 
@@ -185,8 +220,13 @@ impl Agent {
         }
         for r in self.replicas.all() {
             let (state, reason) = r.state();
-            let problem =
-                if r.engine().is_none() { Some("engine not loaded".to_owned()) } else { self.engine_problem(&r) };
+            let problem = if r.is_group_member() {
+                r.member_ranks().exited()
+            } else if r.engine().is_none() {
+                Some("engine not loaded".to_owned())
+            } else {
+                self.engine_problem(&r)
+            };
             if state != ReplicaState::Ready || problem.is_some() {
                 let reason = problem.unwrap_or(reason);
                 why.push(format!("replica {} is {} {}", r.id, state.as_str_name(), reason).trim_end().to_owned());
@@ -196,18 +236,22 @@ impl Agent {
     }
 
     /// Executes `StartReplica`: idempotent (an id already hosted is left alone, so a new
-    /// head adopts running replicas instead of restarting them). Loads the engine on a
-    /// blocking thread; Starting → Ready, or Failed with the reason.
+    /// head adopts running replicas instead of restarting them). With the driver's
+    /// `rendezvous` it starts this node's member ranks ([`Agent::start_member`]); else it
+    /// loads the engine on a blocking thread (binding the group's rendezvous first when it
+    /// has ranks on other nodes): Starting → Ready, or Failed with the reason.
     pub fn start_replica(self: &Arc<Self>, cmd: pb::StartReplica) {
-        let engine = cmd.engine.unwrap_or_default();
+        let engine = cmd.engine.clone().unwrap_or_default();
         let model_name =
             if engine.served_model_name.is_empty() { engine.model.clone() } else { engine.served_model_name.clone() };
-        let replica = Arc::new(Replica::new(
-            ReplicaId(cmd.replica_id.clone()),
-            cmd.deployment.clone(),
-            model_name,
-            cmd.gpu_indices.clone(),
-        ));
+        let member = !cmd.rendezvous.is_empty();
+        let (id, deployment, gpus) =
+            (ReplicaId(cmd.replica_id.clone()), cmd.deployment.clone(), cmd.gpu_indices.clone());
+        let replica = Arc::new(if member {
+            Replica::new_member(id, deployment, model_name, gpus)
+        } else {
+            Replica::new(id, deployment, model_name, gpus)
+        });
         if !self.replicas.insert_new(Arc::clone(&replica)) {
             tracing::info!(replica = %cmd.replica_id, "start for a replica already hosted: kept as is");
             self.replicas.notify();
@@ -218,12 +262,53 @@ impl Agent {
             self.replicas.transition(&replica, ReplicaState::Failed, "node is draining");
             return;
         }
-        let placement = match self.devices.placement_for(&self.cfg.node_id, &engine, &cmd.gpu_indices) {
+        let sizes = ParallelSizes::new(
+            engine.tensor_parallel_size.max(1) as usize,
+            engine.pipeline_parallel_size.unwrap_or(1).max(1) as usize,
+        );
+        let share = match LocalShare::of(&self.cfg.node_id, sizes, &cmd.rank_groups, &cmd.gpu_indices) {
+            Ok(s) if !member && !s.holds_rank_zero() => Err(group::GroupError::NoRankZero(self.cfg.node_id.clone())),
+            Ok(s) if member && s.holds_rank_zero() => {
+                Err(group::GroupError::MemberWithRankZero(self.cfg.node_id.clone()))
+            }
+            other => other,
+        };
+        let placement = share.map_err(|e| e.to_string()).and_then(|share| {
+            let placement = self
+                .devices
+                .placement_for(&self.cfg.node_id, &engine, &share.devices, share.ranks.len())
+                .map_err(|e| e.to_string())?;
+            Ok((share, placement))
+        });
+        let (share, placement) = match placement {
             Ok(p) => p,
             Err(e) => {
-                self.replicas.transition(&replica, ReplicaState::Failed, e.to_string());
+                self.replicas.transition(&replica, ReplicaState::Failed, e);
                 return;
             }
+        };
+        if member {
+            // CPU member ranks share this node's cores (the driver's engine splits its own).
+            let threads = matches!(placement, DevicePlacement::Cpu)
+                .then(|| group::threads_per_rank(self.cfg.engine_threads, share.ranks.len()));
+            self.start_member(&replica, &cmd, &share, &placement, threads.or(self.cfg.engine_threads));
+            return;
+        }
+        let rendezvous = if share.spans_nodes {
+            match self.bind_rendezvous(&cmd.group_token) {
+                Ok(r) => {
+                    replica.set_rendezvous(r.address().to_owned());
+                    tracing::info!(replica = %replica.id, rendezvous = r.address(), "rendezvous bound for the group's other nodes");
+                    self.replicas.notify();
+                    Some(Arc::new(r))
+                }
+                Err(e) => {
+                    self.replicas.transition(&replica, ReplicaState::Failed, e);
+                    return;
+                }
+            }
+        } else {
+            None
         };
         let kv_cache_bytes = engine.kv_cache_bytes.unwrap_or(self.cfg.kv_cache_bytes);
         let spec = LaunchSpec {
@@ -232,6 +317,14 @@ impl Agent {
             placement,
             kv_cache_bytes,
             engine_threads: self.cfg.engine_threads,
+            parallel: ParallelLaunch {
+                sizes,
+                local_ranks: share.ranks,
+                rendezvous,
+                collective_timeout: self.cfg.collective_timeout,
+                join_timeout: self.cfg.join_timeout,
+                rank_program: self.cfg.rank_program.clone(),
+            },
         };
         let agent = Arc::clone(self);
         tokio::spawn(async move {
@@ -262,6 +355,60 @@ impl Agent {
                 }
             }
         });
+    }
+
+    /// Binds the rendezvous of a group with ranks on other nodes: on `--rendezvous-bind`
+    /// (default: the gRPC listen IP), reachable at the host of the advertised address.
+    fn bind_rendezvous(&self, token: &str) -> Result<Rendezvous, String> {
+        if token.is_empty() {
+            return Err("group_token is empty for a rank group over several nodes".to_owned());
+        }
+        let ip = self.cfg.rendezvous_bind.unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+        Rendezvous::bind(ip, &group::advertise_host(&self.address), token)
+            .map_err(|e| format!("cannot bind the group's rendezvous on {ip}: {e}"))
+    }
+
+    /// The member role: starts one rank process per local rank (this executable, joining the
+    /// driver's rendezvous with the group token); Ready once they are started, Failed when
+    /// one cannot be started (the others are killed).
+    fn start_member(
+        &self,
+        replica: &Replica,
+        cmd: &pb::StartReplica,
+        share: &LocalShare,
+        placement: &DevicePlacement,
+        engine_threads: Option<usize>,
+    ) {
+        let program = match self.cfg.rank_program.clone().map_or_else(RankProgram::current_exe, Ok) {
+            Ok(p) => p,
+            Err(e) => {
+                self.replicas.transition(replica, ReplicaState::Failed, format!("cannot find this executable: {e}"));
+                return;
+            }
+        };
+        let launch = MemberLaunch {
+            program,
+            rendezvous: cmd.rendezvous.clone(),
+            token: cmd.group_token.clone(),
+            bind_ip: self.cfg.rendezvous_bind,
+            advertise_host: group::advertise_host(&self.address),
+            engine_threads,
+            cuda: matches!(placement, DevicePlacement::Cuda(_)),
+        };
+        match group::spawn_members(&launch, share) {
+            Ok(ranks) => {
+                let pids: Vec<u32> = ranks.iter().map(|p| p.pid()).collect();
+                tracing::info!(replica = %replica.id, ranks = ?share.ranks, ?pids, rendezvous = %cmd.rendezvous, "member ranks started");
+                replica.member_ranks().set(ranks);
+                if !self.replicas.transition(replica, ReplicaState::Ready, "") {
+                    // Stopped or drained meanwhile: its ranks go with it.
+                    replica.member_ranks().kill_all();
+                }
+            }
+            Err(e) => {
+                self.replicas.transition(replica, ReplicaState::Failed, e);
+            }
+        }
     }
 
     /// Executes `StopReplica`: no new requests; waits until idle or `deadline`, aborts the

@@ -3,10 +3,14 @@
 
 use prism_common::NodeId;
 use prism_common::engine_flags::DEFAULT_CPU_KV_CACHE_BYTES;
+use prism_common::head_auth::HeadCredential;
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
+
+/// `--collective-timeout` when neither it nor a stall timeout below twice this is given.
+pub const DEFAULT_COLLECTIVE_TIMEOUT_S: f64 = 30.0;
 
 /// Command-line flags of `prism-worker`.
 #[derive(Clone, Debug, clap::Parser)]
@@ -16,6 +20,10 @@ pub struct Args {
     /// The worker connects to one, follows `UNAVAILABLE` leader hints and reconnects with backoff.
     #[arg(long, env = "PRISM_HEAD", value_delimiter = ',', default_value = "http://127.0.0.1:50050")]
     pub head: Vec<String>,
+
+    /// The token this worker presents to the head (role `worker`).
+    #[command(flatten)]
+    pub head_token: prism_common::head_auth::HeadTokenArgs,
 
     /// gRPC listen address (WorkerService + grpc.health.v1).
     #[arg(long, env = "PRISM_WORKER_LISTEN", default_value = "0.0.0.0:50061")]
@@ -97,6 +105,30 @@ pub struct Args {
     /// Mutual TLS on the gRPC listener and toward the head.
     #[command(flatten)]
     pub tls: prism_common::tls::TlsArgs,
+    /// Seconds a parallel replica's collective (all-reduce, stage hand-off, a rank's answer to
+    /// a step) may take before the group counts as broken: the engine fails the step, kills
+    /// its ranks and the replica is reported Failed. Must be below `--engine-stall-timeout`,
+    /// so a stalled rank is caught by the group (which names it) before the agent's stall
+    /// detection. Default: 30, or half the stall timeout when that is below 60.
+    #[arg(long, env = "PRISM_COLLECTIVE_TIMEOUT")]
+    pub collective_timeout: Option<f64>,
+
+    /// Seconds every rank of a parallel replica has to join the driver's rendezvous and load
+    /// its shard before the replica fails to start.
+    #[arg(long, env = "PRISM_JOIN_TIMEOUT", default_value_t = 600.0)]
+    pub join_timeout: f64,
+
+    /// IP the rendezvous of a parallel replica with ranks on other nodes binds, and the host
+    /// communicator listeners of this node's ranks (default: the gRPC listen IP). Ranks of
+    /// other nodes reach them at the host of the advertised address.
+    #[arg(long, env = "PRISM_RENDEZVOUS_BIND")]
+    pub rendezvous_bind: Option<IpAddr>,
+    /// The directory replicas may load models from: a model path outside it, or resolving
+    /// out of it through a symlink (the model file, or any file of a model directory), fails
+    /// the replica with the reason. Set it to the same directory as the head's
+    /// `--model-root`. Unset: any path.
+    #[arg(long, env = "PRISM_MODEL_ROOT")]
+    pub model_root: Option<PathBuf>,
 }
 
 /// Invalid flag values.
@@ -119,6 +151,19 @@ pub enum ConfigError {
     /// `--engine-stall-timeout` is not a positive number of seconds.
     #[error("--engine-stall-timeout ({0}s) must be a positive number of seconds")]
     BadStallTimeout(f64),
+    /// `--collective-timeout` is not a positive number of seconds below the stall timeout.
+    #[error(
+        "--collective-timeout ({collective}s) must be a positive number of seconds below --engine-stall-timeout ({stall}s)"
+    )]
+    BadCollectiveTimeout {
+        /// Collective timeout, seconds.
+        collective: f64,
+        /// Engine stall timeout, seconds.
+        stall: f64,
+    },
+    /// `--join-timeout` is not a positive number of seconds.
+    #[error("--join-timeout ({0}s) must be a positive number of seconds")]
+    BadJoinTimeout(f64),
     /// A node id that is empty or not a DNS-1123-ish name.
     #[error("node id {0:?} must be non-empty and contain only [A-Za-z0-9._-]")]
     BadNodeId(String),
@@ -129,6 +174,8 @@ pub enum ConfigError {
 pub struct WorkerConfig {
     /// Head endpoints (`http://host:port`), tried in order.
     pub heads: Vec<String>,
+    /// The token presented to the head (none: an open head).
+    pub head_token: HeadCredential,
     /// Advertised endpoint; `None` = derive from the gRPC listener.
     pub advertise_address: Option<String>,
     /// This node's id.
@@ -159,6 +206,17 @@ pub struct WorkerConfig {
     pub enable_fault_injection: bool,
     /// Threads of each replica's compute pool; `None` = the backend's default.
     pub engine_threads: Option<usize>,
+    /// Bound of a parallel replica's collectives (below `engine_stall_timeout`).
+    pub collective_timeout: Duration,
+    /// Time a parallel replica's ranks have to join and load.
+    pub join_timeout: Duration,
+    /// IP rendezvous and rank listeners bind; `None` = the gRPC listen IP ([`crate::run`]
+    /// fills it in).
+    pub rendezvous_bind: Option<IpAddr>,
+    /// The program rank processes run; `None` = this executable (tests substitute one).
+    pub rank_program: Option<prism_engine::parallel::spawn::RankProgram>,
+    /// Where replicas may load models from (`None`: anywhere); see `Args::model_root`.
+    pub model_root: Option<PathBuf>,
 }
 
 impl WorkerConfig {
@@ -166,6 +224,7 @@ impl WorkerConfig {
     pub fn for_test(head: impl Into<String>, node_id: &str) -> Self {
         Self {
             heads: vec![head.into()],
+            head_token: HeadCredential::None,
             advertise_address: None,
             node_id: NodeId::from(node_id),
             labels: BTreeMap::new(),
@@ -181,6 +240,11 @@ impl WorkerConfig {
             engine_stall_timeout: Duration::from_secs(60),
             enable_fault_injection: false,
             engine_threads: None,
+            collective_timeout: Duration::from_secs(30),
+            join_timeout: Duration::from_secs(600),
+            rendezvous_bind: None,
+            rank_program: None,
+            model_root: None,
         }
     }
 }
@@ -227,6 +291,14 @@ impl TryFrom<Args> for WorkerConfig {
         if !(stall.is_finite() && stall > 0.0) {
             return Err(ConfigError::BadStallTimeout(stall));
         }
+        let collective = a.collective_timeout.unwrap_or(DEFAULT_COLLECTIVE_TIMEOUT_S.min(stall / 2.0));
+        if !(collective.is_finite() && collective > 0.0 && collective < stall) {
+            return Err(ConfigError::BadCollectiveTimeout { collective, stall });
+        }
+        let join = a.join_timeout;
+        if !(join.is_finite() && join > 0.0) {
+            return Err(ConfigError::BadJoinTimeout(join));
+        }
         let node_id = a.node_id.unwrap_or_else(hostname);
         let valid =
             !node_id.is_empty() && node_id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
@@ -235,6 +307,7 @@ impl TryFrom<Args> for WorkerConfig {
         }
         Ok(Self {
             heads,
+            head_token: a.head_token.credential(),
             advertise_address: a.advertise_address.map(|s| normalize_endpoint(&s)),
             node_id: NodeId(node_id),
             labels,
@@ -250,6 +323,11 @@ impl TryFrom<Args> for WorkerConfig {
             engine_stall_timeout: Duration::from_secs_f64(stall),
             enable_fault_injection: a.enable_fault_injection,
             engine_threads: a.engine_threads.filter(|n| *n > 0),
+            collective_timeout: Duration::from_secs_f64(collective),
+            join_timeout: Duration::from_secs_f64(join),
+            rendezvous_bind: a.rendezvous_bind,
+            rank_program: None,
+            model_root: a.model_root,
         })
     }
 }
@@ -293,6 +371,26 @@ mod tests {
         assert!(matches!(parse(&["--drain-grace", "5", "--drain-margin", "5"]), Err(ConfigError::BadDrain { .. })));
         assert!(matches!(parse(&["--node-id", "a b"]), Err(ConfigError::BadNodeId(_))));
         assert!(matches!(parse(&["--engine-stall-timeout", "0"]), Err(ConfigError::BadStallTimeout(_))));
+        assert!(matches!(parse(&["--join-timeout", "0"]), Err(ConfigError::BadJoinTimeout(_))));
+    }
+
+    /// The group's collective timeout must expire before the agent's stall detection, so a
+    /// stalled rank is reported by the group (naming the rank) rather than as a stalled engine.
+    #[test]
+    fn collective_timeout_defaults_to_30s_and_must_be_below_the_stall_timeout() -> anyhow::Result<()> {
+        let c = parse(&[])?;
+        assert_eq!((c.collective_timeout, c.join_timeout), (Duration::from_secs(30), Duration::from_secs(600)));
+        let c = parse(&["--collective-timeout", "3", "--engine-stall-timeout", "5", "--join-timeout", "120"])?;
+        assert_eq!((c.collective_timeout, c.join_timeout), (Duration::from_secs(3), Duration::from_secs(120)));
+        let err = parse(&["--collective-timeout", "5", "--engine-stall-timeout", "5"]).err().map(|e| e.to_string());
+        assert_eq!(
+            err.as_deref(),
+            Some("--collective-timeout (5s) must be a positive number of seconds below --engine-stall-timeout (5s)")
+        );
+        assert!(matches!(parse(&["--collective-timeout", "0"]), Err(ConfigError::BadCollectiveTimeout { .. })));
+        // A short stall timeout (GPU pools) without an explicit collective timeout halves it.
+        assert_eq!(parse(&["--engine-stall-timeout", "5"])?.collective_timeout, Duration::from_millis(2500));
+        Ok(())
     }
 
     #[test]

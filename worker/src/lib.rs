@@ -49,7 +49,8 @@ pub async fn run(
     http_listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    run_with_launcher(cfg, grpc_listener, http_listener, shutdown, Arc::new(agent::launcher::LocalLauncher)).await
+    let launcher = Arc::new(agent::launcher::LocalLauncher::new(cfg.model_root.clone()));
+    run_with_launcher(cfg, grpc_listener, http_listener, shutdown, launcher).await
 }
 
 /// [`run`] with a chosen engine launcher (tests use doubles).
@@ -64,6 +65,9 @@ pub async fn run_with_launcher(
     launcher: Arc<dyn EngineLauncher>,
 ) -> anyhow::Result<()> {
     let local = grpc_listener.local_addr()?;
+    let mut cfg = cfg;
+    // Rendezvous and rank listeners bind where the gRPC service does, unless told otherwise.
+    cfg.rendezvous_bind = cfg.rendezvous_bind.or(Some(local.ip()));
     let address = cfg.advertise_address.clone().unwrap_or_else(|| advertise_from(local));
     let devices = agent::gpu::discover(cfg.simulate_gpus, cfg.cpu_slots);
     tracing::info!(

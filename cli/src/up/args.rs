@@ -84,6 +84,12 @@ pub struct UpArgs {
     /// `--metrics-without-auth`), as `prism-router` takes them.
     #[command(flatten)]
     pub keys: prism_router::auth::ApiKeyArgs,
+
+    /// Make the embedded head ask for tokens: random admin, worker and router tokens are
+    /// generated for this run, and the admin token's file (mode 0600) is printed for
+    /// `prism status --token-file`. Off: the head is open, on loopback only.
+    #[arg(long, env = "PRISM_UP_HEAD_AUTH")]
+    pub head_auth: bool,
 }
 
 /// A number of seconds above zero (finite).

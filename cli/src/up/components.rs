@@ -12,6 +12,8 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 
 use super::args::{Listeners, UpArgs};
+use super::head_auth::UpHeadAuth;
+use prism_common::head_auth::HeadCredential;
 
 /// Per-component stop limits (router, worker, head): 9 s in all, inside the 10 s promise.
 const ROUTER_STOP: Duration = Duration::from_secs(2);
@@ -42,7 +44,8 @@ pub struct Cluster {
 }
 
 /// Starts head, worker and router on `listeners`; the router accepts `api_keys` (none = no
-/// authentication). `store` is `embedded`, `embedded:PATH` or `etcd://…`.
+/// authentication); with `head_auth` the head asks for tokens and the worker and router
+/// present theirs. `store` is `embedded`, `embedded:PATH` or `etcd://…`.
 ///
 /// # Errors
 /// Fails on an invalid store or configuration.
@@ -50,6 +53,7 @@ pub async fn start(
     store: &str,
     args: &UpArgs,
     api_keys: Vec<prism_router::auth::ApiKeyEntry>,
+    head_auth: Option<&UpHeadAuth>,
     listeners: Listeners,
     root: &CancellationToken,
 ) -> Result<Cluster> {
@@ -60,7 +64,14 @@ pub async fn start(
         (StoreSpec::parse(store).with_context(|| format!("--store {store:?}"))?, None)
     };
     let head_url = format!("http://{}", listeners.head_grpc.local_addr()?);
-    let head_config = HeadConfig::new(store, head_url.clone());
+    let mut head_config = HeadConfig::new(store, head_url.clone());
+    let admin = match head_auth {
+        Some(a) => {
+            head_config.auth = a.head_auth()?;
+            a.admin()
+        }
+        None => HeadCredential::None,
+    };
 
     let mut worker_config = prism_worker::WorkerConfig::for_test(head_url.clone(), &prism_worker::config::hostname());
     // Every rank of every replica holds a CPU slot: replicas x tp x pp.
@@ -71,6 +82,7 @@ pub async fn start(
     worker_config.kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES;
     // Ctrl-C drains in-flight requests for at most this long.
     worker_config.sigterm_drain = Duration::from_secs(3);
+    worker_config.head_token = head_auth.map(UpHeadAuth::worker).unwrap_or_default();
 
     let router_config = RouterConfig {
         heads: vec![head_url.clone()],
@@ -78,6 +90,7 @@ pub async fn start(
         max_queue_wait: Duration::from_secs_f64(args.max_queue_wait),
         api_keys,
         metrics_without_auth: args.keys.metrics_without_auth,
+        head_token: head_auth.map(UpHeadAuth::router).unwrap_or_default(),
         ..RouterConfig::default()
     };
 
@@ -88,7 +101,7 @@ pub async fn start(
         tokio::spawn(prism_head::run(head_config, listeners.head_grpc, listeners.head_http, head_token.clone()));
     // Worker and router start once the head leads, so neither logs a "not the leader" retry.
     tokio::select! {
-        r = wait_for_leader(&head_url) => r?,
+        r = wait_for_leader(&head_url, &admin) => r?,
         r = &mut head => return Err(match r {
             Ok(Ok(())) => anyhow!("the head stopped during startup"),
             Ok(Err(e)) => e.context("the head failed to start"),
@@ -118,10 +131,11 @@ pub async fn start(
 }
 
 /// Polls the head until it reports itself leader (at most 30 s).
-async fn wait_for_leader(head_url: &str) -> Result<()> {
+async fn wait_for_leader(head_url: &str, admin: &HeadCredential) -> Result<()> {
+    let target = crate::client::HeadTarget { addr: head_url.to_owned(), credential: admin.clone() };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
-        if let Ok(mut head) = crate::client::head(head_url).await
+        if let Ok(mut head) = crate::client::head(&target).await
             && let Ok(status) = head.cluster_status(ClusterStatusRequest {}).await
             && status.get_ref().is_leader
         {

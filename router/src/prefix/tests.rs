@@ -13,6 +13,7 @@ pub(crate) fn tiny_codec() -> Arc<PromptCodec> {
     let export = CodecExport {
         tokenizer: TokenizerExport { json: json.to_string(), add_bos: false, bos_id: None },
         chat_template: None,
+        chat_content_special_tokens: false,
     };
     Arc::new(PromptCodec::from_export(&export).expect("tiny tokenizer builds"))
 }
@@ -96,7 +97,11 @@ fn real_tokenizer_matches_the_engine_and_is_fast() {
     }
     let file = prism_engine::model::gguf::GgufFile::open(&path).expect("gguf");
     let tok = prism_engine::model::tokenizer::Tokenizer::from_gguf(&file).expect("tokenizer");
-    let export = CodecExport { tokenizer: tok.export().expect("export"), chat_template: None };
+    let export = CodecExport {
+        tokenizer: tok.export().expect("export"),
+        chat_template: None,
+        chat_content_special_tokens: false,
+    };
     let json = export.to_json().expect("json");
     let started = std::time::Instant::now();
     let codec = PromptCodec::from_export(&CodecExport::from_json(&json).expect("parse")).expect("build");

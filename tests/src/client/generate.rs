@@ -7,6 +7,7 @@ use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
 use prism_common::proto::v1::{
     FinishReason, GenerateRequest, ListModelsRequest, SamplingParams, TokenIds, generate_request,
 };
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// Served model name that [`crate::Deployment::new`] gives the bundled model.
@@ -65,6 +66,15 @@ pub fn greedy_request(prompt: &[u32], max_tokens: u32, ignore_eos: bool) -> Gene
 /// # Errors
 /// Any gRPC error (a client-visible failure; the `tonic::Status` can be downcast).
 pub async fn stream(grpc: &str, req: GenerateRequest) -> Result<StreamResult> {
+    stream_counted(grpc, req, &AtomicUsize::new(0)).await
+}
+
+/// [`stream`], adding every token received to `received` as it arrives (so a test can act
+/// mid-stream, once each stream has tokens).
+///
+/// # Errors
+/// Any gRPC error (a client-visible failure; the `tonic::Status` can be downcast).
+pub async fn stream_counted(grpc: &str, req: GenerateRequest, received: &AtomicUsize) -> Result<StreamResult> {
     let mut c = InferenceServiceClient::connect(grpc.to_owned()).await?;
     let started = Instant::now();
     let mut out = StreamResult { started: Some(started), ..StreamResult::default() };
@@ -81,6 +91,7 @@ pub async fn stream(grpc: &str, req: GenerateRequest) -> Result<StreamResult> {
             first = false;
             last = now;
             out.tokens.extend_from_slice(&m.token_ids);
+            received.fetch_add(m.token_ids.len(), Ordering::SeqCst);
         }
         if m.finish_reason != FinishReason::Unspecified as i32 {
             out.finish = m.finish_reason;

@@ -53,6 +53,13 @@ impl Deployment {
         self
     }
 
+    /// The same named `name` (several deployments in one cluster).
+    #[must_use]
+    pub fn named(mut self, name: &str) -> Self {
+        name.clone_into(&mut self.name);
+        self
+    }
+
     /// The same served as `name`.
     #[must_use]
     pub fn served_as(mut self, name: &str) -> Self {

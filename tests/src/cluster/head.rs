@@ -4,6 +4,7 @@ use crate::paths::bin_path;
 use crate::process::Process;
 use crate::wait::{free_port, poll_until};
 use anyhow::Result;
+use prism_common::head_auth::{HeadBearer, HeadClient, head_client};
 use prism_common::proto::v1::head_service_client::HeadServiceClient;
 use prism_common::proto::v1::{ClusterStatusRequest, ClusterStatusResponse, ListNodesRequest};
 use std::time::Duration;
@@ -19,6 +20,9 @@ pub struct Head {
     pub http: String,
     /// The process (kill, restart on the same ports, logs).
     pub process: Process,
+    /// The admin token [`Head::status`] and [`Head::wait_leader`] present (set by a cluster
+    /// started with [`crate::cluster::ClusterBuilder::head_auth`]).
+    pub token: Option<String>,
 }
 
 impl Head {
@@ -38,10 +42,15 @@ impl Head {
         ];
         all.extend_from_slice(args);
         let process = Process::spawn(name, &bin_path("prism-head")?, &all, envs)?;
-        Ok(Self { url: format!("http://127.0.0.1:{port}"), http: format!("http://127.0.0.1:{http}"), process })
+        Ok(Self {
+            url: format!("http://127.0.0.1:{port}"),
+            http: format!("http://127.0.0.1:{http}"),
+            process,
+            token: None,
+        })
     }
 
-    /// A connected admin client.
+    /// A connected client that presents no token.
     ///
     /// # Errors
     /// When the head does not accept the connection.
@@ -50,25 +59,40 @@ impl Head {
         Ok(HeadServiceClient::new(prism_common::tls::client::channel(Channel::from_shared(self.url.clone())?).await?))
     }
 
-    /// `ClusterStatus` as this head answers it.
+    /// A connected client presenting `token` (none: no `authorization` metadata).
+    ///
+    /// # Errors
+    /// When the token is unusable or the head does not accept the connection.
+    pub async fn client_with(&self, token: Option<&str>) -> Result<HeadClient> {
+        let bearer = match token {
+            Some(t) => HeadBearer::new(t, "test token")?,
+            None => HeadBearer::default(),
+        };
+        Ok(head_client(prism_common::tls::client::channel(Channel::from_shared(self.url.clone())?).await?, bearer))
+    }
+
+    /// `ClusterStatus` as this head answers it (asked with [`Head::token`]).
     ///
     /// # Errors
     /// When the head does not answer.
     pub async fn status(&self) -> Result<ClusterStatusResponse> {
-        Ok(self.client().await?.cluster_status(ClusterStatusRequest {}).await?.into_inner())
+        Ok(self.client_with(self.token.as_deref()).await?.cluster_status(ClusterStatusRequest {}).await?.into_inner())
     }
 
-    /// Waits until this head leads and has loaded the state (a leader-only RPC succeeds),
-    /// and returns a client to it.
+    /// Waits until this head leads and has loaded the state (a leader-only RPC succeeds,
+    /// asked with [`Head::token`]), and returns a client to it (that presents no token).
     ///
     /// # Errors
     /// When `timeout` passes first.
     pub async fn wait_leader(&self, timeout: Duration) -> Result<HeadServiceClient<Channel>> {
         poll_until(timeout, "head to lead", || async {
-            let mut c = self.client().await.ok()?;
+            let mut c = self.client_with(self.token.as_deref()).await.ok()?;
             let s = c.cluster_status(ClusterStatusRequest {}).await.ok()?.into_inner();
             c.list_nodes(ListNodesRequest {}).await.ok()?;
-            s.is_leader.then_some(c)
+            if !s.is_leader {
+                return None;
+            }
+            self.client().await.ok()
         })
         .await
     }

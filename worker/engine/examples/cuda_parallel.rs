@@ -16,8 +16,10 @@
 //!   is reported (0 is expected for the layouts without TP: same kernels, f32 residual sent).
 //! - `--speed-model DIR`: a Llama-3-8B-shape checkpoint (`hf_trace.py --save`). The unsharded
 //!   backend and a one-rank `ParallelBackend` (rank process on the same GPU) both load it;
-//!   batch-1 greedy decode steps at a 512-token context alternate between the two, each timed
-//!   wall clock to its host synchronisation; p50 over `--steps` (≥ 200) and the ratio.
+//!   batch-1 greedy decode steps at a 512-token context run in rounds of 10 back-to-back steps
+//!   alternating between the two, each timed wall clock to its host synchronisation; p50 over
+//!   `--steps` (≥ 200), the ratio, and the rank's own compute time per step (its `StepDone`)
+//!   with the rest of the step (the control path's overhead).
 //!
 //! - `--two-gpus` (a two-GPU machine): the parity check also runs `tp2_nccl` and `pp2_nccl`
 //!   (ranks on GPUs 0 and 1, NCCL all-reduces captured in the decode graphs, `ncclSend` /
@@ -351,28 +353,44 @@ mod run {
         base.forward_greedy(&prefill)?;
         Backend::forward_greedy(&mut par, &prefill)?;
         let b = decode_step();
+        // Rounds of back-to-back steps on each backend in turn (as a serving loop sends
+        // them; interleaving the rounds cancels clock drift), the first round a warm-up.
+        const ROUND: usize = 10;
         let (mut tb, mut tp) = (Vec::with_capacity(steps), Vec::with_capacity(steps));
+        let (mut compute, mut overhead) = (Vec::with_capacity(steps), Vec::with_capacity(steps));
         let (mut same, mut first) = (true, None);
-        for i in 0..steps + 10 {
-            let t = Instant::now();
-            let a = base.forward_greedy(&b)?;
-            let dt_b = t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            let p = Backend::forward_greedy(&mut par, &b)?;
-            let dt_p = t.elapsed().as_secs_f64();
-            same &= a == p;
-            first.get_or_insert((a, p));
-            if i >= 10 {
-                tb.push(dt_b);
-                tp.push(dt_p);
+        let rounds = steps.div_ceil(ROUND) + 1;
+        for r in 0..rounds {
+            let mut ids = Vec::with_capacity(ROUND);
+            for _ in 0..ROUND {
+                let t = Instant::now();
+                ids.push(base.forward_greedy(&b)?);
+                if r > 0 {
+                    tb.push(t.elapsed().as_secs_f64());
+                }
+            }
+            for a in ids {
+                let t = Instant::now();
+                let p = Backend::forward_greedy(&mut par, &b)?;
+                let dt = t.elapsed().as_secs_f64();
+                let timing = par.last_step_timing().ok_or_else(|| anyhow::anyhow!("no step timing"))?;
+                same &= a == p;
+                first.get_or_insert((a, p));
+                if r > 0 {
+                    tp.push(dt);
+                    compute.push(timing.rank_compute.as_secs_f64());
+                    overhead.push(dt - timing.rank_compute.as_secs_f64());
+                }
             }
         }
         let (pb, pp) = (p50(&mut tb), p50(&mut tp));
+        let (pc, po) = (p50(&mut compute), p50(&mut overhead));
         let ratio = pp / pb;
         println!(
             "{}",
-            json!({"check": "speed", "config": "tp1_rank_process", "context": SPEED_CTX, "steps": steps,
+            json!({"check": "speed", "config": "tp1_rank_process", "context": SPEED_CTX, "steps": tp.len(),
                    "unsharded_p50_ms": pb * 1e3, "rank_process_p50_ms": pp * 1e3, "ratio": ratio,
+                   "rank_compute_p50_ms": pc * 1e3, "control_overhead_p50_ms": po * 1e3,
                    "unsharded_tok_s": 1.0 / pb, "rank_process_tok_s": 1.0 / pp,
                    "init_seconds": {"unsharded": base_init, "rank_process": par_init},
                    "argmax_equal": same, "first_argmax": first.map(|(a, p)| json!([a, p])),

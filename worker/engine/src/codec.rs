@@ -5,10 +5,20 @@
 //! [`CodecExport`] / [`PromptCodec`]: the encoding half of a model's codec, shipped to
 //! routers (cache-aware routing hashes a request's blocks before choosing a replica), built
 //! so that [`PromptCodec::prompt_ids`] gives exactly the ids [`crate::EngineHandle::submit`]
-//! computes: both go through [`prompt_ids_with`].
+//! computes: both go through [`prompt_ids_with`] and the chat encoding of [`chat`].
+//!
+//! Special tokens: a completion prompt's text is encoded with special-token text parsed
+//! (`<|im_start|>` typed into `/v1/completions` is that token, as in vLLM: the caller writes
+//! the whole prompt). In a chat prompt only the template makes special tokens; text inside
+//! the messages is encoded with special-token parsing off ([`chat`]), unless the engine's
+//! `chat_content_special_tokens` opt-out is on.
+
+mod chat;
+#[cfg(test)]
+mod chat_tests;
 
 use super::kv_cache::prefix_hash;
-use super::model::tokenizer::encode_with;
+use super::model::tokenizer::{LazyPlainText, encode_with};
 use super::model::{ChatTemplate, ModelError, Tokenizer, TokenizerExport};
 use super::request::{ChatMessage, EngineError, Prompt};
 
@@ -32,27 +42,38 @@ pub trait TextCodec: Send + Sync {
     /// [`EngineError::InvalidRequest`] (field `messages`) when the model has no chat
     /// template or the template rejects the messages.
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, EngineError>;
+    /// Token ids of a chat prompt (generation prompt appended, no BOS added): special tokens
+    /// only where the template puts them, message text with special-token parsing off;
+    /// `content_special_tokens` parses special-token text in the messages too (the opt-out).
+    /// The default renders and encodes the whole text (codecs without special tokens).
+    ///
+    /// # Errors
+    /// What `render_chat` and `encode` return.
+    fn encode_chat(&self, messages: &[ChatMessage], content_special_tokens: bool) -> Result<Vec<u32>, EngineError> {
+        let _ = content_special_tokens;
+        self.encode(&self.render_chat(messages)?, false)
+    }
     /// The encoding half, for routers; `None` when the codec cannot be exported (doubles).
     fn export(&self) -> Option<CodecExport> {
         None
     }
 }
 
-/// The prompt's token ids: text is encoded with BOS (when the model asks for it), chat is
-/// rendered with the generation prompt and encoded without adding BOS again, ids are used
-/// as given.
+/// The prompt's token ids: text is encoded with BOS (when the model asks for it) and its
+/// special-token text parsed, chat goes to `encode_chat` ([`TextCodec::encode_chat`]: the
+/// template's special tokens only), ids are used as given.
 ///
 /// # Errors
-/// What `encode` and `render` return.
+/// What `encode` and `encode_chat` return.
 pub fn prompt_ids_with(
     prompt: &Prompt,
     encode: impl Fn(&str, bool) -> Result<Vec<u32>, EngineError>,
-    render: impl Fn(&[ChatMessage]) -> Result<String, EngineError>,
+    encode_chat: impl Fn(&[ChatMessage]) -> Result<Vec<u32>, EngineError>,
 ) -> Result<Vec<u32>, EngineError> {
     match prompt {
         Prompt::Text(t) => encode(t, true),
         Prompt::TokenIds(ids) => Ok(ids.clone()),
-        Prompt::Chat(msgs) => encode(&render(msgs)?, false),
+        Prompt::Chat(msgs) => encode_chat(msgs),
     }
 }
 
@@ -68,12 +89,23 @@ pub struct ChatTemplateExport {
 }
 
 /// Everything needed to tokenize prompts as a replica does (JSON on the wire).
+///
+/// The template travels under the JSON key `chat` (it was `chat_template` while message text
+/// was encoded with special tokens parsed): a router built before reads no template from
+/// this export, so it never computes chat ids by the old rule for a replica of this one
+/// (its chat requests are tokenized by the replica), while completion ids, whose rule did
+/// not change, still match.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CodecExport {
     /// Tokenizer pipeline and BOS handling.
     pub tokenizer: TokenizerExport,
     /// Chat template, when the model has one.
+    #[serde(rename = "chat")]
     pub chat_template: Option<ChatTemplateExport>,
+    /// The replica parses special-token text inside chat messages too (its
+    /// `chat_content_special_tokens` opt-out).
+    #[serde(default)]
+    pub chat_content_special_tokens: bool,
 }
 
 impl CodecExport {
@@ -102,9 +134,11 @@ impl CodecExport {
 /// Prompt tokenization rebuilt from a [`CodecExport`] (routers).
 pub struct PromptCodec {
     tokenizer: tokenizers::Tokenizer,
+    plain: LazyPlainText,
     add_bos: bool,
     bos_id: Option<u32>,
     chat_template: Option<ChatTemplate>,
+    chat_content_special_tokens: bool,
 }
 
 impl std::fmt::Debug for PromptCodec {
@@ -124,7 +158,14 @@ impl PromptCodec {
             Some(t) => Some(ChatTemplate::new(&t.source, t.bos_token.clone(), t.eos_token.clone())?),
             None => None,
         };
-        Ok(Self { tokenizer, add_bos: e.tokenizer.add_bos, bos_id: e.tokenizer.bos_id, chat_template })
+        Ok(Self {
+            tokenizer,
+            plain: LazyPlainText::default(),
+            add_bos: e.tokenizer.add_bos,
+            bos_id: e.tokenizer.bos_id,
+            chat_template,
+            chat_content_special_tokens: e.chat_content_special_tokens,
+        })
     }
 
     /// The prompt's token ids, as the replica's engine computes them.
@@ -136,19 +177,16 @@ impl PromptCodec {
         prompt_ids_with(
             prompt,
             |t, special| encode_with(&self.tokenizer, self.add_bos, self.bos_id, t, special),
-            |m| render_with(self.chat_template.as_ref(), m),
+            |m| {
+                let template = self.chat_template.as_ref();
+                chat::encode_chat(&self.tokenizer, &self.plain, template, m, self.chat_content_special_tokens)
+            },
         )
     }
 }
 
 fn render_with(template: Option<&ChatTemplate>, messages: &[ChatMessage]) -> Result<String, EngineError> {
-    match template {
-        Some(t) => t.render(messages, true),
-        None => Err(EngineError::InvalidRequest {
-            field: "messages",
-            message: "this model has no chat template; send a completion prompt".to_owned(),
-        }),
-    }
+    template.ok_or_else(chat::no_template)?.render(messages, true)
 }
 
 /// [`TextCodec`] of a loaded model.
@@ -181,6 +219,11 @@ impl TextCodec for ModelCodec {
         render_with(self.chat_template.as_ref(), messages)
     }
 
+    fn encode_chat(&self, messages: &[ChatMessage], content_special_tokens: bool) -> Result<Vec<u32>, EngineError> {
+        let (inner, plain) = (self.tokenizer.inner(), self.tokenizer.plain());
+        chat::encode_chat(inner, plain, self.chat_template.as_ref(), messages, content_special_tokens)
+    }
+
     fn export(&self) -> Option<CodecExport> {
         let tokenizer = match self.tokenizer.export() {
             Ok(t) => t,
@@ -193,6 +236,7 @@ impl TextCodec for ModelCodec {
             let (source, bos, eos) = t.parts();
             ChatTemplateExport { source: source.to_owned(), bos_token: bos.to_owned(), eos_token: eos.to_owned() }
         });
-        Some(CodecExport { tokenizer, chat_template })
+        // The opt-out is the engine's (`RuntimeConfig`): `EngineHandle::codec_export` sets it.
+        Some(CodecExport { tokenizer, chat_template, chat_content_special_tokens: false })
     }
 }

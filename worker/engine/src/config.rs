@@ -11,7 +11,8 @@ use super::backend::{Backend, BackendError, StepControl};
 use super::codec::ModelCodec;
 use super::handle::{EngineHandle, EngineParts, RuntimeConfig};
 use super::model::{self, ModelSource, ProgressFn};
-use super::parallel::driver::{DriverModel, ParallelBackend, rank_kv_budget};
+use super::parallel::ParallelSizes;
+use super::parallel::driver::{DriverModel, ParallelBackend, ParallelConfig, rank_kv_budget};
 use super::parallel::stage::{InitSpec, StageBackendKind};
 use super::request::EngineError;
 use std::path::PathBuf;
@@ -95,6 +96,8 @@ pub struct EngineConfig {
     pub max_pending_requests: usize,
     /// Automatic prefix caching (on by default, as in vLLM).
     pub enable_prefix_caching: bool,
+    /// Parse special-token text inside chat messages (the opt-out; off: only the template makes special tokens).
+    pub chat_content_special_tokens: bool,
     /// Tensor/pipeline parallelism and where the ranks run (default: one rank, in-process).
     pub parallel: super::parallel::ParallelConfig,
 }
@@ -119,6 +122,7 @@ impl EngineConfig {
             batch_invariant: false,
             max_pending_requests: rt.max_pending_requests,
             enable_prefix_caching: rt.enable_prefix_caching,
+            chat_content_special_tokens: rt.chat_content_special_tokens,
             parallel: super::parallel::ParallelConfig::default(),
         }
     }
@@ -132,6 +136,7 @@ impl EngineConfig {
             max_pending_requests: self.max_pending_requests,
             engine_threads: Some(self.engine_threads.unwrap_or_else(|| self.backend.default_engine_threads())),
             enable_prefix_caching: self.enable_prefix_caching,
+            chat_content_special_tokens: self.chat_content_special_tokens,
             // The model's identity for block hashes: its path as configured (a redeploy of
             // another checkpoint under the same served name gets other hashes).
             cache_namespace: super::kv_cache::prefix_hash::fingerprint(self.model.as_os_str().as_encoded_bytes()),
@@ -152,8 +157,9 @@ impl EngineHandle {
             return Err(EngineError::InvalidRequest { field: "block_size", message: "block_size must be >= 1".into() });
         }
         let source = ModelSource::detect(&cfg.model)?;
-        if !cfg.parallel.sizes.is_single() || !cfg.parallel.rank0_in_process {
-            return start_parallel(&cfg, &source, progress);
+        let parallel = effective_parallel(&cfg);
+        if !parallel.sizes.is_single() || !parallel.rank0_in_process {
+            return start_parallel(&cfg, &parallel, &source, progress);
         }
         // A CUDA replica of a Hugging Face checkpoint uploads the tensors straight from the
         // mmapped files (no f32 copy of the model on the host).
@@ -207,6 +213,21 @@ impl EngineHandle {
     }
 }
 
+/// The replica's rank layout: `cfg.parallel`, except that a CUDA replica given several
+/// devices with single sizes is tensor-parallel over them (`tensor_parallel_size` = the
+/// number of devices, every rank on this node), as a GPU group has always meant.
+fn effective_parallel(cfg: &EngineConfig) -> ParallelConfig {
+    let mut par = cfg.parallel.clone();
+    if let BackendKind::Cuda { devices } = &cfg.backend
+        && devices.len() > 1
+        && par.sizes.is_single()
+    {
+        par.sizes = ParallelSizes::new(devices.len(), 1);
+        par.local_ranks = (0..devices.len()).collect();
+    }
+    par
+}
+
 /// A replica of several ranks ([`ParallelBackend`]): reads the model's architecture and
 /// tokenizer (for a CPU replica the whole model, whose weights rank 0 then shards in this
 /// process), checks the split against the model, and starts the rank group. The CPU KV
@@ -214,10 +235,10 @@ impl EngineHandle {
 /// unsharded replica); the compute cores are split among this node's ranks.
 fn start_parallel(
     cfg: &EngineConfig,
+    par: &ParallelConfig,
     source: &ModelSource,
     progress: Option<ProgressFn<'_>>,
 ) -> Result<EngineHandle, EngineError> {
-    let par = &cfg.parallel;
     let (kind, devices) = match &cfg.backend {
         BackendKind::Cpu => (StageBackendKind::Cpu, Vec::new()),
         BackendKind::Cuda { devices } => (StageBackendKind::Cuda, devices.clone()),

@@ -48,6 +48,10 @@ pub struct RuntimeConfig {
     /// The model identity folded into the first block's hash (see
     /// [`crate::kv_cache::prefix_hash`]), so routers never match one model's blocks for another.
     pub cache_namespace: u64,
+    /// Parse special-token text inside chat messages as special tokens (off by default: only
+    /// the chat template makes special tokens; see [`crate::codec`]). Completion prompts
+    /// always parse it.
+    pub chat_content_special_tokens: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -62,6 +66,7 @@ impl Default for RuntimeConfig {
             engine_threads: None,
             enable_prefix_caching: true,
             cache_namespace: 0,
+            chat_content_special_tokens: false,
         }
     }
 }
@@ -226,7 +231,12 @@ impl EngineHandle {
         let sampling = req.params.validate()?;
         let cache_salt = check_cache_salt(req.cache_salt.as_deref())?;
         let codec = &inner.codec;
-        let prompt = prompt_ids_with(&req.prompt, |t, special| codec.encode(t, special), |m| codec.render_chat(m))?;
+        let content_special = inner.cfg.chat_content_special_tokens;
+        let prompt = prompt_ids_with(
+            &req.prompt,
+            |t, special| codec.encode(t, special),
+            |m| codec.encode_chat(m, content_special),
+        )?;
         check_token_ids(&prompt, inner.info.vocab_size, "prompt")?;
         check_token_ids(&req.prior_output_ids, inner.info.vocab_size, "prior_output_ids")?;
         if req.params.n > 1 && !req.prior_output_ids.is_empty() {
@@ -295,7 +305,9 @@ impl EngineHandle {
 
     /// The encoding half of the codec for routers (`None` for codecs that cannot be exported).
     pub fn codec_export(&self) -> Option<CodecExport> {
-        self.inner.codec.export()
+        let mut export = self.inner.codec.export()?;
+        export.chat_content_special_tokens = self.inner.cfg.chat_content_special_tokens;
+        Some(export)
     }
 
     /// Changes to the set of cached block hashes after sequence number `after` (0 = from the

@@ -12,6 +12,8 @@
 //! - [`rank`]: the rank process (`main_from_env`, called first thing by every Prism binary)
 //!   and the driver's [`rank::Rendezvous`] listener.
 //! - [`spawn`]: starting and supervising rank processes (killed with their parent).
+//! - [`wire`]: the control protocol's frames between the driver and each rank.
+//! - [`group`]: the driver's side of the control connections (joins, per-rank links).
 //! - [`driver`]: [`driver::ParallelBackend`], the `Backend` the step loop drives: it
 //!   broadcasts each step's batch to the ranks, runs rank 0's shard itself and returns the
 //!   last stage's logits.
@@ -25,5 +27,5 @@ pub mod spawn;
 pub mod stage;
 pub mod wire;
 
-pub use driver::{ParallelBackend, ParallelConfig};
+pub use driver::{ParallelBackend, ParallelConfig, StepTiming};
 pub use layout::ParallelSizes;

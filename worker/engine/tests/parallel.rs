@@ -555,3 +555,80 @@ fn a_frozen_rank_fails_the_replica_after_the_collective_timeout_and_never_rejoin
     eprintln!("SIGSTOP of rank 2: stream ended after {took:?}");
     Ok(())
 }
+
+/// A one-sequence step at `pos` (prefill of `0..=pos` when `prefill`), sequence blocks `0..`.
+fn one_seq_step(token: u32, pos: usize, prefill: bool) -> StepBatch {
+    let start = if prefill { 0 } else { pos };
+    let n = pos + 1 - start;
+    StepBatch {
+        token_ids: vec![token; n],
+        positions: (start as u32..=pos as u32).collect(),
+        slot_mapping: (start as u32..=pos as u32).collect(),
+        seqs: vec![SeqStep {
+            query_start: 0,
+            query_len: n,
+            context_len: pos + 1,
+            block_table: (0..(pos + 1).div_ceil(BLOCK) as u32).collect(),
+            want_logits: true,
+        }],
+    }
+}
+
+/// The rank-process overhead of a one-rank replica: the plain CPU backend against a
+/// `ParallelBackend` with its one rank in this process and one whose only rank is a child
+/// process (`rank0_in_process: false`), all on every core, greedy decode steps of one
+/// sequence interleaved in rounds; and the control round trip of an empty step.
+#[test]
+#[ignore = "measurement"]
+fn one_rank_process_overhead_per_decode_step() -> Result<()> {
+    let Some(path) = model_path()? else { return Ok(()) };
+    let _serial = serial();
+    let m = load(&path)?;
+    // RAYON_NUM_THREADS sizes this process's pool (the plain backend's) and the ranks' alike.
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get));
+    let mut plain = CpuBackend::new(m.weights, &m.config, KV_BYTES, BLOCK)?;
+    let sizes = ParallelSizes::new(1, 1);
+    let cfg = ParallelConfig { rank0_in_process: false, ..parallel_config(sizes) };
+    let init = InitSpec { engine_threads: Some(threads), ..init_spec(&path, sizes, KV_BYTES) };
+    let mut group = ParallelBackend::start(&cfg, init.clone(), StepControl::default())?;
+    let in_process_cfg = parallel_config(sizes);
+    let mut in_process = ParallelBackend::start(&in_process_cfg, init, StepControl::default())?;
+    let mut times = [Duration::ZERO; 3];
+    let (prompt, rounds, per_round) = (16, 16, 8);
+    {
+        let mut backends: [&mut dyn Backend; 3] = [&mut plain, &mut in_process, &mut group];
+        for b in backends.iter_mut() {
+            b.forward(&one_seq_step(42, prompt - 1, true))?;
+        }
+        let mut pos = [prompt; 3];
+        for _ in 0..rounds {
+            for (i, b) in backends.iter_mut().enumerate() {
+                let t = Instant::now();
+                for _ in 0..per_round {
+                    b.forward_greedy(&one_seq_step(42, pos[i], false))?;
+                    pos[i] += 1;
+                }
+                times[i] += t.elapsed();
+            }
+        }
+    }
+    // An empty step (no sequence): the control round trip alone.
+    let empty = StepBatch::default();
+    let t = Instant::now();
+    for _ in 0..200 {
+        group.forward_greedy(&empty)?;
+    }
+    eprintln!("empty step round trip to a rank process: {:?}", t.elapsed() / 200);
+    let steps = (rounds * per_round) as u32;
+    let [a, b, c] = times.map(|t| t / steps);
+    let pct = |x: Duration| (x.as_secs_f64() / a.as_secs_f64() - 1.0) * 100.0;
+    eprintln!(
+        "greedy decode step, batch 1, {threads} threads: plain CpuBackend {a:?}; ParallelBackend with rank 0 in process {b:?} ({:+.1}%); rank 0 a child process {c:?} ({:+.1}%)",
+        pct(b),
+        pct(c)
+    );
+    Ok(())
+}

@@ -8,7 +8,8 @@
 //!
 //! A drain refuses new work at once (replicas → Draining, readiness fails), reports its
 //! progress to the head ([`DrainState`] through [`NodeDrain::subscribe`]), lets in-flight
-//! requests finish until the deadline, then hands the rest back (aborts them: their streams end
+//! requests finish (and member ranks of parallel replicas driven from other nodes serve on
+//! until the head stops their group) until the deadline, then hands the rest back (aborts them: their streams end
 //! UNAVAILABLE and routers migrate them), shuts the engines down (replicas → Stopped) and marks
 //! the drain done.
 
@@ -123,8 +124,10 @@ impl NodeDrain {
             return in_flight;
         }
         tracing::info!(?source, reason, deadline_ms = deadline.as_millis() as u64, in_flight, "drain started");
+        // Member ranks keep serving their group (whose driver is on another node) until the
+        // head stops the group or the deadline passes.
         for r in self.replicas.all() {
-            if matches!(r.state().0, ReplicaState::Ready | ReplicaState::Starting) {
+            if !r.is_group_member() && matches!(r.state().0, ReplicaState::Ready | ReplicaState::Starting) {
                 self.replicas.transition(&r, ReplicaState::Draining, reason);
             }
         }
@@ -153,7 +156,7 @@ impl NodeDrain {
                     }
                 });
             }
-            if in_flight == 0 || past {
+            if (in_flight == 0 && self.replicas.live_members() == 0) || past {
                 break;
             }
             tokio::time::sleep(PROGRESS_INTERVAL).await;

@@ -22,13 +22,20 @@ pub struct Devices {
 /// Failed reason).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PlacementError {
-    /// The head sent a GPU group of the wrong size.
-    #[error("got {got} GPU indices for tensor_parallel_size {tensor_parallel_size}")]
+    /// The head sent a GPU group of the wrong size for this node's share of the ranks.
+    #[error(
+        "got {got} GPU indices for this node's {want} of the {} ranks of tensor_parallel_size {tensor_parallel_size} x pipeline_parallel_size {pipeline_parallel_size}",
+        tensor_parallel_size * pipeline_parallel_size
+    )]
     GroupSize {
         /// GPU indices in the command.
         got: usize,
+        /// Ranks of the group on this node.
+        want: usize,
         /// The deployment's tensor-parallel size.
         tensor_parallel_size: usize,
+        /// The deployment's pipeline-parallel size.
+        pipeline_parallel_size: usize,
     },
     /// A GPU index this node does not have.
     #[error("GPU index {index} does not exist on node {node}")]
@@ -47,21 +54,30 @@ pub enum PlacementError {
 }
 
 impl Devices {
-    /// Where the engine of a replica with `engine`'s configuration and GPU group `gpus` runs
-    /// on this node (`node` names it in errors): CUDA on those GPUs when the node has real
-    /// ones and the backend is `auto`/`cuda`/unset, else the CPU backend.
+    /// Where the engine (or the member ranks) of a replica with `engine`'s configuration runs
+    /// on this node (`node` names it in errors), given this node's share of the GPU group:
+    /// `gpus`, one per local rank, of which there are `local_ranks` (the whole group,
+    /// `tensor_parallel_size × pipeline_parallel_size`, when every rank is here). CUDA on
+    /// those GPUs when the node has real ones and the backend is `auto`/`cuda`/unset, else
+    /// the CPU backend.
     ///
     /// # Errors
-    /// [`PlacementError`] when the group does not fit this node's GPUs.
+    /// [`PlacementError`] when the share does not fit this node's GPUs.
     pub fn placement_for(
         &self,
         node: &NodeId,
         engine: &EngineConfig,
         gpus: &[u32],
+        local_ranks: usize,
     ) -> Result<DevicePlacement, PlacementError> {
-        let tp = engine.tensor_parallel_size.max(1) as usize;
-        if !self.gpus.is_empty() && gpus.len() != tp {
-            return Err(PlacementError::GroupSize { got: gpus.len(), tensor_parallel_size: tp });
+        // A CPU node's slots count too once a group has several ranks here (one slot each).
+        if (!self.gpus.is_empty() || local_ranks > 1) && gpus.len() != local_ranks {
+            return Err(PlacementError::GroupSize {
+                got: gpus.len(),
+                want: local_ranks,
+                tensor_parallel_size: engine.tensor_parallel_size.max(1) as usize,
+                pipeline_parallel_size: engine.pipeline_parallel_size.unwrap_or(1).max(1) as usize,
+            });
         }
         if !self.gpus.is_empty()
             && let Some(bad) = gpus.iter().find(|i| !self.gpus.iter().any(|g| g.index == **i))
@@ -164,22 +180,38 @@ mod tests {
         let node = NodeId::from("n1".to_owned());
         let gpu = |index| GpuInfo { index, name: "H100".into(), memory_bytes: 80 << 30 };
         let real = Devices { gpus: vec![gpu(0), gpu(1)], cpu_slots: 0, simulated: false };
-        assert_eq!(real.placement_for(&node, &engine(2, ""), &[1, 0]), Ok(DevicePlacement::Cuda(vec![1, 0])));
-        assert_eq!(real.placement_for(&node, &engine(1, "cuda"), &[1]), Ok(DevicePlacement::Cuda(vec![1])));
-        assert_eq!(real.placement_for(&node, &engine(1, "cpu"), &[0]), Ok(DevicePlacement::Cpu));
+        assert_eq!(real.placement_for(&node, &engine(2, ""), &[1, 0], 2), Ok(DevicePlacement::Cuda(vec![1, 0])));
+        assert_eq!(real.placement_for(&node, &engine(1, "cuda"), &[1], 1), Ok(DevicePlacement::Cuda(vec![1])));
+        assert_eq!(real.placement_for(&node, &engine(1, "cpu"), &[0], 1), Ok(DevicePlacement::Cpu));
         assert_eq!(
-            real.placement_for(&node, &engine(2, "auto"), &[0]),
-            Err(PlacementError::GroupSize { got: 1, tensor_parallel_size: 2 })
+            real.placement_for(&node, &engine(2, "auto"), &[0], 2),
+            Err(PlacementError::GroupSize { got: 1, want: 2, tensor_parallel_size: 2, pipeline_parallel_size: 1 })
         );
-        let err = real.placement_for(&node, &engine(1, ""), &[7]);
+        // Two stages over two nodes: this node holds one stage's 2 ranks of the 4.
+        let mut pp = engine(2, "");
+        pp.pipeline_parallel_size = Some(2);
+        assert_eq!(real.placement_for(&node, &pp, &[0, 1], 2), Ok(DevicePlacement::Cuda(vec![0, 1])));
+        let err = real.placement_for(&node, &pp, &[0], 2).err().map(|e| e.to_string());
+        assert_eq!(
+            err.as_deref(),
+            Some(
+                "got 1 GPU indices for this node's 2 of the 4 ranks of tensor_parallel_size 2 x pipeline_parallel_size 2"
+            )
+        );
+        let err = real.placement_for(&node, &engine(1, ""), &[7], 1);
         assert_eq!(err, Err(PlacementError::NoSuchGpu { index: 7, node: node.clone() }));
         assert_eq!(err.err().map(|e| e.to_string()).as_deref(), Some("GPU index 7 does not exist on node n1"));
 
         let simulated = discover(2, 0);
-        assert_eq!(simulated.placement_for(&node, &engine(2, "cuda"), &[0, 1]), Ok(DevicePlacement::Cpu));
+        assert_eq!(simulated.placement_for(&node, &engine(2, "cuda"), &[0, 1], 2), Ok(DevicePlacement::Cpu));
         let cpu = Devices { gpus: vec![], cpu_slots: 2, simulated: false };
-        assert_eq!(cpu.placement_for(&node, &engine(1, ""), &[0]), Ok(DevicePlacement::Cpu));
-        assert_eq!(cpu.placement_for(&node, &engine(1, "cuda"), &[0]), Err(PlacementError::NoGpu { node }));
+        assert_eq!(cpu.placement_for(&node, &engine(1, ""), &[0], 1), Ok(DevicePlacement::Cpu));
+        assert_eq!(cpu.placement_for(&node, &engine(3, ""), &[0, 1, 2], 3), Ok(DevicePlacement::Cpu));
+        assert!(matches!(
+            cpu.placement_for(&node, &engine(3, ""), &[0], 3),
+            Err(PlacementError::GroupSize { got: 1, want: 3, .. })
+        ));
+        assert_eq!(cpu.placement_for(&node, &engine(1, "cuda"), &[0], 1), Err(PlacementError::NoGpu { node }));
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -5,8 +5,10 @@ use super::replica::{DevicePlacement, EngineLauncher, EngineLoad, LaunchSpec, Re
 use futures::StreamExt;
 use prism_engine::codec::CodecExport;
 use prism_engine::kv_cache::CacheEvents;
+use prism_engine::parallel::ParallelConfig;
+use prism_engine::parallel::spawn::RankProgram;
 use prism_engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault, ModelInfo};
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -79,7 +81,11 @@ impl ReplicaEngine for EngineHandle {
 /// The engine configuration of a launch spec: the one mapping from the protocol's
 /// `EngineConfig` to the engine's. An absent knob takes the engine's default
 /// ([`EngineConfig::new`], the backend's step token budget); the KV-cache budget of a CPU
-/// replica that sets none is the worker's (`LaunchSpec::kv_cache_bytes`).
+/// replica that sets none is the worker's (`LaunchSpec::kv_cache_bytes`). A parallel replica
+/// (tensor × pipeline size above 1) gets its rank group: the sizes, this node's ranks (rank
+/// 0 first; on CUDA `devices[i]` is rank `local_ranks[i]`'s GPU), the rendezvous bound for
+/// ranks of other nodes, the running executable as the program of the local ranks, and the
+/// worker's collective and join timeouts.
 pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
     let e = &spec.engine;
     let backend = match &spec.placement {
@@ -106,24 +112,61 @@ pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
         batch_invariant: e.batch_invariant,
         // Absent = on, vLLM's default.
         enable_prefix_caching: e.enable_prefix_caching.unwrap_or(base.enable_prefix_caching),
+        parallel: parallel_config(spec),
+        chat_content_special_tokens: e.chat_content_special_tokens,
         ..base
     }
 }
 
-/// Launches replicas on this worker's engine.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct LocalLauncher;
+/// The engine's [`ParallelConfig`] of a launch spec (the default, one in-process rank, for
+/// an unsharded replica).
+fn parallel_config(spec: &LaunchSpec) -> ParallelConfig {
+    let p = &spec.parallel;
+    if p.sizes.is_single() {
+        return ParallelConfig::default();
+    }
+    ParallelConfig {
+        sizes: p.sizes,
+        local_ranks: p.local_ranks.clone(),
+        rendezvous: p.rendezvous.clone(),
+        rank_program: p.rank_program.clone().or_else(|| RankProgram::current_exe().ok()),
+        join_timeout: p.join_timeout,
+        collective_timeout: p.collective_timeout,
+        ..ParallelConfig::default()
+    }
+}
+
+/// Launches replicas on this worker's engine, loading models only from under the model root
+/// when one is set.
+#[derive(Clone, Debug, Default)]
+pub struct LocalLauncher {
+    model_root: Option<PathBuf>,
+}
+
+impl LocalLauncher {
+    /// A launcher; with `model_root`, a model path outside it (lexically, or through a
+    /// symlink) fails the replica ([`prism_common::model_root::check_on_disk`]).
+    pub fn new(model_root: Option<PathBuf>) -> Self {
+        Self { model_root }
+    }
+}
 
 impl EngineLauncher for LocalLauncher {
     fn launch(&self, spec: &LaunchSpec) -> Result<Arc<dyn ReplicaEngine>, EngineError> {
-        let model = Path::new(&spec.engine.model);
         if spec.engine.model.is_empty() {
             return Err(EngineError::InvalidRequest { field: "model", message: "model path is empty".into() });
         }
+        let mut config = engine_config(spec);
+        if let Some(root) = &self.model_root {
+            let path = prism_common::model_root::check_on_disk(root, &spec.engine.model)
+                .map_err(|e| EngineError::InvalidRequest { field: "engine.model", message: e.to_string() })?;
+            config.model = path;
+        }
+        let model = config.model.as_path();
         if !model.exists() {
             return Err(EngineError::Internal(format!("model path {} does not exist", model.display())));
         }
-        let handle = EngineHandle::start(engine_config(spec), None)?;
+        let handle = EngineHandle::start(config, None)?;
         Ok(Arc::new(handle))
     }
 }
@@ -145,7 +188,32 @@ mod tests {
             placement,
             kv_cache_bytes: 64 << 20,
             engine_threads: None,
+            parallel: super::super::replica::ParallelLaunch::default(),
         }
+    }
+
+    /// A sharded replica's engine gets its rank group; an unsharded one the one-rank default.
+    #[test]
+    fn a_parallel_replica_gets_its_rank_group_and_the_workers_timeouts() {
+        let single = engine_config(&spec(DevicePlacement::Cpu, None, None)).parallel;
+        assert!(single.sizes.is_single());
+        assert_eq!((single.local_ranks, single.rank_program), (vec![0], None));
+        let mut s = spec(DevicePlacement::Cuda(vec![2, 3]), None, None);
+        s.parallel = super::super::replica::ParallelLaunch {
+            sizes: prism_engine::parallel::ParallelSizes::new(2, 2),
+            local_ranks: vec![0, 1],
+            rendezvous: None,
+            collective_timeout: Duration::from_secs(3),
+            join_timeout: Duration::from_secs(90),
+            rank_program: None,
+        };
+        let cfg = engine_config(&s);
+        let p = &cfg.parallel;
+        assert_eq!((p.sizes.world_size(), p.local_ranks.clone()), (4, vec![0, 1]));
+        assert_eq!((p.collective_timeout, p.join_timeout), (Duration::from_secs(3), Duration::from_secs(90)));
+        assert_eq!(p.rank_program, RankProgram::current_exe().ok(), "local ranks run this executable");
+        assert!(p.rank0_in_process);
+        assert_eq!(cfg.backend, BackendKind::Cuda { devices: vec![2, 3] }, "one GPU per local rank, in rank order");
     }
 
     #[test]
@@ -195,8 +263,41 @@ mod tests {
         assert!(!engine_config(&s).enable_prefix_caching);
         s.engine.enable_prefix_caching = Some(true);
         assert!(engine_config(&s).enable_prefix_caching);
+        assert!(
+            !defaults.chat_content_special_tokens,
+            "chat message text is plain text unless the deployment opts out"
+        );
+        s.engine.chat_content_special_tokens = true;
+        assert!(engine_config(&s).chat_content_special_tokens);
         // A CPU replica's budget is the worker's, already resolved into the launch spec.
         assert_eq!(cfg.kv_cache_bytes, Some(64 << 20));
+    }
+
+    /// With a model root, a path outside it or a link out of it fails the launch naming
+    /// `engine.model` before anything is loaded.
+    #[test]
+    fn model_paths_outside_the_root_fail_the_launch() -> Result<(), Box<dyn std::error::Error>> {
+        let tmp = tempfile::tempdir()?;
+        let root = tmp.path().join("models");
+        std::fs::create_dir_all(&root)?;
+        std::fs::write(tmp.path().join("outside.gguf"), b"GGUF")?;
+        std::os::unix::fs::symlink(tmp.path().join("outside.gguf"), root.join("link.gguf"))?;
+        let launcher = LocalLauncher::new(Some(root.clone()));
+        for (model, needle) in [
+            (tmp.path().join("outside.gguf").display().to_string(), "is outside the model root"),
+            (root.join("link.gguf").display().to_string(), "a symlink points out of it"),
+            (format!("{}/../outside.gguf", root.display()), "`..`"),
+            (root.join("missing.gguf").display().to_string(), "No such file"),
+        ] {
+            let mut s = spec(DevicePlacement::Cpu, None, None);
+            s.engine.model = model.clone();
+            let e = launcher.launch(&s).err().ok_or("must fail")?;
+            assert!(
+                matches!(&e, EngineError::InvalidRequest { field: "engine.model", message } if message.contains(needle)),
+                "{model}: {e}"
+            );
+        }
+        Ok(())
     }
 
     /// The load a real replica reports carries its capacity: the launch spec's `max_num_seqs`,
@@ -204,7 +305,7 @@ mod tests {
     #[test]
     fn real_engine_load_reports_its_capacity() {
         let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        if !Path::new(model).exists() {
+        if !std::path::Path::new(model).exists() {
             eprintln!("skipping: {model} not present");
             return;
         }
@@ -214,7 +315,7 @@ mod tests {
         s.engine.block_size = Some(16);
         s.kv_cache_bytes = 8 << 20;
         s.engine_threads = Some(1);
-        let engine = LocalLauncher.launch(&s).expect("the bundled model loads");
+        let engine = LocalLauncher::default().launch(&s).expect("the bundled model loads");
         let load = engine.load();
         // The prompt codec a router gets: the engine's export, its fingerprint, the block size
         // and namespace of its prefix cache (on by default).

@@ -7,7 +7,7 @@
 
 use super::Agent;
 use super::drain::DrainSource;
-use prism_common::proto::v1::{self as pb, head_message, head_service_client::HeadServiceClient, worker_message};
+use prism_common::proto::v1::{self as pb, head_message, worker_message};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -109,7 +109,11 @@ async fn session(agent: &Arc<Agent>, target: &str, shutdown: &CancellationToken)
             Err(e) => return failed(format!("connect: {e}")),
         },
     };
-    let mut client = HeadServiceClient::new(channel);
+    let bearer = match agent.cfg.head_token.bearer() {
+        Ok(b) => b,
+        Err(e) => return failed(format!("head token: {e}")),
+    };
+    let mut client = prism_common::head_auth::head_client(channel, bearer);
     let (tx, rx) = mpsc::channel::<pb::WorkerMessage>(64);
     // Queue register + status before opening the stream so they are the first messages.
     let mut changes = agent.subscribe_changes();

@@ -136,8 +136,42 @@ pub struct LaunchSpec {
     /// KV-cache budget for the CPU backend, bytes (the config's, or the worker default).
     pub kv_cache_bytes: u64,
     /// Threads of the replica's compute pool (`--engine-threads`); `None` = the backend's
-    /// default (every core on CPU).
+    /// default (every core on CPU). A parallel CPU replica's engine splits them among this
+    /// node's ranks.
     pub engine_threads: Option<usize>,
+    /// The rank group (one rank, in-process, by default).
+    pub parallel: ParallelLaunch,
+}
+
+/// The rank group of a replica whose driver runs here.
+#[derive(Clone, Debug)]
+pub struct ParallelLaunch {
+    /// Tensor- and pipeline-parallel sizes.
+    pub sizes: prism_engine::parallel::ParallelSizes,
+    /// Global ranks on this node, rank 0 first (their devices: the placement's, in order).
+    pub local_ranks: Vec<usize>,
+    /// The rendezvous bound for ranks of other nodes (`None`: every rank is here).
+    pub rendezvous: Option<Arc<prism_engine::parallel::rank::Rendezvous>>,
+    /// Bound of every collective (`--collective-timeout`).
+    pub collective_timeout: Duration,
+    /// Time the ranks have to join and load (`--join-timeout`).
+    pub join_timeout: Duration,
+    /// The program of the local ranks other than 0 (`None`: this executable).
+    pub rank_program: Option<prism_engine::parallel::spawn::RankProgram>,
+}
+
+impl Default for ParallelLaunch {
+    fn default() -> Self {
+        let d = prism_engine::parallel::ParallelConfig::default();
+        Self {
+            sizes: d.sizes,
+            local_ranks: d.local_ranks,
+            rendezvous: None,
+            collective_timeout: d.collective_timeout,
+            join_timeout: d.join_timeout,
+            rank_program: None,
+        }
+    }
 }
 
 /// One hosted replica.
@@ -161,6 +195,12 @@ pub struct Replica {
     pub abort: CancellationToken,
     /// When the replica was created on this worker.
     pub created: Instant,
+    /// This entry holds ranks of a group whose driver runs on another node (no engine here).
+    member: bool,
+    /// The driver's rendezvous (`host:port`) once bound, for the head to pass on.
+    rendezvous: OnceLock<String>,
+    /// A member entry's rank processes.
+    ranks: super::group::MemberRanks,
 }
 
 /// Why a replica has no prompt codec to give.
@@ -197,7 +237,30 @@ impl Replica {
             idle: Notify::new(),
             abort: CancellationToken::new(),
             created: Instant::now(),
+            member: false,
+            rendezvous: OnceLock::new(),
+            ranks: super::group::MemberRanks::default(),
         }
+    }
+
+    /// A member entry in state Starting: ranks of a group whose driver runs on another node.
+    pub fn new_member(id: ReplicaId, deployment: String, model_name: String, gpu_indices: Vec<u32>) -> Self {
+        Self { member: true, ..Self::new(id, deployment, model_name, gpu_indices) }
+    }
+
+    /// Whether this entry only hosts member ranks (no engine, no requests).
+    pub fn is_group_member(&self) -> bool {
+        self.member
+    }
+
+    /// Records the driver's rendezvous address (reported in the status from now on).
+    pub fn set_rendezvous(&self, address: String) {
+        let _ = self.rendezvous.set(address);
+    }
+
+    /// A member entry's rank processes.
+    pub fn member_ranks(&self) -> &super::group::MemberRanks {
+        &self.ranks
     }
 
     /// Current state and reason.
@@ -303,6 +366,10 @@ impl Replica {
         if let Some(engine) = self.engine().cloned() {
             let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
         }
+        let killed = self.ranks.kill_all();
+        if killed > 0 {
+            tracing::info!(replica = %self.id, ranks = killed, "member ranks killed");
+        }
     }
 
     /// Load report for the head (None until the engine is loaded).
@@ -335,7 +402,8 @@ impl Replica {
             reason,
             gpu_indices: self.gpu_indices.clone(),
             max_model_len,
-            ..pb::ReplicaStatus::default()
+            rendezvous: self.rendezvous.get().cloned().unwrap_or_default(),
+            group_member: self.member,
         }
     }
 }
@@ -444,6 +512,14 @@ impl ReplicaTable {
     /// Requests in flight on every replica.
     pub fn in_flight(&self) -> u32 {
         self.all().iter().map(|r| r.in_flight()).sum()
+    }
+
+    /// Member entries whose ranks still run (not failed, stopping or stopped).
+    pub fn live_members(&self) -> usize {
+        self.all()
+            .iter()
+            .filter(|r| r.is_group_member() && matches!(r.state().0, ReplicaState::Starting | ReplicaState::Ready))
+            .count()
     }
 
     /// Subscribes to replica changes (a counter; each bump means "send a status").

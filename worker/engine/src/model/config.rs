@@ -187,6 +187,24 @@ impl ModelConfig {
     /// # Errors
     /// [`ModelError::Config`] naming the broken invariant.
     pub fn validate(&self) -> Result<(), ModelError> {
+        // Bounds far above any released model, checked before anything is sized from the
+        // config (the layer list, RoPE tables, shape checks): a config.json or GGUF header
+        // claiming 2^40 hidden units or 10^9 layers is an error, not an allocation.
+        for (name, value, max) in [
+            ("hidden_size", self.hidden_size, 1usize << 17),
+            ("intermediate_size", self.intermediate_size, 1 << 20),
+            ("num_attention_heads", self.num_attention_heads, 1 << 12),
+            ("num_key_value_heads", self.num_key_value_heads, 1 << 12),
+            ("head_dim", self.head_dim, 1 << 12),
+            ("num_hidden_layers", self.num_hidden_layers, 1 << 12),
+            ("vocab_size", self.vocab_size, 1 << 24),
+            ("max_position_embeddings", self.max_position_embeddings, 1 << 26),
+            ("q_dim", self.num_attention_heads.saturating_mul(self.head_dim), 1 << 20),
+        ] {
+            if value > max {
+                return Err(ModelError::Config(format!("{name} {value} is larger than the supported maximum {max}")));
+            }
+        }
         if self.hidden_size == 0 || self.intermediate_size == 0 || self.num_hidden_layers == 0 || self.vocab_size == 0 {
             return Err(ModelError::Config("zero-sized model dimension".into()));
         }

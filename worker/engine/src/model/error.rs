@@ -144,3 +144,17 @@ impl From<ModelError> for EngineError {
         EngineError::Internal(format!("model load: {e}"))
     }
 }
+
+/// Runs a third-party parser that may panic on hostile input (the `tokenizers` crate
+/// `expect`s inside its `tokenizer.json` decoder deserializer) and turns a panic into
+/// [`ModelError::Tokenizer`], so a malformed file fails the load instead of the thread.
+pub(crate) fn tokenizer_no_panic<T>(f: impl FnOnce() -> Result<T, ModelError>) -> Result<T, ModelError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let msg = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_owned());
+        Err(ModelError::Tokenizer(format!("the tokenizer parser failed on this file: {msg}").into()))
+    })
+}

@@ -19,6 +19,14 @@ use super::error::{ModelError, ResultExt};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
+/// Most metadata values (array elements included) one file may hold. Real files hold about
+/// a million (a 256k vocabulary's tokens, scores, types and merges); each parsed value
+/// costs 32 bytes however small it is in the file, so without this bound a file of one-byte
+/// array elements would cost 32 times its size.
+const MAX_METADATA_VALUES: usize = 1 << 23;
+/// Entries reserved up front for a map or array whose count the file claims: larger ones
+/// grow as their entries actually parse, so a lying count cannot reserve memory.
+const MAX_RESERVE: usize = 1 << 12;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -92,7 +100,9 @@ pub struct TensorInfo {
 impl TensorInfo {
     /// Element count.
     pub fn numel(&self) -> u64 {
-        self.dims.iter().product()
+        // Saturates: a product that overflows is no size a file can hold (`GgufFile::open`
+        // refuses such tensors).
+        self.dims.iter().try_fold(1u64, |n, &d| n.checked_mul(d)).unwrap_or(u64::MAX)
     }
     /// Shape in row-major (PyTorch) order: dims reversed, `[rows, cols]` for a matrix.
     pub fn shape(&self) -> Vec<usize> {
@@ -115,6 +125,8 @@ pub struct GgufFile {
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// Metadata values parsed so far (bounded by [`MAX_METADATA_VALUES`]).
+    values: usize,
 }
 
 impl<'a> Reader<'a> {
@@ -139,16 +151,23 @@ impl<'a> Reader<'a> {
     fn u64(&mut self) -> Result<u64, ModelError> {
         Ok(u64::from_le_bytes(self.arr()?))
     }
-    fn len(&mut self) -> Result<usize, ModelError> {
+    /// A count of items each at least `min_size` bytes long in the file: more than the rest
+    /// of the file can hold is a corrupt (or hostile) header, refused before anything is
+    /// allocated for it.
+    fn count(&mut self, min_size: usize, what: &'static str) -> Result<usize, ModelError> {
         let n = self.u64()?;
-        // Every element needs at least one byte: a larger count is a corrupt file.
-        usize::try_from(n).ok().filter(|&n| n <= self.buf.len()).ok_or(ModelError::MalformedGguf("bad length"))
+        let rest = self.buf.len() - self.pos;
+        usize::try_from(n).ok().filter(|&n| n <= rest / min_size.max(1)).ok_or(ModelError::MalformedGguf(what))
     }
     fn string(&mut self) -> Result<String, ModelError> {
-        let n = self.len()?;
+        let n = self.count(1, "string length past the end of the file")?;
         Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
     }
     fn value(&mut self, ty: u32, depth: u32) -> Result<GgufValue, ModelError> {
+        self.values += 1;
+        if self.values > MAX_METADATA_VALUES {
+            return Err(ModelError::MalformedGguf("more metadata values than any model has"));
+        }
         Ok(match ty {
             0 => GgufValue::U64(u64::from(self.arr::<1>()?[0])),
             1 => GgufValue::I64(i64::from(self.arr::<1>()?[0] as i8)),
@@ -164,8 +183,8 @@ impl<'a> Reader<'a> {
                     return Err(ModelError::MalformedGguf("arrays nested too deep"));
                 }
                 let ety = self.u32()?;
-                let n = self.len()?;
-                let mut v = Vec::with_capacity(n.min(1 << 20));
+                let n = self.count(value_min_size(ety), "array length past the end of the file")?;
+                let mut v = Vec::with_capacity(n.min(MAX_RESERVE));
                 for _ in 0..n {
                     v.push(self.value(ety, depth + 1)?);
                 }
@@ -176,6 +195,19 @@ impl<'a> Reader<'a> {
             12 => GgufValue::F64(f64::from_le_bytes(self.arr()?)),
             other => return Err(ModelError::GgufValueType(other)),
         })
+    }
+}
+
+/// Fewest bytes a metadata value of type `ty` takes in the file (unknown types: 1, and
+/// parsing them fails).
+fn value_min_size(ty: u32) -> usize {
+    match ty {
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 | 10..=12 => 8,
+        // Element type and count.
+        9 => 12,
+        _ => 1,
     }
 }
 
@@ -194,7 +226,7 @@ impl GgufFile {
         // SAFETY: the file is opened read-only and not modified while mapped (model files
         // are immutable by convention; a concurrent writer is an operator error).
         let mmap = unsafe { Mmap::map(&file) }?;
-        let mut r = Reader { buf: &mmap, pos: 0 };
+        let mut r = Reader { buf: &mmap, pos: 0, values: 0 };
         if r.take(4)? != MAGIC {
             return Err(ModelError::NotGguf { path: path.to_path_buf() });
         }
@@ -202,16 +234,18 @@ impl GgufFile {
         if !(2..=3).contains(&version) {
             return Err(ModelError::GgufVersion(version));
         }
-        let n_tensors = r.len()?;
-        let n_kv = r.len()?;
-        let mut metadata = HashMap::with_capacity(n_kv);
+        // A tensor info is at least 24 bytes (name length, rank, type, offset), a metadata
+        // pair at least 13 (key length, type, a one-byte value).
+        let n_tensors = r.count(24, "tensor count larger than the file")?;
+        let n_kv = r.count(13, "metadata count larger than the file")?;
+        let mut metadata = HashMap::with_capacity(n_kv.min(MAX_RESERVE));
         for _ in 0..n_kv {
             let key = r.string()?;
             let ty = r.u32()?;
             let v = r.value(ty, 0)?;
             metadata.insert(key, v);
         }
-        let mut tensors = HashMap::with_capacity(n_tensors);
+        let mut tensors = HashMap::with_capacity(n_tensors.min(MAX_RESERVE));
         for _ in 0..n_tensors {
             let name = r.string()?;
             let nd = r.u32()?;
@@ -225,10 +259,25 @@ impl GgufFile {
             let offset = r.u64()?;
             tensors.insert(name, TensorInfo { dims, ty, offset });
         }
-        let align = metadata.get("general.alignment").and_then(GgufValue::as_u64).unwrap_or(DEFAULT_ALIGNMENT).max(1);
-        let data_start = (r.pos as u64).div_ceil(align) * align;
-        let data_start = usize::try_from(data_start).map_err(|_| ModelError::MalformedGguf("bad data offset"))?;
-        Ok(Self { mmap, version, metadata, tensors, data_start })
+        let align = match metadata.get("general.alignment") {
+            None => DEFAULT_ALIGNMENT,
+            Some(v) => v
+                .as_u64()
+                .filter(|a| a.is_power_of_two() && *a <= 1 << 20)
+                .ok_or(ModelError::MalformedGguf("general.alignment is not a power of two"))?,
+        };
+        let data_start = (r.pos as u64)
+            .div_ceil(align)
+            .checked_mul(align)
+            .and_then(|d| usize::try_from(d).ok())
+            .ok_or(ModelError::MalformedGguf("bad data offset"))?;
+        let file = Self { mmap, version, metadata, tensors, data_start };
+        // Every tensor's data lies inside the file, so later reads (and the buffers sized
+        // from a tensor's element count) are bounded by the file's size.
+        for name in file.tensors.keys() {
+            file.tensor_bytes(name)?;
+        }
+        Ok(file)
     }
 
     /// Metadata lookup.

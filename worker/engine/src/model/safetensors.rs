@@ -14,7 +14,7 @@ use safetensors::tensor::{Dtype, Metadata};
 
 use super::chat_template::ChatTemplate;
 use super::config::{HfLlamaConfig, ModelConfig, TokenIds};
-use super::error::{ModelError, ResultExt};
+use super::error::{ModelError, ResultExt, tokenizer_no_panic};
 use super::llama::{HostTensor, LlamaWeights, WeightSource};
 use super::loaded::{LoadedModel, ProgressFn};
 use super::tokenizer::Tokenizer;
@@ -283,7 +283,12 @@ pub fn open_dir_model(dir: &Path) -> Result<HfDirModel, ModelError> {
             }
         }
     }
-    let tokenizer = Tokenizer::from_hf_dir(dir, config.bos_token_id, &config.eos_token_ids)?;
+    // `from_hf_dir` names tokenizer.json in its own errors; a parser panic is named here.
+    let tokenizer = match tokenizer_no_panic(|| Tokenizer::from_hf_dir(dir, config.bos_token_id, &config.eos_token_ids))
+    {
+        Err(e @ ModelError::Tokenizer(_)) => return Err(ModelError::in_file(&dir.join("tokenizer.json"), e)),
+        r => r?,
+    };
     config.bos_token_id = tokenizer.bos_id();
     config.eos_token_ids = tokenizer.eos_ids().to_vec();
     let chat_template = match read_json(&dir.join("tokenizer_config.json"))?.as_ref().and_then(chat_template_source) {

@@ -6,7 +6,9 @@
 //! llama.cpp's and transformers' tokenizers.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::Path;
+use std::sync::OnceLock;
 
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
@@ -14,7 +16,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::{AddedToken, SplitDelimiterBehavior};
+use tokenizers::{AddedToken, OffsetReferential, OffsetType, SplitDelimiterBehavior};
 
 use super::error::{ModelError, ResultExt};
 use super::gguf::{GgufFile, GgufValue};
@@ -39,6 +41,8 @@ pub struct Tokenizer {
     /// Raw bytes of every token id (`0..vocab_size`).
     bytes: Vec<Vec<u8>>,
     special: Vec<bool>,
+    /// The plain-text twin for chat message text, built on first use.
+    plain: LazyPlainText,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -156,6 +160,88 @@ pub(crate) fn encode_with(
     Ok(ids)
 }
 
+/// Put before a piece of text that follows a special token, so that the tokenizer sees the
+/// piece where it sits in the whole prompt rather than at the start of its input (a
+/// Metaspace pre-tokenizer with `prepend_scheme: first` adds `▁` only at the start); its id
+/// is dropped. Private-use characters: no model's vocabulary has this text.
+const PIECE_MARKER: &str = "\u{E000}\u{F8FF}prism-piece\u{F8FF}\u{E000}";
+
+/// Where `inner` finds special tokens in `text`, as its own encoder does (added-token
+/// matching with `lstrip`/`rstrip`/`single_word` and matches on normalized text): each
+/// match's byte range in `text` and its id, in order. Non-special added tokens are not
+/// listed.
+pub(crate) fn special_token_spans(inner: &tokenizers::Tokenizer, text: &str) -> Vec<(Range<usize>, u32)> {
+    let vocab = inner.get_added_vocabulary();
+    let pieces = vocab.extract_and_normalize(inner.get_normalizer(), text);
+    pieces
+        .get_splits(OffsetReferential::Original, OffsetType::Byte)
+        .into_iter()
+        .filter_map(|(_, (start, end), tokens)| {
+            let [token] = tokens.as_deref()? else { return None };
+            let special = vocab.get_added_tokens_decoder().get(&token.id).is_some_and(|t| t.special);
+            special.then_some((start..end, token.id))
+        })
+        .collect()
+}
+
+/// The tokenizer with special-token parsing off (the `tokenizers` crate's
+/// `encode_special_tokens`, transformers' `split_special_tokens`): text such as `<|im_end|>`
+/// becomes the ids of its characters. Non-special added tokens are still matched.
+pub(crate) struct PlainText {
+    inner: tokenizers::Tokenizer,
+    marker: Option<u32>,
+}
+
+impl PlainText {
+    fn new(tokenizer: &tokenizers::Tokenizer) -> Result<Self, ModelError> {
+        let mut inner = tokenizer.clone();
+        inner.set_encode_special_tokens(true);
+        inner.add_tokens([AddedToken::from(PIECE_MARKER, false).normalized(false)])?;
+        let marker = inner.token_to_id(PIECE_MARKER);
+        Ok(Self { inner, marker })
+    }
+
+    /// Ids of `text` with special-token text read as plain text and nothing added (no BOS).
+    /// `follows_token`: the text comes after a special token in the prompt (not at its start),
+    /// which some pre-tokenizers treat differently.
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] when the tokenizer fails.
+    pub(crate) fn encode(&self, text: &str, follows_token: bool) -> Result<Vec<u32>, EngineError> {
+        let fail = |e: tokenizers::Error| EngineError::Internal(format!("tokenizer: {e}"));
+        match self.marker {
+            // Text that holds the marker itself is encoded alone (only a Metaspace `first`
+            // pre-tokenizer tells the two apart).
+            Some(marker) if follows_token && !text.contains(PIECE_MARKER) => {
+                let enc = self.inner.encode(format!("{PIECE_MARKER}{text}"), false).map_err(fail)?;
+                match enc.get_ids().split_first() {
+                    Some((&first, rest)) if first == marker => Ok(rest.to_vec()),
+                    _ => Err(EngineError::Internal("tokenizer: the piece marker was not kept".into())),
+                }
+            }
+            _ => Ok(self.inner.encode(text, false).map_err(fail)?.get_ids().to_vec()),
+        }
+    }
+}
+
+/// A [`PlainText`] built on first use: a copy of the tokenizer only models that see
+/// special-token text in chat messages pay for.
+#[derive(Default)]
+pub(crate) struct LazyPlainText(OnceLock<Result<PlainText, String>>);
+
+impl LazyPlainText {
+    /// The plain-text twin of `tokenizer` (always the same tokenizer for one `LazyPlainText`).
+    ///
+    /// # Errors
+    /// [`EngineError::Internal`] when the copy cannot take the piece marker.
+    pub(crate) fn get(&self, tokenizer: &tokenizers::Tokenizer) -> Result<&PlainText, EngineError> {
+        self.0
+            .get_or_init(|| PlainText::new(tokenizer).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| EngineError::Internal(format!("tokenizer: {e}")))
+    }
+}
+
 impl Tokenizer {
     /// Builds a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata.
     ///
@@ -217,7 +303,7 @@ impl Tokenizer {
         let bos_id = id("tokenizer.ggml.bos_token_id");
         let add_bos =
             file.get("tokenizer.ggml.add_bos_token").and_then(GgufValue::as_bool).unwrap_or(false) && bos_id.is_some();
-        Ok(Self { inner, add_bos, bos_id, eos_ids, bytes, special })
+        Ok(Self { inner, add_bos, bos_id, eos_ids, bytes, special, plain: LazyPlainText::default() })
     }
 
     /// Loads `tokenizer.json` (and special tokens from `tokenizer_config.json`) from a
@@ -261,12 +347,13 @@ impl Tokenizer {
         {
             eos.push(e);
         }
-        Ok(Self { inner, add_bos: false, bos_id, eos_ids: eos, bytes, special })
+        Ok(Self { inner, add_bos: false, bos_id, eos_ids: eos, bytes, special, plain: LazyPlainText::default() })
     }
 
     /// Token ids of `text`. With `add_special_tokens`, BOS is prepended when the model asks
     /// for it (GGUF `add_bos_token`, or the HF post-processor). Special-token text such as
-    /// `<|im_start|>` is always recognised.
+    /// `<|im_start|>` is always recognised (completion prompts, rendered chat templates;
+    /// chat message text goes through [`crate::codec`]'s chat encoding instead).
     ///
     /// # Errors
     /// [`EngineError::Internal`] if the tokenizer fails (no user text in the message).
@@ -336,6 +423,11 @@ impl Tokenizer {
     /// The underlying `tokenizers` tokenizer.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
+    }
+
+    /// The tokenizer with special-token parsing off (built on first use).
+    pub(crate) fn plain(&self) -> &LazyPlainText {
+        &self.plain
     }
 }
 

@@ -1,11 +1,24 @@
 //! The driver side of a parallel replica: [`ParallelBackend`] is the `Backend` the step loop
 //! drives. Rank 0 (first stage, tensor-parallel rank 0) runs in the driver's process; every
-//! other rank is a process ([`super::spawn`]) that joined through the [`Rendezvous`]. Each
-//! step the driver validates the batch, sends it to every rank, runs rank 0's micro-batches
-//! and collects the logit rows from the last stage's tensor-parallel rank 0. A rank that
-//! exits, fails its step or stalls past the collective timeout fails the step; the backend
-//! then aborts the group, kills the ranks it started and refuses every later step, so the
-//! engine reports the replica dead (and the agent replaces it).
+//! other rank is a process ([`super::spawn`]) that joined through the [`Rendezvous`].
+//!
+//! Start: bind a loopback rendezvous (or take the configured one), spawn this node's ranks
+//! (the cores split among them), accept every expected rank's hello within `join_timeout`
+//! (an error names the missing ranks, or the child that exited), send each the
+//! [`InitSpec`] with the full mesh (and an NCCL id on CUDA), then connect rank 0's mesh and
+//! build its stage while the others do, and wait for every `Loaded` (the replica has the
+//! fewest KV blocks of any rank). With `rank0_in_process == false` rank 0 is a child too and
+//! the driver only schedules.
+//!
+//! Each step the driver validates the batch against the group's geometry, sends it to every
+//! rank ([`super::wire`]), runs rank 0's micro-batches and waits for every rank's answer
+//! (each bounded by `collective_timeout` after rank 0's part, polling the replica's
+//! [`StepControl`]); the last stage's tensor-parallel rank 0 returns the logit rows, or the
+//! argmax ids for a greedy step when it is not in this process. A rank that exits, fails its
+//! step or stalls past the collective timeout fails the step; the backend then aborts rank
+//! 0's communicator, closes every control connection, kills the ranks it started and
+//! refuses every later step, so the engine reports the replica dead (and the agent replaces
+//! it). Dropping the backend sends `Shutdown`, waits up to 500 ms, then kills what is left.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -103,6 +116,8 @@ pub struct ParallelBackend {
     kv_bytes_per_token: usize,
     vocab: usize,
     micro_batches: usize,
+    /// Greedy steps take the argmax where the logits are (a CUDA device, or a rank process
+    /// that would otherwise send every logit row over its control connection).
     device_greedy: bool,
     collective_timeout: Duration,
     /// Rank 0's stage when it runs in this process.
@@ -117,7 +132,23 @@ pub struct ParallelBackend {
     failed: Option<String>,
     step_seq: u64,
     rendezvous: Arc<Rendezvous>,
+    /// The last step's timing (its round trip sizes the next step's spin window).
+    timing: Option<StepTiming>,
 }
+
+/// Where a step's time went, as the driver saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepTiming {
+    /// From sending the step to having every rank's answer.
+    pub round_trip: Duration,
+    /// The output rank's own time running the step (what it reported in `StepDone`; zero
+    /// when rank 0 in this process returns the outputs).
+    pub rank_compute: Duration,
+}
+
+/// The most the driver polls for a step's answer without sleeping (around when the last
+/// step's answer came; outside that window it sleeps until the answer wakes it).
+const ANSWER_SPIN: Duration = Duration::from_millis(2);
 
 impl std::fmt::Debug for ParallelBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -224,7 +255,7 @@ impl ParallelBackend {
         }
         init.mesh = mesh;
         #[cfg(feature = "cuda")]
-        if cuda && !init.host_collectives {
+        if cuda && !init.host_collectives && world > 1 {
             init.nccl_unique_id = Some(crate::backend::cuda::stage::nccl_unique_id()?);
         }
         let abort = Arc::new(OnceLock::new());
@@ -281,7 +312,17 @@ impl ParallelBackend {
             let local = rank0.map(|h| h.join().unwrap_or_else(|_| Err(dev("rank 0's load panicked".into()))));
             (local.transpose(), loaded)
         });
-        let mut loaded = loaded?;
+        // A rank whose connection closed: name its exit status when it is a child here.
+        let mut loaded = loaded.map_err(|e| {
+            let until = Instant::now() + Duration::from_millis(200);
+            loop {
+                match check_children(&mut children) {
+                    Err(exited) => return exited,
+                    Ok(()) if Instant::now() >= until => return e,
+                    Ok(()) => std::thread::sleep(POLL),
+                }
+            }
+        })?;
         let local = local?;
         check_children(&mut children)?;
         if let Some(l) = &local {
@@ -308,7 +349,8 @@ impl ParallelBackend {
             kv_bytes_per_token,
             vocab: model.config.vocab_size,
             micro_batches: if pp > 1 { cfg.micro_batches.unwrap_or(pp).max(1) } else { 1 },
-            device_greedy: cuda,
+            // The argmax on the last rank: only ids cross the control connection.
+            device_greedy: cuda || sizes.rank_of(0, pp - 1) != 0 || !in_process,
             collective_timeout,
             local,
             output_rank: sizes.rank_of(0, pp - 1),
@@ -319,12 +361,18 @@ impl ParallelBackend {
             failed: None,
             step_seq: 0,
             rendezvous,
+            timing: None,
         })
     }
 
     /// Process ids of the rank processes this driver started, by rank.
     pub fn rank_pids(&self) -> Vec<(usize, u32)> {
         self.children.iter().map(|c| (c.rank, c.pid())).collect()
+    }
+
+    /// Where the last step's time went (`None` before the first step).
+    pub fn last_step_timing(&self) -> Option<StepTiming> {
+        self.timing
     }
 
     /// The rendezvous the group formed on.
@@ -362,21 +410,34 @@ impl ParallelBackend {
         for l in &mut self.links {
             l.send_frame(&frame)?;
         }
+        let sent = Instant::now();
+        // Poll for the answers around when the last step's came (at most ANSWER_SPIN).
+        let spin = self.timing.map(|t| {
+            let margin = (t.round_trip / 8).clamp(Duration::from_micros(100), ANSWER_SPIN / 2);
+            (sent + t.round_trip.saturating_sub(margin), sent + t.round_trip + margin)
+        });
         let mut out = match &mut self.local {
             Some(stage) => Some(run_micro_batches(stage.as_mut(), batch, greedy, self.micro_batches)?),
             None => None,
         };
         let deadline = Instant::now() + self.collective_timeout;
+        let mut rank_compute = Duration::ZERO;
         for l in &mut self.links {
-            match l.recv(deadline, &self.control, "the step")? {
-                Msg::StepDone { seq: s, outputs } if s == seq => {
+            let answer = match spin {
+                Some(window) => l.recv_spinning(deadline, &self.control, "the step", window)?,
+                None => l.recv(deadline, &self.control, "the step")?,
+            };
+            match answer {
+                Msg::StepDone { seq: s, outputs, compute_ns } if s == seq => {
                     if l.rank == self.output_rank {
                         out = Some(outputs);
+                        rank_compute = Duration::from_nanos(compute_ns);
                     }
                 }
                 _ => return Err(BackendError::Device(format!("rank {}: an unexpected answer to step {seq}", l.rank))),
             }
         }
+        self.timing = Some(StepTiming { round_trip: sent.elapsed(), rank_compute });
         out.ok_or_else(|| BackendError::Device(format!("rank {} returned no outputs", self.output_rank)))
     }
 }

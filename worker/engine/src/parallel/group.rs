@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::net::TcpStream;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError, channel};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -192,17 +192,63 @@ impl RankLink {
                 return Err(BackendError::Device(format!("rank {} did not answer {what} in time", self.rank)));
             }
             match self.rx.recv_timeout(POLL.min(deadline - now)) {
-                Ok(Ok(Msg::StepFailed { message } | Msg::LoadFailed { message })) => {
-                    return Err(BackendError::Device(format!("rank {} failed: {message}", self.rank)));
-                }
-                Ok(Ok(msg)) => return Ok(msg),
-                Ok(Err(e)) => return Err(BackendError::Device(format!("rank {}: {e}", self.rank))),
+                Ok(item) => return self.answer(item),
                 Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(BackendError::Device(format!("rank {}: its control connection is gone", self.rank)));
-                }
+                Err(RecvTimeoutError::Disconnected) => return Err(self.gone()),
             }
         }
+    }
+
+    /// As [`RankLink::recv`], but polls the channel without sleeping between `spin.0` and
+    /// `spin.1` (when the answer is expected; before it, it waits as `recv` does): an answer
+    /// that comes in that window is taken without a thread wake-up. The window is the
+    /// caller's bound on the spinning.
+    ///
+    /// # Errors
+    /// As [`RankLink::recv`].
+    pub fn recv_spinning(
+        &mut self,
+        deadline: Instant,
+        control: &StepControl,
+        what: &str,
+        spin: (Instant, Instant),
+    ) -> Result<Msg, BackendError> {
+        let (from, until) = spin;
+        loop {
+            let now = Instant::now();
+            if now >= until.min(deadline) {
+                return self.recv(deadline, control, what);
+            }
+            if control.stop_requested().is_some() {
+                return Err(BackendError::Cancelled);
+            }
+            if now < from {
+                match self.rx.recv_timeout((from - now).min(POLL)) {
+                    Ok(item) => return self.answer(item),
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => return Err(self.gone()),
+                }
+            }
+            match self.rx.try_recv() {
+                Ok(item) => return self.answer(item),
+                Err(TryRecvError::Empty) => std::thread::yield_now(),
+                Err(TryRecvError::Disconnected) => return Err(self.gone()),
+            }
+        }
+    }
+
+    fn answer(&self, item: Incoming) -> Result<Msg, BackendError> {
+        match item {
+            Ok(Msg::StepFailed { message } | Msg::LoadFailed { message }) => {
+                Err(BackendError::Device(format!("rank {} failed: {message}", self.rank)))
+            }
+            Ok(msg) => Ok(msg),
+            Err(e) => Err(BackendError::Device(format!("rank {}: {e}", self.rank))),
+        }
+    }
+
+    fn gone(&self) -> BackendError {
+        BackendError::Device(format!("rank {}: its control connection is gone", self.rank))
     }
 
     /// Closes the connection (the rank exits when it reads the end).

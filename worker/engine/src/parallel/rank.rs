@@ -1,9 +1,15 @@
 //! The rank process: started by a worker agent (or by the driver for ranks on its own node)
-//! with a [`RankSpec`] in the `PRISM_RANK_SPEC` environment variable, it connects to the
-//! driver's [`Rendezvous`], presents the group token, receives the [`super::stage::InitSpec`],
-//! forms the host mesh, loads its shard and then runs every step the driver broadcasts until
-//! the driver says stop or its connection closes (then it exits: a rank never outlives its
-//! driver).
+//! with a [`RankSpec`] in the `PRISM_RANK_SPEC` environment variable, it binds its
+//! host-communicator listener, connects to the driver's [`Rendezvous`] (retrying for
+//! [`RANK_CONNECT_TIMEOUT`]), says hello with the group token, its rank and its listener's
+//! address, receives the [`super::stage::InitSpec`], forms the host mesh, loads its shard
+//! (`Loaded` / `LoadFailed`) and then runs every step the driver broadcasts
+//! ([`super::stage::run_micro_batches`], answering `StepDone` / `StepFailed`) until the
+//! driver says stop or its connection closes — then it exits: a rank never outlives its
+//! driver, and a failed rank never serves again (it exits after `StepFailed`).
+//!
+//! Exit codes: 0 when the driver stopped it or went away, 1 when it failed (join, load,
+//! step), 2 when the spec does not parse.
 
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::process::ExitCode;
@@ -135,16 +141,51 @@ pub fn run_rank(spec: &RankSpec) -> Result<(), String> {
     };
     let loaded = Msg::Loaded { num_kv_blocks: stage.num_kv_blocks(), kv_bytes_per_token: stage.kv_bytes_per_token() };
     write_msg(&mut conn, &loaded).map_err(|e| e.to_string())?;
+    // The whole serve loop runs inside the compute pool: a CPU stage's matmuls find their
+    // pool without a hand-off to a worker thread and back on every step.
+    pool.install(|| serve(&mut conn, stage.as_mut()))
+}
+
+/// How long a rank polls its connection for the next step after answering one before it
+/// blocks in the read: back-to-back steps arrive without a thread wake-up, an idle rank
+/// sleeps after this.
+pub const NEXT_STEP_SPIN: Duration = Duration::from_millis(2);
+
+/// Waits until `conn` has bytes to read (or is closed, or failed), polling for at most
+/// `spin`; then the caller's blocking read returns without sleeping when the step came in
+/// time.
+fn spin_for_input(conn: &TcpStream, spin: Duration) {
+    if conn.set_nonblocking(true).is_err() {
+        return;
+    }
+    let until = Instant::now() + spin;
+    let mut byte = [0u8; 1];
     loop {
-        match read_msg(&mut conn) {
+        match conn.peek(&mut byte) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < until => {
+                std::thread::yield_now();
+            }
+            _ => break,
+        }
+    }
+    let _ = conn.set_nonblocking(false);
+}
+
+/// Runs every step the driver sends until it says stop or its connection closes.
+fn serve(conn: &mut TcpStream, stage: &mut dyn StageBackend) -> Result<(), String> {
+    loop {
+        match read_msg(conn) {
             Ok(Msg::Step { seq, greedy, micro_batches, batch }) => {
-                match pool.install(|| run_micro_batches(stage.as_mut(), &batch, greedy, micro_batches)) {
+                let started = Instant::now();
+                match run_micro_batches(stage, &batch, greedy, micro_batches) {
                     Ok(outputs) => {
-                        write_msg(&mut conn, &Msg::StepDone { seq, outputs }).map_err(|e| e.to_string())?;
+                        let compute_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                        write_msg(conn, &Msg::StepDone { seq, outputs, compute_ns }).map_err(|e| e.to_string())?;
+                        spin_for_input(conn, NEXT_STEP_SPIN);
                     }
                     Err(e) => {
                         let message = format!("step {seq}: {e}");
-                        let _ = write_msg(&mut conn, &Msg::StepFailed { message: message.clone() });
+                        let _ = write_msg(conn, &Msg::StepFailed { message: message.clone() });
                         return Err(message);
                     }
                 }

@@ -8,7 +8,7 @@
 //! rank → driver  Loaded{num_kv_blocks, kv_bytes_per_token} | LoadFailed{message}
 //! per step:
 //! driver → rank  Step{seq, greedy, micro_batches, StepBatch}
-//! rank → driver  StepDone{seq, one StageOutput per micro-batch} | StepFailed{message}
+//! rank → driver  StepDone{seq, compute_ns, one StageOutput per micro-batch} | StepFailed{message}
 //! driver → rank  Shutdown (or the connection closes: the rank exits either way)
 //! ```
 //!
@@ -71,6 +71,10 @@ pub enum Msg {
         seq: u64,
         /// Per micro-batch, in order.
         outputs: Vec<StageOutput>,
+        /// Nanoseconds the rank spent running the step (receipt of the batch to its
+        /// outputs), so the driver can tell compute from the control path's overhead.
+        /// Frames of tag 6 (without it) decode with 0.
+        compute_ns: u64,
     },
     /// The step failed on this rank (it exits after sending this).
     StepFailed {
@@ -100,6 +104,8 @@ const STEP: u8 = 5;
 const STEP_DONE: u8 = 6;
 const STEP_FAILED: u8 = 7;
 const SHUTDOWN: u8 = 8;
+/// `StepDone` with the rank's compute time after `seq` (tag 6 is the form without it).
+const STEP_DONE_TIMED: u8 = 9;
 
 struct Enc(Vec<u8>);
 
@@ -236,9 +242,10 @@ pub fn encode(msg: &Msg) -> Vec<u8> {
             e.str(message);
         }
         Msg::Step { seq, greedy, micro_batches, batch } => return encode_step(*seq, *greedy, *micro_batches, batch),
-        Msg::StepDone { seq, outputs } => {
-            e.u8(STEP_DONE);
+        Msg::StepDone { seq, outputs, compute_ns } => {
+            e.u8(STEP_DONE_TIMED);
             e.u64(*seq);
+            e.u64(*compute_ns);
             e.len(outputs.len());
             for o in outputs {
                 match o {
@@ -303,8 +310,9 @@ pub fn decode(body: &[u8]) -> Result<Msg, WireError> {
         STEP => {
             Msg::Step { seq: d.u64()?, greedy: d.u8()? != 0, micro_batches: d.usize()?, batch: decode_batch(&mut d)? }
         }
-        STEP_DONE => {
+        tag @ (STEP_DONE | STEP_DONE_TIMED) => {
             let seq = d.u64()?;
+            let compute_ns = if tag == STEP_DONE_TIMED { d.u64()? } else { 0 };
             let n = d.count(1)?;
             let mut outputs = Vec::with_capacity(n);
             for _ in 0..n {
@@ -322,7 +330,7 @@ pub fn decode(body: &[u8]) -> Result<Msg, WireError> {
                     k => return Err(WireError::Malformed(format!("unknown stage output kind {k}"))),
                 });
             }
-            Msg::StepDone { seq, outputs }
+            Msg::StepDone { seq, outputs, compute_ns }
         }
         STEP_FAILED => Msg::StepFailed { message: d.str()? },
         SHUTDOWN => Msg::Shutdown,
@@ -389,10 +397,19 @@ mod tests {
             StageOutput::Logits(Logits { rows: 1, vocab_size: 2, data: vec![0.5, -1.0] }),
             StageOutput::Greedy(vec![4]),
         ];
-        let frame = encode(&Msg::StepDone { seq: 3, outputs });
-        let Msg::StepDone { seq: 3, outputs } = read_msg(&mut &frame[..]).unwrap() else { panic!("not done") };
+        let frame = encode(&Msg::StepDone { seq: 3, outputs, compute_ns: 1234 });
+        let Msg::StepDone { seq: 3, outputs, compute_ns: 1234 } = read_msg(&mut &frame[..]).unwrap() else {
+            panic!("not done")
+        };
         assert!(matches!(&outputs[1], StageOutput::Logits(l) if l.data == [0.5, -1.0]));
         assert!(matches!(&outputs[2], StageOutput::Greedy(ids) if ids == &[4]));
+
+        // The form without the compute time (tag 6) still decodes.
+        let mut old = vec![STEP_DONE];
+        old.extend_from_slice(&5u64.to_le_bytes());
+        old.extend_from_slice(&1u32.to_le_bytes());
+        old.push(0);
+        assert!(matches!(decode(&old), Ok(Msg::StepDone { seq: 5, compute_ns: 0, ref outputs }) if outputs.len() == 1));
 
         // Truncated, oversized, unknown and trailing frames fail cleanly.
         let frame = encode(&Msg::Hello { token: "t".into(), rank: 1, mesh_address: "a:1".into() });

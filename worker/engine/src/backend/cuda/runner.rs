@@ -172,8 +172,18 @@ impl CudaBackend {
     /// # Errors
     /// [`BackendError::Cuda`] on a launch or copy failure.
     pub(super) fn greedy_rows(&self, rows: usize) -> Result<Vec<u32>, BackendError> {
+        self.launch_argmax(rows)?;
+        self.download_argmax(rows)
+    }
+
+    /// Enqueues the argmax of the first `rows` logit rows on the step's stream (a rank
+    /// queues it before its one wait for the step, see [`CudaBackend::download_argmax`]).
+    ///
+    /// # Errors
+    /// [`BackendError::Cuda`] on a launch failure.
+    pub(super) fn launch_argmax(&self, rows: usize) -> Result<(), BackendError> {
         if rows == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let m = &self.m;
         let cfg = per_row(rows, 1024);
@@ -182,8 +192,18 @@ impl CudaBackend {
         b.arg(&m.s.argmax.ptr).arg(&m.s.logits.ptr).arg(&vocab);
         // SAFETY: logits hold rows × vocab f32, argmax rows u32.
         unsafe { b.launch(cfg) }.op("argmax_rows")?;
+        Ok(())
+    }
+
+    /// The ids [`CudaBackend::launch_argmax`] computed.
+    ///
+    /// # Errors
+    /// [`BackendError::Cuda`] on a copy failure (or an earlier asynchronous fault).
+    pub(super) fn download_argmax(&self, rows: usize) -> Result<Vec<u32>, BackendError> {
         let mut out = vec![0u32; rows];
-        m.gpu.download(&mut out, m.s.argmax.ptr)?;
+        if rows > 0 {
+            self.m.gpu.download(&mut out, self.m.s.argmax.ptr)?;
+        }
         Ok(out)
     }
 

@@ -153,12 +153,18 @@ impl StageBackend for CudaStage {
         if let Some(peer) = self.next {
             self.be.send_hidden(count, peer)?;
         }
+        // A greedy step's argmax goes on the stream before the one wait for the step, so
+        // the ids are ready when it returns (one synchronisation, as the unsharded path).
+        let greedy_here = greedy && self.returns_logits;
+        if greedy_here {
+            self.be.launch_argmax(rows)?;
+        }
         self.be.wait_step()?;
         if !self.returns_logits {
             return Ok(StageOutput::Forwarded);
         }
-        if greedy {
-            Ok(StageOutput::Greedy(self.be.greedy_rows(rows)?))
+        if greedy_here {
+            Ok(StageOutput::Greedy(self.be.download_argmax(rows)?))
         } else {
             Ok(StageOutput::Logits(self.be.logit_rows(rows)?))
         }

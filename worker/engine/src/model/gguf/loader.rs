@@ -9,7 +9,7 @@ use super::dequant;
 use super::{GgufFile, GgufValue, gguf_name};
 use crate::model::chat_template::ChatTemplate;
 use crate::model::config::ModelConfig;
-use crate::model::error::{ModelError, ResultExt};
+use crate::model::error::{ModelError, ResultExt, tokenizer_no_panic};
 use crate::model::llama::{self, HostTensor, LlamaWeights, QuantizedData, QuantizedTensor, WeightSource};
 use crate::model::loaded::{LoadedModel, ProgressFn};
 use crate::model::tokenizer::Tokenizer;
@@ -75,7 +75,7 @@ pub fn load(path: &Path, progress: ProgressFn<'_>, keep_quantized: bool) -> Resu
 
 fn load_file(file: &GgufFile, progress: ProgressFn<'_>, keep_quantized: bool) -> Result<LoadedModel, ModelError> {
     let config = file.model_config()?;
-    let tokenizer = Tokenizer::from_gguf(file)?;
+    let tokenizer = tokenizer_no_panic(|| Tokenizer::from_gguf(file))?;
     let chat_template = match file.get("tokenizer.chat_template").and_then(GgufValue::as_str) {
         Some(src) => Some(ChatTemplate::new(src, tokenizer.bos_text(), tokenizer.eos_text())?),
         None => None,
