@@ -310,6 +310,14 @@ impl Agent {
         } else {
             None
         };
+        // Simulated GPUs exist for placement tests: a group that sits whole on one simulated
+        // node runs as one unsharded CPU engine (no rank processes), as replicas on simulated
+        // GPUs always have. A group spread over nodes still runs its ranks.
+        let (sizes, local_ranks) = if self.devices.simulated && !share.spans_nodes {
+            (ParallelSizes::default(), vec![0])
+        } else {
+            (sizes, share.ranks)
+        };
         let kv_cache_bytes = engine.kv_cache_bytes.unwrap_or(self.cfg.kv_cache_bytes);
         let spec = LaunchSpec {
             replica_id: replica.id.clone(),
@@ -319,7 +327,7 @@ impl Agent {
             engine_threads: self.cfg.engine_threads,
             parallel: ParallelLaunch {
                 sizes,
-                local_ranks: share.ranks,
+                local_ranks,
                 rendezvous,
                 collective_timeout: self.cfg.collective_timeout,
                 join_timeout: self.cfg.join_timeout,
