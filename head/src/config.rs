@@ -54,9 +54,12 @@ pub struct Args {
     pub reconcile_interval: Duration,
 
     /// A replica that was Ready and then failed (engine died or stalled) is replaced this
-    /// long after it failed, as Ray Serve restarts unhealthy replicas. Replicas that fail
-    /// while starting (bad model path, out of memory) stay Failed with their reason, so a
-    /// broken spec never becomes a restart loop.
+    /// long after it failed, as Ray Serve restarts unhealthy replicas. A one-rank replica
+    /// that fails while starting (bad model path, out of memory) stays Failed with its
+    /// reason, so a broken spec never becomes a restart loop; a GPU group (several ranks)
+    /// that fails while starting (a rank crashed or was OOM-killed while loading) is
+    /// replaced after this delay x 2^n, n = the deployment's earlier start failures since
+    /// one of its replicas was Ready (at most 64 x the delay).
     #[arg(long, env = "PRISM_HEAD_REPLICA_RESTART_DELAY", default_value = "10s", value_parser = parse_duration)]
     pub replica_restart_delay: Duration,
 

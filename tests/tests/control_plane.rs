@@ -8,6 +8,7 @@
 //! `cargo build -p prism-head --bin prism-head`.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -46,6 +47,9 @@ struct FakeWorker {
     start_msgs: Arc<Mutex<Vec<StartReplica>>>,
     /// Changes the reported state of a replica it runs (a rank failing): id, state, reason.
     inject: mpsc::UnboundedSender<(String, ReplicaState, String)>,
+    /// While set, replicas it is told to start stay Starting (still loading) instead of
+    /// turning Ready at once.
+    hold_starting: Arc<AtomicBool>,
 }
 
 type Injected = mpsc::UnboundedReceiver<(String, ReplicaState, String)>;
@@ -67,14 +71,16 @@ impl FakeWorker {
         let start_msgs = Arc::new(Mutex::new(Vec::new()));
         let (inject, mut injected) = mpsc::unbounded_channel();
         let (s2, m2) = (starts.clone(), start_msgs.clone());
+        let hold_starting = Arc::new(AtomicBool::new(false));
+        let h2 = hold_starting.clone();
         let task = tokio::spawn(async move {
             let mut running: BTreeMap<String, ReplicaStatus> = BTreeMap::new();
             loop {
-                let _ = session(&head, &inv, &mut running, &s2, &m2, &mut injected).await;
+                let _ = session(&head, &inv, &mut running, &s2, &m2, &mut injected, &h2).await;
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         });
-        Self { task, starts, start_msgs, inject }
+        Self { task, starts, start_msgs, inject, hold_starting }
     }
 
     fn start_msgs(&self) -> Result<Vec<StartReplica>> {
@@ -99,6 +105,7 @@ async fn session(
     starts: &Mutex<Vec<String>>,
     start_msgs: &Mutex<Vec<StartReplica>>,
     injected: &mut Injected,
+    hold_starting: &AtomicBool,
 ) -> Result<()> {
     let mut c = HeadServiceClient::new(Channel::from_shared(head.to_owned())?.connect().await?);
     let (tx, rx) = mpsc::channel(64);
@@ -137,7 +144,11 @@ async fn session(
                     ReplicaStatus {
                         replica_id: s.replica_id,
                         deployment: s.deployment,
-                        state: ReplicaState::Ready as i32,
+                        state: if hold_starting.load(Ordering::SeqCst) {
+                            ReplicaState::Starting as i32
+                        } else {
+                            ReplicaState::Ready as i32
+                        },
                         reason: String::new(),
                         gpu_indices: s.gpu_indices,
                         max_model_len: 0,
@@ -601,6 +612,107 @@ async fn a_group_across_two_workers_starts_in_two_phases_and_a_member_failure_re
                 e["kind"] == "replica_failed" && e["message"] == "ranks 2-3 on node node-b failed: rank 3 exited"
             });
         assert!(failed, "{events}");
+        anyhow::Ok(())
+    }
+    .await;
+    cluster.with_logs(outcome)
+}
+
+/// A rank that dies while its GPU group is still loading (a member node reports FAILED
+/// during Starting) is transient: the Failed group is replaced after the restart delay,
+/// and a second start failure of the deployment waits twice as long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_that_fails_while_starting_is_replaced_with_a_backoff() -> Result<()> {
+    let cluster = Cluster::builder()
+        .store(Store::Embedded)
+        .head_args(&["--worker-timeout", "2s", "--reconcile-interval", "100ms", "--replica-restart-delay", "500ms"])
+        .env("RUST_LOG", "info")
+        .start()
+        .await?;
+    let outcome = async {
+        let head = cluster.head();
+        let mut c = head.wait_leader(Duration::from_secs(20)).await?;
+        let a = FakeWorker::spawn(head.url.clone(), "node-a", 2);
+        let b = FakeWorker::spawn(head.url.clone(), "node-b", 2);
+        for w in [&a, &b] {
+            w.hold_starting.store(true, Ordering::SeqCst);
+        }
+        wait_until(Duration::from_secs(10), "two workers", || {
+            let mut c = c.clone();
+            async move { c.list_nodes(ListNodesRequest {}).await.is_ok_and(|n| n.into_inner().nodes.len() == 2) }
+        })
+        .await?;
+        let mut big = spec("big", 2, 1);
+        if let Some(e) = big.engine.as_mut() {
+            e.pipeline_parallel_size = Some(2);
+        }
+        c.apply_deployment(ApplyDeploymentRequest { spec: Some(big) }).await?;
+        // Fails the member ranks of the group now Starting (after the member node got its
+        // start) and returns its Failed record and the replacement's record.
+        let fail_starting = |old: Option<String>| {
+            let (c, b) = (c.clone(), &b);
+            async move {
+                let r = poll_until(Duration::from_secs(10), "a new group Starting on both nodes", || {
+                    let mut c = c.clone();
+                    let (old, b) = (old.clone(), b);
+                    async move {
+                        let rs = replicas(&mut c, "big").await.ok()?;
+                        let r = rs.into_iter().find(|r| Some(&r.replica_id) != old.as_ref())?;
+                        let on_b = b.start_msgs().ok()?.iter().any(|s| s.replica_id == r.replica_id);
+                        (r.state() == ReplicaState::Starting && on_b).then_some(r)
+                    }
+                })
+                .await?;
+                b.inject.send((r.replica_id.clone(), ReplicaState::Failed, "rank 3 killed by signal 9".into()))?;
+                let failed = poll_until(Duration::from_secs(10), "the group Failed", || {
+                    let mut c = c.clone();
+                    let id = r.replica_id.clone();
+                    async move {
+                        let rs = replicas(&mut c, "big").await.ok()?;
+                        rs.into_iter().find(|x| x.replica_id == id && x.state() == ReplicaState::Failed)
+                    }
+                })
+                .await?;
+                assert_eq!(failed.reason, "ranks 2-3 on node node-b failed: rank 3 killed by signal 9");
+                assert_eq!(failed.ready_unix_ms, 0, "it failed while starting");
+                let next = poll_until(Duration::from_secs(15), "a replacement group", || {
+                    let mut c = c.clone();
+                    let id = r.replica_id.clone();
+                    async move {
+                        let rs = replicas(&mut c, "big").await.ok()?;
+                        (rs.len() == 1 && rs[0].replica_id != id).then(|| rs[0].clone())
+                    }
+                })
+                .await?;
+                anyhow::Ok((failed, next))
+            }
+        };
+        let (first, second) = fail_starting(None).await?;
+        let waited = second.created_unix_ms.saturating_sub(first.failed_unix_ms);
+        assert!(waited >= 500, "replaced {waited} ms after it failed (restart delay 500 ms)");
+        let (second_failed, third) = fail_starting(Some(first.replica_id.clone())).await?;
+        assert_eq!(second_failed.replica_id, second.replica_id);
+        let waited = third.created_unix_ms.saturating_sub(second_failed.failed_unix_ms);
+        assert!(waited >= 1000, "second start failure replaced after {waited} ms (backoff 2 x 500 ms)");
+        // The third group loads: it turns Ready (and the deployment's backoff resets).
+        wait_until(Duration::from_secs(10), "the third group started on node-b", || {
+            let id = third.replica_id.clone();
+            let b = &b;
+            async move { b.start_msgs().is_ok_and(|m| m.iter().any(|s| s.replica_id == id)) }
+        })
+        .await?;
+        for w in [&a, &b] {
+            w.inject.send((third.replica_id.clone(), ReplicaState::Ready, String::new()))?;
+        }
+        poll_until(Duration::from_secs(10), "the third group Ready", || {
+            let mut c = c.clone();
+            let id = third.replica_id.clone();
+            async move {
+                let rs = replicas(&mut c, "big").await.ok()?;
+                (rs.len() == 1 && rs[0].replica_id == id && rs[0].state() == ReplicaState::Ready).then_some(())
+            }
+        })
+        .await?;
         anyhow::Ok(())
     }
     .await;

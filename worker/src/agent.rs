@@ -149,7 +149,9 @@ impl Agent {
     pub fn engine_problem(&self, r: &Replica) -> Option<String> {
         let engine = r.engine()?;
         if !engine.is_alive() {
-            return Some("engine thread is not running".to_owned());
+            // The failed step's error when there is one (which rank of a group exited or
+            // did not answer), so the replica's reason names the cause.
+            return Some(engine.failure().unwrap_or_else(|| "engine thread is not running".to_owned()));
         }
         match engine.stalled_for() {
             Some(d) if d > self.cfg.engine_stall_timeout => {

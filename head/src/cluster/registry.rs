@@ -13,7 +13,7 @@ use prism_common::proto::v1::{
     WorkerMessage, head_message, worker_message,
 };
 use prism_common::time::unix_ms;
-use prism_common::{NodeId, ReplicaId};
+use prism_common::{DeploymentName, NodeId, ReplicaId};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
@@ -262,9 +262,9 @@ pub(crate) async fn handle_status(
         let spans = group::spans_nodes(&rec);
         match (cur, rs) {
             (ReplicaState::Failed, ReplicaState::Stopped) if spans => {
-                // Stopped because the group failed: the Failed record stays until it is
-                // replaced like any Failed replica (so a group that fails at startup is not
-                // retried in a loop).
+                // Stopped because the group failed: the Failed record stays until the
+                // planner replaces it (after the restart delay; a group that failed while
+                // starting backs off exponentially, so it is not retried in a hot loop).
                 continue;
             }
             (_, ReplicaState::Stopped) => {
@@ -289,6 +289,7 @@ pub(crate) async fn handle_status(
                 rec.reason = if rs == ReplicaState::Failed { rep.reason.clone() } else { String::new() };
                 if rs == ReplicaState::Ready && rec.ready_unix_ms == 0 {
                     rec.ready_unix_ms = unix_ms();
+                    st.note_ready(&DeploymentName::from(rec.deployment.as_str()));
                     cluster.events().push(EventKind::ReplicaReady, &rec.deployment, rid.as_str(), format!("on {node}"));
                 }
                 if rs == ReplicaState::Failed && cur != ReplicaState::Failed {

@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use prism_common::proto::v1::{HeadMessage, LoadReport, ModelDemand, head_message};
-use prism_common::{NodeId, ReplicaId};
+use prism_common::{DeploymentName, NodeId, ReplicaId};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -74,6 +74,9 @@ pub struct State {
     demand: HashMap<String, (Instant, Vec<ModelDemand>)>,
     /// The autoscaler's load windows (this term's observations only).
     autoscaler: Autoscaler,
+    /// GPU-group replicas of each deployment replaced after failing while starting, since
+    /// one of its replicas was last Ready (this term only): the exponent of their backoff.
+    group_start_retries: HashMap<DeploymentName, u32>,
     /// Number of store transactions this head has committed (benchmarks).
     writes: u64,
 }
@@ -122,6 +125,7 @@ impl State {
         self.draining.clear();
         self.demand.clear();
         self.autoscaler = Autoscaler::default();
+        self.group_start_retries.clear();
         self.loaded = true;
     }
 
@@ -258,6 +262,23 @@ impl State {
     /// Routers whose demand report still counts at `now`.
     pub fn reporting_routers(&self, now: Instant) -> usize {
         self.demand.values().filter(|(at, _)| now.duration_since(*at) <= ROUTER_DEMAND_TTL).count()
+    }
+
+    /// Replacements of the deployment's GPU groups that failed while starting, since one of
+    /// its replicas was last Ready.
+    pub fn group_start_retries(&self) -> &HashMap<DeploymentName, u32> {
+        &self.group_start_retries
+    }
+
+    /// Counts one replacement of a GPU group of `deployment` that failed while starting.
+    pub fn note_group_start_retry(&mut self, deployment: &DeploymentName) {
+        *self.group_start_retries.entry(deployment.clone()).or_default() += 1;
+    }
+
+    /// A replica of `deployment` became Ready: its next group start failure backs off from
+    /// the shortest delay again.
+    pub fn note_ready(&mut self, deployment: &DeploymentName) {
+        self.group_start_retries.remove(deployment);
     }
 
     /// Takes the autoscaler's windows out (put them back with [`put_autoscaler`](Self::put_autoscaler)),

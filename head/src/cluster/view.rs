@@ -4,7 +4,7 @@
 //! authoritative; it is reloaded from the store whenever leadership is gained or a
 //! transaction finds the store changed underneath.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use prism_common::proto::v1::{
     DeploymentRecord, EngineConfig, NodeRecord, NodeState, PlacementStrategy, RankGroup, ReplicaRecord, ReplicaState,
@@ -119,11 +119,17 @@ impl ClusterView {
 
     /// The planner's inputs. `connected` holds the nodes with a live worker session;
     /// a replica that failed after being Ready is due for replacement `restart_delay`
-    /// after it failed. Replica loads are 0 here (the caller fills them from load reports).
+    /// after it failed. A GPU group (more than one rank) that failed while starting is
+    /// due too, after `restart_delay x 2^n` (n = `group_start_retries` of its deployment,
+    /// at most 6): a rank that crashed or was OOM-killed while loading is transient, and a
+    /// start failure that repeats backs off instead of looping. A one-rank replica that
+    /// failed while starting stays Failed (a bad spec). Replica loads are 0 here (the
+    /// caller fills them from load reports).
     pub fn planner_inputs(
         &self,
         connected: &HashSet<NodeId>,
         restart_delay: std::time::Duration,
+        group_start_retries: &HashMap<DeploymentName, u32>,
     ) -> (Vec<NodeView>, Vec<DeploymentView>, Vec<ReplicaView>) {
         let now = prism_common::time::unix_ms();
         let nodes = self
@@ -178,9 +184,21 @@ impl ClusterView {
                     state: r.state(),
                     reason: r.reason.clone(),
                     generation: r.generation,
-                    restart_due: r.state() == ReplicaState::Failed
-                        && r.ready_unix_ms > 0
-                        && now.saturating_sub(r.failed_unix_ms) >= restart_delay.as_millis() as u64,
+                    restart_due: r.state() == ReplicaState::Failed && {
+                        let delay = restart_delay.as_millis() as u64;
+                        let since = now.saturating_sub(r.failed_unix_ms);
+                        if r.ready_unix_ms > 0 {
+                            since >= delay
+                        } else if self.tp_of(&r.deployment) > 1 {
+                            let n = group_start_retries
+                                .get(&DeploymentName::from(r.deployment.as_str()))
+                                .copied()
+                                .unwrap_or(0);
+                            since >= delay.saturating_mul(1 << n.min(6))
+                        } else {
+                            false
+                        }
+                    },
                     load: 0,
                 }
             })

@@ -89,8 +89,9 @@ pub struct ReplicaView {
     pub reason: String,
     /// Spec generation it was created for.
     pub generation: u64,
-    /// Failed after having been Ready, and its restart delay has passed: stop it and
-    /// create a replacement (startup failures keep `false`, so they never loop).
+    /// Failed and due for replacement: stop it and create a replacement (after having
+    /// been Ready, once its restart delay has passed; a GPU group that failed while
+    /// starting, after an exponential backoff; a one-rank startup failure never).
     pub restart_due: bool,
     /// Requests on it (running + waiting, from its latest load report; 0 when none): a
     /// scale-down drains the least-loaded Ready replica.

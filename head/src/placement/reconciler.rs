@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use prism_common::proto::v1::{DeploymentRecord, NodeState, RankGroup, ReplicaRecord, ReplicaState, ScalingDecision};
 use prism_common::time::unix_ms;
-use prism_common::{NodeId, ReplicaId};
+use prism_common::{DeploymentName, NodeId, ReplicaId};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -82,7 +82,8 @@ async fn pass(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
     st.put_autoscaler(autoscaler);
     scaled?;
     let connected = st.connected_nodes();
-    let (nodes, deps, mut replicas) = st.view().planner_inputs(&connected, cluster.cfg().replica_restart_delay);
+    let (nodes, deps, mut replicas) =
+        st.view().planner_inputs(&connected, cluster.cfg().replica_restart_delay, st.group_start_retries());
     for r in &mut replicas {
         r.load = st.load(&r.id).map_or(0, |l| l.running.saturating_add(l.waiting));
     }
@@ -213,6 +214,11 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
             match rec.state() {
                 ReplicaState::Pending => cluster.delete_replica(st, &replica).await,
                 ReplicaState::Failed => {
+                    if rec.ready_unix_ms == 0 && st.view().tp_of(&rec.deployment) > 1 {
+                        // A GPU group that failed while starting is replaced: its next
+                        // start failure waits twice as long.
+                        st.note_group_start_retry(&replica_deployment(&rec));
+                    }
                     stop_group(st, &rec, 0);
                     cluster.delete_replica(st, &replica).await
                 }
@@ -232,6 +238,10 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
             cluster.delete_replica(st, &replica).await
         }
     }
+}
+
+fn replica_deployment(rec: &ReplicaRecord) -> DeploymentName {
+    DeploymentName::from(rec.deployment.as_str())
 }
 
 /// Why an evicted replica's group cannot run: "its node is dead" for the driver's node,

@@ -320,6 +320,12 @@ impl EngineHandle {
         self.inner.pool.events(after)
     }
 
+    /// Why the step thread died, once it has after a failed step: the step's error (for a
+    /// parallel replica, which rank exited or did not answer).
+    pub fn failure(&self) -> Option<String> {
+        self.inner.stats.failure()
+    }
+
     /// Whether the step thread is running and its last step succeeded.
     pub fn is_alive(&self) -> bool {
         self.inner.stats.alive.load(Ordering::Relaxed)

@@ -222,6 +222,8 @@ pub struct StatsRecorder {
     pub(crate) compute_threads: AtomicUsize,
     /// Stop requests and layer-level progress, shared with the backend.
     pub(crate) control: StepControl,
+    /// Why the step thread died (the failed step's error), once it has.
+    failure: Mutex<Option<String>>,
     hist: Mutex<Histograms>,
 }
 
@@ -245,6 +247,7 @@ impl Default for StatsRecorder {
             alive: AtomicBool::new(true),
             compute_threads: AtomicUsize::new(0),
             control: StepControl::default(),
+            failure: Mutex::new(None),
             hist: Mutex::new(Histograms {
                 ttft: LatencyHistogram::new(TTFT_BUCKETS),
                 itl: LatencyHistogram::new(ITL_BUCKETS),
@@ -287,6 +290,16 @@ impl StatsRecorder {
             self.device_greedy_steps.fetch_add(1, Ordering::Relaxed);
         }
         self.with_hist(|h| h.kv_waste.observe(allocated, stored, forward));
+    }
+
+    /// Records why the step thread died.
+    pub(crate) fn set_failure(&self, why: String) {
+        *self.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
+    }
+
+    /// Why the step thread died, if it did after a failed step.
+    pub(crate) fn failure(&self) -> Option<String> {
+        self.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
     pub(crate) fn mark_step_ok(&self, at: Instant) {

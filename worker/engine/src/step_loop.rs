@@ -228,6 +228,7 @@ impl EngineCore {
             }
             if killed {
                 tracing::error!("fault injection: engine step thread killed; failing all requests");
+                self.stats.set_failure("engine step thread killed (fault injection)".into());
                 self.die();
                 return;
             }
@@ -240,6 +241,7 @@ impl EngineCore {
                         return;
                     }
                     tracing::error!(error = %e, backend = self.backend.name(), "engine step failed; failing all requests");
+                    self.stats.set_failure(format!("engine step failed: {e}"));
                     self.die();
                     return;
                 }

@@ -515,7 +515,10 @@ fn a_killed_rank_fails_the_replica_within_seconds_and_leaves_no_rank_behind() ->
     assert!(took < Duration::from_secs(5), "the stream ended {took:?} after the kill");
     wait_for("the engine dead", Duration::from_secs(5).saturating_sub(killed.elapsed()), || !e.is_alive())?;
     wait_for("no rank process left", Duration::from_secs(2), || rank_processes(Some(&address)).is_empty())?;
-    eprintln!("kill -9 of rank 1: stream ended after {took:?}");
+    // The engine's failure names the killed rank (the agent reports it as the replica's reason).
+    let why = e.failure().context("a failed engine says why")?;
+    assert!(why.contains("rank 1"), "{why}");
+    eprintln!("kill -9 of rank 1: stream ended after {took:?}: {why}");
     Ok(())
 }
 
@@ -547,6 +550,10 @@ fn a_frozen_rank_fails_the_replica_after_the_collective_timeout_and_never_rejoin
     assert!(!finished, "the stream of a failed replica ends without a finish reason");
     assert!(took < Duration::from_secs(6), "the stream ended {took:?} after SIGSTOP (collective timeout 3 s)");
     wait_for("the engine dead", Duration::from_secs(2), || !e.is_alive())?;
+    // The failure names the frozen rank, not a peer that waited on it.
+    let why = e.failure().context("a failed engine says why")?;
+    assert!(why.contains("rank 2 did not answer"), "{why}");
+    eprintln!("SIGSTOP of rank 2: {why}");
     wait_for("rank 1 gone", Duration::from_secs(2), || rank_processes(Some(&address)).iter().all(|r| r.1 == 2))?;
     signal(outsider.pid(), "-CONT")?;
     wait_for("the continued rank exited", Duration::from_secs(10), || matches!(outsider.try_wait(), Ok(Some(_))))?;

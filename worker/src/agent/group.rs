@@ -183,14 +183,40 @@ impl MemberRanks {
         self.ranks.lock().map(|r| r.iter().map(RankProcess::pid).collect()).unwrap_or_default()
     }
 
-    /// Why the group is broken: the first rank that exited, with its exit code or signal.
+    /// Why the group is broken: every rank that exited, the root cause first. A rank
+    /// killed by a signal (kill -9, the OOM killer) comes before ranks that exited with an
+    /// error code, which usually did so because their peer died
+    /// (`rank 4 exited (killed by signal 9); ranks 3, 5 exited (exit code 1)`).
     pub fn exited(&self) -> Option<String> {
+        use std::os::unix::process::ExitStatusExt;
         let mut ranks = self.ranks.lock().ok()?;
-        ranks.iter_mut().find_map(|p| match p.try_wait() {
-            Ok(Some(status)) => Some(format!("rank {} exited ({})", p.rank, describe_exit(status))),
-            Ok(None) => None,
-            Err(e) => Some(format!("rank {} cannot be waited for: {e}", p.rank)),
-        })
+        // (signalled first, rank, what)
+        let mut gone: Vec<(bool, usize, String)> = ranks
+            .iter_mut()
+            .filter_map(|p| match p.try_wait() {
+                Ok(Some(status)) => Some((status.signal().is_none(), p.rank, describe_exit(status))),
+                Ok(None) => None,
+                Err(e) => Some((false, p.rank, format!("cannot be waited for: {e}"))),
+            })
+            .collect();
+        if gone.is_empty() {
+            return None;
+        }
+        gone.sort_by_key(|(not_signalled, rank, _)| (*not_signalled, *rank));
+        // One clause per cause, in root-cause order: `rank 4 exited (..)`, `ranks 3, 5 exited (..)`.
+        let mut causes: Vec<(String, Vec<usize>)> = Vec::new();
+        for (_, rank, what) in gone {
+            match causes.iter_mut().find(|(w, _)| *w == what) {
+                Some((_, rs)) => rs.push(rank),
+                None => causes.push((what, vec![rank])),
+            }
+        }
+        let clause = |(what, rs): &(String, Vec<usize>)| {
+            let list = rs.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+            let who = if rs.len() == 1 { format!("rank {list}") } else { format!("ranks {list}") };
+            if what.starts_with("cannot") { format!("{who} {what}") } else { format!("{who} exited ({what})") }
+        };
+        Some(causes.iter().map(clause).collect::<Vec<_>>().join("; "))
     }
 
     /// Kills (SIGKILL) and reaps every rank; returns how many were held.
@@ -296,5 +322,42 @@ mod tests {
         assert_eq!(members.kill_all(), 2);
         assert!(members.pids().is_empty());
         assert!(!std::path::Path::new(&format!("/proc/{}", pids[0])).exists(), "rank 2 is killed and reaped");
+    }
+
+    /// When a rank is killed and its peers then exit with an error (their peer died), the
+    /// killed rank is named first and every exited rank is listed.
+    #[test]
+    fn the_killed_rank_is_named_before_the_peers_that_exited_after_it() {
+        // Rank 4 waits to be killed; ranks 3 and 5 exit 1 a little later, as peers do.
+        let script = r#"case "$PRISM_RANK_SPEC" in *'"rank":4'*) exec sleep 30;; *) sleep 0.5; exit 1;; esac"#;
+        let sh = RankProgram { program: "/bin/sh".into(), args: vec!["-c".into(), script.into()] };
+        let launch = MemberLaunch {
+            program: sh,
+            rendezvous: "127.0.0.1:1".into(),
+            token: "t".into(),
+            bind_ip: None,
+            advertise_host: "127.0.0.1".into(),
+            engine_threads: Some(1),
+            cuda: false,
+        };
+        let share = LocalShare { ranks: vec![3, 4, 5], devices: vec![0, 1, 2], spans_nodes: true };
+        let members = MemberRanks::default();
+        members.set(spawn_members(&launch, &share).expect("sh starts"));
+        let pids = members.pids();
+        assert_eq!(pids.len(), 3);
+        let killed = std::process::Command::new("kill").args(["-9", &pids[1].to_string()]).status();
+        assert!(killed.is_ok_and(|s| s.success()), "kill -9 of rank 4");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let why = loop {
+            match members.exited() {
+                Some(why) if why.contains("ranks 3, 5") => break why,
+                Some(why) => assert!(why.starts_with("rank 4 exited (killed by signal 9)"), "{why}"),
+                None => {}
+            }
+            assert!(std::time::Instant::now() < deadline, "all three ranks exit within 5 s");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        assert_eq!(why, "rank 4 exited (killed by signal 9); ranks 3, 5 exited (exit code 1)");
+        assert_eq!(members.kill_all(), 3);
     }
 }

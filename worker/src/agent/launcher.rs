@@ -39,6 +39,10 @@ impl ReplicaEngine for EngineHandle {
         EngineHandle::is_alive(self)
     }
 
+    fn failure(&self) -> Option<String> {
+        EngineHandle::failure(self)
+    }
+
     fn shutdown(&self) {
         EngineHandle::shutdown(self);
     }

@@ -63,6 +63,10 @@ pub trait ReplicaEngine: Send + Sync + 'static {
     fn load(&self) -> EngineLoad;
     /// Whether the engine thread is running and healthy.
     fn is_alive(&self) -> bool;
+    /// Why the engine thread died after a failed step (its error), once it has.
+    fn failure(&self) -> Option<String> {
+        None
+    }
     /// Aborts everything and stops the engine thread (may block briefly).
     fn shutdown(&self);
     /// Stops a failed engine without blocking (callable from async code): its running step

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::comm::{AbortHandle, Communicator, HostCommListener};
+use super::comm::{AbortHandle, CommError, Communicator, HostCommListener};
 use super::group::{POLL, RankLink, accept_joins, check_children};
 use super::layout::ParallelSizes;
 use super::rank::{RankSpec, Rendezvous};
@@ -417,16 +417,34 @@ impl ParallelBackend {
             (sent + t.round_trip.saturating_sub(margin), sent + t.round_trip + margin)
         });
         let mut out = match &mut self.local {
-            Some(stage) => Some(run_micro_batches(stage.as_mut(), batch, greedy, self.micro_batches)?),
+            Some(stage) => match run_micro_batches(stage.as_mut(), batch, greedy, self.micro_batches) {
+                Ok(o) => Some(o),
+                // Rank 0's collective was aborted (a rank's connection failed or it sent
+                // StepFailed): that rank's own report says which rank went. A timeout of
+                // rank 0's own collective already names the peer it waited on.
+                Err(BackendError::Device(m)) if m.contains(&CommError::Aborted.to_string()) => {
+                    return Err(self.root_cause(BackendError::Device(m), 0));
+                }
+                Err(e) => return Err(e),
+            },
             None => None,
         };
         let deadline = Instant::now() + self.collective_timeout;
         let mut rank_compute = Duration::ZERO;
-        for l in &mut self.links {
+        for i in 0..self.links.len() {
+            let l = &mut self.links[i];
             let answer = match spin {
-                Some(window) => l.recv_spinning(deadline, &self.control, "the step", window)?,
-                None => l.recv(deadline, &self.control, "the step")?,
+                Some(window) => l.recv_spinning(deadline, &self.control, "the step", window),
+                None => l.recv(deadline, &self.control, "the step"),
             };
+            let answer = match answer {
+                Ok(a) => a,
+                // This rank did not answer in time: it may be waiting on a frozen peer, whose
+                // name the peers' `StepFailed` carries.
+                Err(e) if Instant::now() >= deadline => return Err(self.root_cause(e, i)),
+                Err(e) => return Err(e),
+            };
+            let l = &self.links[i];
             match answer {
                 Msg::StepDone { seq: s, outputs, compute_ns } if s == seq => {
                     if l.rank == self.output_rank {
@@ -439,6 +457,66 @@ impl ParallelBackend {
         }
         self.timing = Some(StepTiming { round_trip: sent.elapsed(), rank_compute });
         out.ok_or_else(|| BackendError::Device(format!("rank {} returned no outputs", self.output_rank)))
+    }
+}
+
+impl ParallelBackend {
+    /// The failure that explains `e` (a step rank 0 could not finish; links before
+    /// `answered` already answered it). Over a short grace (`collective_timeout / 4`, 50 ms
+    /// to 2 s) it gathers what the ranks report: a rank whose connection is gone (it
+    /// exited) is the cause at once; otherwise the ranks that stayed silent (neither
+    /// answered nor failed) are the frozen ones, named before the first rank's failure
+    /// (`rank 4 did not answer the step (frozen?); rank 3 failed: rank 4 did not answer
+    /// within 30s`). With no report, `e` itself.
+    fn root_cause(&mut self, e: BackendError, answered: usize) -> BackendError {
+        if matches!(e, BackendError::Cancelled) {
+            return e;
+        }
+        let grace = (self.collective_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(2));
+        let until = Instant::now() + grace;
+        let mut heard: Vec<Option<String>> = vec![None; self.links.len()];
+        let mut failures: Vec<String> = Vec::new();
+        loop {
+            for (k, l) in self.links.iter_mut().enumerate().skip(answered) {
+                if heard[k].is_some() {
+                    continue;
+                }
+                if let Some(f) = l.pending_failure() {
+                    let f = f.to_string();
+                    if f.contains("is gone") || f.contains("connection") {
+                        tracing::warn!(error = %e, cause = %f, "parallel step failed");
+                        return BackendError::Device(f.trim_start_matches("device error: ").to_owned());
+                    }
+                    failures.push(f.trim_start_matches("device error: ").to_owned());
+                    heard[k] = Some(String::new());
+                }
+            }
+            let silent: Vec<usize> = self
+                .links
+                .iter()
+                .enumerate()
+                .skip(answered)
+                .filter(|(k, _)| heard[*k].is_none())
+                .map(|(_, l)| l.rank)
+                .collect();
+            let done = silent.is_empty() || Instant::now() >= until || self.control.stop_requested().is_some();
+            if done {
+                if failures.is_empty() {
+                    return e;
+                }
+                let first = failures.swap_remove(0);
+                let why = if silent.is_empty() {
+                    first
+                } else {
+                    let who = silent.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+                    let s = if silent.len() == 1 { "" } else { "s" };
+                    format!("rank{s} {who} did not answer the step (frozen?); {first}")
+                };
+                tracing::warn!(error = %e, cause = %why, "parallel step failed");
+                return BackendError::Device(why);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 }
 

@@ -237,6 +237,16 @@ impl RankLink {
         }
     }
 
+    /// A failure this rank already sent or hit (its `StepFailed`, its connection gone),
+    /// without waiting; None when nothing is pending or what is pending is not a failure.
+    pub fn pending_failure(&mut self) -> Option<BackendError> {
+        match self.rx.try_recv() {
+            Ok(item) => self.answer(item).err(),
+            Err(TryRecvError::Empty) => None,
+            Err(TryRecvError::Disconnected) => Some(self.gone()),
+        }
+    }
+
     fn answer(&self, item: Incoming) -> Result<Msg, BackendError> {
         match item {
             Ok(Msg::StepFailed { message } | Msg::LoadFailed { message }) => {

@@ -19,7 +19,7 @@ use super::comm::HostCommListener;
 use super::stage::{StageBackend, StageContext, build_stage_backend, read_model_config, run_micro_batches};
 use super::wire::{Msg, WireError, read_msg, write_msg};
 
-/// The environment variable that turns any Prism binary into a rank process.
+/// The environment variable that turns a rank program (`prism-worker`, `prism`, `prism-rank`) into a rank process.
 pub const RANK_SPEC_ENV: &str = "PRISM_RANK_SPEC";
 
 /// What a rank process is started with (JSON in [`RANK_SPEC_ENV`]).

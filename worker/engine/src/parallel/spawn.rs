@@ -16,7 +16,7 @@ use std::sync::{Mutex, OnceLock};
 
 use super::rank::RankSpec;
 
-/// The program a rank process runs: any Prism binary (each calls
+/// The program a rank process runs: a rank program (`prism-worker`, `prism` or `prism-rank`; each calls
 /// [`super::rank::main_from_env`] first), by default the running one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankProgram {
