@@ -3,6 +3,7 @@
 //! implementation. It depends on no backend (no etcd-client, cudarc or axum), as TiKV's
 //! trait crates do.
 
+pub mod bearer;
 pub mod engine_flags;
 pub mod head_auth;
 pub mod model_root;

@@ -10,6 +10,7 @@
 //! roles that may call. Tokens are compared in constant time and never logged or echoed:
 //! callers are named by their label (`name=`, else `ROLE-lineN`).
 
+use prism_common::bearer::{bearer_token, ct_eq};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -212,19 +213,6 @@ impl std::fmt::Debug for HeadAuth {
             Some(t) => write!(f, "HeadAuth({} tokens)", t.len()),
         }
     }
-}
-
-/// Compares without stopping at the first differing byte.
-fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// The token of an `authorization: Bearer TOKEN` value (scheme in any case).
-fn bearer_token(v: &[u8]) -> Option<&[u8]> {
-    let v = std::str::from_utf8(v).ok()?.trim();
-    let (scheme, token) = v.split_once([' ', '\t'])?;
-    let token = token.trim();
-    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token.as_bytes())
 }
 
 fn valid_label(s: &str) -> bool {

@@ -67,7 +67,9 @@ pub async fn run_with_store(
         http = %http_listener.local_addr()?,
         "prism-head starting"
     );
-    if !cfg.auth.enabled() {
+    // An open head on loopback (`prism up`, a single machine) is the documented default; only
+    // one other hosts can reach is worth a warning.
+    if !cfg.auth.enabled() && !grpc_listener.local_addr()?.ip().is_loopback() {
         tracing::warn!(
             "no --auth-token-file: the head is open, anyone who reaches its gRPC port may deploy, scale, drain \
              and cordon (keep it on loopback or a private network, or give it a token file)"

@@ -10,6 +10,7 @@
 mod bucket;
 mod keyfile;
 
+use prism_common::bearer::{bearer_token, ct_eq};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -104,19 +105,6 @@ impl std::fmt::Debug for ApiKeys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ApiKeys({} keys)", self.keys.len())
     }
-}
-
-/// Compares without stopping at the first differing byte.
-fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// The token of an `Authorization: Bearer TOKEN` value (scheme in any case).
-fn bearer_token(v: &[u8]) -> Option<&[u8]> {
-    let v = std::str::from_utf8(v).ok()?.trim();
-    let (scheme, token) = v.split_once([' ', '\t'])?;
-    let token = token.trim();
-    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token.as_bytes())
 }
 
 impl ApiKeys {

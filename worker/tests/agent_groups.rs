@@ -132,7 +132,17 @@ async fn the_driver_reports_its_rendezvous_while_loading_and_launches_its_ranks(
 
     // Every rank on this node: no rendezvous to report (the engine binds one on loopback).
     a.start_replica(start("r-local", 3, 1, &[0, 1, 2], vec![], ""));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let local = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Some(s) = launcher.specs.lock().ok().and_then(|s| s.get(1).cloned()) {
+                break s;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .context("the local group's launch")?;
+    assert!(local.parallel.rendezvous.is_none(), "no rendezvous bound by the agent for a group on one node");
     assert_eq!(status(&a, "r-local").map(|s| s.rendezvous), Some(String::new()));
     release.send(())?;
     Ok(())
