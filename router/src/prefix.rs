@@ -138,7 +138,10 @@ fn engine_prompt(p: &generate_request::Prompt) -> Prompt {
         generate_request::Prompt::Text(t) => Prompt::Text(t.clone()),
         generate_request::Prompt::TokenIds(t) => Prompt::TokenIds(t.ids.clone()),
         generate_request::Prompt::Chat(c) => Prompt::Chat(
-            c.messages.iter().map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone() }).collect(),
+            c.messages
+                .iter()
+                .map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone(), ..Default::default() })
+                .collect(),
         ),
     }
 }

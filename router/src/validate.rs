@@ -100,7 +100,10 @@ mod tests {
     use prism_common::proto::v1::{ChatMessage, ChatMessages, SamplingParams};
 
     fn chat(roles: &[&str]) -> GenerateRequest {
-        let messages = roles.iter().map(|r| ChatMessage { role: (*r).into(), content: "x".into() }).collect();
+        let messages = roles
+            .iter()
+            .map(|r| ChatMessage { role: (*r).into(), content: "x".into(), ..Default::default() })
+            .collect();
         GenerateRequest {
             model: "m".into(),
             prompt: Some(generate_request::Prompt::Chat(ChatMessages { messages })),

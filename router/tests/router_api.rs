@@ -651,7 +651,7 @@ async fn malformed_chat_messages_are_400_over_http_and_grpc() -> anyhow::Result<
         ChatMessage, ChatMessages, GenerateRequest, SamplingParams, generate_request::Prompt,
     };
     let mut g = InferenceServiceClient::connect(c.grpc.clone()).await?;
-    let msg = |role: &str| ChatMessage { role: role.into(), content: "hi".into() };
+    let msg = |role: &str| ChatMessage { role: role.into(), content: "hi".into(), ..Default::default() };
     for (messages, n) in
         [(vec![], None), (vec![msg("")], None), (vec![msg("user")], Some(17)), (vec![msg("user")], Some(128))]
     {

@@ -271,6 +271,7 @@ impl SamplingFields {
             n: Some(n),
             logprobs,
             skip_special_tokens: Some(self.skip_special_tokens.unwrap_or(true)),
+            ..Default::default()
         })
     }
 
@@ -353,6 +354,7 @@ impl CompletionRequest {
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
             cache_salt: self.sampling.cache_salt.clone(),
+            ..Default::default()
         };
         check_request(&req)?;
         Ok(req)
@@ -379,7 +381,7 @@ impl ChatRequest {
         }
         let mut messages = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
-            messages.push(ChatMessage { role: m.role.clone(), content: m.text(i)? });
+            messages.push(ChatMessage { role: m.role.clone(), content: m.text(i)?, ..Default::default() });
         }
         let logprobs = (self.logprobs == Some(true)).then(|| self.top_logprobs.unwrap_or(0));
         let req = GenerateRequest {
@@ -389,6 +391,7 @@ impl ChatRequest {
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
             cache_salt: self.sampling.cache_salt.clone(),
+            ..Default::default()
         };
         check_request(&req)?;
         Ok(req)

@@ -595,6 +595,7 @@ mod trace {
                 prior_output_ids: Vec::new(),
                 deadline: None,
                 cache_salt: None,
+                tools: None,
             };
             let stream = engine.submit(req).with_context(|| format!("submit request {i}"))?;
             tasks.push(runtime.spawn(drain(stream, records[i].clone())));

@@ -25,12 +25,44 @@ pub const MAX_LOGPROBS: u32 = 20;
 pub const MAX_CACHE_SALT_BYTES: usize = 256;
 
 /// One chat message, rendered through the model's chat template.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChatMessage {
-    /// "system", "user", "assistant", ...
+    /// "system", "user", "assistant", "tool", ...
     pub role: String,
     /// Message text.
     pub content: String,
+    /// Tools an assistant turn called (OpenAI's `message.tool_calls`), for the template.
+    pub tool_calls: Vec<ToolCall>,
+    /// Role "tool": the id of the call this message answers.
+    pub tool_call_id: Option<String>,
+    /// The participant's or tool's name.
+    pub name: Option<String>,
+}
+
+/// A function call an assistant turn made.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ToolCall {
+    /// Call id (`call_...`).
+    pub id: String,
+    /// Function name.
+    pub name: String,
+    /// JSON text of the arguments object.
+    pub arguments: String,
+}
+
+/// A grammar the output must follow (token masks from llguidance, applied before sampling).
+#[derive(Clone, Debug, PartialEq)]
+pub enum StructuredOutput {
+    /// One JSON value valid against this JSON Schema (JSON text).
+    JsonSchema(String),
+    /// Any JSON object.
+    JsonObject,
+    /// The whole output matches this regular expression.
+    Regex(String),
+    /// The output is exactly one of these strings.
+    Choice(Vec<String>),
+    /// A context-free grammar in llguidance's Lark syntax.
+    Grammar(String),
 }
 
 /// What to complete.
@@ -78,6 +110,14 @@ pub struct SamplingParams {
     pub logprobs: Option<u32>,
     /// Drop special tokens (BOS/EOS/control) from the text.
     pub skip_special_tokens: bool,
+    /// Added to these tokens' logits before sampling (OpenAI's `logit_bias`, each in [-100, 100]).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// EOS and stop token ids are masked until this many tokens were generated.
+    pub min_tokens: u32,
+    /// A matched stop string is kept at the end of the text.
+    pub include_stop_str_in_output: bool,
+    /// Constrains the output to a grammar; `None` = free text.
+    pub structured: Option<StructuredOutput>,
 }
 
 impl Default for SamplingParams {
@@ -98,6 +138,10 @@ impl Default for SamplingParams {
             n: 1,
             logprobs: None,
             skip_special_tokens: true,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            include_stop_str_in_output: false,
+            structured: None,
         }
     }
 }
@@ -120,6 +164,9 @@ pub struct EngineRequest {
     /// requests with equal salts; `None` = the shared namespace. Not empty, at most
     /// [`MAX_CACHE_SALT_BYTES`] bytes.
     pub cache_salt: Option<String>,
+    /// OpenAI tool definitions (JSON array text) for the chat template's `tools` variable;
+    /// chat prompts only.
+    pub tools: Option<String>,
 }
 
 /// Why a choice ended.

@@ -191,6 +191,7 @@ mod tests {
             prior_output_ids: Vec::new(),
             deadline: None,
             cache_salt: None,
+            tools: None,
         }
     }
 

@@ -91,6 +91,7 @@ pub(crate) fn encode_split(
         .map(|(m, s)| ChatMessage {
             role: escape(&m.role, &s.role, &open, &mut originals),
             content: escape(&m.content, &s.content, &open, &mut originals),
+            ..m.clone()
         })
         .collect();
     let rendered = template.render(&escaped, true)?;

@@ -39,7 +39,7 @@ fn hf_tiny() -> anyhow::Result<ModelCodec> {
 }
 
 fn msg(role: &str, content: &str) -> ChatMessage {
-    ChatMessage { role: role.into(), content: content.into() }
+    ChatMessage { role: role.into(), content: content.into(), ..Default::default() }
 }
 
 /// Chats with nothing special in their text, with the spots where splitting could change
