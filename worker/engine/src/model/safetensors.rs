@@ -77,7 +77,7 @@ impl SafetensorsFiles {
                 Ok(parsed) => parsed,
                 // The parser does not say which tensor; find it so the error can.
                 Err(e @ safetensors::SafeTensorError::TensorInvalidInfo) => {
-                    return Err(ModelError::in_file(&path, fp8::byte_count_error(&mmap).unwrap_or(e.into())));
+                    return Err(ModelError::in_file(&path, byte_count_error(&mmap).unwrap_or(e.into())));
                 }
                 Err(e) => return Err(ModelError::in_file(&path, e)),
             };
@@ -113,7 +113,7 @@ impl SafetensorsFiles {
     /// weights, as [`SafetensorsFiles::fp8_weight`].
     pub fn tensor_f32(&self, name: &str) -> Result<Option<ReadTensor>, ModelError> {
         let Some((info, bytes)) = self.raw(name)? else { return Ok(None) };
-        if fp8::is_fp8(info.dtype) {
+        if is_fp8(info.dtype) {
             let (w, read) = self.fp8_weight_read(name)?;
             return Ok(Some((w.shape.to_vec(), w.dequantize(), read)));
         }
@@ -151,7 +151,7 @@ impl SafetensorsFiles {
                 actual: info.shape.clone(),
             });
         }
-        if fp8::is_fp8(info.dtype) {
+        if is_fp8(info.dtype) {
             let (w, read) = self.fp8_weight_read(name)?;
             let mut f = Vec::new();
             w.dequantize_block(0..w.shape[0], 0..w.shape[1], &mut f);
@@ -200,7 +200,7 @@ impl SafetensorsFiles {
                 "{name}: block rows {rows:?} x cols {cols:?} is outside its shape {shape:?}"
             )));
         }
-        if fp8::is_fp8(info.dtype) {
+        if is_fp8(info.dtype) {
             let (w, _) = self.fp8_weight_read(name)?;
             let mut f = Vec::new();
             w.dequantize_block(rows.clone(), cols.clone(), &mut f);
@@ -229,6 +229,33 @@ impl SafetensorsFiles {
         }
         Ok(read)
     }
+}
+
+/// Whether `dtype` is an FP8 format the loader reads ([`SafetensorsFiles::fp8_weight`]).
+fn is_fp8(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::F8_E4M3 | Dtype::F8_E5M2)
+}
+
+/// The first tensor of a safetensors file whose data offsets do not span the bytes its dtype
+/// and shape need, as [`ModelError::TensorBytes`] (the header parser reports only that one
+/// does not). `None` when the header cannot be read here either.
+fn byte_count_error(file: &[u8]) -> Option<ModelError> {
+    let n = usize::try_from(u64::from_le_bytes(file.get(..8)?.try_into().ok()?)).ok()?;
+    let header: serde_json::Value = serde_json::from_slice(file.get(8..8usize.checked_add(n)?)?).ok()?;
+    header.as_object()?.iter().filter(|(k, _)| *k != "__metadata__").find_map(|(name, t)| {
+        let dtype: Dtype = serde_json::from_value(t.get("dtype")?.clone()).ok()?;
+        let shape: Vec<usize> = serde_json::from_value(t.get("shape")?.clone()).ok()?;
+        let offsets: [usize; 2] = serde_json::from_value(t.get("data_offsets")?.clone()).ok()?;
+        let bits = shape.iter().try_fold(dtype.bitsize(), |a, &d| a.checked_mul(d))?;
+        let actual = offsets[1].checked_sub(offsets[0])?;
+        (bits / 8 != actual).then(|| ModelError::TensorBytes {
+            name: name.clone(),
+            dtype: format!("{dtype:?}"),
+            shape,
+            expected: bits / 8,
+            actual,
+        })
+    })
 }
 
 /// f32/f16/bf16 little-endian `bytes` as f32.

@@ -7,15 +7,10 @@
 
 use safetensors::tensor::Dtype;
 
-use super::{SafetensorsFiles, float_values};
+use super::{ReadTensor, SafetensorsFiles, float_values, is_fp8};
 use crate::model::error::ModelError;
 use crate::model::fp8::{Fp8Format, Fp8Scales, Fp8Weight};
 use crate::model::quantization::WeightStrategy;
-
-/// Whether `dtype` is an FP8 format the loader reads.
-pub fn is_fp8(dtype: Dtype) -> bool {
-    matches!(dtype, Dtype::F8_E4M3 | Dtype::F8_E5M2)
-}
 
 impl SafetensorsFiles {
     /// The FP8 weight `name` (`….weight`) as stored — codes borrowed from the mmap, its scales
@@ -99,7 +94,7 @@ impl SafetensorsFiles {
     }
 
     /// A scale tensor's shape, finite f32 values and bytes; `None` when absent.
-    fn scale_values(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<f32>, usize)>, ModelError> {
+    fn scale_values(&self, name: &str) -> Result<Option<ReadTensor>, ModelError> {
         let Some((info, bytes)) = self.raw(name)? else { return Ok(None) };
         let values = float_values(name, info.dtype, bytes)?;
         if let Some(&value) = values.iter().find(|v| !v.is_finite()) {
@@ -137,26 +132,4 @@ fn scale_layout(
         None => {}
     }
     Err(ModelError::ScaleShape { name: name.to_owned(), actual: shape.to_vec(), weight: vec![out, inp], expected })
-}
-
-/// The first tensor of a safetensors file whose data offsets do not span the bytes its dtype
-/// and shape need, as [`ModelError::TensorBytes`] (the header parser reports only that one
-/// does not). `None` when the header cannot be read here either.
-pub(super) fn byte_count_error(file: &[u8]) -> Option<ModelError> {
-    let n = usize::try_from(u64::from_le_bytes(file.get(..8)?.try_into().ok()?)).ok()?;
-    let header: serde_json::Value = serde_json::from_slice(file.get(8..8usize.checked_add(n)?)?).ok()?;
-    header.as_object()?.iter().filter(|(k, _)| *k != "__metadata__").find_map(|(name, t)| {
-        let dtype: Dtype = serde_json::from_value(t.get("dtype")?.clone()).ok()?;
-        let shape: Vec<usize> = serde_json::from_value(t.get("shape")?.clone()).ok()?;
-        let offsets: [usize; 2] = serde_json::from_value(t.get("data_offsets")?.clone()).ok()?;
-        let bits = shape.iter().try_fold(dtype.bitsize(), |a, &d| a.checked_mul(d))?;
-        let actual = offsets[1].checked_sub(offsets[0])?;
-        (bits / 8 != actual).then(|| ModelError::TensorBytes {
-            name: name.clone(),
-            dtype: format!("{dtype:?}"),
-            shape,
-            expected: bits / 8,
-            actual,
-        })
-    })
 }
