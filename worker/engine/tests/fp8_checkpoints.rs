@@ -6,7 +6,8 @@
 //! by nearest-value search (ties to even), its own safetensors header. Next to each FP8
 //! directory it writes the reference: the same model in f32 with every quantized weight
 //! replaced by `value(code) · scale`. The FP8 load must give exactly those weights and
-//! logits. `scripts/quantize_fp8.py`'s output is checked the same way when python3 has numpy.
+//! logits. `scripts/quantize_fp8.py`'s output is checked the same way (python with numpy: see
+//! `numpy_python`).
 //! Broken checkpoints (unsupported `quant_method`, missing or misshapen scales, an F8 tensor
 //! whose bytes disagree with its shape) are typed errors naming the field or tensor.
 
@@ -499,18 +500,38 @@ fn the_cpu_engine_generates_from_an_fp8_checkpoint_as_from_its_reference() -> Re
     Ok(())
 }
 
+fn has_numpy(python: &Path) -> bool {
+    std::process::Command::new(python).args(["-c", "import numpy"]).output().is_ok_and(|o| o.status.success())
+}
+
+/// A python with numpy: `PRISM_PYTHON`, `python3` when it has numpy, or a virtual environment
+/// made once under the workspace's `target/fp8-venv` with numpy from PyPI.
+fn numpy_python() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("PRISM_PYTHON") {
+        return Ok(PathBuf::from(p));
+    }
+    if has_numpy(Path::new("python3")) {
+        return Ok(PathBuf::from("python3"));
+    }
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/fp8-venv");
+    let python = venv.join("bin/python");
+    if !has_numpy(&python) {
+        let made = std::process::Command::new("python3").arg("-m").arg("venv").arg(&venv).status()?;
+        ensure!(made.success(), "python3 -m venv {} failed", venv.display());
+        let pip = std::process::Command::new(venv.join("bin/pip"))
+            .args(["install", "--quiet", "--disable-pip-version-check", "numpy"])
+            .status()?;
+        ensure!(pip.success(), "pip install numpy failed (offline? set PRISM_PYTHON to a python with numpy)");
+    }
+    Ok(python)
+}
+
 /// `scripts/quantize_fp8.py` (numpy) writes the compressed-tensors per-channel layout this
-/// file's writer does: loading its output gives the same weights. Skipped, with a notice,
-/// when python3 has no numpy (`PRISM_PYTHON` picks another interpreter).
+/// file's writer does: loading its output gives the same weights; its "fp8" layout loads with
+/// per-tensor scales.
 #[test]
 fn the_quantize_script_writes_what_the_loader_reads() -> Result<()> {
-    let python = std::env::var("PRISM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_numpy =
-        std::process::Command::new(&python).args(["-c", "import numpy"]).output().is_ok_and(|o| o.status.success());
-    if !has_numpy {
-        eprintln!("SKIPPED: {python} has no numpy (pip install numpy, or set PRISM_PYTHON)");
-        return Ok(());
-    }
+    let python = numpy_python()?;
     let tmp = tempfile::tempdir()?;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/quantize_fp8.py");
     let (_, layout) = layouts().into_iter().next().context("layout")?;
