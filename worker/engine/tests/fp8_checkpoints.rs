@@ -487,6 +487,7 @@ fn the_cpu_engine_generates_from_an_fp8_checkpoint_as_from_its_reference() -> Re
             prior_output_ids: Vec::new(),
             deadline: None,
             cache_salt: None,
+            tools: None,
         })?;
         let mut tokens = Vec::new();
         while let Some(o) = stream.blocking_recv() {
