@@ -160,7 +160,9 @@ impl InferenceService for InferenceApi {
         {
             tracker.set(Outcome::Ok);
             let n = request.get_ref().sampling.as_ref().and_then(|s| s.n).unwrap_or(1);
-            return Ok(Response::new(Box::pin(futures::stream::iter(prompt_only(e, n).into_iter().map(Ok::<_, Status>)))));
+            return Ok(Response::new(Box::pin(futures::stream::iter(
+                prompt_only(e, n).into_iter().map(Ok::<_, Status>),
+            ))));
         }
         let d = match self.start(request).await {
             Ok(d) => {

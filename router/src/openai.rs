@@ -35,8 +35,8 @@ use serde_json::{Value, json};
 use crate::auth::{ApiKeys, Caller};
 use crate::dispatch::{DispatchError, Dispatched, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
-use errors::ApiError;
 use crate::tokenize::Echo;
+use errors::ApiError;
 use types::{ChatRequest, CompletionRequest, SamplingFields};
 
 /// Longest time to receive a whole request body; a client that stalls mid-body gets 408.
@@ -505,12 +505,11 @@ async fn generate<R: GenerationEndpoint>(
             sampling.include_usage(),
         );
         if proto.echo {
-            let echo = crate::tokenize::echo_of(&state.codecs, &proto, req.wants_logprobs()).await.map_err(
-                |e| match e {
+            let echo =
+                crate::tokenize::echo_of(&state.codecs, &proto, req.wants_logprobs()).await.map_err(|e| match e {
                     crate::tokenize::EchoError::Lookup(d) => ApiError::from(d),
                     crate::tokenize::EchoError::Tokenize(t) => ApiError::from(t),
-                },
-            )?;
+                })?;
             shaper = shaper.with_echo(echo);
         }
         Ok::<_, ApiError>((proto, shaper, sampling.stream.unwrap_or(false)))

@@ -154,7 +154,10 @@ pub fn tokenize(
                 return Err(invalid("messages", "messages must not be empty"));
             }
             if let Some(i) = messages.iter().position(|m| !CHAT_ROLES.contains(&m.role.as_str())) {
-                return Err(invalid("messages", format!("messages[{i}].role must be one of {}", CHAT_ROLES.join(", "))));
+                return Err(invalid(
+                    "messages",
+                    format!("messages[{i}].role must be one of {}", CHAT_ROLES.join(", ")),
+                ));
             }
             codec.encode_messages(messages, add_special_tokens.unwrap_or(false))?
         }
@@ -243,7 +246,9 @@ pub async fn echo_of(
 /// An id outside the vocabulary in a prompt is the prompt's fault.
 fn prompt_field(e: TokenizeError) -> TokenizeError {
     match e {
-        TokenizeError::Invalid(i) => TokenizeError::Invalid(Invalid { param: "prompt", message: i.message.replace("tokens[", "prompt[") }),
+        TokenizeError::Invalid(i) => {
+            TokenizeError::Invalid(Invalid { param: "prompt", message: i.message.replace("tokens[", "prompt[") })
+        }
         e => e,
     }
 }

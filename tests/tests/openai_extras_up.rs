@@ -123,7 +123,8 @@ async fn tokenize_routes(api: &Api, codec: &ModelCodec, grpc: &str) -> Result<()
     api.refused("/detokenize", &json!({"model": "nope", "tokens": [1]}), 404, "model").await?;
     api.refused("/tokenize", &json!({"model": MODEL}), 400, "prompt").await?;
     api.refused("/tokenize", &json!({"model": MODEL, "messages": []}), 400, "messages").await?;
-    let r = api.http.post(format!("{}/tokenize", api.base)).json(&json!({"model": MODEL, "prompt": "x"})).send().await?;
+    let r =
+        api.http.post(format!("{}/tokenize", api.base)).json(&json!({"model": MODEL, "prompt": "x"})).send().await?;
     assert_eq!(r.status().as_u16(), 401, "the API key guards /tokenize");
 
     // gRPC twins.
@@ -145,7 +146,11 @@ async fn tokenize_routes(api: &Api, codec: &ModelCodec, grpc: &str) -> Result<()
     assert_eq!((t.tokens.clone(), t.count as usize, t.token_strs), (ids.clone(), ids.len(), strs));
     assert!(t.max_model_len > 0);
     let chat = pb::ChatMessages {
-        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hi <|im_end|> there".into(), ..Default::default() }],
+        messages: vec![pb::ChatMessage {
+            role: "user".into(),
+            content: "Hi <|im_end|> there".into(),
+            ..Default::default()
+        }],
     };
     let t = g
         .tokenize(req(pb::TokenizeRequest {
@@ -197,8 +202,12 @@ async fn echo(api: &Api, codec: &ModelCodec, grpc: &str) -> Result<()> {
     let v = api.ok("/v1/completions", &completion(json!({"echo": true, "max_tokens": 0}))).await?;
     assert_eq!(text(&v), PROMPT);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
-    assert_eq!((v["usage"]["prompt_tokens"].as_u64(), v["usage"]["completion_tokens"].as_u64()), (Some(n as u64), Some(0)));
-    let chunks = api.stream("/v1/completions", &completion(json!({"echo": true, "max_tokens": 0, "stream": true}))).await?;
+    assert_eq!(
+        (v["usage"]["prompt_tokens"].as_u64(), v["usage"]["completion_tokens"].as_u64()),
+        (Some(n as u64), Some(0))
+    );
+    let chunks =
+        api.stream("/v1/completions", &completion(json!({"echo": true, "max_tokens": 0, "stream": true}))).await?;
     assert_eq!(chunks.len(), 1);
     assert_eq!(chunks[0]["choices"][0]["text"], PROMPT);
     api.refused("/v1/completions", &completion(json!({"max_tokens": 0})), 400, "max_tokens").await?;
@@ -251,7 +260,8 @@ async fn stops_and_fields(api: &Api) -> Result<()> {
                 if !include {
                     assert!(deltas.iter().all(|d| !d.contains(&stop)), "{deltas:?}");
                 }
-                let finish = chunks.iter().rev().find_map(|c| c["choices"][0]["finish_reason"].as_str()).map(str::to_owned);
+                let finish =
+                    chunks.iter().rev().find_map(|c| c["choices"][0]["finish_reason"].as_str()).map(str::to_owned);
                 (deltas.concat(), finish)
             } else {
                 let v = api.ok("/v1/completions", &body).await?;
@@ -289,10 +299,13 @@ async fn stops_and_fields(api: &Api) -> Result<()> {
     assert_eq!(content, format!("{}<|im_end|>", base["choices"][0]["message"]["content"].as_str().unwrap_or_default()));
 
     // max_completion_tokens wins over max_tokens.
-    let v = api.ok("/v1/chat/completions", &chat(json!({"ignore_eos": true, "max_tokens": 10, "max_completion_tokens": 3}))).await?;
+    let v = api
+        .ok("/v1/chat/completions", &chat(json!({"ignore_eos": true, "max_tokens": 10, "max_completion_tokens": 3})))
+        .await?;
     assert_eq!(v["usage"]["completion_tokens"], 3);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
-    api.refused("/v1/chat/completions", &chat(json!({"max_completion_tokens": 0})), 400, "max_completion_tokens").await?;
+    api.refused("/v1/chat/completions", &chat(json!({"max_completion_tokens": 0})), 400, "max_completion_tokens")
+        .await?;
     // logit_bias / min_tokens validation.
     let e = api.refused("/v1/completions", &completion(json!({"logit_bias": {"12": 101}})), 400, "logit_bias").await?;
     assert!(e["error"]["message"].as_str().unwrap_or_default().contains("\"12\""), "{e}");
@@ -308,7 +321,10 @@ async fn prism_up_serves_tokenize_echo_stop_strings_and_the_smaller_fields() -> 
     let Some(path) = model() else { return Ok(()) };
     let codec = codec(&path)?;
     let mut up = PrismUp::start(&path, &["--api-key", KEY]).await?;
-    let api = Api { http: reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?, base: up.endpoints.http.clone() };
+    let api = Api {
+        http: reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?,
+        base: up.endpoints.http.clone(),
+    };
     let grpc = up.endpoints.grpc.clone();
     let outcome = async {
         tokenize_routes(&api, &codec, &grpc).await.context("tokenize")?;

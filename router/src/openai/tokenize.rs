@@ -85,7 +85,8 @@ async fn blocking<T: Send + 'static>(
 pub async fn tokenize_answer(codecs: &ModelCodecs, b: TokenizeBody) -> Result<Value, ApiError> {
     let input = input_of(&b)?;
     let mc = codecs.get(&b.model).await?;
-    let (special, generation, strs) = (b.add_special_tokens, b.add_generation_prompt, b.return_token_strs == Some(true));
+    let (special, generation, strs) =
+        (b.add_special_tokens, b.add_generation_prompt, b.return_token_strs == Some(true));
     let codec = mc.codec;
     let t = blocking(move || tokenize(&codec, &input, special, generation, strs)).await?;
     let mut v = json!({"count": t.tokens.len(), "max_model_len": mc.max_model_len, "tokens": t.tokens});

@@ -254,7 +254,9 @@ impl SamplingFields {
         }
         let min_tokens = match self.min_tokens {
             None => None,
-            Some(m) if m < 0 => return Err(ApiError::invalid("min_tokens", format!("min_tokens must be >= 0, got {m}"))),
+            Some(m) if m < 0 => {
+                return Err(ApiError::invalid("min_tokens", format!("min_tokens must be >= 0, got {m}")));
+            }
             Some(m) if max_tokens.is_some_and(|x| m > x) => {
                 return Err(ApiError::invalid(
                     "min_tokens",
@@ -262,7 +264,8 @@ impl SamplingFields {
                 ));
             }
             Some(m) => Some(
-                u32::try_from(m).map_err(|_| ApiError::invalid("min_tokens", format!("min_tokens is too large: {m}")))?,
+                u32::try_from(m)
+                    .map_err(|_| ApiError::invalid("min_tokens", format!("min_tokens is too large: {m}")))?,
             ),
         };
         let logit_bias = logit_bias(self.logit_bias.as_ref())?;
@@ -533,7 +536,8 @@ mod tests {
         bias.sort_by_key(|b| b.0);
         assert_eq!(bias, vec![(0, 100.0), (7, -100.0), (42, 5.0)]);
         assert_eq!((s.min_tokens, s.include_stop_str_in_output), (Some(3), true));
-        let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "logit_bias": null, "min_tokens": 0})).expect("ok");
+        let r =
+            parse(serde_json::json!({"model": "m", "prompt": "hi", "logit_bias": null, "min_tokens": 0})).expect("ok");
         let s = r.sampling.expect("s");
         assert!(s.logit_bias.is_empty() && !s.include_stop_str_in_output);
         assert_eq!(s.min_tokens, Some(0));

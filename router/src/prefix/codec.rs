@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
-use prism_common::proto::v1::{GetPromptCodecRequest, PromptCodec as PbPromptCodec};
 use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
+use prism_common::proto::v1::{GetPromptCodecRequest, PromptCodec as PbPromptCodec};
 use prism_engine::codec::{CodecExport, PromptCodec};
 use tonic::transport::Channel;
 use tonic::{Code, Status};
