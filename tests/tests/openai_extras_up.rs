@@ -77,6 +77,13 @@ impl Api {
     }
 }
 
+/// A gRPC request carrying the API key.
+fn req<T>(m: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(m);
+    r.metadata_mut().insert("authorization", format!("Bearer {KEY}").parse().expect("header"));
+    r
+}
+
 fn completion(extra: Value) -> Value {
     let mut v = json!({"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, "ignore_eos": true});
     for (k, x) in extra.as_object().into_iter().flatten() {
@@ -129,11 +136,6 @@ async fn tokenize_routes(api: &Api, codec: &ModelCodec, grpc: &str) -> Result<()
 
     // gRPC twins.
     let mut g = InferenceServiceClient::connect(grpc.to_owned()).await?;
-    let req = |m| {
-        let mut r = tonic::Request::new(m);
-        r.metadata_mut().insert("authorization", format!("Bearer {KEY}").parse().expect("header"));
-        r
-    };
     let t = g
         .tokenize(req(pb::TokenizeRequest {
             model: MODEL.into(),
