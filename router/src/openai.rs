@@ -1,5 +1,5 @@
 //! OpenAI-compatible HTTP API (axum): `/v1/completions`, `/v1/chat/completions`,
-//! `/v1/models`, plus `/health`, `/healthz`, `/readyz` and `/metrics`.
+//! `/v1/models`, vLLM's `/tokenize` and `/detokenize` ([`tokenize`]), plus `/health`, `/healthz`, `/readyz` and `/metrics`.
 //!
 //! Bodies are read by hand so that every failure is an OpenAI error object: no or wrong
 //! Content-Type → 415, over `max_body_bytes` → 413 before parsing, a body that ends before
@@ -14,6 +14,7 @@
 pub mod errors;
 pub mod guard;
 pub mod sse;
+pub mod tokenize;
 pub mod types;
 
 use std::convert::Infallible;
@@ -34,6 +35,7 @@ use serde_json::{Value, json};
 use crate::auth::{ApiKeys, Caller};
 use crate::dispatch::{DispatchError, Dispatched, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
+use crate::tokenize::Echo;
 use errors::ApiError;
 use types::{ChatRequest, CompletionRequest, SamplingFields};
 
@@ -55,6 +57,8 @@ pub struct HttpState {
     pub max_body_bytes: usize,
     /// `created` of models whose deployment time is unknown: the router's start (Unix seconds).
     pub started_at: i64,
+    /// The models' prompt codecs (`/tokenize`, `/detokenize`, `echo`).
+    pub codecs: std::sync::Arc<crate::tokenize::ModelCodecs>,
 }
 
 /// The HTTP application: the routes behind the API-key guard ([`guard`]), which runs before
@@ -65,6 +69,8 @@ pub fn router(state: HttpState) -> Router {
         .route("/v1/completions", post(generate::<CompletionRequest>))
         .route("/v1/chat/completions", post(generate::<ChatRequest>))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize_route))
+        .route("/detokenize", post(detokenize_route))
         .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/healthz", get(|| async { "ok" }))
@@ -172,9 +178,12 @@ struct Choice {
     finish: Option<&'static str>,
     // completions logprobs
     tokens: Vec<String>,
-    token_logprobs: Vec<f32>,
+    /// `None` for echoed prompt tokens (JSON null).
+    token_logprobs: Vec<Option<f32>>,
     top: Vec<Value>,
     offsets: Vec<usize>,
+    /// The echoed prompt went out in a streamed chunk.
+    echo_sent: bool,
     // chat logprobs
     content: Vec<Value>,
 }
@@ -193,6 +202,8 @@ struct Shaper {
     /// Prompt tokens served from the replica's prefix cache (`usage.prompt_tokens_details`).
     cached_tokens: u32,
     usage_seen: bool,
+    /// The prompt echoed before each choice's output (completions `echo`).
+    echo: Option<Echo>,
 }
 
 fn bytes_json(b: &[u8]) -> Value {
@@ -223,7 +234,50 @@ impl Shaper {
             completion_tokens: 0,
             cached_tokens: 0,
             usage_seen: false,
+            echo: None,
         }
+    }
+
+    /// Puts the prompt before every choice's text; with logprobs, its tokens come first with
+    /// null logprobs (the engine computes none for prompt tokens).
+    fn with_echo(mut self, echo: Echo) -> Self {
+        for c in &mut self.choices {
+            c.text.clone_from(&echo.text);
+            if self.logprobs {
+                let mut off = 0;
+                for t in &echo.tokens {
+                    c.tokens.push(t.clone());
+                    c.token_logprobs.push(None);
+                    c.top.push(Value::Null);
+                    c.offsets.push(off);
+                    off += t.len();
+                }
+            }
+        }
+        if let Some(n) = echo.prompt_tokens {
+            self.prompt_tokens = n;
+        }
+        self.echo = Some(echo);
+        self
+    }
+
+    /// The answer of an `echo` request with `max_tokens: 0`: each choice is the prompt alone
+    /// (finish reason `length`), no replica involved.
+    fn prompt_only(&self) -> Vec<GenerateResponse> {
+        let n = self.choices.len();
+        (0..n)
+            .map(|i| GenerateResponse {
+                index: i as u32,
+                finish_reason: FinishReason::Length as i32,
+                usage: (i + 1 == n).then_some(prism_common::proto::v1::Usage {
+                    prompt_tokens: self.prompt_tokens,
+                    completion_tokens: 0,
+                    cached_tokens: 0,
+                }),
+                prompt_tokens: self.prompt_tokens,
+                ..GenerateResponse::default()
+            })
+            .collect()
     }
 
     /// OpenAI's usage object, with `prompt_tokens_details.cached_tokens` (0 on a miss).
@@ -269,7 +323,7 @@ impl Shaper {
                         off += l.token.len();
                     }
                     c.tokens.extend(toks.iter().cloned());
-                    c.token_logprobs.extend(lps.iter().copied());
+                    c.token_logprobs.extend(lps.iter().map(|&l| Some(l)));
                     c.top.extend(tops.iter().cloned());
                     c.offsets.extend(offs.iter().copied());
                     lp = json!({"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs});
@@ -299,7 +353,30 @@ impl Shaper {
         let finish = finish_str(m.finish_reason);
         match self.kind {
             Kind::Completion => {
-                let ch = json!({"index": i, "text": m.text, "logprobs": lp, "finish_reason": finish});
+                let (mut text, mut lp) = (m.text.clone(), lp);
+                let c = &mut self.choices[i];
+                if let Some(e) = &self.echo
+                    && !c.echo_sent
+                {
+                    // The choice's first chunk carries the prompt (and its tokens' entries).
+                    c.echo_sent = true;
+                    text.insert_str(0, &e.text);
+                    if self.logprobs {
+                        let k = e.tokens.len();
+                        let join = |head: Value, tail: &Value| {
+                            let mut v = head.as_array().cloned().unwrap_or_default();
+                            v.extend(tail.as_array().cloned().unwrap_or_default());
+                            Value::Array(v)
+                        };
+                        lp = json!({
+                            "tokens": join(json!(c.tokens[..k]), &lp["tokens"]),
+                            "token_logprobs": join(json!(c.token_logprobs[..k]), &lp["token_logprobs"]),
+                            "top_logprobs": join(json!(c.top[..k]), &lp["top_logprobs"]),
+                            "text_offset": join(json!(c.offsets[..k]), &lp["text_offset"]),
+                        });
+                    }
+                }
+                let ch = json!({"index": i, "text": text, "logprobs": lp, "finish_reason": finish});
                 sse::push_event(out, &self.chunk(vec![ch]));
             }
             Kind::Chat => {
@@ -420,13 +497,21 @@ async fn generate<R: GenerationEndpoint>(
             .admit_tokens(caller.map(|c| c.0), crate::dispatch::estimated_tokens(&proto))
             .map_err(guard::limited)?;
         let sampling = req.sampling();
-        let shaper = Shaper::new(
+        let mut shaper = Shaper::new(
             R::KIND,
             req.model().to_owned(),
             sampling.n.unwrap_or(1),
             req.wants_logprobs(),
             sampling.include_usage(),
         );
+        if proto.echo {
+            let echo =
+                crate::tokenize::echo_of(&state.codecs, &proto, req.wants_logprobs()).await.map_err(|e| match e {
+                    crate::tokenize::EchoError::Lookup(d) => ApiError::from(d),
+                    crate::tokenize::EchoError::Tokenize(t) => ApiError::from(t),
+                })?;
+            shaper = shaper.with_echo(echo);
+        }
         Ok::<_, ApiError>((proto, shaper, sampling.stream.unwrap_or(false)))
     }
     .await;
@@ -452,6 +537,23 @@ async fn answer(state: &HttpState, tracker: &RequestTracker, prepared: Prepared)
         }
         e
     };
+    if req.echo && req.sampling.as_ref().and_then(|s| s.max_tokens) == Some(0) {
+        // vLLM's echo with max_tokens 0: the prompt alone, nothing generated.
+        let msgs = shaper.prompt_only();
+        let mut buf = BytesMut::new();
+        for m in &msgs {
+            if stream {
+                shaper.stream_events(m, &mut buf);
+            } else {
+                shaper.absorb(m);
+            }
+        }
+        if !stream {
+            return Ok(Answer::Whole(shaper.whole()));
+        }
+        let (_, rx) = tokio::sync::mpsc::channel(1); // closed: the stream ends after `buf`
+        return Ok(Answer::Stream(buf, rx, shaper));
+    }
     let Dispatched { first, mut rest, .. } = state.dispatcher.dispatch(req).await.map_err(|e| chat_param(e.into()))?;
     tracker.first_token();
     if !stream {
@@ -511,6 +613,30 @@ async fn serve(state: HttpState, mut tracker: RequestTracker, prepared: Prepared
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(body))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// `POST /tokenize` (vLLM's): see [`tokenize`].
+async fn tokenize_route(State(state): State<HttpState>, headers: HeaderMap, body: Body) -> Response {
+    let answer = async {
+        let b: tokenize::TokenizeBody = read_json(&state, &headers, body).await?;
+        tokenize::tokenize_answer(&state.codecs, b).await
+    };
+    match answer.await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /detokenize` (vLLM's): see [`tokenize`].
+async fn detokenize_route(State(state): State<HttpState>, headers: HeaderMap, body: Body) -> Response {
+    let answer = async {
+        let b: tokenize::DetokenizeBody = read_json(&state, &headers, body).await?;
+        tokenize::detokenize_answer(&state.codecs, b).await
+    };
+    match answer.await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// The OpenAI model objects of models with a Ready replica, by served name.
@@ -575,45 +701,5 @@ async fn metrics(State(state): State<HttpState>) -> Response {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use prism_common::proto::v1::Usage;
-
-    fn last(cached_tokens: u32) -> GenerateResponse {
-        GenerateResponse {
-            token_ids: vec![7],
-            text: "x".into(),
-            finish_reason: FinishReason::Length as i32,
-            usage: Some(Usage { prompt_tokens: 40, completion_tokens: 1, cached_tokens }),
-            prompt_tokens: 40,
-            ..GenerateResponse::default()
-        }
-    }
-
-    /// The worker's cached-token count is OpenAI's `usage.prompt_tokens_details.cached_tokens`,
-    /// in whole responses and in the streamed usage chunk of both endpoints.
-    #[test]
-    fn usage_carries_cached_tokens_whole_and_streamed() {
-        for kind in [Kind::Completion, Kind::Chat] {
-            let mut whole = Shaper::new(kind, "m".into(), 1, false, false);
-            whole.absorb(&last(32));
-            let v = whole.whole();
-            assert_eq!(v["usage"]["prompt_tokens_details"], json!({"cached_tokens": 32}));
-            assert_eq!(v["usage"]["total_tokens"], 41);
-
-            let mut streamed = Shaper::new(kind, "m".into(), 1, false, true);
-            let mut out = BytesMut::new();
-            streamed.stream_events(&last(0), &mut out);
-            streamed.stream_end(&mut out);
-            let text = String::from_utf8_lossy(&out).into_owned();
-            let usage_chunk = text
-                .split("\n\n")
-                .filter_map(|e| e.strip_prefix("data: "))
-                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-                .find(|c| c["usage"].is_object())
-                .expect("a usage chunk");
-            assert_eq!(usage_chunk["choices"], json!([]));
-            assert_eq!(usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "a miss reports 0");
-        }
-    }
-}
+#[path = "openai/tests.rs"]
+mod tests;

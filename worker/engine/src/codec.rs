@@ -16,6 +16,7 @@
 mod chat;
 #[cfg(test)]
 mod chat_tests;
+mod tokens;
 
 use super::kv_cache::prefix_hash;
 use super::model::tokenizer::{LazyPlainText, encode_with};

@@ -265,6 +265,7 @@ impl EngineHandle {
             stop_token_ids: p.stop_token_ids,
             ignore_eos: p.ignore_eos,
             skip_special: p.skip_special_tokens,
+            include_stop_str: p.include_stop_str_in_output,
             max_new,
             deadline: req.deadline,
             arrival: Instant::now(),

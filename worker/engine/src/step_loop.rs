@@ -54,6 +54,8 @@ pub(crate) struct NewRequest {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub skip_special: bool,
+    /// Keep a matched stop string at the end of the text.
+    pub include_stop_str: bool,
     /// Total tokens the request may generate per choice (`prior` included).
     pub max_new: usize,
     pub deadline: Option<Instant>,
@@ -310,7 +312,7 @@ impl EngineCore {
             self.next_seq += 1;
             let seed = r.seed.map(|s| s.wrapping_add(u64::from(index)));
             let sampler = Sampler::new(r.sampling.clone(), seed, &r.prompt, &r.prior);
-            let mut detok = Detokenizer::new(&r.stop, r.skip_special);
+            let mut detok = Detokenizer::new(&r.stop, r.skip_special, r.include_stop_str);
             for &t in &r.prior {
                 detok.prime(self.codec.token_bytes(t), self.codec.is_special(t));
             }
