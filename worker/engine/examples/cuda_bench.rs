@@ -156,7 +156,7 @@ mod bench {
         );
         let mut results = serde_json::Map::new();
         if let Some(vocab) = json_vocab {
-            structured::overhead(&mut be, &vocab, &mut results)?;
+            super::structured::overhead(&mut be, &vocab, &mut results)?;
             let report = json!({"mode": "json_schema", "device": be.device_name(), "results": results});
             std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
             return Ok(());
