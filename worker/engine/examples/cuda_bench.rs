@@ -418,7 +418,7 @@ mod structured {
         be: &mut CudaBackend,
         b: &StepBatch,
         pool: &rayon::ThreadPool,
-        matchers: &mut Vec<Box<Matcher>>,
+        matchers: &mut Vec<Matcher>,
         compiler: &GrammarCompiler,
     ) -> anyhow::Result<()> {
         let words = LLAMA3_VOCAB.div_ceil(32);
@@ -431,7 +431,7 @@ mod structured {
                 let _ = tx.send((i, m, mask));
             });
         }
-        let mut back: Vec<Option<Box<Matcher>>> = (0..n).map(|_| None).collect();
+        let mut back: Vec<Option<Matcher>> = (0..n).map(|_| None).collect();
         let ids = be.forward_greedy_constrained(b, &mut || {
             let mut c = LogitConstraints {
                 mask_words: words,
@@ -452,7 +452,7 @@ mod structured {
         for (i, m) in back.into_iter().enumerate() {
             let mut m = m.context("a mask job did not return")?;
             if m.consume_token(ids[i]).is_err() || m.is_stopped() {
-                m = Box::new(compiler.compile(&StructuredOutput::JsonSchema(SCHEMA.into()), &[])?);
+                m = compiler.compile(&StructuredOutput::JsonSchema(SCHEMA.into()), &[])?;
             }
             matchers.push(m);
         }
@@ -480,8 +480,8 @@ mod structured {
         results.insert("schema_compile_ms".into(), json!(compile_ms));
         for bsz in [1usize, 64] {
             let b = step_batch(bsz, 1024, 1, true);
-            let mut matchers: Vec<Box<Matcher>> =
-                (0..bsz).map(|_| compiler.compile(&spec, &[]).map(Box::new)).collect::<Result<_, _>>()?;
+            let mut matchers: Vec<Matcher> =
+                (0..bsz).map(|_| compiler.compile(&spec, &[])).collect::<Result<_, _>>()?;
             let (mut free, mut json) = (Vec::new(), Vec::new());
             for constrained in [false, true, true, false] {
                 if constrained {
