@@ -19,8 +19,8 @@ tests/fixtures/arch/<name>/ and writes reference.json there:
 It also writes the same weights as a GGUF file, tests/fixtures/arch/<name>.gguf, the way
 llama.cpp's convert_hf_to_gguf.py lays them out (gguf-py; general.architecture llama for
 Mistral with Q/K rows permuted and llama.attention.sliding_window, qwen2, qwen3, gemma3 with the
-norm gains shifted by +1 and gemma3.attention.sliding_window_pattern; tensors in bf16, the
-tokenizer as tokenizer.ggml.* gpt2 BPE), with gguf_logits: transformers' logits of the model
+norm gains shifted by +1 and gemma3.attention.sliding_window_pattern; matrices in bf16, norms and
+biases in f32, the tokenizer as tokenizer.ggml.* gpt2 BPE), with gguf_logits: transformers' logits of the model
 as llama.cpp computes that file (the same as logits except for Gemma 3, whose GGUF softmax
 scale is head_dim^-0.5 where the Hugging Face fixture sets query_pre_attn_scalar 24).
 
@@ -218,8 +218,14 @@ def write_gguf(name, model, cfg, path):
             v = permute(v, cfg.num_attention_heads)
         if arch == "llama" and hf_name.endswith("k_proj.weight"):
             v = permute(v, cfg.num_key_value_heads)
+        name = gguf_tensor_name(hf_name, gemma)
+        if v.ndim == 1:
+            # Norm gains and biases in f32, as llama.cpp stores them (Gemma's 1 + w is not a
+            # bf16 value).
+            w.add_tensor(name, v.astype(np.float32))
+            continue
         bf = torch.from_numpy(np.ascontiguousarray(v)).to(torch.bfloat16).view(torch.int16).numpy()
-        w.add_tensor(gguf_tensor_name(hf_name, gemma), bf, raw_shape=v.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        w.add_tensor(name, bf, raw_shape=v.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
