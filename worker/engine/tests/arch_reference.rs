@@ -97,13 +97,12 @@ fn check_fixture(name: &str) -> Result<LoadedModel> {
     let mut b = StepBatch::default();
     seq_step(&mut b, &long, 0, 0, true);
     backend.forward(&b)?;
-    let mut pos = long.len();
-    for (s, step) in reference["decode_logits"].as_array().context("decode_logits")?.iter().enumerate() {
+    let steps = reference["decode_logits"].as_array().context("decode_logits")?;
+    for (s, step) in steps.iter().enumerate() {
         let token = step["token"].as_u64().context("token")? as u32;
         let mut b = StepBatch::default();
-        seq_step(&mut b, &[token], pos, 0, true);
+        seq_step(&mut b, &[token], long.len() + s, 0, true);
         check_row(&format!("{name} decode step {s}"), backend.forward(&b)?.row(0), &floats(&step["logits"])?)?;
-        pos += 1;
     }
     Ok(model)
 }
