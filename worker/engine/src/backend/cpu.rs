@@ -89,6 +89,7 @@ impl CpuBackend {
             layers: weights.layers,
             head: Some((weights.norm, weights.lm_head)),
             embeds_tokens: true,
+            first_layer: 0,
         };
         Ok(Self { model: CpuModel::new(parts, config, kv_cache_bytes, block_size)?, all_reduce: Box::new(NoReduce) })
     }
@@ -124,6 +125,10 @@ impl Backend for CpuBackend {
 
     fn kv_bytes_per_token(&self) -> usize {
         self.model.kv_bytes_per_token()
+    }
+
+    fn kv_sliding_window(&self) -> Option<usize> {
+        self.model.uniform_sliding_window()
     }
 
     fn name(&self) -> &'static str {
