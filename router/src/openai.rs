@@ -14,6 +14,7 @@
 pub mod errors;
 pub mod guard;
 pub mod sse;
+pub mod structured;
 pub mod types;
 
 use std::convert::Infallible;
@@ -34,6 +35,8 @@ use serde_json::{Value, json};
 use crate::auth::{ApiKeys, Caller};
 use crate::dispatch::{DispatchError, Dispatched, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
+use crate::tools::parse::{ParsedCall, Piece, ToolParser};
+use crate::tools::{ParserChoice, ParserKind, ToolPlan};
 use errors::ApiError;
 use types::{ChatRequest, CompletionRequest, SamplingFields};
 
@@ -55,6 +58,8 @@ pub struct HttpState {
     pub max_body_bytes: usize,
     /// `created` of models whose deployment time is unknown: the router's start (Unix seconds).
     pub started_at: i64,
+    /// `--tool-call-parser`: the format tool calls are read in (auto: by chat template).
+    pub tool_parser: ParserChoice,
 }
 
 /// The HTTP application: the routes behind the API-key guard ([`guard`]), which runs before
@@ -167,7 +172,12 @@ fn finish_str(f: i32) -> Option<&'static str> {
 /// Per-choice accumulated state.
 #[derive(Default)]
 struct Choice {
+    /// The content (text outside tool calls when calls are parsed).
     text: String,
+    /// Reads tool calls out of the text (requests with tools).
+    parser: Option<ToolParser>,
+    /// The calls parsed so far.
+    calls: Vec<ParsedCall>,
     role_sent: bool,
     finish: Option<&'static str>,
     // completions logprobs
@@ -193,6 +203,8 @@ struct Shaper {
     /// Prompt tokens served from the replica's prefix cache (`usage.prompt_tokens_details`).
     cached_tokens: u32,
     usage_seen: bool,
+    /// Whether the output is read for tool calls (then `content` is null without text).
+    tools: bool,
 }
 
 fn bytes_json(b: &[u8]) -> Value {
@@ -223,6 +235,23 @@ impl Shaper {
             completion_tokens: 0,
             cached_tokens: 0,
             usage_seen: false,
+            tools: false,
+        }
+    }
+
+    /// Reads every choice's output for tool calls in `parser`'s format.
+    fn parse_tools(&mut self, parser: ParserKind) {
+        self.tools = true;
+        for c in &mut self.choices {
+            c.parser = Some(ToolParser::new(parser));
+        }
+    }
+
+    /// OpenAI's finish reason of a choice: `tool_calls` when it ended by calling tools.
+    fn finish_of(c: &Choice, finish: Option<&'static str>) -> Option<&'static str> {
+        match finish {
+            Some("stop") if !c.calls.is_empty() => Some("tool_calls"),
+            f => f,
         }
     }
 
@@ -233,8 +262,9 @@ impl Shaper {
                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
     }
 
-    /// Folds a message into the state; returns the choice index and this message's logprobs object.
-    fn absorb(&mut self, m: &GenerateResponse) -> (usize, Value) {
+    /// Folds a message into the state; returns the choice index, this message's logprobs
+    /// object and what its text became (content, and tool calls when they are parsed).
+    fn absorb(&mut self, m: &GenerateResponse) -> (usize, Value, Vec<Piece>) {
         let i = (m.index as usize).min(self.choices.len() - 1);
         if m.prompt_tokens > 0 && self.prompt_tokens == 0 {
             self.prompt_tokens = m.prompt_tokens;
@@ -276,11 +306,27 @@ impl Shaper {
                 }
             }
         }
-        c.text.push_str(&m.text);
-        if let Some(f) = finish_str(m.finish_reason) {
+        let finish = finish_str(m.finish_reason);
+        let pieces = match &mut c.parser {
+            None => vec![Piece::Content(m.text.clone())],
+            Some(p) => {
+                let mut pieces = p.push(&m.text);
+                if finish.is_some() {
+                    pieces.extend(p.finish());
+                }
+                pieces
+            }
+        };
+        for piece in &pieces {
+            match piece {
+                Piece::Content(t) => c.text.push_str(t),
+                Piece::Call(call) => c.calls.push(call.clone()),
+            }
+        }
+        if let Some(f) = finish {
             c.finish = Some(f);
         }
-        (i, lp)
+        (i, lp, pieces)
     }
 
     fn chunk(&self, choices: Vec<Value>) -> Value {
@@ -295,8 +341,8 @@ impl Shaper {
 
     /// SSE events for one message.
     fn stream_events(&mut self, m: &GenerateResponse, out: &mut BytesMut) {
-        let (i, lp) = self.absorb(m);
-        let finish = finish_str(m.finish_reason);
+        let (i, lp, pieces) = self.absorb(m);
+        let finish = Self::finish_of(&self.choices[i], finish_str(m.finish_reason));
         match self.kind {
             Kind::Completion => {
                 let ch = json!({"index": i, "text": m.text, "logprobs": lp, "finish_reason": finish});
@@ -308,8 +354,29 @@ impl Shaper {
                     let ch = json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
                     sse::push_event(out, &self.chunk(vec![ch]));
                 }
-                if !m.text.is_empty() || !m.logprobs.is_empty() {
-                    let ch = json!({"index": i, "delta": {"content": m.text}, "logprobs": lp, "finish_reason": null});
+                let mut lp = Some(lp).filter(|_| !m.logprobs.is_empty());
+                let mut calls = Vec::new();
+                let mut content = String::new();
+                for piece in pieces {
+                    match piece {
+                        Piece::Content(t) => content.push_str(&t),
+                        Piece::Call(c) => calls.push(c),
+                    }
+                }
+                if !content.is_empty() || lp.is_some() {
+                    let lp = lp.take().unwrap_or(Value::Null);
+                    let ch = json!({"index": i, "delta": {"content": content}, "logprobs": lp, "finish_reason": null});
+                    sse::push_event(out, &self.chunk(vec![ch]));
+                }
+                // As OpenAI streams a call: id, type and name with empty arguments, then the
+                // arguments (here in one piece, the call being complete).
+                for c in calls {
+                    let head = json!({"index": c.index, "id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": ""}});
+                    let ch = json!({"index": i, "delta": {"tool_calls": [head]}, "logprobs": null, "finish_reason": null});
+                    sse::push_event(out, &self.chunk(vec![ch]));
+                    let args = json!({"index": c.index, "function": {"arguments": c.arguments}});
+                    let ch = json!({"index": i, "delta": {"tool_calls": [args]}, "logprobs": null, "finish_reason": null});
                     sse::push_event(out, &self.chunk(vec![ch]));
                 }
                 if finish.is_some() {
@@ -345,7 +412,21 @@ impl Shaper {
                 }
                 Kind::Chat => {
                     let lp = if self.logprobs { json!({"content": c.content}) } else { Value::Null };
-                    json!({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": c.finish})
+                    let mut message = json!({"role": "assistant", "content": c.text});
+                    if self.tools && c.text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                    if !c.calls.is_empty() {
+                        let calls: Vec<Value> = c
+                            .calls
+                            .iter()
+                            .map(|t| json!({"id": t.id, "type": "function",
+                                            "function": {"name": t.name, "arguments": t.arguments}}))
+                            .collect();
+                        message["tool_calls"] = Value::Array(calls);
+                    }
+                    let finish = Self::finish_of(c, c.finish);
+                    json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
                 }
             })
             .collect();
@@ -368,6 +449,10 @@ trait GenerationEndpoint: DeserializeOwned + Send + 'static {
     fn sampling(&self) -> &SamplingFields;
     /// Whether the response carries logprobs.
     fn wants_logprobs(&self) -> bool;
+    /// The field a structured output came from, to name it when the engine rejects it.
+    fn structured_param(&self) -> Option<&'static str> {
+        structured::structured(self.sampling()).ok().flatten().map(|(_, s)| s.param)
+    }
 }
 
 impl GenerationEndpoint for CompletionRequest {
@@ -413,27 +498,55 @@ async fn generate<R: GenerationEndpoint>(
     let tracker = RequestTracker::new(&state.metrics);
     let prepared = async {
         let req: R = read_json(&state, &headers, body).await?;
-        let proto = req.proto()?; // validates `n` before the shaper sizes its choices
+        let mut proto = req.proto()?; // validates `n` before the shaper sizes its choices
+        let parser = crate::tools::parser_for(state.dispatcher.routes(), &proto.model, state.tool_parser);
+        let plan = crate::tools::plan(&mut proto, parser)?;
         // The key's tokens-per-minute limit, on the same estimate the admission queue counts.
         state
             .keys
             .admit_tokens(caller.map(|c| c.0), crate::dispatch::estimated_tokens(&proto))
             .map_err(guard::limited)?;
         let sampling = req.sampling();
-        let shaper = Shaper::new(
+        let mut shaper = Shaper::new(
             R::KIND,
             req.model().to_owned(),
             sampling.n.unwrap_or(1),
             req.wants_logprobs(),
             sampling.include_usage(),
         );
-        Ok::<_, ApiError>((proto, shaper, sampling.stream.unwrap_or(false)))
+        if let Some(p) = &plan {
+            shaper.parse_tools(p.parser);
+        }
+        let ctx = ErrorFields { structured: req.structured_param(), tools: plan };
+        Ok::<_, ApiError>((proto, shaper, sampling.stream.unwrap_or(false), ctx))
     }
     .await;
     serve(state, tracker, prepared).await
 }
 
-type Prepared = Result<(GenerateRequest, Shaper, bool), ApiError>;
+/// What the router knows to name the field of a worker's INVALID_ARGUMENT.
+struct ErrorFields {
+    /// The OpenAI field a structured output came from.
+    structured: Option<&'static str>,
+    /// Tool calling: a forced choice's grammar is the router's, built from `tools`.
+    tools: Option<ToolPlan>,
+}
+
+impl ErrorFields {
+    /// The client's field for the worker's `param` (`structured_output.*` → the field the
+    /// constraint came from, `tools` for a tool-choice grammar; `prompt` → `messages` in chat).
+    fn client_param(&self, kind: Kind, param: &str) -> Option<String> {
+        if param.starts_with("structured_output") {
+            if self.tools.as_ref().is_some_and(|t| t.forced) {
+                return Some("tools".into());
+            }
+            return self.structured.map(str::to_owned);
+        }
+        (kind == Kind::Chat && param == "prompt").then(|| "messages".into())
+    }
+}
+
+type Prepared = Result<(GenerateRequest, Shaper, bool, ErrorFields), ApiError>;
 
 /// What a dispatched request turned into.
 enum Answer {
@@ -443,12 +556,13 @@ enum Answer {
 
 /// Dispatches; errors before the first token come back as `Err` with a proper status.
 async fn answer(state: &HttpState, tracker: &RequestTracker, prepared: Prepared) -> Result<Answer, ApiError> {
-    let (req, mut shaper, stream) = prepared?;
+    let (req, mut shaper, stream, fields) = prepared?;
     let kind = shaper.kind;
-    // A worker's `prompt` (empty, over the context length) is `messages` in a chat request.
+    // A worker's `prompt` (empty, over the context length) is `messages` in a chat request;
+    // its `structured_output.*` is the field the constraint came from.
     let chat_param = |mut e: ApiError| {
-        if kind == Kind::Chat && e.param.as_deref() == Some("prompt") {
-            e.param = Some("messages".into());
+        if let Some(p) = e.param.as_deref().and_then(|p| fields.client_param(kind, p)) {
+            e.param = Some(p);
         }
         e
     };
@@ -575,45 +689,5 @@ async fn metrics(State(state): State<HttpState>) -> Response {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use prism_common::proto::v1::Usage;
-
-    fn last(cached_tokens: u32) -> GenerateResponse {
-        GenerateResponse {
-            token_ids: vec![7],
-            text: "x".into(),
-            finish_reason: FinishReason::Length as i32,
-            usage: Some(Usage { prompt_tokens: 40, completion_tokens: 1, cached_tokens }),
-            prompt_tokens: 40,
-            ..GenerateResponse::default()
-        }
-    }
-
-    /// The worker's cached-token count is OpenAI's `usage.prompt_tokens_details.cached_tokens`,
-    /// in whole responses and in the streamed usage chunk of both endpoints.
-    #[test]
-    fn usage_carries_cached_tokens_whole_and_streamed() {
-        for kind in [Kind::Completion, Kind::Chat] {
-            let mut whole = Shaper::new(kind, "m".into(), 1, false, false);
-            whole.absorb(&last(32));
-            let v = whole.whole();
-            assert_eq!(v["usage"]["prompt_tokens_details"], json!({"cached_tokens": 32}));
-            assert_eq!(v["usage"]["total_tokens"], 41);
-
-            let mut streamed = Shaper::new(kind, "m".into(), 1, false, true);
-            let mut out = BytesMut::new();
-            streamed.stream_events(&last(0), &mut out);
-            streamed.stream_end(&mut out);
-            let text = String::from_utf8_lossy(&out).into_owned();
-            let usage_chunk = text
-                .split("\n\n")
-                .filter_map(|e| e.strip_prefix("data: "))
-                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-                .find(|c| c["usage"].is_object())
-                .expect("a usage chunk");
-            assert_eq!(usage_chunk["choices"], json!([]));
-            assert_eq!(usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "a miss reports 0");
-        }
-    }
-}
+#[path = "openai/tests.rs"]
+mod tests;
