@@ -127,7 +127,7 @@ impl InferenceApi {
             request.metadata().get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(grpc_timeout);
         let mut req = request.into_inner();
         crate::validate::check_request(&req).map_err(|e| Status::invalid_argument(e.message))?;
-        let parser = crate::tools::parser_for(self.dispatcher.routes(), &req.model, self.tool_parser);
+        let parser = self.dispatcher.tool_parser(&req.model, self.tool_parser);
         let plan = crate::tools::plan(&mut req, parser).map_err(|e| Status::invalid_argument(e.message))?;
         let tools = plan.map(|p| ToolStream { kind: p.parser, parsers: Vec::new() });
         // The key's tokens-per-minute limit, on the same estimate the admission queue counts.

@@ -373,10 +373,12 @@ impl Shaper {
                 for c in calls {
                     let head = json!({"index": c.index, "id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": ""}});
-                    let ch = json!({"index": i, "delta": {"tool_calls": [head]}, "logprobs": null, "finish_reason": null});
+                    let ch =
+                        json!({"index": i, "delta": {"tool_calls": [head]}, "logprobs": null, "finish_reason": null});
                     sse::push_event(out, &self.chunk(vec![ch]));
                     let args = json!({"index": c.index, "function": {"arguments": c.arguments}});
-                    let ch = json!({"index": i, "delta": {"tool_calls": [args]}, "logprobs": null, "finish_reason": null});
+                    let ch =
+                        json!({"index": i, "delta": {"tool_calls": [args]}, "logprobs": null, "finish_reason": null});
                     sse::push_event(out, &self.chunk(vec![ch]));
                 }
                 if finish.is_some() {
@@ -451,7 +453,7 @@ trait GenerationEndpoint: DeserializeOwned + Send + 'static {
     fn wants_logprobs(&self) -> bool;
     /// The field a structured output came from, to name it when the engine rejects it.
     fn structured_param(&self) -> Option<&'static str> {
-        structured::structured(self.sampling()).ok().flatten().map(|(_, s)| s.param)
+        structured::structured(&self.sampling().structured_fields()).ok().flatten().map(|(_, s)| s.param)
     }
 }
 
@@ -499,7 +501,7 @@ async fn generate<R: GenerationEndpoint>(
     let prepared = async {
         let req: R = read_json(&state, &headers, body).await?;
         let mut proto = req.proto()?; // validates `n` before the shaper sizes its choices
-        let parser = crate::tools::parser_for(state.dispatcher.routes(), &proto.model, state.tool_parser);
+        let parser = state.dispatcher.tool_parser(&proto.model, state.tool_parser);
         let plan = crate::tools::plan(&mut proto, parser)?;
         // The key's tokens-per-minute limit, on the same estimate the admission queue counts.
         state

@@ -14,26 +14,16 @@
 
 pub mod grammar;
 pub mod parse;
+mod spec;
 
 use prism_common::proto::v1::{GenerateRequest, StructuredOutput, generate_request, structured_output};
 use serde_json::Value;
 
 use crate::validate::Invalid;
+pub use spec::{ParserKind, ToolSpec};
 
 /// Longest function name and its characters (OpenAI's rule: `^[a-zA-Z0-9_-]{1,64}$`).
 pub const MAX_TOOL_NAME: usize = 64;
-
-/// The output format tool calls are parsed from (vLLM's `--tool-call-parser` names).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ParserKind {
-    /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, ChatML, Qwen).
-    #[value(name = "hermes")]
-    Hermes,
-    /// A JSON object `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`
-    /// (Llama 3.1+), several separated by `;`.
-    #[value(name = "llama3_json")]
-    Llama3Json,
-}
 
 /// The router's `--tool-call-parser`: a fixed parser, or `auto` (by chat template).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -59,33 +49,6 @@ impl ParserChoice {
             Self::Llama3Json => ParserKind::Llama3Json,
         }
     }
-}
-
-impl ParserKind {
-    /// The parser a chat template asks for: `<tool_call>` in it → `hermes`; the Llama 3 tool
-    /// format (`<|python_tag|>`, or `"parameters"` with `<|eot_id|>`/`<|eom_id|>`) →
-    /// `llama3_json`; otherwise `hermes`, the format Prism describes tools in for templates
-    /// that do not render tools themselves.
-    pub fn for_template(template: Option<&str>) -> Self {
-        let Some(t) = template else { return Self::Hermes };
-        if t.contains("<tool_call>") {
-            return Self::Hermes;
-        }
-        let llama_turns = t.contains("<|eot_id|>") || t.contains("<|eom_id|>");
-        if t.contains("<|python_tag|>") || (llama_turns && t.contains("\"parameters\"")) {
-            return Self::Llama3Json;
-        }
-        Self::Hermes
-    }
-}
-
-/// One function a request offers.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolSpec {
-    /// Function name.
-    pub name: String,
-    /// JSON Schema of its arguments (an object schema; `{"type": "object"}` when absent).
-    pub parameters: Value,
 }
 
 /// What `tool_choice` asks for.
@@ -232,18 +195,6 @@ pub fn plan(req: &mut GenerateRequest, parser: ParserKind) -> Result<Option<Tool
     let g = grammar::build(parser, &chosen, parallel);
     sampling.structured_output = Some(StructuredOutput { constraint: Some(structured_output::Constraint::Grammar(g)) });
     Ok(Some(ToolPlan { parser, forced: true }))
-}
-
-/// The parser for requests to `model`: `choice`, resolved (`auto`) by the chat template of
-/// the model's replicas as the router knows it from their prompt codecs (none known:
-/// `hermes`).
-pub fn parser_for(routes: &crate::routes::Routes, model: &str, choice: ParserChoice) -> ParserKind {
-    if choice != ParserChoice::Auto {
-        return choice.resolve(None);
-    }
-    let snap = routes.snapshot();
-    let codec = snap.models.get(model).into_iter().flatten().find_map(|r| r.cache.codec());
-    choice.resolve(codec.as_ref().and_then(|c| c.codec.chat_template_source()))
 }
 
 #[cfg(test)]

@@ -569,7 +569,11 @@ async fn unsupported_openai_params_are_400_naming_the_field() -> anyhow::Result<
     };
     let cases = [
         ("/v1/completions", cmpl(json!({"suffix": "x"})), "suffix"),
-        ("/v1/chat/completions", chat(json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]})), "tools"),
+        (
+            "/v1/chat/completions",
+            chat(json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]})),
+            "tools",
+        ),
         ("/v1/completions", cmpl(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
         (
             "/v1/chat/completions",

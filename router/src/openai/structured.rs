@@ -21,7 +21,23 @@ use prism_common::proto::v1::{Choices, StructuredOutput};
 use serde_json::Value;
 
 use super::errors::ApiError;
-use super::types::SamplingFields;
+
+/// The request fields that may constrain the output (each `None` when absent).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StructuredFields<'a> {
+    /// OpenAI's `response_format`.
+    pub response_format: Option<&'a Value>,
+    /// vLLM's `guided_json`.
+    pub guided_json: Option<&'a Value>,
+    /// vLLM's `guided_regex`.
+    pub guided_regex: Option<&'a Value>,
+    /// vLLM's `guided_choice`.
+    pub guided_choice: Option<&'a Value>,
+    /// vLLM's `guided_grammar`.
+    pub guided_grammar: Option<&'a Value>,
+    /// vLLM's `structured_outputs`.
+    pub structured_outputs: Option<&'a Value>,
+}
 
 /// Which request field a structured output came from (what errors name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,24 +186,24 @@ fn one_of(mut found: Vec<(Constraint, &'static str)>) -> Result<Option<(Constrai
 /// # Errors
 /// 400 naming the field: a malformed or non-object schema, an empty regex / grammar / choice
 /// list, an unknown `response_format.type`, or more than one constraint.
-pub fn structured(s: &SamplingFields) -> Result<Option<(StructuredOutput, StructuredSource)>, ApiError> {
+pub fn structured(s: &StructuredFields<'_>) -> Result<Option<(StructuredOutput, StructuredSource)>, ApiError> {
     let mut found: Vec<(Constraint, &'static str)> = Vec::new();
-    if let Some(v) = &s.response_format {
+    if let Some(v) = s.response_format {
         found.extend(response_format(v)?);
     }
-    if let Some(v) = s.guided_json.as_ref().filter(|v| !v.is_null()) {
+    if let Some(v) = s.guided_json.filter(|v| !v.is_null()) {
         found.push((Constraint::JsonSchema(schema_text(v, "guided_json")?), "guided_json"));
     }
-    if let Some(v) = s.guided_regex.as_ref().filter(|v| !v.is_null()) {
+    if let Some(v) = s.guided_regex.filter(|v| !v.is_null()) {
         found.push((Constraint::Regex(nonempty_str(v, "guided_regex")?), "guided_regex"));
     }
-    if let Some(v) = s.guided_choice.as_ref().filter(|v| !v.is_null()) {
+    if let Some(v) = s.guided_choice.filter(|v| !v.is_null()) {
         found.push((choices(v, "guided_choice")?, "guided_choice"));
     }
-    if let Some(v) = s.guided_grammar.as_ref().filter(|v| !v.is_null()) {
+    if let Some(v) = s.guided_grammar.filter(|v| !v.is_null()) {
         found.push((Constraint::Grammar(nonempty_str(v, "guided_grammar")?), "guided_grammar"));
     }
-    if let Some(v) = &s.structured_outputs {
+    if let Some(v) = s.structured_outputs {
         found.extend(structured_outputs(v)?);
     }
     Ok(one_of(found)?.map(|(c, param)| (StructuredOutput { constraint: Some(c) }, StructuredSource { param })))

@@ -1,12 +1,10 @@
 use super::*;
+use crate::openai::types::SamplingFields;
 use serde_json::json;
 
-fn fields(v: Value) -> SamplingFields {
-    serde_json::from_value(v).expect("sampling fields")
-}
-
 fn constraint(v: Value) -> Result<Option<(Constraint, &'static str)>, ApiError> {
-    Ok(structured(&fields(v))?.map(|(s, src)| (s.constraint.expect("set"), src.param)))
+    let fields: SamplingFields = serde_json::from_value(v).expect("sampling fields");
+    Ok(structured(&fields.structured_fields())?.map(|(s, src)| (s.constraint.expect("set"), src.param)))
 }
 
 #[test]
@@ -27,8 +25,14 @@ fn each_field_maps_onto_one_constraint() {
             json!({"guided_choice": ["yes", "no"]}),
             Some((Constraint::Choice(Choices { choices: vec!["yes".into(), "no".into()] }), "guided_choice")),
         ),
-        (json!({"guided_grammar": "start: \"a\""}), Some((Constraint::Grammar("start: \"a\"".into()), "guided_grammar"))),
-        (json!({"structured_outputs": {"regex": "a+"}}), Some((Constraint::Regex("a+".into()), "structured_outputs.regex"))),
+        (
+            json!({"guided_grammar": "start: \"a\""}),
+            Some((Constraint::Grammar("start: \"a\"".into()), "guided_grammar")),
+        ),
+        (
+            json!({"structured_outputs": {"regex": "a+"}}),
+            Some((Constraint::Regex("a+".into()), "structured_outputs.regex")),
+        ),
         (
             json!({"structured_outputs": {"json": schema}}),
             Some((Constraint::JsonSchema(schema.to_string()), "structured_outputs.json")),
@@ -55,7 +59,10 @@ fn rejections_name_the_openai_field() {
         (json!({"response_format": {}}), "response_format.type"),
         (json!({"response_format": "json"}), "response_format"),
         (json!({"response_format": {"type": "json_schema"}}), "response_format.json_schema"),
-        (json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}), "response_format.json_schema.schema"),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+            "response_format.json_schema.schema",
+        ),
         (
             json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}),
             "response_format.json_schema.schema",

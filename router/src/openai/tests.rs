@@ -96,7 +96,10 @@ fn whole_chat_returns_tool_calls() {
     let mut plain = Shaper::new(Kind::Chat, "m".into(), 1, false, false);
     plain.absorb(&pieces(CALLS, 100)[0]);
     let v = plain.whole();
-    assert_eq!((v["choices"][0]["message"]["content"].as_str(), v["choices"][0]["finish_reason"].as_str()), (Some(CALLS), Some("stop")));
+    assert_eq!(
+        (v["choices"][0]["message"]["content"].as_str(), v["choices"][0]["finish_reason"].as_str()),
+        (Some(CALLS), Some("stop"))
+    );
 }
 
 /// Streamed, cut at any size: content deltas carry only the text outside calls, each call

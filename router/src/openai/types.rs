@@ -196,8 +196,11 @@ impl ChatMessageIn {
         if self.role == "tool" && self.tool_call_id.as_deref().is_none_or(str::is_empty) {
             return Err(bad(format!("messages[{i}].tool_call_id is required on tool messages")));
         }
-        let content =
-            if !tool_calls.is_empty() && matches!(self.content, None | Some(Value::Null)) { String::new() } else { self.text(i)? };
+        let content = if !tool_calls.is_empty() && matches!(self.content, None | Some(Value::Null)) {
+            String::new()
+        } else {
+            self.text(i)?
+        };
         Ok(ChatMessage {
             role: self.role.clone(),
             content,
@@ -343,7 +346,7 @@ impl SamplingFields {
             n: Some(n),
             logprobs,
             skip_special_tokens: Some(self.skip_special_tokens.unwrap_or(true)),
-            structured_output: super::structured::structured(self)?.map(|(s, _)| s),
+            structured_output: super::structured::structured(&self.structured_fields())?.map(|(s, _)| s),
             ..Default::default()
         })
     }
@@ -380,6 +383,18 @@ impl SamplingFields {
             Some(_) => return Err(unsupported("function_call", " (use tool_choice)")),
         }
         Ok(())
+    }
+
+    /// The fields that may constrain the output ([`super::structured::structured`]).
+    pub fn structured_fields(&self) -> super::structured::StructuredFields<'_> {
+        super::structured::StructuredFields {
+            response_format: self.response_format.as_ref(),
+            guided_json: self.guided_json.as_ref(),
+            guided_regex: self.guided_regex.as_ref(),
+            guided_choice: self.guided_choice.as_ref(),
+            guided_grammar: self.guided_grammar.as_ref(),
+            structured_outputs: self.structured_outputs.as_ref(),
+        }
     }
 
     /// `tools` as JSON text (`""` for none) and `tool_choice` as the proto string.

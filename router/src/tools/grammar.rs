@@ -13,7 +13,7 @@
 
 use serde_json::Value;
 
-use super::{ParserKind, ToolSpec};
+use super::spec::{ParserKind, ToolSpec};
 
 /// A Lark string literal of `text` (JSON string escapes, which Lark literals accept).
 fn literal(text: &str) -> String {

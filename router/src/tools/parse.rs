@@ -15,7 +15,7 @@
 
 use serde_json::Value;
 
-use super::ParserKind;
+use super::spec::ParserKind;
 
 const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";

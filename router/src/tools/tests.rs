@@ -42,7 +42,10 @@ fn tool_definitions_are_checked_naming_the_element() {
         (r#"[{"type": "function"}]"#, "tools[0].function must be"),
         (r#"[{"type": "function", "function": {"name": "bad name"}}]"#, "tools[0].function.name"),
         (r#"[{"type": "function", "function": {"name": ""}}]"#, "tools[0].function.name"),
-        (r#"[{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]"#, "given twice"),
+        (
+            r#"[{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]"#,
+            "given twice",
+        ),
         (r#"[{"type": "function", "function": {"name": "f", "parameters": "x"}}]"#, "parameters must be"),
         ("not json", "not valid JSON"),
     ];
@@ -126,7 +129,11 @@ fn grammar_embeds_each_schema_in_the_parser_format() {
     let g = grammar::build(ParserKind::Llama3Json, &tools[..1], false);
     assert_eq!(
         g.lines().take(3).collect::<Vec<_>>(),
-        ["start: call", "call: (body_0)", "body_0: \"{\\\"name\\\": \\\"get_weather\\\", \\\"parameters\\\": \" args_0 \"}\""]
+        [
+            "start: call",
+            "call: (body_0)",
+            "body_0: \"{\\\"name\\\": \\\"get_weather\\\", \\\"parameters\\\": \" args_0 \"}\""
+        ]
     );
 }
 
@@ -190,10 +197,14 @@ fn hermes_calls_text_around_and_fragments() {
     assert_eq!(content, "Let me check.\n");
     assert_eq!(
         calls,
-        [("get_weather".to_owned(), r#"{"city":"Paris"}"#.to_owned()), ("add".to_owned(), r#"{"a":1,"b":2}"#.to_owned())]
+        [
+            ("get_weather".to_owned(), r#"{"city":"Paris"}"#.to_owned()),
+            ("add".to_owned(), r#"{"a":1,"b":2}"#.to_owned())
+        ]
     );
     // Only calls: no content at all.
-    let (content, calls) = parse_whole(ParserKind::Hermes, "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>");
+    let (content, calls) =
+        parse_whole(ParserKind::Hermes, "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>");
     assert_eq!((content, calls.len()), (None, 1));
     // Arguments as JSON text, `parameters`, and an unclosed last call.
     let (content, calls) = every_split(
@@ -235,7 +246,10 @@ fn llama3_json_calls_and_plain_text() {
     assert_eq!(content, "");
     assert_eq!(
         calls,
-        [("get_weather".to_owned(), r#"{"city":"Oslo"}"#.to_owned()), ("add".to_owned(), r#"{"a":1,"b":2}"#.to_owned())]
+        [
+            ("get_weather".to_owned(), r#"{"city":"Oslo"}"#.to_owned()),
+            ("add".to_owned(), r#"{"a":1,"b":2}"#.to_owned())
+        ]
     );
     let (content, calls) = every_split(ParserKind::Llama3Json, "  {\"name\": \"f\", \"arguments\": {\"k\": \"v\"}}\n");
     assert_eq!((content.as_str(), calls.len()), ("", 1));
@@ -254,7 +268,8 @@ fn accepts(grammar: &str, text: &str) -> bool {
     let env = ApproximateTokEnv::single_byte_env();
     let factory = llguidance::ParserFactory::new_simple(&env).expect("factory");
     let parser = factory.create_parser(llguidance::api::TopLevelGrammar::from_lark(grammar.to_owned()));
-    let mut m = llguidance::Matcher::new(Ok(parser.unwrap_or_else(|e| panic!("grammar does not compile: {e}\n{grammar}"))));
+    let mut m =
+        llguidance::Matcher::new(Ok(parser.unwrap_or_else(|e| panic!("grammar does not compile: {e}\n{grammar}"))));
     let toks = env.tokenize_bytes(text.as_bytes());
     m.consume_tokens(&toks).is_ok() && m.is_accepting().unwrap_or(false)
 }
@@ -284,7 +299,13 @@ fn grammars_accept_only_valid_calls() {
     let one = grammar::build(ParserKind::Hermes, &tools, false);
     assert!(accepts(&one, add) && !accepts(&one, &format!("{weather}\n{add}")), "exactly one call");
     let g = grammar::build(ParserKind::Llama3Json, &tools, true);
-    assert!(accepts(&g, "{\"name\": \"add\", \"parameters\": {\"a\": 3, \"b\": 4}}; {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}"), "{g}");
+    assert!(
+        accepts(
+            &g,
+            "{\"name\": \"add\", \"parameters\": {\"a\": 3, \"b\": 4}}; {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}"
+        ),
+        "{g}"
+    );
     assert!(!accepts(&g, "{\"name\": \"add\", \"arguments\": {\"a\": 3, \"b\": 4}}"));
     // What the grammar accepts, the parser reads back as the same calls.
     let (content, calls) = parse_whole(ParserKind::Hermes, &format!("{weather}\n{add}"));

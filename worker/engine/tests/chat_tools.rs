@@ -73,14 +73,22 @@ fn router_and_replica_render_tools_alike() -> Result<()> {
         let rendered = text(&codec, &ids);
         assert!(rendered.contains("\"name\": \"get_weather\""), "{rendered}");
         assert!(
-            rendered.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"),
+            rendered.contains(
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
+            ),
             "{rendered}"
         );
         if template.is_none() {
             // SmolLM2's template: the Hermes description opens the (new) system message and the
             // result is wrapped; the template's default system prompt is replaced.
-            assert!(rendered.starts_with("<|im_start|>system\n# Tools\n\nYou may call one or more functions"), "{rendered}");
-            assert!(rendered.contains("<|im_start|>tool\n<tool_response>\n{\"temperature\": 21}\n</tool_response><|im_end|>"));
+            assert!(
+                rendered.starts_with("<|im_start|>system\n# Tools\n\nYou may call one or more functions"),
+                "{rendered}"
+            );
+            assert!(
+                rendered
+                    .contains("<|im_start|>tool\n<tool_response>\n{\"temperature\": 21}\n</tool_response><|im_end|>")
+            );
         } else {
             assert!(rendered.starts_with("<|im_start|>system\n# Tools\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\""), "{rendered}");
         }

@@ -89,7 +89,9 @@ pub(crate) fn with_tools<'m>(
         return Ok((Cow::Borrowed(messages), None));
     }
     let list: Option<Vec<Value>> = match &tools {
-        Some(t) => Some(t.try_iter().map_err(|e| EngineError::InvalidRequest { field: "tools", message: e.to_string() })?.collect()),
+        Some(t) => Some(
+            t.try_iter().map_err(|e| EngineError::InvalidRequest { field: "tools", message: e.to_string() })?.collect(),
+        ),
         None => None,
     };
     Ok((Cow::Owned(tools::fold(messages, list.as_deref())), None))

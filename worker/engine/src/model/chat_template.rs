@@ -437,10 +437,19 @@ mod tests {
             msg("developer", "D"),
             ChatMessage {
                 role: "assistant".into(),
-                tool_calls: vec![ToolCall { id: "call_1".into(), name: "w".into(), arguments: r#"{"city":"Oslo","n":[1,2.5]}"#.into() }],
+                tool_calls: vec![ToolCall {
+                    id: "call_1".into(),
+                    name: "w".into(),
+                    arguments: r#"{"city":"Oslo","n":[1,2.5]}"#.into(),
+                }],
                 ..Default::default()
             },
-            ChatMessage { role: "tool".into(), content: "9".into(), tool_call_id: Some("call_1".into()), ..Default::default() },
+            ChatMessage {
+                role: "tool".into(),
+                content: "9".into(),
+                tool_call_id: Some("call_1".into()),
+                ..Default::default()
+            },
         ];
         let out = t.render_with_tools(&msgs, Some(&tools), false)?;
         assert_eq!(

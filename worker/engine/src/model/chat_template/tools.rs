@@ -62,11 +62,8 @@ pub fn fold(messages: &[ChatMessage], tools: Option<&[Value]>) -> Vec<ChatMessag
         let description = tool_description(tools);
         match out.first_mut() {
             Some(first) if first.role == "system" => {
-                first.content = if first.content.is_empty() {
-                    description
-                } else {
-                    format!("{}\n\n{description}", first.content)
-                };
+                first.content =
+                    if first.content.is_empty() { description } else { format!("{}\n\n{description}", first.content) };
             }
             _ => out.insert(0, ChatMessage { role: "system".into(), content: description, ..Default::default() }),
         }
