@@ -11,7 +11,10 @@
 //! - `max_tokens` <= 0, temperature < 0, top_p outside (0, 1], top_k < -1, min_p outside
 //!   [0, 1], repetition_penalty <= 0, frequency/presence penalty outside [-2, 2], n = 0 or
 //!   n > [`MAX_N`], logprobs > [`MAX_LOGPROBS`], an empty stop string, and token ids
-//!   outside the vocabulary (prompt or `prior_output_ids`) are rejected.
+//!   outside the vocabulary (prompt, `prior_output_ids` or `logit_bias`) are rejected;
+//! - a `logit_bias` value outside [-100, 100] and `min_tokens` > `max_tokens` are rejected;
+//! - an invalid `structured` grammar is rejected naming `structured_output.<kind>`
+//!   (checked when the grammar is compiled, in `EngineHandle::submit`).
 
 use super::sampler::SamplingConfig;
 use prism_ids::RequestId;
@@ -326,6 +329,20 @@ impl SamplingParams {
         if self.stop.iter().any(String::is_empty) {
             return Err(invalid("stop", "stop strings must not be empty".to_owned()));
         }
+        if let Some(&(token, bias)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return Err(invalid(
+                "logit_bias",
+                format!("logit_bias values must be in [-100, 100], got {bias} for token {token}"),
+            ));
+        }
+        if let Some(mt) = self.max_tokens
+            && i64::from(self.min_tokens) > mt
+        {
+            return Err(invalid(
+                "min_tokens",
+                format!("min_tokens ({}) must be at most max_tokens ({mt})", self.min_tokens),
+            ));
+        }
         Ok(SamplingConfig {
             temperature: t,
             top_k: usize::try_from(self.top_k).unwrap_or(0),
@@ -432,7 +449,18 @@ mod tests {
             (SamplingParams { n: 0, ..ok.clone() }, "n"),
             (SamplingParams { logprobs: Some(21), ..ok.clone() }, "logprobs"),
             (SamplingParams { stop: vec![String::new()], ..ok.clone() }, "stop"),
+            (SamplingParams { logit_bias: vec![(3, 100.5)], ..ok.clone() }, "logit_bias"),
+            (SamplingParams { logit_bias: vec![(3, 1.0), (4, -101.0)], ..ok.clone() }, "logit_bias"),
+            (SamplingParams { logit_bias: vec![(3, f32::NAN)], ..ok.clone() }, "logit_bias"),
+            (SamplingParams { min_tokens: 9, max_tokens: Some(8), ..ok.clone() }, "min_tokens"),
         ];
+        let edge = SamplingParams {
+            logit_bias: vec![(1, -100.0), (2, 100.0)],
+            min_tokens: 8,
+            max_tokens: Some(8),
+            ..ok.clone()
+        };
+        assert!(edge.validate().is_ok());
         for (p, f) in cases {
             assert_eq!(field(p.validate()), f, "{p:?}");
         }

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use cudarc::driver::PushKernelArg;
 
-use super::device::{Gpu, per_row};
+use super::device::{DevBuf, Gpu, grid_stride, per_row};
 use super::error::{CudaError, CudaResultExt};
 use super::forward::{ATTN_CHUNK, ShardModel};
 use super::gemm::GemmPlanInfo;
@@ -22,7 +22,7 @@ use super::nccl::RankComm;
 use super::options::{CudaOptions, Dims, SyntheticShape};
 use super::scratch::Uploaded;
 use super::weights::{DeviceWeights, ShardSpec};
-use crate::backend::{Backend, BackendError, Logits, StepBatch};
+use crate::backend::{Backend, BackendError, LogitConstraints, Logits, StepBatch};
 use crate::model::config::ModelConfig;
 use crate::model::llama::LlamaWeights;
 use crate::model::safetensors::SafetensorsFiles;
@@ -41,6 +41,16 @@ pub struct CudaBackend {
     buckets: Vec<usize>,
     /// Graph replays so far (benchmarks and tests).
     pub graph_replays: u64,
+    /// Device copy of a step's [`LogitConstraints`] (grown on demand).
+    constraints_buf: Option<DevBuf>,
+}
+
+/// Where uploaded masks are, for the argmax kernel.
+#[derive(Clone, Copy, Debug)]
+struct MaskPtrs {
+    masks: u64,
+    mask_of_row: u64,
+    words: i32,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -182,17 +192,61 @@ impl CudaBackend {
     /// # Errors
     /// [`BackendError::Cuda`] on a launch failure.
     pub(super) fn launch_argmax(&self, rows: usize) -> Result<(), BackendError> {
+        self.launch_argmax_masked(rows, None)
+    }
+
+    /// [`CudaBackend::launch_argmax`] over rows restricted by uploaded masks
+    /// ([`CudaBackend::upload_constraints`]).
+    fn launch_argmax_masked(&self, rows: usize, masks: Option<MaskPtrs>) -> Result<(), BackendError> {
         if rows == 0 {
             return Ok(());
         }
         let m = &self.m;
         let cfg = per_row(rows, 1024);
         let vocab = m.d.vocab as i32;
+        let MaskPtrs { masks, mask_of_row, words } = masks.unwrap_or(MaskPtrs { masks: 0, mask_of_row: 0, words: 0 });
         let mut b = m.gpu.stream.launch_builder(&m.gpu.k.argmax_rows);
-        b.arg(&m.s.argmax.ptr).arg(&m.s.logits.ptr).arg(&vocab);
-        // SAFETY: logits hold rows × vocab f32, argmax rows u32.
+        b.arg(&m.s.argmax.ptr).arg(&m.s.logits.ptr).arg(&vocab).arg(&masks).arg(&mask_of_row).arg(&words);
+        // SAFETY: logits hold rows × vocab f32, argmax rows u32; masks (when not null) hold
+        // `words` u32 per mask and mask_of_row one i32 per row.
         unsafe { b.launch(cfg) }.op("argmax_rows")?;
         Ok(())
+    }
+
+    /// Uploads `c` (one copy) and applies its edits to the logits; returns where its masks
+    /// are for the argmax (`None` when no row is masked).
+    fn upload_constraints(&mut self, c: &LogitConstraints, rows: usize) -> Result<Option<MaskPtrs>, BackendError> {
+        // Layout (u32 words): mask_of_row [rows] | edit rows [n] | edit tokens [n] |
+        // edit values [n] (f32 bits) | masks.
+        let n = c.edits.len();
+        let mut host = Vec::with_capacity(rows + 3 * n + c.masks.len());
+        let masked = !c.masks.is_empty();
+        if masked {
+            host.extend((0..rows).map(|r| c.mask_of_row.get(r).copied().unwrap_or(-1) as u32));
+        }
+        let edits_at = host.len();
+        host.extend(c.edits.iter().map(|e| e.row));
+        host.extend(c.edits.iter().map(|e| e.token));
+        host.extend(c.edits.iter().map(|e| e.value.to_bits()));
+        let masks_at = host.len();
+        host.extend_from_slice(&c.masks);
+        let bytes = host.len() * 4;
+        if self.constraints_buf.as_ref().is_none_or(|b| b.bytes < bytes) {
+            self.constraints_buf = Some(DevBuf::zeroed(&self.m.gpu, bytes.next_power_of_two())?);
+        }
+        let Some(buf) = self.constraints_buf.as_ref() else { return Ok(None) };
+        let m = &self.m;
+        m.gpu.upload(buf, 0, &host)?;
+        let at = |words: usize| buf.ptr + 4 * words as u64;
+        if n > 0 {
+            let (vocab, count) = (m.d.vocab as i32, n as i32);
+            let (er, et, ev) = (at(edits_at), at(edits_at + n), at(edits_at + 2 * n));
+            let mut b = m.gpu.stream.launch_builder(&m.gpu.k.logit_edits);
+            b.arg(&m.s.logits.ptr).arg(&er).arg(&et).arg(&ev).arg(&count).arg(&vocab);
+            // SAFETY: the edit arrays hold n entries each; rows < the step's logit rows.
+            unsafe { b.launch(grid_stride(n)) }.op("logit_edits")?;
+        }
+        Ok(masked.then(|| MaskPtrs { masks: at(masks_at), mask_of_row: at(0), words: c.mask_words as i32 }))
     }
 
     /// The ids [`CudaBackend::launch_argmax`] computed.
@@ -250,7 +304,7 @@ impl CudaBackend {
             kv_bytes = m.kv.bytes(),
             "CUDA backend ready"
         );
-        Ok(Self { m, graphs: HashMap::new(), buckets, graph_replays: 0 })
+        Ok(Self { m, graphs: HashMap::new(), buckets, graph_replays: 0, constraints_buf: None })
     }
 
     /// Device name (e.g. "NVIDIA H200").
@@ -465,6 +519,25 @@ impl Backend for CudaBackend {
     /// faults surface in this step as with `forward`.
     fn forward_greedy(&mut self, batch: &StepBatch) -> Result<Vec<u32>, BackendError> {
         let ids = CudaBackend::forward_greedy(self, batch)?;
+        if ids.is_empty() {
+            self.m.gpu.sync()?;
+        }
+        Ok(ids)
+    }
+
+    /// The forward is enqueued first; `constraints` (the host joining its grammar masks) runs
+    /// while the device computes it; masks and edits then go up in one copy, edits are added
+    /// in place and the argmax skips masked tokens: the logits still never reach the host.
+    fn forward_greedy_constrained(
+        &mut self,
+        batch: &StepBatch,
+        constraints: &mut dyn FnMut() -> LogitConstraints,
+    ) -> Result<Vec<u32>, BackendError> {
+        let rows = self.run(batch)?;
+        let c = constraints();
+        let masks = if c.is_empty() || rows == 0 { None } else { self.upload_constraints(&c, rows)? };
+        self.launch_argmax_masked(rows, masks)?;
+        let ids = self.download_argmax(rows)?;
         if ids.is_empty() {
             self.m.gpu.sync()?;
         }

@@ -301,13 +301,29 @@ extern "C" __global__ void silu_mul(bf16* act, const bf16* gu, int n, int inter)
     }
 }
 
-// out[r] = argmax(logits[r, :]) (first index on ties, as torch.argmax). Grid: rows; 1024 threads.
-extern "C" __global__ void argmax_rows(u32* out, const float* logits, int vocab) {
+// logits[rows[i], toks[i]] += vals[i] (logit_bias, -inf bans); atomic, as several edits may
+// name one logit. Grid-stride over n.
+extern "C" __global__ void logit_edits(float* logits, const u32* rows, const u32* toks, const float* vals, int n,
+                                       int vocab) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        if (toks[i] < (u32)vocab) atomicAdd(logits + (u64)rows[i] * vocab + toks[i], vals[i]);
+    }
+}
+
+// out[r] = argmax(logits[r, :]) (first index on ties, as torch.argmax). With `masks`, a row
+// r whose mask_of_row[r] >= 0 only considers tokens whose bit is set in its mask of `words`
+// u32 words (bit t % 32 of word t / 32; tokens beyond the mask are out). Grid: rows; 1024
+// threads.
+extern "C" __global__ void argmax_rows(u32* out, const float* logits, int vocab, const u32* masks,
+                                       const int* mask_of_row, int words) {
     const float* row = logits + (u64)blockIdx.x * vocab;
+    const u32* mask = nullptr;
+    if (masks != nullptr && mask_of_row[blockIdx.x] >= 0) mask = masks + (u64)mask_of_row[blockIdx.x] * words;
     float best = NEG_INF;
     int bi = 0x7fffffff;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         float v = row[i];
+        if (mask != nullptr && ((i >> 5) >= words || ((mask[i >> 5] >> (i & 31)) & 1u) == 0u)) continue;
         if (v > best) { best = v; bi = i; }
     }
 #pragma unroll
