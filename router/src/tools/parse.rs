@@ -2,8 +2,9 @@
 //! pushed as it arrives and comes back as [`Piece`]s, plain text (`content`) and complete
 //! calls, with no call text ever in the content. A call is returned once its text is
 //! complete (so its arguments arrive in one piece); text that only might start a call is
-//! held back until it is known. Whitespace-only text next to calls is dropped (OpenAI
-//! returns `content: null` for a reply that only calls tools). Text that looks like a call
+//! held back until it is known. Whitespace next to calls is dropped (OpenAI returns
+//! `content: null` for a reply that only calls tools; text before a call loses its trailing
+//! whitespace). Text that looks like a call
 //! but does not parse as one (malformed JSON, no `name`) is returned as content, unchanged.
 //!
 //! - `hermes`: each call is `<tool_call>{"name": "f", "arguments": {...}}</tool_call>`
@@ -115,15 +116,15 @@ impl ToolParser {
     }
 
     fn content(&mut self, text: &str, out: &mut Vec<Piece>) {
-        if text.is_empty() {
-            return;
-        }
-        if text.trim().is_empty() {
+        // Trailing whitespace is held (however the text was cut) until text follows it.
+        let body = text.trim_end();
+        if body.is_empty() {
             self.space.push_str(text);
             return;
         }
         let mut s = std::mem::take(&mut self.space);
-        s.push_str(text);
+        s.push_str(body);
+        self.space.push_str(&text[body.len()..]);
         match out.last_mut() {
             Some(Piece::Content(c)) => c.push_str(&s),
             _ => out.push(Piece::Content(s)),

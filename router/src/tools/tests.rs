@@ -194,7 +194,7 @@ fn every_split(kind: ParserKind, text: &str) -> (String, Vec<(String, String)>) 
 fn hermes_calls_text_around_and_fragments() {
     let text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}\n</tool_call>\n";
     let (content, calls) = every_split(ParserKind::Hermes, text);
-    assert_eq!(content, "Let me check.\n");
+    assert_eq!(content, "Let me check.");
     assert_eq!(
         calls,
         [
@@ -264,7 +264,7 @@ fn llama3_json_calls_and_plain_text() {
 
 /// Whether llguidance, given `grammar`, accepts `text` as a whole output (byte-level tokens).
 fn accepts(grammar: &str, text: &str) -> bool {
-    use llguidance::toktrie::{ApproximateTokEnv, TokenizerEnv};
+    use llguidance::toktrie::ApproximateTokEnv;
     let env = ApproximateTokEnv::single_byte_env();
     let factory = llguidance::ParserFactory::new_simple(&env).expect("factory");
     let parser = factory.create_parser(llguidance::api::TopLevelGrammar::from_lark(grammar.to_owned()));
