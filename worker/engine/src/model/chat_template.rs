@@ -455,7 +455,7 @@ mod tests {
         assert_eq!(
             out,
             concat!(
-                "[system|D||][assistant|none|call_1 function w {\"city\": \"Oslo\", \"n\": [1, 2.5]} Oslo|][tool|9||call_1]",
+                "[system|D||][assistant|None|call_1 function w {\"city\": \"Oslo\", \"n\": [1, 2.5]} Oslo|][tool|9||call_1]",
                 "[{\"type\": \"function\", \"function\": {\"name\": \"w\", \"description\": \"<b>&'\"}}]",
                 "{\n  \"type\": \"function\",\n  \"function\": {\n    \"name\": \"w\",\n    \"description\": \"<b>&'\"\n  }\n}"
             )
