@@ -4,6 +4,8 @@
 //! (client gone) cancels the worker request. `GenerateRequest.echo` puts the prompt's text
 //! before the first message's text of each choice (with `max_tokens: 0`, the prompt alone);
 //! Tokenize / Detokenize answer in the router with the model's codec ([`crate::tokenize`]).
+//! A request with tools (`tools_json`) gets its tool calls parsed out of the text into
+//! `GenerateResponse.tool_calls` ([`ToolStream`]).
 
 pub mod guard;
 
@@ -14,7 +16,7 @@ use futures::Stream;
 use prism_common::proto::v1::inference_service_server::InferenceService;
 use prism_common::proto::v1::{
     DetokenizeRequest, DetokenizeResponse, FinishReason, GenerateRequest, GenerateResponse, ListModelsRequest,
-    ListModelsResponse, ModelInfo, TokenizeRequest, TokenizeResponse, Usage, tokenize_request,
+    ListModelsResponse, ModelInfo, TokenizeRequest, TokenizeResponse, ToolCallDelta, Usage, tokenize_request,
 };
 use tonic::{Request, Response, Status};
 
@@ -23,6 +25,8 @@ use crate::dispatch::{DispatchError, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
 use crate::tokenize::{Echo, EchoError, TokenizeError, TokenizeInput, detokenize, echo_of, tokenize};
 use prism_engine::ChatMessage;
+use crate::tools::parse::{Piece, ToolParser};
+use crate::tools::{ParserChoice, ParserKind};
 
 /// The public gRPC service.
 #[derive(Clone)]
@@ -37,6 +41,39 @@ pub struct InferenceApi {
     pub started_at: i64,
     /// The models' prompt codecs (Tokenize, Detokenize, echo).
     pub codecs: std::sync::Arc<crate::tokenize::ModelCodecs>,
+    /// `--tool-call-parser`.
+    pub tool_parser: ParserChoice,
+}
+
+/// Tool-call parsing of a stream: per choice, the text becomes content and call deltas
+/// (each call whole: index, id, name and arguments in one delta).
+struct ToolStream {
+    kind: ParserKind,
+    parsers: Vec<ToolParser>,
+}
+
+impl ToolStream {
+    fn apply(&mut self, m: &mut GenerateResponse) {
+        let i = m.index as usize;
+        while self.parsers.len() <= i {
+            self.parsers.push(ToolParser::new(self.kind));
+        }
+        let p = &mut self.parsers[i];
+        let mut pieces = p.push(&m.text);
+        let finish = FinishReason::try_from(m.finish_reason).unwrap_or(FinishReason::Unspecified);
+        if finish != FinishReason::Unspecified {
+            pieces.extend(p.finish());
+        }
+        m.text.clear();
+        for piece in pieces {
+            match piece {
+                Piece::Content(t) => m.text.push_str(&t),
+                Piece::Call(c) => {
+                    m.tool_calls.push(ToolCallDelta { index: c.index, id: c.id, name: c.name, arguments: c.arguments })
+                }
+            }
+        }
+    }
 }
 
 pub use crate::admission::RETRY_AFTER_METADATA;
@@ -126,19 +163,25 @@ impl InferenceApi {
         })
     }
 
-    async fn start(&self, request: Request<GenerateRequest>) -> Result<crate::dispatch::Dispatched, Status> {
+    async fn start(
+        &self,
+        request: Request<GenerateRequest>,
+    ) -> Result<(crate::dispatch::Dispatched, Option<ToolStream>), Status> {
         let caller = request.extensions().get::<Caller>().copied();
         let header_timeout =
             request.metadata().get("grpc-timeout").and_then(|v| v.to_str().ok()).and_then(grpc_timeout);
         let mut req = request.into_inner();
         crate::validate::check_request(&req).map_err(|e| Status::invalid_argument(e.message))?;
+        let parser = self.dispatcher.tool_parser(&req.model, self.tool_parser);
+        let plan = crate::tools::plan(&mut req, parser).map_err(|e| Status::invalid_argument(e.message))?;
+        let tools = plan.map(|p| ToolStream { kind: p.parser, parsers: Vec::new() });
         // The key's tokens-per-minute limit, on the same estimate the admission queue counts.
         self.keys.admit_tokens(caller, crate::dispatch::estimated_tokens(&req)).map_err(guard::limited_status)?;
         if let Some(t) = header_timeout {
             let ms = u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1);
             req.timeout_ms = Some(req.timeout_ms.filter(|&x| x > 0).map_or(ms, |x| x.min(ms)));
         }
-        self.dispatcher.dispatch(req).await.map_err(to_status)
+        Ok((self.dispatcher.dispatch(req).await.map_err(to_status)?, tools))
     }
 }
 
@@ -164,7 +207,7 @@ impl InferenceService for InferenceApi {
                 prompt_only(e, n).into_iter().map(Ok::<_, Status>),
             ))));
         }
-        let d = match self.start(request).await {
+        let (d, mut tools) = match self.start(request).await {
             Ok(d) => {
                 tracker.first_token();
                 d
@@ -174,20 +217,29 @@ impl InferenceService for InferenceApi {
                 return Err(s);
             }
         };
-        let init = (Some(d.first), d.rest, tracker, false);
-        let s = futures::stream::unfold(init, |(first, mut rest, mut tracker, done)| async move {
+        let mut first = d.first;
+        if let Some(t) = &mut tools {
+            t.apply(&mut first);
+        }
+        let init = (Some(first), d.rest, tracker, false, tools);
+        let s = futures::stream::unfold(init, |(first, mut rest, mut tracker, done, mut tools)| async move {
             if let Some(f) = first {
-                return Some((Ok(f), (None, rest, tracker, done)));
+                return Some((Ok(f), (None, rest, tracker, done, tools)));
             }
             if done {
                 return None;
             }
             match rest.recv().await {
-                Some(Ok(m)) => Some((Ok(m), (None, rest, tracker, false))),
+                Some(Ok(mut m)) => {
+                    if let Some(t) = &mut tools {
+                        t.apply(&mut m);
+                    }
+                    Some((Ok(m), (None, rest, tracker, false, tools)))
+                }
                 Some(Err(e)) => {
                     let s = to_status(e);
                     tracker.set(outcome_of(&s));
-                    Some((Err(s), (None, rest, tracker, true)))
+                    Some((Err(s), (None, rest, tracker, true, tools)))
                 }
                 None => {
                     tracker.set(Outcome::Ok);

@@ -15,6 +15,7 @@ pub mod errors;
 pub mod guard;
 pub mod sse;
 pub mod tokenize;
+pub mod structured;
 pub mod types;
 
 use std::convert::Infallible;
@@ -36,6 +37,8 @@ use crate::auth::{ApiKeys, Caller};
 use crate::dispatch::{DispatchError, Dispatched, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
 use crate::tokenize::Echo;
+use crate::tools::parse::{ParsedCall, Piece, ToolParser};
+use crate::tools::{ParserChoice, ParserKind, ToolPlan};
 use errors::ApiError;
 use types::{ChatRequest, CompletionRequest, SamplingFields};
 
@@ -59,6 +62,8 @@ pub struct HttpState {
     pub started_at: i64,
     /// The models' prompt codecs (`/tokenize`, `/detokenize`, `echo`).
     pub codecs: std::sync::Arc<crate::tokenize::ModelCodecs>,
+    /// `--tool-call-parser`: the format tool calls are read in (auto: by chat template).
+    pub tool_parser: ParserChoice,
 }
 
 /// The HTTP application: the routes behind the API-key guard ([`guard`]), which runs before
@@ -173,7 +178,12 @@ fn finish_str(f: i32) -> Option<&'static str> {
 /// Per-choice accumulated state.
 #[derive(Default)]
 struct Choice {
+    /// The content (text outside tool calls when calls are parsed).
     text: String,
+    /// Reads tool calls out of the text (requests with tools).
+    parser: Option<ToolParser>,
+    /// The calls parsed so far.
+    calls: Vec<ParsedCall>,
     role_sent: bool,
     finish: Option<&'static str>,
     // completions logprobs
@@ -204,6 +214,8 @@ struct Shaper {
     usage_seen: bool,
     /// The prompt echoed before each choice's output (completions `echo`).
     echo: Option<Echo>,
+    /// Whether the output is read for tool calls (then `content` is null without text).
+    tools: bool,
 }
 
 fn bytes_json(b: &[u8]) -> Value {
@@ -235,6 +247,23 @@ impl Shaper {
             cached_tokens: 0,
             usage_seen: false,
             echo: None,
+            tools: false,
+        }
+    }
+
+    /// Reads every choice's output for tool calls in `parser`'s format.
+    fn parse_tools(&mut self, parser: ParserKind) {
+        self.tools = true;
+        for c in &mut self.choices {
+            c.parser = Some(ToolParser::new(parser));
+        }
+    }
+
+    /// OpenAI's finish reason of a choice: `tool_calls` when it ended by calling tools.
+    fn finish_of(c: &Choice, finish: Option<&'static str>) -> Option<&'static str> {
+        match finish {
+            Some("stop") if !c.calls.is_empty() => Some("tool_calls"),
+            f => f,
         }
     }
 
@@ -287,8 +316,9 @@ impl Shaper {
                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
     }
 
-    /// Folds a message into the state; returns the choice index and this message's logprobs object.
-    fn absorb(&mut self, m: &GenerateResponse) -> (usize, Value) {
+    /// Folds a message into the state; returns the choice index, this message's logprobs
+    /// object and what its text became (content, and tool calls when they are parsed).
+    fn absorb(&mut self, m: &GenerateResponse) -> (usize, Value, Vec<Piece>) {
         let i = (m.index as usize).min(self.choices.len() - 1);
         if m.prompt_tokens > 0 && self.prompt_tokens == 0 {
             self.prompt_tokens = m.prompt_tokens;
@@ -330,11 +360,27 @@ impl Shaper {
                 }
             }
         }
-        c.text.push_str(&m.text);
-        if let Some(f) = finish_str(m.finish_reason) {
+        let finish = finish_str(m.finish_reason);
+        let pieces = match &mut c.parser {
+            None => vec![Piece::Content(m.text.clone())],
+            Some(p) => {
+                let mut pieces = p.push(&m.text);
+                if finish.is_some() {
+                    pieces.extend(p.finish());
+                }
+                pieces
+            }
+        };
+        for piece in &pieces {
+            match piece {
+                Piece::Content(t) => c.text.push_str(t),
+                Piece::Call(call) => c.calls.push(call.clone()),
+            }
+        }
+        if let Some(f) = finish {
             c.finish = Some(f);
         }
-        (i, lp)
+        (i, lp, pieces)
     }
 
     fn chunk(&self, choices: Vec<Value>) -> Value {
@@ -349,8 +395,8 @@ impl Shaper {
 
     /// SSE events for one message.
     fn stream_events(&mut self, m: &GenerateResponse, out: &mut BytesMut) {
-        let (i, lp) = self.absorb(m);
-        let finish = finish_str(m.finish_reason);
+        let (i, lp, pieces) = self.absorb(m);
+        let finish = Self::finish_of(&self.choices[i], finish_str(m.finish_reason));
         match self.kind {
             Kind::Completion => {
                 let (mut text, mut lp) = (m.text.clone(), lp);
@@ -385,8 +431,31 @@ impl Shaper {
                     let ch = json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
                     sse::push_event(out, &self.chunk(vec![ch]));
                 }
-                if !m.text.is_empty() || !m.logprobs.is_empty() {
-                    let ch = json!({"index": i, "delta": {"content": m.text}, "logprobs": lp, "finish_reason": null});
+                let mut lp = Some(lp).filter(|_| !m.logprobs.is_empty());
+                let mut calls = Vec::new();
+                let mut content = String::new();
+                for piece in pieces {
+                    match piece {
+                        Piece::Content(t) => content.push_str(&t),
+                        Piece::Call(c) => calls.push(c),
+                    }
+                }
+                if !content.is_empty() || lp.is_some() {
+                    let lp = lp.take().unwrap_or(Value::Null);
+                    let ch = json!({"index": i, "delta": {"content": content}, "logprobs": lp, "finish_reason": null});
+                    sse::push_event(out, &self.chunk(vec![ch]));
+                }
+                // As OpenAI streams a call: id, type and name with empty arguments, then the
+                // arguments (here in one piece, the call being complete).
+                for c in calls {
+                    let head = json!({"index": c.index, "id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": ""}});
+                    let ch =
+                        json!({"index": i, "delta": {"tool_calls": [head]}, "logprobs": null, "finish_reason": null});
+                    sse::push_event(out, &self.chunk(vec![ch]));
+                    let args = json!({"index": c.index, "function": {"arguments": c.arguments}});
+                    let ch =
+                        json!({"index": i, "delta": {"tool_calls": [args]}, "logprobs": null, "finish_reason": null});
                     sse::push_event(out, &self.chunk(vec![ch]));
                 }
                 if finish.is_some() {
@@ -422,7 +491,21 @@ impl Shaper {
                 }
                 Kind::Chat => {
                     let lp = if self.logprobs { json!({"content": c.content}) } else { Value::Null };
-                    json!({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": c.finish})
+                    let mut message = json!({"role": "assistant", "content": c.text});
+                    if self.tools && c.text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                    if !c.calls.is_empty() {
+                        let calls: Vec<Value> = c
+                            .calls
+                            .iter()
+                            .map(|t| json!({"id": t.id, "type": "function",
+                                            "function": {"name": t.name, "arguments": t.arguments}}))
+                            .collect();
+                        message["tool_calls"] = Value::Array(calls);
+                    }
+                    let finish = Self::finish_of(c, c.finish);
+                    json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
                 }
             })
             .collect();
@@ -445,6 +528,10 @@ trait GenerationEndpoint: DeserializeOwned + Send + 'static {
     fn sampling(&self) -> &SamplingFields;
     /// Whether the response carries logprobs.
     fn wants_logprobs(&self) -> bool;
+    /// The field a structured output came from, to name it when the engine rejects it.
+    fn structured_param(&self) -> Option<&'static str> {
+        structured::structured(&self.sampling().structured_fields()).ok().flatten().map(|(_, s)| s.param)
+    }
 }
 
 impl GenerationEndpoint for CompletionRequest {
@@ -490,7 +577,9 @@ async fn generate<R: GenerationEndpoint>(
     let tracker = RequestTracker::new(&state.metrics);
     let prepared = async {
         let req: R = read_json(&state, &headers, body).await?;
-        let proto = req.proto()?; // validates `n` before the shaper sizes its choices
+        let mut proto = req.proto()?; // validates `n` before the shaper sizes its choices
+        let parser = state.dispatcher.tool_parser(&proto.model, state.tool_parser);
+        let plan = crate::tools::plan(&mut proto, parser)?;
         // The key's tokens-per-minute limit, on the same estimate the admission queue counts.
         state
             .keys
@@ -504,6 +593,9 @@ async fn generate<R: GenerationEndpoint>(
             req.wants_logprobs(),
             sampling.include_usage(),
         );
+        if let Some(p) = &plan {
+            shaper.parse_tools(p.parser);
+        }
         if proto.echo {
             let echo =
                 crate::tokenize::echo_of(&state.codecs, &proto, req.wants_logprobs()).await.map_err(|e| match e {
@@ -512,13 +604,36 @@ async fn generate<R: GenerationEndpoint>(
                 })?;
             shaper = shaper.with_echo(echo);
         }
-        Ok::<_, ApiError>((proto, shaper, sampling.stream.unwrap_or(false)))
+        let ctx = ErrorFields { structured: req.structured_param(), tools: plan };
+        Ok::<_, ApiError>((proto, shaper, sampling.stream.unwrap_or(false), ctx))
     }
     .await;
     serve(state, tracker, prepared).await
 }
 
-type Prepared = Result<(GenerateRequest, Shaper, bool), ApiError>;
+/// What the router knows to name the field of a worker's INVALID_ARGUMENT.
+struct ErrorFields {
+    /// The OpenAI field a structured output came from.
+    structured: Option<&'static str>,
+    /// Tool calling: a forced choice's grammar is the router's, built from `tools`.
+    tools: Option<ToolPlan>,
+}
+
+impl ErrorFields {
+    /// The client's field for the worker's `param` (`structured_output.*` → the field the
+    /// constraint came from, `tools` for a tool-choice grammar; `prompt` → `messages` in chat).
+    fn client_param(&self, kind: Kind, param: &str) -> Option<String> {
+        if param.starts_with("structured_output") {
+            if self.tools.as_ref().is_some_and(|t| t.forced) {
+                return Some("tools".into());
+            }
+            return self.structured.map(str::to_owned);
+        }
+        (kind == Kind::Chat && param == "prompt").then(|| "messages".into())
+    }
+}
+
+type Prepared = Result<(GenerateRequest, Shaper, bool, ErrorFields), ApiError>;
 
 /// What a dispatched request turned into.
 enum Answer {
@@ -528,12 +643,13 @@ enum Answer {
 
 /// Dispatches; errors before the first token come back as `Err` with a proper status.
 async fn answer(state: &HttpState, tracker: &RequestTracker, prepared: Prepared) -> Result<Answer, ApiError> {
-    let (req, mut shaper, stream) = prepared?;
+    let (req, mut shaper, stream, fields) = prepared?;
     let kind = shaper.kind;
-    // A worker's `prompt` (empty, over the context length) is `messages` in a chat request.
+    // A worker's `prompt` (empty, over the context length) is `messages` in a chat request;
+    // its `structured_output.*` is the field the constraint came from.
     let chat_param = |mut e: ApiError| {
-        if kind == Kind::Chat && e.param.as_deref() == Some("prompt") {
-            e.param = Some("messages".into());
+        if let Some(p) = e.param.as_deref().and_then(|p| fields.client_param(kind, p)) {
+            e.param = Some(p);
         }
         e
     };

@@ -569,10 +569,28 @@ async fn unsupported_openai_params_are_400_naming_the_field() -> anyhow::Result<
     };
     let cases = [
         ("/v1/completions", cmpl(json!({"suffix": "x"})), "suffix"),
-        ("/v1/chat/completions", chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
+        (
+            "/v1/chat/completions",
+            chat(json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]})),
+            "tools",
+        ),
+        ("/v1/completions", cmpl(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
+        (
+            "/v1/chat/completions",
+            chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}],
+                        "tool_choice": {"type": "function", "function": {"name": "g"}}})),
+            "tool_choice",
+        ),
+        ("/v1/chat/completions", chat(json!({"guided_json": "{not json"})), "guided_json"),
+        (
+            "/v1/chat/completions",
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}})),
+            "response_format.json_schema.schema",
+        ),
+        ("/v1/completions", cmpl(json!({"guided_regex": "a", "guided_choice": ["b"]})), "guided_choice"),
         ("/v1/chat/completions", chat(json!({"functions": [{"name": "f"}]})), "functions"),
         ("/v1/chat/completions", chat(json!({"tool_choice": "auto"})), "tool_choice"),
-        ("/v1/chat/completions", chat(json!({"response_format": {"type": "json_object"}})), "response_format"),
+        ("/v1/chat/completions", chat(json!({"response_format": {"type": "xml"}})), "response_format.type"),
         ("/v1/completions", cmpl(json!({"logit_bias": {"50256": -100.5}})), "logit_bias"),
         ("/v1/completions", cmpl(json!({"logit_bias": {"tok": 1}})), "logit_bias"),
         ("/v1/completions", cmpl(json!({"logit_bias": [1, 2]})), "logit_bias"),

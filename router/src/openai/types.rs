@@ -1,10 +1,13 @@
 //! OpenAI request bodies (completions and chat completions, with vLLM's extra sampling
 //! fields) and their validation into `prism.v1` requests. Every rejection is a 400 that
-//! names the field. OpenAI/vLLM parameters Prism does not implement (tools, response formats
-//! other than text, …) are rejected by name rather than ignored; limits
-//! shared with gRPC (`n`, roles, …) are checked in [`crate::validate`].
+//! names the field. OpenAI/vLLM parameters Prism does not implement (legacy `functions`, …)
+//! are rejected by name rather than ignored; limits shared with gRPC (`n`, roles, …) are
+//! checked in [`crate::validate`]. Structured outputs are mapped in [`super::structured`];
+//! tools are checked again, for both APIs, in [`crate::tools::plan`].
 
-use prism_common::proto::v1::{ChatMessage, ChatMessages, GenerateRequest, SamplingParams, TokenIds, generate_request};
+use prism_common::proto::v1::{
+    ChatMessage, ChatMessages, GenerateRequest, SamplingParams, TokenIds, ToolCall, generate_request,
+};
 use std::collections::HashMap;
 
 use serde::Deserialize;
@@ -100,14 +103,26 @@ pub struct SamplingFields {
     pub min_tokens: Option<i64>,
     /// vLLM: keep the matched stop string at the end of the text.
     pub include_stop_str_in_output: Option<bool>,
-    /// Only `{"type": "text"}` is supported.
+    /// OpenAI's `{"type": "text" | "json_object" | "json_schema", ...}` ([`super::structured`]).
     pub response_format: Option<Value>,
-    /// Tool calling is unsupported: only absent, null or an empty list.
+    /// vLLM: a JSON Schema (object or JSON text) the output follows.
+    pub guided_json: Option<Value>,
+    /// vLLM: a regular expression the whole output matches.
+    pub guided_regex: Option<Value>,
+    /// vLLM: the output is one of these strings.
+    pub guided_choice: Option<Value>,
+    /// vLLM: a context-free grammar (llguidance Lark) the output follows.
+    pub guided_grammar: Option<Value>,
+    /// vLLM: `{json | regex | choice | grammar | json_object}`, one of them.
+    pub structured_outputs: Option<Value>,
+    /// Tool definitions (chat only; checked in [`crate::tools::parse_tools`]).
     pub tools: Option<Value>,
     /// Legacy function calling is unsupported: only absent, null or an empty list.
     pub functions: Option<Value>,
-    /// Only absent, null or `"none"`.
+    /// `auto`, `none`, `required` or `{"type": "function", "function": {"name"}}` (chat only).
     pub tool_choice: Option<Value>,
+    /// Whether the model may call several tools in one turn (default true).
+    pub parallel_tool_calls: Option<bool>,
     /// Legacy: only absent, null or `"none"`.
     pub function_call: Option<Value>,
 }
@@ -139,9 +154,69 @@ pub struct ChatMessageIn {
     /// A string or a non-empty list of `{"type": "text", "text": …}` parts; missing or
     /// `null` only on assistant turns (read as empty). Checked in [`ChatMessageIn::text`].
     pub content: Option<Value>,
+    /// Assistant turns: the calls it made, `[{id, type: "function", function: {name, arguments}}]`.
+    pub tool_calls: Option<Value>,
+    /// Role `tool`: the id of the call this message answers (required there).
+    pub tool_call_id: Option<String>,
+    /// The participant's name (or, on legacy `function` results, the function's).
+    pub name: Option<String>,
 }
 
 impl ChatMessageIn {
+    /// The message as a proto message (text, tool calls, tool fields).
+    ///
+    /// # Errors
+    /// 400 (`messages`) for bad content ([`ChatMessageIn::text`]), malformed `tool_calls`
+    /// (not on an assistant turn, not function calls, `arguments` not JSON text), or a `tool`
+    /// message without `tool_call_id`.
+    pub fn to_proto(&self, i: usize) -> Result<ChatMessage, ApiError> {
+        let bad = |m: String| ApiError::invalid("messages", m);
+        let mut tool_calls = Vec::new();
+        match &self.tool_calls {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(calls)) if self.role == "assistant" => {
+                for (j, c) in calls.iter().enumerate() {
+                    let at = format!("messages[{i}].tool_calls[{j}]");
+                    let id = c.get("id").and_then(Value::as_str).unwrap_or_default();
+                    if c.get("type").and_then(Value::as_str).is_some_and(|t| t != "function") {
+                        return Err(bad(format!("{at}.type must be \"function\"")));
+                    }
+                    let f = c.get("function").ok_or_else(|| bad(format!("{at}.function is required")))?;
+                    let Some(name) = f.get("name").and_then(Value::as_str) else {
+                        return Err(bad(format!("{at}.function.name must be a string")));
+                    };
+                    let arguments = match f.get("arguments") {
+                        None | Some(Value::Null) => "{}".to_owned(),
+                        Some(Value::String(a)) => {
+                            serde_json::from_str::<Value>(a)
+                                .map_err(|_| bad(format!("{at}.function.arguments must be JSON text")))?;
+                            a.clone()
+                        }
+                        Some(_) => return Err(bad(format!("{at}.function.arguments must be a string of JSON"))),
+                    };
+                    tool_calls.push(ToolCall { id: id.to_owned(), name: name.to_owned(), arguments });
+                }
+            }
+            Some(Value::Array(_)) => return Err(bad(format!("messages[{i}].tool_calls is only for assistant turns"))),
+            Some(_) => return Err(bad(format!("messages[{i}].tool_calls must be a list"))),
+        }
+        if self.role == "tool" && self.tool_call_id.as_deref().is_none_or(str::is_empty) {
+            return Err(bad(format!("messages[{i}].tool_call_id is required on tool messages")));
+        }
+        let content = if !tool_calls.is_empty() && matches!(self.content, None | Some(Value::Null)) {
+            String::new()
+        } else {
+            self.text(i)?
+        };
+        Ok(ChatMessage {
+            role: self.role.clone(),
+            content,
+            tool_calls,
+            tool_call_id: self.tool_call_id.clone(),
+            name: self.name.clone(),
+        })
+    }
+
     /// The message text (parts concatenated).
     ///
     /// # Errors
@@ -330,6 +405,7 @@ impl SamplingFields {
             logit_bias,
             min_tokens,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            structured_output: super::structured::structured(&self.structured_fields())?.map(|(s, _)| s),
             ..Default::default()
         })
     }
@@ -343,26 +419,64 @@ impl SamplingFields {
         {
             return Err(unsupported("best_of", " (only best_of equal to n)"));
         }
-        match &self.response_format {
+        match &self.functions {
             None | Some(Value::Null) => {}
-            Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
-            Some(_) => return Err(unsupported("response_format", " (only {\"type\": \"text\"})")),
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(_) => return Err(unsupported("functions", " (use tools)")),
         }
-        for (name, v) in [("tools", &self.tools), ("functions", &self.functions)] {
-            match v {
-                None | Some(Value::Null) => {}
-                Some(Value::Array(a)) if a.is_empty() => {}
-                Some(_) => return Err(unsupported(name, "")),
-            }
-        }
-        for (name, v) in [("tool_choice", &self.tool_choice), ("function_call", &self.function_call)] {
-            match v {
-                None | Some(Value::Null) => {}
-                Some(Value::String(s)) if s == "none" => {}
-                Some(_) => return Err(unsupported(name, " (only \"none\")")),
-            }
+        match &self.function_call {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "none" => {}
+            Some(_) => return Err(unsupported("function_call", " (use tool_choice)")),
         }
         Ok(())
+    }
+
+    /// The fields that may constrain the output ([`super::structured::structured`]).
+    pub fn structured_fields(&self) -> super::structured::StructuredFields<'_> {
+        super::structured::StructuredFields {
+            response_format: self.response_format.as_ref(),
+            guided_json: self.guided_json.as_ref(),
+            guided_regex: self.guided_regex.as_ref(),
+            guided_choice: self.guided_choice.as_ref(),
+            guided_grammar: self.guided_grammar.as_ref(),
+            structured_outputs: self.structured_outputs.as_ref(),
+        }
+    }
+
+    /// `tools` as JSON text (`""` for none) and `tool_choice` as the proto string.
+    ///
+    /// # Errors
+    /// 400 (`tools`) when it is not a list; (`tool_choice`) for a value that is not `auto`,
+    /// `none`, `required` or a function object with a name.
+    pub fn tools_proto(&self) -> Result<(String, String), ApiError> {
+        let tools = match &self.tools {
+            None | Some(Value::Null) => String::new(),
+            Some(t @ Value::Array(_)) => t.to_string(),
+            Some(_) => return Err(ApiError::invalid("tools", "tools must be a list of tool objects")),
+        };
+        let bad_choice = || {
+            ApiError::invalid(
+                "tool_choice",
+                "tool_choice must be auto, none, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            )
+        };
+        let choice = match &self.tool_choice {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) if matches!(s.as_str(), "auto" | "none" | "required") => s.clone(),
+            Some(Value::Object(o)) => {
+                if o.get("type").and_then(Value::as_str).is_some_and(|t| t != "function") {
+                    return Err(bad_choice());
+                }
+                let name = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+                match name {
+                    Some(n) if crate::tools::valid_name(n) => n.to_owned(),
+                    _ => return Err(bad_choice()),
+                }
+            }
+            Some(_) => return Err(bad_choice()),
+        };
+        Ok((tools, choice))
     }
 
     /// Whether the client asked for a usage chunk at the end of the stream.
@@ -392,6 +506,13 @@ impl CompletionRequest {
             }
             _ => return Err(ApiError::invalid("prompt", "exactly one prompt per request is supported")),
         };
+        let (tools, choice) = self.sampling.tools_proto()?;
+        if !tools.is_empty() && tools != "[]" {
+            return Err(ApiError::invalid("tools", "tools are only supported on /v1/chat/completions"));
+        }
+        if !choice.is_empty() && choice != "none" {
+            return Err(ApiError::invalid("tool_choice", "tool_choice is only supported on /v1/chat/completions"));
+        }
         let req = GenerateRequest {
             model: self.model.clone(),
             prompt: Some(prompt),
@@ -427,8 +548,9 @@ impl ChatRequest {
         }
         let mut messages = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
-            messages.push(ChatMessage { role: m.role.clone(), content: m.text(i)?, ..Default::default() });
+            messages.push(m.to_proto(i)?);
         }
+        let (tools_json, tool_choice) = self.sampling.tools_proto()?;
         let logprobs = (self.logprobs == Some(true)).then(|| self.top_logprobs.unwrap_or(0));
         let req = GenerateRequest {
             model: self.model.clone(),
@@ -437,6 +559,9 @@ impl ChatRequest {
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
             cache_salt: self.sampling.cache_salt.clone(),
+            tools_json,
+            tool_choice,
+            parallel_tool_calls: self.sampling.parallel_tool_calls,
             ..Default::default()
         };
         check_request(&req)?;

@@ -118,6 +118,7 @@ fn real_tokenizer_matches_the_engine_and_is_fast() {
         let k = keys_blocking(
             &prompt,
             None,
+            None,
             &[Arc::new(ReplicaCodec {
                 key: HashKey { fingerprint: 1, block_size: 16, namespace: 0 },
                 codec: Arc::new(PromptCodec::from_export(&export).expect("build")),

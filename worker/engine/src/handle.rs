@@ -242,7 +242,7 @@ impl EngineHandle {
         let prompt = prompt_ids_with(
             &req.prompt,
             |t, special| codec.encode(t, special),
-            |m| codec.encode_chat(m, content_special),
+            |m| codec.encode_chat_with_tools(m, req.tools.as_deref(), content_special),
         )?;
         check_token_ids(&prompt, inner.info.vocab_size, "prompt")?;
         check_token_ids(&req.prior_output_ids, inner.info.vocab_size, "prior_output_ids")?;
