@@ -86,6 +86,19 @@ pub enum ModelError {
         /// Tensor name.
         name: String,
     },
+    /// A block-format tensor whose rows are not whole blocks (ggml stores each row as
+    /// whole blocks: 32 weights, 256 for a K-quant).
+    #[error("tensor {name}: rows of {row} weights are not whole {ty} blocks of {block}")]
+    TensorBlocks {
+        /// Tensor name.
+        name: String,
+        /// The block format.
+        ty: String,
+        /// Weights per row (`ne[0]`).
+        row: u64,
+        /// Weights per block.
+        block: usize,
+    },
     /// The tensor has more dimensions than a model tensor can have.
     #[error("tensor {name} has {dims} dims")]
     TensorRank {

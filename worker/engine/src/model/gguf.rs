@@ -4,6 +4,7 @@
 //! llama-architecture file into a loaded model.
 
 pub mod dequant;
+pub mod dequant_k;
 pub mod loader;
 
 use std::collections::HashMap;
@@ -295,11 +296,22 @@ impl GgufFile {
     /// Raw bytes of a tensor.
     ///
     /// # Errors
-    /// [`ModelError::MissingTensor`] when the tensor is absent, [`ModelError::TensorBounds`]
-    /// when its data does not fill whole blocks inside the file.
+    /// [`ModelError::MissingTensor`] when the tensor is absent, [`ModelError::TensorBlocks`]
+    /// when its rows are not whole blocks, [`ModelError::TensorBounds`] when its data does
+    /// not lie inside the file.
     pub fn tensor_bytes(&self, name: &str) -> Result<(&TensorInfo, &[u8]), ModelError> {
         let info = self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_owned() })?;
         let out_of_bounds = || ModelError::TensorBounds { name: name.to_owned() };
+        let (per, _) = info.ty.block_layout();
+        let row = info.dims.first().copied().unwrap_or(1);
+        if !row.is_multiple_of(per as u64) {
+            return Err(ModelError::TensorBlocks {
+                name: name.to_owned(),
+                ty: info.ty.name().to_owned(),
+                row,
+                block: per,
+            });
+        }
         let numel = usize::try_from(info.numel()).map_err(|_| out_of_bounds())?;
         let len = info.ty.bytes_for(numel).ok_or_else(out_of_bounds)?;
         let start =
@@ -437,6 +449,67 @@ mod tests {
             matches!(&version, ModelError::File { source, .. } if matches!(**source, ModelError::GgufVersion(9))),
             "{version}"
         );
+        Ok(())
+    }
+
+    /// A GGUF v3 file with no metadata and one tensor `name` (`dims`, type id `ty`) whose
+    /// data section holds `data_len` bytes.
+    fn one_tensor_file(name: &str, dims: &[u64], ty: u32, data_len: usize) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend((name.len() as u64).to_le_bytes());
+        b.extend(name.as_bytes());
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(ty.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.resize(b.len().next_multiple_of(32), 0);
+        b.extend((0..data_len).map(|i| (i % 251) as u8 & 0x3b));
+        b
+    }
+
+    fn open_bytes(bytes: &[u8]) -> anyhow::Result<Result<GgufFile, ModelError>> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("k.gguf");
+        std::fs::write(&path, bytes)?;
+        Ok(GgufFile::open(&path))
+    }
+
+    #[test]
+    fn k_quant_tensors_read_and_malformed_ones_are_typed_errors_naming_the_tensor() -> anyhow::Result<()> {
+        let name = "blk.0.ffn_down.weight";
+        // Two rows of 512 Q6_K weights: 2 × 2 super-blocks of 210 bytes.
+        let file = open_bytes(&one_tensor_file(name, &[512, 2], 14, 4 * 210))??;
+        let (shape, values) = file.tensor_f32(name)?;
+        assert_eq!((shape, values.len()), (vec![2, 512], 1024));
+        assert_eq!(file.tensor_bytes(name)?.0.ty, GgmlType::Q6K);
+        // One byte short of the last super-block.
+        let short = open_bytes(&one_tensor_file(name, &[512, 2], 14, 4 * 210 - 1))?.err().context("short data")?;
+        assert!(
+            matches!(&short, ModelError::File { source, .. } if matches!(&**source, ModelError::TensorBounds { name: n } if n == name)),
+            "{short}"
+        );
+        // Rows of 640 cannot be Q4_K super-blocks of 256, even when the total (1280) is.
+        let rows = open_bytes(&one_tensor_file(name, &[640, 2], 12, 5 * 144))?.err().context("bad rows")?;
+        assert!(
+            matches!(&rows, ModelError::File { source, .. }
+                if matches!(&**source, ModelError::TensorBlocks { name: n, row: 640, block: 256, .. } if n == name)),
+            "{rows}"
+        );
+        assert!(rows.to_string().contains(name) && rows.to_string().contains("Q4_K"), "{rows}");
+        // Q2_K (id 10) is not read; an id past the enum neither.
+        for id in [10, 99] {
+            let e = open_bytes(&one_tensor_file(name, &[256], id, 84))?.err().context("unknown type")?;
+            assert!(
+                matches!(&e, ModelError::File { source, .. } if matches!(&**source, ModelError::TensorType { name: n, .. } if n == name)),
+                "{e}"
+            );
+            assert!(e.to_string().contains(&format!("GGML type {id}")), "{e}");
+        }
         Ok(())
     }
 

@@ -252,7 +252,7 @@ impl DeviceWeights {
         Ok((Self::from_layout(buf, &l), d))
     }
 
-    /// Uploads f32 host weights as bf16.
+    /// Uploads host weights as bf16 (f32 ones, or any GGUF block format dequantized first).
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] for a model without layers; [`CudaError`] on allocation or
@@ -282,20 +282,22 @@ impl DeviceWeights {
             // The staging vector is reused: wait for the (pageable, staged) copy.
             gpu.sync()
         };
+        // `to_f32` borrows f32 weights and dequantizes any matrix still in GGUF blocks
+        // (every block format, K-quants included), so either kind of load uploads.
         if let Some(o) = l.embed {
-            put(o, &[&w.embed_tokens.data])?;
+            put(o, &[&w.embed_tokens.to_f32()])?;
         }
         if let (Some(o), Some(lm)) = (l.lm_head, &w.lm_head) {
-            put(o, &[&lm.data])?;
+            put(o, &[&lm.to_f32()])?;
         }
         put(l.norm, &[&w.norm])?;
         for (o, lw) in l.layers.iter().zip(&w.layers) {
             put(o[0], &[&lw.input_layernorm])?;
-            put(o[1], &[&lw.q_proj.data, &lw.k_proj.data, &lw.v_proj.data])?;
-            put(o[2], &[&lw.o_proj.data])?;
+            put(o[1], &[&lw.q_proj.to_f32(), &lw.k_proj.to_f32(), &lw.v_proj.to_f32()])?;
+            put(o[2], &[&lw.o_proj.to_f32()])?;
             put(o[3], &[&lw.post_attention_layernorm])?;
-            put(o[4], &[&lw.gate_proj.data, &lw.up_proj.data])?;
-            put(o[5], &[&lw.down_proj.data])?;
+            put(o[4], &[&lw.gate_proj.to_f32(), &lw.up_proj.to_f32()])?;
+            put(o[5], &[&lw.down_proj.to_f32()])?;
         }
         Ok((Self::from_layout(buf, &l), d))
     }

@@ -5,7 +5,6 @@
 
 use std::path::Path;
 
-use super::dequant;
 use super::{GgufFile, GgufValue, gguf_name};
 use crate::model::chat_template::{self, ChatTemplate};
 use crate::model::config::ModelConfig;
@@ -46,7 +45,7 @@ impl WeightSource for GgufWeights<'_> {
         }
         let (info, bytes) = self.file.tensor_bytes(&name)?;
         let shape = info.shape();
-        if !QuantizedData::supports(info.ty) || shape.len() != 2 || !shape[1].is_multiple_of(dequant::QK) {
+        if !QuantizedData::supports(info.ty) || shape.len() != 2 || !shape[1].is_multiple_of(info.ty.block_layout().0) {
             return Ok(None);
         }
         let mut q = QuantizedData { ty: info.ty, bytes: bytes.to_vec() };
@@ -62,8 +61,9 @@ impl WeightSource for GgufWeights<'_> {
     }
 }
 
-/// Loads a llama-architecture GGUF file; with `keep_quantized`, Q4_0/Q4_1/Q8_0 matrices
-/// keep their blocks ([`crate::model::Linear::quant`]) instead of being dequantized to f32.
+/// Loads a llama-architecture GGUF file; with `keep_quantized`, matrices in a block format
+/// (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the K-quants) keep their blocks
+/// ([`crate::model::Linear::quant`]) instead of being dequantized to f32.
 ///
 /// # Errors
 /// [`ModelError`] (wrapped in [`ModelError::File`] with `path`) on malformed files, other
