@@ -8,21 +8,28 @@
 //! - [`safetensors`]: Hugging Face `model.safetensors` / sharded index.
 //! - [`tokenizer`]: [`Tokenizer`] (tokenizers crate; built from GGUF metadata or `tokenizer.json`).
 //! - [`chat_template`]: [`ChatTemplate`] (minijinja with Hugging Face semantics).
-//! - [`llama`]: [`LlamaWeights`] and tensor-parallel sharding.
+//! - [`llama`]: [`LlamaWeights`] (the decoder weights every family shares) and
+//!   tensor-parallel sharding.
+//! - [`mistral`], [`qwen2`], [`qwen3`], [`gemma3`]: how each family's config (Hugging Face
+//!   and GGUF) maps onto [`ArchConfig`], the backend-neutral description of its layers.
 
 pub mod chat_template;
 pub mod config;
 pub mod error;
+pub mod gemma3;
 pub mod gguf;
 pub mod llama;
 mod loaded;
+pub mod mistral;
+pub mod qwen2;
+pub mod qwen3;
 pub mod safetensors;
 pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
 pub use chat_template::ChatTemplate;
-pub use config::{ModelConfig, RopeScaling};
+pub use config::{Activation, ArchConfig, Architecture, LayerAttention, ModelConfig, RopeScaling};
 pub use error::ModelError;
 pub use llama::{LayerWeights, Linear, LlamaWeights, QuantizedData};
 pub use loaded::{LoadOptions, LoadedModel, ProgressFn};
@@ -33,7 +40,7 @@ use crate::request::EngineError;
 /// Where a model comes from; detected from the path by [`ModelSource::detect`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ModelSource {
-    /// A single GGUF file (llama architecture).
+    /// A single GGUF file (`general.architecture` llama, qwen2, qwen3 or gemma3).
     Gguf(PathBuf),
     /// A Hugging Face model directory (`config.json`, `*.safetensors`, `tokenizer.json`).
     HfDir(PathBuf),

@@ -89,6 +89,7 @@ impl CpuBackend {
             layers: weights.layers,
             head: Some((weights.norm, weights.lm_head)),
             embeds_tokens: true,
+            first_layer: 0,
         };
         Ok(Self { model: CpuModel::new(parts, config, kv_cache_bytes, block_size)?, all_reduce: Box::new(NoReduce) })
     }

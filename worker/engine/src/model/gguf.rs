@@ -15,8 +15,9 @@ use memmap2::Mmap;
 
 pub use dequant::GgmlType;
 
-use super::config::ModelConfig;
+use super::config::{ArchConfig, Architecture, ModelConfig, SUPPORTED_GGUF_ARCHITECTURES};
 use super::error::{ModelError, ResultExt};
+use super::gemma3;
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -332,15 +333,24 @@ impl GgufFile {
         Ok((info.shape(), out))
     }
 
-    /// Builds the [`ModelConfig`] from `{arch}.*` keys (architecture "llama" only).
+    /// `general.architecture` (empty when absent).
+    pub fn architecture(&self) -> &str {
+        self.get("general.architecture").and_then(GgufValue::as_str).unwrap_or("")
+    }
+
+    /// Builds the [`ModelConfig`] from `{arch}.*` keys (`general.architecture` llama, qwen2,
+    /// qwen3 or gemma3; Mistral files say llama).
     ///
     /// # Errors
-    /// [`ModelError::Architecture`] for other architectures, [`ModelError::Metadata`] for
-    /// missing keys, [`ModelError::Config`] for inconsistent ones.
+    /// [`ModelError::Architecture`] naming `general.architecture` for other architectures,
+    /// [`ModelError::Metadata`] for missing keys, [`ModelError::Config`] for inconsistent ones.
     pub fn model_config(&self) -> Result<ModelConfig, ModelError> {
-        let arch = self.get("general.architecture").and_then(GgufValue::as_str).unwrap_or("");
-        if arch != "llama" {
-            return Err(ModelError::Architecture { name: arch.to_owned(), supported: "llama" });
+        let arch = self.architecture();
+        if !matches!(arch, "llama" | "qwen2" | "qwen3" | "gemma3") {
+            return Err(ModelError::Architecture {
+                name: format!("general.architecture = {arch:?}"),
+                supported: SUPPORTED_GGUF_ARCHITECTURES,
+            });
         }
         let k = |s: &str| format!("{arch}.{s}");
         let hidden = self.req_u(&k("embedding_length"))?;
@@ -369,15 +379,17 @@ impl GgufFile {
         } else {
             None
         };
-        let cfg = ModelConfig {
+        let n_layers = self.req_u(&k("block_count"))?;
+        let rope_theta = f("rope.freq_base", 10_000.0);
+        let mut cfg = ModelConfig {
             hidden_size: hidden,
             intermediate_size: self.req_u(&k("feed_forward_length"))?,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
-            num_hidden_layers: self.req_u(&k("block_count"))?,
+            num_hidden_layers: n_layers,
             rms_norm_eps: f("attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta: f("rope.freq_base", 10_000.0),
+            rope_theta,
             rope_scaling: None,
             rope_freq_factors,
             vocab_size: vocab,
@@ -385,10 +397,64 @@ impl GgufFile {
             tie_word_embeddings: !self.tensors.contains_key("output.weight"),
             bos_token_id: tok_u32("tokenizer.ggml.bos_token_id"),
             eos_token_ids: eos,
+            arch: ArchConfig::llama(n_layers, rope_theta),
         };
+        let window = self.req_u(&k("attention.sliding_window")).ok().filter(|&w| w > 0);
+        match arch {
+            "qwen2" => {
+                cfg.arch.architecture = Architecture::Qwen2;
+                cfg.arch.attention_bias = true;
+            }
+            "qwen3" => {
+                cfg.arch.architecture = Architecture::Qwen3;
+                cfg.arch.qk_norm = true;
+            }
+            "gemma3" => {
+                let pattern =
+                    self.req_u(&k("attention.sliding_window_pattern")).unwrap_or(gemma3::SLIDING_WINDOW_PATTERN);
+                for (i, l) in cfg.arch.layers.iter_mut().enumerate() {
+                    l.sliding_window = window.filter(|_| gemma3::is_local(i, pattern));
+                }
+                // llama.cpp scales by 1/sqrt(key_length) (query_pre_attn_scalar = head_dim
+                // for every Gemma 3 but the 27B) and fixes the local layers' base.
+                gemma3::apply(&mut cfg, 0.0, head_dim as f32, gemma3::LOCAL_ROPE_THETA);
+                cfg.arch.final_logit_softcapping =
+                    self.get(&k("final_logit_softcapping")).and_then(GgufValue::as_f64).map(|c| c as f32);
+            }
+            // Llama; a Mistral file with a window says so here.
+            _ => {
+                for l in &mut cfg.arch.layers {
+                    l.sliding_window = window;
+                }
+            }
+        }
+        if let Some(kind) = self.get(&k("rope.scaling.type")).and_then(GgufValue::as_str)
+            && kind != "none"
+        {
+            return Err(ModelError::Config(format!("{arch}.rope.scaling.type {kind:?} is not supported")));
+        }
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// Hugging Face tensor name → GGUF tensor name (llama.cpp's `convert_hf_to_gguf.py` map) for
+/// a file of `general.architecture` `arch` (Gemma 3's norms are named differently).
+pub fn gguf_name_for(arch: &str, hf: &str) -> Option<String> {
+    if arch == "gemma3"
+        && let Some((layer, tail)) = hf.strip_prefix("model.layers.").and_then(|r| r.split_once('.'))
+    {
+        let suffix = match tail {
+            "post_attention_layernorm.weight" => Some("post_attention_norm.weight"),
+            "pre_feedforward_layernorm.weight" => Some("ffn_norm.weight"),
+            "post_feedforward_layernorm.weight" => Some("ffn_post_norm.weight"),
+            _ => None,
+        };
+        if let Some(suffix) = suffix {
+            return Some(format!("blk.{layer}.{suffix}"));
+        }
+    }
+    gguf_name(hf)
 }
 
 /// Hugging Face tensor name → GGUF tensor name (llama.cpp's `convert_hf_to_gguf.py` map).
@@ -414,6 +480,11 @@ pub fn gguf_name(hf: &str) -> Option<String> {
         "mlp.gate_proj.weight" => "ffn_gate.weight",
         "mlp.up_proj.weight" => "ffn_up.weight",
         "mlp.down_proj.weight" => "ffn_down.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.bias" => "attn_v.bias",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
         _ => return None,
     };
     Some(format!("blk.{layer}.{suffix}"))

@@ -146,7 +146,7 @@ pub struct LayerWeights {
     pub v_proj: Linear,
     /// `[hidden, q_dim]`.
     pub o_proj: Linear,
-    /// `post_attention_layernorm` gain, `[hidden]`.
+    /// Gain of the RMSNorm before the MLP, `[hidden]` (Llama's `post_attention_layernorm`).
     pub post_attention_layernorm: Vec<f32>,
     /// `[intermediate, hidden]`.
     pub gate_proj: Linear,
@@ -154,6 +154,17 @@ pub struct LayerWeights {
     pub up_proj: Linear,
     /// `[hidden, intermediate]`.
     pub down_proj: Linear,
+    /// q/k/v projection biases (`[q_dim]`, `[kv_dim]`, `[kv_dim]`) when
+    /// [`super::config::ArchConfig::attention_bias`].
+    pub qkv_bias: Option<[Vec<f32>; 3]>,
+    /// Per-head q and k RMSNorm gains (`[head_dim]` each) when
+    /// [`super::config::ArchConfig::qk_norm`].
+    pub qk_norm: Option<[Vec<f32>; 2]>,
+    /// RMSNorm gains of the attention output and of the MLP output (`[hidden]` each) when
+    /// [`super::config::ArchConfig::sandwich_norms`] (Gemma 3's `post_attention_layernorm`
+    /// and `post_feedforward_layernorm`; its `pre_feedforward_layernorm` is
+    /// [`LayerWeights::post_attention_layernorm`], the norm before the MLP).
+    pub sandwich_norms: Option<[Vec<f32>; 2]>,
 }
 
 /// Which tensor-parallel shard a set of weights is.
@@ -213,6 +224,17 @@ fn fetch(src: &mut dyn WeightSource, name: &str, shape: &[usize]) -> Result<Vec<
     Ok(data)
 }
 
+/// A `[len]` RMSNorm gain, plus `offset` (Gemma's checkpoints store `g - 1`).
+fn norm(src: &mut dyn WeightSource, name: &str, len: usize, offset: f32) -> Result<Vec<f32>, ModelError> {
+    let mut g = fetch(src, name, &[len])?;
+    if offset != 0.0 {
+        for v in &mut g {
+            *v += offset;
+        }
+    }
+    Ok(g)
+}
+
 fn linear(src: &mut dyn WeightSource, name: &str, out: usize, inp: usize, quant: bool) -> Result<Linear, ModelError> {
     if quant
         && inp.is_multiple_of(QK)
@@ -248,22 +270,56 @@ impl LlamaWeights {
         let (h, i, q, kv, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim(), cfg.vocab_size);
         let kq = keep_quantized;
         let embed_tokens = linear(src, "model.embed_tokens.weight", v, h, kq)?;
+        let a = &cfg.arch;
+        let off = a.norm_weight_offset;
+        let hd = cfg.head_dim;
+        // Gemma 3 names its norm before the MLP `pre_feedforward_layernorm` and uses
+        // `post_attention_layernorm` for the norm of the attention output.
+        let ffn_norm = if a.sandwich_norms { "pre_feedforward_layernorm" } else { "post_attention_layernorm" };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}");
+            let qkv_bias = if a.attention_bias {
+                Some([
+                    fetch(src, &format!("{p}.self_attn.q_proj.bias"), &[q])?,
+                    fetch(src, &format!("{p}.self_attn.k_proj.bias"), &[kv])?,
+                    fetch(src, &format!("{p}.self_attn.v_proj.bias"), &[kv])?,
+                ])
+            } else {
+                None
+            };
+            let qk_norm = if a.qk_norm {
+                Some([
+                    norm(src, &format!("{p}.self_attn.q_norm.weight"), hd, off)?,
+                    norm(src, &format!("{p}.self_attn.k_norm.weight"), hd, off)?,
+                ])
+            } else {
+                None
+            };
+            let sandwich_norms = if a.sandwich_norms {
+                Some([
+                    norm(src, &format!("{p}.post_attention_layernorm.weight"), h, off)?,
+                    norm(src, &format!("{p}.post_feedforward_layernorm.weight"), h, off)?,
+                ])
+            } else {
+                None
+            };
             layers.push(LayerWeights {
-                input_layernorm: fetch(src, &format!("{p}.input_layernorm.weight"), &[h])?,
+                input_layernorm: norm(src, &format!("{p}.input_layernorm.weight"), h, off)?,
                 q_proj: linear(src, &format!("{p}.self_attn.q_proj.weight"), q, h, kq)?,
                 k_proj: linear(src, &format!("{p}.self_attn.k_proj.weight"), kv, h, kq)?,
                 v_proj: linear(src, &format!("{p}.self_attn.v_proj.weight"), kv, h, kq)?,
                 o_proj: linear(src, &format!("{p}.self_attn.o_proj.weight"), h, q, kq)?,
-                post_attention_layernorm: fetch(src, &format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                post_attention_layernorm: norm(src, &format!("{p}.{ffn_norm}.weight"), h, off)?,
                 gate_proj: linear(src, &format!("{p}.mlp.gate_proj.weight"), i, h, kq)?,
                 up_proj: linear(src, &format!("{p}.mlp.up_proj.weight"), i, h, kq)?,
                 down_proj: linear(src, &format!("{p}.mlp.down_proj.weight"), h, i, kq)?,
+                qkv_bias,
+                qk_norm,
+                sandwich_norms,
             });
         }
-        let norm = fetch(src, "model.norm.weight", &[h])?;
+        let final_norm = norm(src, "model.norm.weight", h, off)?;
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else if kq && h.is_multiple_of(QK) && src.quantized("lm_head.weight")?.is_some() {
@@ -281,7 +337,7 @@ impl LlamaWeights {
                 None => None,
             }
         };
-        Ok(Self { embed_tokens, layers, norm, lm_head, shard: ShardInfo { rank: 0, world_size: 1 } })
+        Ok(Self { embed_tokens, layers, norm: final_norm, lm_head, shard: ShardInfo { rank: 0, world_size: 1 } })
     }
 
     /// Every matrix with f32 `data` (a model loaded with `keep_quantized`, dequantized).
@@ -355,6 +411,12 @@ impl LlamaWeights {
                 gate_proj: l.gate_proj.rows(f0, f1),
                 up_proj: l.up_proj.rows(f0, f1),
                 down_proj: l.down_proj.cols(f0, f1),
+                qkv_bias: l
+                    .qkv_bias
+                    .as_ref()
+                    .map(|[bq, bk, bv]| [bq[q0..q1].to_vec(), bk[k0..k1].to_vec(), bv[k0..k1].to_vec()]),
+                qk_norm: l.qk_norm.clone(),
+                sandwich_norms: l.sandwich_norms.clone(),
             })
             .collect();
         Ok(Self {

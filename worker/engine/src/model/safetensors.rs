@@ -268,11 +268,6 @@ pub fn open_dir_model(dir: &Path) -> Result<HfDirModel, ModelError> {
     let cfg_path = dir.join("config.json");
     let raw = std::fs::read_to_string(&cfg_path).in_file(&cfg_path)?;
     let hf: HfLlamaConfig = serde_json::from_str(&raw).in_file(&cfg_path)?;
-    if let Some(arch) = hf.architectures.first()
-        && !matches!(arch.as_str(), "LlamaForCausalLM" | "MistralForCausalLM")
-    {
-        return Err(ModelError::Architecture { name: arch.clone(), supported: "LlamaForCausalLM, MistralForCausalLM" });
-    }
     let mut config = ModelConfig::from_hf(&hf).in_file(&cfg_path)?;
     if let Some(gen_cfg) = read_json(&dir.join("generation_config.json"))?
         && let Some(eos) = gen_cfg.get("eos_token_id").and_then(|v| serde_json::from_value::<TokenIds>(v.clone()).ok())

@@ -23,6 +23,10 @@ pub struct AttnShape {
     pub head_dim: usize,
     /// Tokens per KV block.
     pub block_size: usize,
+    /// Softmax scale (`head_dim^-0.5` for most models).
+    pub scale: f32,
+    /// Sliding window: a token at `pos` attends to `pos - window + 1 ..= pos` only.
+    pub window: Option<usize>,
 }
 
 /// Per-token attention work item: the token's position and its sequence's block table.
@@ -33,7 +37,9 @@ pub struct TokenCtx<'a> {
     pub block_table: &'a [u32],
 }
 
-/// `out[t, h*d..(h+1)*d] = softmax(q_t,h · K[0..=pos]ᵀ · scale) · V[0..=pos]`.
+/// `out[t, h*d..(h+1)*d] = softmax(q_t,h · K[s..=pos]ᵀ · scale) · V[s..=pos]`, with `s = 0`,
+/// or `pos + 1 - window` under a sliding window (blocks wholly before `s` are never read, so
+/// their table entries may name blocks that were given back).
 ///
 /// `q` rows have stride `q_stride` (the fused QKV buffer); the first `q_heads * head_dim`
 /// values of each row are the (RoPE-applied) query. K/V caches are
@@ -48,9 +54,8 @@ pub fn paged_attention(
     v_cache: &[f32],
     out: &mut [f32],
 ) {
-    let AttnShape { q_heads, kv_heads, head_dim: d, block_size } = shape;
+    let AttnShape { q_heads, kv_heads, head_dim: d, block_size, scale, window } = shape;
     let group = q_heads / kv_heads;
-    let scale = 1.0 / (d as f32).sqrt();
     let kv_dim = kv_heads * d;
     let avx2 = has_avx2() && d.is_multiple_of(8);
     out.par_chunks_mut(d).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
@@ -59,9 +64,10 @@ pub fn paged_attention(
         let tok = &tokens[t];
         let qv = &q[t * q_stride + h * d..t * q_stride + (h + 1) * d];
         let n = tok.pos + 1;
+        let start = window.map_or(0, |w| n.saturating_sub(w));
         scores.clear();
-        scores.resize(n, 0.0);
-        let head = Head { q: qv, kv_off: g * d, kv_dim, block_size, n, block_table: tok.block_table, scale };
+        scores.resize(n - start, 0.0);
+        let head = Head { q: qv, kv_off: g * d, kv_dim, block_size, start, n, block_table: tok.block_table, scale };
         #[cfg(target_arch = "x86_64")]
         if avx2 {
             // SAFETY: AVX2 and FMA are present; the caller checked that every block id
@@ -81,7 +87,9 @@ struct Head<'a> {
     kv_off: usize,
     kv_dim: usize,
     block_size: usize,
-    /// Positions attended (`pos + 1`).
+    /// First position attended.
+    start: usize,
+    /// One past the last position attended (`pos + 1`).
     n: usize,
     block_table: &'a [u32],
     scale: f32,
@@ -112,14 +120,14 @@ fn softmax_unnormalized(scores: &mut [f32]) -> f32 {
 fn head_scalar(hd: &Head<'_>, k_cache: &[f32], v_cache: &[f32], scores: &mut [f32], o: &mut [f32]) {
     let d = o.len();
     let slot = |p: usize| hd.block_table[p / hd.block_size] as usize * hd.block_size + p % hd.block_size;
-    for (p, s) in scores.iter_mut().enumerate() {
-        let k = slot(p) * hd.kv_dim + hd.kv_off;
+    for (i, s) in scores.iter_mut().enumerate() {
+        let k = slot(hd.start + i) * hd.kv_dim + hd.kv_off;
         *s = dot(hd.q, &k_cache[k..k + d]) * hd.scale;
     }
     let inv = softmax_unnormalized(scores);
     o.fill(0.0);
-    for (p, &s) in scores.iter().enumerate() {
-        let v = slot(p) * hd.kv_dim + hd.kv_off;
+    for (i, &s) in scores.iter().enumerate() {
+        let v = slot(hd.start + i) * hd.kv_dim + hd.kv_off;
         axpy(o, s * inv, &v_cache[v..v + d]);
     }
 }
@@ -147,20 +155,19 @@ mod avx2 {
         }
     }
 
-    /// Calls `f(position, slot)` for every attended position, block by block.
+    /// Calls `f(position - start, slot)` for every attended position, block by block.
     #[inline(always)]
     fn for_each_slot(hd: &Head<'_>, mut f: impl FnMut(usize, usize)) {
-        let mut p = 0;
-        for &blk in hd.block_table {
-            let base = blk as usize * hd.block_size;
-            let cnt = hd.block_size.min(hd.n - p);
+        let bs = hd.block_size;
+        let mut p = hd.start;
+        while p < hd.n {
+            let off = p % bs;
+            let base = hd.block_table[p / bs] as usize * bs + off;
+            let cnt = (bs - off).min(hd.n - p);
             for i in 0..cnt {
-                f(p + i, base + i);
+                f(p - hd.start + i, base + i);
             }
             p += cnt;
-            if p == hd.n {
-                break;
-            }
         }
     }
 
@@ -231,7 +238,14 @@ mod tests {
     #[test]
     fn matches_a_plain_computation() {
         for d in [64usize, 16] {
-            let shape = AttnShape { q_heads: 4, kv_heads: 2, head_dim: d, block_size: 4 };
+            let shape = AttnShape {
+                q_heads: 4,
+                kv_heads: 2,
+                head_dim: d,
+                block_size: 4,
+                scale: 1.0 / (d as f32).sqrt(),
+                window: None,
+            };
             let kv_dim = 2 * d;
             let blocks = 6;
             let val = |i: usize, m: usize| ((i * m % 97) as f32 - 48.0) / 40.0;

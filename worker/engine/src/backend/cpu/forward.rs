@@ -12,10 +12,10 @@
 
 use super::AllReduce;
 use super::attention::{AttnShape, TokenCtx, paged_attention};
-use super::ops::{rms_norm, rope_apply, rope_tables, silu_mul};
+use super::ops::{gelu_tanh_mul, rms_norm, rms_norm_in_place, rope_apply, rope_tables, silu_mul};
 use super::qmatmul::{PackedWeight, matmul};
 use crate::backend::{BackendError, Logits, StepBatch};
-use crate::model::{LayerWeights, Linear, ModelConfig};
+use crate::model::{Activation, LayerWeights, Linear, ModelConfig};
 use crate::request::EngineError;
 
 struct Layer {
@@ -27,6 +27,16 @@ struct Layer {
     /// `[2·inter, hidden]`: gate_proj then up_proj rows.
     gate_up: PackedWeight,
     down: PackedWeight,
+    /// `[q + 2·kv]`: q, k, v biases, when the architecture has them.
+    qkv_bias: Option<Vec<f32>>,
+    /// Per-head q and k RMSNorm gains.
+    qk_norm: Option<[Vec<f32>; 2]>,
+    /// RMSNorm gains of the attention and MLP outputs (Gemma 3).
+    sandwich_norms: Option<[Vec<f32>; 2]>,
+    /// Attention window (`None`: full causal).
+    window: Option<usize>,
+    /// Index of this layer's RoPE frequencies in [`CpuModel::inv_freqs`].
+    rope: usize,
 }
 
 #[derive(Default)]
@@ -38,8 +48,8 @@ struct Scratch {
     proj: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+    /// Per RoPE variant: `[tokens, half]` cos and sin.
+    rope: Vec<(Vec<f32>, Vec<f32>)>,
     last: Vec<f32>,
 }
 
@@ -55,6 +65,16 @@ pub struct ModelParts {
     pub head: Option<(Vec<f32>, Option<Linear>)>,
     /// Whether `embed` embeds the tokens (false: only the tied output projection).
     pub embeds_tokens: bool,
+    /// Index in the whole model of `layers[0]` (a pipeline stage's first layer): where the
+    /// per-layer attention of [`crate::model::ArchConfig::layers`] is read.
+    pub first_layer: usize,
+}
+
+/// RMSNorm of every `[gain.len()]` row of `x`, in place.
+fn rms_norm_in_place_rows(x: &mut [f32], gain: &[f32], eps: f32) {
+    for row in x.chunks_exact_mut(gain.len()) {
+        rms_norm_in_place(row, gain, eps);
+    }
 }
 
 /// Weights, KV cache and scratch of a CPU model (or stage); see the module docs.
@@ -67,7 +87,12 @@ pub struct CpuModel {
     head_dim: usize,
     eps: f32,
     vocab: usize,
-    inv_freq: Vec<f32>,
+    /// Distinct RoPE inverse-frequency tables of this model's layers (one for Llama).
+    inv_freqs: Vec<Vec<f32>>,
+    activation: Activation,
+    embedding_scale: Option<f32>,
+    attention_scale: f32,
+    final_logit_softcapping: Option<f32>,
     embed: Option<PackedWeight>,
     embeds_tokens: bool,
     /// Final norm, and the untied output projection (`None`: `embed`).
@@ -122,18 +147,43 @@ impl CpuModel {
                 ),
             });
         }
-        let layers = parts
-            .layers
-            .into_iter()
-            .map(|l| Layer {
+        let mut inv_freqs: Vec<Vec<f32>> = Vec::new();
+        let mut layers = Vec::with_capacity(layers_n);
+        for (i, l) in parts.layers.into_iter().enumerate() {
+            let index = parts.first_layer + i;
+            let attn = config
+                .arch
+                .layers
+                .get(index)
+                .ok_or_else(|| EngineError::Internal(format!("layer {index} is not in the config")))?;
+            let inv = config.layer_rope_inv_freq(index);
+            let rope = match inv_freqs.iter().position(|f| *f == inv) {
+                Some(r) => r,
+                None => {
+                    inv_freqs.push(inv);
+                    inv_freqs.len() - 1
+                }
+            };
+            let (qb, kb, vb) = (l.q_proj.out_features, l.k_proj.out_features, l.v_proj.out_features);
+            let qkv_bias = match l.qkv_bias {
+                Some([bq, bk, bv]) if bq.len() == qb && bk.len() == kb && bv.len() == vb => Some([bq, bk, bv].concat()),
+                Some(_) => return Err(EngineError::Internal("q/k/v bias lengths do not match the weights".into())),
+                None => None,
+            };
+            layers.push(Layer {
                 input_norm: l.input_layernorm,
                 qkv: PackedWeight::stack(vec![l.q_proj, l.k_proj, l.v_proj]),
                 o_proj: PackedWeight::stack(vec![l.o_proj]),
                 post_norm: l.post_attention_layernorm,
                 gate_up: PackedWeight::stack(vec![l.gate_proj, l.up_proj]),
                 down: PackedWeight::stack(vec![l.down_proj]),
-            })
-            .collect();
+                qkv_bias,
+                qk_norm: l.qk_norm,
+                sandwich_norms: l.sandwich_norms,
+                window: attn.sliding_window,
+                rope,
+            });
+        }
         let cache_len = num_blocks * block_size * kv_dim;
         Ok(Self {
             hidden: config.hidden_size,
@@ -143,7 +193,11 @@ impl CpuModel {
             head_dim: hd,
             eps: config.rms_norm_eps,
             vocab: config.vocab_size,
-            inv_freq: config.rope_inv_freq(),
+            inv_freqs,
+            activation: config.arch.hidden_activation,
+            embedding_scale: config.arch.embedding_scale,
+            attention_scale: config.attention_scale(),
+            final_logit_softcapping: config.arch.final_logit_softcapping,
             embed: parts.embed.map(|e| PackedWeight::stack(vec![e])),
             embeds_tokens: parts.embeds_tokens,
             head: parts.head.map(|(norm, lm)| (norm, lm.map(|l| PackedWeight::stack(vec![l])))),
@@ -214,7 +268,10 @@ impl CpuModel {
         s.proj.resize(n * h, 0.0);
         s.gate_up.resize(n * 2 * inter, 0.0);
         s.act.resize(n * inter, 0.0);
-        rope_tables(&batch.positions, &self.inv_freq, &mut s.cos, &mut s.sin);
+        s.rope.resize_with(self.inv_freqs.len(), Default::default);
+        for (inv, (cos, sin)) in self.inv_freqs.iter().zip(&mut s.rope) {
+            rope_tables(&batch.positions, inv, cos, sin);
+        }
     }
 
     /// The residual stream `[tokens, hidden]` after [`CpuModel::begin`]: a stage's input
@@ -235,6 +292,11 @@ impl CpuModel {
         };
         for (t, &id) in batch.token_ids.iter().enumerate() {
             embed.row_f32(id as usize, &mut self.s.x[t * h..(t + 1) * h]);
+        }
+        if let Some(scale) = self.embedding_scale {
+            for v in &mut self.s.x {
+                *v *= scale;
+            }
         }
         Ok(())
     }
@@ -259,15 +321,37 @@ impl CpuModel {
                 tokens.push(TokenCtx { pos: seq.context_len - seq.query_len + i, block_table: &seq.block_table });
             }
         }
-        let shape =
-            AttnShape { q_heads: self.q_heads, kv_heads: self.kv_heads, head_dim: hd, block_size: self.block_size };
         for (li, layer) in self.layers.iter().enumerate() {
+            let shape = AttnShape {
+                q_heads: self.q_heads,
+                kv_heads: self.kv_heads,
+                head_dim: hd,
+                block_size: self.block_size,
+                scale: self.attention_scale,
+                window: layer.window,
+            };
             rms_norm(&s.x, &layer.input_norm, self.eps, &mut s.h);
             matmul(&s.h, n, &layer.qkv, &mut s.qkv);
+            if let Some(bias) = &layer.qkv_bias {
+                for row in s.qkv.chunks_exact_mut(qkv_dim) {
+                    for (v, b) in row.iter_mut().zip(bias) {
+                        *v += b;
+                    }
+                }
+            }
             let (kc, vc) = (&mut self.k_cache[li], &mut self.v_cache[li]);
+            let (cos_all, sin_all) = &s.rope[layer.rope];
             for t in 0..n {
                 let row = &mut s.qkv[t * qkv_dim..(t + 1) * qkv_dim];
-                let (cos, sin) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
+                if let Some([qn, kn]) = &layer.qk_norm {
+                    for head in row[..q_dim].chunks_exact_mut(hd) {
+                        rms_norm_in_place(head, qn, self.eps);
+                    }
+                    for head in row[q_dim..q_dim + kv_dim].chunks_exact_mut(hd) {
+                        rms_norm_in_place(head, kn, self.eps);
+                    }
+                }
+                let (cos, sin) = (&cos_all[t * half..(t + 1) * half], &sin_all[t * half..(t + 1) * half]);
                 rope_apply(&mut row[..q_dim + kv_dim], cos, sin);
                 let slot = batch.slot_mapping[t] as usize;
                 kc[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
@@ -276,14 +360,23 @@ impl CpuModel {
             paged_attention(shape, &s.qkv, qkv_dim, &tokens, kc, vc, &mut s.attn);
             matmul(&s.attn, n, &layer.o_proj, &mut s.proj);
             reduce.all_reduce_sum(&mut s.proj)?;
+            if let Some([attn_out, _]) = &layer.sandwich_norms {
+                rms_norm_in_place_rows(&mut s.proj, attn_out, self.eps);
+            }
             for (x, p) in s.x.iter_mut().zip(&s.proj) {
                 *x += p;
             }
             rms_norm(&s.x, &layer.post_norm, self.eps, &mut s.h);
             matmul(&s.h, n, &layer.gate_up, &mut s.gate_up);
-            silu_mul(&s.gate_up, inter, &mut s.act);
+            match self.activation {
+                Activation::Silu => silu_mul(&s.gate_up, inter, &mut s.act),
+                Activation::GeluTanh => gelu_tanh_mul(&s.gate_up, inter, &mut s.act),
+            }
             matmul(&s.act, n, &layer.down, &mut s.proj);
             reduce.all_reduce_sum(&mut s.proj)?;
+            if let Some([_, ffn_out]) = &layer.sandwich_norms {
+                rms_norm_in_place_rows(&mut s.proj, ffn_out, self.eps);
+            }
             for (x, p) in s.x.iter_mut().zip(&s.proj) {
                 *x += p;
             }
@@ -316,6 +409,11 @@ impl CpuModel {
         rms_norm(&s.last, norm, self.eps, &mut s.h[..rows * h]);
         let mut data = vec![0f32; rows * self.vocab];
         matmul(&s.h[..rows * h], rows, out_proj, &mut data);
+        if let Some(cap) = self.final_logit_softcapping {
+            for v in &mut data {
+                *v = (*v / cap).tanh() * cap;
+            }
+        }
         Ok(Logits { rows, vocab_size: self.vocab, data })
     }
 }

@@ -1,5 +1,5 @@
 //! CPU kernels in f32 besides the matrix products (those are in [`super::qmatmul`]): dot
-//! product, RMSNorm, RoPE (Hugging Face rotate-half layout) and SiLU·mul.
+//! product, RMSNorm, RoPE (Hugging Face rotate-half layout), SiLU·mul and GELU(tanh)·mul.
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
@@ -79,6 +79,15 @@ pub fn rms_norm(x: &[f32], g: &[f32], eps: f32, y: &mut [f32]) {
     }
 }
 
+/// [`rms_norm`] of one row in place (a head vector, or a layer output).
+pub fn rms_norm_in_place(x: &mut [f32], g: &[f32], eps: f32) {
+    let ss = dot(x, x) / g.len() as f32;
+    let inv = 1.0 / (ss + eps).sqrt();
+    for (xv, gv) in x.iter_mut().zip(g) {
+        *xv = gv * (*xv * inv);
+    }
+}
+
 /// Fills `cos`/`sin` (`[n, half]`) for the given positions: angle = `pos · inv_freq[i]` (f32,
 /// as transformers computes it).
 pub fn rope_tables(positions: &[u32], inv_freq: &[f32], cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
@@ -116,6 +125,20 @@ pub fn silu_mul(gu: &[f32], inter: usize, act: &mut [f32]) {
         for i in 0..inter {
             let x = gate[i];
             a[i] = x / (1.0 + (-x).exp()) * up[i];
+        }
+    }
+}
+
+/// `act[t, i] = gelu_tanh(gu[t, i]) · gu[t, I + i]` (GeGLU; PyTorch's
+/// `gelu(x, approximate="tanh")`: `0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³)))`).
+pub fn gelu_tanh_mul(gu: &[f32], inter: usize, act: &mut [f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (g, a) in gu.chunks_exact(2 * inter).zip(act.chunks_exact_mut(inter)) {
+        let (gate, up) = g.split_at(inter);
+        for i in 0..inter {
+            let x = gate[i];
+            let inner = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
+            a[i] = 0.5 * x * (1.0 + inner.tanh()) * up[i];
         }
     }
 }

@@ -89,6 +89,7 @@ pub fn build_cpu_stage(
     if layers != sizes.stage_layers(ctx.coords.pp_rank, config.num_hidden_layers) {
         return Err(dev(&format!("layers {layers:?} are not stage {}'s", ctx.coords.pp_rank)));
     }
+    let first_layer = layers.start;
     // Keep the stage's layers before sharding, so only they are copied.
     weights.layers = weights.layers.drain(layers).collect();
     let tp = sizes.tensor_parallel_size;
@@ -102,6 +103,7 @@ pub fn build_cpu_stage(
         layers: weights.layers,
         head: last.then_some((weights.norm, weights.lm_head)),
         embeds_tokens: first,
+        first_layer,
     };
     let kv_bytes = ctx.init.kv_cache_bytes.unwrap_or(super::DEFAULT_KV_CACHE_BYTES);
     let model = CpuModel::new(parts, &config, kv_bytes, ctx.init.block_size).map_err(|e| dev(&e))?;

@@ -1,11 +1,11 @@
-//! [`load`]: a llama-architecture GGUF file turned into a [`LoadedModel`] — config from
-//! `llama.*` keys, tokenizer and chat template from `tokenizer.*` metadata, tensors by their
+//! [`load`]: a GGUF file (llama, qwen2, qwen3, gemma3) turned into a [`LoadedModel`] — config
+//! from `{arch}.*` keys, tokenizer and chat template from `tokenizer.*` metadata, tensors by their
 //! Hugging Face names (llama.cpp's name map), dequantized to f32 or kept in their blocks, with
-//! Q/K un-permuted back to the Hugging Face layout (see [`llama::unpermute_qk`]).
+//! Q/K of `llama` files un-permuted back to the Hugging Face layout (see [`llama::unpermute_qk`]).
 
 use std::path::Path;
 
-use super::{GgufFile, GgufValue, gguf_name};
+use super::{GgufFile, GgufValue, gguf_name_for};
 use crate::model::chat_template::{self, ChatTemplate};
 use crate::model::config::ModelConfig;
 use crate::model::error::{ModelError, ResultExt, tokenizer_no_panic};
@@ -16,6 +16,9 @@ use crate::model::tokenizer::Tokenizer;
 struct GgufWeights<'a> {
     file: &'a GgufFile,
     cfg: &'a ModelConfig,
+    /// llama.cpp permutes Q/K rows only for the `llama` architecture (interleaved RoPE); the
+    /// others keep the Hugging Face (NeoX) order.
+    permuted_qk: bool,
     done: u64,
     total: u64,
     progress: ProgressFn<'a>,
@@ -23,12 +26,14 @@ struct GgufWeights<'a> {
 
 impl WeightSource for GgufWeights<'_> {
     fn tensor(&mut self, hf_name: &str) -> Result<Option<HostTensor>, ModelError> {
-        let Some(name) = gguf_name(hf_name) else { return Ok(None) };
+        let Some(name) = gguf_name_for(self.file.architecture(), hf_name) else { return Ok(None) };
         if !self.file.tensors.contains_key(&name) {
             return Ok(None);
         }
         let (shape, mut data) = self.file.tensor_f32(&name)?;
-        if hf_name.ends_with("q_proj.weight") {
+        if !self.permuted_qk {
+            // NeoX-order Q/K: as stored.
+        } else if hf_name.ends_with("q_proj.weight") {
             llama::unpermute_qk(&mut data, self.cfg.num_attention_heads, self.cfg.hidden_size);
         } else if hf_name.ends_with("k_proj.weight") {
             llama::unpermute_qk(&mut data, self.cfg.num_key_value_heads, self.cfg.hidden_size);
@@ -39,7 +44,7 @@ impl WeightSource for GgufWeights<'_> {
     }
 
     fn quantized(&mut self, hf_name: &str) -> Result<Option<QuantizedTensor>, ModelError> {
-        let Some(name) = gguf_name(hf_name) else { return Ok(None) };
+        let Some(name) = gguf_name_for(self.file.architecture(), hf_name) else { return Ok(None) };
         if !self.file.tensors.contains_key(&name) {
             return Ok(None);
         }
@@ -50,7 +55,9 @@ impl WeightSource for GgufWeights<'_> {
         }
         let mut q = QuantizedData { ty: info.ty, bytes: bytes.to_vec() };
         let row_bytes = q.row_bytes(shape[1]);
-        if hf_name.ends_with("q_proj.weight") {
+        if !self.permuted_qk {
+            // NeoX-order Q/K: as stored.
+        } else if hf_name.ends_with("q_proj.weight") {
             llama::unpermute_qk_bytes(&mut q.bytes, self.cfg.num_attention_heads, row_bytes);
         } else if hf_name.ends_with("k_proj.weight") {
             llama::unpermute_qk_bytes(&mut q.bytes, self.cfg.num_key_value_heads, row_bytes);
@@ -76,7 +83,7 @@ pub fn load(path: &Path, progress: ProgressFn<'_>, keep_quantized: bool) -> Resu
 fn load_file(file: &GgufFile, progress: ProgressFn<'_>, keep_quantized: bool) -> Result<LoadedModel, ModelError> {
     let config = file.model_config()?;
     let tokenizer = tokenizer_no_panic(|| Tokenizer::from_gguf(file))?;
-    let architecture = file.get("general.architecture").and_then(GgufValue::as_str).unwrap_or_default();
+    let architecture = file.architecture();
     let source = file.get("tokenizer.chat_template").and_then(GgufValue::as_str).or_else(|| {
         let builtin = chat_template::builtin_source(architecture);
         if builtin.is_some() {
@@ -89,7 +96,8 @@ fn load_file(file: &GgufFile, progress: ProgressFn<'_>, keep_quantized: bool) ->
         None => None,
     };
     let total = file.tensors.keys().filter_map(|n| file.tensor_bytes(n).ok().map(|(_, b)| b.len() as u64)).sum();
-    let mut src = GgufWeights { file, cfg: &config, done: 0, total, progress };
+    let permuted_qk = file.architecture() == "llama";
+    let mut src = GgufWeights { file, cfg: &config, permuted_qk, done: 0, total, progress };
     let weights = LlamaWeights::load_with(&config, &mut src, keep_quantized)?;
     Ok(LoadedModel { config, tokenizer, chat_template, weights })
 }
