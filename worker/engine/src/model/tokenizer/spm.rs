@@ -61,9 +61,7 @@ fn merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
             }
         }
     }
-    found.sort_by(|a, b| {
-        scores[b.0 as usize].total_cmp(&scores[a.0 as usize]).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1))
-    });
+    found.sort_by(|a, b| scores[b.0 as usize].total_cmp(&scores[a.0 as usize]).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
     found.into_iter().map(|(_, l, r)| (tokens[l as usize].clone(), tokens[r as usize].clone())).collect()
 }
 
@@ -74,8 +72,7 @@ fn merges(tokens: &[String], scores: &[f64]) -> Vec<(String, String)> {
 /// tokenizers crate rejects the model.
 pub(super) fn tokenizer(file: &GgufFile, tokens: &[String]) -> Result<Tokenizer, ModelError> {
     let scores = scores(file, tokens.len())?;
-    let vocab: tokenizers::models::bpe::Vocab =
-        tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
     let mut builder = BPE::builder().vocab_and_merges(vocab, merges(tokens, &scores)).byte_fallback(true);
     let unk = file.get("tokenizer.ggml.unknown_token_id").and_then(GgufValue::as_u64);
     if let Some(unk) = unk.and_then(|u| tokens.get(usize::try_from(u).ok()?)) {
