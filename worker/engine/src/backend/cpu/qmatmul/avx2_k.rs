@@ -52,7 +52,8 @@ impl Block for Q50 {
             let d = scale(p);
             let q = q5_ints(p.wrapping_add(6), u32_at(p.wrapping_add(2)));
             let sixteen = _mm256_set1_epi32(16);
-            q.map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, sixteen)), d))
+            let f = |v| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, sixteen)), d);
+            [f(q[0]), f(q[1]), f(q[2]), f(q[3])]
         }
     }
 }
@@ -66,7 +67,8 @@ impl Block for Q51 {
             let (d, m) = (scale(p), scale(p.wrapping_add(2)));
             let q = q5_ints(p.wrapping_add(8), u32_at(p.wrapping_add(4)));
             // q·d is exact in f32, so one FMA rounds like `q * d + m`.
-            q.map(|v| _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m))
+            let f = |v| _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
+            [f(q[0]), f(q[1]), f(q[2]), f(q[3])]
         }
     }
 }
@@ -106,7 +108,9 @@ impl Block for Q4K {
             let (d, m) = k4_scale_min(p, g);
             let (d, m) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
             let (a, b) = bits32(p.wrapping_add(16 + 32 * (g / 2)), 4 * (g & 1), 0x0F);
-            widen_u8(a, b).map(|v| _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), d, m))
+            let q = widen_u8(a, b);
+            let f = |v| _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), d, m);
+            [f(q[0]), f(q[1]), f(q[2]), f(q[3])]
         }
     }
 }
@@ -123,7 +127,9 @@ impl Block for Q5K {
             let (a, b) = bits32(p.wrapping_add(48 + 32 * (g / 2)), 4 * (g & 1), 0x0F);
             let (ha, hb) = bits32(p.wrapping_add(16), g, 1);
             let (a, b) = (_mm_or_si128(a, _mm_slli_epi16(ha, 4)), _mm_or_si128(b, _mm_slli_epi16(hb, 4)));
-            widen_u8(a, b).map(|v| _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), d, m))
+            let q = widen_u8(a, b);
+            let f = |v| _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), d, m);
+            [f(q[0]), f(q[1]), f(q[2]), f(q[3])]
         }
     }
 }
