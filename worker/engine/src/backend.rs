@@ -257,6 +257,13 @@ pub trait Backend: Send {
     /// Bytes of KV cache one token uses across all layers (K and V).
     fn kv_bytes_per_token(&self) -> usize;
 
+    /// The sliding window every layer of the model has, when it has one: the scheduler then
+    /// frees KV blocks that fall wholly out of it ([`crate::scheduler::Scheduler::with_sliding_window`]).
+    /// Default `None` (keep every block).
+    fn kv_sliding_window(&self) -> Option<usize> {
+        None
+    }
+
     /// Short backend name for logs and metrics ("cpu", "cuda").
     fn name(&self) -> &'static str;
 }

@@ -181,6 +181,9 @@ impl EngineHandle {
         if cfg.enable_prefix_caching {
             sched = sched.with_prefix_caching(cfg.cache_namespace);
         }
+        if let Some(w) = parts.backend.kv_sliding_window() {
+            sched = sched.with_sliding_window(w);
+        }
         let core = EngineCore::new(
             sched,
             parts.backend,

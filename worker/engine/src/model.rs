@@ -13,6 +13,7 @@
 //! - [`mistral`], [`qwen2`], [`qwen3`], [`gemma3`]: how each family's config (Hugging Face
 //!   and GGUF) maps onto [`ArchConfig`], the backend-neutral description of its layers.
 
+mod architecture;
 pub mod chat_template;
 pub mod config;
 pub mod error;

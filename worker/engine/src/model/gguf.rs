@@ -410,14 +410,31 @@ impl GgufFile {
                 cfg.arch.qk_norm = true;
             }
             "gemma3" => {
-                let pattern =
-                    self.req_u(&k("attention.sliding_window_pattern")).unwrap_or(gemma3::SLIDING_WINDOW_PATTERN);
-                for (i, l) in cfg.arch.layers.iter_mut().enumerate() {
-                    l.sliding_window = window.filter(|_| gemma3::is_local(i, pattern));
+                // `attention.sliding_window_pattern`: a period (every n-th layer global) or
+                // one bool per layer (true: local); llama.cpp's default for gemma3 is 6.
+                let key = k("attention.sliding_window_pattern");
+                let local: Vec<bool> = match self.get(&key) {
+                    Some(GgufValue::Array(a)) => {
+                        let flags: Option<Vec<bool>> = a.iter().map(GgufValue::as_bool).collect();
+                        flags.filter(|f| f.len() == n_layers).ok_or(ModelError::Metadata { key })?
+                    }
+                    Some(v) => {
+                        let p = v.as_u64().and_then(|p| usize::try_from(p).ok()).ok_or(ModelError::Metadata { key })?;
+                        (0..n_layers).map(|i| gemma3::is_local(i, p)).collect()
+                    }
+                    None => (0..n_layers).map(|i| gemma3::is_local(i, gemma3::SLIDING_WINDOW_PATTERN)).collect(),
+                };
+                for (l, local) in cfg.arch.layers.iter_mut().zip(local) {
+                    l.sliding_window = window.filter(|_| local);
                 }
+                let local_theta = self
+                    .get(&k("rope.freq_base_swa"))
+                    .and_then(GgufValue::as_f64)
+                    .map_or(gemma3::LOCAL_ROPE_THETA, |t| t as f32);
                 // llama.cpp scales by 1/sqrt(key_length) (query_pre_attn_scalar = head_dim
-                // for every Gemma 3 but the 27B) and fixes the local layers' base.
-                gemma3::apply(&mut cfg, 0.0, head_dim as f32, gemma3::LOCAL_ROPE_THETA);
+                // for every Gemma 3 but the 27B); the local layers' base is 10 000 unless
+                // `rope.freq_base_swa` says otherwise.
+                gemma3::apply(&mut cfg, 0.0, head_dim as f32, local_theta);
                 cfg.arch.final_logit_softcapping =
                     self.get(&k("final_logit_softcapping")).and_then(GgufValue::as_f64).map(|c| c as f32);
             }
@@ -447,7 +464,7 @@ pub fn gguf_name_for(arch: &str, hf: &str) -> Option<String> {
         let suffix = match tail {
             "post_attention_layernorm.weight" => Some("post_attention_norm.weight"),
             "pre_feedforward_layernorm.weight" => Some("ffn_norm.weight"),
-            "post_feedforward_layernorm.weight" => Some("ffn_post_norm.weight"),
+            "post_feedforward_layernorm.weight" => Some("post_ffw_norm.weight"),
             _ => None,
         };
         if let Some(suffix) = suffix {

@@ -11,10 +11,25 @@ use half::bf16;
 use super::device::{DevBuf, Gpu};
 use super::error::CudaError;
 use super::options::{Dims, SyntheticShape};
-use crate::model::config::ModelConfig;
+use crate::model::config::{ArchConfig, Architecture, ModelConfig};
 use crate::model::error::ModelError;
 use crate::model::llama::LlamaWeights;
 use crate::model::safetensors::SafetensorsFiles;
+
+/// The CUDA kernels implement Llama's decoder recipe only: a model whose
+/// [`ArchConfig`] asks for more (biases, q/k norms, Gemma's norms and GeGLU, sliding windows,
+/// per-layer RoPE bases) is refused rather than computed wrongly.
+fn check_llama_recipe(cfg: &ModelConfig) -> Result<(), CudaError> {
+    let mut arch = cfg.arch.clone();
+    arch.architecture = Architecture::Llama;
+    if arch != ArchConfig::llama(cfg.num_hidden_layers, cfg.rope_theta) {
+        return Err(CudaError::Unsupported(format!(
+            "{} on the CUDA backend (its layers differ from Llama's); use the CPU backend",
+            cfg.arch.architecture.hf_name()
+        )));
+    }
+    Ok(())
+}
 
 /// Device addresses of one decoder layer's weights.
 pub(crate) struct LayerPtrs {
@@ -163,6 +178,7 @@ impl DeviceWeights {
         spec: &ShardSpec,
         progress: &dyn Fn(u64, u64),
     ) -> Result<(Self, Dims), CudaError> {
+        check_llama_recipe(cfg)?;
         let tp = spec.tp_size.max(1);
         let divides = cfg.num_attention_heads.is_multiple_of(tp)
             && cfg.num_key_value_heads.is_multiple_of(tp)
@@ -258,6 +274,7 @@ impl DeviceWeights {
     /// [`CudaError::Unsupported`] for a model without layers; [`CudaError`] on allocation or
     /// copy failure.
     pub fn upload(gpu: &Gpu, w: &LlamaWeights, cfg: &ModelConfig) -> Result<(Self, Dims), CudaError> {
+        check_llama_recipe(cfg)?;
         let first = w.layers.first().ok_or_else(|| CudaError::Unsupported("model has no layers".into()))?;
         let hd = cfg.head_dim;
         let d = Dims {
