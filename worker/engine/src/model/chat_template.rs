@@ -24,6 +24,21 @@ use crate::request::{ChatMessage, EngineError};
 
 const NAME: &str = "chat";
 
+/// Gemma 3's chat template as Google publishes it (`chat_template` of the
+/// `google/gemma-3-*-it` tokenizer configs): the system message becomes a prefix of the first
+/// user turn, `assistant` is printed as `model`, roles must alternate starting with the user.
+const GEMMA3: &str = include_str!("../../templates/gemma3.jinja");
+
+/// The chat template a model family publishes, for GGUF files converted without one (no
+/// `tokenizer.chat_template`, as llama.cpp's conversion of a base checkpoint writes them):
+/// by GGUF `general.architecture`. `None` for families without a known template.
+pub fn builtin_source(architecture: &str) -> Option<&'static str> {
+    match architecture {
+        "gemma3" => Some(GEMMA3),
+        _ => None,
+    }
+}
+
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -463,6 +478,21 @@ mod tests {
         // Without tools the variable is undefined; SmolLM2's template never reads it.
         assert_eq!(t.render_with_tools(&msgs[..1], None, false)?, "[system|D||]");
         assert!(!ChatTemplate::new(SMOLLM, String::new(), String::new())?.uses_tools());
+        Ok(())
+    }
+
+    #[test]
+    fn gemma3_builtin_folds_the_system_message_into_the_first_turn() -> anyhow::Result<()> {
+        let src = builtin_source("gemma3").expect("gemma3 template");
+        let t = ChatTemplate::new(src, "<bos>".into(), "<eos>".into())?;
+        let out = t.render(&[msg("system", "Be brief."), msg("user", " Hi "), msg("assistant", "Hello")], true)?;
+        assert_eq!(
+            out,
+            "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>model\n"
+        );
+        let err = t.render(&[msg("user", "a"), msg("user", "b")], true);
+        assert!(matches!(err, Err(EngineError::InvalidRequest { field: "messages", .. })), "{err:?}");
+        assert!(builtin_source("llama").is_none());
         Ok(())
     }
 

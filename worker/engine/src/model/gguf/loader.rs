@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use super::{GgufFile, GgufValue, gguf_name_for};
-use crate::model::chat_template::ChatTemplate;
+use crate::model::chat_template::{self, ChatTemplate};
 use crate::model::config::ModelConfig;
 use crate::model::error::{ModelError, ResultExt, tokenizer_no_panic};
 use crate::model::llama::{self, HostTensor, LlamaWeights, QuantizedData, QuantizedTensor, WeightSource};
@@ -83,7 +83,15 @@ pub fn load(path: &Path, progress: ProgressFn<'_>, keep_quantized: bool) -> Resu
 fn load_file(file: &GgufFile, progress: ProgressFn<'_>, keep_quantized: bool) -> Result<LoadedModel, ModelError> {
     let config = file.model_config()?;
     let tokenizer = tokenizer_no_panic(|| Tokenizer::from_gguf(file))?;
-    let chat_template = match file.get("tokenizer.chat_template").and_then(GgufValue::as_str) {
+    let architecture = file.architecture();
+    let source = file.get("tokenizer.chat_template").and_then(GgufValue::as_str).or_else(|| {
+        let builtin = chat_template::builtin_source(architecture);
+        if builtin.is_some() {
+            tracing::info!(architecture, "the GGUF file has no chat template; using the family's published one");
+        }
+        builtin
+    });
+    let chat_template = match source {
         Some(src) => Some(ChatTemplate::new(src, tokenizer.bos_text(), tokenizer.eos_text())?),
         None => None,
     };
