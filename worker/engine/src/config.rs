@@ -100,6 +100,42 @@ pub struct EngineConfig {
     pub chat_content_special_tokens: bool,
     /// Tensor/pipeline parallelism and where the ranks run (default: one rank, in-process).
     pub parallel: super::parallel::ParallelConfig,
+    /// CUDA (one rank): weight format of the decoder layers (vLLM's `--quantization`).
+    pub quantization: Quantization,
+    /// CUDA (one rank): KV-cache element type (vLLM's `--kv-cache-dtype`).
+    pub kv_cache_dtype: KvCacheDtype,
+}
+
+/// Weight format of the decoder layers' linear layers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Quantization {
+    /// bf16 (the checkpoint's values rounded to bf16).
+    #[default]
+    None,
+    /// FP8 e4m3 weights with per-output-channel f32 scales: half the bytes a decode step
+    /// reads; FP8 tensor-core GEMMs (activations quantized per token) for larger steps.
+    Fp8,
+}
+
+/// Element type of the paged KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    /// bf16.
+    #[default]
+    Bf16,
+    /// e4m3 with a per-tensor scale of 1.0 (vLLM's default without calibration: K and V
+    /// values are stored as they are, saturating at ±448): twice the tokens in the same memory.
+    Fp8,
+}
+
+impl KvCacheDtype {
+    /// Bytes per cached value.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::Bf16 => 2,
+            Self::Fp8 => 1,
+        }
+    }
 }
 
 impl EngineConfig {
@@ -123,6 +159,8 @@ impl EngineConfig {
             max_pending_requests: rt.max_pending_requests,
             enable_prefix_caching: rt.enable_prefix_caching,
             chat_content_special_tokens: rt.chat_content_special_tokens,
+            quantization: Quantization::None,
+            kv_cache_dtype: KvCacheDtype::Bf16,
             parallel: super::parallel::ParallelConfig::default(),
         }
     }
@@ -307,6 +345,8 @@ fn cuda_options(cfg: &EngineConfig, devices: &[u32]) -> super::backend::cuda::Cu
         max_num_batched_tokens: cfg.max_num_batched_tokens,
         max_num_seqs: cfg.max_num_seqs,
         batch_invariant: cfg.batch_invariant,
+        quantization: cfg.quantization,
+        kv_cache_dtype: cfg.kv_cache_dtype,
         ..Default::default()
     }
 }

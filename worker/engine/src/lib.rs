@@ -42,7 +42,7 @@ mod stop_tests;
 #[cfg(test)]
 mod test_double;
 
-pub use config::{BackendKind, EngineConfig};
+pub use config::{BackendKind, EngineConfig, KvCacheDtype, Quantization};
 pub use handle::{EngineHandle, EngineParts, ModelInfo, OutputStream, RuntimeConfig};
 pub use metrics::{EngineStats, FinishedCounts, KvWasteStats, LatencyHistogram};
 pub use request::*;

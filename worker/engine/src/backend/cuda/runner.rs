@@ -19,9 +19,9 @@ use super::gemm::GemmPlanInfo;
 use super::gemv::GEMV_MAX_M;
 use super::kv_cache::KvCache;
 use super::nccl::RankComm;
-use super::options::{CudaOptions, Dims, SyntheticShape};
+use super::options::{CudaOptions, Dims, Quantization, SyntheticShape};
 use super::scratch::Uploaded;
-use super::weights::{DeviceWeights, ShardSpec};
+use super::weights::{DeviceWeights, ShardSpec, WeightFormat};
 use crate::backend::{Backend, BackendError, Logits, StepBatch};
 use crate::model::config::ModelConfig;
 use crate::model::llama::LlamaWeights;
@@ -58,6 +58,22 @@ fn invalid(msg: impl Into<String>) -> BackendError {
     BackendError::InvalidBatch(msg.into())
 }
 
+/// The device weight format `opts` asks for.
+///
+/// # Errors
+/// [`CudaError::InvalidOption`] (`quantization`) for FP8 in batch-invariant mode: its GEMMs
+/// are cuBLASLt's per-`M` choice, not one fixed algorithm per shape.
+fn weight_format(opts: &CudaOptions) -> Result<WeightFormat, CudaError> {
+    let fp8 = opts.quantization == Quantization::Fp8;
+    if fp8 && opts.batch_invariant {
+        return Err(CudaError::InvalidOption {
+            field: "quantization",
+            message: "quantization fp8 is not available with batch_invariant".into(),
+        });
+    }
+    Ok(WeightFormat { fp8, fp8_lm_head: fp8 && opts.fp8_lm_head })
+}
+
 impl CudaBackend {
     /// Uploads `weights` (f32 host, HF layout) as bf16 to device `opts.device` and allocates
     /// the step scratch and the KV cache.
@@ -69,7 +85,7 @@ impl CudaBackend {
     /// memory runs out or a kernel cannot be built.
     pub fn new(weights: LlamaWeights, config: &ModelConfig, opts: &CudaOptions) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
-        let (w, d) = DeviceWeights::upload(&gpu, &weights, config)?;
+        let (w, d) = DeviceWeights::upload(&gpu, &weights, config, weight_format(opts)?)?;
         drop(weights);
         Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
     }
@@ -90,7 +106,7 @@ impl CudaBackend {
     ) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
         let spec = ShardSpec::full(config.num_hidden_layers);
-        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, &spec, progress)?;
+        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, &spec, weight_format(opts)?, progress)?;
         Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
     }
 
@@ -108,7 +124,7 @@ impl CudaBackend {
         spec: &ShardSpec,
     ) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
-        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, spec, &|_, _| {})?;
+        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, spec, weight_format(opts)?, &|_, _| {})?;
         let mut be = Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)?;
         be.m.first_stage = spec.first_stage;
         be.m.last_stage = spec.last_stage;
@@ -229,7 +245,7 @@ impl CudaBackend {
     /// As [`CudaBackend::new`].
     pub fn synthetic(shape: &SyntheticShape, opts: &CudaOptions) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
-        let (w, d) = DeviceWeights::synthetic(&gpu, shape)?;
+        let (w, d) = DeviceWeights::synthetic(&gpu, shape, weight_format(opts)?)?;
         Self::finish(gpu, w, d, &shape.inv_freq(), opts)
     }
 
@@ -480,7 +496,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_bytes_per_token(&self) -> usize {
-        KvCache::bytes_per_token(&self.m.d)
+        KvCache::bytes_per_token(&self.m.d, self.m.kv.dtype)
     }
 
     fn name(&self) -> &'static str {
