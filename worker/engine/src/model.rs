@@ -5,7 +5,10 @@
 //!
 //! - [`config`]: [`ModelConfig`] (serde mirror of `config.json`, also built from GGUF metadata).
 //! - [`gguf`]: GGUF v3 reader and dequantization (F32/F16/BF16/Q8_0/Q4_0/Q4_1).
-//! - [`safetensors`]: Hugging Face `model.safetensors` / sharded index.
+//! - [`safetensors`]: Hugging Face `model.safetensors` / sharded index; FP8 weights
+//!   dequantized with their scales, or read as stored ([`safetensors::SafetensorsFiles::fp8_weight`]).
+//! - [`quantization`]: [`CheckpointQuant`] (`quantization_config`: fp8, compressed-tensors).
+//! - [`fp8`]: E4M3/E5M2 conversion and [`fp8::Fp8Weight`] (codes + scales).
 //! - [`tokenizer`]: [`Tokenizer`] (tokenizers crate; built from GGUF metadata or `tokenizer.json`).
 //! - [`chat_template`]: [`ChatTemplate`] (minijinja with Hugging Face semantics).
 //! - [`llama`]: [`LlamaWeights`] and tensor-parallel sharding.
@@ -13,9 +16,11 @@
 pub mod chat_template;
 pub mod config;
 pub mod error;
+pub mod fp8;
 pub mod gguf;
 pub mod llama;
 mod loaded;
+pub mod quantization;
 pub mod safetensors;
 pub mod tokenizer;
 
@@ -26,6 +31,7 @@ pub use config::{ModelConfig, RopeScaling};
 pub use error::ModelError;
 pub use llama::{LayerWeights, Linear, LlamaWeights, QuantizedData};
 pub use loaded::{LoadOptions, LoadedModel, ProgressFn};
+pub use quantization::CheckpointQuant;
 pub use tokenizer::{Tokenizer, TokenizerExport};
 
 use crate::request::EngineError;

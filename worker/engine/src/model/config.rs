@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::error::ModelError;
+use super::quantization::CheckpointQuant;
 
 /// Llama 3 style RoPE frequency scaling (`rope_scaling` with `rope_type: "llama3"`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -99,6 +100,10 @@ pub struct HfLlamaConfig {
     /// Architectures list (e.g. `["LlamaForCausalLM"]`).
     #[serde(default)]
     pub architectures: Vec<String>,
+    /// How the weights are quantized (FP8 checkpoints), parsed by
+    /// [`CheckpointQuant::from_hf`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization_config: Option<serde_json::Value>,
 }
 
 fn default_eps() -> f32 {
@@ -145,13 +150,17 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// EOS ids (config.json, generation_config.json and tokenizer merged, deduplicated).
     pub eos_token_ids: Vec<u32>,
+    /// The checkpoint's weight quantization (an FP8 checkpoint's `quantization_config`);
+    /// `None` for float checkpoints and GGUF files.
+    pub quantization: Option<CheckpointQuant>,
 }
 
 impl ModelConfig {
     /// Builds and validates a config from a Hugging Face `config.json`.
     ///
     /// # Errors
-    /// [`ModelError::Config`] when the shapes are inconsistent.
+    /// [`ModelError::Config`] when the shapes are inconsistent, [`ModelError::Quantization`]
+    /// for a `quantization_config` the loader does not read.
     pub fn from_hf(hf: &HfLlamaConfig) -> Result<Self, ModelError> {
         let heads = hf.num_attention_heads;
         if heads == 0 {
@@ -177,6 +186,7 @@ impl ModelConfig {
             tie_word_embeddings: hf.tie_word_embeddings,
             bos_token_id: hf.bos_token_id,
             eos_token_ids: hf.eos_token_id.as_ref().map(TokenIds::to_vec).unwrap_or_default(),
+            quantization: hf.quantization_config.as_ref().map(CheckpointQuant::from_hf).transpose()?,
         };
         cfg.validate()?;
         Ok(cfg)

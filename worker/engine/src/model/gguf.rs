@@ -373,6 +373,7 @@ impl GgufFile {
             tie_word_embeddings: !self.tensors.contains_key("output.weight"),
             bos_token_id: tok_u32("tokenizer.ggml.bos_token_id"),
             eos_token_ids: eos,
+            quantization: None,
         };
         cfg.validate()?;
         Ok(cfg)
