@@ -35,7 +35,9 @@
 //! prompt at a time, each run's last-token logit error vs HF f32 (max |Δ| over the 8 prompts),
 //! and the FP8 run's 64 greedy tokens against the bf16 run's (tokens equal up to the first
 //! divergence, over all prompts, and prompts identical). On the trained model it passes when
-//! at least 95% of the greedy tokens agree; the random model's agreement is information.
+//! at least 95% of the greedy tokens agree; the random model's agreement is information. When
+//! `DIR[/trained]/fp8` holds an FP8 checkpoint of the same model (`scripts/quantize_fp8.py`,
+//! per-channel scales), it is loaded as stored and compared with the at-load FP8 run.
 
 #[cfg(feature = "cuda")]
 fn main() -> anyhow::Result<()> {
@@ -392,13 +394,16 @@ mod check {
 
     /// One prompt at a time through `cuda`: each prompt's max |logit − HF f32| and its 64
     /// greedy tokens.
-    fn run_alone(cuda: &mut CudaBackend, r: &Reference) -> anyhow::Result<(Vec<f64>, Vec<Vec<u32>>)> {
+    type Alone = (Vec<f64>, Vec<Vec<u32>>, Vec<Vec<f32>>);
+
+    fn run_alone(cuda: &mut CudaBackend, r: &Reference) -> anyhow::Result<Alone> {
         let per_seq = r.per_seq();
-        let (mut errs, mut all) = (Vec::new(), Vec::new());
+        let (mut errs, mut all, mut logits) = (Vec::new(), Vec::new(), Vec::new());
         for (i, p) in r.prompts.iter().enumerate() {
             let mut seq = Seq { tokens: p.clone(), blocks: blocks_for(i, per_seq) };
             let lg = cuda.forward(&step(&[&seq], &[(0, p.len(), true)]))?;
             errs.push(max_abs(lg.row(0), &r.logits_f32[i]));
+            logits.push(lg.row(0).to_vec());
             let mut toks = vec![argmax(lg.row(0))];
             seq.tokens.push(toks[0]);
             while toks.len() < NEW {
@@ -408,7 +413,7 @@ mod check {
             }
             all.push(toks);
         }
-        Ok((errs, all))
+        Ok((errs, all, logits))
     }
 
     /// FP8 accuracy on one model (see the module docs): bf16 vs FP8 weights (and KV as asked).
@@ -426,17 +431,43 @@ mod check {
             ..CudaOptions::default()
         };
         let mut bf = CudaBackend::from_safetensors(&m.files, c, &base, &|_, _| {})?;
-        let (e_bf, t_bf) = run_alone(&mut bf, &r)?;
+        let (e_bf, t_bf, _) = run_alone(&mut bf, &r)?;
         drop(bf);
         let opts = CudaOptions {
             quantization: fp8.quantization,
             fp8_lm_head: fp8.fp8_lm_head,
             kv_cache_dtype: fp8.kv_cache_dtype,
-            ..base
+            ..base.clone()
         };
         let mut q = CudaBackend::from_safetensors(&m.files, c, &opts, &|_, _| {})?;
         let weight_bytes = q.weight_bytes();
-        let (e_q, t_q) = run_alone(&mut q, &r)?;
+        let (e_q, t_q, l_q) = run_alone(&mut q, &r)?;
+        drop(q);
+        // An FP8 checkpoint of the same model written by scripts/quantize_fp8.py (per-channel
+        // scales, same rule) into DIR/fp8: loaded as stored, it must match the at-load run.
+        let ckpt = dir.join("fp8");
+        let ckpt_report = if ckpt.join("config.json").is_file() {
+            let mc = prism_engine::model::safetensors::open_dir_model(&ckpt)?;
+            let co = CudaOptions { kv_cache_dtype: fp8.kv_cache_dtype, ..base.clone() };
+            let mut cb = CudaBackend::from_safetensors(&mc.files, &mc.config, &co, &|_, _| {})?;
+            let (_, t_c, l_c) = run_alone(&mut cb, &r)?;
+            let d = l_c
+                .iter()
+                .zip(&l_q)
+                .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+                .fold(0f32, f32::max);
+            let same = t_c.iter().zip(&t_q).filter(|(a, b)| a == b).count();
+            println!(
+                "[{} / FP8 checkpoint {}] weights {:.3} MB; max |logit - at-load FP8| {d:.5}; greedy == at-load FP8 on {same}/{n} prompts",
+                kind.name(),
+                ckpt.display(),
+                cb.weight_bytes() as f64 / 1e6
+            );
+            json!({"dir": ckpt.display().to_string(), "max_abs_vs_at_load_fp8": d, "prompts_eq_at_load_fp8": same,
+                   "weight_bytes": cb.weight_bytes()})
+        } else {
+            Value::Null
+        };
         let prefix = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
         let agree: usize = t_q.iter().zip(&t_bf).map(|(a, b)| prefix(a, b)).sum();
         let identical = t_q.iter().zip(&t_bf).filter(|(a, b)| a == b).count();
@@ -464,7 +495,7 @@ mod check {
             "max_abs_vs_hf_f32_bf16": mx_bf, "max_abs_vs_hf_f32_fp8": mx_q, "hf_bf16_vs_f32_max_abs": r.e_hf,
             "per_prompt_max_abs_bf16": e_bf, "per_prompt_max_abs_fp8": e_q,
             "greedy_tokens_agree_before_divergence": agree, "greedy_tokens_total": n * NEW, "greedy_agreement": frac,
-            "prompts_identical": identical, "fp8_prompts_eq_hf_f32": eq_hf, "pass": ok,
+            "prompts_identical": identical, "fp8_prompts_eq_hf_f32": eq_hf, "fp8_checkpoint": ckpt_report, "pass": ok,
         });
         Ok((report, ok))
     }
@@ -498,7 +529,11 @@ mod check {
         let fp8 = has("--fp8").then(|| CudaOptions {
             quantization: Quantization::Fp8,
             fp8_lm_head: has("--fp8-lm-head"),
-            kv_cache_dtype: if value("--kv-cache-dtype") == Some("fp8") { KvCacheDtype::Fp8 } else { KvCacheDtype::Bf16 },
+            kv_cache_dtype: if value("--kv-cache-dtype") == Some("fp8") {
+                KvCacheDtype::Fp8
+            } else {
+                KvCacheDtype::Bf16
+            },
             ..CudaOptions::default()
         });
         let mut sections = serde_json::Map::new();

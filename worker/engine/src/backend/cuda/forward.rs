@@ -76,9 +76,17 @@ pub(crate) struct ShardModel {
     fp8: Option<Fp8Path>,
 }
 
+impl ShardModel {
+    /// FP8 weights: how steps above the GEMVs' token count multiply ("cublaslt_fp8", or
+    /// "dequantize_bf16" where cuBLASLt has no FP8 GEMM); `None` for bf16 weights.
+    pub fn fp8_gemm_path(&self) -> Option<&'static str> {
+        self.fp8.as_ref().map(|f| if f.wtmp.is_some() { "dequantize_bf16" } else { "cublaslt_fp8" })
+    }
+}
+
 /// What the GEMM path needs for FP8 weights: the activations of a product quantized per
 /// token (`xq` e4m3 `[tokens, widest input]`, `xs` f32 `[tokens]`), then cuBLASLt's FP8 GEMM
-/// with the weight's row scales, or, where cuBLASLt has none with per-row scales, the weight
+/// and both scales applied to its output, or, where cuBLASLt has no FP8 GEMM, the weight
 /// dequantized to bf16 (`wtmp`, the largest layer matrix) and the bf16 GEMM.
 struct Fp8Path {
     k: Fp8Kernels,
@@ -96,7 +104,7 @@ impl Fp8Path {
         let wtmp = if lt_ok {
             None
         } else {
-            tracing::warn!("cuBLASLt has no FP8 GEMM with per-row scales here: dequantizing weights for large steps");
+            tracing::warn!("cuBLASLt has no FP8 GEMM here: dequantizing weights for large steps");
             let most = [d.qkv_dim() * d.hidden, d.hidden * d.q_dim(), 2 * d.inter * d.hidden, d.hidden * d.inter];
             Some(DevBuf::zeroed(gpu, most.into_iter().max().unwrap_or(0).max(d.vocab * d.hidden) * 2)?)
         };
@@ -311,8 +319,9 @@ impl ShardModel {
                     return lt.matmul_heuristic(g, &GemmArgs { y, x, w: tmp.ptr, shape, f32_out });
                 }
                 f.k.quantize(g, f.xq.ptr, f.xs.ptr, x, n, inp)?;
-                let a = Fp8GemmArgs { y, xq: f.xq.ptr, xs: f.xs.ptr, wq: w, ws, n, out, inp, f32_out };
-                return f.gemm.matmul(g, &a);
+                let a = Fp8GemmArgs { y, xq: f.xq.ptr, wq: w, n, out, inp, f32_out };
+                f.gemm.matmul(g, &a)?;
+                return f.k.scale_rows_cols(g, y, f.xs.ptr, ws, n, out, f32_out);
             }
             let a = GemmArgs { y, x, w, shape, f32_out };
             if invariant { lt.matmul(g, &a) } else { lt.matmul_heuristic(g, &a) }
@@ -387,7 +396,14 @@ impl ShardModel {
                 };
                 add_rmsnorm(g, &d, &norm).op("add_rmsnorm")?;
                 mark("add_rmsnorm")?;
-                matmul(g, s.qkv.ptr, s.hn.ptr, (lw.qkv, lw.qkv_scale), GemmShape { n, out: d.qkv_dim(), inp: d.hidden }, false)?;
+                matmul(
+                    g,
+                    s.qkv.ptr,
+                    s.hn.ptr,
+                    (lw.qkv, lw.qkv_scale),
+                    GemmShape { n, out: d.qkv_dim(), inp: d.hidden },
+                    false,
+                )?;
                 mark("gemm_qkv")?;
                 let mut b = st.launch_builder(if kv_fp8 { &g.k.rope_kv_write_fp8 } else { &g.k.rope_kv_write });
                 b.arg(&s.qkv.ptr)
@@ -526,7 +542,14 @@ impl ShardModel {
                 }
                 continue;
             }
-            matmul(g, s.proj.ptr, s.attn.ptr, (lw.o_proj, lw.o_proj_scale), GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
+            matmul(
+                g,
+                s.proj.ptr,
+                s.attn.ptr,
+                (lw.o_proj, lw.o_proj_scale),
+                GemmShape { n, out: d.hidden, inp: d.q_dim() },
+                false,
+            )?;
             mark("gemm_o_proj")?;
             if let Some(c) = tp.as_mut() {
                 // Row-parallel o_proj: each shard holds a partial sum.
@@ -544,14 +567,28 @@ impl ShardModel {
             };
             add_rmsnorm(g, &d, &norm).op("add_rmsnorm")?;
             mark("add_rmsnorm")?;
-            matmul(g, s.gu.ptr, s.hn.ptr, (lw.gate_up, lw.gate_up_scale), GemmShape { n, out: 2 * d.inter, inp: d.hidden }, false)?;
+            matmul(
+                g,
+                s.gu.ptr,
+                s.hn.ptr,
+                (lw.gate_up, lw.gate_up_scale),
+                GemmShape { n, out: 2 * d.inter, inp: d.hidden },
+                false,
+            )?;
             mark("gemm_gate_up")?;
             let mut b = st.launch_builder(&g.k.silu_mul);
             b.arg(&s.act.ptr).arg(&s.gu.ptr).arg(&n_i).arg(&inter);
             // SAFETY: gu holds n × 2·inter, act n × inter.
             unsafe { b.launch(grid_stride(n * d.inter)) }.op("silu_mul")?;
             mark("silu_mul")?;
-            matmul(g, s.proj.ptr, s.act.ptr, (lw.down, lw.down_scale), GemmShape { n, out: d.hidden, inp: d.inter }, false)?;
+            matmul(
+                g,
+                s.proj.ptr,
+                s.act.ptr,
+                (lw.down, lw.down_scale),
+                GemmShape { n, out: d.hidden, inp: d.inter },
+                false,
+            )?;
             mark("gemm_down")?;
             if let Some(c) = tp.as_mut() {
                 c.all_reduce(g, s.proj.ptr, n * d.hidden, Elem::Bf16)?;
@@ -608,7 +645,14 @@ impl ShardModel {
                     rope: RopeArgs::default(),
                 })?;
             } else {
-                matmul(g, s.logits.ptr, s.hn.ptr, (w.lm_head, w.lm_head_scale), GemmShape { n: rows, out: d.vocab, inp: d.hidden }, true)?;
+                matmul(
+                    g,
+                    s.logits.ptr,
+                    s.hn.ptr,
+                    (w.lm_head, w.lm_head_scale),
+                    GemmShape { n: rows, out: d.vocab, inp: d.hidden },
+                    true,
+                )?;
             }
             mark("lm_head")?;
         }

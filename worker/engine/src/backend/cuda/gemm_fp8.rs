@@ -1,8 +1,10 @@
 //! FP8 GEMMs through cuBLASLt (Hopper tensor cores, twice the bf16 rate): row-major
 //! `y[n, out] = (xq[n, inp] · xs[n]) · (wq[out, inp] · ws[out])ᵀ` with e4m3 weights and
-//! activations and f32 scales per output channel (`ws`) and per token (`xs`), applied by
-//! cuBLASLt's outer-vector scaling (`CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F` on A and B),
-//! f32 accumulation, bf16 (or f32, a quantized lm_head) output. As the bf16 fast mode, the
+//! activations and f32 scales per output channel (`ws`) and per token (`xs`): cuBLASLt computes
+//! the unscaled product of the codes (f32 accumulation, bf16 or f32 output: a quantized lm_head)
+//! and `scale_rows_cols` (`kernels/fp8.cu`) multiplies it by both scales. (cuBLASLt's own
+//! outer-vector scaling, `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`, returned no algorithm
+//! for these shapes on an H200 with CUDA 13.0, measured 2026-12-01.) As the bf16 fast mode, the
 //! algorithm is cuBLASLt's first heuristic answer per `(n, out, inp)`, cached, with a fixed
 //! workspace (capturable into a CUDA graph).
 
@@ -21,12 +23,10 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 pub(crate) struct Fp8GemmArgs {
     /// Output `[n, out]`, bf16 (f32 when `f32_out`).
     pub y: u64,
-    /// e4m3 activations `[n, inp]` and their f32 per-token scales `[n]`.
+    /// e4m3 activations `[n, inp]`.
     pub xq: u64,
-    pub xs: u64,
-    /// e4m3 weight `[out, inp]` and its f32 per-row scales `[out]`.
+    /// e4m3 weight `[out, inp]`.
     pub wq: u64,
-    pub ws: u64,
     pub n: usize,
     pub out: usize,
     pub inp: usize,
@@ -51,7 +51,11 @@ fn lt_err(what: &'static str, s: lt::cublasStatus_t) -> Result<(), CudaError> {
 }
 
 /// Sets one attribute of `desc` from `v`.
-fn set_desc<T>(desc: lt::cublasLtMatmulDesc_t, attr: lt::cublasLtMatmulDescAttributes_t, v: &T) -> Result<(), CudaError> {
+fn set_desc<T>(
+    desc: lt::cublasLtMatmulDesc_t,
+    attr: lt::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> Result<(), CudaError> {
     // SAFETY: `v` is the attribute's value of its documented size.
     lt_err("cublasLtMatmulDescSetAttribute", unsafe {
         lt::cublasLtMatmulDescSetAttribute(desc, attr, v as *const T as *const _, std::mem::size_of::<T>())
@@ -59,8 +63,8 @@ fn set_desc<T>(desc: lt::cublasLtMatmulDesc_t, attr: lt::cublasLtMatmulDescAttri
 }
 
 impl Fp8Gemm {
-    /// Creates the handle, the descriptor (A = weight transposed, outer-vector scales on A
-    /// and B, fast accumulation) and the workspace.
+    /// Creates the handle, the descriptor (A = weight transposed, fast accumulation) and the
+    /// workspace.
     ///
     /// # Errors
     /// [`CudaError::Unavailable`] when cuBLASLt is missing; [`CudaError`] when it fails.
@@ -75,16 +79,26 @@ impl Fp8Gemm {
         let mut desc = std::ptr::null_mut();
         // SAFETY: out-pointer to a local.
         lt_err("cublasLtMatmulDescCreate", unsafe {
-            lt::cublasLtMatmulDescCreate(&mut desc, lt::cublasComputeType_t::CUBLAS_COMPUTE_32F, lt::cudaDataType::CUDA_R_32F)
+            lt::cublasLtMatmulDescCreate(
+                &mut desc,
+                lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                lt::cudaDataType::CUDA_R_32F,
+            )
         })?;
         use lt::cublasLtMatmulDescAttributes_t as D;
-        let me = Self { handle, desc, ws: DevBuf::zeroed(gpu, WORKSPACE_BYTES)?, layouts: HashMap::new(), algos: HashMap::new() };
+        let me = Self {
+            handle,
+            desc,
+            ws: DevBuf::zeroed(gpu, WORKSPACE_BYTES)?,
+            layouts: HashMap::new(),
+            algos: HashMap::new(),
+        };
         set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &(cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T as i32))?;
-        let outer = lt::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
-        set_desc(desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
-        set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
-        // Hopper's fast FP8 accumulation (what TensorRT-LLM and vLLM's FP8 GEMMs use).
-        set_desc(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &1i8)?;
+        // Hopper's fast FP8 accumulation (no periodic promotion of the tensor-core accumulator
+        // to full f32): on unless PRISM_FP8_FAST_ACCUM=0 (measured on an H200 in
+        // docs/benchmarks.md, with its accuracy).
+        let fast = i8::from(std::env::var("PRISM_FP8_FAST_ACCUM").map_or(true, |v| v != "0"));
+        set_desc(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast)?;
         Ok(me)
     }
 
@@ -95,7 +109,9 @@ impl Fp8Gemm {
         }
         let mut l = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; column-major rows × cols with ld = rows.
-        lt_err("cublasLtMatrixLayoutCreate", unsafe { lt::cublasLtMatrixLayoutCreate(&mut l, ty, rows, cols, rows as i64) })?;
+        lt_err("cublasLtMatrixLayoutCreate", unsafe {
+            lt::cublasLtMatrixLayoutCreate(&mut l, ty, rows, cols, rows as i64)
+        })?;
         self.layouts.insert(key, l);
         Ok(l)
     }
@@ -145,14 +161,15 @@ impl Fp8Gemm {
         Ok(res.algo)
     }
 
-    /// Whether cuBLASLt has an FP8 algorithm with per-row scales for this shape (probed once
-    /// at load; without one the backend dequantizes the weight to bf16 for large steps).
+    /// Whether cuBLASLt has an FP8 algorithm for this shape (probed once at load; without one
+    /// the backend dequantizes the weight to bf16 for large steps).
     pub fn supports(&mut self, n: usize, out: usize, inp: usize) -> bool {
-        let a = Fp8GemmArgs { y: 0, xq: 0, xs: 0, wq: 0, ws: 0, n, out, inp, f32_out: false };
+        let a = Fp8GemmArgs { y: 0, xq: 0, wq: 0, n, out, inp, f32_out: false };
         self.heuristic(&a).is_ok()
     }
 
-    /// Enqueues the product on the shard's stream.
+    /// Enqueues the unscaled product of the codes on the shard's stream (the caller applies
+    /// the activation and weight scales).
     ///
     /// # Errors
     /// [`CudaError::NoAlgorithm`] when cuBLASLt has no algorithm; [`CudaError`] when it fails.
@@ -166,9 +183,6 @@ impl Fp8Gemm {
                 x
             }
         };
-        use lt::cublasLtMatmulDescAttributes_t as D;
-        set_desc(self.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a.ws)?;
-        set_desc(self.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a.xs)?;
         let [la, lb, ld] = self.layouts_for(a)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the caller passes buffers of the documented shapes on this device; the

@@ -151,8 +151,12 @@ impl Gemv {
             if fp8_w {
                 options.push("-DGEMV_FP8".to_owned());
             }
-            let opts =
-                CompileOptions { arch: Some(gpu.arch), include_paths: nvrtc_include_paths(), options, ..Default::default() };
+            let opts = CompileOptions {
+                arch: Some(gpu.arch),
+                include_paths: nvrtc_include_paths(),
+                options,
+                ..Default::default()
+            };
             let ptx = compile_ptx_with_opts(GEMV_SRC, opts).op("NVRTC compile of gemv.cu")?;
             let module = gpu.ctx.load_module(ptx).op("load_module gemv")?;
             let mut fns = Vec::with_capacity(GEMV_MAX_M);
@@ -217,9 +221,9 @@ impl Gemv {
             return Err(CudaError::InvalidLaunch(format!("gemv: m {m}, inp {inp} not supported")));
         }
         let set = if wscale != 0 { &self.variants_fp8 } else { &self.variants };
-        let v = set.get(self.variant.min(set.len().saturating_sub(1))).ok_or_else(|| {
-            CudaError::InvalidLaunch("gemv: FP8 weights but the FP8 kernels were not built".into())
-        })?;
+        let v = set
+            .get(self.variant.min(set.len().saturating_sub(1)))
+            .ok_or_else(|| CudaError::InvalidLaunch("gemv: FP8 weights but the FP8 kernels were not built".into()))?;
         let (f, resident) = &v.fns[m - 1][kind.index()];
         // Logical rows: RoPE pairs for the fused QKV.
         let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
@@ -233,8 +237,16 @@ impl Gemv {
             use std::ffi::c_void;
             let p = |v: &u64| v as *const u64 as *mut c_void;
             let pi = |v: &i32| v as *const i32 as *mut c_void;
-            let mut params: Vec<*mut c_void> =
-                vec![p(&y), p(&w), p(&x), p(&gain), pi(&out_i), pi(&inp_i), &eps as *const f32 as *mut c_void, p(&wscale)];
+            let mut params: Vec<*mut c_void> = vec![
+                p(&y),
+                p(&w),
+                p(&x),
+                p(&gain),
+                pi(&out_i),
+                pi(&inp_i),
+                &eps as *const f32 as *mut c_void,
+                p(&wscale),
+            ];
             if kind == GemvKind::QkvRope {
                 params.extend([p(&rope.pos), p(&rope.slots), p(&rope.inv_freq), p(&rope.k_cache), p(&rope.v_cache)]);
                 params.extend([pi(&rope.q_heads), pi(&rope.kv_heads), pi(&rope.head_dim), pi(&rope.kv_fp8)]);

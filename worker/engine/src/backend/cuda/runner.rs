@@ -64,6 +64,15 @@ fn invalid(msg: impl Into<String>) -> BackendError {
 /// [`CudaError::InvalidOption`] (`quantization`) for FP8 in batch-invariant mode: its GEMMs
 /// are cuBLASLt's per-`M` choice, not one fixed algorithm per shape.
 fn weight_format(opts: &CudaOptions) -> Result<WeightFormat, CudaError> {
+    weight_format_for(opts, false)
+}
+
+/// As [`weight_format`] for a checkpoint that is FP8 itself (`fp8_checkpoint`): FP8 weights
+/// unless the batch-invariant mode is asked for (which then loads it dequantized to bf16).
+fn weight_format_for(opts: &CudaOptions, fp8_checkpoint: bool) -> Result<WeightFormat, CudaError> {
+    if fp8_checkpoint && opts.quantization == Quantization::None && !opts.batch_invariant {
+        return Ok(WeightFormat { fp8: true, fp8_lm_head: opts.fp8_lm_head });
+    }
     let fp8 = opts.quantization == Quantization::Fp8;
     if fp8 && opts.batch_invariant {
         return Err(CudaError::InvalidOption {
@@ -106,7 +115,14 @@ impl CudaBackend {
     ) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
         let spec = ShardSpec::full(config.num_hidden_layers);
-        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, &spec, weight_format(opts)?, progress)?;
+        let (w, d) = DeviceWeights::from_safetensors(
+            &gpu,
+            files,
+            config,
+            &spec,
+            weight_format_for(opts, config.quantization.is_some())?,
+            progress,
+        )?;
         Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
     }
 
@@ -124,7 +140,14 @@ impl CudaBackend {
         spec: &ShardSpec,
     ) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
-        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, spec, weight_format(opts)?, &|_, _| {})?;
+        let (w, d) = DeviceWeights::from_safetensors(
+            &gpu,
+            files,
+            config,
+            spec,
+            weight_format_for(opts, config.quantization.is_some())?,
+            &|_, _| {},
+        )?;
         let mut be = Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)?;
         be.m.first_stage = spec.first_stage;
         be.m.last_stage = spec.last_stage;
@@ -267,6 +290,11 @@ impl CudaBackend {
             "CUDA backend ready"
         );
         Ok(Self { m, graphs: HashMap::new(), buckets, graph_replays: 0 })
+    }
+
+    /// FP8 weights: how large steps multiply (see `ShardModel::fp8_gemm_path`).
+    pub fn fp8_gemm_path(&self) -> Option<&'static str> {
+        self.m.fp8_gemm_path()
     }
 
     /// Device name (e.g. "NVIDIA H200").

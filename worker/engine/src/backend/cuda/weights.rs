@@ -138,7 +138,9 @@ fn layout_as(d: &Dims, tied: bool, first_stage: bool, last_stage: bool, f: Weigh
         })
         .collect();
     let scales = if f.fp8 {
-        (0..d.layers).map(|_| [take(2 * d.qkv_dim()), take(2 * d.hidden), take(4 * d.inter), take(2 * d.hidden)]).collect()
+        (0..d.layers)
+            .map(|_| [take(2 * d.qkv_dim()), take(2 * d.hidden), take(4 * d.inter), take(2 * d.hidden)])
+            .collect()
     } else {
         Vec::new()
     };
@@ -155,7 +157,44 @@ struct Sink<'a> {
     q: Option<(Fp8Kernels, DevBuf)>,
 }
 
+/// The parts (all FP8 e4m3 with per-tensor or per-channel scales) as stored: their rows'
+/// codes into `codes` and one scale per row into `scales`; the bytes read, or `None` when a
+/// part is not such a tensor (block scales, E5M2, bf16: those load through bf16).
+fn fp8_as_stored(
+    files: &SafetensorsFiles,
+    parts: &[Part<'_>],
+    codes: &mut Vec<u8>,
+    scales: &mut Vec<f32>,
+) -> Result<Option<u64>, CudaError> {
+    use crate::model::fp8::{Fp8Format, Fp8Scales};
+    codes.clear();
+    scales.clear();
+    let mut read = 0u64;
+    for part in parts {
+        let Some(w) = files.fp8_weight(part.name)? else { return Ok(None) };
+        if w.format != Fp8Format::E4M3 || matches!(w.scales, Fp8Scales::Block { .. }) || part.shape.len() != 2 {
+            return Ok(None);
+        }
+        let [out_f, inp] = w.shape;
+        let (rows, cols) = part.block.clone().unwrap_or((0..out_f, 0..inp));
+        for r in rows {
+            codes.extend_from_slice(&w.bytes[r * inp + cols.start..r * inp + cols.end]);
+            scales.push(w.scales.at(r, 0, inp));
+        }
+        read += w.bytes.len() as u64;
+    }
+    Ok(Some(read))
+}
+
 impl Sink<'_> {
+    /// e4m3 `codes` (whole rows) and their per-row `scales` into an FP8 slot as they are.
+    fn put_codes(&self, off: usize, scale_off: usize, codes: &[u8], scales: &[f32]) -> Result<(), CudaError> {
+        self.gpu.upload(self.buf, off * 2, codes)?;
+        self.gpu.upload(self.buf, scale_off * 2, scales)?;
+        // The staging vectors are reused: wait for the (pageable, staged) copies.
+        self.gpu.sync()
+    }
+
     /// `vals` (bf16, whole rows of `cols`) into the slot at `off` (2-byte units); with a scale
     /// slot and FP8, quantized per row.
     fn put(&self, off: usize, scale_off: Option<usize>, cols: usize, vals: &[bf16]) -> Result<(), CudaError> {
@@ -328,7 +367,19 @@ impl DeviceWeights {
         let mut done = 0u64;
         let mut staging: Vec<bf16> = Vec::new();
         // `q`: the scale slot and row width of a matrix FP8 quantizes.
+        let mut codes: Vec<u8> = Vec::new();
+        let mut scales: Vec<f32> = Vec::new();
         let mut put = |off: usize, q: Option<(usize, usize)>, parts: &[Part<'_>]| -> Result<(), CudaError> {
+            // An FP8 checkpoint's e4m3 codes with per-tensor or per-channel scales go to an FP8
+            // slot as stored (no dequantization); anything else through bf16.
+            if let (Some((so, _)), true) = (q, out.q.is_some()) {
+                if let Some(n) = fp8_as_stored(files, parts, &mut codes, &mut scales)? {
+                    done += n;
+                    out.put_codes(off, so, &codes, &scales)?;
+                    progress(done, total);
+                    return Ok(());
+                }
+            }
             staging.clear();
             for part in parts {
                 done += match &part.block {

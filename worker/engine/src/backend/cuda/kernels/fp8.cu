@@ -92,3 +92,27 @@ extern "C" __global__ void dequantize_rows_e4m3(bf16* __restrict__ y, const u8* 
         reinterpret_cast<uint4*>(y)[g] = *reinterpret_cast<uint4*>(o);
     }
 }
+
+// scale_rows_cols: y[t, j] *= xs[t] · ws[j] over y [n, out] (bf16, or f32 when `f32_out`): the
+// per-token activation scale and the per-output-channel weight scale applied to the FP8 GEMM's
+// unscaled product (`out` a multiple of 2). Grid-stride over pairs.
+extern "C" __global__ void scale_rows_cols(void* __restrict__ y, const float* __restrict__ xs,
+                                           const float* __restrict__ ws, int n, int out, int f32_out) {
+    const u64 pairs = (u64)n * (out >> 1);
+    for (u64 p = blockIdx.x * (u64)blockDim.x + threadIdx.x; p < pairs; p += (u64)gridDim.x * blockDim.x) {
+        const u64 i = p * 2;
+        const u64 t = i / out;
+        const int j = (int)(i - t * out);
+        const float a = xs[t];
+        const float s0 = a * ws[j], s1 = a * ws[j + 1];
+        if (f32_out) {
+            float2* yp = reinterpret_cast<float2*>(y) + p;
+            float2 v = *yp;
+            *yp = make_float2(v.x * s0, v.y * s1);
+        } else {
+            __nv_bfloat162* yp = reinterpret_cast<__nv_bfloat162*>(y) + p;
+            float2 v = __bfloat1622float2(*yp);
+            *yp = __floats2bfloat162_rn(v.x * s0, v.y * s1);
+        }
+    }
+}
