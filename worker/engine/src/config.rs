@@ -15,6 +15,7 @@ use super::parallel::ParallelSizes;
 use super::parallel::driver::{DriverModel, ParallelBackend, ParallelConfig, rank_kv_budget};
 use super::parallel::stage::{InitSpec, StageBackendKind};
 use super::request::EngineError;
+pub use crate::dtypes::{KvCacheDtype, Quantization};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -104,38 +105,6 @@ pub struct EngineConfig {
     pub quantization: Quantization,
     /// CUDA (one rank): KV-cache element type (vLLM's `--kv-cache-dtype`).
     pub kv_cache_dtype: KvCacheDtype,
-}
-
-/// Weight format of the decoder layers' linear layers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Quantization {
-    /// bf16 (the checkpoint's values rounded to bf16).
-    #[default]
-    None,
-    /// FP8 e4m3 weights with per-output-channel f32 scales: half the bytes a decode step
-    /// reads; FP8 tensor-core GEMMs (activations quantized per token) for larger steps.
-    Fp8,
-}
-
-/// Element type of the paged KV cache.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum KvCacheDtype {
-    /// bf16.
-    #[default]
-    Bf16,
-    /// e4m3 with a per-tensor scale of 1.0 (vLLM's default without calibration: K and V
-    /// values are stored as they are, saturating at ±448): twice the tokens in the same memory.
-    Fp8,
-}
-
-impl KvCacheDtype {
-    /// Bytes per cached value.
-    pub fn bytes(self) -> usize {
-        match self {
-            Self::Bf16 => 2,
-            Self::Fp8 => 1,
-        }
-    }
 }
 
 impl EngineConfig {

@@ -24,6 +24,7 @@ pub mod backend;
 pub mod codec;
 mod config;
 pub mod detokenizer;
+pub mod dtypes;
 #[cfg(test)]
 mod engine_prefix_tests;
 pub mod handle;
@@ -42,7 +43,8 @@ mod stop_tests;
 #[cfg(test)]
 mod test_double;
 
-pub use config::{BackendKind, EngineConfig, KvCacheDtype, Quantization};
+pub use config::{BackendKind, EngineConfig};
+pub use dtypes::{KvCacheDtype, Quantization};
 pub use handle::{EngineHandle, EngineParts, ModelInfo, OutputStream, RuntimeConfig};
 pub use metrics::{EngineStats, FinishedCounts, KvWasteStats, LatencyHistogram};
 pub use request::*;

@@ -25,7 +25,7 @@ use super::attn_decode::{AttnShape, DecodeArgs, DecodeAttention};
 use super::attn_prefill::{PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq};
 use super::device::{DevBuf, GemmArgs, GemmShape, Gpu, grid_stride, per_row};
 use super::error::{CudaError, CudaResultExt};
-use super::fp8::Fp8Kernels;
+use super::fp8::{Fp8Kernels, ScaleArgs};
 use super::gemm::LtGemm;
 use super::gemm_fp8::{Fp8Gemm, Fp8GemmArgs};
 use super::gemv::{GEMV_MAX_M, Gemv, GemvArgs, GemvKind, RopeArgs};
@@ -321,7 +321,7 @@ impl ShardModel {
                 f.k.quantize(g, f.xq.ptr, f.xs.ptr, x, n, inp)?;
                 let a = Fp8GemmArgs { y, xq: f.xq.ptr, wq: w, n, out, inp, f32_out };
                 f.gemm.matmul(g, &a)?;
-                return f.k.scale_rows_cols(g, y, f.xs.ptr, ws, n, out, f32_out);
+                return f.k.scale_rows_cols(g, &ScaleArgs { y, xs: f.xs.ptr, ws, n, out, f32_out });
             }
             let a = GemmArgs { y, x, w, shape, f32_out };
             if invariant { lt.matmul(g, &a) } else { lt.matmul_heuristic(g, &a) }

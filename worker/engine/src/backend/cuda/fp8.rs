@@ -44,20 +44,12 @@ impl Fp8Kernels {
         })
     }
 
-    /// Enqueues `y[t, j] *= xs[t] · ws[j]` over `y [n, out]` (bf16, or f32 with `f32_out`).
+    /// Enqueues `y[t, j] *= xs[t] · ws[j]` (see [`ScaleArgs`]).
     ///
     /// # Errors
     /// [`CudaError::InvalidLaunch`] for an odd `out`; [`CudaError`] on launch failure.
-    pub fn scale_rows_cols(
-        &self,
-        gpu: &Gpu,
-        y: u64,
-        xs: u64,
-        ws: u64,
-        n: usize,
-        out: usize,
-        f32_out: bool,
-    ) -> Result<(), CudaError> {
+    pub fn scale_rows_cols(&self, gpu: &Gpu, a: &ScaleArgs) -> Result<(), CudaError> {
+        let ScaleArgs { y, xs, ws, n, out, f32_out } = *a;
         if !out.is_multiple_of(2) {
             return Err(CudaError::InvalidLaunch(format!("scale_rows_cols: {out} columns (even)")));
         }
@@ -123,6 +115,18 @@ impl Fp8Kernels {
         // scales of rows f32.
         unsafe { b.launch(grid_stride(rows * cols / 8)) }.map(|_| ()).op("dequantize_rows_e4m3")
     }
+}
+
+/// Operands of [`Fp8Kernels::scale_rows_cols`]: `y [n, out]` (bf16, or f32 with `f32_out`)
+/// scaled by the per-token `xs [n]` and the per-output-channel `ws [out]` (f32).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ScaleArgs {
+    pub y: u64,
+    pub xs: u64,
+    pub ws: u64,
+    pub n: usize,
+    pub out: usize,
+    pub f32_out: bool,
 }
 
 /// The host reference of the device quantization: `x [rows, cols]` (bf16 values held as f32)

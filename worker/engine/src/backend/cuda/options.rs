@@ -3,7 +3,7 @@
 //! (`Dims`) and [`SyntheticShape`], a model shape filled with seeded random weights on the
 //! device (benchmarks at real sizes without shipping checkpoints).
 
-pub use crate::config::{KvCacheDtype, Quantization};
+pub use crate::dtypes::{KvCacheDtype, Quantization};
 
 /// Options for [`super::CudaBackend::new`].
 #[derive(Clone, Debug)]

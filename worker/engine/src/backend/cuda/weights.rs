@@ -372,13 +372,13 @@ impl DeviceWeights {
         let mut put = |off: usize, q: Option<(usize, usize)>, parts: &[Part<'_>]| -> Result<(), CudaError> {
             // An FP8 checkpoint's e4m3 codes with per-tensor or per-channel scales go to an FP8
             // slot as stored (no dequantization); anything else through bf16.
-            if let (Some((so, _)), true) = (q, out.q.is_some()) {
-                if let Some(n) = fp8_as_stored(files, parts, &mut codes, &mut scales)? {
-                    done += n;
-                    out.put_codes(off, so, &codes, &scales)?;
-                    progress(done, total);
-                    return Ok(());
-                }
+            if let (Some((so, _)), true) = (q, out.q.is_some())
+                && let Some(n) = fp8_as_stored(files, parts, &mut codes, &mut scales)?
+            {
+                done += n;
+                out.put_codes(off, so, &codes, &scales)?;
+                progress(done, total);
+                return Ok(());
             }
             staging.clear();
             for part in parts {
