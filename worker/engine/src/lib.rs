@@ -27,6 +27,7 @@ pub mod codec;
 mod config;
 mod constraint;
 pub mod detokenizer;
+pub mod dtypes;
 #[cfg(test)]
 mod engine_prefix_tests;
 pub mod handle;
@@ -47,6 +48,7 @@ pub mod structured;
 mod test_double;
 
 pub use config::{BackendKind, EngineConfig};
+pub use dtypes::{KvCacheDtype, Quantization};
 pub use handle::{EngineHandle, EngineParts, ModelInfo, OutputStream, RuntimeConfig};
 pub use metrics::{EngineStats, FinishedCounts, KvWasteStats, LatencyHistogram};
 pub use request::*;

@@ -78,6 +78,8 @@ pub struct Kernels {
     pub embed_gather: CudaFunction,
     pub add_rmsnorm: CudaFunction,
     pub rope_kv_write: CudaFunction,
+    /// As `rope_kv_write` into e4m3 caches.
+    pub rope_kv_write_fp8: CudaFunction,
     /// Paged attention by head_dim (64, 128) and query heads per KV head (1, 2, 4, 8):
     /// index `hd_index * 4 + log2(group)`.
     pub attention: Vec<CudaFunction>,
@@ -155,6 +157,7 @@ impl Gpu {
             embed_gather: f("embed_gather")?,
             add_rmsnorm: f("add_rmsnorm")?,
             rope_kv_write: f("rope_kv_write")?,
+            rope_kv_write_fp8: f("rope_kv_write_fp8")?,
             attention: [64, 128]
                 .iter()
                 .flat_map(|hd| [1, 2, 4, 8].map(move |g| format!("paged_attention_hd{hd}_g{g}")))

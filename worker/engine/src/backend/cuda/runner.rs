@@ -19,9 +19,9 @@ use super::gemm::GemmPlanInfo;
 use super::gemv::GEMV_MAX_M;
 use super::kv_cache::KvCache;
 use super::nccl::RankComm;
-use super::options::{CudaOptions, Dims, SyntheticShape};
+use super::options::{CudaOptions, Dims, Quantization, SyntheticShape};
 use super::scratch::Uploaded;
-use super::weights::{DeviceWeights, ShardSpec};
+use super::weights::{DeviceWeights, ShardSpec, WeightFormat};
 use crate::backend::{Backend, BackendError, LogitConstraints, Logits, StepBatch};
 use crate::model::config::ModelConfig;
 use crate::model::llama::LlamaWeights;
@@ -68,6 +68,31 @@ fn invalid(msg: impl Into<String>) -> BackendError {
     BackendError::InvalidBatch(msg.into())
 }
 
+/// The device weight format `opts` asks for.
+///
+/// # Errors
+/// [`CudaError::InvalidOption`] (`quantization`) for FP8 in batch-invariant mode: its GEMMs
+/// are cuBLASLt's per-`M` choice, not one fixed algorithm per shape.
+fn weight_format(opts: &CudaOptions) -> Result<WeightFormat, CudaError> {
+    weight_format_for(opts, false)
+}
+
+/// As [`weight_format`] for a checkpoint that is FP8 itself (`fp8_checkpoint`): FP8 weights
+/// unless the batch-invariant mode is asked for (which then loads it dequantized to bf16).
+fn weight_format_for(opts: &CudaOptions, fp8_checkpoint: bool) -> Result<WeightFormat, CudaError> {
+    if fp8_checkpoint && opts.quantization == Quantization::None && !opts.batch_invariant {
+        return Ok(WeightFormat { fp8: true, fp8_lm_head: opts.fp8_lm_head });
+    }
+    let fp8 = opts.quantization == Quantization::Fp8;
+    if fp8 && opts.batch_invariant {
+        return Err(CudaError::InvalidOption {
+            field: "quantization",
+            message: "quantization fp8 is not available with batch_invariant".into(),
+        });
+    }
+    Ok(WeightFormat { fp8, fp8_lm_head: fp8 && opts.fp8_lm_head })
+}
+
 impl CudaBackend {
     /// Uploads `weights` (f32 host, HF layout) as bf16 to device `opts.device` and allocates
     /// the step scratch and the KV cache.
@@ -79,7 +104,7 @@ impl CudaBackend {
     /// memory runs out or a kernel cannot be built.
     pub fn new(weights: LlamaWeights, config: &ModelConfig, opts: &CudaOptions) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
-        let (w, d) = DeviceWeights::upload(&gpu, &weights, config)?;
+        let (w, d) = DeviceWeights::upload(&gpu, &weights, config, weight_format(opts)?)?;
         drop(weights);
         Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
     }
@@ -100,7 +125,14 @@ impl CudaBackend {
     ) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
         let spec = ShardSpec::full(config.num_hidden_layers);
-        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, &spec, progress)?;
+        let (w, d) = DeviceWeights::from_safetensors(
+            &gpu,
+            files,
+            config,
+            &spec,
+            weight_format_for(opts, config.quantization.is_some())?,
+            progress,
+        )?;
         Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
     }
 
@@ -118,7 +150,14 @@ impl CudaBackend {
         spec: &ShardSpec,
     ) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
-        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, spec, &|_, _| {})?;
+        let (w, d) = DeviceWeights::from_safetensors(
+            &gpu,
+            files,
+            config,
+            spec,
+            weight_format_for(opts, config.quantization.is_some())?,
+            &|_, _| {},
+        )?;
         let mut be = Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)?;
         be.m.first_stage = spec.first_stage;
         be.m.last_stage = spec.last_stage;
@@ -283,7 +322,7 @@ impl CudaBackend {
     /// As [`CudaBackend::new`].
     pub fn synthetic(shape: &SyntheticShape, opts: &CudaOptions) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
-        let (w, d) = DeviceWeights::synthetic(&gpu, shape)?;
+        let (w, d) = DeviceWeights::synthetic(&gpu, shape, weight_format(opts)?)?;
         Self::finish(gpu, w, d, &shape.inv_freq(), opts)
     }
 
@@ -305,6 +344,11 @@ impl CudaBackend {
             "CUDA backend ready"
         );
         Ok(Self { m, graphs: HashMap::new(), buckets, graph_replays: 0, constraints_buf: None })
+    }
+
+    /// FP8 weights: how large steps multiply (see `ShardModel::fp8_gemm_path`).
+    pub fn fp8_gemm_path(&self) -> Option<&'static str> {
+        self.m.fp8_gemm_path()
     }
 
     /// Device name (e.g. "NVIDIA H200").
@@ -553,7 +597,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_bytes_per_token(&self) -> usize {
-        KvCache::bytes_per_token(&self.m.d)
+        KvCache::bytes_per_token(&self.m.d, self.m.kv.dtype)
     }
 
     fn name(&self) -> &'static str {

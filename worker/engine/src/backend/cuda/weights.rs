@@ -5,11 +5,17 @@
 //! mmapped `.safetensors` one tensor at a time (bf16 copied as stored: no f32 copy of the model
 //! on the host), or with seeded random values generated on the device ([`SyntheticShape`],
 //! benchmarks at real sizes).
+//!
+//! With FP8 ([`WeightFormat::fp8`]) every decoder-layer matrix is stored as e4m3 codes with one
+//! f32 scale per output row, quantized on the device as it is uploaded (`fp8.rs`: each matrix
+//! goes through a bf16 staging buffer on the device, then into its codes and scales); the
+//! embedding and norms stay bf16, the lm_head too unless [`WeightFormat::fp8_lm_head`].
 
 use half::bf16;
 
 use super::device::{DevBuf, Gpu};
 use super::error::CudaError;
+use super::fp8::Fp8Kernels;
 use super::options::{Dims, SyntheticShape};
 use crate::model::config::{ArchConfig, Architecture, ModelConfig};
 use crate::model::error::ModelError;
@@ -39,6 +45,20 @@ pub(crate) struct LayerPtrs {
     pub post_norm: u64,
     pub gate_up: u64,
     pub down: u64,
+    /// FP8: the f32 per-row scales of qkv, o_proj, gate_up and down (0 for bf16 weights).
+    pub qkv_scale: u64,
+    pub o_proj_scale: u64,
+    pub gate_up_scale: u64,
+    pub down_scale: u64,
+}
+
+/// How the weights are stored on the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct WeightFormat {
+    /// Decoder-layer matrices in e4m3 with per-output-row f32 scales.
+    pub fp8: bool,
+    /// The lm_head in e4m3 too (its own copy when tied to the embedding).
+    pub fp8_lm_head: bool,
 }
 
 /// All weights in one device buffer.
@@ -46,6 +66,8 @@ pub(crate) struct DeviceWeights {
     _buf: DevBuf,
     pub embed: u64,
     pub lm_head: u64,
+    /// The FP8 lm_head's per-row scales (0 when it is bf16).
+    pub lm_head_scale: u64,
     pub norm: u64,
     pub layers: Vec<LayerPtrs>,
     /// Bytes of weights.
@@ -75,20 +97,32 @@ impl ShardSpec {
     }
 }
 
-/// Element offsets (bf16 units) of every tensor in the single buffer.
+/// Offsets (2-byte units) of every tensor in the single buffer.
 struct Layout {
     total: usize,
     /// The embedding (also the lm_head when tied); `None` on a middle or untied last stage.
     embed: Option<usize>,
-    /// An untied lm_head on the last stage.
+    /// An untied (or FP8) lm_head on the last stage.
     lm_head: Option<usize>,
+    /// The FP8 lm_head's scales.
+    lm_head_scale: Option<usize>,
     norm: usize,
     layers: Vec<[usize; 6]>,
+    /// FP8: per layer the scales of qkv, o_proj, gate_up and down (empty for bf16).
+    scales: Vec<[usize; 4]>,
 }
 
 /// `d` is the local shard's dimensions (its heads, MLP rows and layer count). The whole
-/// model's layout is the same as it always was: embedding, lm_head (untied), norm, layers.
+/// model's layout in bf16 is the same as it always was: embedding, lm_head (untied), norm,
+/// layers.
+#[cfg(test)]
 fn layout(d: &Dims, tied: bool, first_stage: bool, last_stage: bool) -> Layout {
+    layout_as(d, tied, first_stage, last_stage, WeightFormat::default())
+}
+
+/// [`layout`] for weights stored as `f`: an FP8 matrix of `n` values takes `n` bytes, its
+/// scales 4 bytes per row, after the layers.
+fn layout_as(d: &Dims, tied: bool, first_stage: bool, last_stage: bool, f: WeightFormat) -> Layout {
     let mut at = 0usize;
     let mut take = |n: usize| {
         let o = at;
@@ -96,22 +130,142 @@ fn layout(d: &Dims, tied: bool, first_stage: bool, last_stage: bool) -> Layout {
         at += n.div_ceil(128) * 128;
         o
     };
-    let embed = (first_stage || (last_stage && tied)).then(|| take(d.vocab * d.hidden));
-    let lm_head = (last_stage && !tied).then(|| take(d.vocab * d.hidden));
+    // Units a matrix of `n` values takes.
+    let mat = |n: usize| if f.fp8 { n.div_ceil(2) } else { n };
+    let fp8_head = f.fp8 && f.fp8_lm_head && last_stage;
+    let embed = (first_stage || (last_stage && tied && !fp8_head)).then(|| take(d.vocab * d.hidden));
+    let lm_head = if fp8_head {
+        Some(take(d.vocab * d.hidden / 2))
+    } else {
+        (last_stage && !tied).then(|| take(d.vocab * d.hidden))
+    };
     let norm = take(d.hidden);
     let layers = (0..d.layers)
         .map(|_| {
             [
                 take(d.hidden),
-                take(d.qkv_dim() * d.hidden),
-                take(d.hidden * d.q_dim()),
+                take(mat(d.qkv_dim() * d.hidden)),
+                take(mat(d.hidden * d.q_dim())),
                 take(d.hidden),
-                take(2 * d.inter * d.hidden),
-                take(d.hidden * d.inter),
+                take(mat(2 * d.inter * d.hidden)),
+                take(mat(d.hidden * d.inter)),
             ]
         })
         .collect();
-    Layout { total: at, embed, lm_head, norm, layers }
+    let scales = if f.fp8 {
+        (0..d.layers)
+            .map(|_| [take(2 * d.qkv_dim()), take(2 * d.hidden), take(4 * d.inter), take(2 * d.hidden)])
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let lm_head_scale = fp8_head.then(|| take(2 * d.vocab));
+    Layout { total: at, embed, lm_head, lm_head_scale, norm, layers, scales }
+}
+
+/// Uploads bf16 matrices into their slots: as they are, or (FP8) through a bf16 staging
+/// buffer on the device into e4m3 codes and per-row scales.
+struct Sink<'a> {
+    gpu: &'a Gpu,
+    buf: &'a DevBuf,
+    /// FP8: the quantization kernels and the device staging buffer.
+    q: Option<(Fp8Kernels, DevBuf)>,
+}
+
+/// The parts (all FP8 e4m3 with per-tensor or per-channel scales) as stored: their rows'
+/// codes into `codes` and one scale per row into `scales`; the bytes read, or `None` when a
+/// part is not such a tensor (block scales, E5M2, bf16: those load through bf16).
+fn fp8_as_stored(
+    files: &SafetensorsFiles,
+    parts: &[Part<'_>],
+    codes: &mut Vec<u8>,
+    scales: &mut Vec<f32>,
+) -> Result<Option<u64>, CudaError> {
+    use crate::model::fp8::{Fp8Format, Fp8Scales};
+    codes.clear();
+    scales.clear();
+    let mut read = 0u64;
+    for part in parts {
+        let Some(w) = files.fp8_weight(part.name)? else { return Ok(None) };
+        if w.format != Fp8Format::E4M3 || matches!(w.scales, Fp8Scales::Block { .. }) || part.shape.len() != 2 {
+            return Ok(None);
+        }
+        let [out_f, inp] = w.shape;
+        let (rows, cols) = part.block.clone().unwrap_or((0..out_f, 0..inp));
+        for r in rows {
+            codes.extend_from_slice(&w.bytes[r * inp + cols.start..r * inp + cols.end]);
+            scales.push(w.scales.at(r, 0, inp));
+        }
+        read += w.bytes.len() as u64;
+    }
+    Ok(Some(read))
+}
+
+impl Sink<'_> {
+    /// e4m3 `codes` (whole rows) and their per-row `scales` into an FP8 slot as they are.
+    fn put_codes(&self, off: usize, scale_off: usize, codes: &[u8], scales: &[f32]) -> Result<(), CudaError> {
+        self.gpu.upload(self.buf, off * 2, codes)?;
+        self.gpu.upload(self.buf, scale_off * 2, scales)?;
+        // The staging vectors are reused: wait for the (pageable, staged) copies.
+        self.gpu.sync()
+    }
+
+    /// `vals` (bf16, whole rows of `cols`) into the slot at `off` (2-byte units); with a scale
+    /// slot and FP8, quantized per row.
+    fn put(&self, off: usize, scale_off: Option<usize>, cols: usize, vals: &[bf16]) -> Result<(), CudaError> {
+        match (&self.q, scale_off) {
+            (Some((k, tmp)), Some(so)) => {
+                self.gpu.upload(tmp, 0, vals)?;
+                let rows = vals.len() / cols.max(1);
+                let at = |o: usize| self.buf.ptr + (o * 2) as u64;
+                k.quantize(self.gpu, at(off), at(so), tmp.ptr, rows, cols)?;
+            }
+            _ => self.gpu.upload(self.buf, off * 2, vals)?,
+        }
+        // The staging vector is reused: wait for the (pageable, staged) copy.
+        self.gpu.sync()
+    }
+
+    /// Device-generated values: `gen(ptr)` writes `rows × cols` bf16 at `ptr`, the slot itself
+    /// for bf16, the device staging buffer for FP8 (then quantized into the slot).
+    fn generate(
+        &self,
+        off: usize,
+        scale_off: Option<usize>,
+        rows: usize,
+        cols: usize,
+        fill: impl FnOnce(u64) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        let at = |o: usize| self.buf.ptr + (o * 2) as u64;
+        match (&self.q, scale_off) {
+            (Some((k, tmp)), Some(so)) => {
+                fill(tmp.ptr)?;
+                k.quantize(self.gpu, at(off), at(so), tmp.ptr, rows, cols)
+            }
+            _ => fill(at(off)),
+        }
+    }
+}
+
+/// The sink for `l` in `buf`, with a staging buffer for the largest matrix when FP8.
+fn sink<'a>(gpu: &'a Gpu, buf: &'a DevBuf, d: &Dims, f: WeightFormat) -> Result<Sink<'a>, CudaError> {
+    if !f.fp8 {
+        return Ok(Sink { gpu, buf, q: None });
+    }
+    if !(d.hidden.is_multiple_of(16) && d.inter.is_multiple_of(16) && d.q_dim().is_multiple_of(16)) {
+        return Err(CudaError::Unsupported(format!(
+            "FP8 weights need hidden, intermediate and q widths that are multiples of 16 ({}, {}, {})",
+            d.hidden,
+            d.inter,
+            d.q_dim()
+        )));
+    }
+    let most = [d.qkv_dim() * d.hidden, d.hidden * d.q_dim(), 2 * d.inter * d.hidden, d.hidden * d.inter];
+    let mut most = most.into_iter().max().unwrap_or(0);
+    if f.fp8_lm_head {
+        most = most.max(d.vocab * d.hidden);
+    }
+    Ok(Sink { gpu, buf, q: Some((Fp8Kernels::new(gpu)?, DevBuf::zeroed(gpu, most * 2)?)) })
 }
 
 /// One piece of a fused device tensor: `name` (stored with `shape`), whole or the block
@@ -142,22 +296,43 @@ impl<'a> Part<'a> {
 }
 
 impl DeviceWeights {
+    /// Whether any matrix is stored in FP8.
+    pub fn has_fp8(&self) -> bool {
+        self.lm_head_scale != 0 || self.layers.iter().any(|l| l.qkv_scale != 0)
+    }
+
     fn from_layout(buf: DevBuf, l: &Layout) -> Self {
         let p = |o: usize| buf.ptr + (o * 2) as u64;
         let layers = l
             .layers
             .iter()
-            .map(|o| LayerPtrs {
-                input_norm: p(o[0]),
-                qkv: p(o[1]),
-                o_proj: p(o[2]),
-                post_norm: p(o[3]),
-                gate_up: p(o[4]),
-                down: p(o[5]),
+            .enumerate()
+            .map(|(i, o)| {
+                let sc = l.scales.get(i).map_or([0; 4], |s| s.map(p));
+                LayerPtrs {
+                    input_norm: p(o[0]),
+                    qkv: p(o[1]),
+                    o_proj: p(o[2]),
+                    post_norm: p(o[3]),
+                    gate_up: p(o[4]),
+                    down: p(o[5]),
+                    qkv_scale: sc[0],
+                    o_proj_scale: sc[1],
+                    gate_up_scale: sc[2],
+                    down_scale: sc[3],
+                }
             })
             .collect();
         let embed = l.embed.map_or(0, p);
-        Self { embed, lm_head: l.lm_head.map_or(embed, p), norm: p(l.norm), layers, bytes: buf.bytes, _buf: buf }
+        Self {
+            embed,
+            lm_head: l.lm_head.map_or(embed, p),
+            lm_head_scale: l.lm_head_scale.map_or(0, p),
+            norm: p(l.norm),
+            layers,
+            bytes: buf.bytes,
+            _buf: buf,
+        }
     }
 
     /// Uploads a Hugging Face Llama checkpoint tensor by tensor from its mmapped files (bf16
@@ -176,6 +351,7 @@ impl DeviceWeights {
         files: &SafetensorsFiles,
         cfg: &ModelConfig,
         spec: &ShardSpec,
+        format: WeightFormat,
         progress: &dyn Fn(u64, u64),
     ) -> Result<(Self, Dims), CudaError> {
         check_llama_recipe(cfg)?;
@@ -200,12 +376,26 @@ impl DeviceWeights {
             eps: cfg.rms_norm_eps,
         };
         let tied = cfg.tie_word_embeddings || !files.contains("lm_head.weight");
-        let l = layout(&d, tied, spec.first_stage, spec.last_stage);
+        let l = layout_as(&d, tied, spec.first_stage, spec.last_stage, format);
         let buf = DevBuf::zeroed(gpu, l.total * 2)?;
+        let out = sink(gpu, &buf, &d, format)?;
         let total = files.total_bytes();
         let mut done = 0u64;
         let mut staging: Vec<bf16> = Vec::new();
-        let mut put = |off: usize, parts: &[Part<'_>]| -> Result<(), CudaError> {
+        // `q`: the scale slot and row width of a matrix FP8 quantizes.
+        let mut codes: Vec<u8> = Vec::new();
+        let mut scales: Vec<f32> = Vec::new();
+        let mut put = |off: usize, q: Option<(usize, usize)>, parts: &[Part<'_>]| -> Result<(), CudaError> {
+            // An FP8 checkpoint's e4m3 codes with per-tensor or per-channel scales go to an FP8
+            // slot as stored (no dequantization); anything else through bf16.
+            if let (Some((so, _)), true) = (q, out.q.is_some())
+                && let Some(n) = fp8_as_stored(files, parts, &mut codes, &mut scales)?
+            {
+                done += n;
+                out.put_codes(off, so, &codes, &scales)?;
+                progress(done, total);
+                return Ok(());
+            }
             staging.clear();
             for part in parts {
                 done += match &part.block {
@@ -219,28 +409,29 @@ impl DeviceWeights {
                     )?,
                 } as u64;
             }
-            gpu.upload(&buf, off * 2, &staging)?;
-            // The staging vector is reused: wait for the (pageable, staged) copy.
-            gpu.sync()?;
+            out.put(off, q.map(|q| q.0), q.map_or(1, |q| q.1), &staging)?;
             progress(done, total);
             Ok(())
         };
         let (h, v, r) = (d.hidden, d.vocab, spec.tp_rank);
         // Whole-model widths (stored shapes) and this shard's slices of them.
-        let (q, kv, i) =
+        let (qw, kv, iw) =
             (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size);
         let (qs, kvs, is) =
             (r * d.q_dim()..(r + 1) * d.q_dim(), r * d.kv_dim()..(r + 1) * d.kv_dim(), r * d.inter..(r + 1) * d.inter);
         if let Some(o) = l.embed {
-            put(o, &[Part::whole("model.embed_tokens.weight", &[v, h])])?;
+            put(o, None, &[Part::whole("model.embed_tokens.weight", &[v, h])])?;
         }
         if let Some(o) = l.lm_head {
-            put(o, &[Part::whole("lm_head.weight", &[v, h])])?;
+            let name = if tied { "model.embed_tokens.weight" } else { "lm_head.weight" };
+            put(o, l.lm_head_scale.map(|s| (s, h)), &[Part::whole(name, &[v, h])])?;
         }
         if spec.last_stage {
-            put(l.norm, &[Part::whole("model.norm.weight", &[h])])?;
+            put(l.norm, None, &[Part::whole("model.norm.weight", &[h])])?;
         }
-        for (li, o) in spec.layers.clone().zip(&l.layers) {
+        for (i, (li, o)) in spec.layers.clone().zip(&l.layers).enumerate() {
+            let sc = l.scales.get(i).copied();
+            let q = |k: usize, cols: usize| sc.map(|s| (s[k], cols));
             let n = |t: &str| format!("model.layers.{li}.{t}.weight");
             let (ln1, qn, kn, vn) =
                 (n("input_layernorm"), n("self_attn.q_proj"), n("self_attn.k_proj"), n("self_attn.v_proj"));
@@ -251,20 +442,23 @@ impl DeviceWeights {
                 n("mlp.up_proj"),
                 n("mlp.down_proj"),
             );
-            put(o[0], &[Part::whole(&ln1, &[h])])?;
+            put(o[0], None, &[Part::whole(&ln1, &[h])])?;
             put(
                 o[1],
+                q(0, h),
                 &[
-                    Part::rows(&qn, &[q, h], qs.clone()),
+                    Part::rows(&qn, &[qw, h], qs.clone()),
                     Part::rows(&kn, &[kv, h], kvs.clone()),
                     Part::rows(&vn, &[kv, h], kvs.clone()),
                 ],
             )?;
-            put(o[2], &[Part::cols(&on, &[h, q], qs.clone())])?;
-            put(o[3], &[Part::whole(&ln2, &[h])])?;
-            put(o[4], &[Part::rows(&gn, &[i, h], is.clone()), Part::rows(&un, &[i, h], is.clone())])?;
-            put(o[5], &[Part::cols(&dn, &[h, i], is.clone())])?;
+            put(o[2], q(1, d.q_dim()), &[Part::cols(&on, &[h, qw], qs.clone())])?;
+            put(o[3], None, &[Part::whole(&ln2, &[h])])?;
+            put(o[4], q(2, h), &[Part::rows(&gn, &[iw, h], is.clone()), Part::rows(&un, &[iw, h], is.clone())])?;
+            put(o[5], q(3, d.inter), &[Part::cols(&dn, &[h, iw], is.clone())])?;
         }
+        gpu.sync()?;
+        drop(out);
         Ok((Self::from_layout(buf, &l), d))
     }
 
@@ -273,7 +467,12 @@ impl DeviceWeights {
     /// # Errors
     /// [`CudaError::Unsupported`] for a model without layers; [`CudaError`] on allocation or
     /// copy failure.
-    pub fn upload(gpu: &Gpu, w: &LlamaWeights, cfg: &ModelConfig) -> Result<(Self, Dims), CudaError> {
+    pub fn upload(
+        gpu: &Gpu,
+        w: &LlamaWeights,
+        cfg: &ModelConfig,
+        format: WeightFormat,
+    ) -> Result<(Self, Dims), CudaError> {
         check_llama_recipe(cfg)?;
         let first = w.layers.first().ok_or_else(|| CudaError::Unsupported("model has no layers".into()))?;
         let hd = cfg.head_dim;
@@ -287,35 +486,40 @@ impl DeviceWeights {
             layers: w.layers.len(),
             eps: cfg.rms_norm_eps,
         };
-        let l = layout(&d, w.lm_head.is_none(), true, true);
+        let l = layout_as(&d, w.lm_head.is_none(), true, true, format);
         let buf = DevBuf::zeroed(gpu, l.total * 2)?;
+        let out = sink(gpu, &buf, &d, format)?;
         let mut staging: Vec<bf16> = Vec::new();
-        let mut put = |off: usize, parts: &[&[f32]]| -> Result<(), CudaError> {
+        let mut put = |off: usize, q: Option<(usize, usize)>, parts: &[&[f32]]| -> Result<(), CudaError> {
             staging.clear();
             for part in parts {
                 staging.extend(part.iter().map(|&v| bf16::from_f32(v)));
             }
-            gpu.upload(&buf, off * 2, &staging)?;
-            // The staging vector is reused: wait for the (pageable, staged) copy.
-            gpu.sync()
+            out.put(off, q.map(|q| q.0), q.map_or(1, |q| q.1), &staging)
         };
         // `to_f32` borrows f32 weights and dequantizes any matrix still in GGUF blocks
         // (every block format, K-quants included), so either kind of load uploads.
+        let h = d.hidden;
         if let Some(o) = l.embed {
-            put(o, &[&w.embed_tokens.to_f32()])?;
+            put(o, None, &[&w.embed_tokens.to_f32()])?;
         }
-        if let (Some(o), Some(lm)) = (l.lm_head, &w.lm_head) {
-            put(o, &[&lm.to_f32()])?;
+        if let Some(o) = l.lm_head {
+            let lm = w.lm_head.as_ref().unwrap_or(&w.embed_tokens);
+            put(o, l.lm_head_scale.map(|s| (s, h)), &[&lm.to_f32()])?;
         }
-        put(l.norm, &[&w.norm])?;
-        for (o, lw) in l.layers.iter().zip(&w.layers) {
-            put(o[0], &[&lw.input_layernorm])?;
-            put(o[1], &[&lw.q_proj.to_f32(), &lw.k_proj.to_f32(), &lw.v_proj.to_f32()])?;
-            put(o[2], &[&lw.o_proj.to_f32()])?;
-            put(o[3], &[&lw.post_attention_layernorm])?;
-            put(o[4], &[&lw.gate_proj.to_f32(), &lw.up_proj.to_f32()])?;
-            put(o[5], &[&lw.down_proj.to_f32()])?;
+        put(l.norm, None, &[&w.norm])?;
+        for (i, (o, lw)) in l.layers.iter().zip(&w.layers).enumerate() {
+            let sc = l.scales.get(i).copied();
+            let q = |k: usize, cols: usize| sc.map(|s| (s[k], cols));
+            put(o[0], None, &[&lw.input_layernorm])?;
+            put(o[1], q(0, h), &[&lw.q_proj.to_f32(), &lw.k_proj.to_f32(), &lw.v_proj.to_f32()])?;
+            put(o[2], q(1, d.q_dim()), &[&lw.o_proj.to_f32()])?;
+            put(o[3], None, &[&lw.post_attention_layernorm])?;
+            put(o[4], q(2, h), &[&lw.gate_proj.to_f32(), &lw.up_proj.to_f32()])?;
+            put(o[5], q(3, d.inter), &[&lw.down_proj.to_f32()])?;
         }
+        gpu.sync()?;
+        drop(out);
         Ok((Self::from_layout(buf, &l), d))
     }
 
@@ -324,27 +528,32 @@ impl DeviceWeights {
     ///
     /// # Errors
     /// [`CudaError`] on allocation or launch failure.
-    pub fn synthetic(gpu: &Gpu, s: &SyntheticShape) -> Result<(Self, Dims), CudaError> {
+    pub fn synthetic(gpu: &Gpu, s: &SyntheticShape, format: WeightFormat) -> Result<(Self, Dims), CudaError> {
         let d = s.dims();
-        let l = layout(&d, false, true, true);
+        let l = layout_as(&d, false, true, true, format);
         let buf = DevBuf::zeroed(gpu, l.total * 2)?;
+        let out = sink(gpu, &buf, &d, format)?;
         let scale = 0.02 * 3f32.sqrt();
         let mut seed = s.seed;
-        let mut fill = |off: usize, n: usize| {
+        // The same seeds in the same order whatever the format: FP8 quantizes the bf16 weights.
+        let mut fill = |off: usize, q: Option<usize>, rows: usize, cols: usize| {
             seed = seed.wrapping_add(1);
-            gpu.fill_uniform(buf.ptr + (off * 2) as u64, n, seed, scale)
+            let sd = seed;
+            out.generate(off, q, rows, cols, |p| gpu.fill_uniform(p, rows * cols, sd, scale))
         };
+        let h = d.hidden;
         if let Some(o) = l.embed {
-            fill(o, d.vocab * d.hidden)?;
+            fill(o, None, d.vocab, h)?;
         }
         if let Some(o) = l.lm_head {
-            fill(o, d.vocab * d.hidden)?;
+            fill(o, l.lm_head_scale, d.vocab, h)?;
         }
-        for o in &l.layers {
-            fill(o[1], d.qkv_dim() * d.hidden)?;
-            fill(o[2], d.hidden * d.q_dim())?;
-            fill(o[4], 2 * d.inter * d.hidden)?;
-            fill(o[5], d.hidden * d.inter)?;
+        for (i, o) in l.layers.iter().enumerate() {
+            let sc = l.scales.get(i).copied();
+            fill(o[1], sc.map(|s| s[0]), d.qkv_dim(), h)?;
+            fill(o[2], sc.map(|s| s[1]), h, d.q_dim())?;
+            fill(o[4], sc.map(|s| s[2]), 2 * d.inter, h)?;
+            fill(o[5], sc.map(|s| s[3]), h, d.inter)?;
         }
         gpu.fill_const(buf.ptr + (l.norm * 2) as u64, d.hidden, 1.0)?;
         for o in &l.layers {
@@ -352,6 +561,8 @@ impl DeviceWeights {
             gpu.fill_const(buf.ptr + (o[3] * 2) as u64, d.hidden, 1.0)?;
         }
         gpu.sync()?;
+        gpu.sync()?;
+        drop(out);
         Ok((Self::from_layout(buf, &l), d))
     }
 }

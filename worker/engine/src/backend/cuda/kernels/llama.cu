@@ -3,6 +3,7 @@
 // Layouts follow backend/mod.rs: fused QKV rows [q_heads*hd | kv_heads*hd | kv_heads*hd],
 // K/V caches [num_blocks, block_size, kv_heads, head_dim], RoPE rotate-half (HF layout).
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned int u32;
@@ -64,9 +65,11 @@ extern "C" __global__ void add_rmsnorm(float* x, const bf16* delta, const bf16* 
 }
 
 // RoPE (rotate-half) on the q and k parts of each fused QKV row, then K and V written to
-// the token's cache slot. Grid: n tokens.
-extern "C" __global__ void rope_kv_write(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
-                                         bf16* kc, bf16* vc, int qh, int kvh, int hd) {
+// the token's cache slot (bf16, or e4m3 with a per-tensor scale of 1: `rope_kv_write_fp8`).
+// Grid: n tokens.
+template <bool FP8>
+__device__ __forceinline__ void rope_kv_impl(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
+                                             void* kcv, void* vcv, int qh, int kvh, int hd) {
     int t = blockIdx.x;
     int half = hd / 2;
     u64 qkv_dim = (u64)(qh + 2 * kvh) * hd;
@@ -86,9 +89,24 @@ extern "C" __global__ void rope_kv_write(bf16* qkv, const u32* pos, const u32* s
     u64 slot = slots[t];
     int kvd = kvh * hd;
     for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
-        kc[slot * kvd + i] = row[qh * hd + i];
-        vc[slot * kvd + i] = row[(qh + kvh) * hd + i];
+        if (FP8) {
+            unsigned char* kc = reinterpret_cast<unsigned char*>(kcv);
+            unsigned char* vc = reinterpret_cast<unsigned char*>(vcv);
+            kc[slot * kvd + i] = __nv_cvt_float_to_fp8(bf2f(row[qh * hd + i]), __NV_SATFINITE, __NV_E4M3);
+            vc[slot * kvd + i] = __nv_cvt_float_to_fp8(bf2f(row[(qh + kvh) * hd + i]), __NV_SATFINITE, __NV_E4M3);
+        } else {
+            reinterpret_cast<bf16*>(kcv)[slot * kvd + i] = row[qh * hd + i];
+            reinterpret_cast<bf16*>(vcv)[slot * kvd + i] = row[(qh + kvh) * hd + i];
+        }
     }
+}
+extern "C" __global__ void rope_kv_write(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
+                                         bf16* kc, bf16* vc, int qh, int kvh, int hd) {
+    rope_kv_impl<false>(qkv, pos, slots, inv_freq, kc, vc, qh, kvh, hd);
+}
+extern "C" __global__ void rope_kv_write_fp8(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
+                                             unsigned char* kc, unsigned char* vc, int qh, int kvh, int hd) {
+    rope_kv_impl<true>(qkv, pos, slots, inv_freq, kc, vc, qh, kvh, hd);
 }
 
 #define ATTN_WARPS 8
