@@ -24,9 +24,9 @@ use crate::auth::{ApiKeys, Caller};
 use crate::dispatch::{DispatchError, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
 use crate::tokenize::{Echo, EchoError, TokenizeError, TokenizeInput, detokenize, echo_of, tokenize};
-use prism_engine::ChatMessage;
 use crate::tools::parse::{Piece, ToolParser};
 use crate::tools::{ParserChoice, ParserKind};
+use prism_engine::ChatMessage;
 
 /// The public gRPC service.
 #[derive(Clone)]

@@ -14,8 +14,8 @@
 pub mod errors;
 pub mod guard;
 pub mod sse;
-pub mod tokenize;
 pub mod structured;
+pub mod tokenize;
 pub mod types;
 
 use std::convert::Infallible;

@@ -50,7 +50,7 @@ fn messages(v: &Value) -> Result<Vec<ChatMessage>> {
     arr.iter()
         .map(|m| {
             let field = |k: &str| m[k].as_str().map(str::to_owned).with_context(|| format!("message {k}"));
-            Ok(ChatMessage { role: field("role")?, content: field("content")? })
+            Ok(ChatMessage { role: field("role")?, content: field("content")?, ..Default::default() })
         })
         .collect()
 }
