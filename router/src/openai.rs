@@ -38,8 +38,9 @@ use crate::dispatch::{DispatchError, Dispatched, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
 use crate::tokenize::Echo;
 use crate::tools::parse::{ParsedCall, Piece, ToolParser};
-use crate::tools::{ParserChoice, ParserKind, ToolPlan};
+use crate::tools::{ParserChoice, ParserKind};
 use errors::ApiError;
+use structured::ErrorFields;
 use types::{ChatRequest, CompletionRequest, SamplingFields};
 
 /// Longest time to receive a whole request body; a client that stalls mid-body gets 408.
@@ -611,28 +612,6 @@ async fn generate<R: GenerationEndpoint>(
     serve(state, tracker, prepared).await
 }
 
-/// What the router knows to name the field of a worker's INVALID_ARGUMENT.
-struct ErrorFields {
-    /// The OpenAI field a structured output came from.
-    structured: Option<&'static str>,
-    /// Tool calling: a forced choice's grammar is the router's, built from `tools`.
-    tools: Option<ToolPlan>,
-}
-
-impl ErrorFields {
-    /// The client's field for the worker's `param` (`structured_output.*` → the field the
-    /// constraint came from, `tools` for a tool-choice grammar; `prompt` → `messages` in chat).
-    fn client_param(&self, kind: Kind, param: &str) -> Option<String> {
-        if param.starts_with("structured_output") {
-            if self.tools.as_ref().is_some_and(|t| t.forced) {
-                return Some("tools".into());
-            }
-            return self.structured.map(str::to_owned);
-        }
-        (kind == Kind::Chat && param == "prompt").then(|| "messages".into())
-    }
-}
-
 type Prepared = Result<(GenerateRequest, Shaper, bool, ErrorFields), ApiError>;
 
 /// What a dispatched request turned into.
@@ -648,7 +627,7 @@ async fn answer(state: &HttpState, tracker: &RequestTracker, prepared: Prepared)
     // A worker's `prompt` (empty, over the context length) is `messages` in a chat request;
     // its `structured_output.*` is the field the constraint came from.
     let chat_param = |mut e: ApiError| {
-        if let Some(p) = e.param.as_deref().and_then(|p| fields.client_param(kind, p)) {
+        if let Some(p) = e.param.as_deref().and_then(|p| fields.client_param(kind == Kind::Chat, p)) {
             e.param = Some(p);
         }
         e

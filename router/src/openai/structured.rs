@@ -21,6 +21,7 @@ use prism_common::proto::v1::{Choices, StructuredOutput};
 use serde_json::Value;
 
 use super::errors::ApiError;
+use crate::tools::ToolPlan;
 
 /// The request fields that may constrain the output (each `None` when absent).
 #[derive(Debug, Clone, Copy, Default)]
@@ -207,6 +208,28 @@ pub fn structured(s: &StructuredFields<'_>) -> Result<Option<(StructuredOutput, 
         found.extend(structured_outputs(v)?);
     }
     Ok(one_of(found)?.map(|(c, param)| (StructuredOutput { constraint: Some(c) }, StructuredSource { param })))
+}
+
+/// What the router knows to name the field of a worker's INVALID_ARGUMENT.
+pub(super) struct ErrorFields {
+    /// The OpenAI field a structured output came from.
+    pub structured: Option<&'static str>,
+    /// Tool calling: a forced choice's grammar is the router's, built from `tools`.
+    pub tools: Option<ToolPlan>,
+}
+
+impl ErrorFields {
+    /// The client's field for the worker's `param` (`structured_output.*` → the field the
+    /// constraint came from, `tools` for a tool-choice grammar; `prompt` → `messages` in chat).
+    pub(super) fn client_param(&self, chat: bool, param: &str) -> Option<String> {
+        if param.starts_with("structured_output") {
+            if self.tools.as_ref().is_some_and(|t| t.forced) {
+                return Some("tools".into());
+            }
+            return self.structured.map(str::to_owned);
+        }
+        (chat && param == "prompt").then(|| "messages".into())
+    }
 }
 
 #[cfg(test)]
