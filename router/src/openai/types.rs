@@ -406,7 +406,6 @@ impl SamplingFields {
             min_tokens,
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
             structured_output: super::structured::structured(&self.structured_fields())?.map(|(s, _)| s),
-            ..Default::default()
         })
     }
 

@@ -96,7 +96,7 @@ impl<'a> Msg<'a> {
                 function: MsgFunction { name: &c.name, arguments: json_value(&c.arguments) },
             })
             .collect();
-        let content = (!(m.content.is_empty() && !tool_calls.is_empty())).then_some(m.content.as_str());
+        let content = (!m.content.is_empty() || tool_calls.is_empty()).then_some(m.content.as_str());
         // OpenAI's `developer` role is the system prompt of newer models; older templates
         // know only `system`.
         let role = if m.role == "developer" && !knows_developer { "system" } else { m.role.as_str() };

@@ -25,6 +25,8 @@ use crate::request::EngineError;
 
 mod spm;
 
+/// How a vocabulary entry's text becomes the token's raw bytes (byte-level BPE or SentencePiece).
+type TokenBytesFn<'a> = dyn Fn(&str) -> Vec<u8> + 'a;
 /// GGUF `token_type` values (llama.cpp `llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
@@ -277,7 +279,7 @@ impl Tokenizer {
             None => vec![1; tokens.len()],
         };
         let table = unicode_to_byte();
-        let (mut inner, token_bytes): (tokenizers::Tokenizer, Box<dyn Fn(&str) -> Vec<u8>>) = if model == "gpt2" {
+        let (mut inner, token_bytes): (tokenizers::Tokenizer, Box<TokenBytesFn<'_>>) = if model == "gpt2" {
             let merges: Vec<(String, String)> = strs("tokenizer.ggml.merges")?
                 .into_iter()
                 .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
