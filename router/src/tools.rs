@@ -154,6 +154,10 @@ pub fn parse_tools(tools_json: &str) -> Result<Vec<ToolSpec>, Invalid> {
 pub fn plan(req: &mut GenerateRequest, parser: ParserKind) -> Result<Option<ToolPlan>, Invalid> {
     let choice = ToolChoice::from_proto(&req.tool_choice);
     if req.tools_json.is_empty() {
+        if req.tool_choice.is_empty() {
+            // Neither given: a request without tools.
+            return Ok(None);
+        }
         return match choice {
             ToolChoice::None => Ok(None),
             _ => Err(invalid("tool_choice", "tool_choice needs tools")),

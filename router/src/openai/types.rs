@@ -200,9 +200,8 @@ impl ChatMessageIn {
             Some(Value::Array(_)) => return Err(bad(format!("messages[{i}].tool_calls is only for assistant turns"))),
             Some(_) => return Err(bad(format!("messages[{i}].tool_calls must be a list"))),
         }
-        if self.role == "tool" && self.tool_call_id.as_deref().is_none_or(str::is_empty) {
-            return Err(bad(format!("messages[{i}].tool_call_id is required on tool messages")));
-        }
+        // A tool message without `tool_call_id` is accepted (as it always was, and as vLLM
+        // accepts it): templates that do not read the id render it the same.
         let content = if !tool_calls.is_empty() && matches!(self.content, None | Some(Value::Null)) {
             String::new()
         } else {

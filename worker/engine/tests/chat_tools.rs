@@ -90,7 +90,8 @@ fn router_and_replica_render_tools_alike() -> Result<()> {
                     .contains("<|im_start|>tool\n<tool_response>\n{\"temperature\": 21}\n</tool_response><|im_end|>")
             );
         } else {
-            assert!(rendered.starts_with("<|im_start|>system\n# Tools\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\""), "{rendered}");
+            // The template's newline after `{% for %}` goes: chat templates render with trim_blocks, as transformers renders them.
+            assert!(rendered.starts_with("<|im_start|>system\n# Tools\n<tools>{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\""), "{rendered}");
         }
         // Without tools the prompt is different (no description), and still identical on both.
         let plain = codec.encode_chat_with_tools(&chat, None, false)?;
