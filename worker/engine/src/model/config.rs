@@ -13,6 +13,8 @@ use serde::{Deserialize, Serialize};
 use super::error::ModelError;
 use super::quantization::CheckpointQuant;
 
+/// Most decoder layers a model may have (far above any released model).
+pub const MAX_LAYERS: usize = 1 << 12;
 /// Llama 3 style RoPE frequency scaling (`rope_scaling` with `rope_type: "llama3"`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RopeScaling {
@@ -289,7 +291,12 @@ impl ArchConfig {
             embedding_scale: None,
             query_pre_attn_scalar: None,
             final_logit_softcapping: None,
-            layers: vec![LayerAttention { sliding_window: None, rope_theta, rope_scaled: true }; num_layers],
+            // A layer count past the supported maximum is refused by `ModelConfig::validate`;
+            // the list is never sized from it (a hostile header may claim 10^9 layers).
+            layers: vec![
+                LayerAttention { sliding_window: None, rope_theta, rope_scaled: true };
+                num_layers.min(MAX_LAYERS + 1)
+            ],
         }
     }
 }
@@ -407,7 +414,7 @@ impl ModelConfig {
             ("num_attention_heads", self.num_attention_heads, 1 << 12),
             ("num_key_value_heads", self.num_key_value_heads, 1 << 12),
             ("head_dim", self.head_dim, 1 << 12),
-            ("num_hidden_layers", self.num_hidden_layers, 1 << 12),
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
             ("vocab_size", self.vocab_size, 1 << 24),
             ("max_position_embeddings", self.max_position_embeddings, 1 << 26),
             ("q_dim", self.num_attention_heads.saturating_mul(self.head_dim), 1 << 20),
