@@ -24,6 +24,41 @@ pub(crate) struct LayerPtrs {
     pub post_norm: u64,
     pub gate_up: u64,
     pub down: u64,
+    /// `[qkv_dim]` q, k, v biases (0: none).
+    pub qkv_bias: u64,
+    /// `[head_dim]` per-head q and k RMSNorm gains (0: none).
+    pub q_norm: u64,
+    pub k_norm: u64,
+    /// `[hidden]` RMSNorm gains of the attention output and of the MLP output before their
+    /// residual adds (0: none).
+    pub attn_out_norm: u64,
+    pub ffn_out_norm: u64,
+}
+
+/// Which of the model-family tensors every layer has beyond Llama's (the default: none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct LayerExtras {
+    /// q/k/v biases.
+    pub qkv_bias: bool,
+    /// Per-head q/k RMSNorm gains.
+    pub qk_norm: bool,
+    /// Norms of the attention and MLP outputs.
+    pub sandwich_norms: bool,
+}
+
+impl LayerExtras {
+    fn of(cfg: &ModelConfig) -> Self {
+        let a = &cfg.arch;
+        Self { qkv_bias: a.attention_bias, qk_norm: a.qk_norm, sandwich_norms: a.sandwich_norms }
+    }
+}
+
+/// Element offsets of one layer's model-family tensors ([`LayerExtras`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct ExtraOffsets {
+    qkv_bias: Option<usize>,
+    qk_norm: Option<[usize; 2]>,
+    sandwich_norms: Option<[usize; 2]>,
 }
 
 /// All weights in one device buffer.
@@ -69,11 +104,14 @@ struct Layout {
     lm_head: Option<usize>,
     norm: usize,
     layers: Vec<[usize; 6]>,
+    /// Each layer's [`LayerExtras`] tensors, placed after its six Llama tensors.
+    extras: Vec<ExtraOffsets>,
 }
 
 /// `d` is the local shard's dimensions (its heads, MLP rows and layer count). The whole
 /// model's layout is the same as it always was: embedding, lm_head (untied), norm, layers.
-fn layout(d: &Dims, tied: bool, first_stage: bool, last_stage: bool) -> Layout {
+/// A Llama model (no [`LayerExtras`]) keeps exactly that layout.
+fn layout(d: &Dims, tied: bool, first_stage: bool, last_stage: bool, ex: LayerExtras) -> Layout {
     let mut at = 0usize;
     let mut take = |n: usize| {
         let o = at;
@@ -84,19 +122,24 @@ fn layout(d: &Dims, tied: bool, first_stage: bool, last_stage: bool) -> Layout {
     let embed = (first_stage || (last_stage && tied)).then(|| take(d.vocab * d.hidden));
     let lm_head = (last_stage && !tied).then(|| take(d.vocab * d.hidden));
     let norm = take(d.hidden);
-    let layers = (0..d.layers)
-        .map(|_| {
-            [
-                take(d.hidden),
-                take(d.qkv_dim() * d.hidden),
-                take(d.hidden * d.q_dim()),
-                take(d.hidden),
-                take(2 * d.inter * d.hidden),
-                take(d.hidden * d.inter),
-            ]
-        })
-        .collect();
-    Layout { total: at, embed, lm_head, norm, layers }
+    let mut layers = Vec::with_capacity(d.layers);
+    let mut extras = Vec::with_capacity(d.layers);
+    for _ in 0..d.layers {
+        layers.push([
+            take(d.hidden),
+            take(d.qkv_dim() * d.hidden),
+            take(d.hidden * d.q_dim()),
+            take(d.hidden),
+            take(2 * d.inter * d.hidden),
+            take(d.hidden * d.inter),
+        ]);
+        extras.push(ExtraOffsets {
+            qkv_bias: ex.qkv_bias.then(|| take(d.qkv_dim())),
+            qk_norm: ex.qk_norm.then(|| [take(d.head_dim), take(d.head_dim)]),
+            sandwich_norms: ex.sandwich_norms.then(|| [take(d.hidden), take(d.hidden)]),
+        });
+    }
+    Layout { total: at, embed, lm_head, norm, layers, extras }
 }
 
 /// One piece of a fused device tensor: `name` (stored with `shape`), whole or the block
@@ -124,6 +167,42 @@ impl<'a> Part<'a> {
         let block = (cols != (0..shape[1])).then(|| (0..shape[0], cols));
         Self { name, shape, block }
     }
+
+    /// Elements `range` of the 1-D tensor `name [shape[0]]` (a tensor-parallel slice of a bias).
+    fn range(name: &'a str, shape: &'a [usize], range: std::ops::Range<usize>) -> Self {
+        let block = (range != (0..shape[0])).then(|| (range, 0..1));
+        Self { name, shape, block }
+    }
+}
+
+/// Appends `part` of `files` to `out` as bf16; returns the bytes read.
+fn append_part(files: &SafetensorsFiles, part: &Part<'_>, out: &mut Vec<bf16>) -> Result<usize, ModelError> {
+    match (&part.block, part.shape) {
+        (None, _) => files.append_bf16(part.name, part.shape, out),
+        (Some((range, _)), [len]) => {
+            // A 1-D slice: the whole (small) tensor is read, the slice kept.
+            let start = out.len();
+            let bytes = files.append_bf16(part.name, &[*len], out)?;
+            if range.end > *len {
+                return Err(ModelError::Shard(format!("{}: range {range:?} is outside [{len}]", part.name)));
+            }
+            out.truncate(start + range.end);
+            out.drain(start..start + range.start);
+            Ok(bytes)
+        }
+        (Some((rows, cols)), shape) => {
+            files.append_bf16_block(part.name, [shape[0], shape[1]], rows.clone(), cols.clone(), out)
+        }
+    }
+}
+
+/// Adds `offset` to every value (RMSNorm gains stored as `g - 1`), rounding back to bf16.
+fn add_offset(v: &mut [bf16], offset: f32) {
+    if offset != 0.0 {
+        for x in v {
+            *x = bf16::from_f32(x.to_f32() + offset);
+        }
+    }
 }
 
 impl DeviceWeights {
@@ -132,13 +211,19 @@ impl DeviceWeights {
         let layers = l
             .layers
             .iter()
-            .map(|o| LayerPtrs {
+            .zip(&l.extras)
+            .map(|(o, x)| LayerPtrs {
                 input_norm: p(o[0]),
                 qkv: p(o[1]),
                 o_proj: p(o[2]),
                 post_norm: p(o[3]),
                 gate_up: p(o[4]),
                 down: p(o[5]),
+                qkv_bias: x.qkv_bias.map_or(0, p),
+                q_norm: x.qk_norm.map_or(0, |[q, _]| p(q)),
+                k_norm: x.qk_norm.map_or(0, |[_, k]| p(k)),
+                attn_out_norm: x.sandwich_norms.map_or(0, |[a, _]| p(a)),
+                ffn_out_norm: x.sandwich_norms.map_or(0, |[_, f]| p(f)),
             })
             .collect();
         let embed = l.embed.map_or(0, p);
@@ -184,25 +269,20 @@ impl DeviceWeights {
             eps: cfg.rms_norm_eps,
         };
         let tied = cfg.tie_word_embeddings || !files.contains("lm_head.weight");
-        let l = layout(&d, tied, spec.first_stage, spec.last_stage);
+        let ex = LayerExtras::of(cfg);
+        let l = layout(&d, tied, spec.first_stage, spec.last_stage, ex);
         let buf = DevBuf::zeroed(gpu, l.total * 2)?;
         let total = files.total_bytes();
         let mut done = 0u64;
         let mut staging: Vec<bf16> = Vec::new();
-        let mut put = |off: usize, parts: &[Part<'_>]| -> Result<(), CudaError> {
+        // RMSNorm gains get the checkpoint's offset (`put_norm`), matrices and biases not.
+        let offset = cfg.arch.norm_weight_offset;
+        let mut put_with = |off: usize, parts: &[Part<'_>], gain_offset: f32| -> Result<(), CudaError> {
             staging.clear();
             for part in parts {
-                done += match &part.block {
-                    None => files.append_bf16(part.name, part.shape, &mut staging)?,
-                    Some((rows, cols)) => files.append_bf16_block(
-                        part.name,
-                        [part.shape[0], part.shape[1]],
-                        rows.clone(),
-                        cols.clone(),
-                        &mut staging,
-                    )?,
-                } as u64;
+                done += append_part(files, part, &mut staging)? as u64;
             }
+            add_offset(&mut staging, gain_offset);
             gpu.upload(&buf, off * 2, &staging)?;
             // The staging vector is reused: wait for the (pageable, staged) copy.
             gpu.sync()?;
@@ -216,38 +296,57 @@ impl DeviceWeights {
         let (qs, kvs, is) =
             (r * d.q_dim()..(r + 1) * d.q_dim(), r * d.kv_dim()..(r + 1) * d.kv_dim(), r * d.inter..(r + 1) * d.inter);
         if let Some(o) = l.embed {
-            put(o, &[Part::whole("model.embed_tokens.weight", &[v, h])])?;
+            put_with(o, &[Part::whole("model.embed_tokens.weight", &[v, h])], 0.0)?;
         }
         if let Some(o) = l.lm_head {
-            put(o, &[Part::whole("lm_head.weight", &[v, h])])?;
+            put_with(o, &[Part::whole("lm_head.weight", &[v, h])], 0.0)?;
         }
         if spec.last_stage {
-            put(l.norm, &[Part::whole("model.norm.weight", &[h])])?;
+            put_with(l.norm, &[Part::whole("model.norm.weight", &[h])], offset)?;
         }
-        for (li, o) in spec.layers.clone().zip(&l.layers) {
+        // Gemma 3 names its norm before the MLP `pre_feedforward_layernorm` and uses
+        // `post_attention_layernorm` for the norm of the attention output.
+        let ffn_norm = if ex.sandwich_norms { "pre_feedforward_layernorm" } else { "post_attention_layernorm" };
+        let hd = cfg.head_dim;
+        for ((li, o), x) in spec.layers.clone().zip(&l.layers).zip(&l.extras) {
             let n = |t: &str| format!("model.layers.{li}.{t}.weight");
             let (ln1, qn, kn, vn) =
                 (n("input_layernorm"), n("self_attn.q_proj"), n("self_attn.k_proj"), n("self_attn.v_proj"));
-            let (on, ln2, gn, un, dn) = (
-                n("self_attn.o_proj"),
-                n("post_attention_layernorm"),
-                n("mlp.gate_proj"),
-                n("mlp.up_proj"),
-                n("mlp.down_proj"),
-            );
-            put(o[0], &[Part::whole(&ln1, &[h])])?;
-            put(
+            let (on, ln2, gn, un, dn) =
+                (n("self_attn.o_proj"), n(ffn_norm), n("mlp.gate_proj"), n("mlp.up_proj"), n("mlp.down_proj"));
+            put_with(o[0], &[Part::whole(&ln1, &[h])], offset)?;
+            put_with(
                 o[1],
                 &[
                     Part::rows(&qn, &[q, h], qs.clone()),
                     Part::rows(&kn, &[kv, h], kvs.clone()),
                     Part::rows(&vn, &[kv, h], kvs.clone()),
                 ],
+                0.0,
             )?;
-            put(o[2], &[Part::cols(&on, &[h, q], qs.clone())])?;
-            put(o[3], &[Part::whole(&ln2, &[h])])?;
-            put(o[4], &[Part::rows(&gn, &[i, h], is.clone()), Part::rows(&un, &[i, h], is.clone())])?;
-            put(o[5], &[Part::cols(&dn, &[h, i], is.clone())])?;
+            put_with(o[2], &[Part::cols(&on, &[h, q], qs.clone())], 0.0)?;
+            put_with(o[3], &[Part::whole(&ln2, &[h])], offset)?;
+            put_with(o[4], &[Part::rows(&gn, &[i, h], is.clone()), Part::rows(&un, &[i, h], is.clone())], 0.0)?;
+            put_with(o[5], &[Part::cols(&dn, &[h, i], is.clone())], 0.0)?;
+            let b = |t: &str| format!("model.layers.{li}.self_attn.{t}_proj.bias");
+            if let Some(ob) = x.qkv_bias {
+                let (bq, bk, bv) = (b("q"), b("k"), b("v"));
+                let parts = [
+                    Part::range(&bq, &[q], qs.clone()),
+                    Part::range(&bk, &[kv], kvs.clone()),
+                    Part::range(&bv, &[kv], kvs.clone()),
+                ];
+                put_with(ob, &parts, 0.0)?;
+            }
+            if let Some([oq, ok]) = x.qk_norm {
+                // Per-head gains: the same on every tensor-parallel rank.
+                put_with(oq, &[Part::whole(&n("self_attn.q_norm"), &[hd])], offset)?;
+                put_with(ok, &[Part::whole(&n("self_attn.k_norm"), &[hd])], offset)?;
+            }
+            if let Some([oa, of]) = x.sandwich_norms {
+                put_with(oa, &[Part::whole(&n("post_attention_layernorm"), &[h])], offset)?;
+                put_with(of, &[Part::whole(&n("post_feedforward_layernorm"), &[h])], offset)?;
+            }
         }
         Ok((Self::from_layout(buf, &l), d))
     }
@@ -270,7 +369,18 @@ impl DeviceWeights {
             layers: w.layers.len(),
             eps: cfg.rms_norm_eps,
         };
-        let l = layout(&d, w.lm_head.is_none(), true, true);
+        let first_extras = LayerExtras {
+            qkv_bias: first.qkv_bias.is_some(),
+            qk_norm: first.qk_norm.is_some(),
+            sandwich_norms: first.sandwich_norms.is_some(),
+        };
+        if w.layers.iter().any(|lw| {
+            (lw.qkv_bias.is_some(), lw.qk_norm.is_some(), lw.sandwich_norms.is_some())
+                != (first_extras.qkv_bias, first_extras.qk_norm, first_extras.sandwich_norms)
+        }) {
+            return Err(CudaError::Unsupported("layers differ in their biases or norms".into()));
+        }
+        let l = layout(&d, w.lm_head.is_none(), true, true, first_extras);
         let buf = DevBuf::zeroed(gpu, l.total * 2)?;
         let mut staging: Vec<bf16> = Vec::new();
         let mut put = |off: usize, parts: &[&[f32]]| -> Result<(), CudaError> {
@@ -297,6 +407,23 @@ impl DeviceWeights {
             put(o[4], &[&lw.gate_proj.data, &lw.up_proj.data])?;
             put(o[5], &[&lw.down_proj.data])?;
         }
+        // The host weights' gains already include the checkpoint's norm offset.
+        for (x, lw) in l.extras.iter().zip(&w.layers) {
+            if let (Some(o), Some([bq, bk, bv])) = (x.qkv_bias, &lw.qkv_bias) {
+                if bq.len() != d.q_dim() || bk.len() != d.kv_dim() || bv.len() != d.kv_dim() {
+                    return Err(CudaError::Unsupported("q/k/v bias lengths do not match the weights".into()));
+                }
+                put(o, &[bq, bk, bv])?;
+            }
+            if let (Some([oq, ok]), Some([gq, gk])) = (x.qk_norm, &lw.qk_norm) {
+                put(oq, &[gq])?;
+                put(ok, &[gk])?;
+            }
+            if let (Some([oa, of]), Some([ga, gf])) = (x.sandwich_norms, &lw.sandwich_norms) {
+                put(oa, &[ga])?;
+                put(of, &[gf])?;
+            }
+        }
         Ok((Self::from_layout(buf, &l), d))
     }
 
@@ -307,7 +434,7 @@ impl DeviceWeights {
     /// [`CudaError`] on allocation or launch failure.
     pub fn synthetic(gpu: &Gpu, s: &SyntheticShape) -> Result<(Self, Dims), CudaError> {
         let d = s.dims();
-        let l = layout(&d, false, true, true);
+        let l = layout(&d, false, true, true, LayerExtras::default());
         let buf = DevBuf::zeroed(gpu, l.total * 2)?;
         let scale = 0.02 * 3f32.sqrt();
         let mut seed = s.seed;
@@ -356,24 +483,98 @@ mod tests {
         let (emb, norm) = (up(100 * 64), up(64));
         let layer = up(64) + up(d.qkv_dim() * 64) + up(64 * d.q_dim()) + up(64) + up(2 * 96 * 64) + up(64 * 96);
         // Whole model, untied: embedding, lm_head, norm, then the layers in order.
-        let l = layout(&d, false, true, true);
+        let l = layout(&d, false, true, true, LayerExtras::default());
         assert_eq!((l.embed, l.lm_head, l.norm), (Some(0), Some(emb), 2 * emb));
         assert_eq!(l.layers[0][0], 2 * emb + norm);
         assert_eq!(l.layers[1][0], 2 * emb + norm + layer);
         assert_eq!(l.total, 2 * emb + norm + 2 * layer);
         // Tied: no lm_head slot (the embedding serves).
-        let l = layout(&d, true, true, true);
+        let l = layout(&d, true, true, true, LayerExtras::default());
         assert_eq!((l.embed, l.lm_head, l.norm), (Some(0), None, emb));
         // A middle stage: neither the embedding nor an lm_head.
-        let l = layout(&d, false, false, false);
+        let l = layout(&d, false, false, false, LayerExtras::default());
         assert_eq!((l.embed, l.lm_head, l.total), (None, None, norm + 2 * layer));
         // The last stage of a tied model holds the embedding as its lm_head; untied, the lm_head.
-        assert_eq!(layout(&d, true, false, true).embed, Some(0));
-        let l = layout(&d, false, false, true);
+        assert_eq!(layout(&d, true, false, true, LayerExtras::default()).embed, Some(0));
+        let l = layout(&d, false, false, true, LayerExtras::default());
         assert_eq!((l.embed, l.lm_head), (None, Some(0)));
         // The first stage of an untied model: the embedding, no lm_head.
-        let l = layout(&d, false, true, false);
+        let l = layout(&d, false, true, false, LayerExtras::default());
         assert_eq!((l.embed, l.lm_head), (Some(0), None));
+    }
+
+    #[test]
+    fn family_tensors_follow_each_layer_and_llama_layers_have_none() {
+        let d = dims(2);
+        let llama = layout(&d, true, true, true, LayerExtras::default());
+        assert!(llama.extras.iter().all(|x| *x == ExtraOffsets::default()));
+        let all = LayerExtras { qkv_bias: true, qk_norm: true, sandwich_norms: true };
+        let l = layout(&d, true, true, true, all);
+        // Layer 0's six tensors are where Llama has them; its extras come right after.
+        assert_eq!(l.layers[0], llama.layers[0]);
+        let end0 = l.layers[0][5] + up(64 * 96);
+        let x = l.extras[0];
+        assert_eq!(x.qkv_bias, Some(end0));
+        assert_eq!(x.qk_norm, Some([end0 + up(d.qkv_dim()), end0 + up(d.qkv_dim()) + up(16)]));
+        assert_eq!(
+            x.sandwich_norms,
+            Some([end0 + up(d.qkv_dim()) + 2 * up(16), end0 + up(d.qkv_dim()) + 2 * up(16) + up(64)])
+        );
+        // Layer 1 starts after them.
+        let extra = up(d.qkv_dim()) + 2 * up(16) + 2 * up(64);
+        assert_eq!(l.layers[1][0], end0 + extra);
+        assert_eq!(l.total, llama.total + 2 * extra);
+        // Only q/k norms (Qwen3): no bias slot, no sandwich slots.
+        let qk = layout(&d, true, true, true, LayerExtras { qk_norm: true, ..LayerExtras::default() });
+        assert_eq!(qk.extras[0].qk_norm, Some([end0, end0 + up(16)]));
+        assert_eq!((qk.extras[0].qkv_bias, qk.extras[0].sandwich_norms), (None, None));
+    }
+
+    /// A one-file checkpoint of f32 1-D tensors.
+    fn write_checkpoint(dir: &std::path::Path, tensors: &[(&str, Vec<f32>)]) {
+        let mut header = serde_json::Map::new();
+        let mut data = Vec::new();
+        for (name, v) in tensors {
+            let start = data.len();
+            data.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+            header.insert(
+                (*name).to_owned(),
+                serde_json::json!({"dtype": "F32", "shape": [v.len()], "data_offsets": [start, data.len()]}),
+            );
+        }
+        let h = serde_json::to_vec(&header).unwrap();
+        let mut file = (h.len() as u64).to_le_bytes().to_vec();
+        file.extend(h);
+        file.extend(data);
+        std::fs::write(dir.join("model.safetensors"), file).unwrap();
+    }
+
+    #[test]
+    fn a_tensor_parallel_rank_takes_its_slice_of_each_bias_and_gains_get_the_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let bias: Vec<f32> = (0..8).map(|i| i as f32 * 0.5).collect();
+        write_checkpoint(dir.path(), &[("q_proj.bias", bias.clone()), ("q_norm.weight", vec![0.25, -0.5, 0.0, 1.0])]);
+        let files = SafetensorsFiles::open_dir(dir.path()).unwrap();
+        let bf = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+        // Rank 1 of 2: elements 4..8 (the heads whose q/k/v rows it holds).
+        let mut out = vec![bf16::from_f32(9.0)];
+        append_part(&files, &Part::range("q_proj.bias", &[8], 4..8), &mut out).unwrap();
+        assert_eq!(bf(&out), [9.0, 2.0, 2.5, 3.0, 3.5]);
+        // The whole range is the whole tensor.
+        assert!(Part::range("q_proj.bias", &[8], 0..8).block.is_none());
+        out.clear();
+        append_part(&files, &Part::range("q_proj.bias", &[8], 0..8), &mut out).unwrap();
+        assert_eq!(bf(&out), bias);
+        // A range past the end names the tensor.
+        let err = append_part(&files, &Part::range("q_proj.bias", &[8], 6..10), &mut out).unwrap_err();
+        assert!(err.to_string().contains("q_proj.bias"), "{err}");
+        // Gemma's gains are stored as g - 1: the upload adds the offset.
+        out.clear();
+        append_part(&files, &Part::whole("q_norm.weight", &[4]), &mut out).unwrap();
+        add_offset(&mut out, 1.0);
+        assert_eq!(bf(&out), [1.25, 0.5, 1.0, 2.0]);
+        add_offset(&mut out, 0.0);
+        assert_eq!(bf(&out), [1.25, 0.5, 1.0, 2.0]);
     }
 
     #[test]
