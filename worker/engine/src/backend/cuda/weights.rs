@@ -331,10 +331,11 @@ impl DeviceWeights {
             let b = |t: &str| format!("model.layers.{li}.self_attn.{t}_proj.bias");
             if let Some(ob) = x.qkv_bias {
                 let (bq, bk, bv) = (b("q"), b("k"), b("v"));
+                let (sq, skv) = ([q], [kv]);
                 let parts = [
-                    Part::range(&bq, &[q], qs.clone()),
-                    Part::range(&bk, &[kv], kvs.clone()),
-                    Part::range(&bv, &[kv], kvs.clone()),
+                    Part::range(&bq, &sq, qs.clone()),
+                    Part::range(&bk, &skv, kvs.clone()),
+                    Part::range(&bv, &skv, kvs.clone()),
                 ];
                 put_with(ob, &parts, 0.0)?;
             }
