@@ -19,6 +19,7 @@ Usage: python3 scripts/gpu/hf_arch_cuda.py OUT_DIR [--device cuda|cpu]
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -35,7 +36,8 @@ from transformers import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER = ROOT / "tests" / "fixtures" / "hf-tiny"
+# PRISM_HF_TINY: where the tiny tokenizer is when the script runs from outside the tree.
+TOKENIZER = Path(os.environ.get("PRISM_HF_TINY", ROOT / "tests" / "fixtures" / "hf-tiny"))
 SEED = 20261202
 BOS = 256
 WINDOW = 48

@@ -16,7 +16,7 @@ machine_txt "$OUT"
 MODEL=/tmp/prism-hf-arch
 rm -rf "$MODEL"
 rc=0
-timeout 120 python3 scripts/gpu/hf_arch_cuda.py "$MODEL" 2>&1 | tee "$OUT/hf_arch_cuda.log" || rc=1
+timeout 120 python3 "$(dirname "$0")/hf_arch_cuda.py" "$MODEL" 2>&1 | tee "$OUT/hf_arch_cuda.log" || rc=1
 timeout 120 "$BIN/cuda_arch_check" "$MODEL" "$OUT/cuda_arch_check.json" 2>&1 | tee "$OUT/cuda_arch_check.log" || rc=1
 for b in cuda_bench_before cuda_bench; do
   if [ -x "$BIN/$b" ]; then
