@@ -170,7 +170,7 @@ impl<'a> Part<'a> {
 
     /// Elements `range` of the 1-D tensor `name [shape[0]]` (a tensor-parallel slice of a bias).
     fn range(name: &'a str, shape: &'a [usize], range: std::ops::Range<usize>) -> Self {
-        let block = (range != (0..shape[0])).then(|| (range, 0..1));
+        let block = (range != (0..shape[0])).then_some((range, 0..1));
         Self { name, shape, block }
     }
 }
