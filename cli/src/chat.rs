@@ -41,7 +41,10 @@ async fn next_line<R: AsyncBufRead + Unpin>(r: &mut R) -> std::io::Result<Option
 }
 
 fn initial_history(system: Option<&str>) -> Vec<ChatMessage> {
-    system.map(|s| ChatMessage { role: "system".into(), content: s.to_owned() }).into_iter().collect()
+    system
+        .map(|s| ChatMessage { role: "system".into(), content: s.to_owned(), ..Default::default() })
+        .into_iter()
+        .collect()
 }
 
 /// Runs the interactive loop until `/exit` or end of input.
@@ -79,7 +82,7 @@ pub async fn run(router_addr: &str, args: ChatArgs) -> Result<()> {
             }
             _ => {}
         }
-        history.push(ChatMessage { role: "user".into(), content: line.to_owned() });
+        history.push(ChatMessage { role: "user".into(), content: line.to_owned(), ..Default::default() });
         let request = GenerateRequest {
             model: model.clone(),
             prompt: Some(Prompt::Chat(ChatMessages { messages: history.clone() })),
@@ -92,7 +95,7 @@ pub async fn run(router_addr: &str, args: ChatArgs) -> Result<()> {
                 if args.verbose {
                     generate::print_summary(&reply);
                 }
-                history.push(ChatMessage { role: "assistant".into(), content: reply.text });
+                history.push(ChatMessage { role: "assistant".into(), content: reply.text, ..Default::default() });
             }
             Err(e) => {
                 writeln!(stdout)?;

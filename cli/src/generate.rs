@@ -97,7 +97,9 @@ pub async fn run(router_addr: &str, args: GenerateArgs) -> Result<()> {
     let prompt = if args.raw {
         Prompt::Text(args.prompt)
     } else {
-        Prompt::Chat(ChatMessages { messages: vec![ChatMessage { role: "user".into(), content: args.prompt }] })
+        Prompt::Chat(ChatMessages {
+            messages: vec![ChatMessage { role: "user".into(), content: args.prompt, ..Default::default() }],
+        })
     };
     let request = GenerateRequest {
         model,

@@ -275,7 +275,7 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints, api
         let request = GenerateRequest {
             model: served.to_owned(),
             prompt: Some(Prompt::Chat(ChatMessages {
-                messages: vec![ChatMessage { role: "user".into(), content: prompt }],
+                messages: vec![ChatMessage { role: "user".into(), content: prompt, ..Default::default() }],
             })),
             sampling: Some(sampling.to_proto()),
             ..GenerateRequest::default()

@@ -40,6 +40,38 @@ impl BackendChoice {
     }
 }
 
+/// Weight quantization of a deployment (`EngineConfig.quantization`; vLLM's `--quantization`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QuantizationChoice {
+    /// FP8 e4m3 weights with per-output-channel scales, quantized at load (CUDA).
+    Fp8,
+}
+
+/// KV-cache element type of a deployment (`EngineConfig.kv_cache_dtype`; vLLM's
+/// `--kv-cache-dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvCacheDtypeChoice {
+    /// The model's compute type (bf16).
+    Auto,
+    /// bf16.
+    Bf16,
+    /// FP8 e4m3 with a per-tensor scale of 1.0 (CUDA): twice the tokens in the same memory.
+    Fp8,
+}
+
+impl KvCacheDtypeChoice {
+    /// The protocol's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Bf16 => "bf16",
+            Self::Fp8 => "fp8",
+        }
+    }
+}
+
 /// Engine knobs of a deployment (vLLM's names). `None` = the engine's default, given in
 /// each field's doc; a zero is taken as unset too (see [`unset_zeros`]).
 ///
@@ -106,6 +138,13 @@ pub struct EngineFlags {
     #[arg(long, env = "PRISM_CHAT_CONTENT_SPECIAL_TOKENS")]
     #[serde(default)]
     pub chat_content_special_tokens: bool,
+    /// Weight quantization: fp8 quantizes a bf16 checkpoint's linear layers to FP8 e4m3 at load
+    /// (per-output-channel scales; CUDA). Default: the checkpoint's own format.
+    #[arg(long, env = "PRISM_QUANTIZATION", value_enum)]
+    pub quantization: Option<QuantizationChoice>,
+    /// KV cache element type: auto (bf16; the default), bf16 or fp8 (e4m3, scale 1.0; CUDA).
+    #[arg(long, env = "PRISM_KV_CACHE_DTYPE", value_enum)]
+    pub kv_cache_dtype: Option<KvCacheDtypeChoice>,
 }
 
 fn one() -> u32 {
@@ -130,6 +169,8 @@ impl Default for EngineFlags {
             enable_prefix_caching: None,
             no_enable_prefix_caching: false,
             chat_content_special_tokens: false,
+            quantization: None,
+            kv_cache_dtype: None,
         }
     }
 }
@@ -187,6 +228,8 @@ impl EngineFlags {
             batch_invariant: self.batch_invariant,
             enable_prefix_caching: if self.no_enable_prefix_caching { Some(false) } else { self.enable_prefix_caching },
             chat_content_special_tokens: self.chat_content_special_tokens,
+            quantization: self.quantization.map(|_| "fp8".to_owned()).unwrap_or_default(),
+            kv_cache_dtype: self.kv_cache_dtype.map(KvCacheDtypeChoice::as_str).unwrap_or_default().to_owned(),
         };
         unset_zeros(&mut engine);
         engine
@@ -272,6 +315,19 @@ mod tests {
         let on = flags(&["--chat-content-special-tokens"]);
         assert_eq!(on, yaml("chat_content_special_tokens: true\n"));
         assert!(on.to_proto("/m.gguf", "m").chat_content_special_tokens);
+    }
+
+    #[test]
+    fn quantization_and_kv_cache_dtype_take_vllms_names() {
+        let e = EngineFlags::default().to_proto("/m", "m");
+        assert_eq!((e.quantization.as_str(), e.kv_cache_dtype.as_str()), ("", ""));
+        let f = flags(&["--quantization=fp8", "--kv-cache-dtype=fp8"]);
+        assert_eq!(f, yaml("quantization: fp8\nkv_cache_dtype: fp8\n"));
+        let e = f.to_proto("/m", "m");
+        assert_eq!((e.quantization.as_str(), e.kv_cache_dtype.as_str()), ("fp8", "fp8"));
+        assert_eq!(flags(&["--kv-cache-dtype=auto"]).to_proto("/m", "m").kv_cache_dtype, "auto");
+        assert!(serde_yaml::from_str::<EngineFlags>("quantization: awq\n").is_err());
+        assert!(serde_yaml::from_str::<EngineFlags>("kv_cache_dtype: fp16\n").is_err());
     }
 
     #[test]

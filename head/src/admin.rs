@@ -62,6 +62,12 @@ pub fn validate_spec(mut spec: DeploymentSpec) -> HeadResult<DeploymentSpec> {
     {
         return bad(format!("engine.gpu_memory_utilization must be in [0, 1], got {u}"));
     }
+    if !matches!(engine.quantization.as_str(), "" | "fp8") {
+        return bad(format!("engine.quantization must be fp8 or unset, got {:?}", engine.quantization));
+    }
+    if !matches!(engine.kv_cache_dtype.as_str(), "" | "auto" | "bf16" | "fp8") {
+        return bad(format!("engine.kv_cache_dtype must be auto, bf16 or fp8, got {:?}", engine.kv_cache_dtype));
+    }
     if !matches!(engine.backend.as_str(), "" | "auto" | "cpu" | "cuda") {
         return bad(format!("engine.backend must be auto, cpu or cuda, got {:?}", engine.backend));
     }

@@ -116,6 +116,11 @@ pub struct Args {
     /// (higher keeps requests with their cached prefix under more load imbalance; 0 = load alone).
     #[arg(long = "prefix-cache-weight", env = "PRISM_PREFIX_CACHE_WEIGHT", default_value_t = DEFAULT_PREFIX_CACHE_WEIGHT)]
     pub prefix_cache_weight: f64,
+    /// The format tool calls are parsed from (vLLM's `--tool-call-parser`): `auto` (by the
+    /// model's chat template: `<tool_call>` → hermes, the Llama 3 format → llama3_json,
+    /// otherwise hermes), `hermes`, or `llama3_json`.
+    #[arg(long = "tool-call-parser", env = "PRISM_TOOL_CALL_PARSER", value_enum, default_value = "auto")]
+    pub tool_call_parser: crate::tools::ParserChoice,
     /// Mutual TLS toward the head and the workers (the router's identity).
     #[command(flatten)]
     pub tls: prism_common::tls::TlsArgs,
@@ -180,6 +185,8 @@ pub struct RouterConfig {
     pub routing_policy: RoutingPolicy,
     /// Prefix-aware routing's weight of an uncached prompt token.
     pub prefix_cache_weight: f64,
+    /// The tool-call parser (`--tool-call-parser`).
+    pub tool_call_parser: crate::tools::ParserChoice,
     /// TLS identity of the public HTTP and gRPC listeners (`None`: plaintext).
     pub public_tls: Option<std::sync::Arc<prism_common::tls::Tls>>,
 }
@@ -203,6 +210,7 @@ impl Default for RouterConfig {
             http_header_read_timeout: Duration::from_secs(10),
             routing_policy: RoutingPolicy::PrefixAware,
             prefix_cache_weight: DEFAULT_PREFIX_CACHE_WEIGHT,
+            tool_call_parser: crate::tools::ParserChoice::Auto,
             public_tls: None,
         }
     }
@@ -270,6 +278,7 @@ impl Args {
             http_header_read_timeout: Duration::from_secs_f64(self.http_header_read_timeout_s),
             routing_policy: self.routing_policy,
             prefix_cache_weight: self.prefix_cache_weight,
+            tool_call_parser: self.tool_call_parser,
             public_tls: self.public_tls.load(self.tls.tls_reload_interval, true)?,
         })
     }

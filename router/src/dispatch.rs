@@ -111,6 +111,18 @@ impl Dispatcher {
         self.upstream.routes()
     }
 
+    /// The tool-call parser for requests to `model`: `choice`, resolved (`auto`) by the chat
+    /// template of the model's replicas as the router knows it from their prompt codecs
+    /// (none known: `hermes`).
+    pub fn tool_parser(&self, model: &str, choice: crate::tools::ParserChoice) -> crate::tools::ParserKind {
+        if choice != crate::tools::ParserChoice::Auto {
+            return choice.resolve(None);
+        }
+        let snap = self.routes().snapshot();
+        let codec = snap.models.get(model).into_iter().flatten().find_map(|r| r.cache.codec());
+        choice.resolve(codec.as_ref().and_then(|c| c.codec.chat_template_source()))
+    }
+
     /// The deadline of a request: its own `timeout_ms` capped by the default.
     pub fn deadline_for(&self, req: &GenerateRequest) -> Instant {
         let d = self.upstream.cfg().default_timeout;

@@ -24,6 +24,8 @@ pub mod openai;
 pub mod prefix;
 pub mod prefix_watch;
 pub mod routes;
+pub mod tokenize;
+pub mod tools;
 pub mod validate;
 
 use prism_common::proto::v1::inference_service_server::InferenceServiceServer;
@@ -96,6 +98,7 @@ pub async fn run(
         shutdown.child_token(),
     ));
 
+    let codecs = std::sync::Arc::new(tokenize::ModelCodecs::new(routes.clone()));
     let http_state = openai::HttpState {
         dispatcher: dispatcher.clone(),
         metrics: metrics.clone(),
@@ -103,6 +106,8 @@ pub async fn run(
         metrics_open: config.metrics_without_auth,
         max_body_bytes: config.max_body_bytes,
         started_at: openai::unix_now(),
+        codecs: codecs.clone(),
+        tool_parser: config.tool_call_parser,
     };
     let app = openai::router(http_state);
     let http_shutdown = shutdown.clone();
@@ -136,7 +141,14 @@ pub async fn run(
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(prism_common::proto::FILE_DESCRIPTOR_SET)
         .build_v1()?;
-    let api = grpc::InferenceApi { dispatcher, keys: keys.clone(), metrics, started_at: openai::unix_now() };
+    let api = grpc::InferenceApi {
+        dispatcher,
+        keys: keys.clone(),
+        metrics,
+        started_at: openai::unix_now(),
+        tool_parser: config.tool_call_parser,
+        codecs,
+    };
     // The key guard wraps the whole server: reflection and unknown methods too (health stays open).
     let grpc = tonic::transport::Server::builder()
         .layer(grpc::guard::GrpcGuardLayer { keys })

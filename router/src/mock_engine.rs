@@ -358,6 +358,7 @@ impl WorkerService for MockEngineWorker {
                             cached_tokens: 0,
                         }),
                         prompt_tokens: if emitted == 0 { prompt_tokens } else { 0 },
+                        ..Default::default()
                     };
                     if tx.send(Ok(msg)).await.is_err() {
                         stats.cancelled.fetch_add(1, Ordering::Relaxed);

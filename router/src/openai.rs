@@ -1,5 +1,5 @@
 //! OpenAI-compatible HTTP API (axum): `/v1/completions`, `/v1/chat/completions`,
-//! `/v1/models`, plus `/health`, `/healthz`, `/readyz` and `/metrics`.
+//! `/v1/models`, vLLM's `/tokenize` and `/detokenize` ([`tokenize`]), plus `/health`, `/healthz`, `/readyz` and `/metrics`.
 //!
 //! Bodies are read by hand so that every failure is an OpenAI error object: no or wrong
 //! Content-Type → 415, over `max_body_bytes` → 413 before parsing, a body that ends before
@@ -14,6 +14,8 @@
 pub mod errors;
 pub mod guard;
 pub mod sse;
+pub mod structured;
+pub mod tokenize;
 pub mod types;
 
 use std::convert::Infallible;
@@ -34,7 +36,11 @@ use serde_json::{Value, json};
 use crate::auth::{ApiKeys, Caller};
 use crate::dispatch::{DispatchError, Dispatched, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
+use crate::tokenize::Echo;
+use crate::tools::parse::{ParsedCall, Piece, ToolParser};
+use crate::tools::{ParserChoice, ParserKind};
 use errors::ApiError;
+use structured::ErrorFields;
 use types::{ChatRequest, CompletionRequest, SamplingFields};
 
 /// Longest time to receive a whole request body; a client that stalls mid-body gets 408.
@@ -55,6 +61,10 @@ pub struct HttpState {
     pub max_body_bytes: usize,
     /// `created` of models whose deployment time is unknown: the router's start (Unix seconds).
     pub started_at: i64,
+    /// The models' prompt codecs (`/tokenize`, `/detokenize`, `echo`).
+    pub codecs: std::sync::Arc<crate::tokenize::ModelCodecs>,
+    /// `--tool-call-parser`: the format tool calls are read in (auto: by chat template).
+    pub tool_parser: ParserChoice,
 }
 
 /// The HTTP application: the routes behind the API-key guard ([`guard`]), which runs before
@@ -65,6 +75,8 @@ pub fn router(state: HttpState) -> Router {
         .route("/v1/completions", post(generate::<CompletionRequest>))
         .route("/v1/chat/completions", post(generate::<ChatRequest>))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize_route))
+        .route("/detokenize", post(detokenize_route))
         .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/healthz", get(|| async { "ok" }))
@@ -167,14 +179,22 @@ fn finish_str(f: i32) -> Option<&'static str> {
 /// Per-choice accumulated state.
 #[derive(Default)]
 struct Choice {
+    /// The content (text outside tool calls when calls are parsed).
     text: String,
+    /// Reads tool calls out of the text (requests with tools).
+    parser: Option<ToolParser>,
+    /// The calls parsed so far.
+    calls: Vec<ParsedCall>,
     role_sent: bool,
     finish: Option<&'static str>,
     // completions logprobs
     tokens: Vec<String>,
-    token_logprobs: Vec<f32>,
+    /// `None` for echoed prompt tokens (JSON null).
+    token_logprobs: Vec<Option<f32>>,
     top: Vec<Value>,
     offsets: Vec<usize>,
+    /// The echoed prompt went out in a streamed chunk.
+    echo_sent: bool,
     // chat logprobs
     content: Vec<Value>,
 }
@@ -193,6 +213,10 @@ struct Shaper {
     /// Prompt tokens served from the replica's prefix cache (`usage.prompt_tokens_details`).
     cached_tokens: u32,
     usage_seen: bool,
+    /// The prompt echoed before each choice's output (completions `echo`).
+    echo: Option<Echo>,
+    /// Whether the output is read for tool calls (then `content` is null without text).
+    tools: bool,
 }
 
 fn bytes_json(b: &[u8]) -> Value {
@@ -223,7 +247,67 @@ impl Shaper {
             completion_tokens: 0,
             cached_tokens: 0,
             usage_seen: false,
+            echo: None,
+            tools: false,
         }
+    }
+
+    /// Reads every choice's output for tool calls in `parser`'s format.
+    fn parse_tools(&mut self, parser: ParserKind) {
+        self.tools = true;
+        for c in &mut self.choices {
+            c.parser = Some(ToolParser::new(parser));
+        }
+    }
+
+    /// OpenAI's finish reason of a choice: `tool_calls` when it ended by calling tools.
+    fn finish_of(c: &Choice, finish: Option<&'static str>) -> Option<&'static str> {
+        match finish {
+            Some("stop") if !c.calls.is_empty() => Some("tool_calls"),
+            f => f,
+        }
+    }
+
+    /// Puts the prompt before every choice's text; with logprobs, its tokens come first with
+    /// null logprobs (the engine computes none for prompt tokens).
+    fn with_echo(mut self, echo: Echo) -> Self {
+        for c in &mut self.choices {
+            c.text.clone_from(&echo.text);
+            if self.logprobs {
+                let mut off = 0;
+                for t in &echo.tokens {
+                    c.tokens.push(t.clone());
+                    c.token_logprobs.push(None);
+                    c.top.push(Value::Null);
+                    c.offsets.push(off);
+                    off += t.len();
+                }
+            }
+        }
+        if let Some(n) = echo.prompt_tokens {
+            self.prompt_tokens = n;
+        }
+        self.echo = Some(echo);
+        self
+    }
+
+    /// The answer of an `echo` request with `max_tokens: 0`: each choice is the prompt alone
+    /// (finish reason `length`), no replica involved.
+    fn prompt_only(&self) -> Vec<GenerateResponse> {
+        let n = self.choices.len();
+        (0..n)
+            .map(|i| GenerateResponse {
+                index: i as u32,
+                finish_reason: FinishReason::Length as i32,
+                usage: (i + 1 == n).then_some(prism_common::proto::v1::Usage {
+                    prompt_tokens: self.prompt_tokens,
+                    completion_tokens: 0,
+                    cached_tokens: 0,
+                }),
+                prompt_tokens: self.prompt_tokens,
+                ..GenerateResponse::default()
+            })
+            .collect()
     }
 
     /// OpenAI's usage object, with `prompt_tokens_details.cached_tokens` (0 on a miss).
@@ -233,8 +317,9 @@ impl Shaper {
                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
     }
 
-    /// Folds a message into the state; returns the choice index and this message's logprobs object.
-    fn absorb(&mut self, m: &GenerateResponse) -> (usize, Value) {
+    /// Folds a message into the state; returns the choice index, this message's logprobs
+    /// object and what its text became (content, and tool calls when they are parsed).
+    fn absorb(&mut self, m: &GenerateResponse) -> (usize, Value, Vec<Piece>) {
         let i = (m.index as usize).min(self.choices.len() - 1);
         if m.prompt_tokens > 0 && self.prompt_tokens == 0 {
             self.prompt_tokens = m.prompt_tokens;
@@ -269,18 +354,34 @@ impl Shaper {
                         off += l.token.len();
                     }
                     c.tokens.extend(toks.iter().cloned());
-                    c.token_logprobs.extend(lps.iter().copied());
+                    c.token_logprobs.extend(lps.iter().map(|&l| Some(l)));
                     c.top.extend(tops.iter().cloned());
                     c.offsets.extend(offs.iter().copied());
                     lp = json!({"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs});
                 }
             }
         }
-        c.text.push_str(&m.text);
-        if let Some(f) = finish_str(m.finish_reason) {
+        let finish = finish_str(m.finish_reason);
+        let pieces = match &mut c.parser {
+            None => vec![Piece::Content(m.text.clone())],
+            Some(p) => {
+                let mut pieces = p.push(&m.text);
+                if finish.is_some() {
+                    pieces.extend(p.finish());
+                }
+                pieces
+            }
+        };
+        for piece in &pieces {
+            match piece {
+                Piece::Content(t) => c.text.push_str(t),
+                Piece::Call(call) => c.calls.push(call.clone()),
+            }
+        }
+        if let Some(f) = finish {
             c.finish = Some(f);
         }
-        (i, lp)
+        (i, lp, pieces)
     }
 
     fn chunk(&self, choices: Vec<Value>) -> Value {
@@ -295,11 +396,34 @@ impl Shaper {
 
     /// SSE events for one message.
     fn stream_events(&mut self, m: &GenerateResponse, out: &mut BytesMut) {
-        let (i, lp) = self.absorb(m);
-        let finish = finish_str(m.finish_reason);
+        let (i, lp, pieces) = self.absorb(m);
+        let finish = Self::finish_of(&self.choices[i], finish_str(m.finish_reason));
         match self.kind {
             Kind::Completion => {
-                let ch = json!({"index": i, "text": m.text, "logprobs": lp, "finish_reason": finish});
+                let (mut text, mut lp) = (m.text.clone(), lp);
+                let c = &mut self.choices[i];
+                if let Some(e) = &self.echo
+                    && !c.echo_sent
+                {
+                    // The choice's first chunk carries the prompt (and its tokens' entries).
+                    c.echo_sent = true;
+                    text.insert_str(0, &e.text);
+                    if self.logprobs {
+                        let k = e.tokens.len();
+                        let join = |head: Value, tail: &Value| {
+                            let mut v = head.as_array().cloned().unwrap_or_default();
+                            v.extend(tail.as_array().cloned().unwrap_or_default());
+                            Value::Array(v)
+                        };
+                        lp = json!({
+                            "tokens": join(json!(c.tokens[..k]), &lp["tokens"]),
+                            "token_logprobs": join(json!(c.token_logprobs[..k]), &lp["token_logprobs"]),
+                            "top_logprobs": join(json!(c.top[..k]), &lp["top_logprobs"]),
+                            "text_offset": join(json!(c.offsets[..k]), &lp["text_offset"]),
+                        });
+                    }
+                }
+                let ch = json!({"index": i, "text": text, "logprobs": lp, "finish_reason": finish});
                 sse::push_event(out, &self.chunk(vec![ch]));
             }
             Kind::Chat => {
@@ -308,8 +432,31 @@ impl Shaper {
                     let ch = json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null});
                     sse::push_event(out, &self.chunk(vec![ch]));
                 }
-                if !m.text.is_empty() || !m.logprobs.is_empty() {
-                    let ch = json!({"index": i, "delta": {"content": m.text}, "logprobs": lp, "finish_reason": null});
+                let mut lp = Some(lp).filter(|_| !m.logprobs.is_empty());
+                let mut calls = Vec::new();
+                let mut content = String::new();
+                for piece in pieces {
+                    match piece {
+                        Piece::Content(t) => content.push_str(&t),
+                        Piece::Call(c) => calls.push(c),
+                    }
+                }
+                if !content.is_empty() || lp.is_some() {
+                    let lp = lp.take().unwrap_or(Value::Null);
+                    let ch = json!({"index": i, "delta": {"content": content}, "logprobs": lp, "finish_reason": null});
+                    sse::push_event(out, &self.chunk(vec![ch]));
+                }
+                // As OpenAI streams a call: id, type and name with empty arguments, then the
+                // arguments (here in one piece, the call being complete).
+                for c in calls {
+                    let head = json!({"index": c.index, "id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": ""}});
+                    let ch =
+                        json!({"index": i, "delta": {"tool_calls": [head]}, "logprobs": null, "finish_reason": null});
+                    sse::push_event(out, &self.chunk(vec![ch]));
+                    let args = json!({"index": c.index, "function": {"arguments": c.arguments}});
+                    let ch =
+                        json!({"index": i, "delta": {"tool_calls": [args]}, "logprobs": null, "finish_reason": null});
                     sse::push_event(out, &self.chunk(vec![ch]));
                 }
                 if finish.is_some() {
@@ -345,7 +492,21 @@ impl Shaper {
                 }
                 Kind::Chat => {
                     let lp = if self.logprobs { json!({"content": c.content}) } else { Value::Null };
-                    json!({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": c.finish})
+                    let mut message = json!({"role": "assistant", "content": c.text});
+                    if self.tools && c.text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                    if !c.calls.is_empty() {
+                        let calls: Vec<Value> = c
+                            .calls
+                            .iter()
+                            .map(|t| json!({"id": t.id, "type": "function",
+                                            "function": {"name": t.name, "arguments": t.arguments}}))
+                            .collect();
+                        message["tool_calls"] = Value::Array(calls);
+                    }
+                    let finish = Self::finish_of(c, c.finish);
+                    json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
                 }
             })
             .collect();
@@ -368,6 +529,10 @@ trait GenerationEndpoint: DeserializeOwned + Send + 'static {
     fn sampling(&self) -> &SamplingFields;
     /// Whether the response carries logprobs.
     fn wants_logprobs(&self) -> bool;
+    /// The field a structured output came from, to name it when the engine rejects it.
+    fn structured_param(&self) -> Option<&'static str> {
+        structured::structured(&self.sampling().structured_fields()).ok().flatten().map(|(_, s)| s.param)
+    }
 }
 
 impl GenerationEndpoint for CompletionRequest {
@@ -413,27 +578,41 @@ async fn generate<R: GenerationEndpoint>(
     let tracker = RequestTracker::new(&state.metrics);
     let prepared = async {
         let req: R = read_json(&state, &headers, body).await?;
-        let proto = req.proto()?; // validates `n` before the shaper sizes its choices
+        let mut proto = req.proto()?; // validates `n` before the shaper sizes its choices
+        let parser = state.dispatcher.tool_parser(&proto.model, state.tool_parser);
+        let plan = crate::tools::plan(&mut proto, parser)?;
         // The key's tokens-per-minute limit, on the same estimate the admission queue counts.
         state
             .keys
             .admit_tokens(caller.map(|c| c.0), crate::dispatch::estimated_tokens(&proto))
             .map_err(guard::limited)?;
         let sampling = req.sampling();
-        let shaper = Shaper::new(
+        let mut shaper = Shaper::new(
             R::KIND,
             req.model().to_owned(),
             sampling.n.unwrap_or(1),
             req.wants_logprobs(),
             sampling.include_usage(),
         );
-        Ok::<_, ApiError>((proto, shaper, sampling.stream.unwrap_or(false)))
+        if let Some(p) = &plan {
+            shaper.parse_tools(p.parser);
+        }
+        if proto.echo {
+            let echo =
+                crate::tokenize::echo_of(&state.codecs, &proto, req.wants_logprobs()).await.map_err(|e| match e {
+                    crate::tokenize::EchoError::Lookup(d) => ApiError::from(d),
+                    crate::tokenize::EchoError::Tokenize(t) => ApiError::from(t),
+                })?;
+            shaper = shaper.with_echo(echo);
+        }
+        let ctx = ErrorFields { structured: req.structured_param(), tools: plan };
+        Ok::<_, ApiError>((proto, shaper, sampling.stream.unwrap_or(false), ctx))
     }
     .await;
     serve(state, tracker, prepared).await
 }
 
-type Prepared = Result<(GenerateRequest, Shaper, bool), ApiError>;
+type Prepared = Result<(GenerateRequest, Shaper, bool, ErrorFields), ApiError>;
 
 /// What a dispatched request turned into.
 enum Answer {
@@ -443,15 +622,33 @@ enum Answer {
 
 /// Dispatches; errors before the first token come back as `Err` with a proper status.
 async fn answer(state: &HttpState, tracker: &RequestTracker, prepared: Prepared) -> Result<Answer, ApiError> {
-    let (req, mut shaper, stream) = prepared?;
+    let (req, mut shaper, stream, fields) = prepared?;
     let kind = shaper.kind;
-    // A worker's `prompt` (empty, over the context length) is `messages` in a chat request.
+    // A worker's `prompt` (empty, over the context length) is `messages` in a chat request;
+    // its `structured_output.*` is the field the constraint came from.
     let chat_param = |mut e: ApiError| {
-        if kind == Kind::Chat && e.param.as_deref() == Some("prompt") {
-            e.param = Some("messages".into());
+        if let Some(p) = e.param.as_deref().and_then(|p| fields.client_param(kind == Kind::Chat, p)) {
+            e.param = Some(p);
         }
         e
     };
+    if req.echo && req.sampling.as_ref().and_then(|s| s.max_tokens) == Some(0) {
+        // vLLM's echo with max_tokens 0: the prompt alone, nothing generated.
+        let msgs = shaper.prompt_only();
+        let mut buf = BytesMut::new();
+        for m in &msgs {
+            if stream {
+                shaper.stream_events(m, &mut buf);
+            } else {
+                shaper.absorb(m);
+            }
+        }
+        if !stream {
+            return Ok(Answer::Whole(shaper.whole()));
+        }
+        let (_, rx) = tokio::sync::mpsc::channel(1); // closed: the stream ends after `buf`
+        return Ok(Answer::Stream(buf, rx, shaper));
+    }
     let Dispatched { first, mut rest, .. } = state.dispatcher.dispatch(req).await.map_err(|e| chat_param(e.into()))?;
     tracker.first_token();
     if !stream {
@@ -511,6 +708,30 @@ async fn serve(state: HttpState, mut tracker: RequestTracker, prepared: Prepared
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(body))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// `POST /tokenize` (vLLM's): see [`tokenize`].
+async fn tokenize_route(State(state): State<HttpState>, headers: HeaderMap, body: Body) -> Response {
+    let answer = async {
+        let b: tokenize::TokenizeBody = read_json(&state, &headers, body).await?;
+        tokenize::tokenize_answer(&state.codecs, b).await
+    };
+    match answer.await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /detokenize` (vLLM's): see [`tokenize`].
+async fn detokenize_route(State(state): State<HttpState>, headers: HeaderMap, body: Body) -> Response {
+    let answer = async {
+        let b: tokenize::DetokenizeBody = read_json(&state, &headers, body).await?;
+        tokenize::detokenize_answer(&state.codecs, b).await
+    };
+    match answer.await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// The OpenAI model objects of models with a Ready replica, by served name.
@@ -575,45 +796,5 @@ async fn metrics(State(state): State<HttpState>) -> Response {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use prism_common::proto::v1::Usage;
-
-    fn last(cached_tokens: u32) -> GenerateResponse {
-        GenerateResponse {
-            token_ids: vec![7],
-            text: "x".into(),
-            finish_reason: FinishReason::Length as i32,
-            usage: Some(Usage { prompt_tokens: 40, completion_tokens: 1, cached_tokens }),
-            prompt_tokens: 40,
-            ..GenerateResponse::default()
-        }
-    }
-
-    /// The worker's cached-token count is OpenAI's `usage.prompt_tokens_details.cached_tokens`,
-    /// in whole responses and in the streamed usage chunk of both endpoints.
-    #[test]
-    fn usage_carries_cached_tokens_whole_and_streamed() {
-        for kind in [Kind::Completion, Kind::Chat] {
-            let mut whole = Shaper::new(kind, "m".into(), 1, false, false);
-            whole.absorb(&last(32));
-            let v = whole.whole();
-            assert_eq!(v["usage"]["prompt_tokens_details"], json!({"cached_tokens": 32}));
-            assert_eq!(v["usage"]["total_tokens"], 41);
-
-            let mut streamed = Shaper::new(kind, "m".into(), 1, false, true);
-            let mut out = BytesMut::new();
-            streamed.stream_events(&last(0), &mut out);
-            streamed.stream_end(&mut out);
-            let text = String::from_utf8_lossy(&out).into_owned();
-            let usage_chunk = text
-                .split("\n\n")
-                .filter_map(|e| e.strip_prefix("data: "))
-                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-                .find(|c| c["usage"].is_object())
-                .expect("a usage chunk");
-            assert_eq!(usage_chunk["choices"], json!([]));
-            assert_eq!(usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "a miss reports 0");
-        }
-    }
-}
+#[path = "openai/tests.rs"]
+mod tests;

@@ -20,7 +20,7 @@ use std::time::Instant;
 use prism_common::proto::v1::{GenerateRequest, generate_request};
 use prism_engine::codec::PromptCodec;
 use prism_engine::kv_cache::prefix_hash::block_hashes;
-use prism_engine::{ChatMessage, Prompt};
+use prism_engine::{ChatMessage, Prompt, ToolCall};
 
 pub use index::PrefixIndex;
 
@@ -132,13 +132,26 @@ impl PrefixKeys {
     }
 }
 
-/// The engine's view of a proto prompt (as the worker converts it).
+/// The engine's view of a proto prompt (as the worker converts it: `worker::service`).
 fn engine_prompt(p: &generate_request::Prompt) -> Prompt {
     match p {
         generate_request::Prompt::Text(t) => Prompt::Text(t.clone()),
         generate_request::Prompt::TokenIds(t) => Prompt::TokenIds(t.ids.clone()),
         generate_request::Prompt::Chat(c) => Prompt::Chat(
-            c.messages.iter().map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone() }).collect(),
+            c.messages
+                .iter()
+                .map(|m| ChatMessage {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                    tool_calls: m
+                        .tool_calls
+                        .iter()
+                        .map(|c| ToolCall { id: c.id.clone(), name: c.name.clone(), arguments: c.arguments.clone() })
+                        .collect(),
+                    tool_call_id: m.tool_call_id.clone(),
+                    name: m.name.clone(),
+                })
+                .collect(),
         ),
     }
 }
@@ -146,7 +159,7 @@ fn engine_prompt(p: &generate_request::Prompt) -> Prompt {
 /// Token ids and hashes of `prompt` under each codec of `codecs` (distinct fingerprints are
 /// tokenized once). A codec that fails on the prompt (a chat its template rejects) is left
 /// out: the replica reports the error itself.
-fn keys_blocking(prompt: &Prompt, salt: Option<&str>, codecs: &[Arc<ReplicaCodec>]) -> PrefixKeys {
+fn keys_blocking(prompt: &Prompt, tools: Option<&str>, salt: Option<&str>, codecs: &[Arc<ReplicaCodec>]) -> PrefixKeys {
     let mut per_codec: Vec<CodecKeys> = Vec::new();
     let mut failed: Vec<u64> = Vec::new();
     for c in codecs {
@@ -155,7 +168,7 @@ fn keys_blocking(prompt: &Prompt, salt: Option<&str>, codecs: &[Arc<ReplicaCodec
         }
         let ids = match per_codec.iter().find(|k| k.key.fingerprint == c.key.fingerprint) {
             Some(k) => k.ids.clone(),
-            None => match c.codec.prompt_ids(prompt) {
+            None => match c.codec.prompt_ids_with_tools(prompt, tools) {
                 Ok(ids) => ids,
                 Err(e) => {
                     tracing::debug!(error = %e, "prompt not tokenized for routing; by load alone");
@@ -179,10 +192,14 @@ pub async fn prompt_keys(req: &GenerateRequest, codecs: Vec<Arc<ReplicaCodec>>) 
     }
     let prompt = engine_prompt(req.prompt.as_ref()?);
     let salt = req.cache_salt.clone();
+    // The tools the worker renders into a chat prompt (`EngineRequest::tools`).
+    let tools = Some(req.tools_json.clone()).filter(|t| !t.is_empty());
     if matches!(prompt, Prompt::TokenIds(_)) {
-        return Some(Arc::new(keys_blocking(&prompt, salt.as_deref(), &codecs)));
+        return Some(Arc::new(keys_blocking(&prompt, None, salt.as_deref(), &codecs)));
     }
-    let keys = tokio::task::spawn_blocking(move || keys_blocking(&prompt, salt.as_deref(), &codecs)).await.ok()?;
+    let keys = tokio::task::spawn_blocking(move || keys_blocking(&prompt, tools.as_deref(), salt.as_deref(), &codecs))
+        .await
+        .ok()?;
     Some(Arc::new(keys))
 }
 

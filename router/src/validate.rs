@@ -1,7 +1,7 @@
 //! Checks every `GenerateRequest` gets in the router, whichever API it came through (the
 //! OpenAI HTTP API converts first, then calls [`check_request`]; gRPC calls it directly), so
 //! a limit lives in one place: `n`, `logprobs`, `max_tokens`, chat roles and messages,
-//! `cache_salt`.
+//! `cache_salt`, `echo`, `logit_bias` values, `min_tokens`.
 
 use prism_common::proto::v1::{GenerateRequest, generate_request};
 
@@ -34,9 +34,10 @@ fn invalid(param: &'static str, message: impl Into<String>) -> Invalid {
 ///
 /// # Errors
 /// [`Invalid`] naming the first bad parameter: empty model, no prompt, `n` outside
-/// `1..=MAX_N`, `logprobs` over [`MAX_LOGPROBS`], `max_tokens` < 1, an empty chat, a chat
-/// message with an empty or unknown role, or a `cache_salt` that is empty or longer than
-/// [`MAX_CACHE_SALT_BYTES`].
+/// `1..=MAX_N`, `logprobs` over [`MAX_LOGPROBS`], `max_tokens` < 1 (0 is allowed with
+/// `echo`: the prompt alone), an empty chat, a chat message with an empty or unknown role, a
+/// `cache_salt` that is empty or longer than [`MAX_CACHE_SALT_BYTES`], `echo` on a chat
+/// prompt, a `logit_bias` value outside [-100, 100], `min_tokens` over `max_tokens`.
 pub fn check_request(req: &GenerateRequest) -> Result<(), Invalid> {
     if req.model.is_empty() {
         return Err(invalid("model", "model must not be empty"));
@@ -64,6 +65,9 @@ pub fn check_request(req: &GenerateRequest) -> Result<(), Invalid> {
         }
         Some(_) => {}
     }
+    if req.echo && matches!(req.prompt, Some(generate_request::Prompt::Chat(_))) {
+        return Err(invalid("echo", "echo is supported on completion prompts (text or token ids) only"));
+    }
     if let Some(salt) = &req.cache_salt {
         if salt.is_empty() {
             return Err(invalid("cache_salt", "cache_salt must not be empty (omit it for the shared prefix cache)"));
@@ -85,10 +89,19 @@ pub fn check_request(req: &GenerateRequest) -> Result<(), Invalid> {
         {
             return Err(invalid("logprobs", format!("at most {MAX_LOGPROBS} top logprobs, got {k}")));
         }
+        let least = i64::from(!req.echo);
         if let Some(m) = s.max_tokens
-            && m < 1
+            && m < least
         {
-            return Err(invalid("max_tokens", format!("max_tokens must be at least 1, got {m}")));
+            return Err(invalid("max_tokens", format!("max_tokens must be at least {least}, got {m}")));
+        }
+        if let Some((id, b)) = s.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(*b)) {
+            return Err(invalid("logit_bias", format!("logit_bias[\"{id}\"] must be in [-100, 100], got {b}")));
+        }
+        if let (Some(min), Some(max)) = (s.min_tokens, s.max_tokens)
+            && i64::from(min) > max
+        {
+            return Err(invalid("min_tokens", format!("min_tokens must be at most max_tokens ({max}), got {min}")));
         }
     }
     Ok(())
@@ -100,7 +113,10 @@ mod tests {
     use prism_common::proto::v1::{ChatMessage, ChatMessages, SamplingParams};
 
     fn chat(roles: &[&str]) -> GenerateRequest {
-        let messages = roles.iter().map(|r| ChatMessage { role: (*r).into(), content: "x".into() }).collect();
+        let messages = roles
+            .iter()
+            .map(|r| ChatMessage { role: (*r).into(), content: "x".into(), ..Default::default() })
+            .collect();
         GenerateRequest {
             model: "m".into(),
             prompt: Some(generate_request::Prompt::Chat(ChatMessages { messages })),
@@ -137,5 +153,36 @@ mod tests {
             assert_eq!(e.param, "cache_salt");
             assert!(e.message.starts_with("cache_salt"), "the message names the field: {}", e.message);
         }
+    }
+
+    #[test]
+    fn echo_logit_bias_and_min_tokens() {
+        let text = |echo, max_tokens, sampling: SamplingParams| GenerateRequest {
+            model: "m".into(),
+            prompt: Some(generate_request::Prompt::Text("hi".into())),
+            sampling: Some(SamplingParams { max_tokens, ..sampling }),
+            echo,
+            ..Default::default()
+        };
+        let d = SamplingParams::default;
+        assert!(check_request(&text(true, Some(0), d())).is_ok(), "echo alone: max_tokens 0");
+        assert_eq!(check_request(&text(false, Some(0), d())).map_err(|e| e.param), Err("max_tokens"));
+        assert_eq!(check_request(&text(true, Some(-1), d())).map_err(|e| e.param), Err("max_tokens"));
+        let mut c = chat(&["user"]);
+        c.echo = true;
+        assert_eq!(check_request(&c).map_err(|e| e.param), Err("echo"));
+        let bias = |b: f32| SamplingParams { logit_bias: [(5, b)].into_iter().collect(), ..d() };
+        for ok in [-100.0, 0.0, 100.0] {
+            assert!(check_request(&text(false, None, bias(ok))).is_ok());
+        }
+        for bad in [-100.5, 101.0, f32::NAN, f32::INFINITY] {
+            let e = check_request(&text(false, None, bias(bad))).expect_err("out of range");
+            assert_eq!(e.param, "logit_bias");
+            assert!(e.message.contains("\"5\""), "names the key: {}", e.message);
+        }
+        let min = |m| SamplingParams { min_tokens: Some(m), ..d() };
+        assert!(check_request(&text(false, Some(4), min(4))).is_ok());
+        assert!(check_request(&text(false, None, min(400))).is_ok(), "no max_tokens: the engine bounds it");
+        assert_eq!(check_request(&text(false, Some(4), min(5))).map_err(|e| e.param), Err("min_tokens"));
     }
 }

@@ -242,7 +242,7 @@ fn random_request(rng: &mut StdRng) -> GenerateRequest {
         })),
         _ => Some(Prompt::Chat(ChatMessages {
             messages: (0..rng.random_range(0..4))
-                .map(|_| ChatMessage { role: random_string(rng), content: random_string(rng) })
+                .map(|_| ChatMessage { role: random_string(rng), content: random_string(rng), ..Default::default() })
                 .collect(),
         })),
     };
@@ -262,6 +262,7 @@ fn random_request(rng: &mut StdRng) -> GenerateRequest {
         n: opt(rng).then(|| [0, 1, 2, 16, 17, u32::MAX][rng.random_range(0..6)]),
         logprobs: opt(rng).then(|| [0, 1, 20, 21, u32::MAX][rng.random_range(0..5)]),
         skip_special_tokens: opt(rng).then(|| rng.random()),
+        ..Default::default()
     };
     GenerateRequest {
         model: if rng.random_bool(0.9) { "mock".into() } else { random_string(rng) },
@@ -270,6 +271,7 @@ fn random_request(rng: &mut StdRng) -> GenerateRequest {
         request_id: if rng.random_bool(0.7) { String::new() } else { random_string(rng) },
         timeout_ms: opt(rng).then(|| [0, 1, 1000, u64::MAX][rng.random_range(0..4)]),
         cache_salt: opt(rng).then(|| random_string(rng)),
+        ..Default::default()
     }
 }
 

@@ -569,11 +569,30 @@ async fn unsupported_openai_params_are_400_naming_the_field() -> anyhow::Result<
     };
     let cases = [
         ("/v1/completions", cmpl(json!({"suffix": "x"})), "suffix"),
-        ("/v1/chat/completions", chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
+        (
+            "/v1/chat/completions",
+            chat(json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]})),
+            "tools",
+        ),
+        ("/v1/completions", cmpl(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
+        (
+            "/v1/chat/completions",
+            chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}],
+                        "tool_choice": {"type": "function", "function": {"name": "g"}}})),
+            "tool_choice",
+        ),
+        ("/v1/chat/completions", chat(json!({"guided_json": "{not json"})), "guided_json"),
+        (
+            "/v1/chat/completions",
+            chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}})),
+            "response_format.json_schema.schema",
+        ),
+        ("/v1/completions", cmpl(json!({"guided_regex": "a", "guided_choice": ["b"]})), "guided_choice"),
         ("/v1/chat/completions", chat(json!({"functions": [{"name": "f"}]})), "functions"),
         ("/v1/chat/completions", chat(json!({"tool_choice": "auto"})), "tool_choice"),
-        ("/v1/chat/completions", chat(json!({"response_format": {"type": "json_object"}})), "response_format"),
-        ("/v1/completions", cmpl(json!({"logit_bias": {"50256": -100}})), "logit_bias"),
+        ("/v1/chat/completions", chat(json!({"response_format": {"type": "xml"}})), "response_format.type"),
+        ("/v1/completions", cmpl(json!({"logit_bias": {"50256": -100.5}})), "logit_bias"),
+        ("/v1/completions", cmpl(json!({"logit_bias": {"tok": 1}})), "logit_bias"),
         ("/v1/completions", cmpl(json!({"logit_bias": [1, 2]})), "logit_bias"),
         ("/v1/completions", cmpl(json!({"best_of": 3})), "best_of"),
         ("/v1/completions", cmpl(json!({"n": 2, "best_of": 1})), "best_of"),
@@ -581,7 +600,8 @@ async fn unsupported_openai_params_are_400_naming_the_field() -> anyhow::Result<
         ("/v1/chat/completions", chat(json!({"add_generation_prompt": false})), "add_generation_prompt"),
         ("/v1/chat/completions", chat(json!({"continue_final_message": true})), "continue_final_message"),
         ("/v1/completions", cmpl(json!({"min_tokens": 5})), "min_tokens"),
-        ("/v1/completions", cmpl(json!({"include_stop_str_in_output": true})), "include_stop_str_in_output"),
+        ("/v1/completions", cmpl(json!({"min_tokens": -1})), "min_tokens"),
+        ("/v1/completions", cmpl(json!({"include_stop_str_in_output": "yes"})), "include_stop_str_in_output"),
         // n: one limit for both APIs.
         ("/v1/completions", cmpl(json!({"n": 17})), "n"),
         // Type errors name the field (also flattened sampling fields).
@@ -651,7 +671,7 @@ async fn malformed_chat_messages_are_400_over_http_and_grpc() -> anyhow::Result<
         ChatMessage, ChatMessages, GenerateRequest, SamplingParams, generate_request::Prompt,
     };
     let mut g = InferenceServiceClient::connect(c.grpc.clone()).await?;
-    let msg = |role: &str| ChatMessage { role: role.into(), content: "hi".into() };
+    let msg = |role: &str| ChatMessage { role: role.into(), content: "hi".into(), ..Default::default() };
     for (messages, n) in
         [(vec![], None), (vec![msg("")], None), (vec![msg("user")], Some(17)), (vec![msg("user")], Some(128))]
     {

@@ -3,7 +3,8 @@
 each .cu file to a cubin for sm_90 exactly as the backend does at run time (same include path
 layout), then prints NVRTC's log and ptxas' register / spill report per kernel.
 
-Usage: python3 scripts/gpu/nvrtc_check.py [--cuda /opt/cuda-local/nvidia/cu13] [FILE.cu ...]
+Usage: python3 scripts/gpu/nvrtc_check.py [--cuda /opt/cuda-local/nvidia/cu13] [-DNAME[=V] ...] [FILE.cu ...]
+(-D defines are passed to NVRTC as the backend does for its variants, e.g. -DGEMV_FP8.)
 Default files: worker/engine/src/backend/cuda/kernels/*.cu. Exit 1 on any compile error.
 Set-up (once): pip download --no-deps nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cuda-nvcc
 nvidia-cuda-cccl and unzip the wheels into one folder (the default path above).
@@ -15,6 +16,8 @@ def main():
     root = "/opt/cuda-local/nvidia/cu13"
     if args[:1] == ["--cuda"]:
         root, args = args[1], args[2:]
+    defines = [a.encode() for a in args if a.startswith("-D")]
+    args = [a for a in args if not a.startswith("-D")]
     files = args or sorted(glob.glob(os.path.join(os.path.dirname(__file__), "../../worker/engine/src/backend/cuda/kernels/*.cu")))
     lib = ctypes.CDLL(os.path.join(root, "lib/libnvrtc.so.13"))
     ok = True
@@ -22,7 +25,7 @@ def main():
         src = open(f, "rb").read()
         prog = ctypes.c_void_p()
         assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(f).encode(), 0, None, None) == 0
-        opts = [b"--gpu-architecture=sm_90", b"-I" + os.path.join(root, "include").encode(), b"--std=c++17", b"-default-device"]
+        opts = [b"--gpu-architecture=sm_90", b"-I" + os.path.join(root, "include").encode(), b"--std=c++17", b"-default-device"] + defines
         arr = (ctypes.c_char_p * len(opts))(*opts)
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         n = ctypes.c_size_t()

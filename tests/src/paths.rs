@@ -1,11 +1,15 @@
 //! Where things are: the workspace root, the built binaries (`target/<profile>/prism-head` …)
-//! and the bundled model.
+//! and the models (the bundled SmolLM2 and the fetched Gemma 3 270M).
 
 use anyhow::{Context, Result, bail};
 use std::path::PathBuf;
 
 /// The bundled model, relative to the workspace root (`scripts/fetch-model.sh` fetches it).
 pub const MODEL_FILE: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The second model, Gemma 3 270M (Q4_K_M), relative to the workspace root
+/// (`scripts/fetch-gemma.sh` fetches it; Gemma Terms of Use, not committed).
+pub const GEMMA_FILE: &str = "models/gemma-3-270m-q4_k_m.gguf";
 
 /// The workspace root (the directory holding the root `Cargo.toml`).
 pub fn workspace_root() -> PathBuf {
@@ -47,12 +51,24 @@ pub fn bin_path(name: &str) -> Result<PathBuf> {
 /// # Panics
 /// With `PRISM_REQUIRE_MODEL=1` a missing model fails the test.
 pub fn model() -> Option<PathBuf> {
-    let path = workspace_root().join(MODEL_FILE);
+    model_file(MODEL_FILE, "scripts/fetch-model.sh")
+}
+
+/// Gemma 3 270M ([`GEMMA_FILE`]), or `None` as [`model`] does.
+///
+/// # Panics
+/// With `PRISM_REQUIRE_MODEL=1` a missing file fails the test.
+pub fn gemma_model() -> Option<PathBuf> {
+    model_file(GEMMA_FILE, "scripts/fetch-gemma.sh")
+}
+
+fn model_file(file: &str, fetch: &str) -> Option<PathBuf> {
+    let path = workspace_root().join(file);
     if path.exists() {
         return Some(path);
     }
     let required = std::env::var("PRISM_REQUIRE_MODEL").is_ok_and(|v| v == "1");
-    assert!(!required, "{} is missing and PRISM_REQUIRE_MODEL=1: run scripts/fetch-model.sh", path.display());
-    eprintln!("skipped: {} is missing (run scripts/fetch-model.sh)", path.display());
+    assert!(!required, "{} is missing and PRISM_REQUIRE_MODEL=1: run {fetch}", path.display());
+    eprintln!("skipped: {} is missing (run {fetch})", path.display());
     None
 }

@@ -119,6 +119,7 @@ async fn long_stream_survives_sigterm() -> Result<()> {
                 messages: vec![ChatMessage {
                     role: "user".into(),
                     content: "Explain in three sentences why the sky is blue.".into(),
+                    ..Default::default()
                 }],
             })),
             sampling: Some(SamplingParams {

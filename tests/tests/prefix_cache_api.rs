@@ -263,6 +263,7 @@ async fn worker_rpcs(
         .map(|m| ChatMessage {
             role: m["role"].as_str().unwrap_or("").into(),
             content: m["content"].as_str().unwrap_or("").into(),
+            ..Default::default()
         })
         .collect();
     let chat_ids = pc.prompt_ids(&Prompt::Chat(chat))?;

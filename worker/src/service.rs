@@ -19,7 +19,8 @@ use futures::StreamExt;
 use prism_common::RequestId;
 use prism_common::proto::v1::{self as pb, worker_service_server::WorkerService};
 use prism_engine::{
-    ChatMessage, EngineError, EngineOutput, EngineRequest, FinishReason, Prompt, SamplingParams, TokenLogprob,
+    ChatMessage, EngineError, EngineOutput, EngineRequest, FinishReason, Prompt, SamplingParams, StructuredOutput,
+    TokenLogprob, ToolCall,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -72,6 +73,39 @@ pub fn sampling_from_proto(p: Option<pb::SamplingParams>) -> SamplingParams {
         n: p.n.unwrap_or(d.n),
         logprobs: p.logprobs,
         skip_special_tokens: p.skip_special_tokens.unwrap_or(d.skip_special_tokens),
+        logit_bias: {
+            let mut bias: Vec<(u32, f32)> = p.logit_bias.into_iter().collect();
+            bias.sort_unstable_by_key(|(t, _)| *t);
+            bias
+        },
+        min_tokens: p.min_tokens.unwrap_or(d.min_tokens),
+        include_stop_str_in_output: p.include_stop_str_in_output,
+        structured: p.structured_output.and_then(|s| s.constraint).map(structured_from_proto),
+    }
+}
+
+fn structured_from_proto(c: pb::structured_output::Constraint) -> StructuredOutput {
+    use pb::structured_output::Constraint;
+    match c {
+        Constraint::JsonSchema(s) => StructuredOutput::JsonSchema(s),
+        Constraint::JsonObject(_) => StructuredOutput::JsonObject,
+        Constraint::Regex(r) => StructuredOutput::Regex(r),
+        Constraint::Choice(c) => StructuredOutput::Choice(c.choices),
+        Constraint::Grammar(g) => StructuredOutput::Grammar(g),
+    }
+}
+
+fn chat_message_from_proto(m: pb::ChatMessage) -> ChatMessage {
+    ChatMessage {
+        role: m.role,
+        content: m.content,
+        tool_calls: m
+            .tool_calls
+            .into_iter()
+            .map(|c| ToolCall { id: c.id, name: c.name, arguments: c.arguments })
+            .collect(),
+        tool_call_id: m.tool_call_id,
+        name: m.name,
     }
 }
 
@@ -99,7 +133,7 @@ pub fn engine_request_from_proto(
         Some(pb::generate_request::Prompt::Text(t)) => Prompt::Text(t),
         Some(pb::generate_request::Prompt::TokenIds(t)) => Prompt::TokenIds(t.ids),
         Some(pb::generate_request::Prompt::Chat(c)) => {
-            Prompt::Chat(c.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect())
+            Prompt::Chat(c.messages.into_iter().map(chat_message_from_proto).collect())
         }
         None => return Err(Status::invalid_argument("prompt: missing (text, token_ids or chat)")),
     };
@@ -112,6 +146,7 @@ pub fn engine_request_from_proto(
         prior_output_ids: r.prior_output_ids,
         deadline,
         cache_salt: req.cache_salt,
+        tools: Some(req.tools_json).filter(|t| !t.is_empty()),
     })
 }
 
@@ -158,6 +193,7 @@ pub fn output_to_proto(request_id: &str, o: EngineOutput) -> pb::GenerateRespons
             cached_tokens: u.cached_tokens,
         }),
         prompt_tokens,
+        tool_calls: Vec::new(),
     }
 }
 

@@ -268,6 +268,7 @@ fn generate_req(replica: &str, prompt: &str, max_tokens: i64) -> pb::WorkerGener
             request_id: String::new(),
             timeout_ms: None,
             cache_salt: None,
+            ..Default::default()
         }),
         ..Default::default()
     }

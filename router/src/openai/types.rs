@@ -1,10 +1,15 @@
 //! OpenAI request bodies (completions and chat completions, with vLLM's extra sampling
 //! fields) and their validation into `prism.v1` requests. Every rejection is a 400 that
-//! names the field. OpenAI/vLLM parameters Prism does not implement (tools, logit_bias,
-//! response formats other than text, …) are rejected by name rather than ignored; limits
-//! shared with gRPC (`n`, roles, …) are checked in [`crate::validate`].
+//! names the field. OpenAI/vLLM parameters Prism does not implement (legacy `functions`, …)
+//! are rejected by name rather than ignored; limits shared with gRPC (`n`, roles, …) are
+//! checked in [`crate::validate`]. Structured outputs are mapped in [`super::structured`];
+//! tools are checked again, for both APIs, in [`crate::tools::plan`].
 
-use prism_common::proto::v1::{ChatMessage, ChatMessages, GenerateRequest, SamplingParams, TokenIds, generate_request};
+use prism_common::proto::v1::{
+    ChatMessage, ChatMessages, GenerateRequest, SamplingParams, TokenIds, ToolCall, generate_request,
+};
+use std::collections::HashMap;
+
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -48,7 +53,8 @@ pub struct StreamOptions {
 pub struct SamplingFields {
     /// Tokens to generate; `null` = unset.
     pub max_tokens: Option<i64>,
-    /// Newer name of `max_tokens` (wins when both are set).
+    /// OpenAI's newer name of `max_tokens`: when both are set it wins, as in vLLM
+    /// (`max_completion_tokens or max_tokens`).
     pub max_completion_tokens: Option<i64>,
     /// 0 = greedy.
     pub temperature: Option<f32>,
@@ -86,22 +92,37 @@ pub struct SamplingFields {
     /// blocks only when their salts are equal; absent or `null` = the shared cache. A
     /// non-empty string of at most 256 bytes (checked in [`crate::validate`]).
     pub cache_salt: Option<String>,
-    /// Token id → bias map; must be a map, and only an empty one is accepted (unsupported).
+    /// OpenAI's `logit_bias`: token id (a decimal string) → bias in [-100, 100], added to
+    /// the token's logit before sampling. Parsed in [`logit_bias`]; ids at or above the
+    /// vocabulary size are refused by the engine.
     pub logit_bias: Option<Value>,
     /// Candidates per choice; only `best_of == n` is supported.
     pub best_of: Option<u32>,
-    /// vLLM minimum tokens before EOS/stop; only 0 is supported.
-    pub min_tokens: Option<u32>,
-    /// vLLM: keep the stop string in the output; only `false` is supported.
+    /// vLLM: EOS and stop token ids are masked until this many tokens were generated
+    /// (0..=max_tokens).
+    pub min_tokens: Option<i64>,
+    /// vLLM: keep the matched stop string at the end of the text.
     pub include_stop_str_in_output: Option<bool>,
-    /// Only `{"type": "text"}` is supported.
+    /// OpenAI's `{"type": "text" | "json_object" | "json_schema", ...}` ([`super::structured`]).
     pub response_format: Option<Value>,
-    /// Tool calling is unsupported: only absent, null or an empty list.
+    /// vLLM: a JSON Schema (object or JSON text) the output follows.
+    pub guided_json: Option<Value>,
+    /// vLLM: a regular expression the whole output matches.
+    pub guided_regex: Option<Value>,
+    /// vLLM: the output is one of these strings.
+    pub guided_choice: Option<Value>,
+    /// vLLM: a context-free grammar (llguidance Lark) the output follows.
+    pub guided_grammar: Option<Value>,
+    /// vLLM: `{json | regex | choice | grammar | json_object}`, one of them.
+    pub structured_outputs: Option<Value>,
+    /// Tool definitions (chat only; checked in [`crate::tools::parse_tools`]).
     pub tools: Option<Value>,
     /// Legacy function calling is unsupported: only absent, null or an empty list.
     pub functions: Option<Value>,
-    /// Only absent, null or `"none"`.
+    /// `auto`, `none`, `required` or `{"type": "function", "function": {"name"}}` (chat only).
     pub tool_choice: Option<Value>,
+    /// Whether the model may call several tools in one turn (default true).
+    pub parallel_tool_calls: Option<bool>,
     /// Legacy: only absent, null or `"none"`.
     pub function_call: Option<Value>,
 }
@@ -118,7 +139,8 @@ pub struct CompletionRequest {
     pub sampling: SamplingFields,
     /// Number of top alternatives per token (0..=20).
     pub logprobs: Option<u32>,
-    /// Echo the prompt (unsupported when true).
+    /// The prompt's text precedes the output (`text`; the first chunk of each choice when
+    /// streamed). With `max_tokens: 0` only the prompt is returned, as in vLLM.
     pub echo: Option<bool>,
     /// Text after the completion (unsupported: only absent, null or empty).
     pub suffix: Option<Value>,
@@ -132,9 +154,69 @@ pub struct ChatMessageIn {
     /// A string or a non-empty list of `{"type": "text", "text": …}` parts; missing or
     /// `null` only on assistant turns (read as empty). Checked in [`ChatMessageIn::text`].
     pub content: Option<Value>,
+    /// Assistant turns: the calls it made, `[{id, type: "function", function: {name, arguments}}]`.
+    pub tool_calls: Option<Value>,
+    /// Role `tool`: the id of the call this message answers (required there).
+    pub tool_call_id: Option<String>,
+    /// The participant's name (or, on legacy `function` results, the function's).
+    pub name: Option<String>,
 }
 
 impl ChatMessageIn {
+    /// The message as a proto message (text, tool calls, tool fields).
+    ///
+    /// # Errors
+    /// 400 (`messages`) for bad content ([`ChatMessageIn::text`]), malformed `tool_calls`
+    /// (not on an assistant turn, not function calls, `arguments` not JSON text), or a `tool`
+    /// message without `tool_call_id`.
+    pub fn to_proto(&self, i: usize) -> Result<ChatMessage, ApiError> {
+        let bad = |m: String| ApiError::invalid("messages", m);
+        let mut tool_calls = Vec::new();
+        match &self.tool_calls {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(calls)) if self.role == "assistant" => {
+                for (j, c) in calls.iter().enumerate() {
+                    let at = format!("messages[{i}].tool_calls[{j}]");
+                    let id = c.get("id").and_then(Value::as_str).unwrap_or_default();
+                    if c.get("type").and_then(Value::as_str).is_some_and(|t| t != "function") {
+                        return Err(bad(format!("{at}.type must be \"function\"")));
+                    }
+                    let f = c.get("function").ok_or_else(|| bad(format!("{at}.function is required")))?;
+                    let Some(name) = f.get("name").and_then(Value::as_str) else {
+                        return Err(bad(format!("{at}.function.name must be a string")));
+                    };
+                    let arguments = match f.get("arguments") {
+                        None | Some(Value::Null) => "{}".to_owned(),
+                        Some(Value::String(a)) => {
+                            serde_json::from_str::<Value>(a)
+                                .map_err(|_| bad(format!("{at}.function.arguments must be JSON text")))?;
+                            a.clone()
+                        }
+                        Some(_) => return Err(bad(format!("{at}.function.arguments must be a string of JSON"))),
+                    };
+                    tool_calls.push(ToolCall { id: id.to_owned(), name: name.to_owned(), arguments });
+                }
+            }
+            Some(Value::Array(_)) => return Err(bad(format!("messages[{i}].tool_calls is only for assistant turns"))),
+            Some(_) => return Err(bad(format!("messages[{i}].tool_calls must be a list"))),
+        }
+        if self.role == "tool" && self.tool_call_id.as_deref().is_none_or(str::is_empty) {
+            return Err(bad(format!("messages[{i}].tool_call_id is required on tool messages")));
+        }
+        let content = if !tool_calls.is_empty() && matches!(self.content, None | Some(Value::Null)) {
+            String::new()
+        } else {
+            self.text(i)?
+        };
+        Ok(ChatMessage {
+            role: self.role.clone(),
+            content,
+            tool_calls,
+            tool_call_id: self.tool_call_id.clone(),
+            name: self.name.clone(),
+        })
+    }
+
     /// The message text (parts concatenated).
     ///
     /// # Errors
@@ -198,21 +280,70 @@ fn range(param: &'static str, v: Option<f32>, lo: f32, hi: f32) -> Result<(), Ap
     }
 }
 
+/// OpenAI's `logit_bias` map: keys are token ids as decimal strings, values numbers in
+/// [-100, 100]; `null` or absent = none.
+///
+/// # Errors
+/// 400 (`logit_bias`) naming the first bad key: not a map, a key that is not a token id, a
+/// value that is not a number or is out of range.
+pub fn logit_bias(v: Option<&Value>) -> Result<HashMap<u32, f32>, ApiError> {
+    let bad = |m: String| ApiError::invalid("logit_bias", m);
+    let map = match v {
+        None | Some(Value::Null) => return Ok(HashMap::new()),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(bad("logit_bias must be a map of token id to bias".to_owned())),
+    };
+    let mut out = HashMap::with_capacity(map.len());
+    for (k, v) in map {
+        let id: u32 = k
+            .parse()
+            .ok()
+            .filter(|_| k.bytes().all(|b| b.is_ascii_digit()))
+            .ok_or_else(|| bad(format!("logit_bias key {k:?} is not a token id")))?;
+        let b = v.as_f64().ok_or_else(|| bad(format!("logit_bias[{k:?}] must be a number")))?;
+        if !(-100.0..=100.0).contains(&b) {
+            return Err(bad(format!("logit_bias[{k:?}] must be in [-100, 100], got {b}")));
+        }
+        out.insert(id, b as f32);
+    }
+    Ok(out)
+}
+
 impl SamplingFields {
-    /// Validates and converts to `SamplingParams` (`logprobs`: top alternatives wanted).
+    /// Validates and converts to `SamplingParams` (`logprobs`: top alternatives wanted;
+    /// `echo`: `max_tokens: 0` is allowed, the prompt alone is returned).
     ///
     /// # Errors
     /// 400 naming the first invalid field.
-    pub fn to_proto(&self, logprobs: Option<u32>) -> Result<SamplingParams, ApiError> {
+    pub fn to_proto(&self, logprobs: Option<u32>, echo: bool) -> Result<SamplingParams, ApiError> {
         let (field, max_tokens) = match (self.max_completion_tokens, self.max_tokens) {
             (Some(m), _) => ("max_completion_tokens", Some(m)),
             (None, m) => ("max_tokens", m),
         };
+        let least = if echo { 0 } else { 1 };
         if let Some(m) = max_tokens
-            && m < 1
+            && m < least
         {
-            return Err(ApiError::invalid(field, format!("{field} must be at least 1, got {m}")));
+            let hint = if echo { "" } else { " (0 only with echo)" };
+            return Err(ApiError::invalid(field, format!("{field} must be at least {least}{hint}, got {m}")));
         }
+        let min_tokens = match self.min_tokens {
+            None => None,
+            Some(m) if m < 0 => {
+                return Err(ApiError::invalid("min_tokens", format!("min_tokens must be >= 0, got {m}")));
+            }
+            Some(m) if max_tokens.is_some_and(|x| m > x) => {
+                return Err(ApiError::invalid(
+                    "min_tokens",
+                    format!("min_tokens must be at most {field} ({}), got {m}", max_tokens.unwrap_or(0)),
+                ));
+            }
+            Some(m) => Some(
+                u32::try_from(m)
+                    .map_err(|_| ApiError::invalid("min_tokens", format!("min_tokens is too large: {m}")))?,
+            ),
+        };
+        let logit_bias = logit_bias(self.logit_bias.as_ref())?;
         if let Some(t) = self.temperature
             && !(t >= 0.0 && t.is_finite())
         {
@@ -271,6 +402,11 @@ impl SamplingFields {
             n: Some(n),
             logprobs,
             skip_special_tokens: Some(self.skip_special_tokens.unwrap_or(true)),
+            logit_bias,
+            min_tokens,
+            include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            structured_output: super::structured::structured(&self.structured_fields())?.map(|(s, _)| s),
+            ..Default::default()
         })
     }
 
@@ -278,43 +414,69 @@ impl SamplingFields {
     /// the output if honoured), naming each.
     fn check_unsupported(&self) -> Result<(), ApiError> {
         let unsupported = |p: &str, why: &str| ApiError::invalid(p, format!("{p} is not supported{why}"));
-        match &self.logit_bias {
-            None | Some(Value::Null) => {}
-            Some(Value::Object(m)) if m.is_empty() => {}
-            Some(Value::Object(_)) => return Err(unsupported("logit_bias", "")),
-            Some(_) => return Err(ApiError::invalid("logit_bias", "logit_bias must be a map of token id to bias")),
-        }
         if let Some(b) = self.best_of
             && b != self.n.unwrap_or(1)
         {
             return Err(unsupported("best_of", " (only best_of equal to n)"));
         }
-        if self.min_tokens.is_some_and(|m| m > 0) {
-            return Err(unsupported("min_tokens", " (only 0)"));
-        }
-        if self.include_stop_str_in_output == Some(true) {
-            return Err(unsupported("include_stop_str_in_output", ""));
-        }
-        match &self.response_format {
+        match &self.functions {
             None | Some(Value::Null) => {}
-            Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
-            Some(_) => return Err(unsupported("response_format", " (only {\"type\": \"text\"})")),
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(_) => return Err(unsupported("functions", " (use tools)")),
         }
-        for (name, v) in [("tools", &self.tools), ("functions", &self.functions)] {
-            match v {
-                None | Some(Value::Null) => {}
-                Some(Value::Array(a)) if a.is_empty() => {}
-                Some(_) => return Err(unsupported(name, "")),
-            }
-        }
-        for (name, v) in [("tool_choice", &self.tool_choice), ("function_call", &self.function_call)] {
-            match v {
-                None | Some(Value::Null) => {}
-                Some(Value::String(s)) if s == "none" => {}
-                Some(_) => return Err(unsupported(name, " (only \"none\")")),
-            }
+        match &self.function_call {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "none" => {}
+            Some(_) => return Err(unsupported("function_call", " (use tool_choice)")),
         }
         Ok(())
+    }
+
+    /// The fields that may constrain the output ([`super::structured::structured`]).
+    pub fn structured_fields(&self) -> super::structured::StructuredFields<'_> {
+        super::structured::StructuredFields {
+            response_format: self.response_format.as_ref(),
+            guided_json: self.guided_json.as_ref(),
+            guided_regex: self.guided_regex.as_ref(),
+            guided_choice: self.guided_choice.as_ref(),
+            guided_grammar: self.guided_grammar.as_ref(),
+            structured_outputs: self.structured_outputs.as_ref(),
+        }
+    }
+
+    /// `tools` as JSON text (`""` for none) and `tool_choice` as the proto string.
+    ///
+    /// # Errors
+    /// 400 (`tools`) when it is not a list; (`tool_choice`) for a value that is not `auto`,
+    /// `none`, `required` or a function object with a name.
+    pub fn tools_proto(&self) -> Result<(String, String), ApiError> {
+        let tools = match &self.tools {
+            None | Some(Value::Null) => String::new(),
+            Some(t @ Value::Array(_)) => t.to_string(),
+            Some(_) => return Err(ApiError::invalid("tools", "tools must be a list of tool objects")),
+        };
+        let bad_choice = || {
+            ApiError::invalid(
+                "tool_choice",
+                "tool_choice must be auto, none, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            )
+        };
+        let choice = match &self.tool_choice {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) if matches!(s.as_str(), "auto" | "none" | "required") => s.clone(),
+            Some(Value::Object(o)) => {
+                if o.get("type").and_then(Value::as_str).is_some_and(|t| t != "function") {
+                    return Err(bad_choice());
+                }
+                let name = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+                match name {
+                    Some(n) if crate::tools::valid_name(n) => n.to_owned(),
+                    _ => return Err(bad_choice()),
+                }
+            }
+            Some(_) => return Err(bad_choice()),
+        };
+        Ok((tools, choice))
     }
 
     /// Whether the client asked for a usage chunk at the end of the stream.
@@ -329,9 +491,7 @@ impl CompletionRequest {
     /// # Errors
     /// 400 naming the invalid field.
     pub fn to_proto(&self) -> Result<GenerateRequest, ApiError> {
-        if self.echo == Some(true) {
-            return Err(ApiError::invalid("echo", "echo is not supported"));
-        }
+        let echo = self.echo == Some(true);
         match &self.suffix {
             None | Some(Value::Null) => {}
             Some(Value::String(s)) if s.is_empty() => {}
@@ -346,13 +506,22 @@ impl CompletionRequest {
             }
             _ => return Err(ApiError::invalid("prompt", "exactly one prompt per request is supported")),
         };
+        let (tools, choice) = self.sampling.tools_proto()?;
+        if !tools.is_empty() && tools != "[]" {
+            return Err(ApiError::invalid("tools", "tools are only supported on /v1/chat/completions"));
+        }
+        if !choice.is_empty() && choice != "none" {
+            return Err(ApiError::invalid("tool_choice", "tool_choice is only supported on /v1/chat/completions"));
+        }
         let req = GenerateRequest {
             model: self.model.clone(),
             prompt: Some(prompt),
-            sampling: Some(self.sampling.to_proto(self.logprobs)?),
+            sampling: Some(self.sampling.to_proto(self.logprobs, echo)?),
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
             cache_salt: self.sampling.cache_salt.clone(),
+            echo,
+            ..Default::default()
         };
         check_request(&req)?;
         Ok(req)
@@ -379,16 +548,21 @@ impl ChatRequest {
         }
         let mut messages = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
-            messages.push(ChatMessage { role: m.role.clone(), content: m.text(i)? });
+            messages.push(m.to_proto(i)?);
         }
+        let (tools_json, tool_choice) = self.sampling.tools_proto()?;
         let logprobs = (self.logprobs == Some(true)).then(|| self.top_logprobs.unwrap_or(0));
         let req = GenerateRequest {
             model: self.model.clone(),
             prompt: Some(generate_request::Prompt::Chat(ChatMessages { messages })),
-            sampling: Some(self.sampling.to_proto(logprobs)?),
+            sampling: Some(self.sampling.to_proto(logprobs, false)?),
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
             cache_salt: self.sampling.cache_salt.clone(),
+            tools_json,
+            tool_choice,
+            parallel_tool_calls: self.sampling.parallel_tool_calls,
+            ..Default::default()
         };
         check_request(&req)?;
         Ok(req)
@@ -449,5 +623,87 @@ mod tests {
         assert_eq!(c.to_proto().expect("valid").cache_salt.as_deref(), Some("s"));
         let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "cache_salt": ""})).expect_err("empty");
         assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("cache_salt")));
+    }
+
+    fn chat(extra: serde_json::Value) -> Result<GenerateRequest, ApiError> {
+        let mut v = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        for (k, x) in extra.as_object().expect("object") {
+            v[k] = x.clone();
+        }
+        serde_json::from_value::<ChatRequest>(v).map_err(|e| ApiError::invalid("body", e.to_string()))?.to_proto()
+    }
+
+    /// vLLM's rule: `max_completion_tokens or max_tokens`, the newer name winning; a bad
+    /// value is named by the field it came in.
+    #[test]
+    fn max_completion_tokens_wins_over_max_tokens() {
+        let max = |r: GenerateRequest| r.sampling.expect("s").max_tokens;
+        assert_eq!(max(chat(serde_json::json!({"max_completion_tokens": 7})).expect("ok")), Some(7));
+        assert_eq!(max(chat(serde_json::json!({"max_tokens": 9})).expect("ok")), Some(9));
+        let both = serde_json::json!({"max_tokens": 9, "max_completion_tokens": 3});
+        assert_eq!(max(chat(both).expect("ok")), Some(3));
+        let both = serde_json::json!({"max_tokens": 0, "max_completion_tokens": 3});
+        assert_eq!(max(chat(both).expect("the unused max_tokens is not checked")), Some(3));
+        let e = chat(serde_json::json!({"max_tokens": 9, "max_completion_tokens": 0})).expect_err("zero");
+        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("max_completion_tokens")));
+        let e = chat(serde_json::json!({"max_completion_tokens": 0, "min_tokens": 1})).expect_err("zero");
+        assert_eq!(e.param.as_deref(), Some("max_completion_tokens"));
+    }
+
+    #[test]
+    fn logit_bias_min_tokens_and_include_stop_str_are_mapped() {
+        let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": 8,
+            "logit_bias": {"42": 5, "7": -100, "0": 100.0}, "min_tokens": 3,
+            "include_stop_str_in_output": true, "stop": "x"}))
+        .expect("valid");
+        let s = r.sampling.expect("s");
+        let mut bias: Vec<(u32, f32)> = s.logit_bias.into_iter().collect();
+        bias.sort_by_key(|b| b.0);
+        assert_eq!(bias, vec![(0, 100.0), (7, -100.0), (42, 5.0)]);
+        assert_eq!((s.min_tokens, s.include_stop_str_in_output), (Some(3), true));
+        let r =
+            parse(serde_json::json!({"model": "m", "prompt": "hi", "logit_bias": null, "min_tokens": 0})).expect("ok");
+        let s = r.sampling.expect("s");
+        assert!(s.logit_bias.is_empty() && !s.include_stop_str_in_output);
+        assert_eq!(s.min_tokens, Some(0));
+        // The same fields on chat.
+        let c = chat(serde_json::json!({"logit_bias": {"5": 1.5}, "min_tokens": 2})).expect("ok");
+        assert_eq!(c.sampling.expect("s").logit_bias.get(&5), Some(&1.5));
+        for (bad, names) in [
+            (serde_json::json!({"abc": 1}), "\"abc\""),
+            (serde_json::json!({"-1": 1}), "\"-1\""),
+            (serde_json::json!({"+3": 1}), "\"+3\""),
+            (serde_json::json!({"1.5": 1}), "\"1.5\""),
+            (serde_json::json!({"99999999999": 1}), "\"99999999999\""),
+            (serde_json::json!({"3": 100.5}), "\"3\""),
+            (serde_json::json!({"4": -101}), "\"4\""),
+            (serde_json::json!({"5": "high"}), "\"5\""),
+            (serde_json::json!([1, 2]), "map"),
+        ] {
+            let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "logit_bias": bad})).expect_err("bad");
+            assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("logit_bias")), "{bad}");
+            assert!(e.message.contains(names), "{bad}: {}", e.message);
+        }
+        for (bad, max) in [(-1, None), (5, Some(4)), (2, Some(1))] {
+            let mut v = serde_json::json!({"model": "m", "prompt": "hi", "min_tokens": bad});
+            if let Some(m) = max {
+                v["max_tokens"] = serde_json::json!(m);
+            }
+            let e = parse(v).expect_err("bad min_tokens");
+            assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("min_tokens")), "{bad} {max:?}");
+        }
+    }
+
+    #[test]
+    fn echo_is_forwarded_and_allows_max_tokens_zero() {
+        let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "echo": true, "max_tokens": 0})).expect("ok");
+        assert!(r.echo);
+        assert_eq!(r.sampling.expect("s").max_tokens, Some(0));
+        let r = parse(serde_json::json!({"model": "m", "prompt": [1, 2], "echo": true})).expect("ok");
+        assert!(r.echo);
+        let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": 0})).expect_err("no echo");
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let e = chat(serde_json::json!({"echo": true})).expect_err("chat echo");
+        assert_eq!(e.param.as_deref(), Some("echo"));
     }
 }

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
-use prism_common::proto::v1::GetPromptCodecRequest;
 use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
+use prism_common::proto::v1::{GetPromptCodecRequest, PromptCodec as PbPromptCodec};
 use prism_engine::codec::{CodecExport, PromptCodec};
 use tonic::transport::Channel;
 use tonic::{Code, Status};
@@ -62,34 +62,54 @@ impl CodecCache {
         client: &mut WorkerServiceClient<Channel>,
         replica_id: &str,
     ) -> Result<Option<Arc<ReplicaCodec>>, CodecError> {
-        let msg = client
-            .get_prompt_codec(GetPromptCodecRequest { replica_id: replica_id.to_owned() })
-            .await
-            .map_err(|s| match s.code() {
-                Code::Unimplemented => CodecError::Unimplemented,
-                Code::FailedPrecondition => CodecError::NotExportable,
-                _ => CodecError::Rpc(s),
-            })?
-            .into_inner();
+        let msg = get(client, replica_id).await?;
         if !msg.prefix_caching || msg.block_size == 0 {
             return Ok(None);
         }
         let key = HashKey { fingerprint: msg.fingerprint, block_size: msg.block_size, namespace: msg.cache_namespace };
-        let codec = match self.cached(msg.fingerprint) {
-            Some(c) => c,
-            None => {
-                let json = msg.codec_json;
-                let built = tokio::task::spawn_blocking(move || {
-                    let export = CodecExport::from_json(&json).map_err(|e| CodecError::Invalid(e.to_string()))?;
-                    PromptCodec::from_export(&export).map_err(|e| CodecError::Invalid(e.to_string()))
-                })
-                .await
-                .map_err(|e| CodecError::Invalid(e.to_string()))??;
-                let c = Arc::new(built);
-                self.insert(msg.fingerprint, &c);
-                c
-            }
-        };
+        let codec = self.build(msg).await?;
         Ok(Some(Arc::new(ReplicaCodec { key, codec })))
     }
+
+    /// The tokenizer and chat template of `replica_id`, whether or not its engine caches
+    /// prefixes (`/tokenize`, `/detokenize`, `echo`).
+    ///
+    /// # Errors
+    /// [`CodecError`].
+    pub async fn fetch_codec(
+        &self,
+        client: &mut WorkerServiceClient<Channel>,
+        replica_id: &str,
+    ) -> Result<Arc<PromptCodec>, CodecError> {
+        self.build(get(client, replica_id).await?).await
+    }
+
+    /// The built codec of `msg`'s fingerprint, built now when new.
+    async fn build(&self, msg: PbPromptCodec) -> Result<Arc<PromptCodec>, CodecError> {
+        if let Some(c) = self.cached(msg.fingerprint) {
+            return Ok(c);
+        }
+        let json = msg.codec_json;
+        let built = tokio::task::spawn_blocking(move || {
+            let export = CodecExport::from_json(&json).map_err(|e| CodecError::Invalid(e.to_string()))?;
+            PromptCodec::from_export(&export).map_err(|e| CodecError::Invalid(e.to_string()))
+        })
+        .await
+        .map_err(|e| CodecError::Invalid(e.to_string()))??;
+        let c = Arc::new(built);
+        self.insert(msg.fingerprint, &c);
+        Ok(c)
+    }
+}
+
+async fn get(client: &mut WorkerServiceClient<Channel>, replica_id: &str) -> Result<PbPromptCodec, CodecError> {
+    Ok(client
+        .get_prompt_codec(GetPromptCodecRequest { replica_id: replica_id.to_owned() })
+        .await
+        .map_err(|s| match s.code() {
+            Code::Unimplemented => CodecError::Unimplemented,
+            Code::FailedPrecondition => CodecError::NotExportable,
+            _ => CodecError::Rpc(s),
+        })?
+        .into_inner())
 }

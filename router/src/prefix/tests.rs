@@ -60,7 +60,7 @@ async fn ids_are_hashed_not_forwarded_and_failures_route_by_load() {
     // No chat template: the codec gives nothing and the replica reports the error itself.
     let chat = GenerateRequest {
         prompt: Some(generate_request::Prompt::Chat(ChatMessages {
-            messages: vec![PbChat { role: "user".into(), content: "a".into() }],
+            messages: vec![PbChat { role: "user".into(), content: "a".into(), ..Default::default() }],
         })),
         ..Default::default()
     };
@@ -117,6 +117,7 @@ fn real_tokenizer_matches_the_engine_and_is_fast() {
     for _ in 0..rounds {
         let k = keys_blocking(
             &prompt,
+            None,
             None,
             &[Arc::new(ReplicaCodec {
                 key: HashKey { fingerprint: 1, block_size: 16, namespace: 0 },

@@ -39,6 +39,7 @@ fn request(prompt: Vec<u32>, max_tokens: i64) -> EngineRequest {
         prior_output_ids: Vec::new(),
         deadline: None,
         cache_salt: None,
+        tools: None,
     }
 }
 

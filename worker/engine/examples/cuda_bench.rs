@@ -15,21 +15,74 @@
 //!   (the same sequences inside a 9-sequence step): max |Δ logit| and argmax agreement.
 //!
 //! `--invariant` (second argument) runs the batch-invariant mode instead of the default fast mode.
+//!
+//! `--json-schema VOCAB` runs only the structured-output overhead: decode steps at batch 1 and
+//! 64 (1,024-token contexts) greedy on the device, free against every row constrained by a
+//! JSON schema as the engine's step loop does it (masks computed on a rayon pool while the
+//! forward runs, uploaded as bitmasks, applied in the argmax, the matchers advanced by the
+//! chosen tokens), alternating free, json, json, free. VOCAB is a 128,256-token vocabulary
+//! written by `cuda_bench --write-vocab MODEL.gguf VOCAB` (no CUDA needed): the GGUF's
+//! tokens, padded with tokens made of two of its tokens' bytes (a Llama-3-sized trie).
+
+use std::io::Write;
+
+/// Vocabulary size of the padded vocabulary (Llama 3's).
+const LLAMA3_VOCAB: usize = 128_256;
 
 #[cfg(feature = "cuda")]
 fn main() -> anyhow::Result<()> {
+    if let Some(r) = write_vocab_if_asked() {
+        return r;
+    }
     bench::main()
 }
 
 #[cfg(not(feature = "cuda"))]
-fn main() {
+fn main() -> anyhow::Result<()> {
+    if let Some(r) = write_vocab_if_asked() {
+        return r;
+    }
     eprintln!("cuda_bench needs --features cuda");
     std::process::exit(2);
 }
 
+/// `--write-vocab MODEL.gguf OUT`: the model's token bytes padded to [`LLAMA3_VOCAB`] tokens,
+/// as records `special: u8, len: u16 LE, bytes`.
+fn write_vocab_if_asked() -> Option<anyhow::Result<()>> {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) != Some("--write-vocab") {
+        return None;
+    }
+    Some((|| {
+        let (Some(model), Some(out)) = (args.get(2), args.get(3)) else {
+            anyhow::bail!("usage: cuda_bench --write-vocab MODEL.gguf OUT");
+        };
+        let file = prism_engine::model::gguf::GgufFile::open(std::path::Path::new(model))?;
+        let tok = prism_engine::model::Tokenizer::from_gguf(&file)?;
+        let n = tok.vocab_size();
+        let mut w = std::io::BufWriter::new(std::fs::File::create(out)?);
+        for id in 0..LLAMA3_VOCAB {
+            let (special, bytes) = if id < n {
+                (tok.is_special(id as u32), tok.token_bytes(id as u32).to_vec())
+            } else {
+                // Two ordinary tokens' bytes joined: longer tokens, as a larger BPE vocabulary has.
+                let a = tok.token_bytes((id % n) as u32);
+                let b = tok.token_bytes(((id * 7919) % n) as u32);
+                (false, [a, b].concat())
+            };
+            w.write_all(&[u8::from(special)])?;
+            w.write_all(&(bytes.len() as u16).to_le_bytes())?;
+            w.write_all(&bytes)?;
+        }
+        w.flush()?;
+        println!("wrote {LLAMA3_VOCAB} tokens ({n} from {model}) to {out}");
+        Ok(())
+    })())
+}
+
 #[cfg(feature = "cuda")]
 mod bench {
-    use prism_engine::backend::cuda::{CudaBackend, CudaOptions, SyntheticShape};
+    use prism_engine::backend::cuda::{CudaBackend, CudaOptions, KvCacheDtype, Quantization, SyntheticShape};
     use prism_engine::backend::{Backend, SeqStep, StepBatch};
     use serde_json::json;
     use std::time::Instant;
@@ -39,7 +92,7 @@ mod bench {
     const PEAK: f64 = 790e12;
 
     /// `b` sequences, each with `ctx` tokens in the cache after this step and `q` query tokens.
-    fn batch(b: usize, ctx: usize, q: usize, want: bool) -> StepBatch {
+    pub(super) fn batch(b: usize, ctx: usize, q: usize, want: bool) -> StepBatch {
         let per = ctx.div_ceil(BS);
         let mut s = StepBatch::default();
         for i in 0..b {
@@ -61,7 +114,7 @@ mod bench {
         s
     }
 
-    fn time_greedy(be: &mut CudaBackend, b: &StepBatch, warm: usize, iters: usize) -> anyhow::Result<f64> {
+    pub(super) fn time_greedy(be: &mut CudaBackend, b: &StepBatch, warm: usize, iters: usize) -> anyhow::Result<f64> {
         for _ in 0..warm {
             be.forward_greedy(b)?;
         }
@@ -74,9 +127,28 @@ mod bench {
 
     pub fn main() -> anyhow::Result<()> {
         let out = std::env::args().nth(1).unwrap_or_else(|| "cuda_bench.json".into());
-        let invariant = std::env::args().any(|a| a == "--invariant");
+        let args: Vec<String> = std::env::args().collect();
+        let has = |f: &str| args.iter().any(|a| a == f);
+        let value = |f: &str| args.iter().position(|a| a == f).and_then(|i| args.get(i + 1)).map(String::as_str);
+        let invariant = has("--invariant");
+        // --quick: the figures only (no GEMV sweeps, PDL, profiles or eager comparison).
+        let quick = has("--quick");
+        let quantization = match value("--quantization") {
+            None | Some("none") => Quantization::None,
+            Some("fp8") => Quantization::Fp8,
+            Some(q) => anyhow::bail!("--quantization {q}: none or fp8"),
+        };
+        let kv_cache_dtype = match value("--kv-cache-dtype") {
+            None | Some("auto" | "bf16") => KvCacheDtype::Bf16,
+            Some("fp8") => KvCacheDtype::Fp8,
+            Some(k) => anyhow::bail!("--kv-cache-dtype {k}: auto, bf16 or fp8"),
+        };
+        let json_vocab = args.iter().position(|a| a == "--json-schema").and_then(|i| args.get(i + 1).cloned());
         let shape = SyntheticShape::llama3_8b(1234);
         let opts = CudaOptions {
+            quantization,
+            kv_cache_dtype,
+            fp8_lm_head: has("--fp8-lm-head"),
             batch_invariant: invariant,
             gpu_memory_utilization: 0.9,
             max_num_batched_tokens: 2048,
@@ -100,7 +172,19 @@ mod bench {
             kv_tok
         );
         let mut results = serde_json::Map::new();
+        if let Some(vocab) = json_vocab {
+            super::structured::overhead(&mut be, &vocab, &mut results)?;
+            let report = json!({"mode": "json_schema", "device": be.device_name(), "results": results});
+            std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
+            return Ok(());
+        }
         let mut check_ok = true;
+        if let Some(p) = be.fp8_gemm_path() {
+            println!("fp8 GEMM path: {p}");
+            results.insert("fp8_gemm_path".into(), json!(p));
+        }
+        // FP8: the GEMM path quantizes its activations per token, the GEMVs keep them bf16.
+        let tol = if quantization == Quantization::Fp8 { 0.10 } else { 0.05 };
         if !invariant {
             // GEMV path (n <= 8) vs cuBLASLt path (same sequences as the first rows of a 9-row step).
             let big = batch(9, 300, 1, true);
@@ -123,7 +207,7 @@ mod bench {
                         max_abs = max_abs.max(y.abs());
                     }
                 }
-                let ok = max_diff.is_finite() && max_abs > 0.0 && max_diff <= 0.05 * max_abs;
+                let ok = max_diff.is_finite() && max_abs > 0.0 && max_diff <= tol * max_abs;
                 check_ok &= ok;
                 println!(
                     "{} gemv vs cublasLt decode b={bsz}: max |dlogit| {max_diff:.4} (max |logit| {max_abs:.3}), argmax agree {agree}/{bsz}",
@@ -135,7 +219,7 @@ mod bench {
                 );
             }
         }
-        if !invariant {
+        if !invariant && !quick {
             // GEMV threshold sweep: small decode batches with the fused GEMVs up to `gm` tokens
             // (0 = always cuBLASLt).
             for bsz in [1usize, 2, 3, 4] {
@@ -270,22 +354,192 @@ mod bench {
             );
         }
         let name = be.device_name().to_owned();
+        let kv_tokens = be.num_kv_blocks() * BS;
         drop(be);
         // The same decode steps without CUDA graphs (eager launches), for the comparison.
-        let mut eager = CudaBackend::synthetic(&shape, &CudaOptions { cuda_graphs: false, ..opts.clone() })?;
-        for ctx in [128usize, 1024] {
-            let b = batch(1, ctx, 1, true);
-            let t = time_greedy(&mut eager, &b, 5, 50)?;
-            println!("decode b=1 ctx={ctx} without CUDA graphs: {:.3} ms/step", t * 1e3);
-            results.insert(format!("decode_b1_ctx{ctx}_no_graphs"), json!({"ms_per_step": t * 1e3}));
+        if !quick {
+            let mut eager = CudaBackend::synthetic(&shape, &CudaOptions { cuda_graphs: false, ..opts.clone() })?;
+            for ctx in [128usize, 1024] {
+                let b = batch(1, ctx, 1, true);
+                let t = time_greedy(&mut eager, &b, 5, 50)?;
+                println!("decode b=1 ctx={ctx} without CUDA graphs: {:.3} ms/step", t * 1e3);
+                results.insert(format!("decode_b1_ctx{ctx}_no_graphs"), json!({"ms_per_step": t * 1e3}));
+            }
         }
         let report = json!({
             "mode": if invariant { "batch_invariant" } else { "fast" },
+            "quantization": format!("{quantization:?}"), "kv_cache_dtype": format!("{kv_cache_dtype:?}"),
+            "fp8_lm_head": opts.fp8_lm_head,
             "device": name, "init_seconds": init_s, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
-            "kv_tokens": eager.num_kv_blocks() * BS, "results": results, "graph_replays": replays, "gemm_plans": plans,
+            "kv_tokens": kv_tokens, "results": results, "graph_replays": replays, "gemm_plans": plans,
         });
         std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
         anyhow::ensure!(check_ok, "GEMV path disagrees with the cuBLASLt path");
+        Ok(())
+    }
+}
+
+/// `--json-schema`: the step-time overhead of grammar masks on the device greedy path.
+#[cfg(feature = "cuda")]
+mod structured {
+    use super::LLAMA3_VOCAB;
+    use super::bench::{batch as step_batch, time_greedy as time_free};
+    use anyhow::Context;
+    use llguidance::Matcher;
+    use prism_engine::backend::cuda::CudaBackend;
+    use prism_engine::backend::{Backend, LogitConstraints, StepBatch};
+    use prism_engine::codec::TextCodec;
+    use prism_engine::structured::GrammarCompiler;
+    use prism_engine::{ChatMessage, EngineError, StructuredOutput};
+    use serde_json::json;
+    use std::sync::{Arc, mpsc};
+    use std::time::Instant;
+
+    /// The schema of `benches/structured.rs`: needs more tokens than a run generates.
+    const SCHEMA: &str = r#"{"type": "object", "properties": {
+      "title": {"type": "string", "maxLength": 40},
+      "notes": {"type": "array", "minItems": 64, "items": {"type": "string", "maxLength": 24}}},
+      "required": ["title", "notes"], "additionalProperties": false}"#;
+
+    /// Token bytes read from a `--write-vocab` file (no encoder: llguidance splits text greedily).
+    struct VocabCodec {
+        bytes: Vec<Vec<u8>>,
+        special: Vec<bool>,
+    }
+
+    impl TextCodec for VocabCodec {
+        fn encode(&self, _: &str, _: bool) -> Result<Vec<u32>, EngineError> {
+            Err(EngineError::Internal("the benchmark vocabulary has no encoder".into()))
+        }
+        fn token_bytes(&self, id: u32) -> &[u8] {
+            self.bytes.get(id as usize).map_or(&[], Vec::as_slice)
+        }
+        fn is_special(&self, id: u32) -> bool {
+            self.special.get(id as usize).copied().unwrap_or(false)
+        }
+        fn vocab_size(&self) -> usize {
+            self.bytes.len()
+        }
+        fn render_chat(&self, _: &[ChatMessage]) -> Result<String, EngineError> {
+            Err(EngineError::Internal("the benchmark vocabulary has no chat template".into()))
+        }
+    }
+
+    fn read_vocab(path: &str) -> anyhow::Result<VocabCodec> {
+        let data = std::fs::read(path).with_context(|| format!("read {path}"))?;
+        let (mut bytes, mut special) = (Vec::new(), Vec::new());
+        let mut at = 0;
+        while at + 3 <= data.len() {
+            let len = u16::from_le_bytes([data[at + 1], data[at + 2]]) as usize;
+            special.push(data[at] != 0);
+            bytes.push(data.get(at + 3..at + 3 + len).context("truncated vocabulary")?.to_vec());
+            at += 3 + len;
+        }
+        anyhow::ensure!(bytes.len() == LLAMA3_VOCAB, "{path} has {} tokens, want {LLAMA3_VOCAB}", bytes.len());
+        Ok(VocabCodec { bytes, special })
+    }
+
+    /// One constrained decode step as the engine runs it: mask jobs on `pool` first, the
+    /// forward enqueued, the masks joined and uploaded, the masked argmax, the matchers
+    /// advanced (a matcher that ends is replaced by a fresh one).
+    fn step(
+        be: &mut CudaBackend,
+        b: &StepBatch,
+        pool: &rayon::ThreadPool,
+        matchers: &mut Vec<Matcher>,
+        compiler: &GrammarCompiler,
+    ) -> anyhow::Result<()> {
+        let words = LLAMA3_VOCAB.div_ceil(32);
+        let n = matchers.len();
+        let (tx, rx) = mpsc::channel();
+        for (i, mut m) in matchers.drain(..).enumerate() {
+            let tx = tx.clone();
+            pool.spawn(move || {
+                let mask = m.compute_mask().map(|v| v.as_slice().to_vec());
+                let _ = tx.send((i, m, mask));
+            });
+        }
+        let mut back: Vec<Option<Matcher>> = (0..n).map(|_| None).collect();
+        let ids = be.forward_greedy_constrained(b, &mut || {
+            let mut c = LogitConstraints {
+                mask_words: words,
+                masks: vec![0; n * words],
+                mask_of_row: (0..n as i32).collect(),
+                edits: Vec::new(),
+            };
+            for _ in 0..n {
+                let Ok((i, m, mask)) = rx.recv() else { break };
+                if let Ok(w) = mask {
+                    let k = w.len().min(words);
+                    c.masks[i * words..i * words + k].copy_from_slice(&w[..k]);
+                }
+                back[i] = Some(m);
+            }
+            c
+        })?;
+        for (i, m) in back.into_iter().enumerate() {
+            let mut m = m.context("a mask job did not return")?;
+            if m.consume_token(ids[i]).is_err() || m.is_stopped() {
+                m = compiler.compile(&StructuredOutput::JsonSchema(SCHEMA.into()), &[])?;
+            }
+            matchers.push(m);
+        }
+        Ok(())
+    }
+
+    pub fn overhead(
+        be: &mut CudaBackend,
+        vocab: &str,
+        results: &mut serde_json::Map<String, serde_json::Value>,
+    ) -> anyhow::Result<()> {
+        let codec = Arc::new(read_vocab(vocab)?);
+        let eos = (0..LLAMA3_VOCAB as u32).find(|&t| codec.is_special(t)).unwrap_or(0);
+        let t = Instant::now();
+        let compiler = GrammarCompiler::new(codec, eos).map_err(anyhow::Error::msg)?;
+        let factory_s = t.elapsed().as_secs_f64();
+        let spec = StructuredOutput::JsonSchema(SCHEMA.into());
+        let t = Instant::now();
+        let probe = compiler.compile(&spec, &[])?;
+        let compile_ms = t.elapsed().as_secs_f64() * 1e3;
+        drop(probe);
+        let pool = rayon::ThreadPoolBuilder::new().build()?;
+        println!("grammar compiler {factory_s:.2} s for {LLAMA3_VOCAB} tokens; schema compiled in {compile_ms:.2} ms");
+        results.insert("compiler_seconds".into(), json!(factory_s));
+        results.insert("schema_compile_ms".into(), json!(compile_ms));
+        for bsz in [1usize, 64] {
+            let b = step_batch(bsz, 1024, 1, true);
+            let mut matchers: Vec<Matcher> =
+                (0..bsz).map(|_| compiler.compile(&spec, &[])).collect::<Result<_, _>>()?;
+            let (mut free, mut json) = (Vec::new(), Vec::new());
+            for constrained in [false, true, true, false] {
+                if constrained {
+                    for _ in 0..3 {
+                        step(be, &b, &pool, &mut matchers, &compiler)?;
+                    }
+                    let t = Instant::now();
+                    for _ in 0..30 {
+                        step(be, &b, &pool, &mut matchers, &compiler)?;
+                    }
+                    json.push(t.elapsed().as_secs_f64() / 30.0);
+                } else {
+                    free.push(time_free(be, &b, 3, 30)?);
+                }
+            }
+            let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+            let (f, j) = (mean(&free), mean(&json));
+            println!(
+                "decode b={bsz} ctx=1024: free {:.3} ms/step, json schema {:.3} ms/step, overhead {:+.2}%",
+                f * 1e3,
+                j * 1e3,
+                (j / f - 1.0) * 100.0
+            );
+            results.insert(
+                format!("json_schema_b{bsz}_ctx1024"),
+                json!({"free_ms": f * 1e3, "json_ms": j * 1e3, "overhead": j / f - 1.0,
+                       "free_runs_ms": free.iter().map(|x| x * 1e3).collect::<Vec<_>>(),
+                       "json_runs_ms": json.iter().map(|x| x * 1e3).collect::<Vec<_>>()}),
+            );
+        }
         Ok(())
     }
 }

@@ -29,6 +29,15 @@
 //!
 //! Prints one line per prompt and a `cuda_check: PASS|FAIL` line; writes a JSON report to
 //! `OUT.json`; exits 1 on failure.
+//!
+//! `cuda_check DIR OUT.json --fp8 [--kv-cache-dtype fp8] [--fp8-lm-head]` instead measures FP8
+//! accuracy on both models (fast mode, loaded from the safetensors): bf16 and FP8 runs one
+//! prompt at a time, each run's last-token logit error vs HF f32 (max |Δ| over the 8 prompts),
+//! and the FP8 run's 64 greedy tokens against the bf16 run's (tokens equal up to the first
+//! divergence, over all prompts, and prompts identical). On the trained model it passes when
+//! at least 95% of the greedy tokens agree; the random model's agreement is information. When
+//! `DIR[/trained]/fp8` holds an FP8 checkpoint of the same model (`scripts/quantize_fp8.py`,
+//! per-channel scales), it is loaded as stored and compared with the at-load FP8 run.
 
 #[cfg(feature = "cuda")]
 fn main() -> anyhow::Result<()> {
@@ -45,7 +54,7 @@ fn main() {
 mod check {
     use anyhow::{Context, bail};
     use prism_engine::backend::cpu::CpuBackend;
-    use prism_engine::backend::cuda::{CudaBackend, CudaOptions};
+    use prism_engine::backend::cuda::{CudaBackend, CudaOptions, KvCacheDtype, Quantization};
     use prism_engine::backend::{Backend, SeqStep, StepBatch};
     use prism_engine::model::{LoadedModel, ModelSource, load_model};
     use serde_json::{Value, json};
@@ -383,6 +392,114 @@ mod check {
         Ok((report, pass))
     }
 
+    /// One prompt at a time through `cuda`: each prompt's max |logit − HF f32| and its 64
+    /// greedy tokens.
+    type Alone = (Vec<f64>, Vec<Vec<u32>>, Vec<Vec<f32>>);
+
+    fn run_alone(cuda: &mut CudaBackend, r: &Reference) -> anyhow::Result<Alone> {
+        let per_seq = r.per_seq();
+        let (mut errs, mut all, mut logits) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, p) in r.prompts.iter().enumerate() {
+            let mut seq = Seq { tokens: p.clone(), blocks: blocks_for(i, per_seq) };
+            let lg = cuda.forward(&step(&[&seq], &[(0, p.len(), true)]))?;
+            errs.push(max_abs(lg.row(0), &r.logits_f32[i]));
+            logits.push(lg.row(0).to_vec());
+            let mut toks = vec![argmax(lg.row(0))];
+            seq.tokens.push(toks[0]);
+            while toks.len() < NEW {
+                let t = cuda.forward_greedy(&step(&[&seq], &[(0, 1, true)]))?[0];
+                toks.push(t);
+                seq.tokens.push(t);
+            }
+            all.push(toks);
+        }
+        Ok((errs, all, logits))
+    }
+
+    /// FP8 accuracy on one model (see the module docs): bf16 vs FP8 weights (and KV as asked).
+    fn fp8_model(dir: &Path, kind: Kind, fp8: &CudaOptions) -> anyhow::Result<(Value, bool)> {
+        let r = Reference::load(dir)?;
+        let m = prism_engine::model::safetensors::open_dir_model(dir)?;
+        let c = &m.config;
+        let n = r.prompts.len();
+        let kv_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2;
+        let base = CudaOptions {
+            kv_cache_bytes: Some((2 * n * r.per_seq() * BS * kv_token) as u64),
+            block_size: BS,
+            max_num_batched_tokens: 4096,
+            max_num_seqs: 16,
+            ..CudaOptions::default()
+        };
+        let mut bf = CudaBackend::from_safetensors(&m.files, c, &base, &|_, _| {})?;
+        let (e_bf, t_bf, _) = run_alone(&mut bf, &r)?;
+        drop(bf);
+        let opts = CudaOptions {
+            quantization: fp8.quantization,
+            fp8_lm_head: fp8.fp8_lm_head,
+            kv_cache_dtype: fp8.kv_cache_dtype,
+            ..base.clone()
+        };
+        let mut q = CudaBackend::from_safetensors(&m.files, c, &opts, &|_, _| {})?;
+        let weight_bytes = q.weight_bytes();
+        let (e_q, t_q, l_q) = run_alone(&mut q, &r)?;
+        drop(q);
+        // An FP8 checkpoint of the same model written by scripts/quantize_fp8.py (per-channel
+        // scales, same rule) into DIR/fp8: loaded as stored, it must match the at-load run.
+        let ckpt = dir.join("fp8");
+        let ckpt_report = if ckpt.join("config.json").is_file() {
+            let mc = prism_engine::model::safetensors::open_dir_model(&ckpt)?;
+            let co = CudaOptions { kv_cache_dtype: fp8.kv_cache_dtype, ..base.clone() };
+            let mut cb = CudaBackend::from_safetensors(&mc.files, &mc.config, &co, &|_, _| {})?;
+            let (_, t_c, l_c) = run_alone(&mut cb, &r)?;
+            let d = l_c
+                .iter()
+                .zip(&l_q)
+                .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+                .fold(0f32, f32::max);
+            let same = t_c.iter().zip(&t_q).filter(|(a, b)| a == b).count();
+            println!(
+                "[{} / FP8 checkpoint {}] weights {:.3} MB; max |logit - at-load FP8| {d:.5}; greedy == at-load FP8 on {same}/{n} prompts",
+                kind.name(),
+                ckpt.display(),
+                cb.weight_bytes() as f64 / 1e6
+            );
+            json!({"dir": ckpt.display().to_string(), "max_abs_vs_at_load_fp8": d, "prompts_eq_at_load_fp8": same,
+                   "weight_bytes": cb.weight_bytes()})
+        } else {
+            Value::Null
+        };
+        let prefix = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+        let agree: usize = t_q.iter().zip(&t_bf).map(|(a, b)| prefix(a, b)).sum();
+        let identical = t_q.iter().zip(&t_bf).filter(|(a, b)| a == b).count();
+        let eq_hf = t_q.iter().zip(&r.greedy_f32).filter(|(a, b)| a == b).count();
+        let frac = agree as f64 / (n * NEW) as f64;
+        let (mx_bf, mx_q) = (e_bf.iter().copied().fold(0.0, f64::max), e_q.iter().copied().fold(0.0, f64::max));
+        let ok = kind == Kind::Random || frac >= 0.95;
+        println!(
+            "[{} / fp8 {:?} lm_head fp8 {} kv {:?}] max |logit - hf32|: bf16 {mx_bf:.4}, fp8 {mx_q:.4} (HF bf16 {:.4}); \
+             greedy vs bf16: {agree}/{} tokens ({:.1}%) before the first divergence, {identical}/{n} prompts identical; \
+             fp8 == HF f32 on {eq_hf}/{n} prompts -> {}",
+            kind.name(),
+            opts.quantization,
+            opts.fp8_lm_head,
+            opts.kv_cache_dtype,
+            r.e_hf,
+            n * NEW,
+            100.0 * frac,
+            if kind == Kind::Trained { if ok { "PASS" } else { "FAIL" } } else { "info" }
+        );
+        let report = json!({
+            "dir": dir.display().to_string(), "model": kind.name(),
+            "quantization": format!("{:?}", opts.quantization), "fp8_lm_head": opts.fp8_lm_head,
+            "kv_cache_dtype": format!("{:?}", opts.kv_cache_dtype), "fp8_weight_bytes": weight_bytes,
+            "max_abs_vs_hf_f32_bf16": mx_bf, "max_abs_vs_hf_f32_fp8": mx_q, "hf_bf16_vs_f32_max_abs": r.e_hf,
+            "per_prompt_max_abs_bf16": e_bf, "per_prompt_max_abs_fp8": e_q,
+            "greedy_tokens_agree_before_divergence": agree, "greedy_tokens_total": n * NEW, "greedy_agreement": frac,
+            "prompts_identical": identical, "fp8_prompts_eq_hf_f32": eq_hf, "fp8_checkpoint": ckpt_report, "pass": ok,
+        });
+        Ok((report, ok))
+    }
+
     /// Both modes on one model directory.
     fn check_model(dir: &Path, kind: Kind) -> anyhow::Result<(Value, bool)> {
         let r = Reference::load(dir)?;
@@ -407,12 +524,28 @@ mod check {
         let args: Vec<String> = std::env::args().collect();
         let dir = PathBuf::from(args.get(1).context("usage: cuda_check DIR OUT.json")?);
         let out = PathBuf::from(args.get(2).context("usage: cuda_check DIR OUT.json")?);
+        let has = |f: &str| args.iter().any(|a| a == f);
+        let value = |f: &str| args.iter().position(|a| a == f).and_then(|i| args.get(i + 1)).map(String::as_str);
+        let fp8 = has("--fp8").then(|| CudaOptions {
+            quantization: Quantization::Fp8,
+            fp8_lm_head: has("--fp8-lm-head"),
+            kv_cache_dtype: if value("--kv-cache-dtype") == Some("fp8") {
+                KvCacheDtype::Fp8
+            } else {
+                KvCacheDtype::Bf16
+            },
+            ..CudaOptions::default()
+        });
         let mut sections = serde_json::Map::new();
         let mut pass = true;
         for (kind, d) in [(Kind::Random, dir.clone()), (Kind::Trained, dir.join("trained"))] {
             // A model that cannot be checked (missing files, device error) is a FAIL of that model,
             // reported, and the other model is still checked.
-            match check_model(&d, kind) {
+            let result = match &fp8 {
+                Some(o) => fp8_model(&d, kind, o),
+                None => check_model(&d, kind),
+            };
+            match result {
                 Ok((v, ok)) => {
                     sections.insert(kind.name().into(), v);
                     pass &= ok;

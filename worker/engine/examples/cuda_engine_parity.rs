@@ -137,6 +137,7 @@ mod parity {
             prior_output_ids: Vec::new(),
             deadline: None,
             cache_salt: None,
+            tools: None,
         }
     }
 

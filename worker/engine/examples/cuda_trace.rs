@@ -8,6 +8,7 @@
 //! cuda_trace TRACE.json OUT.json [--max-num-seqs 256] [--max-num-batched-tokens 2048]
 //!     [--limit N] [--timeout-s 300] [--weight-seed 1234] [--check-weights] [--no-warmup]
 //!     [--gpu-memory-utilization 0.9] [--model HF_DIR] [--probe-only]
+//!     [--quantization fp8] [--fp8-lm-head] [--kv-cache-dtype auto|bf16|fp8]
 //!
 //! `--model HF_DIR` loads a Hugging Face checkpoint with `CudaBackend::from_safetensors` instead
 //! of generating the weights (with `hf_trace.py --save HF_DIR` it holds the same weights, so the
@@ -52,7 +53,7 @@ fn main() {
 mod trace {
     use anyhow::{Context, Result, bail};
     use prism_engine::backend::cuda::device::{DevBuf, Gpu};
-    use prism_engine::backend::cuda::{CudaBackend, CudaOptions, SyntheticShape};
+    use prism_engine::backend::cuda::{CudaBackend, CudaOptions, KvCacheDtype, Quantization, SyntheticShape};
     use prism_engine::backend::{Backend, SeqStep, StepBatch, StepControl};
     use prism_engine::codec::TextCodec;
     use prism_engine::{
@@ -85,11 +86,15 @@ mod trace {
         gpu_memory_utilization: f32,
         model: Option<PathBuf>,
         probe_only: bool,
+        quantization: Quantization,
+        fp8_lm_head: bool,
+        kv_cache_dtype: KvCacheDtype,
     }
 
     const USAGE: &str = "usage: cuda_trace TRACE.json OUT.json [--max-num-seqs N] [--max-num-batched-tokens N] \
                          [--limit N] [--timeout-s S] [--weight-seed N] [--check-weights] [--no-warmup] \
-                         [--gpu-memory-utilization F] [--model HF_DIR] [--probe-only]";
+                         [--gpu-memory-utilization F] [--model HF_DIR] [--probe-only] [--quantization fp8] \
+                         [--fp8-lm-head] [--kv-cache-dtype auto|bf16|fp8]";
 
     fn parse_args() -> Result<Args> {
         let mut pos = Vec::new();
@@ -107,6 +112,9 @@ mod trace {
             gpu_memory_utilization: 0.9,
             model: None,
             probe_only: false,
+            quantization: Quantization::None,
+            fp8_lm_head: false,
+            kv_cache_dtype: KvCacheDtype::Bf16,
         };
         let mut it = std::env::args().skip(1);
         while let Some(arg) = it.next() {
@@ -121,6 +129,21 @@ mod trace {
                 "--check-weights" => a.check_weights = true,
                 "--model" => a.model = Some(PathBuf::from(val(&arg)?)),
                 "--probe-only" => a.probe_only = true,
+                "--fp8-lm-head" => a.fp8_lm_head = true,
+                "--quantization" => {
+                    a.quantization = match val(&arg)?.as_str() {
+                        "none" => Quantization::None,
+                        "fp8" => Quantization::Fp8,
+                        q => bail!("--quantization {q}: none or fp8"),
+                    }
+                }
+                "--kv-cache-dtype" => {
+                    a.kv_cache_dtype = match val(&arg)?.as_str() {
+                        "auto" | "bf16" => KvCacheDtype::Bf16,
+                        "fp8" => KvCacheDtype::Fp8,
+                        k => bail!("--kv-cache-dtype {k}: auto, bf16 or fp8"),
+                    }
+                }
                 "--no-warmup" => a.warmup = false,
                 s if s.starts_with("--") => bail!("unknown option {s}\n{USAGE}"),
                 _ => pos.push(PathBuf::from(arg)),
@@ -502,8 +525,16 @@ mod trace {
             gpu_memory_utilization: a.gpu_memory_utilization,
             max_num_batched_tokens: a.max_num_batched_tokens,
             max_num_seqs: a.max_num_seqs,
+            quantization: a.quantization,
+            fp8_lm_head: a.fp8_lm_head,
+            kv_cache_dtype: a.kv_cache_dtype,
             ..CudaOptions::default()
         };
+        report.insert(
+            "format".into(),
+            json!({"quantization": format!("{:?}", a.quantization), "fp8_lm_head": a.fp8_lm_head,
+                   "kv_cache_dtype": format!("{:?}", a.kv_cache_dtype)}),
+        );
         let t_init = Instant::now();
         let mut be = match &a.model {
             Some(dir) => {
@@ -595,6 +626,7 @@ mod trace {
                 prior_output_ids: Vec::new(),
                 deadline: None,
                 cache_salt: None,
+                tools: None,
             };
             let stream = engine.submit(req).with_context(|| format!("submit request {i}"))?;
             tasks.push(runtime.spawn(drain(stream, records[i].clone())));

@@ -197,6 +197,77 @@ impl Logits {
     }
 }
 
+/// One additive change to a logit: `logits[row][token] += value` (`-inf` bans the token).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LogitEdit {
+    /// Logit row (batch order of the rows with `want_logits`).
+    pub row: u32,
+    /// Token id.
+    pub token: u32,
+    /// Added value (`logit_bias`, or -inf for a banned token).
+    pub value: f32,
+}
+
+/// Per-row changes to a step's logits before a token is chosen (grammar masks,
+/// `logit_bias`, `min_tokens`), the same rule on the host and on a device: edits are added
+/// first, then every token outside a row's mask becomes -inf.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LogitConstraints {
+    /// u32 words per mask: `ceil(vocab / 32)`; bit `t % 32` of word `t / 32` set = allowed.
+    pub mask_words: usize,
+    /// The masks, `mask_words` words each.
+    pub masks: Vec<u32>,
+    /// Per logit row: index of its mask in `masks`, -1 = unmasked; empty = no row masked.
+    pub mask_of_row: Vec<i32>,
+    /// Additive edits (several may name one logit: they add up).
+    pub edits: Vec<LogitEdit>,
+}
+
+impl LogitConstraints {
+    /// Whether nothing changes.
+    pub fn is_empty(&self) -> bool {
+        self.masks.is_empty() && self.edits.is_empty()
+    }
+
+    /// Row `row`'s mask, if it has one.
+    pub fn mask(&self, row: usize) -> Option<&[u32]> {
+        let m = usize::try_from(*self.mask_of_row.get(row)?).ok()?;
+        self.masks.get(m * self.mask_words..(m + 1) * self.mask_words)
+    }
+
+    /// Applies the edits and masks to host logits (ids outside `0..vocab_size` ignored).
+    pub fn apply(&self, logits: &mut Logits) {
+        let vocab = logits.vocab_size;
+        for e in &self.edits {
+            if (e.row as usize) < logits.rows && (e.token as usize) < vocab {
+                logits.data[e.row as usize * vocab + e.token as usize] += e.value;
+            }
+        }
+        for row in 0..logits.rows {
+            if let Some(mask) = self.mask(row) {
+                apply_mask(&mut logits.data[row * vocab..(row + 1) * vocab], mask);
+            }
+        }
+    }
+}
+
+/// Sets every logit whose bit in `mask` is clear (or beyond it) to -inf.
+fn apply_mask(row: &mut [f32], mask: &[u32]) {
+    for (w, chunk) in row.chunks_mut(32).enumerate() {
+        match mask.get(w).copied().unwrap_or(0) {
+            u32::MAX => {}
+            0 => chunk.fill(f32::NEG_INFINITY),
+            bits => {
+                for (b, l) in chunk.iter_mut().enumerate() {
+                    if bits & (1 << b) == 0 {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Backend failures (a failed step fails the whole replica's in-flight requests).
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
@@ -248,6 +319,24 @@ pub trait Backend: Send {
         Ok((0..logits.rows).map(|r| crate::sampler::argmax(logits.row(r))).collect())
     }
 
+    /// [`Backend::forward_greedy`] with per-row logit changes: `constraints` is called once
+    /// the forward is under way (a device backend calls it after enqueueing the forward, so
+    /// the grammar masks computed meanwhile on the host overlap it) and its result applied as
+    /// [`LogitConstraints::apply`] does before the argmax. The default runs `forward`,
+    /// applies them on the host and takes the argmax there.
+    ///
+    /// # Errors
+    /// As [`Backend::forward`].
+    fn forward_greedy_constrained(
+        &mut self,
+        batch: &StepBatch,
+        constraints: &mut dyn FnMut() -> LogitConstraints,
+    ) -> Result<Vec<u32>, BackendError> {
+        let mut logits = self.forward(batch)?;
+        constraints().apply(&mut logits);
+        Ok((0..logits.rows).map(|r| crate::sampler::argmax(logits.row(r))).collect())
+    }
+
     /// Number of KV-cache blocks allocated.
     fn num_kv_blocks(&self) -> usize;
 
@@ -256,6 +345,13 @@ pub trait Backend: Send {
 
     /// Bytes of KV cache one token uses across all layers (K and V).
     fn kv_bytes_per_token(&self) -> usize;
+
+    /// The sliding window every layer of the model has, when it has one: the scheduler then
+    /// frees KV blocks that fall wholly out of it ([`crate::scheduler::Scheduler::with_sliding_window`]).
+    /// Default `None` (keep every block).
+    fn kv_sliding_window(&self) -> Option<usize> {
+        None
+    }
 
     /// Short backend name for logs and metrics ("cpu", "cuda").
     fn name(&self) -> &'static str;

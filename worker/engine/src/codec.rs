@@ -16,6 +16,7 @@
 mod chat;
 #[cfg(test)]
 mod chat_tests;
+mod tokens;
 
 use super::kv_cache::prefix_hash;
 use super::model::tokenizer::{LazyPlainText, encode_with};
@@ -52,6 +53,28 @@ pub trait TextCodec: Send + Sync {
     fn encode_chat(&self, messages: &[ChatMessage], content_special_tokens: bool) -> Result<Vec<u32>, EngineError> {
         let _ = content_special_tokens;
         self.encode(&self.render_chat(messages)?, false)
+    }
+    /// [`TextCodec::encode_chat`] with the request's tool definitions (`tools`: a JSON array
+    /// of OpenAI tool objects; `None` = no tools) in the template's `tools` variable, or
+    /// folded into the messages for a template that does not read it. The default (codecs
+    /// without templates) accepts no tools.
+    ///
+    /// # Errors
+    /// What `encode_chat` returns; [`EngineError::InvalidRequest`] (field `tools`) for tools
+    /// this codec cannot render.
+    fn encode_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&str>,
+        content_special_tokens: bool,
+    ) -> Result<Vec<u32>, EngineError> {
+        match tools {
+            None => self.encode_chat(messages, content_special_tokens),
+            Some(_) => Err(EngineError::InvalidRequest {
+                field: "tools",
+                message: "this model's codec does not render tools".to_owned(),
+            }),
+        }
     }
     /// The encoding half, for routers; `None` when the codec cannot be exported (doubles).
     fn export(&self) -> Option<CodecExport> {
@@ -174,19 +197,36 @@ impl PromptCodec {
     /// [`EngineError::InvalidRequest`] (field `messages`) for chat without a template or
     /// rejected by it; [`EngineError::Internal`] when the tokenizer fails.
     pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
+        self.prompt_ids_with_tools(prompt, None)
+    }
+
+    /// [`PromptCodec::prompt_ids`] of a chat request with tool definitions (`tools`: JSON
+    /// array text, as `EngineRequest::tools`), as the replica's engine computes them.
+    ///
+    /// # Errors
+    /// As [`PromptCodec::prompt_ids`]; (field `tools`) for tools that are not a JSON array.
+    pub fn prompt_ids_with_tools(&self, prompt: &Prompt, tools: Option<&str>) -> Result<Vec<u32>, EngineError> {
         prompt_ids_with(
             prompt,
             |t, special| encode_with(&self.tokenizer, self.add_bos, self.bos_id, t, special),
             |m| {
                 let template = self.chat_template.as_ref();
-                chat::encode_chat(&self.tokenizer, &self.plain, template, m, self.chat_content_special_tokens)
+                chat::encode_chat(&self.tokenizer, &self.plain, template, m, tools, self.chat_content_special_tokens)
             },
         )
+    }
+
+    /// The chat template's Jinja source, when the model has one (routers pick a tool-call
+    /// parser by it).
+    pub fn chat_template_source(&self) -> Option<&str> {
+        self.chat_template.as_ref().map(|t| t.parts().0)
     }
 }
 
 fn render_with(template: Option<&ChatTemplate>, messages: &[ChatMessage]) -> Result<String, EngineError> {
-    template.ok_or_else(chat::no_template)?.render(messages, true)
+    let template = template.ok_or_else(chat::no_template)?;
+    let (messages, _) = chat::with_tools(template, messages, None)?;
+    template.render(&messages, true)
 }
 
 /// [`TextCodec`] of a loaded model.
@@ -220,8 +260,17 @@ impl TextCodec for ModelCodec {
     }
 
     fn encode_chat(&self, messages: &[ChatMessage], content_special_tokens: bool) -> Result<Vec<u32>, EngineError> {
+        self.encode_chat_with_tools(messages, None, content_special_tokens)
+    }
+
+    fn encode_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&str>,
+        content_special_tokens: bool,
+    ) -> Result<Vec<u32>, EngineError> {
         let (inner, plain) = (self.tokenizer.inner(), self.tokenizer.plain());
-        chat::encode_chat(inner, plain, self.chat_template.as_ref(), messages, content_special_tokens)
+        chat::encode_chat(inner, plain, self.chat_template.as_ref(), messages, tools, content_special_tokens)
     }
 
     fn export(&self) -> Option<CodecExport> {

@@ -15,6 +15,7 @@ use super::parallel::ParallelSizes;
 use super::parallel::driver::{DriverModel, ParallelBackend, ParallelConfig, rank_kv_budget};
 use super::parallel::stage::{InitSpec, StageBackendKind};
 use super::request::EngineError;
+pub use crate::dtypes::{KvCacheDtype, Quantization};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -100,6 +101,10 @@ pub struct EngineConfig {
     pub chat_content_special_tokens: bool,
     /// Tensor/pipeline parallelism and where the ranks run (default: one rank, in-process).
     pub parallel: super::parallel::ParallelConfig,
+    /// CUDA (one rank): weight format of the decoder layers (vLLM's `--quantization`).
+    pub quantization: Quantization,
+    /// CUDA (one rank): KV-cache element type (vLLM's `--kv-cache-dtype`).
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl EngineConfig {
@@ -123,6 +128,8 @@ impl EngineConfig {
             max_pending_requests: rt.max_pending_requests,
             enable_prefix_caching: rt.enable_prefix_caching,
             chat_content_special_tokens: rt.chat_content_special_tokens,
+            quantization: Quantization::None,
+            kv_cache_dtype: KvCacheDtype::Bf16,
             parallel: super::parallel::ParallelConfig::default(),
         }
     }
@@ -307,6 +314,8 @@ fn cuda_options(cfg: &EngineConfig, devices: &[u32]) -> super::backend::cuda::Cu
         max_num_batched_tokens: cfg.max_num_batched_tokens,
         max_num_seqs: cfg.max_num_seqs,
         batch_invariant: cfg.batch_invariant,
+        quantization: cfg.quantization,
+        kv_cache_dtype: cfg.kv_cache_dtype,
         ..Default::default()
     }
 }

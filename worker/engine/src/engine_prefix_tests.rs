@@ -42,6 +42,7 @@ fn req(prompt: &str, p: SamplingParams, salt: Option<&str>) -> EngineRequest {
         prior_output_ids: Vec::new(),
         deadline: None,
         cache_salt: salt.map(str::to_owned),
+        tools: None,
     }
 }
 

@@ -15,10 +15,11 @@ use super::metrics::{EngineStats, StatsRecorder};
 use super::request::{EngineError, EngineOutput, EngineRequest, MAX_CACHE_SALT_BYTES, check_lengths, check_token_ids};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::step_loop::{Command, EngineCore, Fault, NewRequest};
+use super::structured::GrammarCompiler;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -120,6 +121,8 @@ struct Inner {
     codec: Arc<dyn TextCodec>,
     info: ModelInfo,
     cfg: RuntimeConfig,
+    /// The model's grammar compiler, built by the first request with a grammar.
+    grammars: OnceLock<Result<Arc<GrammarCompiler>, String>>,
 }
 
 /// Cloneable handle to one running engine. The step thread stops on
@@ -181,6 +184,9 @@ impl EngineHandle {
         if cfg.enable_prefix_caching {
             sched = sched.with_prefix_caching(cfg.cache_namespace);
         }
+        if let Some(w) = parts.backend.kv_sliding_window() {
+            sched = sched.with_sliding_window(w);
+        }
         let core = EngineCore::new(
             sched,
             parts.backend,
@@ -213,6 +219,7 @@ impl EngineHandle {
                 codec: parts.codec,
                 info,
                 cfg,
+                grammars: OnceLock::new(),
             }),
         })
     }
@@ -235,7 +242,7 @@ impl EngineHandle {
         let prompt = prompt_ids_with(
             &req.prompt,
             |t, special| codec.encode(t, special),
-            |m| codec.encode_chat(m, content_special),
+            |m| codec.encode_chat_with_tools(m, req.tools.as_deref(), content_special),
         )?;
         check_token_ids(&prompt, inner.info.vocab_size, "prompt")?;
         check_token_ids(&req.prior_output_ids, inner.info.vocab_size, "prior_output_ids")?;
@@ -247,6 +254,15 @@ impl EngineHandle {
         }
         let max_new =
             check_lengths(prompt.len(), req.prior_output_ids.len(), req.params.max_tokens, inner.info.max_model_len)?;
+        let logit_bias = check_logit_bias(&req.params.logit_bias, inner.info.vocab_size)?;
+        // Compiled here, on the caller's thread: the step thread never compiles a grammar.
+        let grammar = match &req.params.structured {
+            None => None,
+            Some(spec) => {
+                let compiler = self.grammar_compiler()?;
+                Some((Box::new(compiler.compile(spec, &req.prior_output_ids)?), compiler.eos()))
+            }
+        };
         let in_flight = inner.stats.in_flight.fetch_add(1, Ordering::Relaxed);
         if in_flight >= inner.cfg.max_pending_requests {
             inner.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -265,6 +281,10 @@ impl EngineHandle {
             stop_token_ids: p.stop_token_ids,
             ignore_eos: p.ignore_eos,
             skip_special: p.skip_special_tokens,
+            include_stop_str: p.include_stop_str_in_output,
+            logit_bias,
+            min_tokens: p.min_tokens as usize,
+            grammar: grammar.map(|(matcher, mask_eos)| crate::step_loop::NewGrammar { matcher, mask_eos }),
             max_new,
             deadline: req.deadline,
             arrival: Instant::now(),
@@ -280,6 +300,17 @@ impl EngineHandle {
             return Err(EngineError::Unavailable("engine is shutting down".into()));
         }
         Ok(OutputStream { rx })
+    }
+
+    /// The model's grammar compiler, built on first use (the token trie and llguidance's
+    /// lexer tables over the whole vocabulary).
+    fn grammar_compiler(&self) -> Result<Arc<GrammarCompiler>, EngineError> {
+        let inner = &self.inner;
+        let built = inner.grammars.get_or_init(|| {
+            let eos = inner.info.eos_ids.first().copied().unwrap_or(0);
+            GrammarCompiler::new(inner.codec.clone(), eos).map(Arc::new)
+        });
+        built.clone().map_err(|e| EngineError::Internal(format!("structured outputs are unavailable: {e}")))
     }
 
     /// A snapshot of load, counters and latency histograms.
@@ -387,6 +418,22 @@ impl EngineHandle {
         }
         self.inner.stats.alive.store(false, Ordering::Relaxed);
     }
+}
+
+/// Checks `logit_bias` token ids against the vocabulary (values were checked by
+/// `SamplingParams::validate`); a token named twice keeps its last bias.
+fn check_logit_bias(bias: &[(u32, f32)], vocab_size: usize) -> Result<Arc<[(u32, f32)]>, EngineError> {
+    if let Some(&(bad, _)) = bias.iter().find(|(t, _)| *t as usize >= vocab_size) {
+        return Err(EngineError::InvalidRequest {
+            field: "logit_bias",
+            message: format!("logit_bias names token {bad}, outside the vocabulary (size {vocab_size})"),
+        });
+    }
+    // Reversed, then a stable sort: the first of each token is the last given.
+    let mut unique: Vec<(u32, f32)> = bias.iter().rev().copied().collect();
+    unique.sort_by_key(|&(t, _)| t);
+    unique.dedup_by_key(|&mut (t, _)| t);
+    Ok(unique.into())
 }
 
 /// Checks a request's `cache_salt`: not empty, at most [`MAX_CACHE_SALT_BYTES`] bytes.

@@ -14,6 +14,8 @@
 //! - [`kv_cache`]: `BlockPool` (refcounted blocks, the prefix cache's LRU), `BlockTable`, the
 //!   exact prefix-cache index and event log, the chained block hashes shared with routers.
 //! - [`scheduler`], [`sampler`], [`detokenizer`], `step_loop`: the step loop's parts.
+//! - [`structured`]: grammars (JSON schema, regex, choice, Lark) compiled by llguidance;
+//!   `constraint`: their per-step token masks, `logit_bias` and `min_tokens`.
 //! - [`backend::StepControl`]: stop requests and in-step progress shared by the handle, the
 //!   step loop and the backend; each replica computes on its own rayon pool.
 //! - [`parallel`]: tensor and pipeline parallelism with ranks as processes (communicator,
@@ -23,7 +25,9 @@
 pub mod backend;
 pub mod codec;
 mod config;
+mod constraint;
 pub mod detokenizer;
+pub mod dtypes;
 #[cfg(test)]
 mod engine_prefix_tests;
 pub mod handle;
@@ -39,10 +43,12 @@ mod scheduler_prefix_tests;
 mod step_loop;
 #[cfg(test)]
 mod stop_tests;
+pub mod structured;
 #[cfg(test)]
 mod test_double;
 
 pub use config::{BackendKind, EngineConfig};
+pub use dtypes::{KvCacheDtype, Quantization};
 pub use handle::{EngineHandle, EngineParts, ModelInfo, OutputStream, RuntimeConfig};
 pub use metrics::{EngineStats, FinishedCounts, KvWasteStats, LatencyHistogram};
 pub use request::*;

@@ -5,7 +5,10 @@
 //!
 //! - [`config`]: [`ModelConfig`] (serde mirror of `config.json`, also built from GGUF metadata).
 //! - [`gguf`]: GGUF v3 reader and dequantization (F32/F16/BF16/Q8_0/Q4_0/Q4_1).
-//! - [`safetensors`]: Hugging Face `model.safetensors` / sharded index.
+//! - [`safetensors`]: Hugging Face `model.safetensors` / sharded index; FP8 weights
+//!   dequantized with their scales, or read as stored ([`safetensors::SafetensorsFiles::fp8_weight`]).
+//! - [`quantization`]: [`CheckpointQuant`] (`quantization_config`: fp8, compressed-tensors).
+//! - [`fp8`]: E4M3/E5M2 conversion and [`fp8::Fp8Weight`] (codes + scales).
 //! - [`tokenizer`]: [`Tokenizer`] (tokenizers crate; built from GGUF metadata or `tokenizer.json`).
 //! - [`chat_template`]: [`ChatTemplate`] (minijinja with Hugging Face semantics).
 //! - [`llama`]: [`LlamaWeights`] (the decoder weights every family shares) and
@@ -13,14 +16,17 @@
 //! - [`mistral`], [`qwen2`], [`qwen3`], [`gemma3`]: how each family's config (Hugging Face
 //!   and GGUF) maps onto [`ArchConfig`], the backend-neutral description of its layers.
 
+mod architecture;
 pub mod chat_template;
 pub mod config;
 pub mod error;
+pub mod fp8;
 pub mod gemma3;
 pub mod gguf;
 pub mod llama;
 mod loaded;
 pub mod mistral;
+pub mod quantization;
 pub mod qwen2;
 pub mod qwen3;
 pub mod safetensors;
@@ -33,6 +39,7 @@ pub use config::{Activation, ArchConfig, Architecture, LayerAttention, ModelConf
 pub use error::ModelError;
 pub use llama::{LayerWeights, Linear, LlamaWeights, QuantizedData};
 pub use loaded::{LoadOptions, LoadedModel, ProgressFn};
+pub use quantization::CheckpointQuant;
 pub use tokenizer::{Tokenizer, TokenizerExport};
 
 use crate::request::EngineError;

@@ -11,7 +11,10 @@
 //! - `max_tokens` <= 0, temperature < 0, top_p outside (0, 1], top_k < -1, min_p outside
 //!   [0, 1], repetition_penalty <= 0, frequency/presence penalty outside [-2, 2], n = 0 or
 //!   n > [`MAX_N`], logprobs > [`MAX_LOGPROBS`], an empty stop string, and token ids
-//!   outside the vocabulary (prompt or `prior_output_ids`) are rejected.
+//!   outside the vocabulary (prompt, `prior_output_ids` or `logit_bias`) are rejected;
+//! - a `logit_bias` value outside [-100, 100] and `min_tokens` > `max_tokens` are rejected;
+//! - an invalid `structured` grammar is rejected naming `structured_output.<kind>`
+//!   (checked when the grammar is compiled, in `EngineHandle::submit`).
 
 use super::sampler::SamplingConfig;
 use prism_ids::RequestId;
@@ -25,12 +28,44 @@ pub const MAX_LOGPROBS: u32 = 20;
 pub const MAX_CACHE_SALT_BYTES: usize = 256;
 
 /// One chat message, rendered through the model's chat template.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChatMessage {
-    /// "system", "user", "assistant", ...
+    /// "system", "user", "assistant", "tool", ...
     pub role: String,
     /// Message text.
     pub content: String,
+    /// Tools an assistant turn called (OpenAI's `message.tool_calls`), for the template.
+    pub tool_calls: Vec<ToolCall>,
+    /// Role "tool": the id of the call this message answers.
+    pub tool_call_id: Option<String>,
+    /// The participant's or tool's name.
+    pub name: Option<String>,
+}
+
+/// A function call an assistant turn made.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ToolCall {
+    /// Call id (`call_...`).
+    pub id: String,
+    /// Function name.
+    pub name: String,
+    /// JSON text of the arguments object.
+    pub arguments: String,
+}
+
+/// A grammar the output must follow (token masks from llguidance, applied before sampling).
+#[derive(Clone, Debug, PartialEq)]
+pub enum StructuredOutput {
+    /// One JSON value valid against this JSON Schema (JSON text).
+    JsonSchema(String),
+    /// Any JSON object.
+    JsonObject,
+    /// The whole output matches this regular expression.
+    Regex(String),
+    /// The output is exactly one of these strings.
+    Choice(Vec<String>),
+    /// A context-free grammar in llguidance's Lark syntax.
+    Grammar(String),
 }
 
 /// What to complete.
@@ -78,6 +113,14 @@ pub struct SamplingParams {
     pub logprobs: Option<u32>,
     /// Drop special tokens (BOS/EOS/control) from the text.
     pub skip_special_tokens: bool,
+    /// Added to these tokens' logits before sampling (OpenAI's `logit_bias`, each in [-100, 100]).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// EOS and stop token ids are masked until this many tokens were generated.
+    pub min_tokens: u32,
+    /// A matched stop string is kept at the end of the text.
+    pub include_stop_str_in_output: bool,
+    /// Constrains the output to a grammar; `None` = free text.
+    pub structured: Option<StructuredOutput>,
 }
 
 impl Default for SamplingParams {
@@ -98,6 +141,10 @@ impl Default for SamplingParams {
             n: 1,
             logprobs: None,
             skip_special_tokens: true,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
+            include_stop_str_in_output: false,
+            structured: None,
         }
     }
 }
@@ -120,6 +167,9 @@ pub struct EngineRequest {
     /// requests with equal salts; `None` = the shared namespace. Not empty, at most
     /// [`MAX_CACHE_SALT_BYTES`] bytes.
     pub cache_salt: Option<String>,
+    /// OpenAI tool definitions (JSON array text) for the chat template's `tools` variable;
+    /// chat prompts only.
+    pub tools: Option<String>,
 }
 
 /// Why a choice ended.
@@ -279,6 +329,20 @@ impl SamplingParams {
         if self.stop.iter().any(String::is_empty) {
             return Err(invalid("stop", "stop strings must not be empty".to_owned()));
         }
+        if let Some(&(token, bias)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return Err(invalid(
+                "logit_bias",
+                format!("logit_bias values must be in [-100, 100], got {bias} for token {token}"),
+            ));
+        }
+        if let Some(mt) = self.max_tokens
+            && i64::from(self.min_tokens) > mt
+        {
+            return Err(invalid(
+                "min_tokens",
+                format!("min_tokens ({}) must be at most max_tokens ({mt})", self.min_tokens),
+            ));
+        }
         Ok(SamplingConfig {
             temperature: t,
             top_k: usize::try_from(self.top_k).unwrap_or(0),
@@ -385,7 +449,18 @@ mod tests {
             (SamplingParams { n: 0, ..ok.clone() }, "n"),
             (SamplingParams { logprobs: Some(21), ..ok.clone() }, "logprobs"),
             (SamplingParams { stop: vec![String::new()], ..ok.clone() }, "stop"),
+            (SamplingParams { logit_bias: vec![(3, 100.5)], ..ok.clone() }, "logit_bias"),
+            (SamplingParams { logit_bias: vec![(3, 1.0), (4, -101.0)], ..ok.clone() }, "logit_bias"),
+            (SamplingParams { logit_bias: vec![(3, f32::NAN)], ..ok.clone() }, "logit_bias"),
+            (SamplingParams { min_tokens: 9, max_tokens: Some(8), ..ok.clone() }, "min_tokens"),
         ];
+        let edge = SamplingParams {
+            logit_bias: vec![(1, -100.0), (2, 100.0)],
+            min_tokens: 8,
+            max_tokens: Some(8),
+            ..ok.clone()
+        };
+        assert!(edge.validate().is_ok());
         for (p, f) in cases {
             assert_eq!(field(p.validate()), f, "{p:?}");
         }

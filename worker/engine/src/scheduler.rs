@@ -122,6 +122,8 @@ pub struct Scheduler {
     /// `Some(namespace)` when the prefix cache is on.
     prefix: Option<u64>,
     counters: PrefixCacheCounters,
+    /// The window every layer of the model has ([`Scheduler::with_sliding_window`]).
+    sliding_window: Option<usize>,
 }
 
 impl Scheduler {
@@ -136,7 +138,19 @@ impl Scheduler {
             num_preemptions: 0,
             prefix: None,
             counters: PrefixCacheCounters::default(),
+            sliding_window: None,
         }
+    }
+
+    /// Frees KV blocks that fall wholly out of a sliding window of `window` tokens every layer
+    /// of the model has: after each step, the blocks below position `computed + 1 - window`
+    /// (no later query attends to them). Registered blocks stay in the prefix cache when
+    /// freed (their content is intact until evicted), and a prefix hit takes only a chain of
+    /// blocks from position 0, so prefix caching is unaffected.
+    #[must_use]
+    pub fn with_sliding_window(mut self, window: usize) -> Self {
+        self.sliding_window = Some(window.max(1));
+        self
     }
 
     /// Turns the prefix cache on, chains rooted at `namespace` (the model identity).
@@ -242,7 +256,8 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         self.seqs.values().fold((0, 0), |(alloc, stored), s| {
             let cap = s.blocks.capacity(bs);
-            (alloc + cap, stored + s.num_computed.min(cap))
+            let held = s.num_computed.saturating_sub(s.blocks.released_tokens(bs));
+            (alloc + cap, stored + held.min(cap))
         })
     }
 
@@ -424,20 +439,23 @@ impl Scheduler {
             let start = s.num_computed;
             s.num_computed += sc.num_tokens;
             self.counters.prompt_tokens_computed += s.num_computed.min(s.prefill_len).saturating_sub(start) as u64;
-            if self.prefix.is_none() {
-                continue;
-            }
-            let full = (s.num_computed / bs).min(s.blocks.len());
-            while s.can_register && s.chained < full {
-                let i = s.chained;
-                let Some(block) = s.blocks.block(i) else { break };
-                match self.pool.register(block, s.chain, &s.tokens[i * bs..(i + 1) * bs], &s.root) {
-                    Some(chain) => {
-                        s.chain = chain;
-                        s.chained += 1;
+            if self.prefix.is_some() {
+                let full = (s.num_computed / bs).min(s.blocks.len());
+                while s.can_register && s.chained < full {
+                    let i = s.chained;
+                    let Some(block) = s.blocks.block(i) else { break };
+                    match self.pool.register(block, s.chain, &s.tokens[i * bs..(i + 1) * bs], &s.root) {
+                        Some(chain) => {
+                            s.chain = chain;
+                            s.chained += 1;
+                        }
+                        None => s.can_register = false,
                     }
-                    None => s.can_register = false,
                 }
+            }
+            // After registering, so a block leaves the table only once it is in the cache.
+            if let Some(w) = self.sliding_window {
+                s.blocks.release_front((s.num_computed + 1).saturating_sub(w), bs);
             }
         }
     }
@@ -462,6 +480,29 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn a_sliding_window_frees_the_blocks_behind_it() {
+        let mut s = sched(4, 64, 8).with_sliding_window(3);
+        s.add(1, (0..10).collect());
+        let out = step(&mut s);
+        assert_eq!(out.batch.seqs[0].block_table.len(), 3);
+        // Position 10 (the next query) attends to 8..=10: blocks 0 and 1 (positions 0..8)
+        // are given back, block 2 is kept.
+        assert_eq!(s.pool().num_free(), 7);
+        for _ in 0..4 {
+            step(&mut s);
+        }
+        // 14 computed, next query 14 reads 12..=14: only block 3 is held.
+        assert_eq!(s.pool().num_free(), 7);
+        assert_eq!(s.kv_occupancy(), (4, 2));
+        let out = step(&mut s);
+        let seq = &out.batch.seqs[0];
+        assert_eq!((seq.context_len, seq.block_table.len()), (15, 4));
+        assert_eq!(out.batch.slot_mapping, vec![seq.block_table[3] * 4 + 2]);
+        s.remove(1);
+        assert_eq!(s.pool().num_free(), 8);
     }
 
     #[test]

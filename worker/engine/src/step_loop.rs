@@ -19,8 +19,9 @@
 //! the loop returns. Gauges (running, waiting) are published as soon as requests are
 //! admitted and scheduled, before the step runs, so `/metrics` shows work in progress.
 
-use super::backend::{Backend, BackendError, StepControl, StopKind};
+use super::backend::{Backend, BackendError, LogitEdit, StepControl, StopKind};
 use super::codec::TextCodec;
+use super::constraint::{MaskJob, RowMask, SeqConstraint, StepMasks, assemble};
 use super::detokenizer::Detokenizer;
 use super::metrics::StatsRecorder;
 use super::request::{EngineOutput, FinishReason, TokenLogprob, TopLogprob, Usage};
@@ -54,6 +55,13 @@ pub(crate) struct NewRequest {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub skip_special: bool,
+    /// Keep a matched stop string at the end of the text.
+    pub include_stop_str: bool,
+    /// Validated `(token, bias)` pairs, one per token.
+    pub logit_bias: Arc<[(u32, f32)]>,
+    pub min_tokens: usize,
+    /// The compiled grammar (`prior` already consumed), for choice 0; other choices clone it.
+    pub grammar: Option<NewGrammar>,
     /// Total tokens the request may generate per choice (`prior` included).
     pub max_new: usize,
     pub deadline: Option<Instant>,
@@ -61,6 +69,19 @@ pub(crate) struct NewRequest {
     /// Prefix-cache salt (validated by `submit`).
     pub cache_salt: Option<Arc<str>>,
     pub tx: tokio::sync::mpsc::Sender<EngineOutput>,
+}
+
+/// A request's compiled grammar.
+pub(crate) struct NewGrammar {
+    pub matcher: Box<llguidance::Matcher>,
+    /// The token llguidance's masks use for "the grammar may end here".
+    pub mask_eos: u32,
+}
+
+impl std::fmt::Debug for NewGrammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NewGrammar").field("mask_eos", &self.mask_eos).finish_non_exhaustive()
+    }
 }
 
 /// A fault to inject into a running engine (opt-in: the worker exposes it only with
@@ -93,6 +114,8 @@ struct SeqState {
     /// Tokens generated (`prior` included).
     generated: usize,
     last_token_at: Option<Instant>,
+    /// Grammar, `logit_bias`, `min_tokens`; `None` for free sequences.
+    constraint: Option<SeqConstraint>,
 }
 
 struct ReqState {
@@ -305,12 +328,24 @@ impl EngineCore {
         let key = self.next_req;
         self.next_req += 1;
         let mut seqs = Vec::with_capacity(r.n as usize);
+        let constrained = r.grammar.is_some() || !r.logit_bias.is_empty() || r.min_tokens > r.prior.len();
+        let (enders, end_ids): (Arc<[u32]>, Arc<[u32]>) = if constrained {
+            let mut end_ids: Vec<u32> = self.eos_ids.iter().copied().chain(r.stop_token_ids.iter().copied()).collect();
+            end_ids.sort_unstable();
+            end_ids.dedup();
+            let enders = end_ids.iter().copied().filter(|t| !r.ignore_eos || r.stop_token_ids.contains(t)).collect();
+            (enders, end_ids.into())
+        } else {
+            (Arc::from([]), Arc::from([]))
+        };
+        let mask_eos = r.grammar.as_ref().map_or(0, |g| g.mask_eos);
+        let mut grammar = r.grammar;
         for index in 0..r.n {
             let seq = self.next_seq;
             self.next_seq += 1;
             let seed = r.seed.map(|s| s.wrapping_add(u64::from(index)));
             let sampler = Sampler::new(r.sampling.clone(), seed, &r.prompt, &r.prior);
-            let mut detok = Detokenizer::new(&r.stop, r.skip_special);
+            let mut detok = Detokenizer::new(&r.stop, r.skip_special, r.include_stop_str);
             for &t in &r.prior {
                 detok.prime(self.codec.token_bytes(t), self.codec.is_special(t));
             }
@@ -319,9 +354,27 @@ impl EngineCore {
             // Choices 1.. follow choice 0, so the prompt is prefilled once and shared.
             let opts = SeqOptions { salt: r.cache_salt.clone(), follows: seqs.first().copied() };
             self.sched.add_with(seq, tokens, opts);
+            let constraint = constrained.then(|| {
+                // Each choice walks the grammar on its own (a deep clone shares no lexer state,
+                // so choices' masks compute in parallel).
+                let matcher = if index + 1 == r.n {
+                    grammar.take().map(|g| g.matcher)
+                } else {
+                    grammar.as_ref().map(|g| Box::new(g.matcher.deep_clone()))
+                };
+                SeqConstraint {
+                    grammar: matcher.is_some(),
+                    matcher,
+                    mask_eos,
+                    logit_bias: r.logit_bias.clone(),
+                    min_tokens: r.min_tokens,
+                    enders: enders.clone(),
+                    end_ids: end_ids.clone(),
+                }
+            });
             self.seqs.insert(
                 seq,
-                SeqState { req: key, index, sampler, detok, generated: r.prior.len(), last_token_at: None },
+                SeqState { req: key, index, sampler, detok, generated: r.prior.len(), last_token_at: None, constraint },
             );
             seqs.push(seq);
         }
@@ -417,47 +470,119 @@ impl EngineCore {
             return Ok(());
         }
         // Device argmax when every row's sampler is a plain argmax of the logits (the
-        // sampler says so); otherwise full logits to the host.
+        // sampler says so; grammar masks, logit_bias and min_tokens are applied there too);
+        // otherwise full logits to the host.
         let greedy = self.backend.has_device_greedy()
             && out
                 .scheduled
                 .iter()
                 .filter(|s| s.want_logits)
                 .all(|sc| self.seqs.get(&sc.seq).is_none_or(|s| s.sampler.is_plain_greedy()));
+        let rows: Vec<SeqId> = out.scheduled.iter().filter(|s| s.want_logits).map(|s| s.seq).collect();
+        // Grammar masks compute on the pool while the forward runs.
+        let (masks, mut edits) = self.start_constraints(&rows);
+        let constrained = masks.is_some() || !edits.is_empty();
+        let mut joined: Vec<RowMask> = Vec::new();
+        let mut masks = masks;
+        let mask_words = masks.as_ref().map_or(0, StepMasks::mask_words);
         let backend = &mut self.backend;
         let started = Instant::now();
-        let result = if greedy {
+        let result = if greedy && constrained {
+            let mut constraints = || {
+                if let Some(m) = masks.take() {
+                    joined = m.join();
+                }
+                assemble(rows.len(), mask_words, &joined, std::mem::take(&mut edits))
+            };
+            let ids = self.compute.install(|| backend.forward_greedy_constrained(&out.batch, &mut constraints));
+            StepResult::Greedy(ids?)
+        } else if greedy {
             StepResult::Greedy(self.compute.install(|| backend.forward_greedy(&out.batch))?)
         } else {
-            StepResult::Logits(self.compute.install(|| backend.forward(&out.batch))?)
+            let mut logits = self.compute.install(|| backend.forward(&out.batch))?;
+            if constrained {
+                if let Some(m) = masks.take() {
+                    joined = m.join();
+                }
+                assemble(rows.len(), mask_words, &joined, std::mem::take(&mut edits)).apply(&mut logits);
+            }
+            StepResult::Logits(logits)
         };
         let forward_time = started.elapsed();
+        let failed = self.restore_matchers(&rows, joined);
         self.sched.commit(&out.scheduled);
         let (allocated, stored) = self.sched.kv_occupancy();
         self.stats.observe_step(allocated, stored, forward_time, greedy);
         let now = Instant::now();
-        let rows = result.rows();
-        let mut row = 0;
-        for sc in out.scheduled.iter().filter(|s| s.want_logits) {
-            if row >= rows {
-                return Err(super::backend::BackendError::InvalidBatch(format!(
-                    "backend returned {rows} logit rows, more were asked for"
-                )));
+        let n_rows = result.rows();
+        if rows.len() > n_rows {
+            return Err(super::backend::BackendError::InvalidBatch(format!(
+                "backend returned {n_rows} logit rows, {} were asked for",
+                rows.len()
+            )));
+        }
+        for (row, &seq) in rows.iter().enumerate() {
+            if failed.contains(&seq) {
+                continue;
             }
-            let sampled = match self.seqs.get_mut(&sc.seq) {
+            let sampled = match self.seqs.get_mut(&seq) {
                 Some(s) => match &result {
                     StepResult::Logits(l) => s.sampler.sample(l.row(row)),
                     StepResult::Greedy(ids) => s.sampler.accept_greedy(ids[row]),
                 },
-                None => {
-                    row += 1;
-                    continue;
-                }
+                None => continue,
             };
-            row += 1;
-            self.on_token(sc.seq, sampled, now);
+            self.on_token(seq, sampled, now);
+        }
+        for seq in failed {
+            self.finish_seq(seq, FinishReason::Abort, EngineOutput::default());
         }
         Ok(())
+    }
+
+    /// This step's grammar mask jobs (started on the compute pool, each holding its row's
+    /// matcher) and additive logit edits of the logit rows `rows`.
+    fn start_constraints(&mut self, rows: &[SeqId]) -> (Option<StepMasks>, Vec<LogitEdit>) {
+        let mut jobs = Vec::new();
+        let mut edits = Vec::new();
+        for (row, seq) in rows.iter().enumerate() {
+            let Some(s) = self.seqs.get_mut(seq) else { continue };
+            let Some(c) = s.constraint.as_mut() else { continue };
+            c.push_edits(row as u32, s.generated, &mut edits);
+            if let Some(matcher) = c.matcher.take() {
+                let (enders, end_ids, mask_eos) = (c.enders.clone(), c.end_ids.clone(), c.mask_eos);
+                jobs.push(MaskJob { row, matcher, enders, end_ids, mask_eos });
+            }
+        }
+        let masks = (!jobs.is_empty()).then(|| StepMasks::start(&self.compute, jobs, self.codec.vocab_size()));
+        (masks, edits)
+    }
+
+    /// Gives each row's matcher back to its sequence; returns the grammar sequences whose
+    /// mask failed (llguidance's limits, an internal error): they end with `abort`.
+    fn restore_matchers(&mut self, rows: &[SeqId], joined: Vec<RowMask>) -> Vec<SeqId> {
+        let mut failed = Vec::new();
+        for m in joined {
+            let Some(&seq) = rows.get(m.row) else { continue };
+            let Some(c) = self.seqs.get_mut(&seq).and_then(|s| s.constraint.as_mut()) else { continue };
+            if let Err(e) = &m.mask {
+                tracing::warn!(error = %e, "grammar mask failed; the sequence is aborted");
+                failed.push(seq);
+            }
+            c.matcher = Some(m.matcher);
+        }
+        for &seq in rows {
+            let lost = self
+                .seqs
+                .get(&seq)
+                .and_then(|s| s.constraint.as_ref())
+                .is_some_and(|c| c.grammar && c.matcher.is_none());
+            if lost && !failed.contains(&seq) {
+                tracing::warn!("grammar mask job did not return; the sequence is aborted");
+                failed.push(seq);
+            }
+        }
+        failed
     }
 
     fn on_token(&mut self, seq: SeqId, sampled: Sampled, now: Instant) {
@@ -480,6 +605,17 @@ impl EngineCore {
         }
         let eos = !r.ignore_eos && self.eos_ids.contains(&tok);
         let stop_id = r.stop_token_ids.contains(&tok);
+        // The grammar follows every token that does not end the sequence.
+        let (grammar_done, grammar_failed) = match s.constraint.as_mut() {
+            Some(c) if !(eos || stop_id) => match c.advance(tok) {
+                Ok(done) => (done, false),
+                Err(e) => {
+                    tracing::warn!(error = %e, "the grammar rejected a sampled token; the sequence is aborted");
+                    (false, true)
+                }
+            },
+            _ => (false, false),
+        };
         let (text, stop_str) = if eos || stop_id {
             (String::new(), false)
         } else {
@@ -490,7 +626,9 @@ impl EngineCore {
             _ => Vec::new(),
         };
         let total_len = r.prompt_len + s.generated;
-        let reason = if eos || stop_id || stop_str {
+        let reason = if grammar_failed {
+            Some(FinishReason::Abort)
+        } else if eos || stop_id || stop_str || grammar_done {
             Some(FinishReason::Stop)
         } else if s.generated >= r.max_new || total_len >= self.max_model_len {
             Some(FinishReason::Length)

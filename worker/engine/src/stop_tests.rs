@@ -41,6 +41,7 @@ fn submit(e: &EngineHandle, prompt: &str, max_tokens: i64) -> OutputStream {
         prior_output_ids: Vec::new(),
         deadline: None,
         cache_salt: None,
+        tools: None,
     };
     e.submit(req).expect("submit")
 }
@@ -93,6 +94,7 @@ fn req_template() -> EngineRequest {
         prior_output_ids: Vec::new(),
         deadline: None,
         cache_salt: None,
+        tools: None,
     }
 }
 

@@ -191,6 +191,7 @@ mod tests {
             prior_output_ids: Vec::new(),
             deadline: None,
             cache_salt: None,
+            tools: None,
         }
     }
 
@@ -423,6 +424,42 @@ mod tests {
         assert_eq!(lps.len(), 5);
         assert!(lps.iter().all(|l| l.top_logprobs.len() == 3 && l.top_logprobs[0].token_id == l.token_id));
         assert!(lps.iter().all(|l| l.logprob < 0.0 && l.logprob.is_finite()));
+    }
+
+    /// `include_stop_str_in_output` keeps the stop string, never streaming part of it early;
+    /// a stop string that is the EOS token's text stops there with `ignore_eos`, though the
+    /// token is hidden from the text.
+    #[test]
+    fn kept_stop_strings_and_special_token_stops() {
+        let e = engine(256, 4, RuntimeConfig::default());
+        let (full, _) = drain(e.submit(req("stop test", greedy(24))).expect("submit"));
+        let text = &full[0].1;
+        let stop = text[10..13].to_owned();
+        let cut = text.find(&stop).expect("present");
+        let p = SamplingParams { stop: vec![stop.clone()], include_stop_str_in_output: true, ..greedy(24) };
+        let (c, outs) = drain(e.submit(req("stop test", p)).expect("submit"));
+        assert_eq!((c[0].1.as_str(), c[0].2), (&text[..cut + stop.len()], Some(FinishReason::Stop)));
+        let last = outs.iter().rev().find(|o| !o.text.is_empty()).expect("text");
+        assert!(last.text.ends_with(&stop), "the stop string goes out whole: {:?}", last.text);
+        assert!(outs.iter().all(|o| o.text.ends_with(&stop) || !o.text.contains(&stop)));
+        // A prompt whose greedy continuation (EOS ignored) contains EOS.
+        let (prompt, tokens, text) = (0..40)
+            .find_map(|i| {
+                let prompt = format!("p{i}");
+                let (c, _) = drain(e.submit(req(&prompt, greedy(64))).expect("submit"));
+                let (tokens, text, _) = c.into_iter().next()?;
+                tokens.contains(&EOS).then_some((prompt, tokens, text))
+            })
+            .expect("some continuation reaches EOS");
+        let at = tokens.iter().position(|&t| t == EOS).expect("EOS");
+        let p = SamplingParams { stop: vec!["</s>".into()], ..greedy(64) };
+        let (c, _) = drain(e.submit(req(&prompt, p)).expect("submit"));
+        assert_eq!(c[0].0, tokens[..=at].to_vec(), "stops at the EOS token");
+        assert_eq!(c[0].2, Some(FinishReason::Stop));
+        let before: Vec<u8> = tokens[..at].iter().filter(|&&t| t < EOS).map(|&t| t as u8).collect();
+        assert_eq!(c[0].1, String::from_utf8_lossy(&before), "the hidden token stays out of the text");
+        assert!(text.starts_with(&c[0].1));
+        wait_idle(&e);
     }
 
     #[test]

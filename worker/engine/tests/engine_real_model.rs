@@ -39,7 +39,15 @@ fn greedy(max_tokens: i64) -> SamplingParams {
 }
 
 fn req(prompt: Prompt, params: SamplingParams) -> EngineRequest {
-    EngineRequest { id: "test".into(), prompt, params, prior_output_ids: Vec::new(), deadline: None, cache_salt: None }
+    EngineRequest {
+        id: "test".into(),
+        prompt,
+        params,
+        prior_output_ids: Vec::new(),
+        deadline: None,
+        cache_salt: None,
+        tools: None,
+    }
 }
 
 fn text(p: &str) -> Prompt {
@@ -96,7 +104,11 @@ const PROMPTS: [&str; 4] = [
 ];
 
 fn chat_prompt() -> Prompt {
-    Prompt::Chat(vec![ChatMessage { role: "user".into(), content: "What is the tallest mountain?".into() }])
+    Prompt::Chat(vec![ChatMessage {
+        role: "user".into(),
+        content: "What is the tallest mountain?".into(),
+        ..Default::default()
+    }])
 }
 
 fn all_prompts() -> Vec<Prompt> {
@@ -211,7 +223,8 @@ fn engine_bad_input_is_typed_and_serving_continues() -> Result<()> {
     ensure!(field(e.submit(req(text("Hi"), SamplingParams { n: 0, ..greedy(2) })))? == "n");
     ensure!(field(e.submit(req(Prompt::TokenIds(vec![1, 49_152]), greedy(2))))? == "prompt", "unknown id");
     // A chat message with empty content still renders template tokens: normal output.
-    let empty_chat = Prompt::Chat(vec![ChatMessage { role: "user".into(), content: String::new() }]);
+    let empty_chat =
+        Prompt::Chat(vec![ChatMessage { role: "user".into(), content: String::new(), ..Default::default() }]);
     let (c, _) = drain(e.submit(req(empty_chat, greedy(2)))?);
     ensure!(c[0].tokens.len() == 2);
     let (c, _) = drain(background);

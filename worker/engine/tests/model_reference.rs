@@ -125,7 +125,7 @@ fn hf_tiny_loads_config_tokenizer_and_template() -> Result<()> {
     assert_eq!(tok.token_bytes(u32::from(b'\n')), b"\n");
     assert_eq!(tok.encode("<|im_start|>x", false)?, vec![258, u32::from(b'x')]);
     let chat = m.chat_template.as_ref().context("chat template")?;
-    let msgs = [ChatMessage { role: "user".into(), content: "hi".into() }];
+    let msgs = [ChatMessage { role: "user".into(), content: "hi".into(), ..Default::default() }];
     assert_eq!(chat.render(&msgs, true)?, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     Ok(())
 }
@@ -271,6 +271,7 @@ fn smollm2_greedy_matches_f64_reference_and_llama_cpp() -> Result<()> {
                 .map(|m| ChatMessage {
                     role: m["role"].as_str().unwrap_or("").into(),
                     content: m["content"].as_str().unwrap_or("").into(),
+                    ..Default::default()
                 })
                 .collect();
             assert_eq!(chat.render(&msgs, true)?, text);

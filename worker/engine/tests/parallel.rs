@@ -383,6 +383,7 @@ fn request(prompt: &str, max_tokens: i64) -> EngineRequest {
         prior_output_ids: Vec::new(),
         deadline: None,
         cache_salt: None,
+        tools: None,
     }
 }
 

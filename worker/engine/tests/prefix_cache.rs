@@ -59,7 +59,15 @@ fn seeded(max_tokens: i64, seed: u64) -> SamplingParams {
 }
 
 fn req(prompt: Prompt, params: SamplingParams) -> EngineRequest {
-    EngineRequest { id: "pc".into(), prompt, params, prior_output_ids: Vec::new(), deadline: None, cache_salt: None }
+    EngineRequest {
+        id: "pc".into(),
+        prompt,
+        params,
+        prior_output_ids: Vec::new(),
+        deadline: None,
+        cache_salt: None,
+        tools: None,
+    }
 }
 
 /// One request's result: per choice (token ids, logprobs), and the usage.
@@ -320,8 +328,10 @@ fn prompt_codec_from_export_matches_the_engine() -> Result<()> {
     let rebuilt = PromptCodec::from_export(&prism_engine::codec::CodecExport::from_json(&export.to_json()?)?)?;
     let codec = e.codec();
     let chat = vec![
-        ChatMessage { role: "system".into(), content: "You are terse.".into() },
-        ChatMessage { role: "user".into(), content: "Name three primes. 😀 ünïcödé".into() },
+        ChatMessage { role: "system".into(), content: "You are terse.".into(), ..Default::default() },
+        ChatMessage {
+            role: "user".into(), content: "Name three primes. 😀 ünïcödé".into(), ..Default::default()
+        },
     ];
     let mut cases: Vec<(Prompt, Vec<u32>)> = prompts()
         .into_iter()

@@ -7,7 +7,9 @@ use prism_engine::codec::CodecExport;
 use prism_engine::kv_cache::CacheEvents;
 use prism_engine::parallel::ParallelConfig;
 use prism_engine::parallel::spawn::RankProgram;
-use prism_engine::{BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault, ModelInfo};
+use prism_engine::{
+    BackendKind, EngineConfig, EngineError, EngineHandle, EngineRequest, Fault, KvCacheDtype, ModelInfo, Quantization,
+};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -118,6 +120,9 @@ pub fn engine_config(spec: &LaunchSpec) -> EngineConfig {
         enable_prefix_caching: e.enable_prefix_caching.unwrap_or(base.enable_prefix_caching),
         parallel: parallel_config(spec),
         chat_content_special_tokens: e.chat_content_special_tokens,
+        // The head accepts only these spellings (its validation of `engine`).
+        quantization: if e.quantization == "fp8" { Quantization::Fp8 } else { base.quantization },
+        kv_cache_dtype: if e.kv_cache_dtype == "fp8" { KvCacheDtype::Fp8 } else { base.kv_cache_dtype },
         ..base
     }
 }

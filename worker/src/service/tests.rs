@@ -48,6 +48,7 @@ fn set_sampling_fields_pass_through() {
         n: Some(3),
         logprobs: Some(0),
         skip_special_tokens: Some(false),
+        ..Default::default()
     };
     let s = sampling_from_proto(Some(p));
     assert_eq!(s.temperature, 0.0);
@@ -77,6 +78,7 @@ fn request_conversion_prompts_deadline_and_prior_ids() -> anyhow::Result<()> {
             request_id: "abc".into(),
             timeout_ms: Some(1500),
             cache_salt: Some("tenant-a".into()),
+            ..Default::default()
         }),
         now,
         None,
@@ -90,7 +92,7 @@ fn request_conversion_prompts_deadline_and_prior_ids() -> anyhow::Result<()> {
     let chat = engine_request_from_proto(
         wreq(pb::GenerateRequest {
             prompt: Some(pb::generate_request::Prompt::Chat(pb::ChatMessages {
-                messages: vec![pb::ChatMessage { role: "user".into(), content: "hi".into() }],
+                messages: vec![pb::ChatMessage { role: "user".into(), content: "hi".into(), ..Default::default() }],
             })),
             timeout_ms: Some(0),
             ..Default::default()
@@ -99,7 +101,7 @@ fn request_conversion_prompts_deadline_and_prior_ids() -> anyhow::Result<()> {
         None,
     )?;
     assert!(
-        matches!(&chat.prompt, Prompt::Chat(m) if *m == vec![ChatMessage { role: "user".into(), content: "hi".into() }])
+        matches!(&chat.prompt, Prompt::Chat(m) if *m == vec![ChatMessage { role: "user".into(), content: "hi".into(), ..Default::default() }])
     );
     assert_eq!(chat.deadline, None, "timeout 0 = no deadline");
     assert!(!chat.id.as_str().is_empty(), "empty request id gets a fresh one");

@@ -21,7 +21,10 @@ pub fn request(opts: &RequestOptions, req: &BenchRequest) -> GenerateRequest {
         Prompt::TokenIds(ids) => generate_request::Prompt::TokenIds(TokenIds { ids: ids.clone() }),
         Prompt::Text(t) => generate_request::Prompt::Text(t.clone()),
         Prompt::Chat(m) => generate_request::Prompt::Chat(ChatMessages {
-            messages: m.iter().map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone() }).collect(),
+            messages: m
+                .iter()
+                .map(|m| ChatMessage { role: m.role.clone(), content: m.content.clone(), ..Default::default() })
+                .collect(),
         }),
     };
     GenerateRequest {

@@ -127,6 +127,10 @@ impl Backend for CpuBackend {
         self.model.kv_bytes_per_token()
     }
 
+    fn kv_sliding_window(&self) -> Option<usize> {
+        self.model.uniform_sliding_window()
+    }
+
     fn name(&self) -> &'static str {
         "cpu"
     }

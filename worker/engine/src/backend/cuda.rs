@@ -31,6 +31,15 @@
 //! (`CudaOptions::batch_invariant`) keeps the fixed-algorithm GEMMs and the split-KV kernel
 //! below, trading speed for logits that never depend on the rest of the step.
 //!
+//! FP8 (`CudaOptions::quantization`, `CudaOptions::kv_cache_dtype`; vLLM's `--quantization fp8`
+//! and `--kv-cache-dtype fp8`): the decoder layers' matrices quantized at load to e4m3 with one
+//! f32 scale per output channel ([`fp8`]); the decode GEMVs stream the e4m3 bytes (half the
+//! bytes of a bf16 step) with the same fusions, larger steps quantize their activations per token
+//! and run cuBLASLt's FP8 GEMM with both scale vectors (`gemm_fp8.rs`). An FP8 KV cache stores
+//! e4m3 with a per-tensor scale of 1.0 (vLLM's default without calibration data), so the same
+//! memory holds twice the tokens; the tensor-core attention kernels widen it to f16 on the way
+//! into shared memory and run f16 mma.
+//!
 //! Parallel replicas: every rank of a tensor- and pipeline-parallel group is a process of its
 //! own (`crate::parallel`), and its CUDA part is [`stage::CudaStage`]: this backend built from
 //! only the rank's shard of its stage's layers (read straight from the mmapped safetensors),
@@ -54,7 +63,9 @@ pub mod attn_prefill;
 pub mod device;
 pub mod error;
 mod forward;
+pub mod fp8;
 pub mod gemm;
+mod gemm_fp8;
 pub mod gemv;
 mod kv_cache;
 mod nccl;
@@ -66,5 +77,5 @@ mod weights;
 
 pub use device::cuda_available;
 pub use error::CudaError;
-pub use options::{CudaOptions, SyntheticShape};
+pub use options::{CudaOptions, KvCacheDtype, Quantization, SyntheticShape};
 pub use runner::CudaBackend;

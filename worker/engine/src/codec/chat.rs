@@ -15,10 +15,20 @@
 //! Templates see the sentinel instead of the special-token text, so one that tests content
 //! for special-token text (`'<|im_end|>' in content`) no longer finds it, and one that
 //! escapes content (`| tojson`) leaves the put-back text unescaped.
+//!
+//! Tools: the request's tool definitions reach the template's `tools` variable as given (the
+//! caller's own text, not escaped); a template that does not read `tools` gets them, and the
+//! calls and results of earlier turns, folded into the message text first
+//! ([`crate::model::chat_template::tools::fold`]), so that text is escaped like any content.
 
 use std::ops::Range;
 
+use std::borrow::Cow;
+
+use minijinja::Value;
+
 use crate::model::ChatTemplate;
+use crate::model::chat_template::{parse_tools, tools};
 use crate::model::tokenizer::{LazyPlainText, PlainText, encode_with, special_token_spans};
 use crate::request::{ChatMessage, EngineError};
 
@@ -31,28 +41,60 @@ const SENTINEL_CLOSE: char = '\u{E001}';
 /// `content_special_tokens`: parse special-token text inside messages too (the engine's
 /// opt-out, `chat_content_special_tokens`; what every version did before).
 ///
+/// `tools`: the request's tool definitions (JSON array text), `None` without tools.
+///
 /// # Errors
 /// [`EngineError::InvalidRequest`] (field `messages`) for a model without a chat template or
-/// messages the template rejects; [`EngineError::Internal`] when the tokenizer fails.
+/// messages the template rejects, (field `tools`) for tools that are not a JSON array;
+/// [`EngineError::Internal`] when the tokenizer fails.
 pub(crate) fn encode_chat(
     tokenizer: &tokenizers::Tokenizer,
     plain: &LazyPlainText,
     template: Option<&ChatTemplate>,
     messages: &[ChatMessage],
+    tools: Option<&str>,
     content_special_tokens: bool,
 ) -> Result<Vec<u32>, EngineError> {
     let template = template.ok_or_else(no_template)?;
+    let (messages, tools) = with_tools(template, messages, tools)?;
+    let tools = tools.as_ref();
     if content_special_tokens {
-        return encode_with(tokenizer, false, None, &template.render(messages, true)?, false);
+        return encode_with(tokenizer, false, None, &template.render_with_tools(&messages, tools, true)?, false);
     }
     let spans: Vec<MessageSpans> = messages
         .iter()
         .map(|m| MessageSpans { role: spans_of(tokenizer, &m.role), content: spans_of(tokenizer, &m.content) })
         .collect();
     if spans.iter().all(|s| s.role.is_empty() && s.content.is_empty()) {
-        return encode_with(tokenizer, false, None, &template.render(messages, true)?, false);
+        return encode_with(tokenizer, false, None, &template.render_with_tools(&messages, tools, true)?, false);
     }
-    encode_split(tokenizer, plain.get(tokenizer)?, template, messages, &spans)
+    encode_split(tokenizer, plain.get(tokenizer)?, template, &messages, tools, &spans)
+}
+
+/// The messages and `tools` variable the template renders: the tools parsed for a template
+/// that reads them; otherwise tools, calls and results folded into the messages.
+///
+/// # Errors
+/// [`EngineError::InvalidRequest`] (field `tools`) for tools that are not a JSON array.
+pub(crate) fn with_tools<'m>(
+    template: &ChatTemplate,
+    messages: &'m [ChatMessage],
+    tools: Option<&str>,
+) -> Result<(Cow<'m, [ChatMessage]>, Option<Value>), EngineError> {
+    let tools = tools.map(parse_tools).transpose()?;
+    if template.uses_tools() {
+        return Ok((Cow::Borrowed(messages), tools));
+    }
+    if tools.is_none() && messages.iter().all(|m| m.tool_calls.is_empty()) {
+        return Ok((Cow::Borrowed(messages), None));
+    }
+    let list: Option<Vec<Value>> = match &tools {
+        Some(t) => Some(
+            t.try_iter().map_err(|e| EngineError::InvalidRequest { field: "tools", message: e.to_string() })?.collect(),
+        ),
+        None => None,
+    };
+    Ok((Cow::Owned(tools::fold(messages, list.as_deref())), None))
 }
 
 /// The error for chat on a model without a template.
@@ -81,6 +123,7 @@ pub(crate) fn encode_split(
     plain: &PlainText,
     template: &ChatTemplate,
     messages: &[ChatMessage],
+    tools: Option<&Value>,
     spans: &[MessageSpans],
 ) -> Result<Vec<u32>, EngineError> {
     let open = pick_open(messages, template);
@@ -91,9 +134,10 @@ pub(crate) fn encode_split(
         .map(|(m, s)| ChatMessage {
             role: escape(&m.role, &s.role, &open, &mut originals),
             content: escape(&m.content, &s.content, &open, &mut originals),
+            ..m.clone()
         })
         .collect();
-    let rendered = template.render(&escaped, true)?;
+    let rendered = template.render_with_tools(&escaped, tools, true)?;
     let mut ids = Vec::new();
     let mut at = 0;
     for (range, id) in special_token_spans(tokenizer, &rendered) {

@@ -2,10 +2,20 @@
 //! GGUF `tokenizer.chat_template`) rendered with minijinja the way transformers'
 //! `apply_chat_template` does: `trim_blocks` and `lstrip_blocks` on, loop controls,
 //! `raise_exception`, `strftime_now`, and the Python string/dict methods templates use
-//! (`strip`, `startswith`, `items`, ...). Context: `messages`, `add_generation_prompt`,
-//! `bos_token`, `eos_token`.
+//! (`strip`, `startswith`, `items`, ...), and `tojson` writing JSON as Python's
+//! `json.dumps` does (`", "` / `": "` separators, no HTML escaping, key order kept).
+//! Context: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and `tools` (the
+//! OpenAI tool objects) when the request has tools.
+//!
+//! Tool calling: messages carry `tool_calls` as `[{id, type: "function", function: {name,
+//! arguments}}]` with `arguments` parsed to a JSON object (as vLLM passes them), and
+//! `tool_call_id` / `name`. A template that does not reference `tools` (ChatML templates
+//! such as SmolLM2's) gets them folded into the messages instead ([`tools`]): a Hermes-style
+//! tool description in the system message, earlier calls as `<tool_call>` text.
 
-use minijinja::value::{Value, ValueKind};
+pub mod tools;
+
+use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, State, context};
 use serde::Serialize;
 
@@ -14,12 +24,31 @@ use crate::request::{ChatMessage, EngineError};
 
 const NAME: &str = "chat";
 
+/// Gemma 3's chat template as Google publishes it (`chat_template` of the
+/// `google/gemma-3-*-it` tokenizer configs): the system message becomes a prefix of the first
+/// user turn, `assistant` is printed as `model`, roles must alternate starting with the user.
+const GEMMA3: &str = include_str!("../../templates/gemma3.jinja");
+
+/// The chat template a model family publishes, for GGUF files converted without one (no
+/// `tokenizer.chat_template`, as llama.cpp's conversion of a base checkpoint writes them):
+/// by GGUF `general.architecture`. `None` for families without a known template.
+pub fn builtin_source(architecture: &str) -> Option<&'static str> {
+    match architecture {
+        "gemma3" => Some(GEMMA3),
+        _ => None,
+    }
+}
+
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
     bos_token: String,
     eos_token: String,
+    /// Whether the template reads the `tools` variable (else tools are folded into messages).
+    uses_tools: bool,
+    /// Whether the template knows the `developer` role (else it is rendered as `system`).
+    knows_developer: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -31,7 +60,161 @@ impl std::fmt::Debug for ChatTemplate {
 #[derive(Serialize)]
 struct Msg<'a> {
     role: &'a str,
-    content: &'a str,
+    /// `None` (JSON null) for an assistant turn that only called tools, as OpenAI sends it.
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<MsgToolCall<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_call_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+}
+
+#[derive(Serialize)]
+struct MsgToolCall<'a> {
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: MsgFunction<'a>,
+}
+
+#[derive(Serialize)]
+struct MsgFunction<'a> {
+    name: &'a str,
+    /// The arguments as a JSON value (templates `tojson` them); text that is not JSON stays text.
+    arguments: Value,
+}
+
+impl<'a> Msg<'a> {
+    fn of(m: &'a ChatMessage, knows_developer: bool) -> Self {
+        let tool_calls: Vec<MsgToolCall<'a>> = m
+            .tool_calls
+            .iter()
+            .map(|c| MsgToolCall {
+                id: &c.id,
+                kind: "function",
+                function: MsgFunction { name: &c.name, arguments: json_value(&c.arguments) },
+            })
+            .collect();
+        let content = (!m.content.is_empty() || tool_calls.is_empty()).then_some(m.content.as_str());
+        // OpenAI's `developer` role is the system prompt of newer models; older templates
+        // know only `system`.
+        let role = if m.role == "developer" && !knows_developer { "system" } else { m.role.as_str() };
+        Msg { role, content, tool_calls, tool_call_id: m.tool_call_id.as_deref(), name: m.name.as_deref() }
+    }
+}
+
+/// JSON text as a template value (object key order kept); text that does not parse stays a string.
+pub(crate) fn json_value(text: &str) -> Value {
+    serde_json::from_str::<Value>(text).unwrap_or_else(|_| Value::from(text))
+}
+
+/// Parses the request's tools (a JSON array of OpenAI tool objects) for the template.
+///
+/// # Errors
+/// [`EngineError::InvalidRequest`] (field `tools`) when it is not a JSON array.
+pub fn parse_tools(tools_json: &str) -> Result<Value, EngineError> {
+    let invalid = |m: String| EngineError::InvalidRequest { field: "tools", message: m };
+    let v: Value = serde_json::from_str(tools_json).map_err(|e| invalid(format!("tools is not valid JSON: {e}")))?;
+    if v.kind() != ValueKind::Seq {
+        return Err(invalid("tools must be a JSON array".to_owned()));
+    }
+    Ok(v)
+}
+
+/// `tojson` as transformers defines it: Python's `json.dumps(x, ensure_ascii=False,
+/// indent=indent)` (no HTML escaping, `", "` and `": "` separators, `","` + newlines when
+/// indented).
+fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent = match indent {
+        Some(i) => Some(i),
+        None => kwargs.get::<Option<Value>>("indent")?,
+    };
+    // Accepted for compatibility; keys are written in their order either way.
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => Some(usize::try_from(v)?),
+    };
+    let mut out = String::new();
+    write_json(&mut out, value, indent, 0)?;
+    Ok(Value::from_safe_string(out))
+}
+
+/// `value` as Python's `json.dumps` writes it (what [`tojson`] gives without `indent`).
+pub(crate) fn python_json(value: &Value) -> String {
+    let mut out = String::new();
+    // Values built from JSON always serialise.
+    let _ = write_json(&mut out, value, None, 0);
+    out
+}
+
+fn write_json_str(out: &mut String, s: &str) {
+    // serde_json escapes as Python does with ensure_ascii=False (quotes, backslash, controls).
+    out.push_str(&serde_json::to_string(s).unwrap_or_default());
+}
+
+fn write_json(out: &mut String, v: &Value, indent: Option<usize>, depth: usize) -> Result<(), Error> {
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::String => write_json_str(out, v.as_str().unwrap_or_default()),
+        ValueKind::Number => {
+            let text = serde_json::to_string(v).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+            out.push_str(&text);
+        }
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                write_json(out, item, indent, depth + 1)?;
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let keys: Vec<Value> = v.try_iter()?.collect();
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            out.push('{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                write_json_str(out, &k.to_string());
+                out.push_str(": ");
+                write_json(out, &v.get_item(k)?, indent, depth + 1)?;
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        _ => {
+            let text = serde_json::to_string(v).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+            out.push_str(&text);
+        }
+    }
+    Ok(())
 }
 
 fn raise_exception(msg: String) -> Result<Value, Error> {
@@ -167,8 +350,17 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.set_unknown_method_callback(py_method);
+        env.add_filter("tojson", tojson);
         env.add_template_owned(NAME, source.to_owned())?;
-        Ok(Self { env, source: source.to_owned(), bos_token, eos_token })
+        let uses_tools = env.get_template(NAME)?.undeclared_variables(false).contains("tools");
+        let knows_developer = source.contains("developer");
+        Ok(Self { env, source: source.to_owned(), bos_token, eos_token, uses_tools, knows_developer })
+    }
+
+    /// Whether the template reads the `tools` variable; when it does not, tools reach the
+    /// model through [`tools::fold`] instead.
+    pub fn uses_tools(&self) -> bool {
+        self.uses_tools
     }
 
     /// The template's source and the `bos_token`/`eos_token` it was compiled with.
@@ -183,10 +375,26 @@ impl ChatTemplate {
     /// [`EngineError::InvalidRequest`] (field `messages`) when the template raises (e.g.
     /// roles out of order) or fails to render.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, EngineError> {
-        let msgs: Vec<Msg<'_>> = messages.iter().map(|m| Msg { role: &m.role, content: &m.content }).collect();
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] with the request's tools (from [`parse_tools`]) in the
+    /// template's `tools` variable (unset without tools, as transformers leaves it).
+    ///
+    /// # Errors
+    /// As [`ChatTemplate::render`].
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, EngineError> {
+        let msgs: Vec<Msg<'_>> = messages.iter().map(|m| Msg::of(m, self.knows_developer)).collect();
         let tmpl = self.env.get_template(NAME).map_err(|e| EngineError::Internal(format!("chat template: {e}")))?;
+        let tools = tools.cloned().unwrap_or(Value::UNDEFINED);
         tmpl.render(context! {
             messages => msgs,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
@@ -202,7 +410,7 @@ mod tests {
     const SMOLLM: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), ..Default::default() }
     }
 
     #[test]
@@ -230,6 +438,61 @@ mod tests {
     fn raise_exception_is_invalid_request() -> anyhow::Result<()> {
         let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", String::new(), String::new())?;
         assert!(matches!(t.render(&[], false), Err(EngineError::InvalidRequest { field: "messages", .. })));
+        Ok(())
+    }
+
+    #[test]
+    fn tools_tool_calls_and_developer_reach_the_template() -> anyhow::Result<()> {
+        use crate::request::ToolCall;
+        let src = "{% for m in messages %}[{{ m.role }}|{{ m.content }}|{% for c in m.tool_calls or [] %}{{ c.id }} {{ c.type }} {{ c.function.name }} {{ c.function.arguments | tojson }} {{ c.function.arguments.city }}{% endfor %}|{{ m.tool_call_id }}]{% endfor %}{% if tools %}{{ tools | tojson }}{{ tools[0] | tojson(indent=2) }}{% endif %}";
+        let t = ChatTemplate::new(src, String::new(), String::new())?;
+        assert!(t.uses_tools());
+        let tools = parse_tools(r#"[{"type": "function", "function": {"name": "w", "description": "<b>&'"}}]"#)?;
+        let msgs = [
+            msg("developer", "D"),
+            ChatMessage {
+                role: "assistant".into(),
+                tool_calls: vec![ToolCall {
+                    id: "call_1".into(),
+                    name: "w".into(),
+                    arguments: r#"{"city":"Oslo","n":[1,2.5]}"#.into(),
+                }],
+                ..Default::default()
+            },
+            ChatMessage {
+                role: "tool".into(),
+                content: "9".into(),
+                tool_call_id: Some("call_1".into()),
+                ..Default::default()
+            },
+        ];
+        let out = t.render_with_tools(&msgs, Some(&tools), false)?;
+        assert_eq!(
+            out,
+            concat!(
+                "[system|D||][assistant|None|call_1 function w {\"city\": \"Oslo\", \"n\": [1, 2.5]} Oslo|][tool|9||call_1]",
+                "[{\"type\": \"function\", \"function\": {\"name\": \"w\", \"description\": \"<b>&'\"}}]",
+                "{\n  \"type\": \"function\",\n  \"function\": {\n    \"name\": \"w\",\n    \"description\": \"<b>&'\"\n  }\n}"
+            )
+        );
+        // Without tools the variable is undefined; SmolLM2's template never reads it.
+        assert_eq!(t.render_with_tools(&msgs[..1], None, false)?, "[system|D||]");
+        assert!(!ChatTemplate::new(SMOLLM, String::new(), String::new())?.uses_tools());
+        Ok(())
+    }
+
+    #[test]
+    fn gemma3_builtin_folds_the_system_message_into_the_first_turn() -> anyhow::Result<()> {
+        let src = builtin_source("gemma3").expect("gemma3 template");
+        let t = ChatTemplate::new(src, "<bos>".into(), "<eos>".into())?;
+        let out = t.render(&[msg("system", "Be brief."), msg("user", " Hi "), msg("assistant", "Hello")], true)?;
+        assert_eq!(
+            out,
+            "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>model\n"
+        );
+        let err = t.render(&[msg("user", "a"), msg("user", "b")], true);
+        assert!(matches!(err, Err(EngineError::InvalidRequest { field: "messages", .. })), "{err:?}");
+        assert!(builtin_source("llama").is_none());
         Ok(())
     }
 

@@ -3,14 +3,15 @@
 //! metadata, and [`ArchConfig`]: the backend-neutral description of how an architecture's
 //! decoder layer differs from Llama's (q/k/v bias, q/k norm, Gemma's sandwich norms and
 //! GeGLU, embedding scale, attention scale, per-layer sliding window and RoPE base). Each
-//! architecture's own rules for reading it live in its file beside `llama.rs`
-//! ([`super::mistral`], [`super::qwen2`], [`super::qwen3`], [`super::gemma3`]). RoPE
+//! architecture's own rules for reading it live in its file beside `llama.rs` (`mistral.rs`,
+//! `qwen2.rs`, `qwen3.rs`, `gemma3.rs`; `architecture.rs` picks one). RoPE
 //! frequencies, including Llama 3's `rope_scaling` (`rope_type: "llama3"`), follow
 //! transformers' `modeling_rope_utils._compute_llama3_parameters`.
 
 use serde::{Deserialize, Serialize};
 
 use super::error::ModelError;
+use super::quantization::CheckpointQuant;
 
 /// Llama 3 style RoPE frequency scaling (`rope_scaling` with `rope_type: "llama3"`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -105,6 +106,10 @@ pub struct HfLlamaConfig {
     /// Architectures list (e.g. `["LlamaForCausalLM"]`).
     #[serde(default)]
     pub architectures: Vec<String>,
+    /// How the weights are quantized (FP8 checkpoints), parsed by
+    /// [`CheckpointQuant::from_hf`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization_config: Option<serde_json::Value>,
     /// q/k/v (and o) projections have biases (Qwen3, Gemma 3, Llama; Qwen2 always has q/k/v
     /// biases and has no such key).
     #[serde(default)]
@@ -299,6 +304,11 @@ fn default_max_pos() -> usize {
     2048
 }
 
+/// Whether `v` is a positive number (NaN is not).
+fn positive(v: f32) -> bool {
+    v.is_finite() && v > 0.0
+}
+
 /// Validated model hyper-parameters, independent of the file format.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -333,45 +343,17 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// EOS ids (config.json, generation_config.json and tokenizer merged, deduplicated).
     pub eos_token_ids: Vec<u32>,
+    /// The checkpoint's weight quantization (an FP8 checkpoint's `quantization_config`);
+    /// `None` for float checkpoints and GGUF files.
+    pub quantization: Option<CheckpointQuant>,
     /// The architecture's decoder recipe (Llama's for Llama).
     pub arch: ArchConfig,
 }
 
 impl ModelConfig {
-    /// Builds and validates a config from a Hugging Face `config.json`.
-    ///
-    /// # Errors
-    /// [`ModelError::Config`] when the shapes are inconsistent.
-    /// The architecture is the first `architectures` entry (Llama when the list is empty).
-    ///
-    /// # Errors
-    /// [`ModelError::Config`] when the shapes are inconsistent, [`ModelError::Architecture`]
-    /// naming `architectures` for an unsupported family.
-    pub fn from_hf(hf: &HfLlamaConfig) -> Result<Self, ModelError> {
-        let arch = match hf.architectures.first() {
-            None => Architecture::Llama,
-            Some(name) => Architecture::from_hf(name).ok_or_else(|| ModelError::Architecture {
-                name: format!("architectures[0] = {name:?}"),
-                supported: SUPPORTED_HF_ARCHITECTURES,
-            })?,
-        };
-        let mut cfg = Self::llama_from_hf(hf)?;
-        if hf.attn_logit_softcapping.is_some() {
-            return Err(ModelError::Config("attn_logit_softcapping is not supported".into()));
-        }
-        match arch {
-            Architecture::Llama => {}
-            Architecture::Mistral => super::mistral::configure_hf(&mut cfg, hf),
-            Architecture::Qwen2 => super::qwen2::configure_hf(&mut cfg, hf),
-            Architecture::Qwen3 => super::qwen3::configure_hf(&mut cfg, hf)?,
-            Architecture::Gemma3 => super::gemma3::configure_hf(&mut cfg, hf)?,
-        }
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    /// The Llama reading of `config.json` (every family's common fields).
-    fn llama_from_hf(hf: &HfLlamaConfig) -> Result<Self, ModelError> {
+    /// The Llama reading of `config.json` (every family's common fields), not validated;
+    /// [`ModelConfig::from_hf`] (in `architecture.rs`) adds the family's own.
+    pub(super) fn llama_from_hf(hf: &HfLlamaConfig) -> Result<Self, ModelError> {
         let heads = hf.num_attention_heads;
         if heads == 0 {
             return Err(ModelError::Config("num_attention_heads is 0".into()));
@@ -406,6 +388,7 @@ impl ModelConfig {
             tie_word_embeddings: hf.tie_word_embeddings,
             bos_token_id: hf.bos_token_id,
             eos_token_ids: hf.eos_token_id.as_ref().map(TokenIds::to_vec).unwrap_or_default(),
+            quantization: hf.quantization_config.as_ref().map(CheckpointQuant::from_hf).transpose()?,
             arch: ArchConfig::llama(hf.num_hidden_layers, rope_theta),
         };
         Ok(cfg)
@@ -458,11 +441,11 @@ impl ModelConfig {
                 self.num_hidden_layers
             )));
         }
-        if self.arch.layers.iter().any(|l| l.sliding_window == Some(0) || !(l.rope_theta > 0.0)) {
+        if self.arch.layers.iter().any(|l| l.sliding_window == Some(0) || !positive(l.rope_theta)) {
             return Err(ModelError::Config("sliding_window must be >= 1 and rope_theta > 0".into()));
         }
-        if self.arch.query_pre_attn_scalar.is_some_and(|s| !(s > 0.0))
-            || self.arch.final_logit_softcapping.is_some_and(|c| !(c > 0.0))
+        if self.arch.query_pre_attn_scalar.is_some_and(|s| !positive(s))
+            || self.arch.final_logit_softcapping.is_some_and(|c| !positive(c))
         {
             return Err(ModelError::Config("query_pre_attn_scalar and final_logit_softcapping must be > 0".into()));
         }

@@ -86,6 +86,19 @@ pub enum ModelError {
         /// Tensor name.
         name: String,
     },
+    /// A block-format tensor whose rows are not whole blocks (ggml stores each row as
+    /// whole blocks: 32 weights, 256 for a K-quant).
+    #[error("tensor {name}: rows of {row} weights are not whole {ty} blocks of {block}")]
+    TensorBlocks {
+        /// Tensor name.
+        name: String,
+        /// The block format.
+        ty: String,
+        /// Weights per row (`ne[0]`).
+        row: u64,
+        /// Weights per block.
+        block: usize,
+    },
     /// The tensor has more dimensions than a model tensor can have.
     #[error("tensor {name} has {dims} dims")]
     TensorRank {
@@ -93,6 +106,50 @@ pub enum ModelError {
         name: String,
         /// Its dimension count.
         dims: u32,
+    },
+    /// A tensor's stored byte count disagrees with its dtype and shape.
+    #[error("tensor {name}: {dtype} {shape:?} needs {expected} bytes, the file holds {actual}")]
+    TensorBytes {
+        /// Tensor name.
+        name: String,
+        /// The dtype as the header names it.
+        dtype: String,
+        /// The shape in the header.
+        shape: Vec<usize>,
+        /// Bytes the dtype and shape imply.
+        expected: usize,
+        /// Bytes between its data offsets.
+        actual: usize,
+    },
+    /// `quantization_config` names a method, format or scheme the loader does not read.
+    #[error("{field} {value} is not supported (supported: {supported})")]
+    Quantization {
+        /// The field, e.g. `quantization_config.quant_method`.
+        field: String,
+        /// Its value as JSON, or `(missing)`.
+        value: String,
+        /// What is accepted there.
+        supported: &'static str,
+    },
+    /// An FP8 weight's scale tensor has a shape that fits no scale layout of the weight.
+    #[error("tensor {name}: shape {actual:?} is not a scale of weight {weight:?} (expected {expected})")]
+    ScaleShape {
+        /// The scale tensor, e.g. `model.layers.0.mlp.up_proj.weight_scale`.
+        name: String,
+        /// Its shape.
+        actual: Vec<usize>,
+        /// The weight's `[out_features, in_features]`.
+        weight: Vec<usize>,
+        /// The shapes that would fit.
+        expected: String,
+    },
+    /// A scale tensor holds a value that is not finite.
+    #[error("tensor {name}: scale {value} is not finite")]
+    ScaleValue {
+        /// The scale tensor.
+        name: String,
+        /// The offending value.
+        value: f32,
     },
     /// An architecture other than the Llama family.
     #[error("unsupported architecture {name:?} (supported: {supported})")]

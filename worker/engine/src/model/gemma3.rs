@@ -10,9 +10,10 @@
 //! `layer_types` says.
 //!
 //! GGUF `gemma3` (llama.cpp): `gemma3.*` keys, `gemma3.attention.sliding_window`,
-//! `gemma3.rope.freq_base` for the global layers; llama.cpp fixes the local base at 10 000
-//! and the pattern at 6; tensors `blk.N.attn_q_norm`, `attn_k_norm`, `post_attention_norm`,
-//! `ffn_norm` (before the MLP), `ffn_post_norm`; Q/K rows not permuted.
+//! `gemma3.rope.freq_base` for the global layers, `gemma3.rope.freq_base_swa` for the local
+//! ones (else 10 000), `gemma3.attention.sliding_window_pattern` (a period or one bool per
+//! layer; else 6, llama.cpp's default); softmax scale `key_length^-0.5`; tensors `blk.N.attn_q_norm`, `attn_k_norm`, `post_attention_norm`,
+//! `ffn_norm` (before the MLP), `post_ffw_norm`; Q/K rows not permuted.
 
 use super::config::{Activation, Architecture, HfLlamaConfig, ModelConfig, set_hf_windows};
 use super::error::ModelError;

@@ -4,6 +4,7 @@
 //! llama-architecture file into a loaded model.
 
 pub mod dequant;
+pub mod dequant_k;
 pub mod loader;
 
 use std::collections::HashMap;
@@ -296,11 +297,22 @@ impl GgufFile {
     /// Raw bytes of a tensor.
     ///
     /// # Errors
-    /// [`ModelError::MissingTensor`] when the tensor is absent, [`ModelError::TensorBounds`]
-    /// when its data does not fill whole blocks inside the file.
+    /// [`ModelError::MissingTensor`] when the tensor is absent, [`ModelError::TensorBlocks`]
+    /// when its rows are not whole blocks, [`ModelError::TensorBounds`] when its data does
+    /// not lie inside the file.
     pub fn tensor_bytes(&self, name: &str) -> Result<(&TensorInfo, &[u8]), ModelError> {
         let info = self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_owned() })?;
         let out_of_bounds = || ModelError::TensorBounds { name: name.to_owned() };
+        let (per, _) = info.ty.block_layout();
+        let row = info.dims.first().copied().unwrap_or(1);
+        if !row.is_multiple_of(per as u64) {
+            return Err(ModelError::TensorBlocks {
+                name: name.to_owned(),
+                ty: info.ty.name().to_owned(),
+                row,
+                block: per,
+            });
+        }
         let numel = usize::try_from(info.numel()).map_err(|_| out_of_bounds())?;
         let len = info.ty.bytes_for(numel).ok_or_else(out_of_bounds)?;
         let start =
@@ -385,6 +397,7 @@ impl GgufFile {
             tie_word_embeddings: !self.tensors.contains_key("output.weight"),
             bos_token_id: tok_u32("tokenizer.ggml.bos_token_id"),
             eos_token_ids: eos,
+            quantization: None,
             arch: ArchConfig::llama(n_layers, rope_theta),
         };
         let window = self.req_u(&k("attention.sliding_window")).ok().filter(|&w| w > 0);
@@ -398,14 +411,31 @@ impl GgufFile {
                 cfg.arch.qk_norm = true;
             }
             "gemma3" => {
-                let pattern =
-                    self.req_u(&k("attention.sliding_window_pattern")).unwrap_or(gemma3::SLIDING_WINDOW_PATTERN);
-                for (i, l) in cfg.arch.layers.iter_mut().enumerate() {
-                    l.sliding_window = window.filter(|_| gemma3::is_local(i, pattern));
+                // `attention.sliding_window_pattern`: a period (every n-th layer global) or
+                // one bool per layer (true: local); llama.cpp's default for gemma3 is 6.
+                let key = k("attention.sliding_window_pattern");
+                let local: Vec<bool> = match self.get(&key) {
+                    Some(GgufValue::Array(a)) => {
+                        let flags: Option<Vec<bool>> = a.iter().map(GgufValue::as_bool).collect();
+                        flags.filter(|f| f.len() == n_layers).ok_or(ModelError::Metadata { key })?
+                    }
+                    Some(v) => {
+                        let p = v.as_u64().and_then(|p| usize::try_from(p).ok()).ok_or(ModelError::Metadata { key })?;
+                        (0..n_layers).map(|i| gemma3::is_local(i, p)).collect()
+                    }
+                    None => (0..n_layers).map(|i| gemma3::is_local(i, gemma3::SLIDING_WINDOW_PATTERN)).collect(),
+                };
+                for (l, local) in cfg.arch.layers.iter_mut().zip(local) {
+                    l.sliding_window = window.filter(|_| local);
                 }
+                let local_theta = self
+                    .get(&k("rope.freq_base_swa"))
+                    .and_then(GgufValue::as_f64)
+                    .map_or(gemma3::LOCAL_ROPE_THETA, |t| t as f32);
                 // llama.cpp scales by 1/sqrt(key_length) (query_pre_attn_scalar = head_dim
-                // for every Gemma 3 but the 27B) and fixes the local layers' base.
-                gemma3::apply(&mut cfg, 0.0, head_dim as f32, gemma3::LOCAL_ROPE_THETA);
+                // for every Gemma 3 but the 27B); the local layers' base is 10 000 unless
+                // `rope.freq_base_swa` says otherwise.
+                gemma3::apply(&mut cfg, 0.0, head_dim as f32, local_theta);
                 cfg.arch.final_logit_softcapping =
                     self.get(&k("final_logit_softcapping")).and_then(GgufValue::as_f64).map(|c| c as f32);
             }
@@ -435,7 +465,7 @@ pub fn gguf_name_for(arch: &str, hf: &str) -> Option<String> {
         let suffix = match tail {
             "post_attention_layernorm.weight" => Some("post_attention_norm.weight"),
             "pre_feedforward_layernorm.weight" => Some("ffn_norm.weight"),
-            "post_feedforward_layernorm.weight" => Some("ffn_post_norm.weight"),
+            "post_feedforward_layernorm.weight" => Some("post_ffw_norm.weight"),
             _ => None,
         };
         if let Some(suffix) = suffix {
@@ -508,6 +538,67 @@ mod tests {
             matches!(&version, ModelError::File { source, .. } if matches!(**source, ModelError::GgufVersion(9))),
             "{version}"
         );
+        Ok(())
+    }
+
+    /// A GGUF v3 file with no metadata and one tensor `name` (`dims`, type id `ty`) whose
+    /// data section holds `data_len` bytes.
+    fn one_tensor_file(name: &str, dims: &[u64], ty: u32, data_len: usize) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend((name.len() as u64).to_le_bytes());
+        b.extend(name.as_bytes());
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(ty.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.resize(b.len().next_multiple_of(32), 0);
+        b.extend((0..data_len).map(|i| (i % 251) as u8 & 0x3b));
+        b
+    }
+
+    fn open_bytes(bytes: &[u8]) -> anyhow::Result<Result<GgufFile, ModelError>> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("k.gguf");
+        std::fs::write(&path, bytes)?;
+        Ok(GgufFile::open(&path))
+    }
+
+    #[test]
+    fn k_quant_tensors_read_and_malformed_ones_are_typed_errors_naming_the_tensor() -> anyhow::Result<()> {
+        let name = "blk.0.ffn_down.weight";
+        // Two rows of 512 Q6_K weights: 2 × 2 super-blocks of 210 bytes.
+        let file = open_bytes(&one_tensor_file(name, &[512, 2], 14, 4 * 210))??;
+        let (shape, values) = file.tensor_f32(name)?;
+        assert_eq!((shape, values.len()), (vec![2, 512], 1024));
+        assert_eq!(file.tensor_bytes(name)?.0.ty, GgmlType::Q6K);
+        // One byte short of the last super-block.
+        let short = open_bytes(&one_tensor_file(name, &[512, 2], 14, 4 * 210 - 1))?.err().context("short data")?;
+        assert!(
+            matches!(&short, ModelError::File { source, .. } if matches!(&**source, ModelError::TensorBounds { name: n } if n == name)),
+            "{short}"
+        );
+        // Rows of 640 cannot be Q4_K super-blocks of 256, even when the total (1280) is.
+        let rows = open_bytes(&one_tensor_file(name, &[640, 2], 12, 5 * 144))?.err().context("bad rows")?;
+        assert!(
+            matches!(&rows, ModelError::File { source, .. }
+                if matches!(&**source, ModelError::TensorBlocks { name: n, row: 640, block: 256, .. } if n == name)),
+            "{rows}"
+        );
+        assert!(rows.to_string().contains(name) && rows.to_string().contains("Q4_K"), "{rows}");
+        // Q2_K (id 10) is not read; an id past the enum neither.
+        for id in [10, 99] {
+            let e = open_bytes(&one_tensor_file(name, &[256], id, 84))?.err().context("unknown type")?;
+            assert!(
+                matches!(&e, ModelError::File { source, .. } if matches!(&**source, ModelError::TensorType { name: n, .. } if n == name)),
+                "{e}"
+            );
+            assert!(e.to_string().contains(&format!("GGML type {id}")), "{e}");
+        }
         Ok(())
     }
 

@@ -14,8 +14,9 @@ use super::config::ModelConfig;
 use super::error::ModelError;
 use super::gguf::dequant::{self, GgmlType, QK};
 
-/// A matrix kept in its GGUF block format (Q4_0, Q4_1 or Q8_0): each row is
-/// `in_features / 32` whole blocks, rows stored one after another (Q/K rows already
+/// A matrix kept in its GGUF block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, or the K-quants
+/// Q4_K, Q5_K, Q6_K, Q8_K): each row is `in_features / block` whole blocks (32 weights, 256
+/// for a K-quant), rows stored one after another (Q/K rows already
 /// un-permuted to the Hugging Face layout).
 #[derive(Clone, Debug, PartialEq)]
 pub struct QuantizedData {
@@ -28,12 +29,13 @@ pub struct QuantizedData {
 impl QuantizedData {
     /// Whether the CPU kernels read `ty` blocks directly.
     pub fn supports(ty: GgmlType) -> bool {
-        matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+        !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16)
     }
 
     /// Bytes of one row of `in_features` weights.
     pub fn row_bytes(&self, in_features: usize) -> usize {
-        in_features / QK * self.ty.block_layout().1
+        let (per, bytes) = self.ty.block_layout();
+        in_features / per * bytes
     }
 }
 
@@ -107,11 +109,12 @@ impl Linear {
     /// quantized when the cut falls on block boundaries, and is dequantized otherwise.
     pub fn cols(&self, start: usize, end: usize) -> Linear {
         if let Some(q) = &self.quant {
-            if start.is_multiple_of(QK) && end.is_multiple_of(QK) {
-                let (rb, bb) = (q.row_bytes(self.in_features), q.ty.block_layout().1);
-                let mut bytes = Vec::with_capacity(self.out_features * (end - start) / QK * bb);
+            let (per, bb) = q.ty.block_layout();
+            if start.is_multiple_of(per) && end.is_multiple_of(per) {
+                let rb = q.row_bytes(self.in_features);
+                let mut bytes = Vec::with_capacity(self.out_features * (end - start) / per * bb);
                 for r in q.bytes.chunks_exact(rb) {
-                    bytes.extend_from_slice(&r[start / QK * bb..end / QK * bb]);
+                    bytes.extend_from_slice(&r[start / per * bb..end / per * bb]);
                 }
                 return Linear {
                     out_features: self.out_features,
@@ -237,7 +240,8 @@ fn linear(src: &mut dyn WeightSource, name: &str, out: usize, inp: usize, quant:
         && inp.is_multiple_of(QK)
         && let Some((shape, q)) = src.quantized(name)?
     {
-        if shape != [out, inp] || q.bytes.len() != out * q.row_bytes(inp) {
+        if shape != [out, inp] || !inp.is_multiple_of(q.ty.block_layout().0) || q.bytes.len() != out * q.row_bytes(inp)
+        {
             return Err(ModelError::Shape { name: name.to_owned(), expected: vec![out, inp], actual: shape });
         }
         return Ok(Linear { out_features: out, in_features: inp, data: Vec::new(), quant: Some(q) });

@@ -2,7 +2,10 @@
 //! `model.safetensors.index.json`, `tokenizer.json`, `tokenizer_config.json` (chat template,
 //! special tokens) and `generation_config.json` (EOS ids). Tensors are mmapped (memmap2),
 //! read through the `safetensors` crate's header parser and converted from
-//! f32/f16/bf16 to f32.
+//! f32/f16/bf16 to f32. FP8 weights (F8_E4M3 / F8_E5M2 with their scale tensors, [`fp8`])
+//! are dequantized to the same f32 (or bf16) values, or read as stored for an FP8 backend.
+
+pub mod fp8;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -17,6 +20,7 @@ use super::config::{HfLlamaConfig, ModelConfig, TokenIds};
 use super::error::{ModelError, ResultExt, tokenizer_no_panic};
 use super::llama::{HostTensor, LlamaWeights, WeightSource};
 use super::loaded::{LoadedModel, ProgressFn};
+use super::quantization::CheckpointQuant;
 use super::tokenizer::Tokenizer;
 
 /// A tensor converted to f32: row-major shape, values, and the bytes it took in the file.
@@ -33,6 +37,8 @@ struct Shard {
 pub struct SafetensorsFiles {
     shards: Vec<Shard>,
     index: HashMap<String, usize>,
+    /// The checkpoint's `quantization_config` (block sizes of block-wise FP8 scales).
+    quantization: Option<CheckpointQuant>,
 }
 
 impl SafetensorsFiles {
@@ -67,13 +73,26 @@ impl SafetensorsFiles {
             let file = File::open(&path).in_file(&path)?;
             // SAFETY: read-only mapping of a model file that is not modified while loaded.
             let mmap = unsafe { Mmap::map(&file) }.in_file(&path)?;
-            let (n, meta) = safetensors::SafeTensors::read_metadata(&mmap).in_file(&path)?;
+            let (n, meta) = match safetensors::SafeTensors::read_metadata(&mmap) {
+                Ok(parsed) => parsed,
+                // The parser does not say which tensor; find it so the error can.
+                Err(e @ safetensors::SafeTensorError::TensorInvalidInfo) => {
+                    return Err(ModelError::in_file(&path, byte_count_error(&mmap).unwrap_or(e.into())));
+                }
+                Err(e) => return Err(ModelError::in_file(&path, e)),
+            };
             for t in meta.tensors().keys() {
                 index.insert(t.clone(), i);
             }
             shards.push(Shard { mmap, data_start: 8 + n, meta });
         }
-        Ok(Self { shards, index })
+        Ok(Self { shards, index, quantization: None })
+    }
+
+    /// Sets the checkpoint's quantization (from `config.json`), which says the block size of
+    /// block-wise FP8 scales; [`open_dir_model`] does this.
+    pub fn set_quantization(&mut self, quantization: Option<CheckpointQuant>) {
+        self.quantization = quantization;
     }
 
     /// Whether a tensor of that name exists.
@@ -87,18 +106,18 @@ impl SafetensorsFiles {
     }
 
     /// A tensor converted to f32 with its shape; `None` when absent. Returns the bytes read too.
+    /// An FP8 weight is dequantized with its scales ([`SafetensorsFiles::fp8_weight`]).
     ///
     /// # Errors
-    /// [`ModelError::TensorType`] for dtypes other than f32/f16/bf16.
+    /// [`ModelError::TensorType`] for dtypes other than f32/f16/bf16/F8_E4M3/F8_E5M2; for FP8
+    /// weights, as [`SafetensorsFiles::fp8_weight`].
     pub fn tensor_f32(&self, name: &str) -> Result<Option<ReadTensor>, ModelError> {
         let Some((info, bytes)) = self.raw(name)? else { return Ok(None) };
-        let data: Vec<f32> = match info.dtype {
-            Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Dtype::F16 => bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            Dtype::BF16 => bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            other => return Err(ModelError::TensorType { name: name.to_owned(), ty: format!("{other:?}") }),
-        };
-        Ok(Some((info.shape.clone(), data, bytes.len())))
+        if is_fp8(info.dtype) {
+            let (w, read) = self.fp8_weight_read(name)?;
+            return Ok(Some((w.shape.to_vec(), w.dequantize(), read)));
+        }
+        Ok(Some((info.shape.clone(), float_values(name, info.dtype, bytes)?, bytes.len())))
     }
 
     /// The stored bytes of `name` with its header entry; `None` when absent.
@@ -115,12 +134,14 @@ impl SafetensorsFiles {
     }
 
     /// Appends tensor `name` to `out` as bf16 — copied as stored when the file holds bf16,
-    /// rounded to nearest-even from f32/f16 — after checking its shape; returns the bytes read.
+    /// rounded to nearest-even from f32/f16 and from FP8 weights dequantized in f32 — after
+    /// checking its shape; returns the bytes read.
     /// A GPU backend loads a bf16 checkpoint this way without an f32 copy of the model.
     ///
     /// # Errors
     /// [`ModelError::MissingTensor`], [`ModelError::Shape`] or [`ModelError::TensorType`] when
-    /// the tensor is missing, has another shape, or a dtype other than f32/f16/bf16.
+    /// the tensor is missing, has another shape, or a dtype other than f32/f16/bf16/FP8; for
+    /// FP8 weights, as [`SafetensorsFiles::fp8_weight`].
     pub fn append_bf16(&self, name: &str, shape: &[usize], out: &mut Vec<bf16>) -> Result<usize, ModelError> {
         let (info, bytes) = self.raw(name)?.ok_or_else(|| ModelError::MissingTensor { name: name.to_owned() })?;
         if info.shape != shape {
@@ -129,6 +150,13 @@ impl SafetensorsFiles {
                 expected: shape.to_vec(),
                 actual: info.shape.clone(),
             });
+        }
+        if is_fp8(info.dtype) {
+            let (w, read) = self.fp8_weight_read(name)?;
+            let mut f = Vec::new();
+            w.dequantize_block(0..w.shape[0], 0..w.shape[1], &mut f);
+            out.extend(f.into_iter().map(bf16::from_f32));
+            return Ok(read);
         }
         match info.dtype {
             Dtype::BF16 => out.extend(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]))),
@@ -149,8 +177,8 @@ impl SafetensorsFiles {
     /// column range of every row (o_proj, down_proj) this way, straight from the mmap.
     ///
     /// # Errors
-    /// As [`SafetensorsFiles::append_bf16`]; [`ModelError::Shard`] when the block is outside
-    /// the tensor.
+    /// As [`SafetensorsFiles::append_bf16`] (FP8 weights dequantized as there); [`ModelError::Shard`]
+    /// when the block is outside the tensor.
     pub fn append_bf16_block(
         &self,
         name: &str,
@@ -171,6 +199,13 @@ impl SafetensorsFiles {
             return Err(ModelError::Shard(format!(
                 "{name}: block rows {rows:?} x cols {cols:?} is outside its shape {shape:?}"
             )));
+        }
+        if is_fp8(info.dtype) {
+            let (w, _) = self.fp8_weight_read(name)?;
+            let mut f = Vec::new();
+            w.dequantize_block(rows.clone(), cols.clone(), &mut f);
+            out.extend(f.into_iter().map(bf16::from_f32));
+            return Ok(rows.len() * cols.len());
         }
         let es = match info.dtype {
             Dtype::BF16 | Dtype::F16 => 2,
@@ -194,6 +229,43 @@ impl SafetensorsFiles {
         }
         Ok(read)
     }
+}
+
+/// Whether `dtype` is an FP8 format the loader reads ([`SafetensorsFiles::fp8_weight`]).
+fn is_fp8(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::F8_E4M3 | Dtype::F8_E5M2)
+}
+
+/// The first tensor of a safetensors file whose data offsets do not span the bytes its dtype
+/// and shape need, as [`ModelError::TensorBytes`] (the header parser reports only that one
+/// does not). `None` when the header cannot be read here either.
+fn byte_count_error(file: &[u8]) -> Option<ModelError> {
+    let n = usize::try_from(u64::from_le_bytes(file.get(..8)?.try_into().ok()?)).ok()?;
+    let header: serde_json::Value = serde_json::from_slice(file.get(8..8usize.checked_add(n)?)?).ok()?;
+    header.as_object()?.iter().filter(|(k, _)| *k != "__metadata__").find_map(|(name, t)| {
+        let dtype: Dtype = serde_json::from_value(t.get("dtype")?.clone()).ok()?;
+        let shape: Vec<usize> = serde_json::from_value(t.get("shape")?.clone()).ok()?;
+        let offsets: [usize; 2] = serde_json::from_value(t.get("data_offsets")?.clone()).ok()?;
+        let bits = shape.iter().try_fold(dtype.bitsize(), |a, &d| a.checked_mul(d))?;
+        let actual = offsets[1].checked_sub(offsets[0])?;
+        (bits / 8 != actual).then(|| ModelError::TensorBytes {
+            name: name.clone(),
+            dtype: format!("{dtype:?}"),
+            shape,
+            expected: bits / 8,
+            actual,
+        })
+    })
+}
+
+/// f32/f16/bf16 little-endian `bytes` as f32.
+fn float_values(name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>, ModelError> {
+    Ok(match dtype {
+        Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Dtype::F16 => bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        Dtype::BF16 => bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        other => return Err(ModelError::TensorType { name: name.to_owned(), ty: format!("{other:?}") }),
+    })
 }
 
 /// A Hugging Face model directory opened without reading its weights: configuration,
@@ -290,7 +362,8 @@ pub fn open_dir_model(dir: &Path) -> Result<HfDirModel, ModelError> {
         Some(src) => Some(ChatTemplate::new(&src, tokenizer.bos_text(), tokenizer.eos_text())?),
         None => None,
     };
-    let files = SafetensorsFiles::open_dir(dir)?;
+    let mut files = SafetensorsFiles::open_dir(dir)?;
+    files.set_quantization(config.quantization.clone());
     if !files.contains("lm_head.weight") {
         config.tie_word_embeddings = true;
     }

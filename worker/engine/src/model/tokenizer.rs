@@ -2,8 +2,9 @@
 //! bytes for incremental detokenization, special tokens). Built on the `tokenizers` crate,
 //! either from a Hugging Face `tokenizer.json` or programmatically from GGUF metadata
 //! (`tokenizer.ggml.model == "gpt2"`: byte-level BPE with the pre-tokenizer llama.cpp picks
-//! for `tokenizer.ggml.pre`, control/user-defined tokens as added tokens), so that ids match
-//! llama.cpp's and transformers' tokenizers.
+//! for `tokenizer.ggml.pre`; `"llama"`: SentencePiece BPE with byte fallback, see [`spm`];
+//! control/user-defined tokens as added tokens), so that ids match llama.cpp's and
+//! transformers' tokenizers.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -22,9 +23,16 @@ use super::error::{ModelError, ResultExt};
 use super::gguf::{GgufFile, GgufValue};
 use crate::request::EngineError;
 
+mod spm;
+
 /// GGUF `token_type` values (llama.cpp `llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// Control tokens that end a turn, which llama.cpp adds to its end-of-generation set by their
+/// text when the file names no EOT id (`llama_vocab::impl::load`); `<|endoftext|>`, which
+/// also separates documents, is left out.
+const END_OF_TURN_TOKENS: [&str; 5] = ["<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<EOT>"];
 
 /// llama.cpp's Llama 3 pre-tokenizer regex (`LLAMA_VOCAB_PRE_TYPE_LLAMA3`).
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -87,6 +95,9 @@ fn byte_level_bytes(token: &str, table: &HashMap<char, u8>) -> Vec<u8> {
     }
     out
 }
+
+/// A vocabulary's token text → the bytes it stands for (byte-level BPE or SentencePiece).
+type TokenBytes<'a> = Box<dyn Fn(&str) -> Vec<u8> + 'a>;
 
 /// SentencePiece-style token text → bytes (`▁` is a space, `<0xNN>` a raw byte).
 fn metaspace_bytes(token: &str) -> Vec<u8> {
@@ -243,15 +254,19 @@ impl LazyPlainText {
 }
 
 impl Tokenizer {
-    /// Builds a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata.
+    /// Builds a tokenizer from GGUF `tokenizer.ggml.*` metadata: byte-level BPE
+    /// (`tokenizer.ggml.model == "gpt2"`) or SentencePiece BPE (`"llama"`, see [`spm`]).
+    /// Control and user-defined tokens become added tokens (control ones special); the
+    /// end-of-sequence ids are EOS, EOT, EOM and the end-of-turn tokens llama.cpp recognises by
+    /// their text (Gemma's `<end_of_turn>` has no id key of its own).
     ///
     /// # Errors
-    /// [`ModelError::TokenizerModel`] for tokenizer models other than "gpt2",
-    /// [`ModelError::Metadata`] for missing or malformed token lists, [`ModelError::Tokenizer`]
-    /// when the tokenizers crate rejects them.
+    /// [`ModelError::TokenizerModel`] for other tokenizer models, [`ModelError::Metadata`] for
+    /// missing or malformed token lists, [`ModelError::Tokenizer`] when the tokenizers crate
+    /// rejects them.
     pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
         let model = file.get("tokenizer.ggml.model").and_then(GgufValue::as_str).unwrap_or("");
-        if model != "gpt2" {
+        if model != "gpt2" && model != "llama" {
             return Err(ModelError::TokenizerModel(model.to_owned()));
         }
         let strs = |key: &str| -> Result<Vec<String>, ModelError> {
@@ -260,23 +275,28 @@ impl Tokenizer {
             arr.iter().map(|v| v.as_str().map(str::to_owned).ok_or_else(bad)).collect()
         };
         let tokens = strs("tokenizer.ggml.tokens")?;
-        let merges: Vec<(String, String)> = strs("tokenizer.ggml.merges")?
-            .into_iter()
-            .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
-            .collect();
         let types: Vec<i64> = match file.get("tokenizer.ggml.token_type").and_then(GgufValue::as_array) {
             Some(a) => a.iter().map(|v| v.as_u64().map_or(1, |x| x as i64)).collect(),
             None => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab =
-            tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build()?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = file.get("tokenizer.ggml.pre").and_then(GgufValue::as_str).unwrap_or("default");
-        inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre)?));
-        inner.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
-        let mut added = Vec::new();
         let table = unicode_to_byte();
+        let (mut inner, token_bytes): (tokenizers::Tokenizer, TokenBytes<'_>) = if model == "gpt2" {
+            let merges: Vec<(String, String)> = strs("tokenizer.ggml.merges")?
+                .into_iter()
+                .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
+                .collect();
+            let vocab: tokenizers::models::bpe::Vocab =
+                tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+            let bpe = BPE::builder().vocab_and_merges(vocab, merges).build()?;
+            let mut inner = tokenizers::Tokenizer::new(bpe);
+            let pre = file.get("tokenizer.ggml.pre").and_then(GgufValue::as_str).unwrap_or("default");
+            inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre)?));
+            inner.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
+            (inner, Box::new(|t: &str| byte_level_bytes(t, &table)))
+        } else {
+            (spm::tokenizer(file, &tokens)?, Box::new(metaspace_bytes))
+        };
+        let mut added = Vec::new();
         let mut bytes = Vec::with_capacity(tokens.len());
         let mut special = Vec::with_capacity(tokens.len());
         for (i, tok) in tokens.iter().enumerate() {
@@ -286,23 +306,27 @@ impl Tokenizer {
                 added.push(AddedToken::from(tok.clone(), ty == TOKEN_TYPE_CONTROL).normalized(false));
                 bytes.push(tok.as_bytes().to_vec());
             } else {
-                bytes.push(byte_level_bytes(tok, &table));
+                bytes.push(token_bytes(tok));
             }
             special.push(ty == TOKEN_TYPE_CONTROL);
         }
         inner.add_tokens(added)?;
         let id = |key: &str| file.get(key).and_then(GgufValue::as_u64).and_then(|v| u32::try_from(v).ok());
         let mut eos_ids = Vec::new();
-        for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
-            if let Some(e) = id(key)
-                && !eos_ids.contains(&e)
-            {
+        let by_key = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"];
+        let by_text = END_OF_TURN_TOKENS.iter().filter_map(|t| {
+            let i = tokens.iter().position(|x| x == t)?;
+            (types.get(i) == Some(&TOKEN_TYPE_CONTROL)).then_some(i as u32)
+        });
+        for e in by_key.into_iter().filter_map(id).chain(by_text) {
+            if !eos_ids.contains(&e) {
                 eos_ids.push(e);
             }
         }
         let bos_id = id("tokenizer.ggml.bos_token_id");
-        let add_bos =
-            file.get("tokenizer.ggml.add_bos_token").and_then(GgufValue::as_bool).unwrap_or(false) && bos_id.is_some();
+        let add_bos_default = model == "llama";
+        let add_bos = file.get("tokenizer.ggml.add_bos_token").and_then(GgufValue::as_bool).unwrap_or(add_bos_default)
+            && bos_id.is_some();
         Ok(Self { inner, add_bos, bos_id, eos_ids, bytes, special, plain: LazyPlainText::default() })
     }
 

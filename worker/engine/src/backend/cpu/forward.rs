@@ -249,6 +249,11 @@ impl CpuModel {
         self.block_size
     }
 
+    /// The window every layer of this model has, if every one has one.
+    pub fn uniform_sliding_window(&self) -> Option<usize> {
+        self.layers.iter().map(|l| l.window).try_fold(0, |m, w| w.map(|w| m.max(w)))
+    }
+
     /// KV bytes per token over this model's layers and KV heads (K and V).
     pub fn kv_bytes_per_token(&self) -> usize {
         self.layers.len() * 2 * self.kv_heads * self.head_dim * std::mem::size_of::<f32>()

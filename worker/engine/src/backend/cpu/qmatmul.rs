@@ -1,5 +1,6 @@
-//! `y[n, out] = x[n, inp] · Wᵀ` for weights kept as stored: f32 rows or GGUF blocks of 32
-//! (Q4_0, Q4_1, Q8_0), dequantized in registers to exactly the f32 values that
+//! `y[n, out] = x[n, inp] · Wᵀ` for weights kept as stored: f32 rows, GGUF blocks of 32
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or K-quant super-blocks of 256 (Q4_K, Q5_K, Q6_K, Q8_K,
+//! decoded as eight groups of 32), dequantized in registers to exactly the f32 values that
 //! [`dequantize`] gives at load time, so a quantized weight and its load-time f32
 //! dequantization produce bit-identical outputs. The design is llama.cpp's `ggml_vec_dot_*`
 //! row kernels, kept in f32 arithmetic (no activation quantization) so results stay those
@@ -21,11 +22,14 @@
 //! features inside (the chunk's weights stay in cache while row tiles stream).
 
 mod job;
+#[cfg(target_arch = "x86_64")]
+mod kscales;
 
 use rayon::prelude::*;
 
 use crate::model::Linear;
 use crate::model::gguf::dequant::{GgmlType, QK, dequantize};
+use crate::model::gguf::dequant_k::QK_K;
 use job::{Job, scalar_tail};
 
 /// How a [`PackedWeight`] stores its rows.
@@ -39,16 +43,27 @@ pub enum Format {
     Q4_1,
     /// GGUF Q8_0 blocks.
     Q8_0,
+    /// GGUF Q5_0 blocks.
+    Q5_0,
+    /// GGUF Q5_1 blocks.
+    Q5_1,
+    /// GGUF Q4_K super-blocks (`inp` a multiple of 256).
+    Q4K,
+    /// GGUF Q5_K super-blocks.
+    Q5K,
+    /// GGUF Q6_K super-blocks.
+    Q6K,
+    /// GGUF Q8_K super-blocks.
+    Q8K,
 }
 
 impl Format {
-    /// Bytes of one block of 32 weights.
-    fn block_bytes(self) -> usize {
+    /// `(weights, bytes)` of one block: 32 for f32 rows and the Q*_0/Q*_1 formats, 256
+    /// for the K-quants.
+    fn block(self) -> (usize, usize) {
         match self {
-            Self::F32 => 4 * QK,
-            Self::Q4_0 => 2 + QK / 2,
-            Self::Q4_1 => 4 + QK / 2,
-            Self::Q8_0 => 2 + QK,
+            Self::F32 => (QK, 4 * QK),
+            f => f.ggml().block_layout(),
         }
     }
 
@@ -58,6 +73,12 @@ impl Format {
             Self::Q4_0 => GgmlType::Q4_0,
             Self::Q4_1 => GgmlType::Q4_1,
             Self::Q8_0 => GgmlType::Q8_0,
+            Self::Q5_0 => GgmlType::Q5_0,
+            Self::Q5_1 => GgmlType::Q5_1,
+            Self::Q4K => GgmlType::Q4K,
+            Self::Q5K => GgmlType::Q5K,
+            Self::Q6K => GgmlType::Q6K,
+            Self::Q8K => GgmlType::Q8K,
         }
     }
 
@@ -66,7 +87,13 @@ impl Format {
             GgmlType::Q4_0 => Some(Self::Q4_0),
             GgmlType::Q4_1 => Some(Self::Q4_1),
             GgmlType::Q8_0 => Some(Self::Q8_0),
-            _ => None,
+            GgmlType::Q5_0 => Some(Self::Q5_0),
+            GgmlType::Q5_1 => Some(Self::Q5_1),
+            GgmlType::Q4K => Some(Self::Q4K),
+            GgmlType::Q5K => Some(Self::Q5K),
+            GgmlType::Q6K => Some(Self::Q6K),
+            GgmlType::Q8K => Some(Self::Q8K),
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => None,
         }
     }
 }
@@ -100,10 +127,11 @@ impl PackedWeight {
             .map(|l| l.quant.as_ref().and_then(|q| Format::from_ggml(q.ty)))
             .reduce(|a, b| if a == b { a } else { None })
             .flatten()
-            .filter(|_| inp.is_multiple_of(QK));
+            .filter(|f| inp.is_multiple_of(f.block().0));
         match fmt {
             Some(fmt) => {
-                let mut bytes = Vec::with_capacity(out * inp / QK * fmt.block_bytes());
+                let (per, bb) = fmt.block();
+                let mut bytes = Vec::with_capacity(out * inp / per * bb);
                 for l in parts {
                     if let Some(q) = l.quant {
                         bytes.extend_from_slice(&q.bytes);
@@ -142,7 +170,7 @@ impl PackedWeight {
     fn row_bytes(&self) -> usize {
         match self.fmt {
             Format::F32 => self.inp * 4,
-            f => self.inp / QK * f.block_bytes(),
+            f => self.inp / f.block().0 * f.block().1,
         }
     }
 
@@ -182,6 +210,8 @@ impl OutPtr {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_k;
 
 /// Which kernel runs (chosen once per call from the CPU's features).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -266,6 +296,12 @@ unsafe fn run_chunk(w: &PackedWeight, x: *const f32, n: usize, j0: usize, j1: us
                 Format::Q4_0 => avx512::run::<avx512::Q40>(&job, n, j0, j1),
                 Format::Q4_1 => avx512::run::<avx512::Q41>(&job, n, j0, j1),
                 Format::Q8_0 => avx512::run::<avx512::Q80>(&job, n, j0, j1),
+                Format::Q5_0 => avx512::run::<avx512_k::Q50>(&job, n, j0, j1),
+                Format::Q5_1 => avx512::run::<avx512_k::Q51>(&job, n, j0, j1),
+                Format::Q4K => avx512::run::<avx512_k::Q4K>(&job, n, j0, j1),
+                Format::Q5K => avx512::run::<avx512_k::Q5K>(&job, n, j0, j1),
+                Format::Q6K => avx512::run::<avx512_k::Q6K>(&job, n, j0, j1),
+                Format::Q8K => avx512::run::<avx512_k::Q8K>(&job, n, j0, j1),
             }
         }
         return;
@@ -279,6 +315,12 @@ unsafe fn run_chunk(w: &PackedWeight, x: *const f32, n: usize, j0: usize, j1: us
                 Format::Q4_0 => avx2::run::<avx2::Q40>(&job, n, j0, j1),
                 Format::Q4_1 => avx2::run::<avx2::Q41>(&job, n, j0, j1),
                 Format::Q8_0 => avx2::run::<avx2::Q80>(&job, n, j0, j1),
+                Format::Q5_0 => avx2::run::<avx2_k::Q50>(&job, n, j0, j1),
+                Format::Q5_1 => avx2::run::<avx2_k::Q51>(&job, n, j0, j1),
+                Format::Q4K => avx2::run::<avx2_k::Q4K>(&job, n, j0, j1),
+                Format::Q5K => avx2::run::<avx2_k::Q5K>(&job, n, j0, j1),
+                Format::Q6K => avx2::run::<avx2_k::Q6K>(&job, n, j0, j1),
+                Format::Q8K => avx2::run::<avx2_k::Q8K>(&job, n, j0, j1),
             }
         }
         return;
@@ -300,8 +342,9 @@ fn reduce_lanes(l: &[f32; 8]) -> f32 {
 /// # Safety
 /// As [`run_chunk`].
 unsafe fn scalar_run(job: &Job, fmt: Format, n: usize, j0: usize, j1: usize) {
-    let mut wb = [0f32; QK];
-    let bb = fmt.block_bytes();
+    let mut wb = [0f32; QK_K];
+    let (per, bb) = fmt.block();
+    let wb = &mut wb[..per];
     for t in 0..n {
         // SAFETY: row `t` of `x` holds `x_stride` values.
         let x = unsafe { std::slice::from_raw_parts(job.x.add(t * job.x_stride), job.x_stride) };
@@ -309,12 +352,15 @@ unsafe fn scalar_run(job: &Job, fmt: Format, n: usize, j0: usize, j1: usize) {
             // SAFETY: row `j` of the weight holds `w_stride` bytes.
             let wrow = unsafe { std::slice::from_raw_parts(job.w.add(j * job.w_stride), job.w_stride) };
             let mut acc = [0f32; 8];
-            for b in 0..job.nblocks {
-                dequantize(fmt.ggml(), &wrow[b * bb..(b + 1) * bb], &mut wb);
-                for s in 0..4 {
-                    for (l, a) in acc.iter_mut().enumerate() {
-                        let k = 8 * s + l;
-                        *a = wb[k].mul_add(x[b * QK + k], *a);
+            for b in 0..job.nblocks * QK / per {
+                dequantize(fmt.ggml(), &wrow[b * bb..(b + 1) * bb], wb);
+                for (g, wg) in wb.chunks_exact(QK).enumerate() {
+                    let xg = &x[b * per + g * QK..][..QK];
+                    for s in 0..4 {
+                        for (l, a) in acc.iter_mut().enumerate() {
+                            let k = 8 * s + l;
+                            *a = wg[k].mul_add(xg[k], *a);
+                        }
                     }
                 }
             }
@@ -327,219 +373,9 @@ unsafe fn scalar_run(job: &Job, fmt: Format, n: usize, j0: usize, j1: usize) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    //! The AVX2+FMA+F16C tile kernel. Loads go through `lddqu` (an LLVM builtin): std's
-    //! `loadu` intrinsics copy through `copy_nonoverlapping`, whose debug-build precondition
-    //! checks (the dev profile keeps debug assertions) would spill every accumulator.
-    use std::arch::x86_64::*;
-
-    use super::{Job, QK};
-
-    /// Eight f32 at `p`, unaligned.
-    #[inline(always)]
-    unsafe fn load8(p: *const f32) -> __m256 {
-        // SAFETY: 32 readable bytes at `p` (caller); AVX present.
-        unsafe { _mm256_castsi256_ps(_mm256_lddqu_si256(p.cast())) }
-    }
-
-    /// Sixteen bytes at `p`, unaligned.
-    #[inline(always)]
-    unsafe fn load16b(p: *const u8) -> __m128i {
-        // SAFETY: 16 readable bytes at `p` (caller).
-        unsafe { _mm_lddqu_si128(p.cast()) }
-    }
-
-    /// Decodes one block of 32 weights into four vectors of eight.
-    pub(super) trait Block {
-        /// Bytes per block.
-        const BYTES: usize;
-        /// # Safety
-        /// `p` points at one whole block; the CPU has AVX2, FMA and F16C.
-        unsafe fn load(p: *const u8) -> [__m256; 4];
-    }
-
-    pub(super) struct F32;
-    pub(super) struct Q40;
-    pub(super) struct Q41;
-    pub(super) struct Q80;
-
-    impl Block for F32 {
-        const BYTES: usize = 4 * QK;
-        #[inline(always)]
-        unsafe fn load(p: *const u8) -> [__m256; 4] {
-            let p = p.cast::<f32>();
-            // SAFETY: 32 f32 at `p` (caller).
-            unsafe { [load8(p), load8(p.wrapping_add(8)), load8(p.wrapping_add(16)), load8(p.wrapping_add(24))] }
-        }
-    }
-
-    /// The f16 at `p` as f32, broadcast.
-    #[inline(always)]
-    unsafe fn scale(p: *const u8) -> __m256 {
-        // SAFETY: two bytes at `p` (caller); F16C present.
-        unsafe {
-            let bits = i32::from(u16::from_le_bytes([*p, *p.wrapping_add(1)]));
-            _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
-        }
-    }
-
-    impl Block for Q40 {
-        const BYTES: usize = 2 + QK / 2;
-        #[inline(always)]
-        unsafe fn load(p: *const u8) -> [__m256; 4] {
-            // SAFETY: one 18-byte block at `p` (caller).
-            unsafe {
-                let d = scale(p);
-                let qs = load16b(p.wrapping_add(2));
-                let m = _mm_set1_epi8(0x0F);
-                let eight = _mm_set1_epi8(8);
-                let lo = _mm_sub_epi8(_mm_and_si128(qs, m), eight);
-                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), m), eight);
-                let f = |v: __m128i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
-                [f(lo), f(_mm_srli_si128(lo, 8)), f(hi), f(_mm_srli_si128(hi, 8))]
-            }
-        }
-    }
-
-    impl Block for Q41 {
-        const BYTES: usize = 4 + QK / 2;
-        #[inline(always)]
-        unsafe fn load(p: *const u8) -> [__m256; 4] {
-            // SAFETY: one 20-byte block at `p` (caller).
-            unsafe {
-                let d = scale(p);
-                let mn = scale(p.wrapping_add(2));
-                let qs = load16b(p.wrapping_add(4));
-                let m = _mm_set1_epi8(0x0F);
-                let lo = _mm_and_si128(qs, m);
-                let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m);
-                // q·d is exact in f32 (4-bit × 11-bit), so one FMA rounds like `q * d + m`.
-                let f = |v: __m128i| _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), d, mn);
-                [f(lo), f(_mm_srli_si128(lo, 8)), f(hi), f(_mm_srli_si128(hi, 8))]
-            }
-        }
-    }
-
-    impl Block for Q80 {
-        const BYTES: usize = 2 + QK;
-        #[inline(always)]
-        unsafe fn load(p: *const u8) -> [__m256; 4] {
-            // SAFETY: one 34-byte block at `p` (caller).
-            unsafe {
-                let d = scale(p);
-                let (a, b) = (load16b(p.wrapping_add(2)), load16b(p.wrapping_add(18)));
-                let f = |v: __m128i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
-                [f(a), f(_mm_srli_si128(a, 8)), f(b), f(_mm_srli_si128(b, 8))]
-            }
-        }
-    }
-
-    /// Lane reduction in [`super::reduce_lanes`]'s order.
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        // SAFETY: AVX present (caller).
-        unsafe {
-            let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let r = _mm_add_ps(q, _mm_movehl_ps(q, q));
-            _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)))
-        }
-    }
-
-    /// `F` weight rows from `j` × `R` activation rows from `t`. Pointer arithmetic is
-    /// wrapping (no overflow checks in the dev profile's hot loop; every address stays
-    /// inside the buffers by the caller's contract), so the accumulators live in registers.
-    #[inline(always)]
-    #[allow(clippy::needless_range_loop)] // const-size loops that unroll into registers
-    unsafe fn tile<B: Block, const F: usize, const R: usize>(job: &Job, t: usize, j: usize) {
-        let ws = job.w_stride;
-        let xs = job.x_stride;
-        let w0 = job.w.wrapping_add(j.wrapping_mul(ws));
-        let x0 = job.x.wrapping_add(t.wrapping_mul(xs));
-        let mut wp: [*const u8; F] = std::array::from_fn(|f| w0.wrapping_add(f.wrapping_mul(ws)));
-        let mut xp: [*const f32; R] = std::array::from_fn(|r| x0.wrapping_add(r.wrapping_mul(xs)));
-        // SAFETY: rows `t..t+R` and `j..j+F` exist and hold `nblocks` blocks (caller);
-        // AVX2/FMA present.
-        unsafe {
-            let mut acc = [[_mm256_setzero_ps(); R]; F];
-            for _ in 0..job.nblocks {
-                for f in 0..F {
-                    let wv = B::load(wp[f]);
-                    for r in 0..R {
-                        let x = xp[r];
-                        let mut a = acc[f][r];
-                        a = _mm256_fmadd_ps(wv[0], load8(x), a);
-                        a = _mm256_fmadd_ps(wv[1], load8(x.wrapping_add(8)), a);
-                        a = _mm256_fmadd_ps(wv[2], load8(x.wrapping_add(16)), a);
-                        a = _mm256_fmadd_ps(wv[3], load8(x.wrapping_add(24)), a);
-                        acc[f][r] = a;
-                    }
-                }
-                for p in &mut wp {
-                    *p = p.wrapping_add(B::BYTES);
-                }
-                for p in &mut xp {
-                    *p = p.wrapping_add(QK);
-                }
-            }
-            for f in 0..F {
-                for r in 0..R {
-                    let mut sum = hsum(acc[f][r]);
-                    if job.tail > 0 {
-                        let wrow = std::slice::from_raw_parts(w0.add(f * ws), ws);
-                        let x = std::slice::from_raw_parts(x0.add(r * xs), xs);
-                        sum = super::scalar_tail(job, wrow, x, sum);
-                    }
-                    *job.y.add((t + r) * job.y_stride + j + f) = sum;
-                }
-            }
-        }
-    }
-
-    /// Features `j0..j1` of one row tile: `F` at a time, then the rest one by one.
-    #[inline(always)]
-    unsafe fn features<B: Block, const F: usize, const R: usize>(job: &Job, t: usize, j0: usize, j1: usize) {
-        let mut j = j0;
-        // SAFETY: forwarded from `run`.
-        unsafe {
-            while j + F <= j1 {
-                tile::<B, F, R>(job, t, j);
-                j += F;
-            }
-            while j < j1 {
-                tile::<B, 1, R>(job, t, j);
-                j += 1;
-            }
-        }
-    }
-
-    /// All `n` rows × features `j0..j1`.
-    ///
-    /// # Safety
-    /// As [`super::run_chunk`]; the CPU has AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn run<B: Block>(job: &Job, n: usize, j0: usize, j1: usize) {
-        let mut t = 0;
-        // SAFETY: forwarded.
-        unsafe {
-            while t < n {
-                let rem = n - t;
-                if rem >= 8 {
-                    features::<B, 1, 8>(job, t, j0, j1);
-                    t += 8;
-                } else if rem >= 4 {
-                    features::<B, 2, 4>(job, t, j0, j1);
-                    t += 4;
-                } else if rem >= 2 {
-                    features::<B, 4, 2>(job, t, j0, j1);
-                    t += 2;
-                } else {
-                    features::<B, 8, 1>(job, t, j0, j1);
-                    t += 1;
-                }
-            }
-        }
-    }
-}
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_k;
 
 #[cfg(test)]
 mod tests {
@@ -672,6 +508,90 @@ mod tests {
 }
 
 #[cfg(test)]
+mod kquant_tests {
+    use super::tests_support::random_linear;
+    use super::*;
+
+    const TYPES: [GgmlType; 6] =
+        [GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q8K];
+
+    fn input(n: usize, inp: usize) -> Vec<f32> {
+        (0..n * inp).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect()
+    }
+
+    fn by_isa(w: &PackedWeight, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
+        let mut y = vec![0f32; n * w.out];
+        // SAFETY: `x` holds `n * inp` values and `y` `n * out`; only ISAs this CPU has run.
+        unsafe { run_chunk(w, x.as_ptr(), n, 0, w.out, y.as_mut_ptr(), isa) };
+        y
+    }
+
+    fn isas() -> Vec<Isa> {
+        match best_isa() {
+            Isa::Avx512 => vec![Isa::Scalar, Isa::Avx2, Isa::Avx512],
+            Isa::Avx2 => vec![Isa::Scalar, Isa::Avx2],
+            Isa::Scalar => vec![Isa::Scalar],
+        }
+    }
+
+    #[test]
+    fn every_block_format_equals_its_f32_dequantization_on_every_kernel() {
+        for ty in TYPES {
+            let (out, inp) = (19, 512);
+            let q = random_linear(ty, out, inp, 7);
+            let f = q.clone().dequantized();
+            let (pq, pf) = (PackedWeight::stack(vec![q.clone()]), PackedWeight::stack(vec![f.clone()]));
+            assert_eq!(pq.format(), Format::from_ggml(ty).expect("kept quantized"), "{ty:?}");
+            assert_eq!(pq.size_bytes(), q.quant.as_ref().map_or(0, |b| b.bytes.len()));
+            for n in [1, 3, 8, 13] {
+                let x = input(n, inp);
+                let mut y = vec![0f32; n * out];
+                matmul(&x, n, &pq, &mut y);
+                for t in 0..n {
+                    for j in 0..out {
+                        let r: f64 = (0..inp).map(|k| f64::from(x[t * inp + k]) * f64::from(f.data[j * inp + k])).sum();
+                        let scale: f64 = (0..inp).map(|k| (x[t * inp + k] * f.data[j * inp + k]).abs() as f64).sum();
+                        let got = f64::from(y[t * out + j]);
+                        assert!((got - r).abs() <= 1e-4 * scale.max(1.0), "{ty:?} n={n} t={t} j={j}: {got} vs {r}");
+                    }
+                }
+                let mut scalar = None;
+                for isa in isas() {
+                    let yq = by_isa(&pq, &x, n, isa);
+                    assert_eq!(yq, by_isa(&pf, &x, n, isa), "{ty:?} {isa:?} n={n}: quantized differs from f32");
+                    // A row's value does not depend on the batch.
+                    assert_eq!(by_isa(&pq, &x[(n - 1) * inp..], 1, isa).as_slice(), &yq[(n - 1) * out..]);
+                    match isa {
+                        Isa::Scalar => scalar = Some(yq),
+                        Isa::Avx2 => assert_eq!(scalar.as_ref(), Some(&yq), "{ty:?}: scalar follows AVX2's order"),
+                        Isa::Avx512 => {}
+                    }
+                }
+            }
+            let mut row = vec![0f32; inp];
+            pq.row_f32(4, &mut row);
+            assert_eq!(row.as_slice(), &f.data[4 * inp..5 * inp], "{ty:?}");
+        }
+    }
+
+    #[test]
+    fn fused_parts_of_one_format_stay_quantized_and_mixed_ones_fall_back_to_f32() {
+        let inp = 256;
+        let parts = vec![random_linear(GgmlType::Q4K, 5, inp, 1), random_linear(GgmlType::Q4K, 3, inp, 2)];
+        let fused = PackedWeight::stack(parts.clone());
+        assert_eq!((fused.format(), fused.out_features()), (Format::Q4K, 8));
+        let mixed = PackedWeight::stack(vec![parts[0].clone(), random_linear(GgmlType::Q6K, 3, inp, 3)]);
+        assert_eq!(mixed.format(), Format::F32);
+        let x = input(2, inp);
+        let (mut a, mut b) = (vec![0f32; 16], vec![0f32; 16]);
+        matmul(&x, 2, &fused, &mut a);
+        let fused_f32 = PackedWeight::stack(parts.into_iter().map(Linear::dequantized).collect());
+        matmul(&x, 2, &fused_f32, &mut b);
+        assert_eq!(a, b);
+    }
+}
+
+#[cfg(test)]
 mod bench {
     use super::*;
 
@@ -698,6 +618,45 @@ mod bench {
 mod tests_support {
     use super::*;
     use crate::model::QuantizedData;
+
+    /// Byte offsets of the f16 scale fields in one block of `ty`, and where an f32 scale
+    /// sits (Q8_K).
+    fn scale_fields(ty: GgmlType) -> (&'static [usize], Option<usize>) {
+        match ty {
+            GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q5_0 => (&[0], None),
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => (&[0, 2], None),
+            GgmlType::Q6K => (&[208], None),
+            GgmlType::Q8K => (&[], Some(0)),
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => (&[], None),
+        }
+    }
+
+    /// A `[out, inp]` weight of `ty`: pseudo-random quant bytes, small finite scales.
+    pub(super) fn random_linear(ty: GgmlType, out: usize, inp: usize, seed: u64) -> Linear {
+        let (per, bb) = ty.block_layout();
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let (f16s, f32_at) = scale_fields(ty);
+        let mut bytes = Vec::with_capacity(out * inp / per * bb);
+        for _ in 0..out * inp / per {
+            let mut b: Vec<u8> = (0..bb).map(|_| next() as u8).collect();
+            for &o in f16s {
+                let v = (next() % 1000) as f32 / 1000.0 * 0.02 - 0.01;
+                b[o..o + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+            }
+            if let Some(o) = f32_at {
+                let v = (next() % 1000) as f32 / 1000.0 * 0.002 - 0.001;
+                b[o..o + 4].copy_from_slice(&v.to_le_bytes());
+            }
+            bytes.extend(b);
+        }
+        Linear { out_features: out, in_features: inp, data: Vec::new(), quant: Some(QuantizedData { ty, bytes }) }
+    }
 
     pub(super) fn q4_1(out: usize, inp: usize) -> Linear {
         let bytes = (0..out * inp / QK * 20).map(|i| (i % 251) as u8 & 0x3b).collect();

@@ -111,6 +111,7 @@ mod tests {
             bos_token_id: None,
             eos_token_ids: Vec::new(),
             arch,
+            quantization: None,
         }
     }
 

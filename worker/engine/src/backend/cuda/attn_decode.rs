@@ -141,6 +141,15 @@ impl DecodeAttention {
     /// shape is unsupported (head_dim 64/128, 1/2/4/8 query heads per KV head); [`CudaError`]
     /// when compilation or loading fails, or memory runs out.
     pub fn new(gpu: &Gpu, shape: AttnShape, max_tokens: usize) -> Result<Self, CudaError> {
+        Self::with_kv(gpu, shape, max_tokens, false)
+    }
+
+    /// As [`DecodeAttention::new`]; `kv_fp8`: the caches hold e4m3 values (`KV_FP8` in the
+    /// kernel file).
+    ///
+    /// # Errors
+    /// As [`DecodeAttention::new`].
+    pub fn with_kv(gpu: &Gpu, shape: AttnShape, max_tokens: usize, kv_fp8: bool) -> Result<Self, CudaError> {
         let sm: u32 = gpu.arch.trim_start_matches("sm_").parse().unwrap_or(0);
         if sm < 80 {
             return Err(CudaError::Unsupported(format!(
@@ -159,7 +168,10 @@ impl DecodeAttention {
         let opts = CompileOptions {
             arch: Some(gpu.arch),
             include_paths: nvrtc_include_paths(),
-            options: vec![format!("-DDA_HD={hd}"), format!("-DDA_G={g}")],
+            options: [format!("-DDA_HD={hd}"), format!("-DDA_G={g}")]
+                .into_iter()
+                .chain(kv_fp8.then(|| "-DKV_FP8".to_owned()))
+                .collect(),
             ..Default::default()
         };
         let ptx = compile_ptx_with_opts(ATTN_DECODE_SRC, opts).op("NVRTC compile of attn_decode.cu")?;

@@ -197,7 +197,15 @@ impl PrefillAttention {
     /// # Errors
     /// [`CudaError`] when compilation, loading or allocation fails.
     pub fn new(gpu: &Gpu, max_num_batched_tokens: usize) -> Result<Self, CudaError> {
-        Self::with_fragments(gpu, max_num_batched_tokens, FragmentLoads::Ldmatrix)
+        Self::build(gpu, max_num_batched_tokens, FragmentLoads::Ldmatrix, false)
+    }
+
+    /// As [`PrefillAttention::new`] for an e4m3 KV cache (`KV_FP8` in the kernel file).
+    ///
+    /// # Errors
+    /// As [`PrefillAttention::new`].
+    pub fn new_fp8_kv(gpu: &Gpu, max_num_batched_tokens: usize) -> Result<Self, CudaError> {
+        Self::build(gpu, max_num_batched_tokens, FragmentLoads::Ldmatrix, true)
     }
 
     /// As [`PrefillAttention::new`], choosing how operand fragments are loaded.
@@ -209,10 +217,22 @@ impl PrefillAttention {
         max_num_batched_tokens: usize,
         fragments: FragmentLoads,
     ) -> Result<Self, CudaError> {
-        let src = match fragments {
+        Self::build(gpu, max_num_batched_tokens, fragments, false)
+    }
+
+    fn build(
+        gpu: &Gpu,
+        max_num_batched_tokens: usize,
+        fragments: FragmentLoads,
+        kv_fp8: bool,
+    ) -> Result<Self, CudaError> {
+        let mut src = match fragments {
             FragmentLoads::Ldmatrix => PREFILL_SRC.to_owned(),
             FragmentLoads::Scalar => format!("#define PF_SCALAR_FRAGS 1\n{PREFILL_SRC}"),
         };
+        if kv_fp8 {
+            src = format!("#define KV_FP8 1\n{src}");
+        }
         let opts = CompileOptions { arch: Some(gpu.arch), include_paths: nvrtc_include_paths(), ..Default::default() };
         let ptx = compile_ptx_with_opts(src, opts).op("NVRTC compile of attn_prefill.cu")?;
         let module = gpu.ctx.load_module(ptx).op("load_module attn_prefill")?;

@@ -78,12 +78,15 @@ pub struct Kernels {
     pub embed_gather: CudaFunction,
     pub add_rmsnorm: CudaFunction,
     pub rope_kv_write: CudaFunction,
+    /// As `rope_kv_write` into e4m3 caches.
+    pub rope_kv_write_fp8: CudaFunction,
     /// Paged attention by head_dim (64, 128) and query heads per KV head (1, 2, 4, 8):
     /// index `hd_index * 4 + log2(group)`.
     pub attention: Vec<CudaFunction>,
     pub attn_combine: CudaFunction,
     pub silu_mul: CudaFunction,
     pub argmax_rows: CudaFunction,
+    pub logit_edits: CudaFunction,
     pub fill_uniform: CudaFunction,
     pub fill_const: CudaFunction,
     pub count_neq_u16: CudaFunction,
@@ -161,6 +164,7 @@ impl Gpu {
             embed_gather: f("embed_gather")?,
             add_rmsnorm: f("add_rmsnorm")?,
             rope_kv_write: f("rope_kv_write")?,
+            rope_kv_write_fp8: f("rope_kv_write_fp8")?,
             attention: [64, 128]
                 .iter()
                 .flat_map(|hd| [1, 2, 4, 8].map(move |g| format!("paged_attention_hd{hd}_g{g}")))
@@ -169,6 +173,7 @@ impl Gpu {
             attn_combine: f("attn_combine")?,
             silu_mul: f("silu_mul")?,
             argmax_rows: f("argmax_rows")?,
+            logit_edits: f("logit_edits")?,
             fill_uniform: f("fill_uniform")?,
             fill_const: f("fill_const")?,
             count_neq_u16: f("count_neq_u16")?,

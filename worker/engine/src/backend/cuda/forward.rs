@@ -24,13 +24,15 @@ use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg};
 use super::arch::ArchPlan;
 use super::attn_decode::{AttnShape, DecodeArgs, DecodeAttention};
 use super::attn_prefill::{PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq};
-use super::device::{GemmArgs, GemmShape, Gpu, grid_stride, per_row};
+use super::device::{DevBuf, GemmArgs, GemmShape, Gpu, grid_stride, per_row};
 use super::error::{CudaError, CudaResultExt};
+use super::fp8::{Fp8Kernels, ScaleArgs};
 use super::gemm::LtGemm;
+use super::gemm_fp8::{Fp8Gemm, Fp8GemmArgs};
 use super::gemv::{GEMV_MAX_M, Gemv, GemvArgs, GemvKind, RopeArgs};
 use super::kv_cache::KvCache;
 use super::nccl::{Elem, RankComm};
-use super::options::{CudaOptions, Dims};
+use super::options::{CudaOptions, Dims, KvCacheDtype};
 use super::scratch::{Scratch, StepPtrs};
 use super::weights::DeviceWeights;
 use crate::backend::StepBatch;
@@ -74,6 +76,50 @@ pub(crate) struct ShardModel {
     pub w: DeviceWeights,
     pub s: Scratch,
     pub kv: KvCache,
+    /// FP8 weights: the GEMM path of steps above the GEMVs' token count.
+    fp8: Option<Fp8Path>,
+}
+
+impl ShardModel {
+    /// FP8 weights: how steps above the GEMVs' token count multiply ("cublaslt_fp8", or
+    /// "dequantize_bf16" where cuBLASLt has no FP8 GEMM); `None` for bf16 weights.
+    pub fn fp8_gemm_path(&self) -> Option<&'static str> {
+        self.fp8.as_ref().map(|f| if f.wtmp.is_some() { "dequantize_bf16" } else { "cublaslt_fp8" })
+    }
+}
+
+/// What the GEMM path needs for FP8 weights: the activations of a product quantized per
+/// token (`xq` e4m3 `[tokens, widest input]`, `xs` f32 `[tokens]`), then cuBLASLt's FP8 GEMM
+/// and both scales applied to its output, or, where cuBLASLt has no FP8 GEMM, the weight
+/// dequantized to bf16 (`wtmp`, the largest layer matrix) and the bf16 GEMM.
+struct Fp8Path {
+    k: Fp8Kernels,
+    gemm: Fp8Gemm,
+    xq: DevBuf,
+    xs: DevBuf,
+    wtmp: Option<DevBuf>,
+}
+
+impl Fp8Path {
+    fn new(gpu: &Gpu, d: &Dims, tokens: usize) -> Result<Self, CudaError> {
+        let mut gemm = Fp8Gemm::new(gpu)?;
+        let widest = d.hidden.max(d.inter).max(d.q_dim());
+        let lt_ok = gemm.supports(tokens.min(256), 2 * d.inter, d.hidden);
+        let wtmp = if lt_ok {
+            None
+        } else {
+            tracing::warn!("cuBLASLt has no FP8 GEMM here: dequantizing weights for large steps");
+            let most = [d.qkv_dim() * d.hidden, d.hidden * d.q_dim(), 2 * d.inter * d.hidden, d.hidden * d.inter];
+            Some(DevBuf::zeroed(gpu, most.into_iter().max().unwrap_or(0).max(d.vocab * d.hidden) * 2)?)
+        };
+        Ok(Self {
+            k: Fp8Kernels::new(gpu)?,
+            gemm,
+            xq: DevBuf::zeroed(gpu, tokens * widest)?,
+            xs: DevBuf::zeroed(gpu, tokens * 4)?,
+            wtmp,
+        })
+    }
 }
 
 /// Operands of one `add_rmsnorm` launch (`kernels/llama.cu`) over `blocks` rows: row
@@ -157,6 +203,23 @@ impl ShardModel {
                 d.qkv_dim()
             )));
         }
+        let sm: u32 = gpu.arch.trim_start_matches("sm_").parse().unwrap_or(0);
+        if opts.kv_cache_dtype == KvCacheDtype::Fp8 && (opts.batch_invariant || sm < 80) {
+            return Err(CudaError::InvalidOption {
+                field: "kv_cache_dtype",
+                message: "kv_cache_dtype fp8 needs the fast mode on sm_80 or newer (not batch_invariant)".into(),
+            });
+        }
+        // `qkv_prep_rope_kv_write` and the split-KV attention (sliding windows) write and read
+        // bf16 K/V only.
+        if opts.kv_cache_dtype == KvCacheDtype::Fp8 && (prep || plan.windowed()) {
+            return Err(CudaError::InvalidOption {
+                field: "kv_cache_dtype",
+                message: "kv_cache_dtype fp8 is not supported for models with q/k/v biases, q/k norms or \
+                          sliding-window attention; use auto"
+                    .into(),
+            });
+        }
         let t = opts.max_num_batched_tokens.max(opts.max_num_seqs).max(1);
         let r = opts.max_num_seqs.max(1);
         let s = Scratch::new(&gpu, &d, t, r, &plan.inv_freq_concat())?;
@@ -171,20 +234,21 @@ impl ShardModel {
         let gemv = if opts.batch_invariant || !gemv_shapes_ok || !llama_layers {
             None
         } else {
-            Gemv::new(&gpu, d.hidden)
+            Gemv::new(&gpu, d.hidden, w.has_fp8())
                 .map_err(|e| tracing::warn!(error = %e, "decode GEMVs unavailable; using cuBLASLt for every step"))
                 .ok()
         };
         let gemv_max = if gemv.is_some() { opts.gemv_max_tokens.min(GEMV_MAX_M) } else { 0 };
         // The tensor-core attention kernels use bf16 mma (sm_80 and later); older GPUs keep the
         // split-KV kernel.
-        let sm: u32 = gpu.arch.trim_start_matches("sm_").parse().unwrap_or(0);
         // Sliding windows: the split-KV kernel (the tensor-core pair attends over whole contexts).
         let (dattn, pattn) = if opts.batch_invariant || sm < 80 || plan.windowed() {
             (None, None)
         } else {
             let shape = AttnShape { q_heads: d.q_heads, kv_heads: d.kv_heads, head_dim: d.head_dim };
-            (Some(DecodeAttention::new(&gpu, shape, r)?), Some(PrefillAttention::new(&gpu, t)?))
+            let kv8 = opts.kv_cache_dtype == KvCacheDtype::Fp8;
+            let pa = if kv8 { PrefillAttention::new_fp8_kv(&gpu, t)? } else { PrefillAttention::new(&gpu, t)? };
+            (Some(DecodeAttention::with_kv(&gpu, shape, r, kv8)?), Some(pa))
         };
         if let (true, Some(l0)) = (opts.batch_invariant, w.layers.first()) {
             for (wp, out, inp) in [
@@ -199,6 +263,7 @@ impl ShardModel {
         if opts.batch_invariant {
             lt.plan(&gpu, w.lm_head, d.vocab, d.hidden, true, r)?;
         }
+        let fp8 = if w.has_fp8() { Some(Fp8Path::new(&gpu, &d, t)?) } else { None };
         let kv = KvCache::allocate(&gpu, &d, opts)?;
         gpu.sync()?;
         Ok(Self {
@@ -220,6 +285,7 @@ impl ShardModel {
             w,
             s,
             kv,
+            fp8,
         })
     }
 
@@ -281,17 +347,31 @@ impl ShardModel {
         let small = n <= self.gemv_max;
         let invariant = self.invariant;
         let (first_stage, last_stage) = (self.first_stage, self.last_stage);
-        let Self { comm, gpu: g, lt, gemv, s, w, kv, prof, dattn, pattn, plan_decode, plan_prefill, plan, .. } = self;
+        let Self { comm, gpu: g, lt, gemv, s, w, kv, prof, dattn, pattn, plan_decode, plan_prefill, plan, fp8, .. } =
+            self;
         // Tensor parallelism: the all-reduce and this rank's place in its group.
         let mut tp = comm.as_mut().filter(|c| c.tp_size > 1);
         let tp_rank = tp.as_ref().map_or(0, |c| c.tp_rank);
         let block_size = kv.block_size;
+        let kv_fp8 = kv.dtype == KvCacheDtype::Fp8;
         // The small path's fused decode GEMVs over `m` tokens (see `gemv.rs` for the kinds).
         let gv = |a: GemvArgs| {
             let gemv = gemv.as_ref().ok_or_else(|| CudaError::InvalidLaunch("decode GEMVs not built".into()))?;
             gemv.launch(g, &a)
         };
-        let mut matmul = |g: &Gpu, y: u64, x: u64, w: u64, shape: GemmShape, f32_out: bool| {
+        // `ws`: an FP8 weight's row scales (0 for bf16).
+        let mut matmul = |g: &Gpu, y: u64, x: u64, (w, ws): (u64, u64), shape: GemmShape, f32_out: bool| {
+            if let (Some(f), true) = (fp8.as_mut(), ws != 0) {
+                let GemmShape { n, out, inp } = shape;
+                if let Some(tmp) = &f.wtmp {
+                    f.k.dequantize(g, tmp.ptr, w, ws, out, inp)?;
+                    return lt.matmul_heuristic(g, &GemmArgs { y, x, w: tmp.ptr, shape, f32_out });
+                }
+                f.k.quantize(g, f.xq.ptr, f.xs.ptr, x, n, inp)?;
+                let a = Fp8GemmArgs { y, xq: f.xq.ptr, wq: w, n, out, inp, f32_out };
+                f.gemm.matmul(g, &a)?;
+                return f.k.scale_rows_cols(g, &ScaleArgs { y, xs: f.xs.ptr, ws, n, out, f32_out });
+            }
             let a = GemmArgs { y, x, w, shape, f32_out };
             if invariant { lt.matmul(g, &a) } else { lt.matmul_heuristic(g, &a) }
         };
@@ -347,12 +427,14 @@ impl ShardModel {
                     q_heads: qh,
                     kv_heads: kvh,
                     head_dim: hd,
+                    kv_fp8: i32::from(kv_fp8),
                 };
                 gv(GemvArgs {
                     kind: GemvKind::QkvRope,
                     m: n,
                     y: s.qkv.ptr,
                     w: lw.qkv,
+                    wscale: lw.qkv_scale,
                     x: s.x.ptr,
                     gain: lw.input_norm,
                     out: d.qkv_dim(),
@@ -375,7 +457,14 @@ impl ShardModel {
                 };
                 add_norm(g, &d, &norm, prev_ffn_out_norm).op("add_rmsnorm")?;
                 mark("add_rmsnorm")?;
-                matmul(g, s.qkv.ptr, s.hn.ptr, lw.qkv, GemmShape { n, out: d.qkv_dim(), inp: d.hidden }, false)?;
+                matmul(
+                    g,
+                    s.qkv.ptr,
+                    s.hn.ptr,
+                    (lw.qkv, lw.qkv_scale),
+                    GemmShape { n, out: d.qkv_dim(), inp: d.hidden },
+                    false,
+                )?;
                 mark("gemm_qkv")?;
                 if lw.qkv_bias != 0 || lw.q_norm != 0 {
                     let mut b = st.launch_builder(&g.k.qkv_prep_rope_kv_write);
@@ -391,7 +480,8 @@ impl ShardModel {
                     unsafe { b.launch(cfg) }.op("qkv_prep_rope_kv_write")?;
                     mark("qkv_prep_rope_kv_write")?;
                 } else {
-                    let mut b = st.launch_builder(&g.k.rope_kv_write);
+                    let k = if kv_fp8 { &g.k.rope_kv_write_fp8 } else { &g.k.rope_kv_write };
+                    let mut b = st.launch_builder(k);
                     b.arg(&s.qkv.ptr)
                         .arg(&pos)
                         .arg(&slots)
@@ -479,6 +569,7 @@ impl ShardModel {
                     m: n,
                     y: s.x.ptr,
                     w: lw.o_proj,
+                    wscale: lw.o_proj_scale,
                     x: s.attn.ptr,
                     gain: null,
                     out: d.hidden,
@@ -496,6 +587,7 @@ impl ShardModel {
                     m: n,
                     y: s.act.ptr,
                     w: lw.gate_up,
+                    wscale: lw.gate_up_scale,
                     x: s.x.ptr,
                     gain: lw.post_norm,
                     out: d.inter,
@@ -512,6 +604,7 @@ impl ShardModel {
                     m: n,
                     y: s.x.ptr,
                     w: lw.down,
+                    wscale: lw.down_scale,
                     x: s.act.ptr,
                     gain: null,
                     out: d.hidden,
@@ -526,7 +619,14 @@ impl ShardModel {
                 }
                 continue;
             }
-            matmul(g, s.proj.ptr, s.attn.ptr, lw.o_proj, GemmShape { n, out: d.hidden, inp: d.q_dim() }, false)?;
+            matmul(
+                g,
+                s.proj.ptr,
+                s.attn.ptr,
+                (lw.o_proj, lw.o_proj_scale),
+                GemmShape { n, out: d.hidden, inp: d.q_dim() },
+                false,
+            )?;
             mark("gemm_o_proj")?;
             if let Some(c) = tp.as_mut() {
                 // Row-parallel o_proj: each shard holds a partial sum.
@@ -544,7 +644,14 @@ impl ShardModel {
             };
             add_norm(g, &d, &norm, lw.attn_out_norm).op("add_rmsnorm")?;
             mark("add_rmsnorm")?;
-            matmul(g, s.gu.ptr, s.hn.ptr, lw.gate_up, GemmShape { n, out: 2 * d.inter, inp: d.hidden }, false)?;
+            matmul(
+                g,
+                s.gu.ptr,
+                s.hn.ptr,
+                (lw.gate_up, lw.gate_up_scale),
+                GemmShape { n, out: 2 * d.inter, inp: d.hidden },
+                false,
+            )?;
             mark("gemm_gate_up")?;
             let act_fn = if plan.gelu { &g.k.gelu_tanh_mul } else { &g.k.silu_mul };
             let mut b = st.launch_builder(act_fn);
@@ -552,7 +659,14 @@ impl ShardModel {
             // SAFETY: gu holds n × 2·inter, act n × inter.
             unsafe { b.launch(grid_stride(n * d.inter)) }.op("silu_mul")?;
             mark("silu_mul")?;
-            matmul(g, s.proj.ptr, s.act.ptr, lw.down, GemmShape { n, out: d.hidden, inp: d.inter }, false)?;
+            matmul(
+                g,
+                s.proj.ptr,
+                s.act.ptr,
+                (lw.down, lw.down_scale),
+                GemmShape { n, out: d.hidden, inp: d.inter },
+                false,
+            )?;
             mark("gemm_down")?;
             if let Some(c) = tp.as_mut() {
                 c.all_reduce(g, s.proj.ptr, n * d.hidden, Elem::Bf16)?;
@@ -601,6 +715,7 @@ impl ShardModel {
                     m: rows,
                     y: s.logits.ptr,
                     w: w.lm_head,
+                    wscale: w.lm_head_scale,
                     x: s.hn.ptr,
                     gain: null,
                     out: d.vocab,
@@ -609,7 +724,14 @@ impl ShardModel {
                     rope: RopeArgs::default(),
                 })?;
             } else {
-                matmul(g, s.logits.ptr, s.hn.ptr, w.lm_head, GemmShape { n: rows, out: d.vocab, inp: d.hidden }, true)?;
+                matmul(
+                    g,
+                    s.logits.ptr,
+                    s.hn.ptr,
+                    (w.lm_head, w.lm_head_scale),
+                    GemmShape { n: rows, out: d.vocab, inp: d.hidden },
+                    true,
+                )?;
             }
             mark("lm_head")?;
             if let Some(cap) = plan.softcap {

@@ -58,6 +58,9 @@ pub struct GemvArgs {
     pub x: u64,
     /// The norm kinds' RMSNorm gain `[inp]` (0 otherwise).
     pub gain: u64,
+    /// FP8 weights: the f32 scale of each physical weight row (`w` holds e4m3 codes); 0 for
+    /// bf16 weights.
+    pub wscale: u64,
     /// The weight's row count, except for gate_up (`inter`).
     pub out: usize,
     /// Input features, a multiple of 8 (for the norm kinds, the width `Gemv::new` sized for).
@@ -81,6 +84,8 @@ pub struct RopeArgs {
     pub q_heads: i32,
     pub kv_heads: i32,
     pub head_dim: i32,
+    /// 1: the caches hold e4m3 (per-tensor scale 1) instead of bf16.
+    pub kv_fp8: i32,
 }
 
 impl GemvKind {
@@ -114,6 +119,8 @@ const VARIANTS: [(&str, u32); 2] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1
 /// The loaded GEMV kernels.
 pub struct Gemv {
     variants: Vec<Variant>,
+    /// The same kernels over FP8 weights (compiled with `GEMV_FP8`; empty unless asked for).
+    variants_fp8: Vec<Variant>,
     /// Variant in use (index into the compiled variants; benchmarks switch it).
     pub variant: usize,
     /// Input width the norm prologues' shared memory was sized for.
@@ -130,18 +137,24 @@ impl Gemv {
     /// # Errors
     /// [`CudaError`] on compile or load failure, or when `norm_inp` rows of [`GEMV_MAX_M`]
     /// tokens do not fit in shared memory.
-    pub fn new(gpu: &Gpu, norm_inp: usize) -> Result<Self, CudaError> {
+    pub fn new(gpu: &Gpu, norm_inp: usize, fp8: bool) -> Result<Self, CudaError> {
         let sms = gpu
             .ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .op("SM count")?
             .max(1) as u32;
         let mut variants = Vec::new();
-        for (define, per_sm_cap) in VARIANTS {
+        let mut variants_fp8 = Vec::new();
+        let weights: &[bool] = if fp8 { &[false, true] } else { &[false] };
+        for (&fp8_w, (define, per_sm_cap)) in weights.iter().flat_map(|w| VARIANTS.iter().map(move |v| (w, *v))) {
+            let mut options = vec![define.to_owned()];
+            if fp8_w {
+                options.push("-DGEMV_FP8".to_owned());
+            }
             let opts = CompileOptions {
                 arch: Some(gpu.arch),
                 include_paths: nvrtc_include_paths(),
-                options: vec![define.to_owned()],
+                options,
                 ..Default::default()
             };
             let ptx = compile_ptx_with_opts(GEMV_SRC, opts).op("NVRTC compile of gemv.cu")?;
@@ -173,7 +186,7 @@ impl Gemv {
                     f(GemvKind::NormGateUpSilu)?,
                 ]);
             }
-            variants.push(Variant { fns });
+            if fp8_w { variants_fp8.push(Variant { fns }) } else { variants.push(Variant { fns }) }
         }
         let variant = std::env::var("PRISM_GEMV_VARIANT")
             .ok()
@@ -184,7 +197,7 @@ impl Gemv {
         // Off by default: measured on an H200 it did not help (4.34 vs 4.29 ms per batch-1
         // step), since the persistent GEMV grids leave no room for the next kernel's blocks.
         let pdl = major >= 9 && std::env::var("PRISM_CUDA_PDL").is_ok_and(|v| v == "1");
-        Ok(Self { variants, variant, norm_inp, pdl })
+        Ok(Self { variants, variants_fp8, variant, norm_inp, pdl })
     }
 
     fn smem(m: usize, inp: usize) -> usize {
@@ -199,13 +212,19 @@ impl Gemv {
     /// multiple of 8, or a norm kind's `inp` differs from the one planned; [`CudaError`] on
     /// launch failure.
     pub fn launch(&self, gpu: &Gpu, a: &GemvArgs) -> Result<(), CudaError> {
-        let GemvArgs { kind, m, y, w, x, gain, out, inp, eps, ref rope } = *a;
+        let GemvArgs { kind, m, y, w, wscale, x, gain, out, inp, eps, ref rope } = *a;
         // 16-byte rows and activations; the norm prologue reads the gain 4 values at a time.
         let aligned = w.is_multiple_of(16) && x.is_multiple_of(16) && gain.is_multiple_of(8);
-        if m == 0 || m > GEMV_MAX_M || !aligned || !inp.is_multiple_of(8) || (kind.norm() && inp != self.norm_inp) {
+        // A 16-byte load holds 8 bf16 or 16 FP8 weights.
+        let chunk = if wscale != 0 { 16 } else { 8 };
+        if m == 0 || m > GEMV_MAX_M || !aligned || !inp.is_multiple_of(chunk) || (kind.norm() && inp != self.norm_inp) {
             return Err(CudaError::InvalidLaunch(format!("gemv: m {m}, inp {inp} not supported")));
         }
-        let (f, resident) = &self.variants[self.variant.min(self.variants.len() - 1)].fns[m - 1][kind.index()];
+        let set = if wscale != 0 { &self.variants_fp8 } else { &self.variants };
+        let v = set
+            .get(self.variant.min(set.len().saturating_sub(1)))
+            .ok_or_else(|| CudaError::InvalidLaunch("gemv: FP8 weights but the FP8 kernels were not built".into()))?;
+        let (f, resident) = &v.fns[m - 1][kind.index()];
         // Logical rows: RoPE pairs for the fused QKV.
         let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
         let blocks = (rows.div_ceil(WARPS * ROWS_PER_WARP) as u32).min(*resident);
@@ -218,11 +237,19 @@ impl Gemv {
             use std::ffi::c_void;
             let p = |v: &u64| v as *const u64 as *mut c_void;
             let pi = |v: &i32| v as *const i32 as *mut c_void;
-            let mut params: Vec<*mut c_void> =
-                vec![p(&y), p(&w), p(&x), p(&gain), pi(&out_i), pi(&inp_i), &eps as *const f32 as *mut c_void];
+            let mut params: Vec<*mut c_void> = vec![
+                p(&y),
+                p(&w),
+                p(&x),
+                p(&gain),
+                pi(&out_i),
+                pi(&inp_i),
+                &eps as *const f32 as *mut c_void,
+                p(&wscale),
+            ];
             if kind == GemvKind::QkvRope {
                 params.extend([p(&rope.pos), p(&rope.slots), p(&rope.inv_freq), p(&rope.k_cache), p(&rope.v_cache)]);
-                params.extend([pi(&rope.q_heads), pi(&rope.kv_heads), pi(&rope.head_dim)]);
+                params.extend([pi(&rope.q_heads), pi(&rope.kv_heads), pi(&rope.head_dim), pi(&rope.kv_fp8)]);
             }
             // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -247,10 +274,10 @@ impl Gemv {
             return r.result().op(kind.name());
         }
         let mut b = gpu.stream.launch_builder(f);
-        b.arg(&y).arg(&w).arg(&x).arg(&gain).arg(&out_i).arg(&inp_i).arg(&eps);
+        b.arg(&y).arg(&w).arg(&x).arg(&gain).arg(&out_i).arg(&inp_i).arg(&eps).arg(&wscale);
         if kind == GemvKind::QkvRope {
             b.arg(&rope.pos).arg(&rope.slots).arg(&rope.inv_freq).arg(&rope.k_cache).arg(&rope.v_cache);
-            b.arg(&rope.q_heads).arg(&rope.kv_heads).arg(&rope.head_dim);
+            b.arg(&rope.q_heads).arg(&rope.kv_heads).arg(&rope.head_dim).arg(&rope.kv_fp8);
         }
         // SAFETY: the caller passes buffers of the documented shapes; rows past `out` are
         // clamped in the kernel; shared memory matches the attribute set in `new`.

@@ -3,6 +3,8 @@
 //! (`Dims`) and [`SyntheticShape`], a model shape filled with seeded random weights on the
 //! device (benchmarks at real sizes without shipping checkpoints).
 
+pub use crate::dtypes::{KvCacheDtype, Quantization};
+
 /// Options for [`super::CudaBackend::new`].
 #[derive(Clone, Debug)]
 pub struct CudaOptions {
@@ -29,6 +31,14 @@ pub struct CudaOptions {
     /// Fast mode: steps of at most this many tokens (≤ [`super::gemv::GEMV_MAX_M`]) run the fused
     /// decode GEMVs; larger steps use cuBLASLt.
     pub gemv_max_tokens: usize,
+    /// Weight format of the decoder layers' linears (vLLM's `--quantization`): bf16 as loaded,
+    /// or e4m3 quantized at load with one f32 scale per output channel.
+    pub quantization: Quantization,
+    /// With [`Quantization::Fp8`]: the lm_head in FP8 too (per-vocabulary-row scales); off by
+    /// default (it stays bf16, as in vLLM).
+    pub fp8_lm_head: bool,
+    /// Element type of the KV cache (vLLM's `--kv-cache-dtype`).
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl Default for CudaOptions {
@@ -43,6 +53,9 @@ impl Default for CudaOptions {
             cuda_graphs: true,
             batch_invariant: false,
             gemv_max_tokens: 2,
+            quantization: Quantization::None,
+            fp8_lm_head: false,
+            kv_cache_dtype: KvCacheDtype::Bf16,
         }
     }
 }

@@ -13,17 +13,17 @@ use std::collections::HashMap;
 use cudarc::driver::PushKernelArg;
 
 use super::arch::ArchPlan;
-use super::device::{Gpu, per_row};
+use super::device::{DevBuf, Gpu, grid_stride, per_row};
 use super::error::{CudaError, CudaResultExt};
 use super::forward::{ATTN_CHUNK, ShardModel};
 use super::gemm::GemmPlanInfo;
 use super::gemv::GEMV_MAX_M;
 use super::kv_cache::KvCache;
 use super::nccl::RankComm;
-use super::options::{CudaOptions, Dims, SyntheticShape};
+use super::options::{CudaOptions, Dims, Quantization, SyntheticShape};
 use super::scratch::Uploaded;
-use super::weights::{DeviceWeights, ShardSpec};
-use crate::backend::{Backend, BackendError, Logits, StepBatch};
+use super::weights::{DeviceWeights, ShardSpec, WeightFormat};
+use crate::backend::{Backend, BackendError, LogitConstraints, Logits, StepBatch};
 use crate::model::config::ModelConfig;
 use crate::model::llama::LlamaWeights;
 use crate::model::safetensors::SafetensorsFiles;
@@ -42,6 +42,16 @@ pub struct CudaBackend {
     buckets: Vec<usize>,
     /// Graph replays so far (benchmarks and tests).
     pub graph_replays: u64,
+    /// Device copy of a step's [`LogitConstraints`] (grown on demand).
+    constraints_buf: Option<DevBuf>,
+}
+
+/// Where uploaded masks are, for the argmax kernel.
+#[derive(Clone, Copy, Debug)]
+struct MaskPtrs {
+    masks: u64,
+    mask_of_row: u64,
+    words: i32,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -59,6 +69,31 @@ fn invalid(msg: impl Into<String>) -> BackendError {
     BackendError::InvalidBatch(msg.into())
 }
 
+/// The device weight format `opts` asks for.
+///
+/// # Errors
+/// [`CudaError::InvalidOption`] (`quantization`) for FP8 in batch-invariant mode: its GEMMs
+/// are cuBLASLt's per-`M` choice, not one fixed algorithm per shape.
+fn weight_format(opts: &CudaOptions) -> Result<WeightFormat, CudaError> {
+    weight_format_for(opts, false)
+}
+
+/// As [`weight_format`] for a checkpoint that is FP8 itself (`fp8_checkpoint`): FP8 weights
+/// unless the batch-invariant mode is asked for (which then loads it dequantized to bf16).
+fn weight_format_for(opts: &CudaOptions, fp8_checkpoint: bool) -> Result<WeightFormat, CudaError> {
+    if fp8_checkpoint && opts.quantization == Quantization::None && !opts.batch_invariant {
+        return Ok(WeightFormat { fp8: true, fp8_lm_head: opts.fp8_lm_head });
+    }
+    let fp8 = opts.quantization == Quantization::Fp8;
+    if fp8 && opts.batch_invariant {
+        return Err(CudaError::InvalidOption {
+            field: "quantization",
+            message: "quantization fp8 is not available with batch_invariant".into(),
+        });
+    }
+    Ok(WeightFormat { fp8, fp8_lm_head: fp8 && opts.fp8_lm_head })
+}
+
 impl CudaBackend {
     /// Uploads `weights` (f32 host, HF layout) as bf16 to device `opts.device` and allocates
     /// the step scratch and the KV cache.
@@ -70,7 +105,7 @@ impl CudaBackend {
     /// memory runs out or a kernel cannot be built.
     pub fn new(weights: LlamaWeights, config: &ModelConfig, opts: &CudaOptions) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
-        let (w, d) = DeviceWeights::upload(&gpu, &weights, config)?;
+        let (w, d) = DeviceWeights::upload(&gpu, &weights, config, weight_format(opts)?)?;
         let plan = ArchPlan::new(config, 0..weights.layers.len());
         drop(weights);
         Self::finish(gpu, w, d, plan, opts)
@@ -92,7 +127,14 @@ impl CudaBackend {
     ) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
         let spec = ShardSpec::full(config.num_hidden_layers);
-        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, &spec, progress)?;
+        let (w, d) = DeviceWeights::from_safetensors(
+            &gpu,
+            files,
+            config,
+            &spec,
+            weight_format_for(opts, config.quantization.is_some())?,
+            progress,
+        )?;
         Self::finish(gpu, w, d, ArchPlan::new(config, spec.layers), opts)
     }
 
@@ -110,7 +152,14 @@ impl CudaBackend {
         spec: &ShardSpec,
     ) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
-        let (w, d) = DeviceWeights::from_safetensors(&gpu, files, config, spec, &|_, _| {})?;
+        let (w, d) = DeviceWeights::from_safetensors(
+            &gpu,
+            files,
+            config,
+            spec,
+            weight_format_for(opts, config.quantization.is_some())?,
+            &|_, _| {},
+        )?;
         let mut be = Self::finish(gpu, w, d, ArchPlan::new(config, spec.layers.clone()), opts)?;
         be.m.first_stage = spec.first_stage;
         be.m.last_stage = spec.last_stage;
@@ -184,17 +233,61 @@ impl CudaBackend {
     /// # Errors
     /// [`BackendError::Cuda`] on a launch failure.
     pub(super) fn launch_argmax(&self, rows: usize) -> Result<(), BackendError> {
+        self.launch_argmax_masked(rows, None)
+    }
+
+    /// [`CudaBackend::launch_argmax`] over rows restricted by uploaded masks
+    /// ([`CudaBackend::upload_constraints`]).
+    fn launch_argmax_masked(&self, rows: usize, masks: Option<MaskPtrs>) -> Result<(), BackendError> {
         if rows == 0 {
             return Ok(());
         }
         let m = &self.m;
         let cfg = per_row(rows, 1024);
         let vocab = m.d.vocab as i32;
+        let MaskPtrs { masks, mask_of_row, words } = masks.unwrap_or(MaskPtrs { masks: 0, mask_of_row: 0, words: 0 });
         let mut b = m.gpu.stream.launch_builder(&m.gpu.k.argmax_rows);
-        b.arg(&m.s.argmax.ptr).arg(&m.s.logits.ptr).arg(&vocab);
-        // SAFETY: logits hold rows × vocab f32, argmax rows u32.
+        b.arg(&m.s.argmax.ptr).arg(&m.s.logits.ptr).arg(&vocab).arg(&masks).arg(&mask_of_row).arg(&words);
+        // SAFETY: logits hold rows × vocab f32, argmax rows u32; masks (when not null) hold
+        // `words` u32 per mask and mask_of_row one i32 per row.
         unsafe { b.launch(cfg) }.op("argmax_rows")?;
         Ok(())
+    }
+
+    /// Uploads `c` (one copy) and applies its edits to the logits; returns where its masks
+    /// are for the argmax (`None` when no row is masked).
+    fn upload_constraints(&mut self, c: &LogitConstraints, rows: usize) -> Result<Option<MaskPtrs>, BackendError> {
+        // Layout (u32 words): mask_of_row [rows] | edit rows [n] | edit tokens [n] |
+        // edit values [n] (f32 bits) | masks.
+        let n = c.edits.len();
+        let mut host = Vec::with_capacity(rows + 3 * n + c.masks.len());
+        let masked = !c.masks.is_empty();
+        if masked {
+            host.extend((0..rows).map(|r| c.mask_of_row.get(r).copied().unwrap_or(-1) as u32));
+        }
+        let edits_at = host.len();
+        host.extend(c.edits.iter().map(|e| e.row));
+        host.extend(c.edits.iter().map(|e| e.token));
+        host.extend(c.edits.iter().map(|e| e.value.to_bits()));
+        let masks_at = host.len();
+        host.extend_from_slice(&c.masks);
+        let bytes = host.len() * 4;
+        if self.constraints_buf.as_ref().is_none_or(|b| b.bytes < bytes) {
+            self.constraints_buf = Some(DevBuf::zeroed(&self.m.gpu, bytes.next_power_of_two())?);
+        }
+        let Some(buf) = self.constraints_buf.as_ref() else { return Ok(None) };
+        let m = &self.m;
+        m.gpu.upload(buf, 0, &host)?;
+        let at = |words: usize| buf.ptr + 4 * words as u64;
+        if n > 0 {
+            let (vocab, count) = (m.d.vocab as i32, n as i32);
+            let (er, et, ev) = (at(edits_at), at(edits_at + n), at(edits_at + 2 * n));
+            let mut b = m.gpu.stream.launch_builder(&m.gpu.k.logit_edits);
+            b.arg(&m.s.logits.ptr).arg(&er).arg(&et).arg(&ev).arg(&count).arg(&vocab);
+            // SAFETY: the edit arrays hold n entries each; rows < the step's logit rows.
+            unsafe { b.launch(grid_stride(n)) }.op("logit_edits")?;
+        }
+        Ok(masked.then(|| MaskPtrs { masks: at(masks_at), mask_of_row: at(0), words: c.mask_words as i32 }))
     }
 
     /// The ids [`CudaBackend::launch_argmax`] computed.
@@ -231,7 +324,7 @@ impl CudaBackend {
     /// As [`CudaBackend::new`].
     pub fn synthetic(shape: &SyntheticShape, opts: &CudaOptions) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
-        let (w, d) = DeviceWeights::synthetic(&gpu, shape)?;
+        let (w, d) = DeviceWeights::synthetic(&gpu, shape, weight_format(opts)?)?;
         let plan = ArchPlan::llama(shape.inv_freq(), d.layers, d.head_dim);
         Self::finish(gpu, w, d, plan, opts)
     }
@@ -253,7 +346,12 @@ impl CudaBackend {
             kv_bytes = m.kv.bytes(),
             "CUDA backend ready"
         );
-        Ok(Self { m, graphs: HashMap::new(), buckets, graph_replays: 0 })
+        Ok(Self { m, graphs: HashMap::new(), buckets, graph_replays: 0, constraints_buf: None })
+    }
+
+    /// FP8 weights: how large steps multiply (see `ShardModel::fp8_gemm_path`).
+    pub fn fp8_gemm_path(&self) -> Option<&'static str> {
+        self.m.fp8_gemm_path()
     }
 
     /// Device name (e.g. "NVIDIA H200").
@@ -474,6 +572,25 @@ impl Backend for CudaBackend {
         Ok(ids)
     }
 
+    /// The forward is enqueued first; `constraints` (the host joining its grammar masks) runs
+    /// while the device computes it; masks and edits then go up in one copy, edits are added
+    /// in place and the argmax skips masked tokens: the logits still never reach the host.
+    fn forward_greedy_constrained(
+        &mut self,
+        batch: &StepBatch,
+        constraints: &mut dyn FnMut() -> LogitConstraints,
+    ) -> Result<Vec<u32>, BackendError> {
+        let rows = self.run(batch)?;
+        let c = constraints();
+        let masks = if c.is_empty() || rows == 0 { None } else { self.upload_constraints(&c, rows)? };
+        self.launch_argmax_masked(rows, masks)?;
+        let ids = self.download_argmax(rows)?;
+        if ids.is_empty() {
+            self.m.gpu.sync()?;
+        }
+        Ok(ids)
+    }
+
     fn num_kv_blocks(&self) -> usize {
         self.m.kv.num_blocks
     }
@@ -483,7 +600,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_bytes_per_token(&self) -> usize {
-        KvCache::bytes_per_token(&self.m.d)
+        KvCache::bytes_per_token(&self.m.d, self.m.kv.dtype)
     }
 
     fn name(&self) -> &'static str {

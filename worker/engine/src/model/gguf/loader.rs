@@ -5,9 +5,8 @@
 
 use std::path::Path;
 
-use super::dequant;
 use super::{GgufFile, GgufValue, gguf_name_for};
-use crate::model::chat_template::ChatTemplate;
+use crate::model::chat_template::{self, ChatTemplate};
 use crate::model::config::ModelConfig;
 use crate::model::error::{ModelError, ResultExt, tokenizer_no_panic};
 use crate::model::llama::{self, HostTensor, LlamaWeights, QuantizedData, QuantizedTensor, WeightSource};
@@ -51,7 +50,7 @@ impl WeightSource for GgufWeights<'_> {
         }
         let (info, bytes) = self.file.tensor_bytes(&name)?;
         let shape = info.shape();
-        if !QuantizedData::supports(info.ty) || shape.len() != 2 || !shape[1].is_multiple_of(dequant::QK) {
+        if !QuantizedData::supports(info.ty) || shape.len() != 2 || !shape[1].is_multiple_of(info.ty.block_layout().0) {
             return Ok(None);
         }
         let mut q = QuantizedData { ty: info.ty, bytes: bytes.to_vec() };
@@ -69,8 +68,9 @@ impl WeightSource for GgufWeights<'_> {
     }
 }
 
-/// Loads a llama-architecture GGUF file; with `keep_quantized`, Q4_0/Q4_1/Q8_0 matrices
-/// keep their blocks ([`crate::model::Linear::quant`]) instead of being dequantized to f32.
+/// Loads a llama-architecture GGUF file; with `keep_quantized`, matrices in a block format
+/// (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the K-quants) keep their blocks
+/// ([`crate::model::Linear::quant`]) instead of being dequantized to f32.
 ///
 /// # Errors
 /// [`ModelError`] (wrapped in [`ModelError::File`] with `path`) on malformed files, other
@@ -83,7 +83,15 @@ pub fn load(path: &Path, progress: ProgressFn<'_>, keep_quantized: bool) -> Resu
 fn load_file(file: &GgufFile, progress: ProgressFn<'_>, keep_quantized: bool) -> Result<LoadedModel, ModelError> {
     let config = file.model_config()?;
     let tokenizer = tokenizer_no_panic(|| Tokenizer::from_gguf(file))?;
-    let chat_template = match file.get("tokenizer.chat_template").and_then(GgufValue::as_str) {
+    let architecture = file.architecture();
+    let source = file.get("tokenizer.chat_template").and_then(GgufValue::as_str).or_else(|| {
+        let builtin = chat_template::builtin_source(architecture);
+        if builtin.is_some() {
+            tracing::info!(architecture, "the GGUF file has no chat template; using the family's published one");
+        }
+        builtin
+    });
+    let chat_template = match source {
         Some(src) => Some(ChatTemplate::new(src, tokenizer.bos_text(), tokenizer.eos_text())?),
         None => None,
     };

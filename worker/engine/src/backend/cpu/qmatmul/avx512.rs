@@ -15,14 +15,14 @@ unsafe fn load16(p: *const f32) -> __m512 {
 }
 
 #[inline(always)]
-unsafe fn load16b(p: *const u8) -> __m128i {
+pub(super) unsafe fn load16b(p: *const u8) -> __m128i {
     // SAFETY: 16 readable bytes at `p` (caller).
     unsafe { _mm_lddqu_si128(p.cast()) }
 }
 
 /// The f16 at `p` as f32, broadcast.
 #[inline(always)]
-unsafe fn scale(p: *const u8) -> __m512 {
+pub(super) unsafe fn scale(p: *const u8) -> __m512 {
     // SAFETY: two bytes at `p` (caller); F16C present.
     unsafe {
         let bits = i32::from(u16::from_le_bytes([*p, *p.wrapping_add(1)]));
@@ -30,13 +30,15 @@ unsafe fn scale(p: *const u8) -> __m512 {
     }
 }
 
-/// Decodes one block of 32 weights into two vectors of sixteen.
+/// Decodes group `g` (32 weights) of one block into two vectors of sixteen.
 pub(super) trait Block {
     /// Bytes per block.
     const BYTES: usize;
+    /// Groups of 32 weights per block (8 in a K-quant super-block of 256).
+    const GROUPS: usize = 1;
     /// # Safety
-    /// `p` points at one whole block; the CPU has AVX-512F and F16C.
-    unsafe fn load(p: *const u8) -> [__m512; 2];
+    /// `p` points at one whole block, `g < GROUPS`; the CPU has AVX-512F and F16C.
+    unsafe fn load(p: *const u8, g: usize) -> [__m512; 2];
 }
 
 pub(super) struct F32;
@@ -47,7 +49,7 @@ pub(super) struct Q80;
 impl Block for F32 {
     const BYTES: usize = 4 * QK;
     #[inline(always)]
-    unsafe fn load(p: *const u8) -> [__m512; 2] {
+    unsafe fn load(p: *const u8, _g: usize) -> [__m512; 2] {
         let p = p.cast::<f32>();
         // SAFETY: 32 f32 at `p` (caller).
         unsafe { [load16(p), load16(p.wrapping_add(16))] }
@@ -57,7 +59,7 @@ impl Block for F32 {
 impl Block for Q40 {
     const BYTES: usize = 2 + QK / 2;
     #[inline(always)]
-    unsafe fn load(p: *const u8) -> [__m512; 2] {
+    unsafe fn load(p: *const u8, _g: usize) -> [__m512; 2] {
         // SAFETY: one 18-byte block at `p` (caller).
         unsafe {
             let d = scale(p);
@@ -74,7 +76,7 @@ impl Block for Q40 {
 impl Block for Q41 {
     const BYTES: usize = 4 + QK / 2;
     #[inline(always)]
-    unsafe fn load(p: *const u8) -> [__m512; 2] {
+    unsafe fn load(p: *const u8, _g: usize) -> [__m512; 2] {
         // SAFETY: one 20-byte block at `p` (caller).
         unsafe {
             let (d, mn) = (scale(p), scale(p.wrapping_add(2)));
@@ -92,7 +94,7 @@ impl Block for Q41 {
 impl Block for Q80 {
     const BYTES: usize = 2 + QK;
     #[inline(always)]
-    unsafe fn load(p: *const u8) -> [__m512; 2] {
+    unsafe fn load(p: *const u8, _g: usize) -> [__m512; 2] {
         // SAFETY: one 34-byte block at `p` (caller).
         unsafe {
             let d = scale(p);
@@ -127,22 +129,24 @@ unsafe fn tile<B: Block, const F: usize, const R: usize>(job: &Job, t: usize, j:
     // SAFETY: rows `t..t+R` and `j..j+F` exist and hold `nblocks` blocks (caller).
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); R]; F];
-        for _ in 0..job.nblocks {
-            for f in 0..F {
-                let wv = B::load(wp[f]);
-                for r in 0..R {
-                    let x = xp[r];
-                    let mut a = acc[f][r];
-                    a = _mm512_fmadd_ps(wv[0], load16(x), a);
-                    a = _mm512_fmadd_ps(wv[1], load16(x.wrapping_add(16)), a);
-                    acc[f][r] = a;
+        for _ in 0..job.nblocks / B::GROUPS {
+            for g in 0..B::GROUPS {
+                for f in 0..F {
+                    let wv = B::load(wp[f], g);
+                    for r in 0..R {
+                        let x = xp[r];
+                        let mut a = acc[f][r];
+                        a = _mm512_fmadd_ps(wv[0], load16(x), a);
+                        a = _mm512_fmadd_ps(wv[1], load16(x.wrapping_add(16)), a);
+                        acc[f][r] = a;
+                    }
+                }
+                for p in &mut xp {
+                    *p = p.wrapping_add(QK);
                 }
             }
             for p in &mut wp {
                 *p = p.wrapping_add(B::BYTES);
-            }
-            for p in &mut xp {
-                *p = p.wrapping_add(QK);
             }
         }
         for f in 0..F {

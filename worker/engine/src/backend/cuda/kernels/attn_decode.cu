@@ -29,11 +29,28 @@
 // the splits in split order 0, 1, … and writes the output. Every reduction order above is fixed
 // by (L, cap), so results are deterministic. A grid with fewer splits than a token needs is still
 // correct (CTAs loop over splits z, z + gridDim.x, …); one with more lets the extra CTAs exit.
+//
+// KV_FP8 (compile-time define): the caches hold e4m3 values (per-tensor scale 1). Each thread
+// loads its 8 values of a row (8 bytes) and stores them to the same shared-memory place as f16
+// (e4m3 → f16 is exact, one cvt per pair), and the two products run as f16 mma with Q and P
+// rounded to f16 (Q after RoPE and P in [0, 1] are well inside f16's range). Tiles are then
+// copied synchronously instead of with cp.async (still one tile ahead of the one computed).
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#ifdef KV_FP8
+#include <cuda_fp8.h>
+#endif
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
+#ifdef KV_FP8
+typedef unsigned char kvt;
+#define DA_MMA_T "f16.f16"
+#else
+typedef bf16 kvt;
+#define DA_MMA_T "bf16.bf16"
+#endif
 
 #define DA_WARPS 4
 #define DA_THREADS (DA_WARPS * 32)
@@ -73,17 +90,43 @@ __device__ __forceinline__ void da_ldsm4_t(u32 addr, u32& r0, u32& r1, u32& r2, 
 #pragma nv_diag_suppress 550  // x0, x1 set but never used
 __device__ __forceinline__ void da_mma_top(float& d0, float& d1, u32 a0, u32 a2, u32 b0, u32 b1) {
     float x0, x1;  // rows 8..15: discarded
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." DA_MMA_T ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%10,%11,%12,%13};\n"
         : "=f"(d0), "=f"(d1), "=f"(x0), "=f"(x1)
         : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(d0), "f"(d1), "f"(0.f), "f"(0.f));
 }
 #pragma nv_diagnostic pop
 
+// Two floats → the mma's 16-bit pair type (bf16, or f16 with KV_FP8), `lo` in the low half.
 __device__ __forceinline__ u32 da_pack_bf16(float lo, float hi) {
+#ifdef KV_FP8
+    __half2 v = __floats2half2_rn(lo, hi);
+#else
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+#endif
     return *reinterpret_cast<u32*>(&v);
 }
+
+#ifdef KV_FP8
+// 8 e4m3 values (src, 8 bytes; zeros when !ok) → 8 f16 at shared address dst.
+__device__ __forceinline__ void da_fp8_row8(u32 dst, const kvt* src, bool ok) {
+    uint2 v = ok ? *reinterpret_cast<const uint2*>(src) : make_uint2(0u, 0u);
+    u32 h[4];
+    const u32 w[2] = {v.x, v.y};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((w[i >> 1] >> (16 * (i & 1))) & 0xffffu), __NV_E4M3);
+        h[i] = (u32)r.x | ((u32)r.y << 16);
+    }
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(h[0]), "r"(h[1]), "r"(h[2]), "r"(h[3]) : "memory");
+}
+// A bf16 pair (one u32) as an f16 pair.
+__device__ __forceinline__ u32 da_bf2_to_h2(u32 v) {
+    __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162*>(&v);
+    float2 f = __bfloat1622float2(b);
+    return da_pack_bf16(f.x, f.y);
+}
+#endif
 
 // Positions per split and number of splits of a context of L positions (see the file header).
 __device__ __forceinline__ void da_split(int L, int cap, int& chunk, int& nsplits) {
@@ -106,8 +149,8 @@ __device__ __forceinline__ u32 da_tile_off(int r, int c) {
 template <int HD, int G>
 __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* __restrict__ part_o,
                                                  float* __restrict__ part_ml, u32* __restrict__ cnt,
-                                                 const bf16* __restrict__ qkv, const bf16* __restrict__ kc,
-                                                 const bf16* __restrict__ vc, const u32* __restrict__ pos,
+                                                 const bf16* __restrict__ qkv, const kvt* __restrict__ kc,
+                                                 const kvt* __restrict__ vc, const u32* __restrict__ pos,
                                                  const u32* __restrict__ tok_bt, const u32* __restrict__ bts, int qh,
                                                  int kvh, int bs, float scale, int cap) {
     static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
@@ -132,8 +175,8 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
 
     const u64 kvd = (u64)kvh * HD;
     const u32* bt = bts + tok_bt[t];
-    const bf16* kbase = kc + (u64)g * HD;
-    const bf16* vbase = vc + (u64)g * HD;
+    const kvt* kbase = kc + (u64)g * HD;
+    const kvt* vbase = vc + (u64)g * HD;
     const float sl2 = scale * DA_LOG2E;
 
     // Q as mma A fragments (rows = query heads of the group, zero past G): for k-step ks,
@@ -145,6 +188,10 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
         for (int ks = 0; ks < HD / 16; ks++) {
             qa[ks][0] = gid < G ? *reinterpret_cast<const u32*>(qrow + ks * 16 + 2 * tig) : 0u;
             qa[ks][1] = gid < G ? *reinterpret_cast<const u32*>(qrow + ks * 16 + 8 + 2 * tig) : 0u;
+#ifdef KV_FP8
+            qa[ks][0] = da_bf2_to_h2(qa[ks][0]);
+            qa[ks][1] = da_bf2_to_h2(qa[ks][1]);
+#endif
         }
     }
 
@@ -177,8 +224,13 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
                 const u64 slot = ok ? (u64)(bt[p / bs] * (u32)bs + (u32)(p % bs)) : 0ull;
                 const u64 src = slot * kvd + cp_col;
                 const u32 d = dst + (u32)(j * RPP * HD * 2);
+#ifdef KV_FP8
+                da_fp8_row8(d, kbase + src, ok);
+                da_fp8_row8(d + TILE_BYTES, vbase + src, ok);
+#else
                 da_cp16(d, kbase + src, ok ? 16 : 0);
                 da_cp16(d + TILE_BYTES, vbase + src, ok ? 16 : 0);
+#endif
             }
             da_cp_commit();
         };
@@ -358,7 +410,7 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
 // one, which keeps the run-time compile short; otherwise all eight are compiled.
 #define DA_KERNEL_(HD, G)                                                                                           \
     extern "C" __global__ void __launch_bounds__(DA_THREADS, 3) attn_decode_hd##HD##_g##G(                          \
-        bf16* out, float* part_o, float* part_ml, u32* cnt, const bf16* qkv, const bf16* kc, const bf16* vc,        \
+        bf16* out, float* part_o, float* part_ml, u32* cnt, const bf16* qkv, const kvt* kc, const kvt* vc,          \
         const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int cap) {         \
         attn_decode_impl<HD, G>(out, part_o, part_ml, cnt, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, cap); \
     }

@@ -37,11 +37,27 @@
 // PF_SCALAR_FRAGS (define before this file) builds every mma fragment with plain shared-memory
 // loads written directly from the PTX ISA fragment tables instead of ldmatrix: a slower,
 // independent path to tell a wrong ldmatrix address from a wrong fragment layout.
+//
+// KV_FP8 (compile-time define): the caches hold e4m3 values (per-tensor scale 1). K/V tiles are
+// loaded 8 values (8 bytes) per thread and stored to the same shared-memory place as f16 (exact),
+// the Q tile is stored as f16 too, and both products run as f16 mma with P rounded to f16.
+// Those tiles are copied synchronously (the next one still ahead of the one computed).
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#ifdef KV_FP8
+#include <cuda_fp8.h>
+#endif
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
+#ifdef KV_FP8
+typedef unsigned char kvt;
+#define PF_MMA_T "f16.f16"
+#else
+typedef bf16 kvt;
+#define PF_MMA_T "bf16.bf16"
+#endif
 
 #define PF_BM 64                          // Q-tile rows ((token, head) pairs)
 #define PF_BN 64                          // K/V positions per tile
@@ -85,7 +101,7 @@ __device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, u3
 
 // d[16×8] += a[16×16] · b[16×8] (bf16 in, f32 accumulate).
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." PF_MMA_T ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -99,10 +115,45 @@ __device__ __forceinline__ float ex2(float x) {
 }
 
 // Two floats → bf16x2 register, `lo` in the low half (the lower column / k index).
+// (f16x2 with KV_FP8: the mma's pair type.)
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+#ifdef KV_FP8
+    __half2 v = __floats2half2_rn(lo, hi);
+#else
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+#endif
     return *reinterpret_cast<u32*>(&v);
 }
+
+#ifdef KV_FP8
+__device__ __forceinline__ void st_shared4(u32 dst, const u32 (&h)[4]) {
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(h[0]), "r"(h[1]), "r"(h[2]), "r"(h[3]) : "memory");
+}
+// 8 e4m3 values at src (zeros when !ok) → 8 f16 at shared address dst.
+__device__ __forceinline__ void fp8_row8(u32 dst, const kvt* src, bool ok) {
+    uint2 v = ok ? *reinterpret_cast<const uint2*>(src) : make_uint2(0u, 0u);
+    const u32 w[2] = {v.x, v.y};
+    u32 h[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((w[i >> 1] >> (16 * (i & 1))) & 0xffffu), __NV_E4M3);
+        h[i] = (u32)r.x | ((u32)r.y << 16);
+    }
+    st_shared4(dst, h);
+}
+// 8 bf16 values at src (zeros when !ok) → 8 f16 at shared address dst.
+__device__ __forceinline__ void bf16_row8_as_f16(u32 dst, const bf16* src, bool ok) {
+    uint4 v = ok ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    u32 h[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+        h[i] = pack_bf16(f.x, f.y);
+    }
+    st_shared4(dst, h);
+}
+#endif
 
 // ---------------------------------------------------------------- swizzled [rows][HD] tiles
 
@@ -236,7 +287,7 @@ __device__ __forceinline__ void tile_slots(u32 (&slot)[PF_KV_ROWS(HD)], const u3
 // without a slot (positions ≥ kv_len) are zero-filled (never NaN garbage: P·V multiplies them
 // by 0).
 template <int HD>
-__device__ __forceinline__ void load_kv_tile(bf16* dst, const bf16* cache, const u32 (&slot)[PF_KV_ROWS(HD)], int kvh,
+__device__ __forceinline__ void load_kv_tile(bf16* dst, const kvt* cache, const u32 (&slot)[PF_KV_ROWS(HD)], int kvh,
                                              int h, int tid) {
     constexpr int CH = HD / 8;
     const int c = tid % CH;
@@ -245,8 +296,12 @@ __device__ __forceinline__ void load_kv_tile(bf16* dst, const bf16* cache, const
     for (int k = 0; k < PF_KV_ROWS(HD); k++) {
         const int r = tid / CH + k * (PF_THREADS / CH);
         const bool ok = slot[k] != PF_NO_SLOT;
-        const bf16* src = cache + ((u64)(ok ? slot[k] : 0u) * kvh + h) * HD + c * 8;
+        const kvt* src = cache + ((u64)(ok ? slot[k] : 0u) * kvh + h) * HD + c * 8;
+#ifdef KV_FP8
+        fp8_row8(base + tile_off<HD>(r, c), src, ok);
+#else
         cp_async16(base + tile_off<HD>(r, c), src, ok);
+#endif
     }
 }
 
@@ -254,7 +309,7 @@ __device__ __forceinline__ void load_kv_tile(bf16* dst, const bf16* cache, const
 
 template <int HD, int G>
 __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16* __restrict__ qkv,
-                                             const bf16* __restrict__ kc, const bf16* __restrict__ vc,
+                                             const kvt* __restrict__ kc, const kvt* __restrict__ vc,
                                              const u32* __restrict__ bts, const u32* __restrict__ work, int qh,
                                              int kvh, int bs, float scale_log2) {
     constexpr int CH = HD / 8;   // 16-byte chunks per row
@@ -288,7 +343,11 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
             bool ok = tk < ntok;
             const bf16* src =
                 qkv + (u64)(q_start + tok0 + (ok ? tk : 0)) * qkv_dim + (u64)(h * G + r % G) * HD + c * 8;
+#ifdef KV_FP8
+            bf16_row8_as_f16(base + tile_off<HD>(r, c), src, ok);
+#else
             cp_async16(base + tile_off<HD>(r, c), src, ok);
+#endif
         }
     }
     const BlockSize bsz = block_size(bs);
@@ -428,7 +487,7 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
 // block tables, work list, qh, kvh, block size, softmax scale · log2(e).
 #define PF_KERNEL(HD, G, MINB)                                                                             \
     extern "C" __global__ void __launch_bounds__(PF_THREADS, MINB)                                         \
-        attn_prefill_hd##HD##_g##G(bf16* out, const bf16* qkv, const bf16* kc, const bf16* vc, const u32* bts, \
+        attn_prefill_hd##HD##_g##G(bf16* out, const bf16* qkv, const kvt* kc, const kvt* vc, const u32* bts,   \
                                    const u32* work, int qh, int kvh, int bs, float scale_log2) {           \
         prefill_impl<HD, G>(out, qkv, kc, vc, bts, work, qh, kvh, bs, scale_log2);                         \
     }

@@ -18,13 +18,28 @@
 //      graph padding: no write) — the work of `rope_kv_write` in llama.cu, same formula.
 // NORM: the activation rows are bf16(x[m] · rsqrt(mean(x[m]²) + eps) · gain) computed from the
 // f32 residual stream by each block (RMSNorm fused as a prologue; Zhang & Sennrich 2019).
+// GEMV_FP8 (compile-time define): the weights are e4m3 bytes with one f32 scale per physical
+// row (`wscale`, w = code · scale), each 16-byte load bringing 16 of them; the codes are decoded
+// to f32 with integer ops (sign and the 7 exponent/mantissa bits moved into an f32's places,
+// which is the value · 2^-120, subnormals included; the 2^120 goes into the row scale) and
+// the scale is applied to the row's sum. Every mode and prologue is the same.
 // The rounding points mirror the unfused path (GEMM outputs rounded to bf16 before the residual
 // add and before SiLU·mul), so both paths compute the same function up to summation order.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
+
+#ifdef GEMV_FP8
+typedef unsigned char wtype;
+// Weight elements per 16-byte load.
+#define GEMV_CH 16
+#else
+typedef bf16 wtype;
+#define GEMV_CH 8
+#endif
 
 #define GEMV_WARPS 8
 #define GEMV_R 2
@@ -41,7 +56,7 @@ __device__ __forceinline__ float gv_warp_sum(float v) {
 }
 
 // 16-byte streaming load that does not allocate in L1 (weights are read once per step).
-__device__ __forceinline__ uint4 ld_weight(const bf16* p) {
+__device__ __forceinline__ uint4 ld_weight(const wtype* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -57,6 +72,34 @@ __device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
     f[6] = __uint_as_float(v.w << 16); f[7] = __uint_as_float(v.w & 0xffff0000u);
 }
 
+// Weight elements 8·h .. 8·h + 7 of a 16-byte load as f32 (FP8: times 2^-120, see the top).
+__device__ __forceinline__ void unpack_w(uint4 v, int h, float f[8]) {
+#ifdef GEMV_FP8
+    u32 a = h ? v.z : v.x, b = h ? v.w : v.y;
+    // Byte i moved to the top, arithmetic shift by 4: sign smeared over bits 31..27, the code's
+    // 7 low bits at bits 26..20; masking keeps the sign and those bits.
+    f[0] = __int_as_float(((int)(a << 24) >> 4) & 0x87f00000);
+    f[1] = __int_as_float(((int)(a << 16) >> 4) & 0x87f00000);
+    f[2] = __int_as_float(((int)(a << 8) >> 4) & 0x87f00000);
+    f[3] = __int_as_float(((int)a >> 4) & 0x87f00000);
+    f[4] = __int_as_float(((int)(b << 24) >> 4) & 0x87f00000);
+    f[5] = __int_as_float(((int)(b << 16) >> 4) & 0x87f00000);
+    f[6] = __int_as_float(((int)(b << 8) >> 4) & 0x87f00000);
+    f[7] = __int_as_float(((int)b >> 4) & 0x87f00000);
+#else
+    unpack8(v, f);
+#endif
+}
+
+// The factor a row's sum is multiplied by: its FP8 scale (with the decode's 2^120), else 1.
+__device__ __forceinline__ float row_scale(const float* ws, int row) {
+#ifdef GEMV_FP8
+    return ws[row] * 0x1p120f;
+#else
+    return 1.f;
+#endif
+}
+
 __device__ __forceinline__ float rbf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // Extra arguments of MODE 4 (unused otherwise).
@@ -67,6 +110,8 @@ struct RopeKv {
     bf16* kc;
     bf16* vc;
     int qh, kvh, hd;
+    // The caches hold e4m3 (per-tensor scale 1) instead of bf16.
+    int kv_fp8;
 };
 
 // Physical weight row of slot r (< NW) for logical row j.
@@ -104,8 +149,9 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // inp % 8 == 0 and 16-byte aligned rows. Dynamic shared memory (NORM only): M · inp bf16
 // activation rows + GEMV_WARPS · M f32. `out` counts logical rows (MODE 4: qkv_dim / 2).
 template <int M, int MODE, bool NORM>
-__device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, const void* __restrict__ xin,
-                                          const bf16* __restrict__ gain, int out, int inp, float eps, RopeKv rk) {
+__device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, const void* __restrict__ xin,
+                                          const bf16* __restrict__ gain, int out, int inp, float eps,
+                                          const float* __restrict__ wscale, RopeKv rk) {
     constexpr int NW = (MODE == 3 || MODE == 4) ? 2 * GEMV_R : GEMV_R;
     constexpr int U = GEMV_DEPTH > 0 ? (GEMV_DEPTH / NW > 0 ? GEMV_DEPTH / NW : 1) : GEMV_U;
     extern __shared__ uint4 gv_smem[];
@@ -116,7 +162,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
     pdl_launch_dependents();
 
     // Weight row pointers (rows past `out` are clamped and their results dropped).
-    const bf16* wrow[NW];
+    const wtype* wrow[NW];
     uint4 wv[U][NW];
     auto start_tile = [&]() {
 #pragma unroll
@@ -127,7 +173,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            int k = lane * 8 + u * 256;
+            int k = lane * GEMV_CH + u * 32 * GEMV_CH;
 #pragma unroll
             for (int r = 0; r < NW; r++) wv[u][r] = k < inp ? ld_weight(wrow[r] + k) : make_uint4(0, 0, 0, 0);
         }
@@ -194,18 +240,21 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
 #pragma unroll
         for (int m = 0; m < M; m++) acc[r][m] = 0.f;
 
-    for (int k0 = lane * 8; k0 < inp; k0 += 256 * U) {
+    for (int k0 = lane * GEMV_CH; k0 < inp; k0 += 32 * GEMV_CH * U) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            int k = k0 + u * 256;
+            int k = k0 + u * 32 * GEMV_CH;
             if (k < inp) {
+#pragma unroll
+              for (int hh = 0; hh < GEMV_CH / 8; hh++) {
                 float wf[NW][8];
 #pragma unroll
-                for (int r = 0; r < NW; r++) unpack8(wv[u][r], wf[r]);
+                for (int r = 0; r < NW; r++) unpack_w(wv[u][r], hh, wf[r]);
+                const int kx = k + hh * 8;
 #pragma unroll
                 for (int m = 0; m < M; m++) {
-                    uint4 xv = NORM ? *reinterpret_cast<const uint4*>(xs + (u64)m * inp + k)
-                                    : __ldg(reinterpret_cast<const uint4*>(xg + (u64)m * inp + k));
+                    uint4 xv = NORM ? *reinterpret_cast<const uint4*>(xs + (u64)m * inp + kx)
+                                    : __ldg(reinterpret_cast<const uint4*>(xg + (u64)m * inp + kx));
                     float xf[8];
                     unpack8(xv, xf);
 #pragma unroll
@@ -216,9 +265,10 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
                         acc[r][m] = a;
                     }
                 }
+              }
             }
             // Refill this slot with the loads of the next outer iteration.
-            int kn = k + 256 * U;
+            int kn = k + 32 * GEMV_CH * U;
 #pragma unroll
             for (int r = 0; r < NW; r++) wv[u][r] = kn < inp ? ld_weight(wrow[r] + kn) : make_uint4(0, 0, 0, 0);
         }
@@ -228,6 +278,16 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
     for (int r = 0; r < NW; r++)
 #pragma unroll
         for (int m = 0; m < M; m++) acc[r][m] = gv_warp_sum(acc[r][m]);
+#ifdef GEMV_FP8
+#pragma unroll
+    for (int r = 0; r < NW; r++) {
+        int j = j0 + (r % GEMV_R);
+        j = j < out ? j : out - 1;
+        float sc = row_scale(wscale, phys_row<MODE>(j, r, out, rk.hd));
+#pragma unroll
+        for (int m = 0; m < M; m++) acc[r][m] *= sc;
+    }
+#endif
     if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < GEMV_R; r++) {
@@ -257,8 +317,15 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
                     bool is_v = head >= rk.qh + rk.kvh;
                     int col = r0 - (is_v ? rk.qh + rk.kvh : rk.qh) * rk.hd;
                     bf16* cache = is_v ? rk.vc : rk.kc;
-                    cache[(u64)slot * kvd + col] = ab;
-                    cache[(u64)slot * kvd + col + half] = bb;
+                    if (rk.kv_fp8) {
+                        unsigned char* c8 = reinterpret_cast<unsigned char*>(cache);
+                        c8[(u64)slot * kvd + col] = __nv_cvt_float_to_fp8(__bfloat162float(ab), __NV_SATFINITE, __NV_E4M3);
+                        c8[(u64)slot * kvd + col + half] =
+                            __nv_cvt_float_to_fp8(__bfloat162float(bb), __NV_SATFINITE, __NV_E4M3);
+                    } else {
+                        cache[(u64)slot * kvd + col] = ab;
+                        cache[(u64)slot * kvd + col + half] = bb;
+                    }
                 }
             } else if (MODE == 0) {
                 reinterpret_cast<bf16*>(y)[o] = __float2bfloat16_rn(acc[r][m]);
@@ -282,19 +349,20 @@ __device__ __forceinline__ void gemv_impl(void* y, const bf16* __restrict__ w, c
 
 #define GEMV_KERNEL(NAME, M, MODE, NORM)                                                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) NAME(                                   \
-        void* y, const bf16* w, const void* x, const bf16* gain, int out, int inp, float eps) {           \
-        RopeKv rk = {nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 2};                               \
-        gemv_impl<M, MODE, NORM>(y, w, x, gain, out, inp, eps, rk);                                       \
+        void* y, const wtype* w, const void* x, const bf16* gain, int out, int inp, float eps,           \
+        const float* wscale) {                                                                            \
+        RopeKv rk = {nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 2, 0};                            \
+        gemv_impl<M, MODE, NORM>(y, w, x, gain, out, inp, eps, wscale, rk);                               \
     }
 
 // MODE 4: `out` = qkv_dim / 2 logical rows (RoPE pairs).
 #define GEMV_QKV_ROPE(M)                                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_qkv_rope_m##M(                     \
-        void* y, const bf16* w, const void* x, const bf16* gain, int out, int inp, float eps,             \
-        const u32* pos, const u32* slots, const float* inv_freq, bf16* kc, bf16* vc, int qh, int kvh,     \
-        int hd) {                                                                                          \
-        RopeKv rk = {pos, slots, inv_freq, kc, vc, qh, kvh, hd};                                          \
-        gemv_impl<M, 4, true>(y, w, x, gain, out, inp, eps, rk);                                          \
+        void* y, const wtype* w, const void* x, const bf16* gain, int out, int inp, float eps,            \
+        const float* wscale, const u32* pos, const u32* slots, const float* inv_freq, bf16* kc, bf16* vc, int qh, int kvh,     \
+        int hd, int kv_fp8) {                                                                              \
+        RopeKv rk = {pos, slots, inv_freq, kc, vc, qh, kvh, hd, kv_fp8};                                  \
+        gemv_impl<M, 4, true>(y, w, x, gain, out, inp, eps, wscale, rk);                                  \
     }
 
 #define GEMV_FAMILY(M)                                  \

@@ -3,6 +3,7 @@
 // Layouts follow backend/mod.rs: fused QKV rows [q_heads*hd | kv_heads*hd | kv_heads*hd],
 // K/V caches [num_blocks, block_size, kv_heads, head_dim], RoPE rotate-half (HF layout).
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned int u32;
@@ -64,9 +65,11 @@ extern "C" __global__ void add_rmsnorm(float* x, const bf16* delta, const bf16* 
 }
 
 // RoPE (rotate-half) on the q and k parts of each fused QKV row, then K and V written to
-// the token's cache slot. Grid: n tokens.
-extern "C" __global__ void rope_kv_write(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
-                                         bf16* kc, bf16* vc, int qh, int kvh, int hd) {
+// the token's cache slot (bf16, or e4m3 with a per-tensor scale of 1: `rope_kv_write_fp8`).
+// Grid: n tokens.
+template <bool FP8>
+__device__ __forceinline__ void rope_kv_impl(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
+                                             void* kcv, void* vcv, int qh, int kvh, int hd) {
     int t = blockIdx.x;
     int half = hd / 2;
     u64 qkv_dim = (u64)(qh + 2 * kvh) * hd;
@@ -86,9 +89,24 @@ extern "C" __global__ void rope_kv_write(bf16* qkv, const u32* pos, const u32* s
     u64 slot = slots[t];
     int kvd = kvh * hd;
     for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
-        kc[slot * kvd + i] = row[qh * hd + i];
-        vc[slot * kvd + i] = row[(qh + kvh) * hd + i];
+        if (FP8) {
+            unsigned char* kc = reinterpret_cast<unsigned char*>(kcv);
+            unsigned char* vc = reinterpret_cast<unsigned char*>(vcv);
+            kc[slot * kvd + i] = __nv_cvt_float_to_fp8(bf2f(row[qh * hd + i]), __NV_SATFINITE, __NV_E4M3);
+            vc[slot * kvd + i] = __nv_cvt_float_to_fp8(bf2f(row[(qh + kvh) * hd + i]), __NV_SATFINITE, __NV_E4M3);
+        } else {
+            reinterpret_cast<bf16*>(kcv)[slot * kvd + i] = row[qh * hd + i];
+            reinterpret_cast<bf16*>(vcv)[slot * kvd + i] = row[(qh + kvh) * hd + i];
+        }
     }
+}
+extern "C" __global__ void rope_kv_write(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
+                                         bf16* kc, bf16* vc, int qh, int kvh, int hd) {
+    rope_kv_impl<false>(qkv, pos, slots, inv_freq, kc, vc, qh, kvh, hd);
+}
+extern "C" __global__ void rope_kv_write_fp8(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
+                                             unsigned char* kc, unsigned char* vc, int qh, int kvh, int hd) {
+    rope_kv_impl<true>(qkv, pos, slots, inv_freq, kc, vc, qh, kvh, hd);
 }
 
 #define ATTN_WARPS 8
@@ -308,13 +326,29 @@ extern "C" __global__ void silu_mul(bf16* act, const bf16* gu, int n, int inter)
     }
 }
 
-// out[r] = argmax(logits[r, :]) (first index on ties, as torch.argmax). Grid: rows; 1024 threads.
-extern "C" __global__ void argmax_rows(u32* out, const float* logits, int vocab) {
+// logits[rows[i], toks[i]] += vals[i] (logit_bias, -inf bans); atomic, as several edits may
+// name one logit. Grid-stride over n.
+extern "C" __global__ void logit_edits(float* logits, const u32* rows, const u32* toks, const float* vals, int n,
+                                       int vocab) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        if (toks[i] < (u32)vocab) atomicAdd(logits + (u64)rows[i] * vocab + toks[i], vals[i]);
+    }
+}
+
+// out[r] = argmax(logits[r, :]) (first index on ties, as torch.argmax). With `masks`, a row
+// r whose mask_of_row[r] >= 0 only considers tokens whose bit is set in its mask of `words`
+// u32 words (bit t % 32 of word t / 32; tokens beyond the mask are out). Grid: rows; 1024
+// threads.
+extern "C" __global__ void argmax_rows(u32* out, const float* logits, int vocab, const u32* masks,
+                                       const int* mask_of_row, int words) {
     const float* row = logits + (u64)blockIdx.x * vocab;
+    const u32* mask = nullptr;
+    if (masks != nullptr && mask_of_row[blockIdx.x] >= 0) mask = masks + (u64)mask_of_row[blockIdx.x] * words;
     float best = NEG_INF;
     int bi = 0x7fffffff;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         float v = row[i];
+        if (mask != nullptr && ((i >> 5) >= words || ((mask[i >> 5] >> (i & 31)) & 1u) == 0u)) continue;
         if (v > best) { best = v; bi = i; }
     }
 #pragma unroll

@@ -1,0 +1,224 @@
+//! FP8 GEMMs through cuBLASLt (Hopper tensor cores, twice the bf16 rate): row-major
+//! `y[n, out] = (xq[n, inp] · xs[n]) · (wq[out, inp] · ws[out])ᵀ` with e4m3 weights and
+//! activations and f32 scales per output channel (`ws`) and per token (`xs`): cuBLASLt computes
+//! the unscaled product of the codes (f32 accumulation, bf16 or f32 output: a quantized lm_head)
+//! and `scale_rows_cols` (`kernels/fp8.cu`) multiplies it by both scales. (cuBLASLt's own
+//! outer-vector scaling, `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`, returned no algorithm
+//! for these shapes on an H200 with CUDA 13.0, measured 2026-12-01.) As the bf16 fast mode, the
+//! algorithm is cuBLASLt's first heuristic answer per `(n, out, inp)`, cached, with a fixed
+//! workspace (capturable into a CUDA graph).
+
+use std::collections::HashMap;
+
+use cudarc::cublaslt::sys as lt;
+
+use super::device::{DevBuf, Gpu};
+use super::error::{CudaError, CudaResultExt};
+
+/// cuBLASLt workspace.
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// One FP8 product (device addresses).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Fp8GemmArgs {
+    /// Output `[n, out]`, bf16 (f32 when `f32_out`).
+    pub y: u64,
+    /// e4m3 activations `[n, inp]`.
+    pub xq: u64,
+    /// e4m3 weight `[out, inp]`.
+    pub wq: u64,
+    pub n: usize,
+    pub out: usize,
+    pub inp: usize,
+    pub f32_out: bool,
+}
+
+/// cuBLASLt handle, the FP8 matmul descriptor, layouts and algorithms.
+pub(crate) struct Fp8Gemm {
+    handle: lt::cublasLtHandle_t,
+    desc: lt::cublasLtMatmulDesc_t,
+    ws: DevBuf,
+    /// (rows, cols, type) → layout (column-major, leading dimension = rows).
+    layouts: HashMap<(u64, u64, i32), lt::cublasLtMatrixLayout_t>,
+    algos: HashMap<(usize, usize, usize, bool), lt::cublasLtMatmulAlgo_t>,
+}
+
+// SAFETY: plain host objects used by one thread at a time (the engine thread).
+unsafe impl Send for Fp8Gemm {}
+
+fn lt_err(what: &'static str, s: lt::cublasStatus_t) -> Result<(), CudaError> {
+    s.result().op(what)
+}
+
+/// Sets one attribute of `desc` from `v`.
+fn set_desc<T>(
+    desc: lt::cublasLtMatmulDesc_t,
+    attr: lt::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> Result<(), CudaError> {
+    // SAFETY: `v` is the attribute's value of its documented size.
+    lt_err("cublasLtMatmulDescSetAttribute", unsafe {
+        lt::cublasLtMatmulDescSetAttribute(desc, attr, v as *const T as *const _, std::mem::size_of::<T>())
+    })
+}
+
+impl Fp8Gemm {
+    /// Creates the handle, the descriptor (A = weight transposed, fast accumulation) and the
+    /// workspace.
+    ///
+    /// # Errors
+    /// [`CudaError::Unavailable`] when cuBLASLt is missing; [`CudaError`] when it fails.
+    pub fn new(gpu: &Gpu) -> Result<Self, CudaError> {
+        // SAFETY: only opens the library.
+        if !unsafe { lt::is_culib_present() } {
+            return Err(CudaError::Unavailable("libcublasLt not found"));
+        }
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        lt_err("cublasLtCreate", unsafe { lt::cublasLtCreate(&mut handle) })?;
+        let mut desc = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        lt_err("cublasLtMatmulDescCreate", unsafe {
+            lt::cublasLtMatmulDescCreate(
+                &mut desc,
+                lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                lt::cudaDataType::CUDA_R_32F,
+            )
+        })?;
+        use lt::cublasLtMatmulDescAttributes_t as D;
+        let me = Self {
+            handle,
+            desc,
+            ws: DevBuf::zeroed(gpu, WORKSPACE_BYTES)?,
+            layouts: HashMap::new(),
+            algos: HashMap::new(),
+        };
+        set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &(cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T as i32))?;
+        // Hopper's fast FP8 accumulation (no periodic promotion of the tensor-core accumulator
+        // to full f32): on unless PRISM_FP8_FAST_ACCUM=0 (measured on an H200 in
+        // docs/benchmarks.md, with its accuracy).
+        let fast = i8::from(std::env::var("PRISM_FP8_FAST_ACCUM").map_or(true, |v| v != "0"));
+        set_desc(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast)?;
+        Ok(me)
+    }
+
+    fn layout(&mut self, rows: u64, cols: u64, ty: lt::cudaDataType) -> Result<lt::cublasLtMatrixLayout_t, CudaError> {
+        let key = (rows, cols, ty as i32);
+        if let Some(l) = self.layouts.get(&key) {
+            return Ok(*l);
+        }
+        let mut l = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; column-major rows × cols with ld = rows.
+        lt_err("cublasLtMatrixLayoutCreate", unsafe {
+            lt::cublasLtMatrixLayoutCreate(&mut l, ty, rows, cols, rows as i64)
+        })?;
+        self.layouts.insert(key, l);
+        Ok(l)
+    }
+
+    fn layouts_for(&mut self, a: &Fp8GemmArgs) -> Result<[lt::cublasLtMatrixLayout_t; 3], CudaError> {
+        let e4m3 = lt::cudaDataType::CUDA_R_8F_E4M3;
+        let out_t = if a.f32_out { lt::cudaDataType::CUDA_R_32F } else { lt::cudaDataType::CUDA_R_16BF };
+        Ok([
+            self.layout(a.inp as u64, a.out as u64, e4m3)?,
+            self.layout(a.inp as u64, a.n as u64, e4m3)?,
+            self.layout(a.out as u64, a.n as u64, out_t)?,
+        ])
+    }
+
+    fn heuristic(&mut self, a: &Fp8GemmArgs) -> Result<lt::cublasLtMatmulAlgo_t, CudaError> {
+        let [la, lb, ld] = self.layouts_for(a)?;
+        let mut pref = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        lt_err("cublasLtMatmulPreferenceCreate", unsafe { lt::cublasLtMatmulPreferenceCreate(&mut pref) })?;
+        let ws = WORKSPACE_BYTES as u64;
+        // SAFETY: 8-byte attribute of the preference created above.
+        let s = unsafe {
+            lt::cublasLtMatmulPreferenceSetAttribute(
+                pref,
+                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws) as *const u64 as *const _,
+                8,
+            )
+        };
+        // SAFETY: a zeroed result is a valid out-buffer.
+        let mut res: lt::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        let mut got = 0i32;
+        let q = if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            // SAFETY: valid handle, descriptor, layouts; one result slot.
+            unsafe {
+                lt::cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, la, lb, ld, ld, pref, 1, &mut res, &mut got)
+            }
+        } else {
+            s
+        };
+        // SAFETY: created above, destroyed once.
+        unsafe { lt::cublasLtMatmulPreferenceDestroy(pref) };
+        lt_err("cublasLtMatmulAlgoGetHeuristic (FP8)", q)?;
+        if got < 1 || res.state != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(CudaError::NoAlgorithm { out: a.out, inp: a.inp, detail: format!("FP8, M {}", a.n) });
+        }
+        Ok(res.algo)
+    }
+
+    /// Whether cuBLASLt has an FP8 algorithm for this shape (probed once at load; without one
+    /// the backend dequantizes the weight to bf16 for large steps).
+    pub fn supports(&mut self, n: usize, out: usize, inp: usize) -> bool {
+        let a = Fp8GemmArgs { y: 0, xq: 0, wq: 0, n, out, inp, f32_out: false };
+        self.heuristic(&a).is_ok()
+    }
+
+    /// Enqueues the unscaled product of the codes on the shard's stream (the caller applies
+    /// the activation and weight scales).
+    ///
+    /// # Errors
+    /// [`CudaError::NoAlgorithm`] when cuBLASLt has no algorithm; [`CudaError`] when it fails.
+    pub fn matmul(&mut self, gpu: &Gpu, a: &Fp8GemmArgs) -> Result<(), CudaError> {
+        let key = (a.n, a.out, a.inp, a.f32_out);
+        let algo = match self.algos.get(&key) {
+            Some(x) => *x,
+            None => {
+                let x = self.heuristic(a)?;
+                self.algos.insert(key, x);
+                x
+            }
+        };
+        let [la, lb, ld] = self.layouts_for(a)?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: the caller passes buffers of the documented shapes on this device; the
+        // workspace is ours; all on the shard's stream.
+        lt_err("cublasLtMatmul (FP8)", unsafe {
+            lt::cublasLtMatmul(
+                self.handle,
+                self.desc,
+                (&alpha) as *const f32 as *const _,
+                a.wq as *const _,
+                la,
+                a.xq as *const _,
+                lb,
+                (&beta) as *const f32 as *const _,
+                a.y as *const _,
+                ld,
+                a.y as *mut _,
+                ld,
+                &algo,
+                self.ws.ptr as *mut _,
+                WORKSPACE_BYTES,
+                gpu.stream.cu_stream() as lt::cudaStream_t,
+            )
+        })
+    }
+}
+
+impl Drop for Fp8Gemm {
+    fn drop(&mut self) {
+        // SAFETY: each object was created by this struct and is destroyed once.
+        unsafe {
+            for l in self.layouts.values() {
+                lt::cublasLtMatrixLayoutDestroy(*l);
+            }
+            lt::cublasLtMatmulDescDestroy(self.desc);
+            lt::cublasLtDestroy(self.handle);
+        }
+    }
+}
