@@ -57,6 +57,7 @@
 //! step of a shard), `runner.rs` ([`CudaBackend`]: validation, metadata, CUDA graphs),
 //! `nccl.rs` (a rank's collectives) and [`stage`] (a rank of a parallel replica).
 
+mod arch;
 pub mod attn_decode;
 pub mod attn_prefill;
 pub mod device;

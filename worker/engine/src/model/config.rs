@@ -368,6 +368,7 @@ impl ModelConfig {
         // transformers ≥ 5 writes the RoPE base and scaling under `rope_parameters`.
         let flat = hf.rope_parameters.as_ref().filter(|p| p.get("rope_theta").is_some());
         let rope_theta = flat.and_then(|p| p.get("rope_theta")?.as_f64()).map_or(hf.rope_theta, |t| t as f32);
+        // Only a scaled RoPE has a `factor` (`{"rope_type": "default", "rope_theta": ..}` is none).
         let from_params = match flat.filter(|p| p.get("factor").is_some()) {
             Some(p) => {
                 Some(RopeScaling::deserialize(p).map_err(|e| ModelError::Config(format!("rope_parameters: {e}")))?)

@@ -90,6 +90,13 @@ pub struct Kernels {
     pub fill_uniform: CudaFunction,
     pub fill_const: CudaFunction,
     pub count_neq_u16: CudaFunction,
+    /// Model-family variants (see `kernels/llama.cu`): embedding scale, q/k/v bias and per-head
+    /// q/k norm before RoPE, normed residual deltas, GeGLU, logit soft-capping.
+    pub scale_f32: CudaFunction,
+    pub qkv_prep_rope_kv_write: CudaFunction,
+    pub add_normed_rmsnorm: CudaFunction,
+    pub gelu_tanh_mul: CudaFunction,
+    pub softcap_f32: CudaFunction,
 }
 
 /// One GPU: context, stream, cuBLAS handle and kernels.
@@ -170,6 +177,11 @@ impl Gpu {
             fill_uniform: f("fill_uniform")?,
             fill_const: f("fill_const")?,
             count_neq_u16: f("count_neq_u16")?,
+            scale_f32: f("scale_f32")?,
+            qkv_prep_rope_kv_write: f("qkv_prep_rope_kv_write")?,
+            add_normed_rmsnorm: f("add_normed_rmsnorm")?,
+            gelu_tanh_mul: f("gelu_tanh_mul")?,
+            softcap_f32: f("softcap_f32")?,
         };
         let name = ctx.name().unwrap_or_else(|_| "cuda".into());
         Ok(Self { ctx, stream, blas, k, name, arch })

@@ -21,6 +21,7 @@
 
 use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg};
 
+use super::arch::ArchPlan;
 use super::attn_decode::{AttnShape, DecodeArgs, DecodeAttention};
 use super::attn_prefill::{PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq};
 use super::device::{DevBuf, GemmArgs, GemmShape, Gpu, grid_stride, per_row};
@@ -69,6 +70,9 @@ pub(crate) struct ShardModel {
     /// Per-launch events while a profiled step runs.
     pub prof: Option<Vec<(&'static str, CudaEvent)>>,
     pub d: Dims,
+    /// Per-layer RoPE tables and windows, attention scale, activation, embedding scale and
+    /// logit soft-capping (Llama: [`ArchPlan::llama`]).
+    pub plan: ArchPlan,
     pub w: DeviceWeights,
     pub s: Scratch,
     pub kv: KvCache,
@@ -142,6 +146,19 @@ fn add_rmsnorm(g: &Gpu, d: &Dims, a: &NormArgs) -> Result<(), cudarc::driver::Dr
     unsafe { b.launch(per_row(a.blocks, a.threads)) }.map(|_| ())
 }
 
+/// Enqueues the residual add + RMSNorm of [`NormArgs`], the delta first RMS-normalised with
+/// gain `delta_gain` when that is not 0 (`add_normed_rmsnorm`; Gemma 3's output norms).
+fn add_norm(g: &Gpu, d: &Dims, a: &NormArgs, delta_gain: u64) -> Result<(), cudarc::driver::DriverError> {
+    if delta_gain == 0 || a.delta == 0 {
+        return add_rmsnorm(g, d, a);
+    }
+    let (h, eps) = (d.hidden as i32, d.eps);
+    let mut b = g.stream.launch_builder(&g.k.add_normed_rmsnorm);
+    b.arg(&a.x).arg(&a.delta).arg(&delta_gain).arg(&a.gain).arg(&a.out).arg(&a.rows).arg(&h).arg(&eps);
+    // SAFETY: as add_rmsnorm; delta_gain holds `hidden` values.
+    unsafe { b.launch(per_row(a.blocks, a.threads)) }.map(|_| ())
+}
+
 /// Enqueues a zero fill of `bytes` bytes at `ptr` (capturable into a graph).
 fn zero(g: &Gpu, ptr: u64, bytes: usize) -> Result<(), CudaError> {
     // SAFETY: the caller passes a device range of at least `bytes` bytes.
@@ -157,7 +174,7 @@ impl ShardModel {
     /// [`CudaError::InvalidOption`] for a block size of 0 or a KV budget without a block;
     /// [`CudaError::Unsupported`] unless head_dim is 64 or 128 with 1, 2, 4 or 8 query heads per
     /// KV head; [`CudaError`] when a kernel, plan or allocation fails.
-    pub fn new(gpu: Gpu, w: DeviceWeights, d: Dims, inv_freq: &[f32], opts: &CudaOptions) -> Result<Self, CudaError> {
+    pub fn new(gpu: Gpu, w: DeviceWeights, d: Dims, plan: ArchPlan, opts: &CudaOptions) -> Result<Self, CudaError> {
         if opts.block_size == 0 {
             return Err(CudaError::InvalidOption { field: "block_size", message: "block_size must be >= 1".into() });
         }
@@ -170,6 +187,22 @@ impl ShardModel {
                 d.head_dim, d.q_heads, d.kv_heads
             )));
         }
+        if plan.layers.len() != w.layers.len() {
+            return Err(CudaError::Unsupported(format!(
+                "{} layer plans for {} layers",
+                plan.layers.len(),
+                w.layers.len()
+            )));
+        }
+        // q/k/v biases and q/k norms run in `qkv_prep_rope_kv_write`, which holds a QKV row in
+        // f32 shared memory.
+        let prep = w.layers.iter().any(|l| l.qkv_bias != 0 || l.q_norm != 0);
+        if prep && d.qkv_dim() * 4 > 48 * 1024 {
+            return Err(CudaError::Unsupported(format!(
+                "q/k/v bias or q/k norm with a QKV width of {} (at most 12288)",
+                d.qkv_dim()
+            )));
+        }
         let sm: u32 = gpu.arch.trim_start_matches("sm_").parse().unwrap_or(0);
         if opts.kv_cache_dtype == KvCacheDtype::Fp8 && (opts.batch_invariant || sm < 80) {
             return Err(CudaError::InvalidOption {
@@ -177,15 +210,28 @@ impl ShardModel {
                 message: "kv_cache_dtype fp8 needs the fast mode on sm_80 or newer (not batch_invariant)".into(),
             });
         }
+        // `qkv_prep_rope_kv_write` and the split-KV attention (sliding windows) write and read
+        // bf16 K/V only.
+        if opts.kv_cache_dtype == KvCacheDtype::Fp8 && (prep || plan.windowed()) {
+            return Err(CudaError::InvalidOption {
+                field: "kv_cache_dtype",
+                message: "kv_cache_dtype fp8 is not supported for models with q/k/v biases, q/k norms or \
+                          sliding-window attention; use auto"
+                    .into(),
+            });
+        }
         let t = opts.max_num_batched_tokens.max(opts.max_num_seqs).max(1);
         let r = opts.max_num_seqs.max(1);
-        let s = Scratch::new(&gpu, &d, t, r, inv_freq)?;
+        let s = Scratch::new(&gpu, &d, t, r, &plan.inv_freq_concat())?;
         // One batch-invariant GEMM algorithm per weight shape (checked on this device).
         let mut lt = LtGemm::new(&gpu)?;
         // The GEMVs need 8-element (16-byte) rows; their norm prologue keeps GEMV_MAX_M
         // activation rows in shared memory (a model too wide for it runs without them).
         let gemv_shapes_ok = d.hidden.is_multiple_of(8) && d.inter.is_multiple_of(8) && d.q_dim().is_multiple_of(8);
-        let gemv = if opts.batch_invariant || !gemv_shapes_ok {
+        // The fused GEMVs are Llama's layer: plain QKV before RoPE, SiLU, residual adds of the
+        // raw o_proj / down_proj outputs.
+        let llama_layers = !prep && !plan.gelu && w.layers.iter().all(|l| l.attn_out_norm == 0);
+        let gemv = if opts.batch_invariant || !gemv_shapes_ok || !llama_layers {
             None
         } else {
             Gemv::new(&gpu, d.hidden, w.has_fp8())
@@ -195,7 +241,8 @@ impl ShardModel {
         let gemv_max = if gemv.is_some() { opts.gemv_max_tokens.min(GEMV_MAX_M) } else { 0 };
         // The tensor-core attention kernels use bf16 mma (sm_80 and later); older GPUs keep the
         // split-KV kernel.
-        let (dattn, pattn) = if opts.batch_invariant || sm < 80 {
+        // Sliding windows: the split-KV kernel (the tensor-core pair attends over whole contexts).
+        let (dattn, pattn) = if opts.batch_invariant || sm < 80 || plan.windowed() {
             (None, None)
         } else {
             let shape = AttnShape { q_heads: d.q_heads, kv_heads: d.kv_heads, head_dim: d.head_dim };
@@ -234,6 +281,7 @@ impl ShardModel {
             last_stage: true,
             prof: None,
             d,
+            plan,
             w,
             s,
             kv,
@@ -299,7 +347,8 @@ impl ShardModel {
         let small = n <= self.gemv_max;
         let invariant = self.invariant;
         let (first_stage, last_stage) = (self.first_stage, self.last_stage);
-        let Self { comm, gpu: g, lt, gemv, s, w, kv, prof, dattn, pattn, plan_decode, plan_prefill, fp8, .. } = self;
+        let Self { comm, gpu: g, lt, gemv, s, w, kv, prof, dattn, pattn, plan_decode, plan_prefill, plan, fp8, .. } =
+            self;
         // Tensor parallelism: the all-reduce and this rank's place in its group.
         let mut tp = comm.as_mut().filter(|c| c.tp_size > 1);
         let tp_rank = tp.as_ref().map_or(0, |c| c.tp_rank);
@@ -342,11 +391,18 @@ impl ShardModel {
             b.arg(&s.x.ptr).arg(&w.embed).arg(&ids).arg(&h);
             // SAFETY: x holds n × hidden f32; ids are validated < vocab.
             unsafe { b.launch(per_row(n, 256)) }.op("embed_gather")?;
+            if let Some(es) = plan.embedding_scale {
+                let mut b = st.launch_builder(&g.k.scale_f32);
+                let len = (n * d.hidden) as u64;
+                b.arg(&s.x.ptr).arg(&len).arg(&es);
+                // SAFETY: x holds n × hidden f32.
+                unsafe { b.launch(grid_stride(n * d.hidden)) }.op("scale_f32")?;
+            }
             mark("embed")?;
         }
         let norm_threads = if d.hidden >= 2048 { 1024 } else { 256 };
         let (qh, kvh, hd, bs) = (d.q_heads as i32, d.kv_heads as i32, d.head_dim as i32, block_size as i32);
-        let scale = 1.0 / (d.head_dim as f32).sqrt();
+        let scale = plan.attention_scale;
         let group = d.q_heads / d.kv_heads;
         let attn_fn = &g.k.attention[usize::from(d.head_dim == 128) * 4 + group.trailing_zeros() as usize];
         let (n_i, inter) = (n as i32, d.inter as i32);
@@ -354,13 +410,18 @@ impl ShardModel {
         let per_launch =
             if chunks == 1 { n } else { (s.part_cap / (chunks * d.q_heads * (d.head_dim + 2))).clamp(1, n) };
         let chunks_i = chunks as i32;
+        // The previous layer's MLP output norm (applied with its residual add).
+        let mut prev_ffn_out_norm = null;
         for (li, lw) in w.layers.iter().enumerate() {
             let (kc, vc) = (kv.k[li].ptr, kv.v[li].ptr);
+            let lp = plan.layers[li];
+            let inv_freq = s.inv_freq.ptr + (lp.rope * d.head_dim / 2 * 4) as u64;
+            let window = lp.window;
             if small {
                 let rope = RopeArgs {
                     pos,
                     slots,
-                    inv_freq: s.inv_freq.ptr,
+                    inv_freq,
                     k_cache: kc,
                     v_cache: vc,
                     q_heads: qh,
@@ -394,7 +455,7 @@ impl ShardModel {
                     blocks: n,
                     threads: norm_threads,
                 };
-                add_rmsnorm(g, &d, &norm).op("add_rmsnorm")?;
+                add_norm(g, &d, &norm, prev_ffn_out_norm).op("add_rmsnorm")?;
                 mark("add_rmsnorm")?;
                 matmul(
                     g,
@@ -405,19 +466,35 @@ impl ShardModel {
                     false,
                 )?;
                 mark("gemm_qkv")?;
-                let mut b = st.launch_builder(if kv_fp8 { &g.k.rope_kv_write_fp8 } else { &g.k.rope_kv_write });
-                b.arg(&s.qkv.ptr)
-                    .arg(&pos)
-                    .arg(&slots)
-                    .arg(&s.inv_freq.ptr)
-                    .arg(&kc)
-                    .arg(&vc)
-                    .arg(&qh)
-                    .arg(&kvh)
-                    .arg(&hd);
-                // SAFETY: slots validated < num_blocks · block_size (u32::MAX = padding, skipped).
-                unsafe { b.launch(per_row(n, 128)) }.op("rope_kv_write")?;
-                mark("rope_kv_write")?;
+                if lw.qkv_bias != 0 || lw.q_norm != 0 {
+                    let mut b = st.launch_builder(&g.k.qkv_prep_rope_kv_write);
+                    b.arg(&s.qkv.ptr).arg(&lw.qkv_bias).arg(&lw.q_norm).arg(&lw.k_norm);
+                    b.arg(&pos).arg(&slots).arg(&inv_freq).arg(&kc).arg(&vc).arg(&qh).arg(&kvh).arg(&hd).arg(&d.eps);
+                    let cfg = LaunchConfig {
+                        grid_dim: (n as u32, 1, 1),
+                        block_dim: (128, 1, 1),
+                        shared_mem_bytes: (d.qkv_dim() * 4) as u32,
+                    };
+                    // SAFETY: as rope_kv_write; bias (qkv_dim) and q/k norms (head_dim) are
+                    // device tensors or 0; the shared row fits (checked in `new`).
+                    unsafe { b.launch(cfg) }.op("qkv_prep_rope_kv_write")?;
+                    mark("qkv_prep_rope_kv_write")?;
+                } else {
+                    let k = if kv_fp8 { &g.k.rope_kv_write_fp8 } else { &g.k.rope_kv_write };
+                    let mut b = st.launch_builder(k);
+                    b.arg(&s.qkv.ptr)
+                        .arg(&pos)
+                        .arg(&slots)
+                        .arg(&inv_freq)
+                        .arg(&kc)
+                        .arg(&vc)
+                        .arg(&qh)
+                        .arg(&kvh)
+                        .arg(&hd);
+                    // SAFETY: slots validated < num_blocks · block_size (u32::MAX = padding, skipped).
+                    unsafe { b.launch(per_row(n, 128)) }.op("rope_kv_write")?;
+                    mark("rope_kv_write")?;
+                }
             }
             if let (Some(da), Some(pa)) = (dattn.as_ref(), pattn.as_mut()) {
                 let (qd, qkvd) = ((d.q_dim() * 2) as u64, (d.qkv_dim() * 2) as u64);
@@ -454,7 +531,7 @@ impl ShardModel {
                 let t0_i = t0 as i32;
                 let mut b = st.launch_builder(attn_fn);
                 b.arg(&s.attn.ptr).arg(&s.part.ptr).arg(&s.qkv.ptr).arg(&kc).arg(&vc).arg(&pos).arg(&tok_bt).arg(&bts);
-                b.arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0_i);
+                b.arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0_i).arg(&window);
                 let cfg = LaunchConfig {
                     grid_dim: (cnt as u32, d.kv_heads as u32, chunks as u32),
                     block_dim: (256, 1, 1),
@@ -565,7 +642,7 @@ impl ShardModel {
                 blocks: n,
                 threads: norm_threads,
             };
-            add_rmsnorm(g, &d, &norm).op("add_rmsnorm")?;
+            add_norm(g, &d, &norm, lw.attn_out_norm).op("add_rmsnorm")?;
             mark("add_rmsnorm")?;
             matmul(
                 g,
@@ -576,7 +653,8 @@ impl ShardModel {
                 false,
             )?;
             mark("gemm_gate_up")?;
-            let mut b = st.launch_builder(&g.k.silu_mul);
+            let act_fn = if plan.gelu { &g.k.gelu_tanh_mul } else { &g.k.silu_mul };
+            let mut b = st.launch_builder(act_fn);
             b.arg(&s.act.ptr).arg(&s.gu.ptr).arg(&n_i).arg(&inter);
             // SAFETY: gu holds n × 2·inter, act n × inter.
             unsafe { b.launch(grid_stride(n * d.inter)) }.op("silu_mul")?;
@@ -594,6 +672,7 @@ impl ShardModel {
                 c.all_reduce(g, s.proj.ptr, n * d.hidden, Elem::Bf16)?;
                 mark("all_reduce")?;
             }
+            prev_ffn_out_norm = lw.ffn_out_norm;
         }
         if !last_stage {
             // The next stage gets the complete residual stream: add the last down_proj
@@ -609,7 +688,7 @@ impl ShardModel {
                     blocks: n,
                     threads: norm_threads,
                 };
-                add_rmsnorm(g, &d, &norm).op("residual_add")?;
+                add_norm(g, &d, &norm, last.ffn_out_norm).op("residual_add")?;
                 mark("residual_add")?;
             }
             return Ok(());
@@ -628,7 +707,7 @@ impl ShardModel {
                 blocks: rows,
                 threads: norm_threads,
             };
-            add_rmsnorm(g, &d, &norm).op("final_norm")?;
+            add_norm(g, &d, &norm, prev_ffn_out_norm).op("final_norm")?;
             mark("final_norm")?;
             if small {
                 gv(GemvArgs {
@@ -655,6 +734,14 @@ impl ShardModel {
                 )?;
             }
             mark("lm_head")?;
+            if let Some(cap) = plan.softcap {
+                let mut b = st.launch_builder(&g.k.softcap_f32);
+                let len = (rows * d.vocab) as u64;
+                b.arg(&s.logits.ptr).arg(&len).arg(&cap);
+                // SAFETY: logits holds rows × vocab f32.
+                unsafe { b.launch(grid_stride(rows * d.vocab)) }.op("softcap_f32")?;
+                mark("softcap")?;
+            }
         }
         Ok(())
     }

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 
 use cudarc::driver::PushKernelArg;
 
+use super::arch::ArchPlan;
 use super::device::{DevBuf, Gpu, grid_stride, per_row};
 use super::error::{CudaError, CudaResultExt};
 use super::forward::{ATTN_CHUNK, ShardModel};
@@ -105,8 +106,9 @@ impl CudaBackend {
     pub fn new(weights: LlamaWeights, config: &ModelConfig, opts: &CudaOptions) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
         let (w, d) = DeviceWeights::upload(&gpu, &weights, config, weight_format(opts)?)?;
+        let plan = ArchPlan::new(config, 0..weights.layers.len());
         drop(weights);
-        Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
+        Self::finish(gpu, w, d, plan, opts)
     }
 
     /// Loads a Hugging Face checkpoint straight from its mmapped `.safetensors` files, one
@@ -133,7 +135,7 @@ impl CudaBackend {
             weight_format_for(opts, config.quantization.is_some())?,
             progress,
         )?;
-        Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)
+        Self::finish(gpu, w, d, ArchPlan::new(config, spec.layers), opts)
     }
 
     /// One rank's part of a parallel replica, straight from the mmapped checkpoint:
@@ -158,7 +160,7 @@ impl CudaBackend {
             weight_format_for(opts, config.quantization.is_some())?,
             &|_, _| {},
         )?;
-        let mut be = Self::finish(gpu, w, d, &config.rope_inv_freq(), opts)?;
+        let mut be = Self::finish(gpu, w, d, ArchPlan::new(config, spec.layers.clone()), opts)?;
         be.m.first_stage = spec.first_stage;
         be.m.last_stage = spec.last_stage;
         Ok(be)
@@ -323,11 +325,12 @@ impl CudaBackend {
     pub fn synthetic(shape: &SyntheticShape, opts: &CudaOptions) -> Result<Self, CudaError> {
         let gpu = Gpu::new(opts.device)?;
         let (w, d) = DeviceWeights::synthetic(&gpu, shape, weight_format(opts)?)?;
-        Self::finish(gpu, w, d, &shape.inv_freq(), opts)
+        let plan = ArchPlan::llama(shape.inv_freq(), d.layers, d.head_dim);
+        Self::finish(gpu, w, d, plan, opts)
     }
 
-    fn finish(gpu: Gpu, w: DeviceWeights, d: Dims, inv_freq: &[f32], opts: &CudaOptions) -> Result<Self, CudaError> {
-        let m = ShardModel::new(gpu, w, d, inv_freq, opts)?;
+    fn finish(gpu: Gpu, w: DeviceWeights, d: Dims, plan: ArchPlan, opts: &CudaOptions) -> Result<Self, CudaError> {
+        let m = ShardModel::new(gpu, w, d, plan, opts)?;
         let (t, r) = (m.s.max_tokens, m.s.max_rows);
         let buckets: Vec<usize> = if opts.cuda_graphs {
             (0..16).map(|i| 1usize << i).take_while(|&b| b <= r.min(t)).collect()

@@ -17,25 +17,10 @@ use super::device::{DevBuf, Gpu};
 use super::error::CudaError;
 use super::fp8::Fp8Kernels;
 use super::options::{Dims, SyntheticShape};
-use crate::model::config::{ArchConfig, Architecture, ModelConfig};
+use crate::model::config::ModelConfig;
 use crate::model::error::ModelError;
 use crate::model::llama::LlamaWeights;
 use crate::model::safetensors::SafetensorsFiles;
-
-/// The CUDA kernels implement Llama's decoder recipe only: a model whose
-/// [`ArchConfig`] asks for more (biases, q/k norms, Gemma's norms and GeGLU, sliding windows,
-/// per-layer RoPE bases) is refused rather than computed wrongly.
-fn check_llama_recipe(cfg: &ModelConfig) -> Result<(), CudaError> {
-    let mut arch = cfg.arch.clone();
-    arch.architecture = Architecture::Llama;
-    if arch != ArchConfig::llama(cfg.num_hidden_layers, cfg.rope_theta) {
-        return Err(CudaError::Unsupported(format!(
-            "{} on the CUDA backend (its layers differ from Llama's); use the CPU backend",
-            cfg.arch.architecture.hf_name()
-        )));
-    }
-    Ok(())
-}
 
 /// Device addresses of one decoder layer's weights.
 pub(crate) struct LayerPtrs {
@@ -45,6 +30,15 @@ pub(crate) struct LayerPtrs {
     pub post_norm: u64,
     pub gate_up: u64,
     pub down: u64,
+    /// `[qkv_dim]` q, k, v biases (0: none).
+    pub qkv_bias: u64,
+    /// `[head_dim]` per-head q and k RMSNorm gains (0: none).
+    pub q_norm: u64,
+    pub k_norm: u64,
+    /// `[hidden]` RMSNorm gains of the attention output and of the MLP output before their
+    /// residual adds (0: none).
+    pub attn_out_norm: u64,
+    pub ffn_out_norm: u64,
     /// FP8: the f32 per-row scales of qkv, o_proj, gate_up and down (0 for bf16 weights).
     pub qkv_scale: u64,
     pub o_proj_scale: u64,
@@ -59,6 +53,32 @@ pub(crate) struct WeightFormat {
     pub fp8: bool,
     /// The lm_head in e4m3 too (its own copy when tied to the embedding).
     pub fp8_lm_head: bool,
+}
+
+/// Which of the model-family tensors every layer has beyond Llama's (the default: none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct LayerExtras {
+    /// q/k/v biases.
+    pub qkv_bias: bool,
+    /// Per-head q/k RMSNorm gains.
+    pub qk_norm: bool,
+    /// Norms of the attention and MLP outputs.
+    pub sandwich_norms: bool,
+}
+
+impl LayerExtras {
+    fn of(cfg: &ModelConfig) -> Self {
+        let a = &cfg.arch;
+        Self { qkv_bias: a.attention_bias, qk_norm: a.qk_norm, sandwich_norms: a.sandwich_norms }
+    }
+}
+
+/// Element offsets of one layer's model-family tensors ([`LayerExtras`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct ExtraOffsets {
+    qkv_bias: Option<usize>,
+    qk_norm: Option<[usize; 2]>,
+    sandwich_norms: Option<[usize; 2]>,
 }
 
 /// All weights in one device buffer.
@@ -108,21 +128,24 @@ struct Layout {
     lm_head_scale: Option<usize>,
     norm: usize,
     layers: Vec<[usize; 6]>,
+    /// Each layer's [`LayerExtras`] tensors, placed after its six Llama tensors.
+    extras: Vec<ExtraOffsets>,
     /// FP8: per layer the scales of qkv, o_proj, gate_up and down (empty for bf16).
     scales: Vec<[usize; 4]>,
 }
 
 /// `d` is the local shard's dimensions (its heads, MLP rows and layer count). The whole
 /// model's layout in bf16 is the same as it always was: embedding, lm_head (untied), norm,
-/// layers.
+/// layers; a Llama model (no [`LayerExtras`]) keeps exactly that layout.
 #[cfg(test)]
-fn layout(d: &Dims, tied: bool, first_stage: bool, last_stage: bool) -> Layout {
-    layout_as(d, tied, first_stage, last_stage, WeightFormat::default())
+fn layout(d: &Dims, tied: bool, first_stage: bool, last_stage: bool, ex: LayerExtras) -> Layout {
+    layout_as(d, tied, first_stage, last_stage, WeightFormat::default(), ex)
 }
 
 /// [`layout`] for weights stored as `f`: an FP8 matrix of `n` values takes `n` bytes, its
-/// scales 4 bytes per row, after the layers.
-fn layout_as(d: &Dims, tied: bool, first_stage: bool, last_stage: bool, f: WeightFormat) -> Layout {
+/// scales 4 bytes per row, after the layers. Each layer's [`LayerExtras`] tensors (biases and
+/// gains: never FP8) follow its six Llama tensors.
+fn layout_as(d: &Dims, tied: bool, first_stage: bool, last_stage: bool, f: WeightFormat, ex: LayerExtras) -> Layout {
     let mut at = 0usize;
     let mut take = |n: usize| {
         let o = at;
@@ -140,18 +163,23 @@ fn layout_as(d: &Dims, tied: bool, first_stage: bool, last_stage: bool, f: Weigh
         (last_stage && !tied).then(|| take(d.vocab * d.hidden))
     };
     let norm = take(d.hidden);
-    let layers = (0..d.layers)
-        .map(|_| {
-            [
-                take(d.hidden),
-                take(mat(d.qkv_dim() * d.hidden)),
-                take(mat(d.hidden * d.q_dim())),
-                take(d.hidden),
-                take(mat(2 * d.inter * d.hidden)),
-                take(mat(d.hidden * d.inter)),
-            ]
-        })
-        .collect();
+    let mut layers = Vec::with_capacity(d.layers);
+    let mut extras = Vec::with_capacity(d.layers);
+    for _ in 0..d.layers {
+        layers.push([
+            take(d.hidden),
+            take(mat(d.qkv_dim() * d.hidden)),
+            take(mat(d.hidden * d.q_dim())),
+            take(d.hidden),
+            take(mat(2 * d.inter * d.hidden)),
+            take(mat(d.hidden * d.inter)),
+        ]);
+        extras.push(ExtraOffsets {
+            qkv_bias: ex.qkv_bias.then(|| take(d.qkv_dim())),
+            qk_norm: ex.qk_norm.then(|| [take(d.head_dim), take(d.head_dim)]),
+            sandwich_norms: ex.sandwich_norms.then(|| [take(d.hidden), take(d.hidden)]),
+        });
+    }
     let scales = if f.fp8 {
         (0..d.layers)
             .map(|_| [take(2 * d.qkv_dim()), take(2 * d.hidden), take(4 * d.inter), take(2 * d.hidden)])
@@ -160,7 +188,7 @@ fn layout_as(d: &Dims, tied: bool, first_stage: bool, last_stage: bool, f: Weigh
         Vec::new()
     };
     let lm_head_scale = fp8_head.then(|| take(2 * d.vocab));
-    Layout { total: at, embed, lm_head, lm_head_scale, norm, layers, scales }
+    Layout { total: at, embed, lm_head, lm_head_scale, norm, layers, extras, scales }
 }
 
 /// Uploads bf16 matrices into their slots: as they are, or (FP8) through a bf16 staging
@@ -293,6 +321,42 @@ impl<'a> Part<'a> {
         let block = (cols != (0..shape[1])).then(|| (0..shape[0], cols));
         Self { name, shape, block }
     }
+
+    /// Elements `range` of the 1-D tensor `name [shape[0]]` (a tensor-parallel slice of a bias).
+    fn range(name: &'a str, shape: &'a [usize], range: std::ops::Range<usize>) -> Self {
+        let block = (range != (0..shape[0])).then_some((range, 0..1));
+        Self { name, shape, block }
+    }
+}
+
+/// Appends `part` of `files` to `out` as bf16; returns the bytes read.
+fn append_part(files: &SafetensorsFiles, part: &Part<'_>, out: &mut Vec<bf16>) -> Result<usize, ModelError> {
+    match (&part.block, part.shape) {
+        (None, _) => files.append_bf16(part.name, part.shape, out),
+        (Some((range, _)), [len]) => {
+            // A 1-D slice: the whole (small) tensor is read, the slice kept.
+            let start = out.len();
+            let bytes = files.append_bf16(part.name, &[*len], out)?;
+            if range.end > *len {
+                return Err(ModelError::Shard(format!("{}: range {range:?} is outside [{len}]", part.name)));
+            }
+            out.truncate(start + range.end);
+            out.drain(start..start + range.start);
+            Ok(bytes)
+        }
+        (Some((rows, cols)), shape) => {
+            files.append_bf16_block(part.name, [shape[0], shape[1]], rows.clone(), cols.clone(), out)
+        }
+    }
+}
+
+/// Adds `offset` to every value (RMSNorm gains stored as `g - 1`), rounding back to bf16.
+fn add_offset(v: &mut [bf16], offset: f32) {
+    if offset != 0.0 {
+        for x in v {
+            *x = bf16::from_f32(x.to_f32() + offset);
+        }
+    }
 }
 
 impl DeviceWeights {
@@ -306,8 +370,9 @@ impl DeviceWeights {
         let layers = l
             .layers
             .iter()
+            .zip(&l.extras)
             .enumerate()
-            .map(|(i, o)| {
+            .map(|(i, (o, x))| {
                 let sc = l.scales.get(i).map_or([0; 4], |s| s.map(p));
                 LayerPtrs {
                     input_norm: p(o[0]),
@@ -316,6 +381,11 @@ impl DeviceWeights {
                     post_norm: p(o[3]),
                     gate_up: p(o[4]),
                     down: p(o[5]),
+                    qkv_bias: x.qkv_bias.map_or(0, p),
+                    q_norm: x.qk_norm.map_or(0, |[q, _]| p(q)),
+                    k_norm: x.qk_norm.map_or(0, |[_, k]| p(k)),
+                    attn_out_norm: x.sandwich_norms.map_or(0, |[a, _]| p(a)),
+                    ffn_out_norm: x.sandwich_norms.map_or(0, |[_, f]| p(f)),
                     qkv_scale: sc[0],
                     o_proj_scale: sc[1],
                     gate_up_scale: sc[2],
@@ -354,7 +424,6 @@ impl DeviceWeights {
         format: WeightFormat,
         progress: &dyn Fn(u64, u64),
     ) -> Result<(Self, Dims), CudaError> {
-        check_llama_recipe(cfg)?;
         let tp = spec.tp_size.max(1);
         let divides = cfg.num_attention_heads.is_multiple_of(tp)
             && cfg.num_key_value_heads.is_multiple_of(tp)
@@ -376,43 +445,39 @@ impl DeviceWeights {
             eps: cfg.rms_norm_eps,
         };
         let tied = cfg.tie_word_embeddings || !files.contains("lm_head.weight");
-        let l = layout_as(&d, tied, spec.first_stage, spec.last_stage, format);
+        let ex = LayerExtras::of(cfg);
+        let l = layout_as(&d, tied, spec.first_stage, spec.last_stage, format, ex);
         let buf = DevBuf::zeroed(gpu, l.total * 2)?;
         let out = sink(gpu, &buf, &d, format)?;
         let total = files.total_bytes();
         let mut done = 0u64;
         let mut staging: Vec<bf16> = Vec::new();
-        // `q`: the scale slot and row width of a matrix FP8 quantizes.
+        // RMSNorm gains get the checkpoint's offset (`gain_offset`), matrices and biases not;
+        // `q`: the scale slot and row width of a matrix FP8 quantizes (never a bias or gain).
+        let offset = cfg.arch.norm_weight_offset;
         let mut codes: Vec<u8> = Vec::new();
         let mut scales: Vec<f32> = Vec::new();
-        let mut put = |off: usize, q: Option<(usize, usize)>, parts: &[Part<'_>]| -> Result<(), CudaError> {
-            // An FP8 checkpoint's e4m3 codes with per-tensor or per-channel scales go to an FP8
-            // slot as stored (no dequantization); anything else through bf16.
-            if let (Some((so, _)), true) = (q, out.q.is_some())
-                && let Some(n) = fp8_as_stored(files, parts, &mut codes, &mut scales)?
-            {
-                done += n;
-                out.put_codes(off, so, &codes, &scales)?;
+        let mut put =
+            |off: usize, q: Option<(usize, usize)>, parts: &[Part<'_>], gain_offset: f32| -> Result<(), CudaError> {
+                // An FP8 checkpoint's e4m3 codes with per-tensor or per-channel scales go to an FP8
+                // slot as stored (no dequantization); anything else through bf16.
+                if let (Some((so, _)), true) = (q, out.q.is_some())
+                    && let Some(n) = fp8_as_stored(files, parts, &mut codes, &mut scales)?
+                {
+                    done += n;
+                    out.put_codes(off, so, &codes, &scales)?;
+                    progress(done, total);
+                    return Ok(());
+                }
+                staging.clear();
+                for part in parts {
+                    done += append_part(files, part, &mut staging)? as u64;
+                }
+                add_offset(&mut staging, gain_offset);
+                out.put(off, q.map(|q| q.0), q.map_or(1, |q| q.1), &staging)?;
                 progress(done, total);
-                return Ok(());
-            }
-            staging.clear();
-            for part in parts {
-                done += match &part.block {
-                    None => files.append_bf16(part.name, part.shape, &mut staging)?,
-                    Some((rows, cols)) => files.append_bf16_block(
-                        part.name,
-                        [part.shape[0], part.shape[1]],
-                        rows.clone(),
-                        cols.clone(),
-                        &mut staging,
-                    )?,
-                } as u64;
-            }
-            out.put(off, q.map(|q| q.0), q.map_or(1, |q| q.1), &staging)?;
-            progress(done, total);
-            Ok(())
-        };
+                Ok(())
+            };
         let (h, v, r) = (d.hidden, d.vocab, spec.tp_rank);
         // Whole-model widths (stored shapes) and this shard's slices of them.
         let (qw, kv, iw) =
@@ -420,29 +485,28 @@ impl DeviceWeights {
         let (qs, kvs, is) =
             (r * d.q_dim()..(r + 1) * d.q_dim(), r * d.kv_dim()..(r + 1) * d.kv_dim(), r * d.inter..(r + 1) * d.inter);
         if let Some(o) = l.embed {
-            put(o, None, &[Part::whole("model.embed_tokens.weight", &[v, h])])?;
+            put(o, None, &[Part::whole("model.embed_tokens.weight", &[v, h])], 0.0)?;
         }
         if let Some(o) = l.lm_head {
             let name = if tied { "model.embed_tokens.weight" } else { "lm_head.weight" };
-            put(o, l.lm_head_scale.map(|s| (s, h)), &[Part::whole(name, &[v, h])])?;
+            put(o, l.lm_head_scale.map(|s| (s, h)), &[Part::whole(name, &[v, h])], 0.0)?;
         }
         if spec.last_stage {
-            put(l.norm, None, &[Part::whole("model.norm.weight", &[h])])?;
+            put(l.norm, None, &[Part::whole("model.norm.weight", &[h])], offset)?;
         }
-        for (i, (li, o)) in spec.layers.clone().zip(&l.layers).enumerate() {
+        // Gemma 3 names its norm before the MLP `pre_feedforward_layernorm` and uses
+        // `post_attention_layernorm` for the norm of the attention output.
+        let ffn_norm = if ex.sandwich_norms { "pre_feedforward_layernorm" } else { "post_attention_layernorm" };
+        let hd = cfg.head_dim;
+        for (i, ((li, o), x)) in spec.layers.clone().zip(&l.layers).zip(&l.extras).enumerate() {
             let sc = l.scales.get(i).copied();
             let q = |k: usize, cols: usize| sc.map(|s| (s[k], cols));
             let n = |t: &str| format!("model.layers.{li}.{t}.weight");
             let (ln1, qn, kn, vn) =
                 (n("input_layernorm"), n("self_attn.q_proj"), n("self_attn.k_proj"), n("self_attn.v_proj"));
-            let (on, ln2, gn, un, dn) = (
-                n("self_attn.o_proj"),
-                n("post_attention_layernorm"),
-                n("mlp.gate_proj"),
-                n("mlp.up_proj"),
-                n("mlp.down_proj"),
-            );
-            put(o[0], None, &[Part::whole(&ln1, &[h])])?;
+            let (on, ln2, gn, un, dn) =
+                (n("self_attn.o_proj"), n(ffn_norm), n("mlp.gate_proj"), n("mlp.up_proj"), n("mlp.down_proj"));
+            put(o[0], None, &[Part::whole(&ln1, &[h])], offset)?;
             put(
                 o[1],
                 q(0, h),
@@ -451,11 +515,33 @@ impl DeviceWeights {
                     Part::rows(&kn, &[kv, h], kvs.clone()),
                     Part::rows(&vn, &[kv, h], kvs.clone()),
                 ],
+                0.0,
             )?;
-            put(o[2], q(1, d.q_dim()), &[Part::cols(&on, &[h, qw], qs.clone())])?;
-            put(o[3], None, &[Part::whole(&ln2, &[h])])?;
-            put(o[4], q(2, h), &[Part::rows(&gn, &[iw, h], is.clone()), Part::rows(&un, &[iw, h], is.clone())])?;
-            put(o[5], q(3, d.inter), &[Part::cols(&dn, &[h, iw], is.clone())])?;
+            put(o[2], q(1, d.q_dim()), &[Part::cols(&on, &[h, qw], qs.clone())], 0.0)?;
+            put(o[3], None, &[Part::whole(&ln2, &[h])], offset)?;
+            let gu = [iw, h];
+            put(o[4], q(2, h), &[Part::rows(&gn, &gu, is.clone()), Part::rows(&un, &gu, is.clone())], 0.0)?;
+            put(o[5], q(3, d.inter), &[Part::cols(&dn, &[h, iw], is.clone())], 0.0)?;
+            let b = |t: &str| format!("model.layers.{li}.self_attn.{t}_proj.bias");
+            if let Some(ob) = x.qkv_bias {
+                let (bq, bk, bv) = (b("q"), b("k"), b("v"));
+                let (sq, skv) = ([qw], [kv]);
+                let parts = [
+                    Part::range(&bq, &sq, qs.clone()),
+                    Part::range(&bk, &skv, kvs.clone()),
+                    Part::range(&bv, &skv, kvs.clone()),
+                ];
+                put(ob, None, &parts, 0.0)?;
+            }
+            if let Some([oq, ok]) = x.qk_norm {
+                // Per-head gains: the same on every tensor-parallel rank.
+                put(oq, None, &[Part::whole(&n("self_attn.q_norm"), &[hd])], offset)?;
+                put(ok, None, &[Part::whole(&n("self_attn.k_norm"), &[hd])], offset)?;
+            }
+            if let Some([oa, of]) = x.sandwich_norms {
+                put(oa, None, &[Part::whole(&n("post_attention_layernorm"), &[h])], offset)?;
+                put(of, None, &[Part::whole(&n("post_feedforward_layernorm"), &[h])], offset)?;
+            }
         }
         gpu.sync()?;
         drop(out);
@@ -473,7 +559,6 @@ impl DeviceWeights {
         cfg: &ModelConfig,
         format: WeightFormat,
     ) -> Result<(Self, Dims), CudaError> {
-        check_llama_recipe(cfg)?;
         let first = w.layers.first().ok_or_else(|| CudaError::Unsupported("model has no layers".into()))?;
         let hd = cfg.head_dim;
         let d = Dims {
@@ -486,7 +571,18 @@ impl DeviceWeights {
             layers: w.layers.len(),
             eps: cfg.rms_norm_eps,
         };
-        let l = layout_as(&d, w.lm_head.is_none(), true, true, format);
+        let first_extras = LayerExtras {
+            qkv_bias: first.qkv_bias.is_some(),
+            qk_norm: first.qk_norm.is_some(),
+            sandwich_norms: first.sandwich_norms.is_some(),
+        };
+        if w.layers.iter().any(|lw| {
+            (lw.qkv_bias.is_some(), lw.qk_norm.is_some(), lw.sandwich_norms.is_some())
+                != (first_extras.qkv_bias, first_extras.qk_norm, first_extras.sandwich_norms)
+        }) {
+            return Err(CudaError::Unsupported("layers differ in their biases or norms".into()));
+        }
+        let l = layout_as(&d, w.lm_head.is_none(), true, true, format, first_extras);
         let buf = DevBuf::zeroed(gpu, l.total * 2)?;
         let out = sink(gpu, &buf, &d, format)?;
         let mut staging: Vec<bf16> = Vec::new();
@@ -518,6 +614,23 @@ impl DeviceWeights {
             put(o[4], q(2, h), &[&lw.gate_proj.to_f32(), &lw.up_proj.to_f32()])?;
             put(o[5], q(3, d.inter), &[&lw.down_proj.to_f32()])?;
         }
+        // The host weights' gains already include the checkpoint's norm offset.
+        for (x, lw) in l.extras.iter().zip(&w.layers) {
+            if let (Some(o), Some([bq, bk, bv])) = (x.qkv_bias, &lw.qkv_bias) {
+                if bq.len() != d.q_dim() || bk.len() != d.kv_dim() || bv.len() != d.kv_dim() {
+                    return Err(CudaError::Unsupported("q/k/v bias lengths do not match the weights".into()));
+                }
+                put(o, None, &[bq, bk, bv])?;
+            }
+            if let (Some([oq, ok]), Some([gq, gk])) = (x.qk_norm, &lw.qk_norm) {
+                put(oq, None, &[gq])?;
+                put(ok, None, &[gk])?;
+            }
+            if let (Some([oa, of]), Some([ga, gf])) = (x.sandwich_norms, &lw.sandwich_norms) {
+                put(oa, None, &[ga])?;
+                put(of, None, &[gf])?;
+            }
+        }
         gpu.sync()?;
         drop(out);
         Ok((Self::from_layout(buf, &l), d))
@@ -530,7 +643,7 @@ impl DeviceWeights {
     /// [`CudaError`] on allocation or launch failure.
     pub fn synthetic(gpu: &Gpu, s: &SyntheticShape, format: WeightFormat) -> Result<(Self, Dims), CudaError> {
         let d = s.dims();
-        let l = layout_as(&d, false, true, true, format);
+        let l = layout_as(&d, false, true, true, format, LayerExtras::default());
         let buf = DevBuf::zeroed(gpu, l.total * 2)?;
         let out = sink(gpu, &buf, &d, format)?;
         let scale = 0.02 * 3f32.sqrt();
@@ -561,60 +674,10 @@ impl DeviceWeights {
             gpu.fill_const(buf.ptr + (o[3] * 2) as u64, d.hidden, 1.0)?;
         }
         gpu.sync()?;
-        gpu.sync()?;
         drop(out);
         Ok((Self::from_layout(buf, &l), d))
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn dims(layers: usize) -> Dims {
-        Dims { hidden: 64, q_heads: 4, kv_heads: 2, head_dim: 16, inter: 96, vocab: 100, layers, eps: 1e-5 }
-    }
-
-    /// Offsets rounded to 128 elements (256 bytes), as `layout` places them.
-    fn up(n: usize) -> usize {
-        n.div_ceil(128) * 128
-    }
-
-    #[test]
-    fn the_whole_model_keeps_its_layout_and_stages_hold_only_their_tensors() {
-        let d = dims(2);
-        let (emb, norm) = (up(100 * 64), up(64));
-        let layer = up(64) + up(d.qkv_dim() * 64) + up(64 * d.q_dim()) + up(64) + up(2 * 96 * 64) + up(64 * 96);
-        // Whole model, untied: embedding, lm_head, norm, then the layers in order.
-        let l = layout(&d, false, true, true);
-        assert_eq!((l.embed, l.lm_head, l.norm), (Some(0), Some(emb), 2 * emb));
-        assert_eq!(l.layers[0][0], 2 * emb + norm);
-        assert_eq!(l.layers[1][0], 2 * emb + norm + layer);
-        assert_eq!(l.total, 2 * emb + norm + 2 * layer);
-        // Tied: no lm_head slot (the embedding serves).
-        let l = layout(&d, true, true, true);
-        assert_eq!((l.embed, l.lm_head, l.norm), (Some(0), None, emb));
-        // A middle stage: neither the embedding nor an lm_head.
-        let l = layout(&d, false, false, false);
-        assert_eq!((l.embed, l.lm_head, l.total), (None, None, norm + 2 * layer));
-        // The last stage of a tied model holds the embedding as its lm_head; untied, the lm_head.
-        assert_eq!(layout(&d, true, false, true).embed, Some(0));
-        let l = layout(&d, false, false, true);
-        assert_eq!((l.embed, l.lm_head), (None, Some(0)));
-        // The first stage of an untied model: the embedding, no lm_head.
-        let l = layout(&d, false, true, false);
-        assert_eq!((l.embed, l.lm_head), (Some(0), None));
-    }
-
-    #[test]
-    fn the_full_spec_is_every_layer_on_one_rank() {
-        let s = ShardSpec::full(30);
-        assert_eq!(s, ShardSpec { tp_rank: 0, tp_size: 1, layers: 0..30, first_stage: true, last_stage: true });
-        // A whole-tensor part reads the tensor as stored; a partial one reads a block.
-        assert!(Part::rows("w", &[8, 4], 0..8).block.is_none());
-        assert_eq!(Part::rows("w", &[8, 4], 2..4).block, Some((2..4, 0..4)));
-        assert!(Part::cols("w", &[8, 4], 0..4).block.is_none());
-        assert_eq!(Part::cols("w", &[8, 4], 1..3).block, Some((0..8, 1..3)));
-        assert!(Part::whole("n", &[8]).block.is_none());
-    }
-}
+mod tests;

@@ -129,10 +129,13 @@ extern "C" __global__ void rope_kv_write_fp8(bf16* qkv, const u32* pos, const u3
 // dims. tok_bt[t]: offset in bts of token t's block table.
 template <int EPL, int G>
 __device__ void attn_impl(bf16* out, float* part, const bf16* qkv, const bf16* kc, const bf16* vc, const u32* pos,
-                          const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
+                          const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0,
+                          int window) {
     const int hd = EPL * 32;
     int tr = blockIdx.x, t = t0 + tr, g = blockIdx.y, z = blockIdx.z, S = gridDim.z;
     int L = (int)pos[t] + 1;
+    // Sliding window: positions before `lo` are masked (never loaded).
+    int lo = window > 0 ? max(0, L - window) : 0;
     int p_begin = z * ATTN_CHUNK;
     if (p_begin >= L) return;
     int p_end = min(L, p_begin + ATTN_CHUNK);
@@ -154,11 +157,14 @@ __device__ void attn_impl(bf16* out, float* part, const bf16* qkv, const bf16* k
     }
     const u32* bt = bts + tok_bt[t];
     for (int p0 = p_begin + w * ATTN_UNROLL; p0 < p_end; p0 += ATTN_WARPS * ATTN_UNROLL) {
+        // Wholly before the window: skipped, so a warp (or chunk) with nothing to attend keeps
+        // m = -inf, l = 0 and drops out of the merges.
+        if (p0 + ATTN_UNROLL <= lo) continue;
         float k[ATTN_UNROLL][EPL], v[ATTN_UNROLL][EPL];
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; u++) {
             int p = p0 + u;
-            if (p < p_end) {
+            if (p < p_end && p >= lo) {
                 u64 slot = (u64)bt[p / bs] * bs + (p % bs);
                 const bf16* kp = kc + slot * kvd + (u64)g * hd + lane * EPL;
                 const bf16* vp = vc + slot * kvd + (u64)g * hd + lane * EPL;
@@ -185,7 +191,7 @@ __device__ void attn_impl(bf16* out, float* part, const bf16* qkv, const bf16* k
 #pragma unroll
                     for (int e = 0; e < EPL; e++) d += q[gi][e] * k[u][e];
                     d = warp_sum(d);
-                    s[u] = (p0 + u < p_end) ? d : NEG_INF;
+                    s[u] = (p0 + u < p_end && p0 + u >= lo) ? d : NEG_INF;
                     mx = fmaxf(mx, s[u]);
                 }
                 float corr = __expf(m[gi] - mx);
@@ -240,43 +246,43 @@ __device__ void attn_impl(bf16* out, float* part, const bf16* qkv, const bf16* k
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g1(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
-    attn_impl<2, 1>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
+    attn_impl<2, 1>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g2(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
-    attn_impl<2, 2>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
+    attn_impl<2, 2>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g4(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
-    attn_impl<2, 4>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
+    attn_impl<2, 4>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd64_g8(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
-    attn_impl<2, 8>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
+    attn_impl<2, 8>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g1(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
-    attn_impl<4, 1>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
+    attn_impl<4, 1>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g2(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
-    attn_impl<4, 2>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
+    attn_impl<4, 2>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g4(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
-    attn_impl<4, 4>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
+    attn_impl<4, 4>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
 }
 
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g8(bf16* out, float* part, const bf16* qkv,
-        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0) {
-    attn_impl<4, 8>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0);
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
+    attn_impl<4, 8>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
 }
 
 // Folds the context chunks of paged attention in chunk order (a left fold starting from chunk
@@ -292,7 +298,8 @@ extern "C" __global__ void attn_combine(bf16* out, const float* part, const u32*
         const float* pz = pp + z * (hd + 2);
         float Mz = pz[0];
         float Mn = fmaxf(M, Mz);
-        float a = __expf(M - Mn), b = __expf(Mz - Mn);
+        // A chunk wholly before a sliding window has den 0 (and M = -inf): weight 0.
+        float a = den > 0.f ? __expf(M - Mn) : 0.f, b = pz[1] > 0.f ? __expf(Mz - Mn) : 0.f;
         den = den * a + pz[1] * b;
         num = num * a + pz[2 + d] * b;
         M = Mn;
@@ -384,4 +391,107 @@ extern "C" __global__ void fill_uniform(bf16* p, u64 n, u32 seed, float scale) {
 // p[i] = v. Grid-stride.
 extern "C" __global__ void fill_const(bf16* p, u64 n, float v) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) p[i] = f2bf(v);
+}
+
+// ---- Model-family variants (Qwen2, Qwen3, Mistral, Gemma 3); the Llama path never runs these.
+
+// x[i] *= s over n values (Gemma's embedding scale). Grid-stride.
+extern "C" __global__ void scale_f32(float* x, u64 n, float s) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) x[i] *= s;
+}
+
+// rope_kv_write with, first, the q/k/v bias added (bias: [qkv_dim] or null) and a per-head
+// RMSNorm of every q and k head (qn, kn: [hd] gains, or null), in f32 in dynamic shared memory
+// (qkv_dim floats). Grid: n tokens.
+extern "C" __global__ void qkv_prep_rope_kv_write(bf16* qkv, const bf16* bias, const bf16* qn, const bf16* kn,
+                                                  const u32* pos, const u32* slots, const float* inv_freq, bf16* kc,
+                                                  bf16* vc, int qh, int kvh, int hd, float eps) {
+    extern __shared__ float rs[];
+    int t = blockIdx.x;
+    int half = hd / 2;
+    int qkv_dim = (qh + 2 * kvh) * hd;
+    bf16* row = qkv + (u64)t * qkv_dim;
+    for (int i = threadIdx.x; i < qkv_dim; i += blockDim.x) {
+        float v = bf2f(row[i]);
+        // The projection (with its bias) is a bf16 tensor, as in the reference.
+        rs[i] = bias ? bf2f(f2bf(v + bf2f(bias[i]))) : v;
+    }
+    __syncthreads();
+    if (qn) {
+        int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+        for (int head = threadIdx.x >> 5; head < qh + kvh; head += nw) {
+            float* hp = rs + head * hd;
+            const bf16* gain = head < qh ? qn : kn;
+            float ss = 0.f;
+            for (int j = lane; j < hd; j += 32) ss += hp[j] * hp[j];
+            ss = warp_sum(ss);
+            float inv = rsqrtf(ss / (float)hd + eps);
+            for (int j = lane; j < hd; j += 32) hp[j] = bf2f(f2bf(hp[j] * inv * bf2f(gain[j])));
+        }
+        __syncthreads();
+    }
+    float p = (float)pos[t];
+    for (int i = threadIdx.x; i < (qh + kvh) * half; i += blockDim.x) {
+        int head = i / half, j = i % half;
+        float s, c;
+        sincosf(p * inv_freq[j], &s, &c);
+        float* hp = rs + head * hd;
+        float x1 = hp[j], x2 = hp[j + half];
+        row[head * hd + j] = f2bf(x1 * c - x2 * s);
+        row[head * hd + j + half] = f2bf(x2 * c + x1 * s);
+    }
+    for (int i = (qh + kvh) * hd + threadIdx.x; i < qkv_dim; i += blockDim.x) row[i] = f2bf(rs[i]);
+    __syncthreads();
+    if (slots[t] == 0xffffffffu) return;  // padding token of a CUDA-graph bucket
+    u64 slot = slots[t];
+    int kvd = kvh * hd;
+    for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
+        kc[slot * kvd + i] = row[qh * hd + i];
+        vc[slot * kvd + i] = row[(qh + kvh) * hd + i];
+    }
+}
+
+// add_rmsnorm whose delta is RMS-normalised first (Gemma 3's norms of the attention and MLP
+// outputs): x[r] += bf16(delta[r] / rms(delta[r]) * dgain); out[b] = bf16(x[r] / rms(x[r]) * gain).
+extern "C" __global__ void add_normed_rmsnorm(float* x, const bf16* delta, const bf16* dgain, const bf16* gain,
+                                              bf16* out, const u32* rows, int h, float eps) {
+    int b = blockIdx.x;
+    int r = rows ? (int)rows[b] : b;
+    float* xr = x + (u64)r * h;
+    const bf16* dr = delta + (u64)r * h;
+    float ds = 0.f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        float v = bf2f(dr[i]);
+        ds += v * v;
+    }
+    ds = block_sum(ds);
+    float dinv = rsqrtf(ds / (float)h + eps);
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        float v = xr[i] + bf2f(f2bf(bf2f(dr[i]) * dinv * bf2f(dgain[i])));
+        xr[i] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    float inv = rsqrtf(ss / (float)h + eps);
+    bf16* o = out + (u64)b * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) o[i] = f2bf(xr[i] * inv * bf2f(gain[i]));
+}
+
+// act[t, i] = gelu_tanh(gu[t, i]) * gu[t, inter + i] (GeGLU). Grid-stride over n * inter.
+extern "C" __global__ void gelu_tanh_mul(bf16* act, const bf16* gu, int n, int inter) {
+    u64 total = (u64)n * inter;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        u64 t = i / inter, j = i % inter;
+        float g = bf2f(gu[t * 2 * inter + j]);
+        float u = bf2f(gu[t * 2 * inter + inter + j]);
+        float ge = 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+        act[i] = f2bf(ge * u);
+    }
+}
+
+// p[i] = cap * tanh(p[i] / cap) (final logit soft-capping). Grid-stride.
+extern "C" __global__ void softcap_f32(float* p, u64 n, float cap) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        p[i] = cap * tanhf(p[i] / cap);
 }
