@@ -14,6 +14,18 @@ use prism_tests::{PrismUp, model, workspace_root};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn structured_outputs_and_tools_through_the_openai_client() -> Result<()> {
+    run_script(false).await
+}
+
+/// The 50-subject JSON-schema sweep, streamed and not. Open: one subject still ends with
+/// `length` instead of a complete object on the bundled model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "open: one of 50 subjects ends with finish_reason length"]
+async fn json_schema_outputs_for_50_subjects_validate() -> Result<()> {
+    run_script(true).await
+}
+
+async fn run_script(sweep: bool) -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let python = tokio::task::spawn_blocking(setup_venv).await??;
     let up = PrismUp::start(&model, &["--served-model-name", "smollm2"]).await?;
@@ -22,6 +34,7 @@ async fn structured_outputs_and_tools_through_the_openai_client() -> Result<()> 
     let out = tokio::process::Command::new(&python)
         .arg(&script)
         .args(["--base-url", &base, "--model", "smollm2"])
+        .env("PRISM_STRUCTURED_50", if sweep { "1" } else { "0" })
         .output()
         .await
         .with_context(|| format!("running {}", script.display()))?;
