@@ -18,19 +18,18 @@ Usage: python3 scripts/gpu/hf_arch_reference.py OUT_DIR [--device cuda]
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "reference"))
+from hf_arch_models import f32_and_bf16_logits  # noqa: E402
+
 FIXTURES = ROOT / "tests" / "fixtures" / "arch"
 NAMES = ["qwen2", "qwen3", "mistral", "gemma3"]
-
-
-@torch.no_grad()
-def logits(model, ids, device):
-    return model(torch.tensor([ids], device=device), use_cache=False).logits[0, -1].float().cpu()
 
 
 def main():
@@ -42,13 +41,7 @@ def main():
         src = FIXTURES / name
         fixture = json.loads((src / "reference.json").read_text())
         prompts = fixture["prompts"]
-        rows = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            m = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="eager").to(a.device)
-            m.eval()
-            rows[dtype] = [logits(m, p, a.device) for p in prompts]
-        f32, bf = rows[torch.float32], rows[torch.bfloat16]
-        e_hf = max(float((x - y).abs().max()) for x, y in zip(f32, bf))
+        f32, bf, e_hf = f32_and_bf16_logits(AutoModelForCausalLM, src, prompts, a.device)
         margins = [float(r.topk(2).values[0] - r.topk(2).values[1]) for r in f32]
         out = Path(a.out_dir) / name
         out.mkdir(parents=True, exist_ok=True)

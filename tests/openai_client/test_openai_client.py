@@ -23,38 +23,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
-import traceback
 
 import openai
+
+from checks import Check, eq
 
 PROMPT = "The capital of France is"
 QUESTION = "What is the capital of France?"
 MAX_TOKENS = 12
-
-
-class Check:
-    """Collects named checks; a failing check records its traceback and the run continues."""
-
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-        self.passed = 0
-
-    def run(self, name: str, fn, *args) -> None:
-        started = time.monotonic()
-        try:
-            fn(*args)
-        except Exception:  # noqa: BLE001 - every failure is reported, then the run fails
-            self.failures.append(name)
-            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
-            return
-        self.passed += 1
-        print(f"ok   {name} ({time.monotonic() - started:.2f}s)", flush=True)
-
-
-def eq(got, want, what: str) -> None:
-    if got != want:
-        raise AssertionError(f"{what}: got {got!r}, want {want!r}")
 
 
 def check_usage(usage, what: str, max_tokens: int | None = None, completion: int | None = None) -> None:

@@ -28,13 +28,13 @@ import argparse
 import json
 import re
 import sys
-import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal
 
 import openai
 from pydantic import BaseModel, Field, StringConstraints
+
+from checks import Check, eq
 
 SUBJECTS = [
     "a retired sailor", "a young chess prodigy", "a baker from Lyon", "an astronaut", "a jazz pianist",
@@ -76,28 +76,6 @@ TOOLS = [
                                       "parameters": Add.model_json_schema()}},
 ]
 ARGS = {"get_weather": Weather, "add": Add}
-
-
-class Check:
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-        self.passed = 0
-
-    def run(self, name: str, fn, *args) -> None:
-        started = time.monotonic()
-        try:
-            fn(*args)
-        except Exception:  # noqa: BLE001 - every failure is reported, then the run fails
-            self.failures.append(name)
-            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
-            return
-        self.passed += 1
-        print(f"ok   {name} ({time.monotonic() - started:.2f}s)", flush=True)
-
-
-def eq(got, want, what: str) -> None:
-    if got != want:
-        raise AssertionError(f"{what}: got {got!r}, want {want!r}")
 
 
 def person_format() -> dict:

@@ -43,87 +43,20 @@ import gguf
 import numpy as np
 import torch
 import transformers
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
-ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER = ROOT / "tests" / "fixtures" / "hf-tiny"
+from hf_arch_models import BOS, EOS, ROOT, TOKENIZER, Shape, last_logits, models, randomize
+
 SEED = 20261201
-VOCAB = 272
-BOS, EOS = 256, 257
-WINDOW = 8
 SHORT_LEN, LONG_LEN = 5, 29
 DECODE_STEPS = 4
-
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    bos_token_id=BOS,
-    eos_token_id=EOS,
-    pad_token_id=None,
-)
-
-
-def models():
-    """(name, model class, config) of each fixture."""
-    yield "qwen2", Qwen2ForCausalLM, Qwen2Config(
-        **COMMON, num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=True)
-    yield "qwen3", Qwen3ForCausalLM, Qwen3Config(
-        **COMMON, num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=False)
-    yield "mistral", MistralForCausalLM, MistralConfig(
-        **COMMON, num_hidden_layers=2, sliding_window=WINDOW,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}, tie_word_embeddings=False)
-    # Layers 0, 1, 3 local (window, base 10 000), layer 2 global (full, base 1 000 000);
-    # query_pre_attn_scalar differs from head_dim so the scale is checked.
-    yield "gemma3", Gemma3ForCausalLM, Gemma3TextConfig(
-        **COMMON, num_hidden_layers=4, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
-        query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
-        final_logit_softcapping=None, attn_logit_softcapping=None)
-
-
-def randomize(model, gen, gemma):
-    """Seeded normal weights: matrices std 0.2, biases 0.1; norm gains 1 + 0.2·N (Gemma: the
-    stored w of x̂·(1 + w) is 0.2·N); rounded to bf16 values."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if "norm" in name:
-                v = 0.2 * r + (0.0 if gemma else 1.0)
-            elif name.endswith(".bias"):
-                v = 0.1 * r
-            else:
-                v = 0.2 * r
-            p.copy_(v.to(torch.bfloat16).to(torch.float32))
+# query_pre_attn_scalar differs from head_dim so Gemma 3's scale is checked.
+SHAPE = Shape(hidden_size=32, intermediate_size=64, head_dim=16, max_position_embeddings=256, layers=2, window=8,
+              query_pre_attn_scalar=24, final_logit_softcapping=None, matrix_std=0.2)
 
 
 def prompts(gen):
     body = lambda n: [BOS] + torch.randint(0, 256, (n - 1,), generator=gen).tolist()  # noqa: E731
     return [body(SHORT_LEN), body(LONG_LEN)]
-
-
-@torch.no_grad()
-def last_logits(model, ids, device):
-    out = model(torch.tensor([ids], device=device), use_cache=False)
-    return out.logits[0, -1].float().cpu()
 
 
 @torch.no_grad()
@@ -248,7 +181,7 @@ def build(name, cls, cfg, out_root, device):
     gen = torch.Generator().manual_seed(SEED + sum(map(ord, name)))
     cfg._attn_implementation = "eager"
     model = cls(cfg).to(torch.float32)
-    randomize(model, gen, gemma=name == "gemma3")
+    randomize(model, gen, gemma=name == "gemma3", matrix_std=SHAPE.matrix_std)
     model.eval()
     out = out_root / name
     if out.exists():
@@ -272,7 +205,7 @@ def build(name, cls, cfg, out_root, device):
         "logits": [row.tolist() for row in logits],
         "greedy": [int(row.argmax()) for row in logits],
         "decode_logits": decode(model, ps[1], DECODE_STEPS, device),
-        "window": WINDOW,
+        "window": SHAPE.window,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "device": device,
     }
@@ -289,7 +222,7 @@ def main():
     torch.manual_seed(SEED)
     out_root = Path(a.out_root)
     out_root.mkdir(parents=True, exist_ok=True)
-    for name, cls, cfg in models():
+    for name, cls, cfg in models(SHAPE):
         build(name, cls, cfg, out_root, a.device)
 
 

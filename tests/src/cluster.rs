@@ -535,9 +535,7 @@ impl Cluster {
     pub async fn wait_ready(&self, n: usize, timeout: Duration) -> Result<()> {
         eventually(timeout, "replicas Ready at the head", || async {
             let st = self.status().await?;
-            if let Some(f) = st.replicas.iter().find(|r| r.state == ReplicaState::Failed as i32) {
-                bail!("replica {} failed: {}", f.replica_id, f.reason);
-            }
+            no_failed_replica(&st)?;
             let ready = st.replicas.iter().filter(|r| r.state == ReplicaState::Ready as i32).count();
             Ok((ready == n).then_some(()))
         })
@@ -547,6 +545,23 @@ impl Cluster {
         }
         eventually(ROUTES_TIMEOUT, "router lists the replicas", || async {
             Ok((self.router_ready_replicas().await? == n as u32).then_some(()))
+        })
+        .await
+    }
+
+    /// Waits until the first router's ready replicas of the served model names in `served` add
+    /// up to one per name (one single-replica deployment each).
+    ///
+    /// # Errors
+    /// On timeout, or at once when a replica is Failed at the head.
+    pub async fn wait_listed(&self, served: &[&str], timeout: Duration) -> Result<()> {
+        eventually(timeout, "the router lists each model's replica", || async {
+            no_failed_replica(&self.status().await?)?;
+            let mut listed = 0;
+            for name in served {
+                listed += router_ready_replicas(self.grpc(), name).await?;
+            }
+            Ok((listed as usize == served.len()).then_some(()))
         })
         .await
     }
@@ -733,4 +748,12 @@ impl Cluster {
     pub fn with_logs<T>(&self, result: Result<T>) -> Result<T> {
         result.map_err(|e| anyhow::anyhow!("{e:#}\n{}", self.logs()))
     }
+}
+
+/// Fails naming the first Failed replica of `status`, with its reason.
+fn no_failed_replica(status: &ClusterStatusResponse) -> Result<()> {
+    if let Some(f) = status.replicas.iter().find(|r| r.state == ReplicaState::Failed as i32) {
+        bail!("replica {} failed: {}", f.replica_id, f.reason);
+    }
+    Ok(())
 }

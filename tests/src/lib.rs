@@ -10,6 +10,8 @@
 //! - clients: greedy gRPC streams ([`stream`]), checked closed-loop load ([`Load`]), the
 //!   OpenAI HTTP API ([`post_json`], [`post_sse`]), the model's greedy reference
 //!   ([`check_reference_greedy`]), Prometheus text ([`metric_sum`], [`metric_value`]).
+//! - Python: the venvs of the `setup.sh` scripts ([`venv_python`], [`openai_venv`]) and the
+//!   OpenAI-client scripts run against a [`PrismUp`] ([`run_openai_script`]).
 //! - paths and polling: [`bin_path`], [`model`], [`free_port`], [`wait_until`],
 //!   [`poll_until`], [`eventually`]. Nothing here sleeps for readiness: everything polls
 //!   with a deadline.
@@ -22,6 +24,7 @@ pub mod metrics;
 pub mod paths;
 pub mod process;
 pub mod proxy;
+pub mod python;
 pub mod ranks;
 pub mod up;
 pub mod wait;
@@ -38,6 +41,7 @@ pub use metrics::{metric_sum, metric_value, quantile};
 pub use paths::{GEMMA_FILE, MODEL_FILE, bin_path, gemma_model, model, workspace_root};
 pub use process::{Process, ProcessGuard, alive, descendants};
 pub use proxy::TcpProxy;
+pub use python::{OPENAI_SETUP, openai_venv, run_openai_script, venv_python};
 pub use ranks::{RankProcess, rank_groups, rank_processes, signal_pid};
 pub use up::{PrismUp, UpEndpoints};
 pub use wait::{eventually, free_port, poll_until, wait_until};

@@ -11,12 +11,11 @@
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
 use anyhow::{Context, Result, ensure};
-use prism_common::proto::v1 as pb;
 use prism_engine::ChatMessage;
 use prism_engine::codec::{ModelCodec, TextCodec};
 use prism_engine::model::gguf::{GgufFile, GgufValue};
 use prism_engine::model::{ChatTemplate, Tokenizer};
-use prism_tests::{Cluster, Deployment, SERVED, eventually, model, post_json, router_ready_replicas};
+use prism_tests::{Cluster, Deployment, SERVED, model, post_json};
 use serde_json::json;
 use std::path::Path;
 use std::time::Duration;
@@ -58,17 +57,7 @@ async fn chat_content_cannot_inject_special_tokens_through_the_router() -> Resul
     LEGACY.clone_into(&mut legacy.name);
     let outcome = async {
         cluster.deploy(&legacy)?;
-        eventually(Duration::from_secs(120), "the router lists both deployments' replicas", || async {
-            let st = cluster.status().await?;
-            if let Some(f) = st.replicas.iter().find(|r| r.state == pb::ReplicaState::Failed as i32) {
-                anyhow::bail!("replica {} failed: {}", f.replica_id, f.reason);
-            }
-            let grpc = cluster.grpc();
-            let listed =
-                router_ready_replicas(grpc, SERVED).await? + router_ready_replicas(grpc, LEGACY_SERVED).await?;
-            Ok((listed == 2).then_some(()))
-        })
-        .await?;
+        cluster.wait_listed(&[SERVED, LEGACY_SERVED], Duration::from_secs(120)).await?;
         run(cluster.http(), &codec(&model)?).await
     }
     .await;

