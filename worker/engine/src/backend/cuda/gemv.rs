@@ -111,6 +111,8 @@ struct Variant {
     /// Every kind stages its activations in shared memory (`GEMV_FP8H`), not only the norm
     /// kinds.
     staged: bool,
+    /// Rows per warp group (`GEMV_R`).
+    rows: usize,
 }
 
 /// Compile-time variants (NVRTC defines, blocks per SM; 0 = as many as fit):
@@ -120,16 +122,23 @@ struct Variant {
 const VARIANTS: [(&str, u32); 2] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1)];
 
 /// The FP8-weight variants (NVRTC defines besides `GEMV_FP8`, blocks per SM, staged
-/// activations), selected by `PRISM_GEMV_FP8_VARIANT` (default [`FP8_DEFAULT`]):
+/// activations, rows per warp group), selected by `PRISM_GEMV_FP8_VARIANT` (default
+/// [`FP8_DEFAULT`]):
 /// 0: packed-f16 products, codes decoded by the hardware (`cvt.rn.f16x2.e4m3x2`);
-/// 1: packed-f16 products, codes decoded with integer ops;
+/// 1: as 0 with one row per warp group (half the registers, finer work split);
 /// 2: as 0 with 8 loads in flight per weight row (two rows per warp) instead of 4;
-/// 3: f32 products, codes decoded with integer ops into f32 bit places (the first FP8 kernel).
-const FP8_VARIANTS: [(&str, u32, bool); 4] = [
-    ("-DGEMV_FP8H=1", 0, true),
-    ("-DGEMV_FP8H=2", 0, true),
-    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true),
-    ("-DGEMV_DEPTH=0", 0, false),
+/// 3: packed-f16 products, codes decoded with integer ops;
+/// 4: f32 products, codes decoded with integer ops into f32 bit places (the first FP8 kernel);
+/// 5, 6: as 2 and 0 with one block per SM (room for the next kernel's blocks under
+///    programmatic dependent launch, `PRISM_CUDA_PDL=1`).
+const FP8_VARIANTS: [(&str, u32, bool, usize); 7] = [
+    ("-DGEMV_FP8H=1", 0, true, 2),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2),
+    ("-DGEMV_FP8H=2", 0, true, 2),
+    ("-DGEMV_DEPTH=0", 0, false, 2),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2),
+    ("-DGEMV_FP8H=1", 1, true, 2),
 ];
 /// FP8 variant used unless `PRISM_GEMV_FP8_VARIANT` says otherwise.
 const FP8_DEFAULT: usize = 0;
@@ -177,15 +186,18 @@ impl Gemv {
         let sweep = std::env::var("PRISM_GEMV_FP8_SWEEP").is_ok_and(|v| v == "1");
         let mut variants = Vec::new();
         let mut variants_fp8 = Vec::new();
-        // (defines, blocks per SM, FP8 weights, staged activations, compile it)
-        let mut builds: Vec<(&str, u32, bool, bool, bool)> =
-            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, true)).collect();
+        // (defines, blocks per SM, FP8 weights, staged activations, rows, compile it)
+        let mut builds: Vec<(&str, u32, bool, bool, usize, bool)> =
+            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, true)).collect();
         if fp8 {
             builds.extend(
-                FP8_VARIANTS.iter().enumerate().map(|(i, &(d, c, st))| (d, c, true, st, sweep || i == variant_fp8)),
+                FP8_VARIANTS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(d, c, st, rows))| (d, c, true, st, rows, sweep || i == variant_fp8)),
             );
         }
-        for (defines, per_sm_cap, fp8_w, staged, wanted) in builds {
+        for (defines, per_sm_cap, fp8_w, staged, rows, wanted) in builds {
             if !wanted {
                 variants_fp8.push(None);
                 continue;
@@ -235,7 +247,7 @@ impl Gemv {
                     f(GemvKind::NormGateUpSilu)?,
                 ]);
             }
-            let v = Variant { fns, staged };
+            let v = Variant { fns, staged, rows };
             if fp8_w { variants_fp8.push(Some(v)) } else { variants.push(v) }
         }
         let variant = std::env::var("PRISM_GEMV_VARIANT")
@@ -304,7 +316,7 @@ impl Gemv {
         let (f, resident) = &v.fns[m - 1][kind.index()];
         // Logical rows: RoPE pairs for the fused QKV.
         let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
-        let blocks = (rows.div_ceil(WARPS * ROWS_PER_WARP) as u32).min(*resident);
+        let blocks = (rows.div_ceil(WARPS * v.rows) as u32).min(*resident);
         let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged) as u32 } else { 0 };
         let cfg =
             LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((WARPS * 32) as u32, 1, 1), shared_mem_bytes: shared };

@@ -34,7 +34,8 @@
 // products per row are summed by __hfma2 in two f16 lanes (|x| ≤ 2^XS: every partial sum is at
 // most 8 · 448, far from f16's 65504; each step rounds to f16, relative 2^-11, well below the
 // e4m3 codes' own 2^-4), then widened to f32 and added into the f32 row sums, which the row
-// scale and 2^e multiply as before.
+// scale and 2^e multiply as before. The weight loads stream on from one row group of a warp
+// into its next (no drain per group); GEMV_R (default 2) sets the rows per group.
 // The rounding points mirror the unfused path (GEMM outputs rounded to bf16 before the residual
 // add and before SiLU·mul), so both paths compute the same function up to summation order.
 #include <cuda_bf16.h>
@@ -55,7 +56,9 @@ typedef bf16 wtype;
 #endif
 
 #define GEMV_WARPS 8
+#ifndef GEMV_R
 #define GEMV_R 2
+#endif
 #define GEMV_U 4
 // Loads in flight per lane (weight rows × chunks); 0 = GEMV_U chunks whatever the rows.
 #ifndef GEMV_DEPTH
@@ -409,7 +412,26 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
     (void)xg;
 #endif
     if (grp >= groups) return;
+#ifdef GEMV_FP8H
+    // Streaming across row groups: when `inp` is a whole number of load rounds, the last
+    // round's refills already load the warp's next group (same lane offsets), so HBM stays
+    // busy through the reduction and the epilogue instead of draining once per group.
+    const bool stream = inp % (32 * GEMV_CH * U) == 0;
+    const wtype* wnext[NW];
+#endif
   for (;;) {
+#ifdef GEMV_FP8H
+    const int gnext = grp + gridDim.x * GEMV_WARPS;
+    const bool prefetch = stream && gnext < groups;
+    if (prefetch) {
+#pragma unroll
+        for (int r = 0; r < NW; r++) {
+            int j = gnext * GEMV_R + (r % GEMV_R);
+            j = j < out ? j : out - 1;
+            wnext[r] = w + (u64)phys_row<MODE>(j, r, out, rk.hd) * inp;
+        }
+    }
+#endif
     float acc[NW][M];
 #pragma unroll
     for (int r = 0; r < NW; r++)
@@ -468,8 +490,16 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
 #endif
             // Refill this slot with the loads of the next outer iteration.
             int kn = k + 32 * GEMV_CH * U;
+#ifdef GEMV_FP8H
+#pragma unroll
+            for (int r = 0; r < NW; r++)
+                wv[u][r] = kn < inp    ? ld_weight(wrow[r] + kn)
+                           : prefetch ? ld_weight(wnext[r] + (kn - inp))
+                                      : make_uint4(0, 0, 0, 0);
+#else
 #pragma unroll
             for (int r = 0; r < NW; r++) wv[u][r] = kn < inp ? ld_weight(wrow[r] + kn) : make_uint4(0, 0, 0, 0);
+#endif
         }
     }
 
@@ -546,6 +576,13 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
     grp += gridDim.x * GEMV_WARPS;
     if (grp >= groups) return;
     j0 = grp * GEMV_R;
+#ifdef GEMV_FP8H
+    if (prefetch) {
+#pragma unroll
+        for (int r = 0; r < NW; r++) wrow[r] = wnext[r];
+        continue;
+    }
+#endif
     start_tile();
   }
 }
