@@ -2,16 +2,17 @@
 # FP8 on the GPU machine, side by side with bf16 in the same run (binaries prebuilt in $BIN:
 # cargo build --release -p prism-engine --features cuda --example cuda_bench --example cuda_trace
 # --example cuda_check). PARTS picks the parts (default all of them, in this order):
-#   bench:    cuda_bench --quick at Llama-3-8B shapes: bf16, --quantization fp8 (lm_head bf16; both
-#             GEMV variants), fp8 weights + --kv-cache-dtype fp8 (batch-1 decode, batched decode,
-#             prefill; the FP8 GEMV vs FP8 GEMM logits check); BENCH_EXTRA adds more, e.g.
-#             "fp8_lm_head::--quantization fp8 --fp8-lm-head"
+#   bench:    cuda_bench --quick at Llama-3-8B shapes: bf16, --quantization fp8 (lm_head bf16; every
+#             FP8 GEMV variant, PRISM_GEMV_FP8_SWEEP=1), fp8 weights + --kv-cache-dtype fp8 (batch-1
+#             decode, batched decode, prefill; the FP8 GEMV vs FP8 GEMM logits check); BENCH_EXTRA
+#             adds more, e.g. "fp8_lm_head::--quantization fp8 --fp8-lm-head"
 # (Parts run in the order PARTS names them.)
 #   trace:    the 512-request trace (make_trace.py) through cuda_trace at engine defaults: bf16,
 #             fp8 weights, fp8 weights + fp8 KV
 #   accuracy: hf_reference.py (random + trained reference models), then cuda_check --fp8 (bf16 vs
 #             fp8 runs: logits error vs HF f32, greedy agreement with bf16), also with fp8 KV
-# Knobs: ACCURACY_ENV (e.g. PRISM_FP8_FAST_ACCUM=0) for the FP8 accuracy check, KV8_CHECK=0
+# Knobs: BENCH_RUNS / TRACE_RUNS replace the bench / trace lists (';'-separated NAME:ENV:FLAGS /
+# NAME:FLAGS entries), ACCURACY_ENV (e.g. PRISM_FP8_FAST_ACCUM=0) for the FP8 accuracy check, KV8_CHECK=0
 # skips its FP8-KV variant, QUANTIZE the path of scripts/quantize_fp8.py.
 # Logs and JSON into $OUT (default bench/out/run_fp8-<UTC time>), summary.json next to them.
 #   usage (from the repo root): [OUT=dir] [BIN=.gpu-bin] [PARTS="bench trace accuracy"] bash scripts/gpu/run_fp8.sh
@@ -25,9 +26,16 @@ export PYTHONUNBUFFERED=1 RUST_LOG=${RUST_LOG:-warn}
 machine_txt "$OUT"
 rc=0
 part_bench() {
-  # NAME:ENV:FLAGS (ENV: PRISM_GEMV_VARIANT=1 is the GEMVs' 16-loads-per-lane variant).
-  for v in "bf16::" "fp8::--quantization fp8" "fp8_gemv_v1:PRISM_GEMV_VARIANT=1:--quantization fp8" \
-           ${BENCH_EXTRA:-} "fp8_kv8::--quantization fp8 --kv-cache-dtype fp8"; do
+  # NAME:ENV:FLAGS (ENV: PRISM_GEMV_FP8_SWEEP=1 times every FP8 GEMV variant; PRISM_BENCH_PROFILE=1
+  # adds per-kernel profiles).
+  local runs
+  if [ -n "${BENCH_RUNS:-}" ]; then
+    IFS=';' read -ra runs <<< "$BENCH_RUNS"
+  else
+    # shellcheck disable=SC2206  # BENCH_EXTRA is a list
+    runs=("bf16::" "fp8:PRISM_GEMV_FP8_SWEEP=1:--quantization fp8" ${BENCH_EXTRA:-} "fp8_kv8::--quantization fp8 --kv-cache-dtype fp8")
+  fi
+  for v in "${runs[@]}"; do
     name=${v%%:*}; rest=${v#*:}; envs=${rest%%:*}; args=${rest#*:}
     # shellcheck disable=SC2086  # envs and args are lists
     env $envs timeout 150 "$BIN/cuda_bench" "$OUT/cuda_bench_$name.json" --quick $args 2>&1 | tee "$OUT/cuda_bench_$name.log" || rc=1
@@ -36,7 +44,13 @@ part_bench() {
 
 part_trace() {
   python3 scripts/gpu/make_trace.py "$OUT/trace.json" || { rc=1; return; }
-  for v in "bf16:" "fp8:--quantization fp8" "fp8_kv8:--quantization fp8 --kv-cache-dtype fp8"; do
+  local runs
+  if [ -n "${TRACE_RUNS:-}" ]; then
+    IFS=';' read -ra runs <<< "$TRACE_RUNS"
+  else
+    runs=("bf16:" "fp8:--quantization fp8" "fp8_kv8:--quantization fp8 --kv-cache-dtype fp8")
+  fi
+  for v in "${runs[@]}"; do
     name=${v%%:*}; args=${v#*:}
     # shellcheck disable=SC2086
     timeout 150 "$BIN/cuda_trace" "$OUT/trace.json" "$OUT/cuda_trace_$name.json" --timeout-s 120 $args 2>&1 \

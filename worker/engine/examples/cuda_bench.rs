@@ -218,6 +218,50 @@ mod bench {
                     json!({"max_abs_diff": max_diff, "max_abs_logit": max_abs, "argmax_agree": agree, "pass": ok}),
                 );
             }
+            be.set_gemv_max_tokens(CudaOptions::default().gemv_max_tokens);
+            // FP8 GEMV variants side by side (PRISM_GEMV_FP8_SWEEP=1 compiles them all): batch-1
+            // decode time and the logits against the cuBLASLt path's first row.
+            let (fp8_variants, in_use) = be.gemv_fp8_variants();
+            if fp8_variants.len() > 1 {
+                // Logits first: the timed steps below write K/V into the blocks these read.
+                let mut diffs = Vec::new();
+                for &v in &fp8_variants {
+                    be.set_gemv_fp8_variant(v);
+                    let ls = be.forward(&batch(1, 300, 1, true))?;
+                    let (a, b) = (&ls.data[..vocab], &lb.data[..vocab]);
+                    diffs.push(a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())));
+                }
+                for (&v, &max_diff) in fp8_variants.iter().zip(&diffs) {
+                    be.set_gemv_fp8_variant(v);
+                    let t128 = time_greedy(&mut be, &batch(1, 128, 1, true), 5, 50)?;
+                    let t1024 = time_greedy(&mut be, &batch(1, 1024, 1, true), 5, 50)?;
+                    println!(
+                        "fp8 gemv variant {v}: decode b=1 ctx 128 / 1024 {:.3} / {:.3} ms/step; max |dlogit| vs cublasLt {max_diff:.4}",
+                        t128 * 1e3,
+                        t1024 * 1e3
+                    );
+                    results.insert(
+                        format!("fp8_gemv_variant_{v}"),
+                        json!({"decode_b1_ctx128_ms": t128 * 1e3, "decode_b1_ctx1024_ms": t1024 * 1e3,
+                               "max_abs_diff_vs_gemm": max_diff}),
+                    );
+                }
+                be.set_gemv_fp8_variant(in_use);
+            }
+        }
+        if quick && std::env::var("PRISM_BENCH_PROFILE").is_ok_and(|v| v == "1") {
+            // Per-kernel device time of one eager step (CUDA events between launches).
+            // Batch-1 and batch-256 decode, and a 2,048-token prefill (the trace's full steps).
+            for (bsz, ctx, q) in [(1usize, 1024usize, 1usize), (256, 1024, 1), (1, 2048, 2048)] {
+                let b = batch(bsz, ctx, q, true);
+                be.profile_step(&b)?;
+                let prof = be.profile_step(&b)?;
+                let total: f64 = prof.iter().map(|p| p.1).sum();
+                println!("profile b={bsz} ctx={ctx} q={q}: {total:.0} us of kernels");
+                for (name, us, cnt) in &prof {
+                    println!("  {name:<20} {us:>9.1} us  {cnt:>3} launches  {:>7.2} us each", us / *cnt as f64);
+                }
+            }
         }
         if !invariant && !quick {
             // GEMV threshold sweep: small decode batches with the fused GEMVs up to `gm` tokens

@@ -234,7 +234,7 @@ impl ShardModel {
         let gemv = if opts.batch_invariant || !gemv_shapes_ok || !llama_layers {
             None
         } else {
-            Gemv::new(&gpu, d.hidden, w.has_fp8())
+            Gemv::new(&gpu, d.hidden, d.hidden.max(d.q_dim()).max(d.inter), w.has_fp8())
                 .map_err(|e| tracing::warn!(error = %e, "decode GEMVs unavailable; using cuBLASLt for every step"))
                 .ok()
         };

@@ -108,6 +108,11 @@ impl GemvKind {
 /// One compiled variant: `fns[m - 1][kind]` with its grid size cap.
 struct Variant {
     fns: Vec<[(CudaFunction, u32); 4]>,
+    /// Every kind stages its activations in shared memory (`GEMV_FP8H`), not only the norm
+    /// kinds.
+    staged: bool,
+    /// Rows per warp group (`GEMV_R`).
+    rows: usize,
 }
 
 /// Compile-time variants (NVRTC defines, blocks per SM; 0 = as many as fit):
@@ -116,15 +121,43 @@ struct Variant {
 ///    early under programmatic dependent launch).
 const VARIANTS: [(&str, u32); 2] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1)];
 
+/// The FP8-weight variants (NVRTC defines besides `GEMV_FP8`, blocks per SM, staged
+/// activations, rows per warp group), selected by `PRISM_GEMV_FP8_VARIANT` (default
+/// [`FP8_DEFAULT`]):
+/// 0: packed-f16 products, codes decoded by the hardware (`cvt.rn.f16x2.e4m3x2`);
+/// 1: as 0 with one row per warp group (half the registers, finer work split);
+/// 2: as 0 with 8 loads in flight per weight row (two rows per warp) instead of 4;
+/// 3: packed-f16 products, codes decoded with integer ops;
+/// 4: f32 products, codes decoded with integer ops into f32 bit places (the first FP8 kernel);
+/// 5, 6: as 2 and 0 with one block per SM (room for the next kernel's blocks under
+///    programmatic dependent launch, `PRISM_CUDA_PDL=1`).
+const FP8_VARIANTS: [(&str, u32, bool, usize); 7] = [
+    ("-DGEMV_FP8H=1", 0, true, 2),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2),
+    ("-DGEMV_FP8H=2", 0, true, 2),
+    ("-DGEMV_DEPTH=0", 0, false, 2),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2),
+    ("-DGEMV_FP8H=1", 1, true, 2),
+];
+/// FP8 variant used unless `PRISM_GEMV_FP8_VARIANT` says otherwise.
+const FP8_DEFAULT: usize = 0;
+
 /// The loaded GEMV kernels.
 pub struct Gemv {
     variants: Vec<Variant>,
-    /// The same kernels over FP8 weights (compiled with `GEMV_FP8`; empty unless asked for).
-    variants_fp8: Vec<Variant>,
+    /// The same kernels over FP8 weights, indexed as [`FP8_VARIANTS`] (compiled with
+    /// `GEMV_FP8`; none unless the model has FP8 weights, only the one in use unless
+    /// `PRISM_GEMV_FP8_SWEEP=1`).
+    variants_fp8: Vec<Option<Variant>>,
     /// Variant in use (index into the compiled variants; benchmarks switch it).
     pub variant: usize,
+    /// FP8 variant in use (index into [`FP8_VARIANTS`]).
+    variant_fp8: usize,
     /// Input width the norm prologues' shared memory was sized for.
     norm_inp: usize,
+    /// Widest input of the other kinds (the staged variants keep it in shared memory).
+    stage_inp: usize,
     /// Launch with programmatic dependent launch (Hopper and later; opt-in with
     /// `PRISM_CUDA_PDL=1`).
     pub pdl: bool,
@@ -132,22 +165,44 @@ pub struct Gemv {
 
 impl Gemv {
     /// Compiles and loads `kernels/gemv.cu` for the device and sizes the norm kernels' dynamic
-    /// shared memory for activation rows of `norm_inp` (the model's hidden size).
+    /// shared memory for activation rows of `norm_inp` (the model's hidden size), and, for the
+    /// FP8 variants that stage every kind's activations, the others' for `stage_inp` (the
+    /// widest input of o_proj, down_proj and lm_head).
     ///
     /// # Errors
     /// [`CudaError`] on compile or load failure, or when `norm_inp` rows of [`GEMV_MAX_M`]
     /// tokens do not fit in shared memory.
-    pub fn new(gpu: &Gpu, norm_inp: usize, fp8: bool) -> Result<Self, CudaError> {
+    pub fn new(gpu: &Gpu, norm_inp: usize, stage_inp: usize, fp8: bool) -> Result<Self, CudaError> {
         let sms = gpu
             .ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .op("SM count")?
             .max(1) as u32;
+        let variant_fp8 = std::env::var("PRISM_GEMV_FP8_VARIANT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&v| v < FP8_VARIANTS.len())
+            .unwrap_or(FP8_DEFAULT);
+        let sweep = std::env::var("PRISM_GEMV_FP8_SWEEP").is_ok_and(|v| v == "1");
         let mut variants = Vec::new();
         let mut variants_fp8 = Vec::new();
-        let weights: &[bool] = if fp8 { &[false, true] } else { &[false] };
-        for (&fp8_w, (define, per_sm_cap)) in weights.iter().flat_map(|w| VARIANTS.iter().map(move |v| (w, *v))) {
-            let mut options = vec![define.to_owned()];
+        // (defines, blocks per SM, FP8 weights, staged activations, rows, compile it)
+        let mut builds: Vec<(&str, u32, bool, bool, usize, bool)> =
+            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, true)).collect();
+        if fp8 {
+            builds.extend(
+                FP8_VARIANTS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(d, c, st, rows))| (d, c, true, st, rows, sweep || i == variant_fp8)),
+            );
+        }
+        for (defines, per_sm_cap, fp8_w, staged, rows, wanted) in builds {
+            if !wanted {
+                variants_fp8.push(None);
+                continue;
+            }
+            let mut options: Vec<String> = defines.split_whitespace().map(str::to_owned).collect();
             if fp8_w {
                 options.push("-DGEMV_FP8".to_owned());
             }
@@ -164,8 +219,14 @@ impl Gemv {
                 let f = |k: GemvKind| -> Result<(CudaFunction, u32), CudaError> {
                     let name = format!("{}_m{m}", k.name());
                     let f = module.load_function(&name).map_err(|e| CudaError::op(name, e))?;
-                    let bytes = if k.norm() { Self::smem(m, norm_inp) } else { 0 };
-                    if k.norm() {
+                    let bytes = if k.norm() {
+                        Self::smem(m, norm_inp, staged)
+                    } else if staged {
+                        Self::smem(m, stage_inp, true)
+                    } else {
+                        0
+                    };
+                    if bytes > 0 {
                         f.set_attribute(
                             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             bytes as i32,
@@ -186,7 +247,8 @@ impl Gemv {
                     f(GemvKind::NormGateUpSilu)?,
                 ]);
             }
-            if fp8_w { variants_fp8.push(Variant { fns }) } else { variants.push(Variant { fns }) }
+            let v = Variant { fns, staged, rows };
+            if fp8_w { variants_fp8.push(Some(v)) } else { variants.push(v) }
         }
         let variant = std::env::var("PRISM_GEMV_VARIANT")
             .ok()
@@ -197,11 +259,33 @@ impl Gemv {
         // Off by default: measured on an H200 it did not help (4.34 vs 4.29 ms per batch-1
         // step), since the persistent GEMV grids leave no room for the next kernel's blocks.
         let pdl = major >= 9 && std::env::var("PRISM_CUDA_PDL").is_ok_and(|v| v == "1");
-        Ok(Self { variants, variants_fp8, variant, norm_inp, pdl })
+        Ok(Self { variants, variants_fp8, variant, variant_fp8, norm_inp, stage_inp, pdl })
     }
 
-    fn smem(m: usize, inp: usize) -> usize {
-        m * inp * 2 + WARPS * m * 4
+    /// Dynamic shared memory of a kernel staging `m` rows of `inp` activations (2-byte
+    /// values, then f32 reduction slots: one set per warp and token, two for the staged
+    /// variants' row maxima).
+    fn smem(m: usize, inp: usize, staged: bool) -> usize {
+        m * inp * 2 + (1 + usize::from(staged)) * WARPS * m * 4
+    }
+
+    /// The FP8 variants compiled (indices into [`FP8_VARIANTS`]).
+    pub fn fp8_variants(&self) -> Vec<usize> {
+        self.variants_fp8.iter().enumerate().filter_map(|(i, v)| v.as_ref().map(|_| i)).collect()
+    }
+
+    /// The FP8 variant in use.
+    pub fn fp8_variant(&self) -> usize {
+        self.variant_fp8
+    }
+
+    /// Selects a compiled FP8 variant (benchmarks); false when `v` was not compiled.
+    pub fn set_fp8_variant(&mut self, v: usize) -> bool {
+        let ok = self.variants_fp8.get(v).is_some_and(Option::is_some);
+        if ok {
+            self.variant_fp8 = v;
+        }
+        ok
     }
 
     /// Enqueues one GEMV over `a.m` tokens (see [`GemvArgs`] for the operands; `a.rope` is
@@ -220,15 +304,20 @@ impl Gemv {
         if m == 0 || m > GEMV_MAX_M || !aligned || !inp.is_multiple_of(chunk) || (kind.norm() && inp != self.norm_inp) {
             return Err(CudaError::InvalidLaunch(format!("gemv: m {m}, inp {inp} not supported")));
         }
-        let set = if wscale != 0 { &self.variants_fp8 } else { &self.variants };
-        let v = set
-            .get(self.variant.min(set.len().saturating_sub(1)))
-            .ok_or_else(|| CudaError::InvalidLaunch("gemv: FP8 weights but the FP8 kernels were not built".into()))?;
+        let v = if wscale != 0 {
+            self.variants_fp8.get(self.variant_fp8).and_then(Option::as_ref)
+        } else {
+            self.variants.get(self.variant.min(self.variants.len().saturating_sub(1)))
+        }
+        .ok_or_else(|| CudaError::InvalidLaunch("gemv: FP8 weights but the FP8 kernels were not built".into()))?;
+        if v.staged && !kind.norm() && inp > self.stage_inp {
+            return Err(CudaError::InvalidLaunch(format!("gemv: inp {inp} wider than the {} planned", self.stage_inp)));
+        }
         let (f, resident) = &v.fns[m - 1][kind.index()];
         // Logical rows: RoPE pairs for the fused QKV.
         let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
-        let blocks = (rows.div_ceil(WARPS * ROWS_PER_WARP) as u32).min(*resident);
-        let shared = if kind.norm() { Self::smem(m, inp) as u32 } else { 0 };
+        let blocks = (rows.div_ceil(WARPS * v.rows) as u32).min(*resident);
+        let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged) as u32 } else { 0 };
         let cfg =
             LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((WARPS * 32) as u32, 1, 1), shared_mem_bytes: shared };
         let (out_i, inp_i) = (rows as i32, inp as i32);

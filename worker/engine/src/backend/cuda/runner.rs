@@ -387,6 +387,19 @@ impl CudaBackend {
         self.graphs.clear();
     }
 
+    /// The compiled FP8 decode-GEMV variants (benchmarks; see `gemv.rs`): their indices and the
+    /// one in use. Empty without FP8 weights or GEMVs.
+    pub fn gemv_fp8_variants(&self) -> (Vec<usize>, usize) {
+        self.m.gemv.as_ref().map_or((Vec::new(), 0), |g| (g.fp8_variants(), g.fp8_variant()))
+    }
+
+    /// Selects a compiled FP8 decode-GEMV variant (benchmarks); false when it was not compiled.
+    /// Graphs are dropped.
+    pub fn set_gemv_fp8_variant(&mut self, v: usize) -> bool {
+        self.graphs.clear();
+        self.m.gemv.as_mut().is_some_and(|g| g.set_fp8_variant(v))
+    }
+
     /// Sets [`CudaOptions::gemv_max_tokens`] (benchmarks; ignored in batch-invariant mode).
     /// Captured graphs are dropped.
     pub fn set_gemv_max_tokens(&mut self, m: usize) {

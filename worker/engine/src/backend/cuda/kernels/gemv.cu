@@ -23,9 +23,23 @@
 // to f32 with integer ops (sign and the 7 exponent/mantissa bits moved into an f32's places,
 // which is the value · 2^-120, subnormals included; the 2^120 goes into the row scale) and
 // the scale is applied to the row's sum. Every mode and prologue is the same.
+// GEMV_FP8H (with GEMV_FP8; 1 or 2): packed-f16 inner products instead. Every kind stages its
+// activation rows in shared memory as f16: the bf16 values (normed as above, or copied) times a
+// power of two per token, 2^(XS - e) with 2^e > max|row| (XS = 0 for 1, 8 for 2), which is exact
+// (bf16's 8-bit mantissa fits f16's 11) except below 2^(XS - 24) · 2^e, where f16 subnormals
+// round it. The weights become f16 exactly: 1 decodes two codes per instruction in hardware
+// (cvt.rn.f16x2.e4m3x2, sm_89+); 2 moves the code bits into an f16's places with integer ops
+// (the value · 2^-8, subnormals included; the pairs come out as elements (0, 2) and (1, 3) of
+// each 4, so the staging stores the activations in that order). Each 16-byte load's 16
+// products per row are summed by __hfma2 in two f16 lanes (|x| ≤ 2^XS: every partial sum is at
+// most 8 · 448, far from f16's 65504; each step rounds to f16, relative 2^-11, well below the
+// e4m3 codes' own 2^-4), then widened to f32 and added into the f32 row sums, which the row
+// scale and 2^e multiply as before. The weight loads stream on from one row group of a warp
+// into its next (no drain per group); GEMV_R (default 2) sets the rows per group.
 // The rounding points mirror the unfused path (GEMM outputs rounded to bf16 before the residual
 // add and before SiLU·mul), so both paths compute the same function up to summation order.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 typedef __nv_bfloat16 bf16;
@@ -42,7 +56,9 @@ typedef bf16 wtype;
 #endif
 
 #define GEMV_WARPS 8
+#ifndef GEMV_R
 #define GEMV_R 2
+#endif
 #define GEMV_U 4
 // Loads in flight per lane (weight rows × chunks); 0 = GEMV_U chunks whatever the rows.
 #ifndef GEMV_DEPTH
@@ -93,7 +109,9 @@ __device__ __forceinline__ void unpack_w(uint4 v, int h, float f[8]) {
 
 // The factor a row's sum is multiplied by: its FP8 scale (with the decode's 2^120), else 1.
 __device__ __forceinline__ float row_scale(const float* ws, int row) {
-#ifdef GEMV_FP8
+#if defined(GEMV_FP8H)
+    return ws[row];
+#elif defined(GEMV_FP8)
     return ws[row] * 0x1p120f;
 #else
     return 1.f;
@@ -101,6 +119,157 @@ __device__ __forceinline__ float row_scale(const float* ws, int row) {
 }
 
 __device__ __forceinline__ float rbf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+#ifdef GEMV_FP8H
+#if GEMV_FP8H == 2
+#define GEMV_XS 8
+#else
+#define GEMV_XS 0
+#endif
+__device__ __forceinline__ u32 h2_bits(__half2 h) { return *reinterpret_cast<u32*>(&h); }
+__device__ __forceinline__ __half2 bits_h2(u32 v) { return *reinterpret_cast<__half2*>(&v); }
+
+// The 16 codes of a 16-byte load as 8 f16 pairs (see the top for the order and the factor).
+__device__ __forceinline__ void decode16(uint4 v, __half2 h[8]) {
+    const u32 q[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#if GEMV_FP8H == 1
+        u32 lo, hi;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"((unsigned short)(q[i] & 0xffffu)));
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"((unsigned short)(q[i] >> 16)));
+        h[2 * i] = bits_h2(lo);      // elements 4i, 4i + 1
+        h[2 * i + 1] = bits_h2(hi);  // elements 4i + 2, 4i + 3
+#else
+        // Bytes 1 and 3 sit at the top of the 16-bit lanes: the sign stays, the 7 other bits
+        // move one place down (f16's exponent is one bit wider); bytes 0 and 2 likewise after
+        // a shift by 8.
+        const u32 a = q[i], b = q[i] << 8;
+        h[2 * i] = bits_h2((b & 0x80008000u) | ((b >> 1) & 0x3f803f80u));      // elements 4i, 4i + 2
+        h[2 * i + 1] = bits_h2((a & 0x80008000u) | ((a >> 1) & 0x3f803f80u));  // elements 4i + 1, 4i + 3
+#endif
+    }
+}
+
+__device__ __forceinline__ float gv_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Stages the M activation rows in shared memory as f16 (see the top): bf16 rows first (normed
+// from the f32 residual rows when NORM, else copied from `xin`), then each token's row scaled
+// in place by 2^(XS - e); xun[m] = 2^e. Shared memory: M · inp halves + 2 · GEMV_WARPS · M f32.
+template <int M, bool NORM>
+__device__ __forceinline__ void stage_f16(const void* __restrict__ xin, const bf16* __restrict__ gain, int inp,
+                                          float eps, float xun[M]) {
+    extern __shared__ uint4 gv_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* red = reinterpret_cast<float*>(reinterpret_cast<bf16*>(gv_smem) + (u64)M * inp);
+    float* redmax = red + GEMV_WARPS * M;
+    float amax[M];
+    if (NORM) {
+        const float4* x4 = reinterpret_cast<const float4*>(xin);
+        const uint2* g4 = reinterpret_cast<const uint2*>(gain);
+        uint2* xw4 = reinterpret_cast<uint2*>(gv_smem);
+        const int n4 = inp >> 2;
+        float ss[M];
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float s = 0.f;
+#pragma unroll 4
+            for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+                float4 v = x4[(u64)m * n4 + i];
+                s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+            s = gv_warp_sum(s);
+            if (lane == 0) red[warp * M + m] = s;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float s = 0.f;
+#pragma unroll
+            for (int ww = 0; ww < GEMV_WARPS; ww++) s += red[ww * M + m];
+            ss[m] = rsqrtf(s / (float)inp + eps);
+        }
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float am = 0.f;
+#pragma unroll 4
+            for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+                float4 v = x4[(u64)m * n4 + i];
+                uint2 gw = g4[i];
+                float g0 = __uint_as_float(gw.x << 16), g1 = __uint_as_float(gw.x & 0xffff0000u);
+                float g2 = __uint_as_float(gw.y << 16), g3 = __uint_as_float(gw.y & 0xffff0000u);
+                __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * ss[m] * g0, v.y * ss[m] * g1);
+                __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * ss[m] * g2, v.w * ss[m] * g3);
+                uint2 o;
+                o.x = *reinterpret_cast<unsigned int*>(&lo);
+                o.y = *reinterpret_cast<unsigned int*>(&hi);
+                xw4[(u64)m * n4 + i] = o;
+                float2 fl = __bfloat1622float2(lo), fh = __bfloat1622float2(hi);
+                am = fmaxf(am, fmaxf(fmaxf(fabsf(fl.x), fabsf(fl.y)), fmaxf(fabsf(fh.x), fabsf(fh.y))));
+            }
+            amax[m] = am;
+        }
+    } else {
+        const uint4* x8 = reinterpret_cast<const uint4*>(xin);
+        const int n8 = inp >> 3;
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float am = 0.f;
+#pragma unroll 4
+            for (int i = threadIdx.x; i < n8; i += blockDim.x) {
+                uint4 v = x8[(u64)m * n8 + i];
+                gv_smem[(u64)m * n8 + i] = v;
+                float f[8];
+                unpack8(v, f);
+#pragma unroll
+                for (int e = 0; e < 8; e++) am = fmaxf(am, fabsf(f[e]));
+            }
+            amax[m] = am;
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float a = gv_warp_max(amax[m]);
+        if (lane == 0) redmax[warp * M + m] = a;
+    }
+    __syncthreads();
+    float sc[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float a = 0.f;
+#pragma unroll
+        for (int ww = 0; ww < GEMV_WARPS; ww++) a = fmaxf(a, redmax[ww * M + m]);
+        int e = 0;
+        if (a > 0.f && a <= 3.0e38f) frexpf(a, &e);  // a = f · 2^e, f in [0.5, 1)
+        xun[m] = ldexpf(1.f, e);
+        sc[m] = ldexpf(1.f, GEMV_XS - e);
+    }
+    const int n8 = inp >> 3;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        for (int i = threadIdx.x; i < n8; i += blockDim.x) {
+            uint4 v = gv_smem[(u64)m * n8 + i];
+            float f[8];
+            unpack8(v, f);
+#if GEMV_FP8H == 2
+            const int ord[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+#else
+            const int ord[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+            u32 o[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                o[e] = h2_bits(__floats2half2_rn(f[ord[2 * e]] * sc[m], f[ord[2 * e + 1]] * sc[m]));
+            gv_smem[(u64)m * n8 + i] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+    }
+    __syncthreads();
+}
+#endif
 
 // Extra arguments of MODE 4 (unused otherwise).
 struct RopeKv {
@@ -184,6 +353,12 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
     pdl_wait();
 
     const bf16* xs = reinterpret_cast<const bf16*>(gv_smem);
+#ifdef GEMV_FP8H
+    float xun[M];
+    stage_f16<M, NORM>(xin, gain, inp, eps, xun);
+    const __half* xh = reinterpret_cast<const __half*>(gv_smem);
+    (void)xs;
+#else
     if (NORM) {
         // Vectorised and unrolled so each thread's loads are in flight together (a plain
         // strided loop issues them one L2 round trip at a time: ~9 µs per kernel measured).
@@ -230,10 +405,33 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
         }
         __syncthreads();
     }
+#endif
 
     const bf16* xg = reinterpret_cast<const bf16*>(xin);
+#ifdef GEMV_FP8H
+    (void)xg;
+#endif
     if (grp >= groups) return;
+#ifdef GEMV_FP8H
+    // Streaming across row groups: when `inp` is a whole number of load rounds, the last
+    // round's refills already load the warp's next group (same lane offsets), so HBM stays
+    // busy through the reduction and the epilogue instead of draining once per group.
+    const bool stream = inp % (32 * GEMV_CH * U) == 0;
+    const wtype* wnext[NW];
+#endif
   for (;;) {
+#ifdef GEMV_FP8H
+    const int gnext = grp + gridDim.x * GEMV_WARPS;
+    const bool prefetch = stream && gnext < groups;
+    if (prefetch) {
+#pragma unroll
+        for (int r = 0; r < NW; r++) {
+            int j = gnext * GEMV_R + (r % GEMV_R);
+            j = j < out ? j : out - 1;
+            wnext[r] = w + (u64)phys_row<MODE>(j, r, out, rk.hd) * inp;
+        }
+    }
+#endif
     float acc[NW][M];
 #pragma unroll
     for (int r = 0; r < NW; r++)
@@ -244,6 +442,28 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int k = k0 + u * 32 * GEMV_CH;
+#ifdef GEMV_FP8H
+            if (k < inp) {
+                __half2 wh[NW][8];
+#pragma unroll
+                for (int r = 0; r < NW; r++) decode16(wv[u][r], wh[r]);
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    const uint4* xp = reinterpret_cast<const uint4*>(xh + (u64)m * inp + k);
+                    const uint4 xa = xp[0], xb = xp[1];
+                    const __half2 xv[8] = {bits_h2(xa.x), bits_h2(xa.y), bits_h2(xa.z), bits_h2(xa.w),
+                                           bits_h2(xb.x), bits_h2(xb.y), bits_h2(xb.z), bits_h2(xb.w)};
+#pragma unroll
+                    for (int r = 0; r < NW; r++) {
+                        __half2 hs = __hmul2(wh[r][0], xv[0]);
+#pragma unroll
+                        for (int e = 1; e < 8; e++) hs = __hfma2(wh[r][e], xv[e], hs);
+                        const float2 f = __half22float2(hs);
+                        acc[r][m] += f.x + f.y;
+                    }
+                }
+            }
+#else
             if (k < inp) {
 #pragma unroll
               for (int hh = 0; hh < GEMV_CH / 8; hh++) {
@@ -267,10 +487,19 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
                 }
               }
             }
+#endif
             // Refill this slot with the loads of the next outer iteration.
             int kn = k + 32 * GEMV_CH * U;
+#ifdef GEMV_FP8H
+#pragma unroll
+            for (int r = 0; r < NW; r++)
+                wv[u][r] = kn < inp    ? ld_weight(wrow[r] + kn)
+                           : prefetch ? ld_weight(wnext[r] + (kn - inp))
+                                      : make_uint4(0, 0, 0, 0);
+#else
 #pragma unroll
             for (int r = 0; r < NW; r++) wv[u][r] = kn < inp ? ld_weight(wrow[r] + kn) : make_uint4(0, 0, 0, 0);
+#endif
         }
     }
 
@@ -285,7 +514,11 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
         j = j < out ? j : out - 1;
         float sc = row_scale(wscale, phys_row<MODE>(j, r, out, rk.hd));
 #pragma unroll
+#ifdef GEMV_FP8H
+        for (int m = 0; m < M; m++) acc[r][m] *= sc * xun[m];
+#else
         for (int m = 0; m < M; m++) acc[r][m] *= sc;
+#endif
     }
 #endif
     if (lane == 0) {
@@ -343,6 +576,13 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
     grp += gridDim.x * GEMV_WARPS;
     if (grp >= groups) return;
     j0 = grp * GEMV_R;
+#ifdef GEMV_FP8H
+    if (prefetch) {
+#pragma unroll
+        for (int r = 0; r < NW; r++) wrow[r] = wnext[r];
+        continue;
+    }
+#endif
     start_tile();
   }
 }
