@@ -15,6 +15,7 @@
 mod splitmix;
 
 use half::bf16;
+use prism_engine::backend::cuda::CudaError;
 use prism_engine::backend::cuda::attn_decode::{AttnShape, DecodeArgs, DecodeAttention, MAX_SPLITS};
 use prism_engine::backend::cuda::attn_prefill::{PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq};
 use prism_engine::backend::cuda::device::{DevBuf, GemmArgs, GemmShape, Gpu};
@@ -37,17 +38,17 @@ fn from_bf(b: u16) -> f32 {
     bf16::from_bits(b).to_f32()
 }
 
-fn upload<T>(gpu: &Gpu, v: &[T]) -> DevBuf {
-    let b = DevBuf::zeroed(gpu, std::mem::size_of_val(v)).unwrap();
-    gpu.upload(&b, 0, v).unwrap();
-    b
+fn upload<T>(gpu: &Gpu, v: &[T]) -> Result<DevBuf, CudaError> {
+    let b = DevBuf::zeroed(gpu, std::mem::size_of_val(v))?;
+    gpu.upload(&b, 0, v)?;
+    Ok(b)
 }
 
-fn download_bf16(gpu: &Gpu, ptr: u64, n: usize) -> Vec<f32> {
+fn download_bf16(gpu: &Gpu, ptr: u64, n: usize) -> Result<Vec<f32>, CudaError> {
     let mut h = vec![0u16; n];
-    gpu.sync().unwrap();
-    gpu.download(&mut h, ptr).unwrap();
-    h.into_iter().map(from_bf).collect()
+    gpu.sync()?;
+    gpu.download(&mut h, ptr)?;
+    Ok(h.into_iter().map(from_bf).collect())
 }
 
 fn uniform(rng: &mut Rng, a: f32) -> f32 {
@@ -96,15 +97,15 @@ impl Cache {
     }
 
     /// Device copies: (e4m3 K, e4m3 V, bf16 K, bf16 V, block tables).
-    fn upload(&self, gpu: &Gpu) -> [DevBuf; 5] {
+    fn upload(&self, gpu: &Gpu) -> Result<[DevBuf; 5], CudaError> {
         let wide = |c: &[u8]| c.iter().map(|&x| bf(e4m3_to_f32(x))).collect::<Vec<u16>>();
-        [
-            upload(gpu, &self.k8),
-            upload(gpu, &self.v8),
-            upload(gpu, &wide(&self.k8)),
-            upload(gpu, &wide(&self.v8)),
-            upload(gpu, &self.bts),
-        ]
+        Ok([
+            upload(gpu, &self.k8)?,
+            upload(gpu, &self.v8)?,
+            upload(gpu, &wide(&self.k8))?,
+            upload(gpu, &wide(&self.v8))?,
+            upload(gpu, &self.bts)?,
+        ])
     }
 
     /// f64 attention of query `q` (head `qhead` of `g` per KV head) over positions `0..=pos`.
@@ -138,14 +139,14 @@ fn fp8_kv_decode_attention_equals_the_bf16_kernel_on_the_same_cache_values() {
     for (qh, kvh, hd) in [(8, 2, 64), (32, 8, 128)] {
         let ctxs = [1usize, 2, 63, 64, 65, 200, 364, 1000, 2500];
         let cache = Cache::new(&mut rng, &ctxs, kvh, hd, 2.0);
-        let [k8, v8, k16, v16, bts] = cache.upload(&gpu);
+        let [k8, v8, k16, v16, bts] = cache.upload(&gpu).unwrap();
         let n = ctxs.len();
         let qkv_dim = (qh + 2 * kvh) * hd;
         let qkv: Vec<u16> = (0..n * qkv_dim).map(|_| rng.bf(3.0)).collect();
-        let qkv_d = upload(&gpu, &qkv);
+        let qkv_d = upload(&gpu, &qkv).unwrap();
         let pos: Vec<u32> = ctxs.iter().map(|c| (c - 1) as u32).collect();
         let tok_bt: Vec<u32> = cache.bt_off.iter().map(|&o| o as u32).collect();
-        let (pos_d, tok_bt_d) = (upload(&gpu, &pos), upload(&gpu, &tok_bt));
+        let (pos_d, tok_bt_d) = (upload(&gpu, &pos).unwrap(), upload(&gpu, &tok_bt).unwrap());
         let scale = 1.0 / (hd as f32).sqrt();
         let g = qh / kvh;
         let mut want = Vec::new();
@@ -178,7 +179,7 @@ fn fp8_kv_decode_attention_equals_the_bf16_kernel_on_the_same_cache_values() {
                     scale,
                 };
                 kern.launch(&gpu, &a).unwrap();
-                errs[i] = max_err(&download_bf16(&gpu, out.ptr, n * qh * hd), &want);
+                errs[i] = max_err(&download_bf16(&gpu, out.ptr, n * qh * hd).unwrap(), &want);
             }
             println!(
                 "decode hd {hd} g {g} split cap {cap}: max |out - f64| bf16 kernel {:.5}, fp8-KV kernel {:.5}",
@@ -208,11 +209,11 @@ fn fp8_kv_prefill_attention_equals_the_bf16_kernel_on_the_same_cache_values() {
         let seqs_spec = [(1usize, 1usize), (300, 300), (364, 64), (130, 7), (700, 100)];
         let lens: Vec<usize> = seqs_spec.iter().map(|s| s.0).collect();
         let cache = Cache::new(&mut rng, &lens, kvh, hd, 2.0);
-        let [k8, v8, k16, v16, bts] = cache.upload(&gpu);
+        let [k8, v8, k16, v16, bts] = cache.upload(&gpu).unwrap();
         let t_total: usize = seqs_spec.iter().map(|s| s.1).sum();
         let qkv_dim = (qh + 2 * kvh) * hd;
         let qkv: Vec<u16> = (0..t_total * qkv_dim).map(|_| rng.bf(3.0)).collect();
-        let qkv_d = upload(&gpu, &qkv);
+        let qkv_d = upload(&gpu, &qkv).unwrap();
         let mut seqs = Vec::new();
         let mut start = 0;
         for (i, &(ctx, ql)) in seqs_spec.iter().enumerate() {
@@ -243,7 +244,7 @@ fn fp8_kv_prefill_attention_equals_the_bf16_kernel_on_the_same_cache_values() {
             gpu.fill_const(out.ptr, t_total * qh * hd, 1000.0).unwrap();
             let ptrs = PrefillPtrs { out: out.ptr, qkv: qkv_d.ptr, k_cache: kc.ptr, v_cache: vc.ptr, bts: bts.ptr };
             pa.launch(&gpu, &seqs, &ptrs, dims, scale).unwrap();
-            errs[i] = max_err(&download_bf16(&gpu, out.ptr, t_total * qh * hd), &want);
+            errs[i] = max_err(&download_bf16(&gpu, out.ptr, t_total * qh * hd).unwrap(), &want);
         }
         println!("prefill hd {hd} g {g}: max |out - f64| bf16 kernel {:.5}, fp8-KV kernel {:.5}", errs[0], errs[1]);
         assert!(errs[0] < 2e-2, "bf16 prefill kernel off the f64 reference by {}", errs[0]);
@@ -331,7 +332,7 @@ fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
         let p = Product::new(&mut rng, n, out, inp);
         let xb: Vec<u16> = p.x.iter().map(|&v| bf(v)).collect();
         let wb: Vec<u16> = p.w.iter().map(|&v| bf(v)).collect();
-        let (x_d, w_d) = (upload(&gpu, &xb), upload(&gpu, &wb));
+        let (x_d, w_d) = (upload(&gpu, &xb).unwrap(), upload(&gpu, &wb).unwrap());
         // Device quantization of the weight (per output row) and of the activations (per token)
         // equals the host rule bit for bit.
         let (wq_d, ws_d) = (DevBuf::zeroed(&gpu, out * inp).unwrap(), DevBuf::zeroed(&gpu, out * 4).unwrap());
@@ -371,7 +372,7 @@ fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
                 gpu.download(&mut h, y_d.ptr).unwrap();
                 h
             } else {
-                download_bf16(&gpu, y_d.ptr, n * out)
+                download_bf16(&gpu, y_d.ptr, n * out).unwrap()
             };
             let e = rel(&y, &y_w8a8);
             println!(
