@@ -4,8 +4,11 @@ f16 / f32 Llama-family checkpoint, as llm-compressor's `FP8` / `FP8_DYNAMIC` sch
 
 - every decoder linear (`q/k/v/o_proj`, `gate/up/down_proj`) becomes `weight` F8_E4M3 plus
   `weight_scale` (f32): per output channel `[out, 1]` (default) or per tensor `[]`
-  (`--strategy tensor`), scale = amax / 448, code = round-to-nearest-even(w / scale)
-  saturated to +-448;
+  (`--strategy tensor`), scale = amax / 448, code = round-to-nearest-even(w · (1 / scale))
+  saturated to +-448, in f32: the rule of Prism's at-load quantization (`--quantization fp8`,
+  `backend/cuda/fp8.rs`) bit for bit, so a checkpoint written here loads to the same codes;
+  (`w / scale`, as llm-compressor rounds, differs from it in the last f32 bit of the quotient,
+  which moves a code where it lies on a rounding boundary);
 - embeddings, norms and `lm_head` keep their dtype (`lm_head` is in `ignore`);
 - `config.json` gets `quantization_config` (`quant_method: compressed-tensors`,
   `format: float-quantized`, weights `num_bits: 8, type: float`, activations dynamic per
@@ -107,7 +110,8 @@ def quantize(w: np.ndarray, strategy: str) -> tuple[np.ndarray, np.ndarray]:
     amax = np.asarray(amax, dtype=np.float32)
     # An all-zero row keeps scale 1 (its codes are 0 whatever the scale).
     scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
-    return f32_to_e4m3(w / scale), scale
+    inv = (np.float32(1.0) / scale).astype(np.float32)
+    return f32_to_e4m3(w * inv), scale
 
 
 def is_linear(name: str) -> bool:

@@ -10,7 +10,8 @@
 #   trace:    the 512-request trace (make_trace.py) through cuda_trace at engine defaults: bf16,
 #             fp8 weights, fp8 weights + fp8 KV
 #   accuracy: hf_reference.py (random + trained reference models), then cuda_check --fp8 (bf16 vs
-#             fp8 runs: logits error vs HF f32, greedy agreement with bf16), also with fp8 KV
+#             fp8 runs: logits error vs HF f32, greedy agreement with bf16), also with fp8 KV (with fp8
+#             and with bf16 weights) and fp8_kv_sim.py (e4m3 K/V in HF, scale 1 vs calibrated)
 # Knobs: BENCH_RUNS / TRACE_RUNS replace the bench / trace lists (';'-separated NAME:ENV:FLAGS /
 # NAME:FLAGS entries), ACCURACY_ENV (e.g. PRISM_FP8_FAST_ACCUM=0) for the FP8 accuracy check, KV8_CHECK=0
 # skips its FP8-KV variant, QUANTIZE the path of scripts/quantize_fp8.py.
@@ -89,6 +90,11 @@ part_accuracy() {
   if [ "${KV8_CHECK:-1}" = 1 ]; then
     timeout 120 "$BIN/cuda_check" "$MODEL" "$OUT/cuda_check_fp8_kv8.json" --fp8 --kv-cache-dtype fp8 2>&1 \
       | tee "$OUT/cuda_check_fp8_kv8.log" || rc=1
+    # The FP8 KV cache alone (bf16 weights), and e4m3 K/V simulated in HF (scale 1 vs calibrated).
+    timeout 120 "$BIN/cuda_check" "$MODEL" "$OUT/cuda_check_kv8.json" --fp8 --weights bf16 --kv-cache-dtype fp8 2>&1 \
+      | tee "$OUT/cuda_check_kv8.log" || rc=1
+    timeout 120 python3 scripts/gpu/fp8_kv_sim.py "$MODEL/trained" "$OUT/fp8_kv_sim_trained.json" 2>&1 \
+      | grep -v Loading | tee "$OUT/fp8_kv_sim_trained.log" || rc=1
   fi
 }
 

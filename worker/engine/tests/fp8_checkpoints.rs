@@ -188,7 +188,9 @@ fn write_fp8_pair(layout: &Layout, fp8: &Path, reference: &Path) -> Result<()> {
         for r in 0..out {
             for c in 0..inp {
                 let s = scales[cell(r, c)];
-                let code = e4m3_code((w[r * inp + c] / s).clamp(-448.0, 448.0));
+                // `w · (1 / s)` in f32: the at-load quantization's rounding, which
+                // `scripts/quantize_fp8.py` follows.
+                let code = e4m3_code((w[r * inp + c] * (1.0 / s)).clamp(-448.0, 448.0));
                 codes[r * inp + c] = code;
                 deq[r * inp + c] = e4m3_value(code) * s;
             }
@@ -554,5 +556,71 @@ fn the_quantize_script_writes_what_the_loader_reads() -> Result<()> {
             ensure!(matches!(q.scales, prism_engine::model::fp8::Fp8Scales::PerTensor(_)), "{label}: {:?}", q.scales);
         }
     }
+    Ok(())
+}
+
+/// `scripts/quantize_fp8.py` rounds as the at-load quantization does (`quantize_rows`, which
+/// the device kernel equals bit for bit): the same codes and scales for a matrix whose rows hold
+/// values where `w / scale` and `w · (1 / scale)` round to different codes.
+#[test]
+fn the_quantize_script_rounds_as_the_at_load_quantization() -> Result<()> {
+    use prism_engine::model::fp8::{f32_to_e4m3, quantize_rows};
+    let python = numpy_python()?;
+    let (rows, cols) = (64usize, 512usize);
+    let mut w = Vec::with_capacity(rows * cols);
+    let mut boundary = 0usize;
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for _ in 0..rows {
+        // The row's largest magnitude sets its scale; the other values are bf16 values below it,
+        // the ones on which the two roundings disagree first.
+        let amax = bf16::from_f32(0.01 + (next() % 1000) as f32 / 1000.0).to_f32();
+        let s = amax / 448.0;
+        let mut row = vec![amax];
+        let start = (next() % 30_000) as u16;
+        for b in (start..u16::MAX).chain(0..start) {
+            let v = bf16::from_bits(b).to_f32();
+            if row.len() < cols / 2
+                && v.is_finite()
+                && v.abs() < amax
+                && f32_to_e4m3(v / s) != f32_to_e4m3(v * (1.0 / s))
+            {
+                row.push(v);
+                boundary += 1;
+            }
+        }
+        while row.len() < cols {
+            row.push(bf16::from_bits((next() % 65_536) as u16).to_f32().clamp(-amax, amax));
+        }
+        w.extend(row.into_iter().map(|v| if v.is_nan() { 0.0 } else { v }));
+    }
+    ensure!(boundary >= 20, "only {boundary} values where the two roundings differ");
+    let tmp = tempfile::tempdir()?;
+    let (inp, codes_out, scales_out) =
+        (tmp.path().join("w.f32"), tmp.path().join("codes.u8"), tmp.path().join("s.f32"));
+    std::fs::write(&inp, w.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/quantize_fp8.py");
+    let code = format!(
+        "import importlib.util, numpy as np\n\
+         spec = importlib.util.spec_from_file_location('q', {script:?})\n\
+         q = importlib.util.module_from_spec(spec); spec.loader.exec_module(q)\n\
+         w = np.fromfile({inp:?}, dtype='<f4').reshape({rows}, {cols})\n\
+         codes, scale = q.quantize(w, 'channel')\n\
+         codes.tofile({codes_out:?}); scale.astype('<f4').tofile({scales_out:?})\n"
+    );
+    let status = std::process::Command::new(&python).arg("-c").arg(code).status()?;
+    ensure!(status.success(), "quantize_fp8.py's quantize failed");
+    let codes = std::fs::read(&codes_out)?;
+    let scales: Vec<f32> =
+        std::fs::read(&scales_out)?.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let (want_codes, want_scales) = quantize_rows(&w, cols);
+    ensure!(scales == want_scales, "scales differ");
+    let differ = codes.iter().zip(&want_codes).filter(|(a, b)| a != b).count();
+    ensure!(differ == 0, "{differ} of {} codes differ from the at-load rule ({boundary} boundary values)", codes.len());
     Ok(())
 }

@@ -65,7 +65,7 @@ pub mod error;
 mod forward;
 pub mod fp8;
 pub mod gemm;
-mod gemm_fp8;
+pub mod gemm_fp8;
 pub mod gemv;
 mod kv_cache;
 mod nccl;

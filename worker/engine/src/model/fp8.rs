@@ -90,6 +90,24 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     sign | code.min(0x7e) as u8
 }
 
+/// Per-row quantization of `x [rows, cols]` (bf16 values held as f32) to (e4m3 codes, one f32
+/// scale per row): `scale = max|row| / 448` (1 for an all-zero row), `code = e4m3(x · (1 /
+/// scale))` in f32. vLLM's per-output-channel weight rule (`--quantization fp8`) and its
+/// per-token dynamic activation rule; the CUDA backend's kernel (`backend/cuda/fp8.rs`) and
+/// `scripts/quantize_fp8.py` compute exactly this.
+pub fn quantize_rows(x: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut codes = Vec::with_capacity(x.len());
+    let mut scales = Vec::with_capacity(x.len() / cols.max(1));
+    for row in x.chunks(cols.max(1)) {
+        let m = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let s = if m > 0.0 { m / E4M3_MAX } else { 1.0 };
+        let inv = 1.0 / s;
+        codes.extend(row.iter().map(|&v| f32_to_e4m3(v * inv)));
+        scales.push(s);
+    }
+    (codes, scales)
+}
+
 /// Which FP8 format a weight is stored in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fp8Format {

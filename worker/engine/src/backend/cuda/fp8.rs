@@ -1,7 +1,7 @@
 //! FP8 (e4m3) on the device (`kernels/fp8.cu`): per-row quantization of bf16 matrices (the
 //! weights at load, per output channel; the activations of the FP8 GEMMs, per token) and the
-//! dequantization of a matrix back to bf16, plus the host reference of the quantization rule
-//! ([`quantize_rows`], on the e4m3 conversion of `model::fp8`) the unit tests check.
+//! dequantization of a matrix back to bf16; the host reference of the quantization rule is
+//! [`quantize_rows`] (`model::fp8`, which `scripts/quantize_fp8.py` also follows bit for bit).
 //!
 //! The rule (vLLM's `--quantization fp8`, per-channel weights and dynamic per-token
 //! activations): `scale[r] = max|x[r]| / 448` (1 for an all-zero row), `code = e4m3(x · (1 /
@@ -12,9 +12,10 @@ use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use super::device::{Gpu, grid_stride, nvrtc_include_paths};
 use super::error::{CudaError, CudaResultExt};
+/// The host reference of the device quantization (the rule in the module docs).
+pub use crate::model::fp8::quantize_rows;
 #[cfg(test)]
-use crate::model::fp8::e4m3_to_f32;
-use crate::model::fp8::f32_to_e4m3;
+use crate::model::fp8::{e4m3_to_f32, f32_to_e4m3};
 
 /// The kernels' CUDA C source.
 pub const FP8_SRC: &str = include_str!("kernels/fp8.cu");
@@ -22,7 +23,7 @@ pub const FP8_SRC: &str = include_str!("kernels/fp8.cu");
 pub use crate::model::fp8::E4M3_MAX;
 
 /// The loaded FP8 kernels.
-pub(crate) struct Fp8Kernels {
+pub struct Fp8Kernels {
     quantize: CudaFunction,
     dequantize: CudaFunction,
     scale: CudaFunction,
@@ -120,28 +121,13 @@ impl Fp8Kernels {
 /// Operands of [`Fp8Kernels::scale_rows_cols`]: `y [n, out]` (bf16, or f32 with `f32_out`)
 /// scaled by the per-token `xs [n]` and the per-output-channel `ws [out]` (f32).
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct ScaleArgs {
+pub struct ScaleArgs {
     pub y: u64,
     pub xs: u64,
     pub ws: u64,
     pub n: usize,
     pub out: usize,
     pub f32_out: bool,
-}
-
-/// The host reference of the device quantization: `x [rows, cols]` (bf16 values held as f32)
-/// to (codes, per-row scales), the rule in the module docs.
-pub fn quantize_rows(x: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
-    let mut codes = Vec::with_capacity(x.len());
-    let mut scales = Vec::with_capacity(x.len() / cols.max(1));
-    for row in x.chunks(cols.max(1)) {
-        let m = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let s = if m > 0.0 { m / E4M3_MAX } else { 1.0 };
-        let inv = 1.0 / s;
-        codes.extend(row.iter().map(|&v| f32_to_e4m3(v * inv)));
-        scales.push(s);
-    }
-    (codes, scales)
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// One FP8 product (device addresses).
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Fp8GemmArgs {
+pub struct Fp8GemmArgs {
     /// Output `[n, out]`, bf16 (f32 when `f32_out`).
     pub y: u64,
     /// e4m3 activations `[n, inp]`.
@@ -34,7 +34,7 @@ pub(crate) struct Fp8GemmArgs {
 }
 
 /// cuBLASLt handle, the FP8 matmul descriptor, layouts and algorithms.
-pub(crate) struct Fp8Gemm {
+pub struct Fp8Gemm {
     handle: lt::cublasLtHandle_t,
     desc: lt::cublasLtMatmulDesc_t,
     ws: DevBuf,

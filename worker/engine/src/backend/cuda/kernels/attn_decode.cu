@@ -98,12 +98,17 @@ __device__ __forceinline__ void da_mma_top(float& d0, float& d1, u32 a0, u32 a2,
 #pragma nv_diagnostic pop
 
 // Two floats → the mma's 16-bit pair type (bf16, or f16 with KV_FP8), `lo` in the low half.
-__device__ __forceinline__ u32 da_pack_bf16(float lo, float hi) {
+__device__ __forceinline__ u32 da_pack_mma(float lo, float hi) {
 #ifdef KV_FP8
     __half2 v = __floats2half2_rn(lo, hi);
 #else
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
 #endif
+    return *reinterpret_cast<u32*>(&v);
+}
+// Two floats → a bf16 pair (the output type whatever the cache type), `lo` in the low half.
+__device__ __forceinline__ u32 da_pack_out(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<u32*>(&v);
 }
 
@@ -124,7 +129,7 @@ __device__ __forceinline__ void da_fp8_row8(u32 dst, const kvt* src, bool ok) {
 __device__ __forceinline__ u32 da_bf2_to_h2(u32 v) {
     __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162*>(&v);
     float2 f = __bfloat1622float2(b);
-    return da_pack_bf16(f.x, f.y);
+    return da_pack_mma(f.x, f.y);
 }
 #endif
 
@@ -295,8 +300,8 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
                     o[n][1] *= corr;
                 }
                 // P as the A fragment of P·V (k = positions): n-tile 0 → k 0..7, n-tile 1 → k 8..15.
-                const u32 pa0 = da_pack_bf16(s[0][0], s[0][1]);
-                const u32 pa2 = da_pack_bf16(s[1][0], s[1][1]);
+                const u32 pa0 = da_pack_mma(s[0][0], s[0][1]);
+                const u32 pa2 = da_pack_mma(s[1][0], s[1][1]);
 #pragma unroll
                 for (int nd = 0; nd < HD / 16; nd++) {
                     u32 b0, b1, b2, b3;
@@ -402,7 +407,7 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
         }
         const float inv = 1.f / s_den[gi];
         bf16* o4 = out + (u64)t * qh * HD + (u64)(g * G + gi) * HD + d;
-        *reinterpret_cast<uint2*>(o4) = make_uint2(da_pack_bf16(a0 * inv, a1 * inv), da_pack_bf16(a2 * inv, a3 * inv));
+        *reinterpret_cast<uint2*>(o4) = make_uint2(da_pack_out(a0 * inv, a1 * inv), da_pack_out(a2 * inv, a3 * inv));
     }
 }
 

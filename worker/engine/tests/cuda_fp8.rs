@@ -1,0 +1,434 @@
+//! FP8 kernels on the device against host references (built with `--features cuda`; needs a
+//! GPU, sm_89 or newer for the FP8 GEMM):
+//! - the FP8-KV decode and prefill attention read the same cache contents as the bf16 kernels
+//!   (the bf16 cache holds exactly the e4m3 values), both against an f64 host attention: the
+//!   e4m3 read path adds no error of its own (one-split and split-KV decode, chunked prefill);
+//! - the device quantization of a matrix equals the host rule bit for bit;
+//! - the FP8 GEMM (per-token activation codes, cuBLASLt, `scale_rows_cols`) equals the exact
+//!   product of the dequantized activations and weights, the FP8 GEMV and the bf16 GEMM of the
+//!   dequantized weight equal the exact product of the bf16 activations and the dequantized
+//!   weights, each within bf16 rounding; the GEMM-vs-GEMV difference is printed next to what
+//!   per-token activation rounding alone gives on the host.
+#![cfg(feature = "cuda")]
+
+#[path = "../examples/support/splitmix.rs"]
+mod splitmix;
+
+use half::bf16;
+use prism_engine::backend::cuda::CudaError;
+use prism_engine::backend::cuda::attn_decode::{AttnShape, DecodeArgs, DecodeAttention, MAX_SPLITS};
+use prism_engine::backend::cuda::attn_prefill::{PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq};
+use prism_engine::backend::cuda::device::{DevBuf, GemmArgs, GemmShape, Gpu};
+use prism_engine::backend::cuda::fp8::{Fp8Kernels, ScaleArgs, quantize_rows};
+use prism_engine::backend::cuda::gemm_fp8::{Fp8Gemm, Fp8GemmArgs};
+use prism_engine::backend::cuda::gemv::{Gemv, GemvArgs, GemvKind, RopeArgs};
+use prism_engine::model::fp8::{e4m3_to_f32, f32_to_e4m3};
+use splitmix::Rng;
+
+const BS: usize = 16;
+
+fn gpu() -> Gpu {
+    Gpu::new(0).expect("a CUDA device (these tests run on the GPU machine)")
+}
+
+fn bf(x: f32) -> u16 {
+    bf16::from_f32(x).to_bits()
+}
+fn from_bf(b: u16) -> f32 {
+    bf16::from_bits(b).to_f32()
+}
+
+fn upload<T>(gpu: &Gpu, v: &[T]) -> Result<DevBuf, CudaError> {
+    let b = DevBuf::zeroed(gpu, std::mem::size_of_val(v))?;
+    gpu.upload(&b, 0, v)?;
+    Ok(b)
+}
+
+fn download_bf16(gpu: &Gpu, ptr: u64, n: usize) -> Result<Vec<f32>, CudaError> {
+    let mut h = vec![0u16; n];
+    gpu.sync()?;
+    gpu.download(&mut h, ptr)?;
+    Ok(h.into_iter().map(from_bf).collect())
+}
+
+fn uniform(rng: &mut Rng, a: f32) -> f32 {
+    from_bf(rng.bf(a))
+}
+
+/// A paged cache of `seqs` sequences of the given lengths: e4m3 codes and the same values as
+/// bf16 (exact: every e4m3 value is a bf16 value), block tables over shuffled blocks.
+struct Cache {
+    kvh: usize,
+    hd: usize,
+    k8: Vec<u8>,
+    v8: Vec<u8>,
+    /// Block table offset of each sequence in `bts`.
+    bt_off: Vec<usize>,
+    bts: Vec<u32>,
+}
+
+impl Cache {
+    fn new(rng: &mut Rng, lens: &[usize], kvh: usize, hd: usize, amp: f32) -> Self {
+        let blocks: usize = lens.iter().map(|l| l.div_ceil(BS)).sum();
+        let mut ids: Vec<u32> = (0..blocks as u32).collect();
+        rng.shuffle(&mut ids);
+        let (mut bt_off, mut bts) = (Vec::new(), Vec::new());
+        for l in lens {
+            bt_off.push(bts.len());
+            for _ in 0..l.div_ceil(BS) {
+                bts.push(ids[bts.len()]);
+            }
+        }
+        let n = blocks * BS * kvh * hd;
+        let mut code = || f32_to_e4m3(uniform(rng, amp));
+        let k8: Vec<u8> = (0..n).map(|_| code()).collect();
+        let v8: Vec<u8> = (0..n).map(|_| code()).collect();
+        Self { kvh, hd, k8, v8, bt_off, bts }
+    }
+
+    fn slot(&self, seq: usize, p: usize) -> usize {
+        self.bts[self.bt_off[seq] + p / BS] as usize * BS + p % BS
+    }
+    fn k(&self, seq: usize, p: usize, h: usize, d: usize) -> f64 {
+        f64::from(e4m3_to_f32(self.k8[(self.slot(seq, p) * self.kvh + h) * self.hd + d]))
+    }
+    fn v(&self, seq: usize, p: usize, h: usize, d: usize) -> f64 {
+        f64::from(e4m3_to_f32(self.v8[(self.slot(seq, p) * self.kvh + h) * self.hd + d]))
+    }
+
+    /// Device copies: (e4m3 K, e4m3 V, bf16 K, bf16 V, block tables).
+    fn upload(&self, gpu: &Gpu) -> Result<[DevBuf; 5], CudaError> {
+        let wide = |c: &[u8]| c.iter().map(|&x| bf(e4m3_to_f32(x))).collect::<Vec<u16>>();
+        Ok([
+            upload(gpu, &self.k8)?,
+            upload(gpu, &self.v8)?,
+            upload(gpu, &wide(&self.k8))?,
+            upload(gpu, &wide(&self.v8))?,
+            upload(gpu, &self.bts)?,
+        ])
+    }
+
+    /// f64 attention of query `q` (head `qhead` of `g` per KV head) over positions `0..=pos`.
+    fn attend(&self, seq: usize, pos: usize, qhead: usize, g: usize, q: &[f32], scale: f64) -> Vec<f64> {
+        let h = qhead / g;
+        let s: Vec<f64> = (0..=pos)
+            .map(|p| (0..self.hd).map(|d| f64::from(q[d]) * self.k(seq, p, h, d)).sum::<f64>() * scale)
+            .collect();
+        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+        let den: f64 = w.iter().sum();
+        (0..self.hd).map(|d| (0..=pos).map(|p| w[p] * self.v(seq, p, h, d)).sum::<f64>() / den).collect()
+    }
+}
+
+/// max |a − b| over the pairs.
+fn max_err(a: &[f32], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (f64::from(*x) - y).abs()).fold(0.0, f64::max)
+}
+
+fn rms(v: &[f64]) -> f64 {
+    (v.iter().map(|x| x * x).sum::<f64>() / v.len().max(1) as f64).sqrt()
+}
+
+/// Decode: one token per sequence at the last position of contexts from 1 to 2,500 (one split
+/// and up to 16), the FP8-KV kernel and the bf16 kernel on the same values.
+#[test]
+fn fp8_kv_decode_attention_equals_the_bf16_kernel_on_the_same_cache_values() {
+    let gpu = gpu();
+    let mut rng = Rng(0x5eed_0001);
+    for (qh, kvh, hd) in [(8, 2, 64), (32, 8, 128)] {
+        let ctxs = [1usize, 2, 63, 64, 65, 200, 364, 1000, 2500];
+        let cache = Cache::new(&mut rng, &ctxs, kvh, hd, 2.0);
+        let [k8, v8, k16, v16, bts] = cache.upload(&gpu).unwrap();
+        let n = ctxs.len();
+        let qkv_dim = (qh + 2 * kvh) * hd;
+        let qkv: Vec<u16> = (0..n * qkv_dim).map(|_| rng.bf(3.0)).collect();
+        let qkv_d = upload(&gpu, &qkv).unwrap();
+        let pos: Vec<u32> = ctxs.iter().map(|c| (c - 1) as u32).collect();
+        let tok_bt: Vec<u32> = cache.bt_off.iter().map(|&o| o as u32).collect();
+        let (pos_d, tok_bt_d) = (upload(&gpu, &pos).unwrap(), upload(&gpu, &tok_bt).unwrap());
+        let scale = 1.0 / (hd as f32).sqrt();
+        let g = qh / kvh;
+        let mut want = Vec::new();
+        for (t, &c) in ctxs.iter().enumerate() {
+            for h in 0..qh {
+                let q: Vec<f32> = (0..hd).map(|d| from_bf(qkv[t * qkv_dim + h * hd + d])).collect();
+                want.extend(cache.attend(t, c - 1, h, g, &q, f64::from(scale)));
+            }
+        }
+        let shape = AttnShape { q_heads: qh, kv_heads: kvh, head_dim: hd };
+        let bf16_k = DecodeAttention::new(&gpu, shape, n).unwrap();
+        let fp8_k = DecodeAttention::with_kv(&gpu, shape, n, true).unwrap();
+        let out = DevBuf::zeroed(&gpu, n * qh * hd * 2).unwrap();
+        for cap in [1, 4, MAX_SPLITS] {
+            let mut errs = [0.0; 2];
+            for (i, (kern, kc, vc)) in [(&bf16_k, &k16, &v16), (&fp8_k, &k8, &v8)].into_iter().enumerate() {
+                gpu.fill_const(out.ptr, n * qh * hd, 1000.0).unwrap();
+                let a = DecodeArgs {
+                    n_tokens: n,
+                    max_ctx: 2500,
+                    split_cap: cap,
+                    out: out.ptr,
+                    qkv: qkv_d.ptr,
+                    k_cache: kc.ptr,
+                    v_cache: vc.ptr,
+                    pos: pos_d.ptr,
+                    tok_bt: tok_bt_d.ptr,
+                    bts: bts.ptr,
+                    block_size: BS,
+                    scale,
+                };
+                kern.launch(&gpu, &a).unwrap();
+                errs[i] = max_err(&download_bf16(&gpu, out.ptr, n * qh * hd).unwrap(), &want);
+            }
+            println!(
+                "decode hd {hd} g {g} split cap {cap}: max |out - f64| bf16 kernel {:.5}, fp8-KV kernel {:.5}",
+                errs[0], errs[1]
+            );
+            // Outputs are at most 2 in magnitude: bf16 output rounding is ≤ 2^-8, bf16 P adds as much; Q and P are
+            // rounded to f16 (finer than bf16) on the FP8 path.
+            assert!(errs[0] < 2e-2, "bf16 decode kernel off the f64 reference by {}", errs[0]);
+            assert!(
+                errs[1] < 2e-2 && errs[1] <= 1.5 * errs[0] + 2e-3,
+                "fp8-KV decode kernel off by {} (bf16 {})",
+                errs[1],
+                errs[0]
+            );
+        }
+    }
+}
+
+/// Prefill: whole prompts and chunks of longer contexts (the query tokens at the end of the
+/// context), the FP8-KV kernel and the bf16 kernel on the same values.
+#[test]
+fn fp8_kv_prefill_attention_equals_the_bf16_kernel_on_the_same_cache_values() {
+    let gpu = gpu();
+    let mut rng = Rng(0x5eed_0002);
+    for (qh, kvh, hd) in [(8, 2, 64), (32, 8, 128)] {
+        // (context, query tokens): a 1-token prompt, whole prompts, chunks of longer contexts.
+        let seqs_spec = [(1usize, 1usize), (300, 300), (364, 64), (130, 7), (700, 100)];
+        let lens: Vec<usize> = seqs_spec.iter().map(|s| s.0).collect();
+        let cache = Cache::new(&mut rng, &lens, kvh, hd, 2.0);
+        let [k8, v8, k16, v16, bts] = cache.upload(&gpu).unwrap();
+        let t_total: usize = seqs_spec.iter().map(|s| s.1).sum();
+        let qkv_dim = (qh + 2 * kvh) * hd;
+        let qkv: Vec<u16> = (0..t_total * qkv_dim).map(|_| rng.bf(3.0)).collect();
+        let qkv_d = upload(&gpu, &qkv).unwrap();
+        let mut seqs = Vec::new();
+        let mut start = 0;
+        for (i, &(ctx, ql)) in seqs_spec.iter().enumerate() {
+            seqs.push(PrefillSeq { query_start: start, query_len: ql, context_len: ctx, bt_offset: cache.bt_off[i] });
+            start += ql;
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let g = qh / kvh;
+        let mut want = Vec::new();
+        for (i, s) in seqs.iter().enumerate() {
+            for r in 0..s.query_len {
+                let row = s.query_start + r;
+                let pos = s.context_len - s.query_len + r;
+                for h in 0..qh {
+                    let q: Vec<f32> = (0..hd).map(|d| from_bf(qkv[row * qkv_dim + h * hd + d])).collect();
+                    want.extend(cache.attend(i, pos, h, g, &q, f64::from(scale)));
+                }
+            }
+        }
+        let dims = PrefillDims { q_heads: qh, kv_heads: kvh, head_dim: hd, block_size: BS };
+        let out = DevBuf::zeroed(&gpu, t_total * qh * hd * 2).unwrap();
+        let mut errs = [0.0; 2];
+        for (i, fp8) in [false, true].into_iter().enumerate() {
+            let mut pa =
+                if fp8 { PrefillAttention::new_fp8_kv(&gpu, t_total) } else { PrefillAttention::new(&gpu, t_total) }
+                    .unwrap();
+            let (kc, vc) = if fp8 { (&k8, &v8) } else { (&k16, &v16) };
+            gpu.fill_const(out.ptr, t_total * qh * hd, 1000.0).unwrap();
+            let ptrs = PrefillPtrs { out: out.ptr, qkv: qkv_d.ptr, k_cache: kc.ptr, v_cache: vc.ptr, bts: bts.ptr };
+            pa.launch(&gpu, &seqs, &ptrs, dims, scale).unwrap();
+            errs[i] = max_err(&download_bf16(&gpu, out.ptr, t_total * qh * hd).unwrap(), &want);
+        }
+        println!("prefill hd {hd} g {g}: max |out - f64| bf16 kernel {:.5}, fp8-KV kernel {:.5}", errs[0], errs[1]);
+        assert!(errs[0] < 2e-2, "bf16 prefill kernel off the f64 reference by {}", errs[0]);
+        assert!(
+            errs[1] < 2e-2 && errs[1] <= 1.5 * errs[0] + 2e-3,
+            "fp8-KV prefill kernel off by {} (bf16 {})",
+            errs[1],
+            errs[0]
+        );
+    }
+}
+
+/// One matrix (`out × inp`, bf16) and `n` activation rows with a few outlier channels, as a
+/// decoder layer's inputs have. Rows of the weight and tokens have amplitudes 1, 2, 4 or 8
+/// (and the outliers' amplitude varies by token), so their scales differ by up to 8×: a
+/// per-token or per-channel scale applied to the wrong row or column moves outputs by 100% or
+/// more.
+struct Product {
+    n: usize,
+    out: usize,
+    inp: usize,
+    x: Vec<f32>,
+    w: Vec<f32>,
+}
+
+impl Product {
+    fn new(rng: &mut Rng, n: usize, out: usize, inp: usize) -> Self {
+        let amp = |r: usize| f32::from(1u8 << (r * 7 % 4));
+        let x = (0..n * inp)
+            .map(|i| {
+                let (t, c) = (i / inp, i % inp);
+                let a = if c % 509 == 7 { 4.0 + (t % 5) as f32 * 4.0 } else { 1.0 };
+                uniform(rng, a * amp(t))
+            })
+            .collect();
+        let w = (0..out * inp).map(|i| uniform(rng, 0.05 * amp(i / inp + 1))).collect();
+        Self { n, out, inp, x, w }
+    }
+
+    /// The largest |a − b| of each token row over the rms of `b`'s row, then the largest over
+    /// the tokens.
+    fn row_err(&self, a: &[f32], b: &[f64]) -> f64 {
+        (0..self.n)
+            .map(|t| {
+                let (ra, rb) = (&a[t * self.out..(t + 1) * self.out], &b[t * self.out..(t + 1) * self.out]);
+                max_err(ra, rb) / rms(rb)
+            })
+            .fold(0.0, f64::max)
+    }
+
+    /// As `row_err` for two f64 results.
+    fn row_diff(&self, a: &[f64], b: &[f64]) -> f64 {
+        let a32: Vec<f32> = a.iter().map(|&v| v as f32).collect();
+        self.row_err(&a32, b)
+    }
+
+    /// f64 `a [n, inp] · b [out, inp]ᵀ`.
+    fn exact(&self, a: &[f64], b: &[f64]) -> Vec<f64> {
+        let mut y = vec![0.0; self.n * self.out];
+        for t in 0..self.n {
+            let ar = &a[t * self.inp..(t + 1) * self.inp];
+            for j in 0..self.out {
+                y[t * self.out + j] = ar.iter().zip(&b[j * self.inp..(j + 1) * self.inp]).map(|(p, q)| p * q).sum();
+            }
+        }
+        y
+    }
+}
+
+/// Dequantized rows: `code · scale[row]` in f64.
+fn dequantized(codes: &[u8], scales: &[f32], cols: usize) -> Vec<f64> {
+    codes.iter().enumerate().map(|(i, &c)| f64::from(e4m3_to_f32(c)) * f64::from(scales[i / cols])).collect()
+}
+
+#[test]
+fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
+    let gpu = gpu();
+    let mut rng = Rng(0x5eed_0003);
+    let k = Fp8Kernels::new(&gpu).unwrap();
+    let mut lt = Fp8Gemm::new(&gpu).unwrap();
+    let gemv = Gemv::new(&gpu, 4096, true).unwrap();
+    // `Fp8Gemm::new` reads the same variable.
+    let fast = std::env::var("PRISM_FP8_FAST_ACCUM").map_or(true, |v| v != "0");
+    for (n, out, inp) in [(64, 1024, 4096), (300, 768, 1536), (4, 512, 512)] {
+        let p = Product::new(&mut rng, n, out, inp);
+        let xb: Vec<u16> = p.x.iter().map(|&v| bf(v)).collect();
+        let wb: Vec<u16> = p.w.iter().map(|&v| bf(v)).collect();
+        let (x_d, w_d) = (upload(&gpu, &xb).unwrap(), upload(&gpu, &wb).unwrap());
+        // Device quantization of the weight (per output row) and of the activations (per token)
+        // equals the host rule bit for bit.
+        let (wq_d, ws_d) = (DevBuf::zeroed(&gpu, out * inp).unwrap(), DevBuf::zeroed(&gpu, out * 4).unwrap());
+        let (xq_d, xs_d) = (DevBuf::zeroed(&gpu, n * inp).unwrap(), DevBuf::zeroed(&gpu, n * 4).unwrap());
+        k.quantize(&gpu, wq_d.ptr, ws_d.ptr, w_d.ptr, out, inp).unwrap();
+        k.quantize(&gpu, xq_d.ptr, xs_d.ptr, x_d.ptr, n, inp).unwrap();
+        let (wq, ws) = quantize_rows(&p.w, inp);
+        let (xq, xs) = quantize_rows(&p.x, inp);
+        let (mut dwq, mut dws, mut dxq, mut dxs) =
+            (vec![0u8; out * inp], vec![0f32; out], vec![0u8; n * inp], vec![0f32; n]);
+        gpu.sync().unwrap();
+        gpu.download(&mut dwq, wq_d.ptr).unwrap();
+        gpu.download(&mut dws, ws_d.ptr).unwrap();
+        gpu.download(&mut dxq, xq_d.ptr).unwrap();
+        gpu.download(&mut dxs, xs_d.ptr).unwrap();
+        assert_eq!((dwq == wq, dws == ws), (true, true), "weight quantization differs from the host rule");
+        assert_eq!((dxq == xq, dxs == xs), (true, true), "activation quantization differs from the host rule");
+
+        let x64: Vec<f64> = p.x.iter().map(|&v| f64::from(v)).collect();
+        let w64: Vec<f64> = p.w.iter().map(|&v| f64::from(v)).collect();
+        let (wdq, xdq) = (dequantized(&wq, &ws, inp), dequantized(&xq, &xs, inp));
+        let y_bf16 = p.exact(&x64, &w64);
+        let y_w8 = p.exact(&x64, &wdq); // what the GEMV and the dequantized GEMM compute
+        let y_w8a8 = p.exact(&xdq, &wdq); // what the FP8 GEMM computes
+        let rel = |a: &[f32], b: &[f64]| p.row_err(a, b);
+
+        // FP8 GEMM (bf16 and f32 output).
+        let y_d = DevBuf::zeroed(&gpu, n * out * 4).unwrap();
+        let mut gemm_out = Vec::new();
+        for f32_out in [false, true] {
+            let a = Fp8GemmArgs { y: y_d.ptr, xq: xq_d.ptr, wq: wq_d.ptr, n, out, inp, f32_out };
+            lt.matmul(&gpu, &a).unwrap();
+            k.scale_rows_cols(&gpu, &ScaleArgs { y: y_d.ptr, xs: xs_d.ptr, ws: ws_d.ptr, n, out, f32_out }).unwrap();
+            let y = if f32_out {
+                let mut h = vec![0f32; n * out];
+                gpu.sync().unwrap();
+                gpu.download(&mut h, y_d.ptr).unwrap();
+                h
+            } else {
+                download_bf16(&gpu, y_d.ptr, n * out).unwrap()
+            };
+            let e = rel(&y, &y_w8a8);
+            println!(
+                "FP8 GEMM {n}x{out}x{inp} (f32 out {f32_out}, fast accumulation {fast}): max |y - exact(xq, wq)| / rms(row) = {e:.5}"
+            );
+            // Without fast accumulation: f32 accumulation, and with bf16 output the unscaled and
+            // the scaled product rounded once each (2 · 2^-9 of |y|, |y| up to ~10 row rms).
+            // With it, Hopper's FP8 tensor cores accumulate in about 14 bits between promotions
+            // (DeepSeek-V3 report, section 3.3.2: up to ~2% relative error at K = 4,096); first
+            // device run, 64 × 1,024 × 4,096 with uniform scales, bf16 output: 0.036. A scale on
+            // the wrong row or column, or a transposed operand, is off by 0.25 or more.
+            let tol = if fast { 0.1 } else { 2e-2 };
+            assert!(e < tol, "FP8 GEMM off the exact product of its quantized operands by {e} (row rms)");
+            gemm_out = y;
+        }
+        // bf16 GEMM of the dequantized weight.
+        let wdq_d = DevBuf::zeroed(&gpu, out * inp * 2).unwrap();
+        k.dequantize(&gpu, wdq_d.ptr, wq_d.ptr, ws_d.ptr, out, inp).unwrap();
+        gpu.gemm(&GemmArgs { y: y_d.ptr, x: x_d.ptr, w: wdq_d.ptr, shape: GemmShape { n, out, inp }, f32_out: true })
+            .unwrap();
+        let mut y_deq = vec![0f32; n * out];
+        gpu.sync().unwrap();
+        gpu.download(&mut y_deq, y_d.ptr).unwrap();
+        let e_deq = rel(&y_deq, &y_w8);
+        // The FP8 GEMV (up to 4 tokens per launch).
+        let mut y_gemv = vec![0f32; n * out];
+        for t0 in (0..n).step_by(4) {
+            let m = (n - t0).min(4);
+            let a = GemvArgs {
+                kind: GemvKind::LogitsF32,
+                m,
+                y: y_d.ptr,
+                w: wq_d.ptr,
+                x: x_d.ptr + (t0 * inp * 2) as u64,
+                gain: 0,
+                wscale: ws_d.ptr,
+                out,
+                inp,
+                eps: 0.0,
+                rope: RopeArgs::default(),
+            };
+            gemv.launch(&gpu, &a).unwrap();
+            gpu.sync().unwrap();
+            gpu.download(&mut y_gemv[t0 * out..(t0 + m) * out], y_d.ptr).unwrap();
+        }
+        let e_gemv = rel(&y_gemv, &y_w8);
+        let gemv64: Vec<f64> = y_gemv.iter().map(|&v| f64::from(v)).collect();
+        let gemm_vs_gemv = p.row_err(&gemm_out, &gemv64);
+        println!(
+            "{n}x{out}x{inp}: dequantized bf16 GEMM vs exact(x, wq) {e_deq:.5}, FP8 GEMV vs exact(x, wq) {e_gemv:.5}; \
+             FP8 GEMM vs FP8 GEMV {gemm_vs_gemv:.4} (host, activation rounding alone: {:.4}; FP8 weights vs bf16: {:.4}) of the row rms",
+            p.row_diff(&y_w8a8, &y_w8),
+            p.row_diff(&y_w8, &y_bf16)
+        );
+        // The dequantized weight is rounded to bf16 (2^-9 relative per element).
+        assert!(e_deq < 2e-2, "dequantized bf16 GEMM off by {e_deq} (row rms)");
+        assert!(e_gemv < 1e-3, "FP8 GEMV off the exact product of x and the dequantized weight by {e_gemv} (row rms)");
+    }
+}
