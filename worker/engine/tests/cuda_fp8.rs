@@ -325,7 +325,8 @@ fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
     let mut rng = Rng(0x5eed_0003);
     let k = Fp8Kernels::new(&gpu).unwrap();
     let mut lt = Fp8Gemm::new(&gpu).unwrap();
-    let gemv = Gemv::new(&gpu, 4096, true).unwrap();
+    // Norm rows and staged activation rows up to the widest input below.
+    let gemv = Gemv::new(&gpu, 4096, 4096, true).unwrap();
     // `Fp8Gemm::new` reads the same variable.
     let fast = std::env::var("PRISM_FP8_FAST_ACCUM").map_or(true, |v| v != "0");
     for (n, out, inp) in [(64, 1024, 4096), (300, 768, 1536), (4, 512, 512)] {
