@@ -626,12 +626,7 @@ async fn answer(state: &HttpState, tracker: &RequestTracker, prepared: Prepared)
     let kind = shaper.kind;
     // A worker's `prompt` (empty, over the context length) is `messages` in a chat request;
     // its `structured_output.*` is the field the constraint came from.
-    let chat_param = |mut e: ApiError| {
-        if let Some(p) = e.param.as_deref().and_then(|p| fields.client_param(kind == Kind::Chat, p)) {
-            e.param = Some(p);
-        }
-        e
-    };
+    let chat_param = |e: ApiError| fields.client_error(kind == Kind::Chat, e);
     if req.echo && req.sampling.as_ref().and_then(|s| s.max_tokens) == Some(0) {
         // vLLM's echo with max_tokens 0: the prompt alone, nothing generated.
         let msgs = shaper.prompt_only();

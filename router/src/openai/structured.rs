@@ -230,6 +230,22 @@ impl ErrorFields {
         }
         (chat && param == "prompt").then(|| "messages".into())
     }
+
+    /// `e` (a worker's error) naming the client's field: its `param`, and the message's
+    /// `<worker field>: ` prefix (`structured_output.json_schema: Unsatisfiable schema…` →
+    /// `response_format.json_schema.schema: Unsatisfiable schema…`).
+    pub(super) fn client_error(&self, chat: bool, mut e: ApiError) -> ApiError {
+        let Some(worker) = e.param.take() else { return e };
+        let Some(client) = self.client_param(chat, &worker) else {
+            e.param = Some(worker);
+            return e;
+        };
+        if let Some(rest) = e.message.strip_prefix(worker.as_str()).and_then(|m| m.strip_prefix(": ")) {
+            e.message = format!("{client}: {rest}");
+        }
+        e.param = Some(client);
+        e
+    }
 }
 
 #[cfg(test)]

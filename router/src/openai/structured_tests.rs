@@ -116,3 +116,27 @@ fn more_than_one_constraint_is_400_naming_them() {
         assert_eq!(e.param.as_deref(), Some(names[1]));
     }
 }
+
+#[test]
+fn worker_errors_name_the_clients_field_in_param_and_message() {
+    let worker = |param: &str, message: &str| ApiError::invalid(param, message);
+    let fields = ErrorFields { structured: Some("response_format.json_schema.schema"), tools: None };
+    let e = fields.client_error(
+        true,
+        worker(
+            "structured_output.json_schema",
+            "structured_output.json_schema: Unsatisfiable schema: minimum > maximum",
+        ),
+    );
+    assert_eq!(e.param.as_deref(), Some("response_format.json_schema.schema"));
+    assert_eq!(e.message, "response_format.json_schema.schema: Unsatisfiable schema: minimum > maximum");
+    assert_eq!(e.status.as_u16(), 400);
+    // A chat request's `prompt` is its `messages`; a message without the prefix is kept.
+    let e = fields.client_error(true, worker("prompt", "the prompt is empty"));
+    assert_eq!((e.param.as_deref(), e.message.as_str()), (Some("messages"), "the prompt is empty"));
+    // Fields the router does not rename stay as the worker named them.
+    let e = fields.client_error(false, worker("prompt", "prompt: too long"));
+    assert_eq!((e.param.as_deref(), e.message.as_str()), (Some("prompt"), "prompt: too long"));
+    let e = fields.client_error(true, worker("max_tokens", "max_tokens: too large"));
+    assert_eq!((e.param.as_deref(), e.message.as_str()), (Some("max_tokens"), "max_tokens: too large"));
+}

@@ -5,7 +5,9 @@
 //!
 //! The arguments are written compactly as Python's `json.dumps` would (`", "`, `": "`, no
 //! other whitespace: `x-guidance` options on the embedded schema) unless the tool's schema
-//! sets its own `x-guidance`; without this a small model may loop on whitespace.
+//! sets its own `x-guidance`; without this a small model may loop on whitespace. Objects
+//! that list their properties are closed (`additionalProperties: false` unless the schema
+//! says otherwise, as for `response_format` schemas), so a call carries no invented argument.
 //!
 //! - `hermes`: `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`, calls
 //!   separated by `\n`.
@@ -20,9 +22,11 @@ fn literal(text: &str) -> String {
     serde_json::to_string(text).unwrap_or_default()
 }
 
-/// `schema` with compact-JSON `x-guidance` options unless it has its own.
+/// `schema` with compact-JSON `x-guidance` options unless it has its own, and its objects
+/// closed as the engine closes a JSON schema's (no argument the schema does not name).
 fn compact(schema: &Value) -> Value {
     let mut s = schema.clone();
+    prism_engine::structured::close_objects(&mut s);
     if let Some(obj) = s.as_object_mut()
         && !obj.contains_key("x-guidance")
     {

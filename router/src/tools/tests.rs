@@ -126,6 +126,7 @@ fn grammar_embeds_each_schema_in_the_parser_format() {
     let schema: Value = serde_json::from_str(&line["args_1: %json ".len()..]).expect("schema JSON");
     assert_eq!(schema["properties"]["a"], json!({"type": "integer"}));
     assert_eq!(schema["x-guidance"]["whitespace_flexible"], json!(false));
+    assert_eq!(schema["additionalProperties"], json!(false));
     let g = grammar::build(ParserKind::Llama3Json, &tools[..1], false);
     assert_eq!(
         g.lines().take(3).collect::<Vec<_>>(),
@@ -291,6 +292,7 @@ fn grammars_accept_only_valid_calls() {
         "<tool_call>\n{\"name\": \"other\", \"arguments\": {}}\n</tool_call>",
         "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": \"1\", \"b\": 2}}\n</tool_call>",
         "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call>",
+        "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2, \"c\": 3}}\n</tool_call>",
         "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}",
     ] {
         let bad = bad.replace("{weather}", weather);

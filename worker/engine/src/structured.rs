@@ -12,11 +12,18 @@
 //! JSON schemas and `json_object` are compiled without free whitespace between tokens
 //! (`{"a":1}`), since a small model given free whitespace can emit newlines until
 //! `max_tokens`; a schema's own `x-guidance` options (llguidance's JSON options, e.g.
-//! `{"whitespace_flexible": true}`) take precedence.
+//! `{"whitespace_flexible": true}`) take precedence. Objects that list their properties
+//! and say nothing of others are closed (`additionalProperties: false`, as OpenAI's strict
+//! mode and vLLM's xgrammar do; `structured/closed_objects.rs`), so a model cannot invent
+//! keys with unbounded values.
 //!
 //! Limits: grammar text at most [`MAX_GRAMMAR_BYTES`], at most [`MAX_CHOICES`] choices;
 //! llguidance's fuel limits bound the work of compiling one grammar and of one mask, so a
 //! pathological grammar fails (its request ends) instead of stalling the step thread.
+
+mod closed_objects;
+
+pub use closed_objects::close_objects;
 
 use super::codec::TextCodec;
 use super::request::{EngineError, StructuredOutput};
@@ -175,11 +182,12 @@ fn grammar_of(spec: &StructuredOutput) -> Result<TopLevelGrammar, String> {
     Ok(match spec {
         StructuredOutput::JsonSchema(text) => {
             check_size(text.len(), "the JSON schema")?;
-            let schema: serde_json::Value =
+            let mut schema: serde_json::Value =
                 serde_json::from_str(text).map_err(|e| format!("the JSON schema is not valid JSON: {e}"))?;
             if !(schema.is_object() || schema.is_boolean()) {
                 return Err("the JSON schema must be an object or a boolean".to_owned());
             }
+            close_objects(&mut schema);
             TopLevelGrammar::from_json_schema(compact_json(schema))
         }
         StructuredOutput::JsonObject => {
