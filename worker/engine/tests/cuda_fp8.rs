@@ -430,6 +430,9 @@ fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
         );
         // The dequantized weight is rounded to bf16 (2^-9 relative per element).
         assert!(e_deq < 2e-2, "dequantized bf16 GEMM off by {e_deq} (row rms)");
-        assert!(e_gemv < 1e-3, "FP8 GEMV off the exact product of x and the dequantized weight by {e_gemv} (row rms)");
+        // The default FP8 GEMV rounds each 16-product partial sum to f16 (2^-11 relative per
+        // rounding) before adding it into f32: 0.0034 of the row rms measured on the H200, against
+        // the 0.20 that FP8 weights themselves move the product by.
+        assert!(e_gemv < 1e-2, "FP8 GEMV off the exact product of x and the dequantized weight by {e_gemv} (row rms)");
     }
 }
