@@ -15,6 +15,7 @@
 
 use super::backend::{LogitConstraints, LogitEdit};
 use llguidance::Matcher;
+use rayon::iter::{IntoParallelIterator, ParallelIterator};
 use std::sync::Arc;
 use std::sync::mpsc;
 
@@ -140,24 +141,25 @@ pub(crate) struct MaskJob {
 
 impl StepMasks {
     /// Starts one job per constrained row on `pool`; masks cover `vocab` tokens (the
-    /// tokenizer's vocabulary: logits beyond it are masked out).
+    /// tokenizer's vocabulary: logits beyond it are masked out). The calling thread hands
+    /// the pool one task that fans the rows out (a spawn per row would wake the pool's
+    /// threads one by one from the step thread, delaying the forward behind it).
     pub fn start(pool: &rayon::ThreadPool, jobs: Vec<MaskJob>, vocab: usize) -> Self {
         let (tx, rx) = mpsc::channel();
         let mask_words = vocab.div_ceil(32);
         let n = jobs.len();
-        for job in jobs {
-            let tx = tx.clone();
-            pool.spawn(move || {
+        pool.spawn(move || {
+            jobs.into_par_iter().for_each_with(tx, |tx, job| {
                 let MaskJob { row, mut matcher, pending, enders, end_ids, mask_eos } = job;
                 let (mask, done) = match pending.map(|t| matcher.consume_token(t)) {
                     Some(Err(e)) => (Err(format!("the grammar rejected a sampled token: {e:#}")), false),
-                    Some(Ok(_)) if matcher.is_stopped() && matcher.get_error().is_none() => (Ok(Vec::new()), true),
+                    Some(Ok(())) if matcher.is_stopped() && matcher.get_error().is_none() => (Ok(Vec::new()), true),
                     _ => (grammar_mask(&mut matcher, &enders, &end_ids, vocab, mask_words, mask_eos), false),
                 };
                 // The receiver is gone only when the step failed; the mask is not needed then.
                 let _ = tx.send(RowMask { row, matcher, mask, done });
             });
-        }
+        });
         Self { rx, jobs: n, mask_words }
     }
 

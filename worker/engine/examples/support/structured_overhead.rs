@@ -9,8 +9,11 @@
 //! - `serial_advance_pageable`: the step loop as it was: the matchers consume the chosen tokens
 //!   one after the other on the step thread after the argmax; masks copied from pageable memory;
 //! - `serial_advance_pinned`: the same with the constraints staged in page-locked memory;
-//! - `advance_in_jobs_pinned`: the step loop now: each job first consumes its row's token of
-//!   the previous step, then computes the mask; page-locked staging.
+//! - `advance_in_jobs_pinned`: each job first consumes its row's token of the previous step,
+//!   then computes the mask; page-locked staging;
+//! - `advance_in_jobs_pinned_one_spawn`: the step loop now: as the last, with the rows handed
+//!   to the pool as one task that fans out (`into_par_iter`) instead of one spawn per row
+//!   from the step thread before the forward is enqueued.
 //!
 //! Per variant and batch (means over the timed steps, milliseconds): the step, each job's
 //! consume and mask time, when the last job finished (from the step's start), and the backend's
@@ -26,6 +29,7 @@ use prism_engine::backend::{Backend, LogitConstraints, StepBatch};
 use prism_engine::codec::TextCodec;
 use prism_engine::structured::GrammarCompiler;
 use prism_engine::{ChatMessage, EngineError, StructuredOutput};
+use rayon::iter::{IntoParallelIterator, ParallelIterator};
 use serde_json::json;
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
@@ -84,12 +88,14 @@ struct Variant {
     name: &'static str,
     advance_in_jobs: bool,
     pinned: bool,
+    one_spawn: bool,
 }
 
-const VARIANTS: [Variant; 3] = [
-    Variant { name: "serial_advance_pageable", advance_in_jobs: false, pinned: false },
-    Variant { name: "serial_advance_pinned", advance_in_jobs: false, pinned: true },
-    Variant { name: "advance_in_jobs_pinned", advance_in_jobs: true, pinned: true },
+const VARIANTS: [Variant; 4] = [
+    Variant { name: "serial_advance_pageable", advance_in_jobs: false, pinned: false, one_spawn: false },
+    Variant { name: "serial_advance_pinned", advance_in_jobs: false, pinned: true, one_spawn: false },
+    Variant { name: "advance_in_jobs_pinned", advance_in_jobs: true, pinned: true, one_spawn: false },
+    Variant { name: "advance_in_jobs_pinned_one_spawn", advance_in_jobs: true, pinned: true, one_spawn: true },
 ];
 
 /// One row's grammar: its matcher and the token it has not consumed yet.
@@ -118,6 +124,7 @@ struct Phases {
     consume: Duration,
     mask: Duration,
     jobs_done: Duration,
+    spawn: Duration,
     advance: Duration,
     be: ConstrainedTiming,
 }
@@ -138,7 +145,7 @@ impl Phases {
             "job_mask_ms": per_job(self.mask), "jobs_done_ms": per_step(self.jobs_done),
             "enqueue_ms": per_step(self.be.enqueue), "join_ms": per_step(self.be.constraints),
             "upload_ms": per_step(self.be.upload), "argmax_wait_ms": per_step(self.be.finish),
-            "serial_advance_ms": per_step(self.advance),
+            "spawn_ms": per_step(self.spawn), "serial_advance_ms": per_step(self.advance),
         })
     }
 }
@@ -157,17 +164,24 @@ fn step(
     let n = slots.len();
     let t0 = Instant::now();
     let (tx, rx) = mpsc::channel();
-    for (row, mut slot) in slots.drain(..).enumerate() {
-        let tx = tx.clone();
-        pool.spawn(move || {
-            let s = Instant::now();
-            let live = slot.pending.take().is_none_or(|t| slot.m.consume_token(t).is_ok() && !slot.m.is_stopped());
-            let consume = s.elapsed();
-            let mask = if live { slot.m.compute_mask().ok().map(|v| v.as_slice().to_vec()) } else { None };
-            let end = Instant::now();
-            let _ = tx.send(JobOut { row, slot, mask, consume, mask_time: end - s - consume, end });
-        });
+    let job = |row: usize, mut slot: Slot, tx: &mpsc::Sender<JobOut>| {
+        let s = Instant::now();
+        let live = slot.pending.take().is_none_or(|t| slot.m.consume_token(t).is_ok() && !slot.m.is_stopped());
+        let consume = s.elapsed();
+        let mask = if live { slot.m.compute_mask().ok().map(|v| v.as_slice().to_vec()) } else { None };
+        let end = Instant::now();
+        let _ = tx.send(JobOut { row, slot, mask, consume, mask_time: end - s - consume, end });
+    };
+    if variant.one_spawn {
+        let rows: Vec<(usize, Slot)> = slots.drain(..).enumerate().collect();
+        pool.spawn(move || rows.into_par_iter().for_each_with(tx, |tx, (row, slot)| job(row, slot, tx)));
+    } else {
+        for (row, slot) in slots.drain(..).enumerate() {
+            let tx = tx.clone();
+            pool.spawn(move || job(row, slot, &tx));
+        }
     }
+    let spawn = t0.elapsed();
     let mut back: Vec<Option<JobOut>> = (0..n).map(|_| None).collect();
     let ids = be.forward_greedy_constrained(b, &mut || {
         let mut c = LogitConstraints {
@@ -214,6 +228,7 @@ fn step(
         ph.steps += 1;
         ph.jobs += n;
         ph.step += t0.elapsed();
+        ph.spawn += spawn;
         ph.advance += t_adv.elapsed();
         (ph.consume, ph.mask, ph.jobs_done) = (ph.consume + consume, ph.mask + mask, ph.jobs_done + jobs_done);
         ph.add(&timing);
