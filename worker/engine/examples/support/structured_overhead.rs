@@ -258,7 +258,9 @@ pub fn overhead(
         let t = Instant::now();
         drop(compiler.compile(&spec, &[])?);
         let compile_ms = t.elapsed().as_secs_f64() * 1e3;
-        println!("[{name}] mean token {mean_len:.2} B; compiler {factory_s:.2} s; schema compiled in {compile_ms:.2} ms");
+        println!(
+            "[{name}] mean token {mean_len:.2} B; compiler {factory_s:.2} s; schema compiled in {compile_ms:.2} ms"
+        );
         let mut per_vocab = serde_json::Map::new();
         per_vocab.insert("mean_token_bytes".into(), json!(mean_len));
         per_vocab.insert("compiler_seconds".into(), json!(factory_s));
@@ -292,7 +294,10 @@ pub fn overhead(
             }
             be.set_pinned_constraints(true);
             let f = free.iter().sum::<f64>() / free.len() as f64 * 1e3;
-            println!("[{name}] b={bsz} ctx=1024 free {f:.3} ms/step (runs {:?})", free.iter().map(|x| x * 1e3).collect::<Vec<_>>());
+            println!(
+                "[{name}] b={bsz} ctx=1024 free {f:.3} ms/step (runs {:?})",
+                free.iter().map(|x| x * 1e3).collect::<Vec<_>>()
+            );
             let mut row = serde_json::Map::new();
             row.insert("free_ms".into(), json!(f));
             row.insert("free_runs_ms".into(), json!(free.iter().map(|x| x * 1e3).collect::<Vec<_>>()));
