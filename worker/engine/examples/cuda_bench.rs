@@ -16,13 +16,13 @@
 //!
 //! `--invariant` (second argument) runs the batch-invariant mode instead of the default fast mode.
 //!
-//! `--json-schema VOCAB` runs only the structured-output overhead: decode steps at batch 1 and
-//! 64 (1,024-token contexts) greedy on the device, free against every row constrained by a
-//! JSON schema as the engine's step loop does it (masks computed on a rayon pool while the
-//! forward runs, uploaded as bitmasks, applied in the argmax, the matchers advanced by the
-//! chosen tokens), alternating free, json, json, free. VOCAB is a 128,256-token vocabulary
-//! written by `cuda_bench --write-vocab MODEL.gguf VOCAB` (no CUDA needed): the GGUF's
-//! tokens, padded with tokens made of two of its tokens' bytes (a Llama-3-sized trie).
+//! `--json-schema VOCAB[,VOCAB…]` runs only the structured-output overhead: decode steps at
+//! batch 1 and 64 (1,024-token contexts) greedy on the device, free against every row
+//! constrained by a JSON schema as the engine's step loop does it, with the host time of each
+//! phase (`support/structured_overhead.rs`). A VOCAB is a 128,256-token vocabulary: written by
+//! `scripts/gpu/llama3_like_vocab.py` (cl100k_base + o200k_base tokens, built as Llama 3's is)
+//! or by `cuda_bench --write-vocab MODEL.gguf VOCAB` (no CUDA needed: the GGUF's tokens,
+//! padded with tokens made of two of its tokens' bytes).
 
 use std::io::Write;
 
@@ -429,165 +429,5 @@ mod bench {
 
 /// `--json-schema`: the step-time overhead of grammar masks on the device greedy path.
 #[cfg(feature = "cuda")]
-mod structured {
-    use super::LLAMA3_VOCAB;
-    use super::bench::{batch as step_batch, time_greedy as time_free};
-    use anyhow::Context;
-    use llguidance::Matcher;
-    use prism_engine::backend::cuda::CudaBackend;
-    use prism_engine::backend::{Backend, LogitConstraints, StepBatch};
-    use prism_engine::codec::TextCodec;
-    use prism_engine::structured::GrammarCompiler;
-    use prism_engine::{ChatMessage, EngineError, StructuredOutput};
-    use serde_json::json;
-    use std::sync::{Arc, mpsc};
-    use std::time::Instant;
-
-    /// The schema of `benches/structured.rs`: needs more tokens than a run generates.
-    const SCHEMA: &str = r#"{"type": "object", "properties": {
-      "title": {"type": "string", "maxLength": 40},
-      "notes": {"type": "array", "minItems": 64, "items": {"type": "string", "maxLength": 24}}},
-      "required": ["title", "notes"], "additionalProperties": false}"#;
-
-    /// Token bytes read from a `--write-vocab` file (no encoder: llguidance splits text greedily).
-    struct VocabCodec {
-        bytes: Vec<Vec<u8>>,
-        special: Vec<bool>,
-    }
-
-    impl TextCodec for VocabCodec {
-        fn encode(&self, _: &str, _: bool) -> Result<Vec<u32>, EngineError> {
-            Err(EngineError::Internal("the benchmark vocabulary has no encoder".into()))
-        }
-        fn token_bytes(&self, id: u32) -> &[u8] {
-            self.bytes.get(id as usize).map_or(&[], Vec::as_slice)
-        }
-        fn is_special(&self, id: u32) -> bool {
-            self.special.get(id as usize).copied().unwrap_or(false)
-        }
-        fn vocab_size(&self) -> usize {
-            self.bytes.len()
-        }
-        fn render_chat(&self, _: &[ChatMessage]) -> Result<String, EngineError> {
-            Err(EngineError::Internal("the benchmark vocabulary has no chat template".into()))
-        }
-    }
-
-    fn read_vocab(path: &str) -> anyhow::Result<VocabCodec> {
-        let data = std::fs::read(path).with_context(|| format!("read {path}"))?;
-        let (mut bytes, mut special) = (Vec::new(), Vec::new());
-        let mut at = 0;
-        while at + 3 <= data.len() {
-            let len = u16::from_le_bytes([data[at + 1], data[at + 2]]) as usize;
-            special.push(data[at] != 0);
-            bytes.push(data.get(at + 3..at + 3 + len).context("truncated vocabulary")?.to_vec());
-            at += 3 + len;
-        }
-        anyhow::ensure!(bytes.len() == LLAMA3_VOCAB, "{path} has {} tokens, want {LLAMA3_VOCAB}", bytes.len());
-        Ok(VocabCodec { bytes, special })
-    }
-
-    /// One constrained decode step as the engine runs it: mask jobs on `pool` first, the
-    /// forward enqueued, the masks joined and uploaded, the masked argmax, the matchers
-    /// advanced (a matcher that ends is replaced by a fresh one).
-    fn step(
-        be: &mut CudaBackend,
-        b: &StepBatch,
-        pool: &rayon::ThreadPool,
-        matchers: &mut Vec<Matcher>,
-        compiler: &GrammarCompiler,
-    ) -> anyhow::Result<()> {
-        let words = LLAMA3_VOCAB.div_ceil(32);
-        let n = matchers.len();
-        let (tx, rx) = mpsc::channel();
-        for (i, mut m) in matchers.drain(..).enumerate() {
-            let tx = tx.clone();
-            pool.spawn(move || {
-                let mask = m.compute_mask().map(|v| v.as_slice().to_vec());
-                let _ = tx.send((i, m, mask));
-            });
-        }
-        let mut back: Vec<Option<Matcher>> = (0..n).map(|_| None).collect();
-        let ids = be.forward_greedy_constrained(b, &mut || {
-            let mut c = LogitConstraints {
-                mask_words: words,
-                masks: vec![0; n * words],
-                mask_of_row: (0..n as i32).collect(),
-                edits: Vec::new(),
-            };
-            for _ in 0..n {
-                let Ok((i, m, mask)) = rx.recv() else { break };
-                if let Ok(w) = mask {
-                    let k = w.len().min(words);
-                    c.masks[i * words..i * words + k].copy_from_slice(&w[..k]);
-                }
-                back[i] = Some(m);
-            }
-            c
-        })?;
-        for (i, m) in back.into_iter().enumerate() {
-            let mut m = m.context("a mask job did not return")?;
-            if m.consume_token(ids[i]).is_err() || m.is_stopped() {
-                m = compiler.compile(&StructuredOutput::JsonSchema(SCHEMA.into()), &[])?;
-            }
-            matchers.push(m);
-        }
-        Ok(())
-    }
-
-    pub fn overhead(
-        be: &mut CudaBackend,
-        vocab: &str,
-        results: &mut serde_json::Map<String, serde_json::Value>,
-    ) -> anyhow::Result<()> {
-        let codec = Arc::new(read_vocab(vocab)?);
-        let eos = (0..LLAMA3_VOCAB as u32).find(|&t| codec.is_special(t)).unwrap_or(0);
-        let t = Instant::now();
-        let compiler = GrammarCompiler::new(codec, eos).map_err(anyhow::Error::msg)?;
-        let factory_s = t.elapsed().as_secs_f64();
-        let spec = StructuredOutput::JsonSchema(SCHEMA.into());
-        let t = Instant::now();
-        let probe = compiler.compile(&spec, &[])?;
-        let compile_ms = t.elapsed().as_secs_f64() * 1e3;
-        drop(probe);
-        let pool = rayon::ThreadPoolBuilder::new().build()?;
-        println!("grammar compiler {factory_s:.2} s for {LLAMA3_VOCAB} tokens; schema compiled in {compile_ms:.2} ms");
-        results.insert("compiler_seconds".into(), json!(factory_s));
-        results.insert("schema_compile_ms".into(), json!(compile_ms));
-        for bsz in [1usize, 64] {
-            let b = step_batch(bsz, 1024, 1, true);
-            let mut matchers: Vec<Matcher> =
-                (0..bsz).map(|_| compiler.compile(&spec, &[])).collect::<Result<_, _>>()?;
-            let (mut free, mut json) = (Vec::new(), Vec::new());
-            for constrained in [false, true, true, false] {
-                if constrained {
-                    for _ in 0..3 {
-                        step(be, &b, &pool, &mut matchers, &compiler)?;
-                    }
-                    let t = Instant::now();
-                    for _ in 0..30 {
-                        step(be, &b, &pool, &mut matchers, &compiler)?;
-                    }
-                    json.push(t.elapsed().as_secs_f64() / 30.0);
-                } else {
-                    free.push(time_free(be, &b, 3, 30)?);
-                }
-            }
-            let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
-            let (f, j) = (mean(&free), mean(&json));
-            println!(
-                "decode b={bsz} ctx=1024: free {:.3} ms/step, json schema {:.3} ms/step, overhead {:+.2}%",
-                f * 1e3,
-                j * 1e3,
-                (j / f - 1.0) * 100.0
-            );
-            results.insert(
-                format!("json_schema_b{bsz}_ctx1024"),
-                json!({"free_ms": f * 1e3, "json_ms": j * 1e3, "overhead": j / f - 1.0,
-                       "free_runs_ms": free.iter().map(|x| x * 1e3).collect::<Vec<_>>(),
-                       "json_runs_ms": json.iter().map(|x| x * 1e3).collect::<Vec<_>>()}),
-            );
-        }
-        Ok(())
-    }
-}
+#[path = "support/structured_overhead.rs"]
+mod structured;

@@ -6,11 +6,16 @@
 //! Grammar masks are computed on the replica's compute pool while the forward pass runs:
 //! [`StepMasks::start`] moves each constrained row's matcher into a pool job before the
 //! forward, [`StepMasks::join`] takes the masks (and the matchers back) once the logits are
-//! ready. EOS and stop token ids are allowed exactly when the grammar may end (EOS not
-//! under `ignore_eos`), and never before `min_tokens` tokens were generated.
+//! ready. The token sampled in a step is consumed by the matcher at the start of the next
+//! step's job ([`SeqConstraint::defer`]), so no grammar work runs serially on the step
+//! thread between two forwards; a grammar that this token completes is reported by that job
+//! ([`RowMask::done`]) and its sequence then ends with `stop` without using the step's row.
+//! EOS and stop token ids are allowed exactly when the grammar may end (EOS not under
+//! `ignore_eos`), and never before `min_tokens` tokens were generated.
 
 use super::backend::{LogitConstraints, LogitEdit};
 use llguidance::Matcher;
+use rayon::iter::{IntoParallelIterator, ParallelIterator};
 use std::sync::Arc;
 use std::sync::mpsc;
 
@@ -18,6 +23,8 @@ use std::sync::mpsc;
 pub(crate) struct SeqConstraint {
     /// The grammar's state; `None` without a grammar, and while a step's mask job holds it.
     pub matcher: Option<Box<Matcher>>,
+    /// A sampled token the matcher has not consumed yet (the next mask job consumes it).
+    pub pending: Option<u32>,
     /// Whether the sequence has a grammar (its matcher may be out in a mask job).
     pub grammar: bool,
     /// `(token, bias)` added to the logits every step (validated, unique tokens).
@@ -61,16 +68,38 @@ impl SeqConstraint {
         }
     }
 
-    /// Advances the grammar over a sampled token that does not end the sequence. Returns
-    /// whether the grammar is complete (the sequence then finishes with reason `stop`).
+    /// Advances the grammar over a sampled token that does not end the sequence, now (after
+    /// any deferred token). Returns whether the grammar is complete (the sequence then
+    /// finishes with reason `stop`).
     ///
     /// # Errors
     /// llguidance's message when the token leaves the grammar (a masking bug) or the
     /// matcher failed.
     pub fn advance(&mut self, token: u32) -> Result<bool, String> {
         let Some(m) = self.matcher.as_mut() else { return Ok(false) };
-        m.consume_token(token).map_err(|e| format!("{e:#}"))?;
+        for t in self.pending.take().into_iter().chain([token]) {
+            m.consume_token(t).map_err(|e| format!("{e:#}"))?;
+        }
         Ok(m.is_stopped())
+    }
+
+    /// Leaves a sampled token that does not end the sequence to the next step's mask job
+    /// (which consumes it before computing the mask). Returns whether the grammar is
+    /// already complete: only when an earlier deferred token was still unconsumed, which is
+    /// then consumed here.
+    ///
+    /// # Errors
+    /// As [`SeqConstraint::advance`], for that earlier token.
+    pub fn defer(&mut self, token: u32) -> Result<bool, String> {
+        let Some(m) = self.matcher.as_mut() else { return Ok(false) };
+        if let Some(prev) = self.pending.replace(token) {
+            m.consume_token(prev).map_err(|e| format!("{e:#}"))?;
+            if m.is_stopped() {
+                self.pending = None;
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 }
 
@@ -82,6 +111,9 @@ pub(crate) struct RowMask {
     pub matcher: Box<Matcher>,
     /// `mask_words` words (bit set = allowed), or why the mask failed.
     pub mask: Result<Vec<u32>, String>,
+    /// The deferred token completed the grammar: the sequence ends with `stop` and its row of
+    /// this step is not used (`mask` is then empty).
+    pub done: bool,
 }
 
 /// The grammar masks of one step, computing on the compute pool.
@@ -97,6 +129,8 @@ pub(crate) struct MaskJob {
     pub row: usize,
     /// The sequence's matcher (moved into the job and back).
     pub matcher: Box<Matcher>,
+    /// The last step's token, consumed before the mask is computed.
+    pub pending: Option<u32>,
     /// Ids that end the sequence (allowed when the grammar may end).
     pub enders: Arc<[u32]>,
     /// EOS and stop ids (cleared first).
@@ -107,20 +141,25 @@ pub(crate) struct MaskJob {
 
 impl StepMasks {
     /// Starts one job per constrained row on `pool`; masks cover `vocab` tokens (the
-    /// tokenizer's vocabulary: logits beyond it are masked out).
+    /// tokenizer's vocabulary: logits beyond it are masked out). The calling thread hands
+    /// the pool one task that fans the rows out (a spawn per row would wake the pool's
+    /// threads one by one from the step thread, delaying the forward behind it).
     pub fn start(pool: &rayon::ThreadPool, jobs: Vec<MaskJob>, vocab: usize) -> Self {
         let (tx, rx) = mpsc::channel();
         let mask_words = vocab.div_ceil(32);
         let n = jobs.len();
-        for job in jobs {
-            let tx = tx.clone();
-            pool.spawn(move || {
-                let MaskJob { row, mut matcher, enders, end_ids, mask_eos } = job;
-                let mask = grammar_mask(&mut matcher, &enders, &end_ids, vocab, mask_words, mask_eos);
+        pool.spawn(move || {
+            jobs.into_par_iter().for_each_with(tx, |tx, job| {
+                let MaskJob { row, mut matcher, pending, enders, end_ids, mask_eos } = job;
+                let (mask, done) = match pending.map(|t| matcher.consume_token(t)) {
+                    Some(Err(e)) => (Err(format!("the grammar rejected a sampled token: {e:#}")), false),
+                    Some(Ok(())) if matcher.is_stopped() && matcher.get_error().is_none() => (Ok(Vec::new()), true),
+                    _ => (grammar_mask(&mut matcher, &enders, &end_ids, vocab, mask_words, mask_eos), false),
+                };
                 // The receiver is gone only when the step failed; the mask is not needed then.
-                let _ = tx.send(RowMask { row, matcher, mask });
+                let _ = tx.send(RowMask { row, matcher, mask, done });
             });
-        }
+        });
         Self { rx, jobs: n, mask_words }
     }
 
@@ -200,6 +239,7 @@ pub(crate) fn assemble(rows: usize, mask_words: usize, masks: &[RowMask], edits:
     for m in masks {
         if let Ok(words) = &m.mask
             && m.row < rows
+            && !m.done
         {
             c.mask_of_row[m.row] = (c.masks.len() / mask_words.max(1)) as i32;
             c.masks.extend_from_slice(words);

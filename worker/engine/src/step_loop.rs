@@ -365,6 +365,7 @@ impl EngineCore {
                 SeqConstraint {
                     grammar: matcher.is_some(),
                     matcher,
+                    pending: None,
                     mask_eos,
                     logit_bias: r.logit_bias.clone(),
                     min_tokens: r.min_tokens,
@@ -509,7 +510,7 @@ impl EngineCore {
             StepResult::Logits(logits)
         };
         let forward_time = started.elapsed();
-        let failed = self.restore_matchers(&rows, joined);
+        let (failed, done) = self.restore_matchers(&rows, joined);
         self.sched.commit(&out.scheduled);
         let (allocated, stored) = self.sched.kv_occupancy();
         self.stats.observe_step(allocated, stored, forward_time, greedy);
@@ -522,7 +523,7 @@ impl EngineCore {
             )));
         }
         for (row, &seq) in rows.iter().enumerate() {
-            if failed.contains(&seq) {
+            if failed.contains(&seq) || done.contains(&seq) {
                 continue;
             }
             let sampled = match self.seqs.get_mut(&seq) {
@@ -536,6 +537,10 @@ impl EngineCore {
         }
         for seq in failed {
             self.finish_seq(seq, FinishReason::Abort, EngineOutput::default());
+        }
+        // The previous step's token completed these grammars (found by this step's job).
+        for seq in done {
+            self.finish_seq(seq, FinishReason::Stop, EngineOutput::default());
         }
         Ok(())
     }
@@ -551,7 +556,7 @@ impl EngineCore {
             c.push_edits(row as u32, s.generated, &mut edits);
             if let Some(matcher) = c.matcher.take() {
                 let (enders, end_ids, mask_eos) = (c.enders.clone(), c.end_ids.clone(), c.mask_eos);
-                jobs.push(MaskJob { row, matcher, enders, end_ids, mask_eos });
+                jobs.push(MaskJob { row, matcher, pending: c.pending.take(), enders, end_ids, mask_eos });
             }
         }
         let masks = (!jobs.is_empty()).then(|| StepMasks::start(&self.compute, jobs, self.codec.vocab_size()));
@@ -559,15 +564,18 @@ impl EngineCore {
     }
 
     /// Gives each row's matcher back to its sequence; returns the grammar sequences whose
-    /// mask failed (llguidance's limits, an internal error): they end with `abort`.
-    fn restore_matchers(&mut self, rows: &[SeqId], joined: Vec<RowMask>) -> Vec<SeqId> {
-        let mut failed = Vec::new();
+    /// mask failed (llguidance's limits, a rejected token, an internal error: they end with
+    /// `abort`) and those whose grammar the previous step's token completed (`stop`).
+    fn restore_matchers(&mut self, rows: &[SeqId], joined: Vec<RowMask>) -> (Vec<SeqId>, Vec<SeqId>) {
+        let (mut failed, mut done) = (Vec::new(), Vec::new());
         for m in joined {
             let Some(&seq) = rows.get(m.row) else { continue };
             let Some(c) = self.seqs.get_mut(&seq).and_then(|s| s.constraint.as_mut()) else { continue };
             if let Err(e) = &m.mask {
                 tracing::warn!(error = %e, "grammar mask failed; the sequence is aborted");
                 failed.push(seq);
+            } else if m.done {
+                done.push(seq);
             }
             c.matcher = Some(m.matcher);
         }
@@ -582,7 +590,7 @@ impl EngineCore {
                 failed.push(seq);
             }
         }
-        failed
+        (failed, done)
     }
 
     fn on_token(&mut self, seq: SeqId, sampled: Sampled, now: Instant) {
@@ -605,9 +613,13 @@ impl EngineCore {
         }
         let eos = !r.ignore_eos && self.eos_ids.contains(&tok);
         let stop_id = r.stop_token_ids.contains(&tok);
-        // The grammar follows every token that does not end the sequence.
+        let total_len = r.prompt_len + s.generated;
+        let at_length = s.generated >= r.max_new || total_len >= self.max_model_len;
+        // The grammar follows every token that does not end the sequence: in the next step's
+        // mask job, or now when this is the sequence's last token by length (a grammar it
+        // completes makes the reason `stop`).
         let (grammar_done, grammar_failed) = match s.constraint.as_mut() {
-            Some(c) if !(eos || stop_id) => match c.advance(tok) {
+            Some(c) if !(eos || stop_id) => match if at_length { c.advance(tok) } else { c.defer(tok) } {
                 Ok(done) => (done, false),
                 Err(e) => {
                     tracing::warn!(error = %e, "the grammar rejected a sampled token; the sequence is aborted");
@@ -625,12 +637,11 @@ impl EngineCore {
             (Some(_), Some(lp)) => vec![token_logprob(&*self.codec, tok, lp, &sampled.top)],
             _ => Vec::new(),
         };
-        let total_len = r.prompt_len + s.generated;
         let reason = if grammar_failed {
             Some(FinishReason::Abort)
         } else if eos || stop_id || stop_str || grammar_done {
             Some(FinishReason::Stop)
-        } else if s.generated >= r.max_new || total_len >= self.max_model_len {
+        } else if at_length {
             Some(FinishReason::Length)
         } else {
             None

@@ -78,4 +78,4 @@ mod weights;
 pub use device::cuda_available;
 pub use error::CudaError;
 pub use options::{CudaOptions, KvCacheDtype, Quantization, SyntheticShape};
-pub use runner::CudaBackend;
+pub use runner::{ConstrainedTiming, CudaBackend};

@@ -9,8 +9,9 @@
 //! before each replay, so a replay allocates and compiles nothing.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{PinnedHostSlice, PushKernelArg};
 
 use super::arch::ArchPlan;
 use super::device::{DevBuf, Gpu, grid_stride, per_row};
@@ -44,6 +45,27 @@ pub struct CudaBackend {
     pub graph_replays: u64,
     /// Device copy of a step's [`LogitConstraints`] (grown on demand).
     constraints_buf: Option<DevBuf>,
+    /// Page-locked staging of that copy, so it is a true asynchronous copy in stream order
+    /// (grown on demand; `None` until a constrained step, or when pinned staging is off).
+    constraints_host: Option<PinnedHostSlice<u32>>,
+    /// Whether constraints are staged in page-locked memory (default) or copied from
+    /// pageable memory (benchmark comparison).
+    pinned_constraints: bool,
+    /// Host-side phases of the last [`Backend::forward_greedy_constrained`] (benchmarks).
+    pub constrained_timing: ConstrainedTiming,
+}
+
+/// Where the host's time went in one [`Backend::forward_greedy_constrained`] call.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ConstrainedTiming {
+    /// Validating the step, uploading its metadata and enqueueing the forward.
+    pub enqueue: Duration,
+    /// The caller's constraints closure (waiting for grammar masks, assembling them).
+    pub constraints: Duration,
+    /// Staging the constraints and enqueueing their copy and the edits kernel.
+    pub upload: Duration,
+    /// Enqueueing the masked argmax and waiting for its ids (the forward's remainder).
+    pub finish: Duration,
 }
 
 /// Where uploaded masks are, for the argmax kernel.
@@ -254,30 +276,55 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Stages constraints in page-locked memory (`true`, the default) or copies them from
+    /// pageable memory (`false`: the host waits for the copy, which waits for the forward).
+    pub fn set_pinned_constraints(&mut self, on: bool) {
+        self.pinned_constraints = on;
+    }
+
     /// Uploads `c` (one copy) and applies its edits to the logits; returns where its masks
     /// are for the argmax (`None` when no row is masked).
     fn upload_constraints(&mut self, c: &LogitConstraints, rows: usize) -> Result<Option<MaskPtrs>, BackendError> {
         // Layout (u32 words): mask_of_row [rows] | edit rows [n] | edit tokens [n] |
         // edit values [n] (f32 bits) | masks.
         let n = c.edits.len();
-        let mut host = Vec::with_capacity(rows + 3 * n + c.masks.len());
         let masked = !c.masks.is_empty();
-        if masked {
-            host.extend((0..rows).map(|r| c.mask_of_row.get(r).copied().unwrap_or(-1) as u32));
+        let edits_at = if masked { rows } else { 0 };
+        let masks_at = edits_at + 3 * n;
+        let words = masks_at + c.masks.len();
+        if self.constraints_buf.as_ref().is_none_or(|b| b.bytes < words * 4) {
+            self.constraints_buf = Some(DevBuf::zeroed(&self.m.gpu, (words * 4).next_power_of_two())?);
         }
-        let edits_at = host.len();
-        host.extend(c.edits.iter().map(|e| e.row));
-        host.extend(c.edits.iter().map(|e| e.token));
-        host.extend(c.edits.iter().map(|e| e.value.to_bits()));
-        let masks_at = host.len();
-        host.extend_from_slice(&c.masks);
-        let bytes = host.len() * 4;
-        if self.constraints_buf.as_ref().is_none_or(|b| b.bytes < bytes) {
-            self.constraints_buf = Some(DevBuf::zeroed(&self.m.gpu, bytes.next_power_of_two())?);
-        }
+        let fill = |host: &mut [u32]| {
+            let (of_row, rest) = host.split_at_mut(edits_at);
+            for (r, w) in of_row.iter_mut().enumerate() {
+                *w = c.mask_of_row.get(r).copied().unwrap_or(-1) as u32;
+            }
+            let (edits, masks) = rest.split_at_mut(3 * n);
+            for (i, e) in c.edits.iter().enumerate() {
+                (edits[i], edits[n + i], edits[2 * n + i]) = (e.row, e.token, e.value.to_bits());
+            }
+            masks.copy_from_slice(&c.masks);
+        };
         let Some(buf) = self.constraints_buf.as_ref() else { return Ok(None) };
         let m = &self.m;
-        m.gpu.upload(buf, 0, &host)?;
+        if self.pinned_constraints {
+            if self.constraints_host.as_ref().is_none_or(|h| h.len() < words) {
+                // SAFETY: `fill` writes every word a copy reads before the copy is enqueued.
+                let h = unsafe { m.gpu.ctx.alloc_pinned::<u32>(words.next_power_of_two()) }.op("cuMemHostAlloc")?;
+                self.constraints_host = Some(h);
+            }
+            let Some(host) = self.constraints_host.as_mut() else { return Ok(None) };
+            // The staging is free again: every constrained step ends by waiting for the stream
+            // (the argmax download), so the last step's copy has completed.
+            let host = &mut host.as_mut_slice().op("pinned staging")?[..words];
+            fill(host);
+            m.gpu.upload(buf, 0, host)?;
+        } else {
+            let mut host = vec![0u32; words];
+            fill(&mut host);
+            m.gpu.upload(buf, 0, &host)?;
+        }
         let at = |words: usize| buf.ptr + 4 * words as u64;
         if n > 0 {
             let (vocab, count) = (m.d.vocab as i32, n as i32);
@@ -346,7 +393,16 @@ impl CudaBackend {
             kv_bytes = m.kv.bytes(),
             "CUDA backend ready"
         );
-        Ok(Self { m, graphs: HashMap::new(), buckets, graph_replays: 0, constraints_buf: None })
+        Ok(Self {
+            m,
+            graphs: HashMap::new(),
+            buckets,
+            graph_replays: 0,
+            constraints_buf: None,
+            constraints_host: None,
+            pinned_constraints: true,
+            constrained_timing: ConstrainedTiming::default(),
+        })
     }
 
     /// FP8 weights: how large steps multiply (see `ShardModel::fp8_gemm_path`).
@@ -593,14 +649,20 @@ impl Backend for CudaBackend {
         batch: &StepBatch,
         constraints: &mut dyn FnMut() -> LogitConstraints,
     ) -> Result<Vec<u32>, BackendError> {
+        let t0 = Instant::now();
         let rows = self.run(batch)?;
+        let t1 = Instant::now();
         let c = constraints();
+        let t2 = Instant::now();
         let masks = if c.is_empty() || rows == 0 { None } else { self.upload_constraints(&c, rows)? };
+        let t3 = Instant::now();
         self.launch_argmax_masked(rows, masks)?;
         let ids = self.download_argmax(rows)?;
         if ids.is_empty() {
             self.m.gpu.sync()?;
         }
+        self.constrained_timing =
+            ConstrainedTiming { enqueue: t1 - t0, constraints: t2 - t1, upload: t3 - t2, finish: t3.elapsed() };
         Ok(ids)
     }
 
