@@ -22,6 +22,7 @@
 //! features inside (the chunk's weights stay in cache while row tiles stream).
 
 mod job;
+mod k4;
 #[cfg(target_arch = "x86_64")]
 mod kscales;
 pub mod q8;
@@ -35,7 +36,7 @@ use rayon::prelude::*;
 use crate::model::Linear;
 use crate::model::gguf::dequant::{GgmlType, QK, dequantize};
 use crate::model::gguf::dequant_k::QK_K;
-use job::{Job, scalar_tail};
+use job::{Job, reduce_lanes, scalar_tail};
 
 /// How a [`PackedWeight`] stores its rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -171,7 +172,7 @@ impl PackedWeight {
     pub fn stack_q8(parts: Vec<Linear>) -> Self {
         let act_of = |l: &Linear| {
             let fmt = l.quant.as_ref().and_then(|q| Format::from_ggml(q.ty))?;
-            q8::ActBlocks::for_format(fmt).filter(|a| l.in_features.is_multiple_of(a.block()))
+            q8::ActBlocks::for_format(fmt.ggml()).filter(|a| l.in_features.is_multiple_of(a.block()))
         };
         let acts: Vec<_> = parts.iter().map(act_of).collect();
         let Some(Some(act)) = acts.first().copied() else { return Self::stack(parts) };
@@ -219,6 +220,11 @@ impl PackedWeight {
     /// The activation blocks this weight multiplies with (`None`: f32 activations).
     pub fn activation_blocks(&self) -> Option<q8::ActBlocks> {
         self.act.or_else(|| self.parts.first().and_then(|(_, p)| p.act))
+    }
+
+    /// The block rows as [`q8`] reads them.
+    fn block_rows(&self) -> q8::BlockRows<'_> {
+        q8::BlockRows { bytes: &self.bytes, row_bytes: self.row_bytes(), inp: self.inp, ty: self.fmt.ggml() }
     }
 
     fn row_bytes(&self) -> usize {
@@ -359,7 +365,7 @@ fn matmul_q8(x: &[f32], n: usize, w: &PackedWeight, y: &mut [f32]) {
             // quantized for `p`'s format; the ISA is the CPU's.
             unsafe {
                 let out = q8::Out { y: yp.get().add(t0 * out_total + col0 + j0), stride: out_total };
-                q8::run(p, a, (t0, rows), (j0, j1), &out, avx2);
+                q8::run(&p.block_rows(), a, (t0, rows), (j0, j1), &out, avx2);
             }
         });
     }
@@ -420,14 +426,6 @@ unsafe fn run_chunk(w: &PackedWeight, x: *const f32, n: usize, j0: usize, j1: us
     }
     // SAFETY: pointers as above.
     unsafe { scalar_run(&job, w.fmt, n, j0, j1) };
-}
-
-/// The fixed lane reduction: `(l0+l4) + (l2+l6)` and `(l1+l5) + (l3+l7)`, then their sum.
-#[inline(always)]
-fn reduce_lanes(l: &[f32; 8]) -> f32 {
-    let q = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
-    let r = [q[0] + q[2], q[1] + q[3]];
-    r[0] + r[1]
 }
 
 /// Scalar fallback with the AVX2 kernel's order.

@@ -12,8 +12,9 @@
 //! [`quantize`] writes the activation blocks; [`dot_scalar`] is the portable kernel (and
 //! the tests' reference); `q8_avx2` holds the AVX2 kernels, which give the same bits.
 
-use super::{Format, reduce_lanes};
-use crate::model::gguf::dequant::QK;
+use super::job::reduce_lanes;
+use super::k4::k4_scales_mins;
+use crate::model::gguf::dequant::{GgmlType, QK};
 use crate::model::gguf::dequant_k::QK_K;
 
 /// The activation block format a weight format is multiplied with.
@@ -29,10 +30,10 @@ pub enum ActBlocks {
 impl ActBlocks {
     /// The activation blocks ggml pairs with weights of `fmt` (its `vec_dot_type`), for
     /// the formats this path implements.
-    pub fn for_format(fmt: Format) -> Option<Self> {
+    pub fn for_format(fmt: GgmlType) -> Option<Self> {
         match fmt {
-            Format::Q4_0 | Format::Q5_0 | Format::Q8_0 => Some(Self::Q8_0),
-            Format::Q4K | Format::Q5K | Format::Q6K => Some(Self::Q8K),
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => Some(Self::Q8_0),
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => Some(Self::Q8K),
             _ => None,
         }
     }
@@ -126,16 +127,16 @@ fn f16_at(p: &[u8], o: usize) -> f32 {
 }
 
 /// The f16 scale and the 32 signed quants of a Q4_0/Q5_0/Q8_0 block.
-pub fn block_i8(fmt: Format, p: &[u8]) -> (f32, [i8; 32]) {
+pub fn block_i8(fmt: GgmlType, p: &[u8]) -> (f32, [i8; 32]) {
     let mut q = [0i8; 32];
     match fmt {
-        Format::Q4_0 => {
+        GgmlType::Q4_0 => {
             for j in 0..16 {
                 q[j] = (p[2 + j] & 0xF) as i8 - 8;
                 q[j + 16] = (p[2 + j] >> 4) as i8 - 8;
             }
         }
-        Format::Q5_0 => {
+        GgmlType::Q5_0 => {
             let qh = u32::from_le_bytes([p[2], p[3], p[4], p[5]]);
             for j in 0..16 {
                 let hi = |b: usize| (((qh >> b) & 1) << 4) as u8;
@@ -152,27 +153,12 @@ pub fn block_i8(fmt: Format, p: &[u8]) -> (f32, [i8; 32]) {
     (f16_at(p, 0), q)
 }
 
-/// Scales and minimums (6 bits each) of the eight groups of a Q4_K/Q5_K super-block
-/// (ggml's `get_scale_min_k4` on bytes 4..16).
-pub fn k4_scales_mins(p: &[u8]) -> ([u8; 8], [u8; 8]) {
-    let q = |i: usize| p[4 + i];
-    let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
-    for g in 0..8 {
-        (sc[g], m[g]) = if g < 4 {
-            (q(g) & 63, q(g + 4) & 63)
-        } else {
-            ((q(g + 4) & 0xF) | ((q(g - 4) >> 6) << 4), (q(g + 4) >> 4) | ((q(g) >> 6) << 4))
-        };
-    }
-    (sc, m)
-}
-
 /// Quant `e` (0..256) of a K-quant super-block and its integer scale.
-fn k_quant(fmt: Format, p: &[u8], sc: &[u8; 8], e: usize) -> (i32, i32) {
+fn k_quant(fmt: GgmlType, p: &[u8], sc: &[u8; 8], e: usize) -> (i32, i32) {
     let (g, k) = (e / 32, e % 32);
     match fmt {
-        Format::Q4K => (i32::from((p[16 + 32 * (g / 2) + k] >> (4 * (g & 1))) & 0xF), i32::from(sc[g])),
-        Format::Q5K => {
+        GgmlType::Q4K => (i32::from((p[16 + 32 * (g / 2) + k] >> (4 * (g & 1))) & 0xF), i32::from(sc[g])),
+        GgmlType::Q5K => {
             let lo = (p[48 + 32 * (g / 2) + k] >> (4 * (g & 1))) & 0xF;
             let hi = (p[16 + k] >> g) & 1;
             (i32::from(lo | (hi << 4)), i32::from(sc[g]))
@@ -188,8 +174,8 @@ fn k_quant(fmt: Format, p: &[u8], sc: &[u8; 8], e: usize) -> (i32, i32) {
 }
 
 /// One output: weight row `w` (blocks of `fmt`) times one quantized activation row.
-pub fn dot_scalar(fmt: Format, w: &[u8], qs: &[i8], d: &[f32], bsums: &[i16]) -> f32 {
-    let bb = fmt.block().1;
+pub fn dot_scalar(fmt: GgmlType, w: &[u8], qs: &[i8], d: &[f32], bsums: &[i16]) -> f32 {
+    let bb = fmt.block_layout().1;
     let mut acc = [0f32; 8];
     match ActBlocks::for_format(fmt) {
         Some(ActBlocks::Q8_0) => {
@@ -209,7 +195,7 @@ pub fn dot_scalar(fmt: Format, w: &[u8], qs: &[i8], d: &[f32], bsums: &[i16]) ->
             for (b, p) in w.chunks_exact(bb).enumerate() {
                 let y = &qs[b * QK_K..][..QK_K];
                 let (sc, mins) = match fmt {
-                    Format::Q6K => ([0; 8], [0; 8]),
+                    GgmlType::Q6K => ([0; 8], [0; 8]),
                     _ => k4_scales_mins(p),
                 };
                 let mut sumi = [0i32; 8];
@@ -217,7 +203,7 @@ pub fn dot_scalar(fmt: Format, w: &[u8], qs: &[i8], d: &[f32], bsums: &[i16]) ->
                     let (q, s) = k_quant(fmt, p, &sc, e);
                     sumi[(e % 32) / 4] += s * q * i32::from(y[e]);
                 }
-                if fmt == Format::Q6K {
+                if fmt == GgmlType::Q6K {
                     let dd = d[b] * f16_at(p, 208);
                     for (a, &s) in acc.iter_mut().zip(&sumi) {
                         *a = dd.mul_add(s as f32, *a);
@@ -230,7 +216,7 @@ pub fn dot_scalar(fmt: Format, w: &[u8], qs: &[i8], d: &[f32], bsums: &[i16]) ->
                 let prod: [i32; 4] = std::array::from_fn(|k| {
                     i32::from(mins[2 * k]) * s(2 * k) + i32::from(mins[2 * k + 1]) * s(2 * k + 1)
                 });
-                if fmt == Format::Q4K {
+                if fmt == GgmlType::Q4K {
                     for (a, &p) in acc_m.iter_mut().zip(&prod) {
                         *a = dmin.mul_add(p as f32, *a);
                     }
@@ -242,8 +228,8 @@ pub fn dot_scalar(fmt: Format, w: &[u8], qs: &[i8], d: &[f32], bsums: &[i16]) ->
                 }
             }
             match fmt {
-                Format::Q4K => reduce_lanes(&acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3])),
-                Format::Q5K => reduce_lanes(&acc) + summs,
+                GgmlType::Q4K => reduce_lanes(&acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3])),
+                GgmlType::Q5K => reduce_lanes(&acc) + summs,
                 _ => reduce_lanes(&acc),
             }
         }
@@ -253,6 +239,15 @@ pub fn dot_scalar(fmt: Format, w: &[u8], qs: &[i8], d: &[f32], bsums: &[i16]) ->
 
 /// Rows of activations per weight-row visit in the AVX2 kernels.
 const TILE: usize = 4;
+
+/// A weight's rows of GGUF blocks.
+pub(super) struct BlockRows<'a> {
+    pub bytes: &'a [u8],
+    pub row_bytes: usize,
+    /// Values per row.
+    pub inp: usize,
+    pub ty: GgmlType,
+}
 
 /// Where [`run`] writes: `y[t, j - j0]` at `y + t·stride + j - j0`.
 pub(super) struct Out {
@@ -268,16 +263,16 @@ pub(super) struct Out {
 /// `a` holds `n` rows of `w.inp` values quantized for `w`'s format; AVX2, FMA and F16C
 /// present when `avx2`.
 pub(super) unsafe fn run(
-    w: &super::PackedWeight,
+    w: &BlockRows<'_>,
     a: &QuantRows,
     (t0, n): (usize, usize),
     (j0, j1): (usize, usize),
     out: &Out,
     avx2: bool,
 ) {
-    let Some(kind) = ActBlocks::for_format(w.fmt) else { unreachable!("run: {:?} has no 8-bit path", w.fmt) };
+    let Some(kind) = ActBlocks::for_format(w.ty) else { unreachable!("run: {:?} has no 8-bit path", w.ty) };
     let (y, y_stride) = (out.y, out.stride);
-    let rb = w.row_bytes();
+    let rb = w.row_bytes;
     let nb = w.inp / kind.block();
     let wrow = |j: usize| &w.bytes[j * rb..(j + 1) * rb];
     let mut t = 0;
@@ -289,7 +284,7 @@ pub(super) unsafe fn run(
                 // SAFETY: AVX2/FMA/F16C present; the row and activation lengths are as the
                 // kernels need (`row` slices them); `y[t + r, j - j0]` is in bounds.
                 unsafe {
-                    let out = tile::<TILE>(w.fmt, wrow(j).as_ptr(), nb, &rows);
+                    let out = tile::<TILE>(w.ty, wrow(j).as_ptr(), nb, &rows);
                     for (r, v) in out.into_iter().enumerate() {
                         *y.add((t + r) * y_stride + j - j0) = v;
                     }
@@ -301,7 +296,7 @@ pub(super) unsafe fn run(
             let rows = [a.row(t0 + t, kind)];
             for j in j0..j1 {
                 // SAFETY: as above.
-                unsafe { *y.add(t * y_stride + j - j0) = tile::<1>(w.fmt, wrow(j).as_ptr(), nb, &rows)[0] };
+                unsafe { *y.add(t * y_stride + j - j0) = tile::<1>(w.ty, wrow(j).as_ptr(), nb, &rows)[0] };
             }
             t += 1;
         }
@@ -312,7 +307,7 @@ pub(super) unsafe fn run(
         let (qs, d, bsums) = a.row(t0 + t, kind);
         for j in j0..j1 {
             // SAFETY: `y[t, j - j0]` is in bounds (caller).
-            unsafe { *y.add(t * y_stride + j - j0) = dot_scalar(w.fmt, wrow(j), qs, d, bsums) };
+            unsafe { *y.add(t * y_stride + j - j0) = dot_scalar(w.ty, wrow(j), qs, d, bsums) };
         }
     }
 }
@@ -323,7 +318,12 @@ pub(super) unsafe fn run(
 /// AVX2, FMA and F16C present; `w` holds `nb` blocks of `fmt`, the rows `nb` blocks each.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn tile<const R: usize>(fmt: Format, w: *const u8, nb: usize, rows: &[(&[i8], &[f32], &[i16]); R]) -> [f32; R] {
+unsafe fn tile<const R: usize>(
+    fmt: GgmlType,
+    w: *const u8,
+    nb: usize,
+    rows: &[(&[i8], &[f32], &[i16]); R],
+) -> [f32; R] {
     use super::q8_avx2::{self as k, dot_k, dot_q8_0};
     let y: [*const i8; R] = std::array::from_fn(|r| rows[r].0.as_ptr());
     let yd: [*const f32; R] = std::array::from_fn(|r| rows[r].1.as_ptr());
@@ -331,12 +331,12 @@ unsafe fn tile<const R: usize>(fmt: Format, w: *const u8, nb: usize, rows: &[(&[
     // SAFETY: as documented.
     unsafe {
         match fmt {
-            Format::Q4_0 => dot_q8_0::<k::Q40, R>(w, nb, y, yd),
-            Format::Q5_0 => dot_q8_0::<k::Q50, R>(w, nb, y, yd),
-            Format::Q8_0 => dot_q8_0::<k::Q80, R>(w, nb, y, yd),
-            Format::Q4K => dot_k::<k::Q4K, R>(w, nb, y, yd, bs),
-            Format::Q5K => dot_k::<k::Q5K, R>(w, nb, y, yd, bs),
-            Format::Q6K => dot_k::<k::Q6K, R>(w, nb, y, yd, bs),
+            GgmlType::Q4_0 => dot_q8_0::<k::Q40, R>(w, nb, y, yd),
+            GgmlType::Q5_0 => dot_q8_0::<k::Q50, R>(w, nb, y, yd),
+            GgmlType::Q8_0 => dot_q8_0::<k::Q80, R>(w, nb, y, yd),
+            GgmlType::Q4K => dot_k::<k::Q4K, R>(w, nb, y, yd, bs),
+            GgmlType::Q5K => dot_k::<k::Q5K, R>(w, nb, y, yd, bs),
+            GgmlType::Q6K => dot_k::<k::Q6K, R>(w, nb, y, yd, bs),
             _ => unreachable!("tile: {fmt:?} has no 8-bit activation path"),
         }
     }

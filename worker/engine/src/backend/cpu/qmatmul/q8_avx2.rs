@@ -4,8 +4,8 @@
 //! kernel's, so both give the same bits.
 use std::arch::x86_64::*;
 
+use super::k4::k4_scales_mins;
 use super::kscales::{f16, u32_at};
-use super::q8::k4_scales_mins;
 use crate::model::gguf::dequant_k::{Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K};
 
 /// ggml's `hsum_float_8`: `(l0+l4) + (l2+l6)` and `(l1+l5) + (l3+l7)`, then their sum.

@@ -15,13 +15,13 @@ fn input(n: usize, inp: usize) -> Vec<f32> {
 }
 
 fn run_with(w: &PackedWeight, x: &[f32], n: usize, avx2: bool) -> Vec<f32> {
-    let kind = ActBlocks::for_format(w.fmt).expect("8-bit path");
+    let kind = ActBlocks::for_format(w.fmt.ggml()).expect("8-bit path");
     let mut a = QuantRows::default();
     quantize(x, n, w.inp, kind, &mut a);
     let mut y = vec![0f32; n * w.out];
     let out = q8::Out { y: y.as_mut_ptr(), stride: w.out };
     // SAFETY: `y` holds `n * out` values, `a` `n` rows for `w`; AVX2 only when present.
-    unsafe { q8::run(w, &a, (0, n), (0, w.out), &out, avx2) };
+    unsafe { q8::run(&w.block_rows(), &a, (0, n), (0, w.out), &out, avx2) };
     y
 }
 
@@ -121,7 +121,7 @@ fn mixed_formats_sharing_q8_0_activations_equal_their_parts() {
     quantize(&x[..inp], 1, inp, ActBlocks::Q8_0, &mut a);
     let w0 = PackedWeight::stack_q8(vec![parts[0].clone()]);
     let (qs, d, bs) = a.row(0, ActBlocks::Q8_0);
-    assert_eq!(dot_scalar(Format::Q5_0, &w0.bytes[..w0.row_bytes()], qs, d, bs), y[0]);
+    assert_eq!(dot_scalar(GgmlType::Q5_0, &w0.bytes[..w0.row_bytes()], qs, d, bs), y[0]);
     // Formats with different activation blocks fall back to f32 activations.
     let other =
         PackedWeight::stack_q8(vec![random_linear(GgmlType::Q5_0, 2, 256, 4), random_linear(GgmlType::Q4K, 2, 256, 3)]);
