@@ -42,11 +42,16 @@ async fn generate(http: &str, model: &str, prompt: &Value, max_tokens: u64) -> R
     Ok((text.to_owned(), n, finish.to_owned()))
 }
 
-// Ignored: Prism's f32 CPU greedy equals llama.cpp's for 2 of the 6 prompts (24/24 tokens) and
-// leaves it after 7, 10, 11 and 18 tokens on the others (measured through the engine on the
-// merged Gemma3 forward): llama.cpp multiplies K-quant weights with 8-bit-quantized activations,
-// so near-ties go the other way. Run with `--ignored` to see where.
-#[ignore = "Prism (f32 activations) and llama.cpp (8-bit activations) part at near-ties on 4 of 6 prompts"]
+/// Prompts (their last message or text) where llama.cpp's own greedy parts at a near-tie:
+/// with the chat "What is the capital of France?", llama.cpp's token-by-token decode puts
+/// token 144096 0.015 logits above 217716 at the 8th new token, and its batched evaluation of
+/// the same sequence puts 217716 0.04 above; Prism (ggml's numerics, not bit for bit) takes
+/// 217716. For these only the first `tokens` new tokens are compared.
+const NEAR_TIES: &[(&str, u64)] = &[("What is the capital of France?", 7)];
+
+// Ignored until run once through `prism up`: the engine-level check of the same prompts
+// (`worker/engine/tests/gemma3_greedy.rs`) passes with ggml's numerics.
+#[ignore = "not yet run through prism up with ggml's CPU numerics (engine-level gemma3_greedy passes)"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gemma3_greedy_through_prism_up_equals_llama_cpp() -> Result<()> {
     let Some(path) = gemma_model() else { return Ok(()) };
@@ -61,6 +66,16 @@ async fn gemma3_greedy_through_prism_up_equals_llama_cpp() -> Result<()> {
         for p in &prompts {
             let want = p["greedy_text"].as_str().context("greedy_text")?;
             let want_n = p["greedy_ids"].as_array().context("greedy_ids")?.len() as u64;
+            let last = p["messages"].as_array().and_then(|m| m.last()).map_or(&p["text"], |m| &m["content"]);
+            if let Some((_, k)) = NEAR_TIES.iter().find(|(t, _)| last.as_str() == Some(*t)) {
+                let (text, n, finish) = generate(&http, &model, p, *k).await?;
+                assert!(
+                    want.starts_with(&text) && !text.is_empty(),
+                    "first {k} tokens of {last}: {text:?} vs {want:?}"
+                );
+                assert_eq!((n, finish.as_str()), (*k, "length"), "first {k} tokens of {last}");
+                continue;
+            }
             let (text, n, finish) = generate(&http, &model, p, new_tokens).await?;
             assert_eq!(text, want, "greedy text of {}", p["text"]);
             assert_eq!(n, want_n, "completion tokens of {}", p["text"]);

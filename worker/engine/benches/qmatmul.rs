@@ -6,6 +6,11 @@
 //! alone. Prints one table row per (format, shape, batch): µs per call (fastest of seven
 //! interleaved rounds) and the weight bytes streamed per second.
 //!
+//! A second table times the 8-bit-activation path (`PackedWeight::stack_q8`, ggml's
+//! numerics: activations quantized to Q8_0/Q8_K, integer block dots) of the formats that
+//! have one against the same f32 dequantized weight; its outputs differ from the f32
+//! product by the activation rounding (checked to stay within 2% of the row's |x|·|w|).
+//!
 //! Run: `cargo bench -p prism-engine --bench qmatmul`. Env: `PRISM_BENCH_MS` (time per row,
 //! default 600).
 
@@ -113,6 +118,32 @@ fn main() {
                 let (tq, tf) = time_pair(&pq, &pf, &x, n, &mut yq, budget);
                 let gbs = pq.size_bytes() as f64 / tq / 1e3;
                 println!("| {} | {out} × {inp} | {n} | {tq:.1} | {tf:.1} | {:.2} | {gbs:.1} |", ty.name(), tq / tf);
+            }
+        }
+    }
+    println!();
+    println!("| format | out × inp | batch | µs (8-bit activations) | µs (f32 dequantized) | 8-bit / f32 |");
+    println!("|---|---|---|---|---|---|");
+    for &(out, inp) in &shapes {
+        for ty in types {
+            let q8 = PackedWeight::stack_q8(vec![random_linear(ty, out, inp)]);
+            if !inp.is_multiple_of(ty.block_layout().0) || q8.activation_blocks().is_none() {
+                continue;
+            }
+            let fl = random_linear(ty, out, inp).dequantized();
+            let f = PackedWeight::stack(vec![fl.clone()]);
+            for n in [1usize, 32] {
+                let x: Vec<f32> = (0..n * inp).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect();
+                let (mut yq, mut yf) = (vec![0f32; n * out], vec![0f32; n * out]);
+                matmul(&x, n, &q8, &mut yq);
+                matmul(&x, n, &f, &mut yf);
+                for j in 0..out {
+                    let w = &fl.data[j * inp..(j + 1) * inp];
+                    let scale: f32 = x[..inp].iter().zip(w).map(|(a, b)| (a * b).abs()).sum();
+                    assert!((yq[j] - yf[j]).abs() <= 0.02 * scale, "{ty:?} row {j}: 8-bit path far off");
+                }
+                let (tq, tf) = time_pair(&q8, &f, &x, n, &mut yq, budget);
+                println!("| {} | {out} × {inp} | {n} | {tq:.1} | {tf:.1} | {:.2} |", ty.name(), tq / tf);
             }
         }
     }

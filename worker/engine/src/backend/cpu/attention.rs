@@ -27,6 +27,10 @@ pub struct AttnShape {
     pub scale: f32,
     /// Sliding window: a token at `pos` attends to `pos - window + 1 ..= pos` only.
     pub window: Option<usize>,
+    /// Normalize the softmax weights and round them to f16 before they multiply V (ggml's
+    /// CPU attention with an f16 V cache converts them so); `false`: f32 weights, the sum
+    /// divided out at the end.
+    pub probs_f16: bool,
 }
 
 /// Per-token attention work item: the token's position and its sequence's block table.
@@ -54,7 +58,7 @@ pub fn paged_attention(
     v_cache: &[f32],
     out: &mut [f32],
 ) {
-    let AttnShape { q_heads, kv_heads, head_dim: d, block_size, scale, window } = shape;
+    let AttnShape { q_heads, kv_heads, head_dim: d, block_size, scale, window, probs_f16 } = shape;
     let group = q_heads / kv_heads;
     let kv_dim = kv_heads * d;
     let avx2 = has_avx2() && d.is_multiple_of(8);
@@ -67,7 +71,8 @@ pub fn paged_attention(
         let start = window.map_or(0, |w| n.saturating_sub(w));
         scores.clear();
         scores.resize(n - start, 0.0);
-        let head = Head { q: qv, kv_off: g * d, kv_dim, block_size, start, n, block_table: tok.block_table, scale };
+        let head =
+            Head { q: qv, kv_off: g * d, kv_dim, block_size, start, n, block_table: tok.block_table, scale, probs_f16 };
         #[cfg(target_arch = "x86_64")]
         if avx2 {
             // SAFETY: AVX2 and FMA are present; the caller checked that every block id
@@ -93,6 +98,7 @@ struct Head<'a> {
     n: usize,
     block_table: &'a [u32],
     scale: f32,
+    probs_f16: bool,
 }
 
 fn has_avx2() -> bool {
@@ -106,15 +112,24 @@ fn has_avx2() -> bool {
     }
 }
 
-/// Softmax in place; returns `1 / Σ exp` (weights are left unnormalized).
-fn softmax_unnormalized(scores: &mut [f32]) -> f32 {
+/// Softmax in place; returns `1 / Σ exp` (weights are left unnormalized), or, with
+/// `probs_f16`, normalizes them, rounds them to f16 and returns 1.
+fn softmax_unnormalized(scores: &mut [f32], probs_f16: bool) -> f32 {
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;
     for s in scores.iter_mut() {
         *s = (*s - max).exp();
         sum += *s;
     }
-    1.0 / sum
+    if !probs_f16 {
+        return 1.0 / sum;
+    }
+    // ggml sums in f64 and scales by the f32 of the f64 reciprocal.
+    let inv = (1.0 / scores.iter().map(|&s| f64::from(s)).sum::<f64>()) as f32;
+    for s in scores.iter_mut() {
+        *s = half::f16::from_f32(*s * inv).to_f32();
+    }
+    1.0
 }
 
 fn head_scalar(hd: &Head<'_>, k_cache: &[f32], v_cache: &[f32], scores: &mut [f32], o: &mut [f32]) {
@@ -124,7 +139,7 @@ fn head_scalar(hd: &Head<'_>, k_cache: &[f32], v_cache: &[f32], scores: &mut [f3
         let k = slot(hd.start + i) * hd.kv_dim + hd.kv_off;
         *s = dot(hd.q, &k_cache[k..k + d]) * hd.scale;
     }
-    let inv = softmax_unnormalized(scores);
+    let inv = softmax_unnormalized(scores, hd.probs_f16);
     o.fill(0.0);
     for (i, &s) in scores.iter().enumerate() {
         let v = slot(hd.start + i) * hd.kv_dim + hd.kv_off;
@@ -201,7 +216,7 @@ mod avx2 {
                 }
                 *sp.wrapping_add(p) = hsum(_mm256_add_ps(a0, a1)) * hd.scale;
             });
-            let inv = softmax_unnormalized(scores);
+            let inv = softmax_unnormalized(scores, hd.probs_f16);
             let op = o.as_mut_ptr();
             if d == 64 {
                 let mut acc = [_mm256_setzero_ps(); 8];
@@ -245,6 +260,7 @@ mod tests {
                 block_size: 4,
                 scale: 1.0 / (d as f32).sqrt(),
                 window: None,
+                probs_f16: false,
             };
             let kv_dim = 2 * d;
             let blocks = 6;

@@ -12,11 +12,55 @@
 
 use super::AllReduce;
 use super::attention::{AttnShape, TokenCtx, paged_attention};
-use super::ops::{gelu_tanh_mul, rms_norm, rms_norm_in_place, rope_apply, rope_tables, silu_mul};
+use super::ops::{
+    gelu_tanh_mul, gelu_tanh_mul_f16_table, rms_norm, rms_norm_f64_sum, rms_norm_f64_sum_in_place, rms_norm_in_place,
+    rope_apply, rope_tables, silu_mul,
+};
 use super::qmatmul::{PackedWeight, matmul};
 use crate::backend::{BackendError, Logits, StepBatch};
+use crate::model::gguf::dequant::GgmlType;
 use crate::model::{Activation, LayerWeights, Linear, ModelConfig};
 use crate::request::EngineError;
+
+/// How the CPU forward pass rounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Numerics {
+    /// f32 throughout: products of the exact f32 weight values (quantized weights give
+    /// the same bits as their f32 dequantization), f32 K/V cache.
+    F32,
+    /// ggml's CPU arithmetic (llama.cpp's defaults), so greedy text follows llama.cpp's
+    /// on the same file: Q4_0/Q5_0/Q8_0/K-quant weights multiply 8-bit-quantized
+    /// activations ([`super::qmatmul::q8`]); K, V and Q are rounded to f16 (its f16 KV
+    /// cache) and so are the softmax weights before they multiply V; GELU from ggml's f16
+    /// table; RMSNorm sums squares in f64.
+    Ggml,
+}
+
+impl Numerics {
+    /// `PRISM_CPU_NUMERICS` (`f32` or `ggml`) when set, else [`Numerics::Ggml`] for a
+    /// model with K-quant matrices (files made with llama.cpp's K-quant mixes, whose
+    /// reference is llama.cpp) and [`Numerics::F32`] otherwise.
+    pub fn for_layers(layers: &[LayerWeights]) -> Result<Self, EngineError> {
+        match std::env::var("PRISM_CPU_NUMERICS").as_deref() {
+            Ok("f32") => return Ok(Self::F32),
+            Ok("ggml") => return Ok(Self::Ggml),
+            Ok(other) => {
+                return Err(EngineError::InvalidRequest {
+                    field: "PRISM_CPU_NUMERICS",
+                    message: format!("PRISM_CPU_NUMERICS {other:?} is not one of f32, ggml"),
+                });
+            }
+            Err(_) => {}
+        }
+        let kquant = |l: &Linear| {
+            l.quant.as_ref().is_some_and(|q| matches!(q.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K))
+        };
+        let any = layers.iter().any(|l| {
+            [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj].into_iter().any(kquant)
+        });
+        Ok(if any { Self::Ggml } else { Self::F32 })
+    }
+}
 
 struct Layer {
     input_norm: Vec<f32>,
@@ -71,9 +115,32 @@ pub struct ModelParts {
 }
 
 /// RMSNorm of every `[gain.len()]` row of `x`, in place.
-fn rms_norm_in_place_rows(x: &mut [f32], gain: &[f32], eps: f32) {
+fn rms_norm_in_place_rows(x: &mut [f32], gain: &[f32], eps: f32, numerics: Numerics) {
     for row in x.chunks_exact_mut(gain.len()) {
-        rms_norm_in_place(row, gain, eps);
+        norm_in_place(numerics, row, gain, eps);
+    }
+}
+
+/// RMSNorm of one row in place, rounded as `numerics` says.
+fn norm_in_place(numerics: Numerics, x: &mut [f32], gain: &[f32], eps: f32) {
+    match numerics {
+        Numerics::F32 => rms_norm_in_place(x, gain, eps),
+        Numerics::Ggml => rms_norm_f64_sum_in_place(x, gain, eps),
+    }
+}
+
+/// RMSNorm of every row of `x` into `y`, rounded as `numerics` says.
+fn norm(numerics: Numerics, x: &[f32], gain: &[f32], eps: f32, y: &mut [f32]) {
+    match numerics {
+        Numerics::F32 => rms_norm(x, gain, eps, y),
+        Numerics::Ggml => rms_norm_f64_sum(x, gain, eps, y),
+    }
+}
+
+/// Rounds every value to the nearest f16 (ggml's f16 K/V cache and f16 query).
+fn round_f16(v: &mut [f32]) {
+    for x in v {
+        *x = half::f16::from_f32(*x).to_f32();
     }
 }
 
@@ -93,6 +160,7 @@ pub struct CpuModel {
     embedding_scale: Option<f32>,
     attention_scale: f32,
     final_logit_softcapping: Option<f32>,
+    numerics: Numerics,
     embed: Option<PackedWeight>,
     embeds_tokens: bool,
     /// Final norm, and the untied output projection (`None`: `embed`).
@@ -147,6 +215,11 @@ impl CpuModel {
                 ),
             });
         }
+        let numerics = Numerics::for_layers(&parts.layers)?;
+        let stack = |v: Vec<Linear>| match numerics {
+            Numerics::F32 => PackedWeight::stack(v),
+            Numerics::Ggml => PackedWeight::stack_q8(v),
+        };
         let mut inv_freqs: Vec<Vec<f32>> = Vec::new();
         let mut layers = Vec::with_capacity(layers_n);
         for (i, l) in parts.layers.into_iter().enumerate() {
@@ -172,11 +245,11 @@ impl CpuModel {
             };
             layers.push(Layer {
                 input_norm: l.input_layernorm,
-                qkv: PackedWeight::stack(vec![l.q_proj, l.k_proj, l.v_proj]),
-                o_proj: PackedWeight::stack(vec![l.o_proj]),
+                qkv: stack(vec![l.q_proj, l.k_proj, l.v_proj]),
+                o_proj: stack(vec![l.o_proj]),
                 post_norm: l.post_attention_layernorm,
-                gate_up: PackedWeight::stack(vec![l.gate_proj, l.up_proj]),
-                down: PackedWeight::stack(vec![l.down_proj]),
+                gate_up: stack(vec![l.gate_proj, l.up_proj]),
+                down: stack(vec![l.down_proj]),
                 qkv_bias,
                 qk_norm: l.qk_norm,
                 sandwich_norms: l.sandwich_norms,
@@ -198,9 +271,10 @@ impl CpuModel {
             embedding_scale: config.arch.embedding_scale,
             attention_scale: config.attention_scale(),
             final_logit_softcapping: config.arch.final_logit_softcapping,
-            embed: parts.embed.map(|e| PackedWeight::stack(vec![e])),
+            numerics,
+            embed: parts.embed.map(|e| stack(vec![e])),
             embeds_tokens: parts.embeds_tokens,
-            head: parts.head.map(|(norm, lm)| (norm, lm.map(|l| PackedWeight::stack(vec![l])))),
+            head: parts.head.map(|(norm, lm)| (norm, lm.map(|l| stack(vec![l])))),
             layers,
             block_size,
             num_blocks,
@@ -319,6 +393,8 @@ impl CpuModel {
         let kv_dim = self.kv_heads * hd;
         let qkv_dim = q_dim + 2 * kv_dim;
         let half = hd / 2;
+        let nm = self.numerics;
+        let ggml = nm == Numerics::Ggml;
         let s = &mut self.s;
         let mut tokens: Vec<TokenCtx<'_>> = Vec::with_capacity(n);
         for seq in &batch.seqs {
@@ -334,8 +410,9 @@ impl CpuModel {
                 block_size: self.block_size,
                 scale: self.attention_scale,
                 window: layer.window,
+                probs_f16: ggml,
             };
-            rms_norm(&s.x, &layer.input_norm, self.eps, &mut s.h);
+            norm(nm, &s.x, &layer.input_norm, self.eps, &mut s.h);
             matmul(&s.h, n, &layer.qkv, &mut s.qkv);
             if let Some(bias) = &layer.qkv_bias {
                 for row in s.qkv.chunks_exact_mut(qkv_dim) {
@@ -350,14 +427,17 @@ impl CpuModel {
                 let row = &mut s.qkv[t * qkv_dim..(t + 1) * qkv_dim];
                 if let Some([qn, kn]) = &layer.qk_norm {
                     for head in row[..q_dim].chunks_exact_mut(hd) {
-                        rms_norm_in_place(head, qn, self.eps);
+                        norm_in_place(nm, head, qn, self.eps);
                     }
                     for head in row[q_dim..q_dim + kv_dim].chunks_exact_mut(hd) {
-                        rms_norm_in_place(head, kn, self.eps);
+                        norm_in_place(nm, head, kn, self.eps);
                     }
                 }
                 let (cos, sin) = (&cos_all[t * half..(t + 1) * half], &sin_all[t * half..(t + 1) * half]);
                 rope_apply(&mut row[..q_dim + kv_dim], cos, sin);
+                if ggml {
+                    round_f16(row);
+                }
                 let slot = batch.slot_mapping[t] as usize;
                 kc[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
                 vc[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
@@ -366,21 +446,22 @@ impl CpuModel {
             matmul(&s.attn, n, &layer.o_proj, &mut s.proj);
             reduce.all_reduce_sum(&mut s.proj)?;
             if let Some([attn_out, _]) = &layer.sandwich_norms {
-                rms_norm_in_place_rows(&mut s.proj, attn_out, self.eps);
+                rms_norm_in_place_rows(&mut s.proj, attn_out, self.eps, nm);
             }
             for (x, p) in s.x.iter_mut().zip(&s.proj) {
                 *x += p;
             }
-            rms_norm(&s.x, &layer.post_norm, self.eps, &mut s.h);
+            norm(nm, &s.x, &layer.post_norm, self.eps, &mut s.h);
             matmul(&s.h, n, &layer.gate_up, &mut s.gate_up);
-            match self.activation {
-                Activation::Silu => silu_mul(&s.gate_up, inter, &mut s.act),
-                Activation::GeluTanh => gelu_tanh_mul(&s.gate_up, inter, &mut s.act),
+            match (self.activation, nm) {
+                (Activation::Silu, _) => silu_mul(&s.gate_up, inter, &mut s.act),
+                (Activation::GeluTanh, Numerics::F32) => gelu_tanh_mul(&s.gate_up, inter, &mut s.act),
+                (Activation::GeluTanh, Numerics::Ggml) => gelu_tanh_mul_f16_table(&s.gate_up, inter, &mut s.act),
             }
             matmul(&s.act, n, &layer.down, &mut s.proj);
             reduce.all_reduce_sum(&mut s.proj)?;
             if let Some([_, ffn_out]) = &layer.sandwich_norms {
-                rms_norm_in_place_rows(&mut s.proj, ffn_out, self.eps);
+                rms_norm_in_place_rows(&mut s.proj, ffn_out, self.eps, nm);
             }
             for (x, p) in s.x.iter_mut().zip(&s.proj) {
                 *x += p;
@@ -396,7 +477,7 @@ impl CpuModel {
     /// [`BackendError::Device`] when this model holds no output head (not a last stage).
     pub fn logits(&mut self, batch: &StepBatch) -> Result<Logits, BackendError> {
         let h = self.hidden;
-        let Some((norm, lm_head)) = &self.head else {
+        let Some((gain, lm_head)) = &self.head else {
             return Err(BackendError::Device("this stage does not hold the output head".into()));
         };
         let Some(out_proj) = lm_head.as_ref().or(self.embed.as_ref()) else {
@@ -411,7 +492,7 @@ impl CpuModel {
         for (r, &t) in want.iter().enumerate() {
             s.last[r * h..(r + 1) * h].copy_from_slice(&s.x[t * h..(t + 1) * h]);
         }
-        rms_norm(&s.last, norm, self.eps, &mut s.h[..rows * h]);
+        norm(self.numerics, &s.last, gain, self.eps, &mut s.h[..rows * h]);
         let mut data = vec![0f32; rows * self.vocab];
         matmul(&s.h[..rows * h], rows, out_proj, &mut data);
         if let Some(cap) = self.final_logit_softcapping {

@@ -143,6 +143,61 @@ pub fn gelu_tanh_mul(gu: &[f32], inter: usize, act: &mut [f32]) {
     }
 }
 
+/// ggml's GELU table: for every f16 bit pattern `b`, the f16 of
+/// `0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²)))` at `x = f16(b)`, as f32.
+fn gelu_f16_table() -> &'static [f32] {
+    static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        (0..=u16::MAX)
+            .map(|b| {
+                let x = half::f16::from_bits(b).to_f32();
+                let g = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh());
+                half::f16::from_f32(g).to_f32()
+            })
+            .collect()
+    })
+}
+
+/// [`gelu_tanh_mul`] as ggml's CPU backend computes it (`ggml_vec_geglu_f32`): the GELU of
+/// the gate looked up in an f16 table at the gate rounded to f16 (0 below -10, the gate
+/// itself above 10), times `up` in f32.
+pub fn gelu_tanh_mul_f16_table(gu: &[f32], inter: usize, act: &mut [f32]) {
+    let table = gelu_f16_table();
+    for (g, a) in gu.chunks_exact(2 * inter).zip(act.chunks_exact_mut(inter)) {
+        let (gate, up) = g.split_at(inter);
+        for ((a, &x), &u) in a.iter_mut().zip(gate).zip(up) {
+            *a = if x <= -10.0 {
+                0.0
+            } else if x >= 10.0 {
+                x * u
+            } else {
+                table[usize::from(half::f16::from_f32(x).to_bits())] * u
+            };
+        }
+    }
+}
+
+/// [`rms_norm`] as ggml computes it: the squares (f32) summed in f64, the mean and
+/// `1/√(mean + eps)` in f32, then `x·scale` and the gain.
+pub fn rms_norm_f64_sum(x: &[f32], g: &[f32], eps: f32, y: &mut [f32]) {
+    let h = g.len();
+    for (xr, yr) in x.chunks_exact(h).zip(y.chunks_exact_mut(h)) {
+        yr.copy_from_slice(xr);
+        rms_norm_f64_sum_in_place(yr, g, eps);
+    }
+}
+
+/// [`rms_norm_f64_sum`] of one row in place.
+pub fn rms_norm_f64_sum_in_place(x: &mut [f32], g: &[f32], eps: f32) {
+    let sum: f64 = x.iter().map(|&v| f64::from(v * v)).sum();
+    let mean = (sum / g.len() as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    for (xv, gv) in x.iter_mut().zip(g) {
+        *xv = (*xv * scale) * gv;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

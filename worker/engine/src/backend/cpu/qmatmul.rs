@@ -22,15 +22,21 @@
 //! features inside (the chunk's weights stay in cache while row tiles stream).
 
 mod job;
+mod k4;
 #[cfg(target_arch = "x86_64")]
 mod kscales;
+pub mod q8;
+#[cfg(target_arch = "x86_64")]
+mod q8_avx2;
+#[cfg(test)]
+mod q8_tests;
 
 use rayon::prelude::*;
 
 use crate::model::Linear;
 use crate::model::gguf::dequant::{GgmlType, QK, dequantize};
 use crate::model::gguf::dequant_k::QK_K;
-use job::{Job, scalar_tail};
+use job::{Job, reduce_lanes, scalar_tail};
 
 /// How a [`PackedWeight`] stores its rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,6 +113,13 @@ pub struct PackedWeight {
     f32: Vec<f32>,
     /// Block rows (quantized formats).
     bytes: Vec<u8>,
+    /// Activations are quantized to these blocks and multiplied in integers
+    /// ([`q8`], llama.cpp's arithmetic) instead of the f32 product.
+    act: Option<q8::ActBlocks>,
+    /// Row ranges of different block formats, each with its first output column (a fused
+    /// weight whose parts differ in format but share the activation blocks); empty for a
+    /// matrix of one format.
+    parts: Vec<(usize, PackedWeight)>,
 }
 
 impl std::fmt::Debug for PackedWeight {
@@ -137,7 +150,7 @@ impl PackedWeight {
                         bytes.extend_from_slice(&q.bytes);
                     }
                 }
-                Self { out, inp, fmt, f32: Vec::new(), bytes }
+                Self { out, inp, fmt, f32: Vec::new(), bytes, act: None, parts: Vec::new() }
             }
             None => {
                 let mut f32 = Vec::with_capacity(out * inp);
@@ -147,9 +160,43 @@ impl PackedWeight {
                         Some(_) => f32.extend_from_slice(&l.to_f32()),
                     }
                 }
-                Self { out, inp, fmt: Format::F32, f32, bytes: Vec::new() }
+                Self { out, inp, fmt: Format::F32, f32, bytes: Vec::new(), act: None, parts: Vec::new() }
             }
         }
+    }
+
+    /// As [`PackedWeight::stack`], multiplying with 8-bit activations ([`q8`]) where the
+    /// parts' formats have them: parts of one format stay one matrix; parts of different
+    /// formats that share the activation blocks (Q5_0 and Q8_0 q/k/v) stay separate
+    /// matrices written to their own output columns. Anything else is as `stack`.
+    pub fn stack_q8(parts: Vec<Linear>) -> Self {
+        let act_of = |l: &Linear| {
+            let fmt = l.quant.as_ref().and_then(|q| Format::from_ggml(q.ty))?;
+            q8::ActBlocks::for_format(fmt.ggml()).filter(|a| l.in_features.is_multiple_of(a.block()))
+        };
+        let acts: Vec<_> = parts.iter().map(act_of).collect();
+        let Some(Some(act)) = acts.first().copied() else { return Self::stack(parts) };
+        if acts.iter().any(|a| *a != Some(act)) {
+            return Self::stack(parts);
+        }
+        let mut whole = Self::stack(parts.clone());
+        if whole.fmt != Format::F32 {
+            whole.act = Some(act);
+            return whole;
+        }
+        let (out, inp) = (whole.out, whole.inp);
+        let mut col = 0;
+        let parts = parts
+            .into_iter()
+            .map(|l| {
+                let c = col;
+                col += l.out_features;
+                let mut p = Self::stack(vec![l]);
+                p.act = Some(act);
+                (c, p)
+            })
+            .collect();
+        Self { out, inp, fmt: Format::F32, f32: whole.f32, bytes: Vec::new(), act: None, parts }
     }
 
     /// Output features (rows).
@@ -164,7 +211,20 @@ impl PackedWeight {
 
     /// Bytes held by the weight.
     pub fn size_bytes(&self) -> usize {
-        self.f32.len() * 4 + self.bytes.len()
+        match self.parts.is_empty() {
+            true => self.f32.len() * 4 + self.bytes.len(),
+            false => self.parts.iter().map(|(_, p)| p.size_bytes()).sum(),
+        }
+    }
+
+    /// The activation blocks this weight multiplies with (`None`: f32 activations).
+    pub fn activation_blocks(&self) -> Option<q8::ActBlocks> {
+        self.act.or_else(|| self.parts.first().and_then(|(_, p)| p.act))
+    }
+
+    /// The block rows as [`q8`] reads them.
+    fn block_rows(&self) -> q8::BlockRows<'_> {
+        q8::BlockRows { bytes: &self.bytes, row_bytes: self.row_bytes(), inp: self.inp, ty: self.fmt.ggml() }
     }
 
     fn row_bytes(&self) -> usize {
@@ -246,6 +306,9 @@ pub fn matmul(x: &[f32], n: usize, w: &PackedWeight, y: &mut [f32]) {
     if n == 0 || w.out == 0 {
         return;
     }
+    if w.act.is_some() || !w.parts.is_empty() {
+        return matmul_q8(x, n, w, y);
+    }
     let threads = rayon::current_num_threads().max(1);
     let chunk = (w.out / (threads * 8)).clamp(16, 512).next_multiple_of(8);
     let yp = OutPtr(y.as_mut_ptr());
@@ -271,6 +334,42 @@ pub fn matmul(x: &[f32], n: usize, w: &PackedWeight, y: &mut [f32]) {
 
 /// Rows per task for long batches.
 const ROW_BLOCK: usize = 64;
+
+/// [`matmul`] of a weight with 8-bit activations: the rows are quantized once per
+/// activation format, then each part's columns computed as in [`q8`].
+fn matmul_q8(x: &[f32], n: usize, w: &PackedWeight, y: &mut [f32]) {
+    let whole = [(0, w)];
+    let parts: Vec<(usize, &PackedWeight)> = match w.parts.is_empty() {
+        true => whole.to_vec(),
+        false => w.parts.iter().map(|(c, p)| (*c, p)).collect(),
+    };
+    let Some(kind) = parts[0].1.act else { unreachable!("matmul_q8 without activation blocks") };
+    let mut a = q8::QuantRows::default();
+    q8::quantize(x, n, w.inp, kind, &mut a);
+    let avx2 = best_isa() != Isa::Scalar;
+    let threads = rayon::current_num_threads().max(1);
+    let yp = OutPtr(y.as_mut_ptr());
+    let out_total = w.out;
+    for (col0, p) in parts {
+        let chunk = (p.out / (threads * 8)).clamp(16, 512).next_multiple_of(8);
+        let chunks = p.out.div_ceil(chunk);
+        let row_blocks = n.div_ceil(ROW_BLOCK);
+        let a = &a;
+        (0..chunks * row_blocks).into_par_iter().for_each(|task| {
+            let (rb, c) = (task / chunks, task % chunks);
+            let (t0, j0) = (rb * ROW_BLOCK, c * chunk);
+            let rows = ROW_BLOCK.min(n - t0);
+            let j1 = (j0 + chunk).min(p.out);
+            // SAFETY: `y` holds `n * out` values; this task writes rows `t0..t0 + rows`,
+            // columns `col0 + j0..col0 + j1`, which lie inside it; `a` holds `n` rows
+            // quantized for `p`'s format; the ISA is the CPU's.
+            unsafe {
+                let out = q8::Out { y: yp.get().add(t0 * out_total + col0 + j0), stride: out_total };
+                q8::run(&p.block_rows(), a, (t0, rows), (j0, j1), &out, avx2);
+            }
+        });
+    }
+}
 
 /// Computes `y[.., j0..j1]` for all `n` rows.
 ///
@@ -327,14 +426,6 @@ unsafe fn run_chunk(w: &PackedWeight, x: *const f32, n: usize, j0: usize, j1: us
     }
     // SAFETY: pointers as above.
     unsafe { scalar_run(&job, w.fmt, n, j0, j1) };
-}
-
-/// The fixed lane reduction: `(l0+l4) + (l2+l6)` and `(l1+l5) + (l3+l7)`, then their sum.
-#[inline(always)]
-fn reduce_lanes(l: &[f32; 8]) -> f32 {
-    let q = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
-    let r = [q[0] + q[2], q[1] + q[3]];
-    r[0] + r[1]
 }
 
 /// Scalar fallback with the AVX2 kernel's order.

@@ -107,7 +107,7 @@ impl Block for Q80 {
     }
 }
 
-/// Lane reduction in [`super::reduce_lanes`]'s order.
+/// Lane reduction in [`super::job::reduce_lanes`]'s order.
 #[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
     // SAFETY: AVX present (caller).

@@ -1,5 +1,6 @@
-//! [`Job`]: one matmul task's pointers and strides, and [`scalar_tail`], the f32 tail every
-//! kernel (scalar, AVX2, AVX-512) adds in the same order after the whole blocks.
+//! [`Job`]: one matmul task's pointers and strides, [`scalar_tail`], the f32 tail every
+//! kernel (scalar, AVX2, AVX-512) adds in the same order after the whole blocks, and
+//! [`reduce_lanes`], the fixed reduction of eight f32 lanes.
 
 use crate::model::gguf::dequant::QK;
 
@@ -24,4 +25,13 @@ pub(super) fn scalar_tail(job: &Job, wrow: &[u8], x: &[f32], mut sum: f32) -> f3
         sum = wv.mul_add(x[k], sum);
     }
     sum
+}
+
+/// The fixed lane reduction: `(l0+l4) + (l2+l6)` and `(l1+l5) + (l3+l7)`, then their sum
+/// (ggml's `hsum_float_8` order as well).
+#[inline(always)]
+pub(super) fn reduce_lanes(l: &[f32; 8]) -> f32 {
+    let q = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+    let r = [q[0] + q[2], q[1] + q[3]];
+    r[0] + r[1]
 }
