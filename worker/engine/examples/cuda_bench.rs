@@ -215,7 +215,13 @@ mod bench {
                 check_ok &= ok || (fp8 && max_diff.is_finite());
                 println!(
                     "{} gemv vs cublasLt decode b={bsz}: max |dlogit| {max_diff:.4} (max |logit| {max_abs:.3}), argmax agree {agree}/{bsz}",
-                    if ok { "PASS" } else if fp8 { "INFO" } else { "FAIL" }
+                    if ok {
+                        "PASS"
+                    } else if fp8 {
+                        "INFO"
+                    } else {
+                        "FAIL"
+                    }
                 );
                 results.insert(
                     format!("gemv_check_b{bsz}"),
