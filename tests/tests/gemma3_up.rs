@@ -49,9 +49,6 @@ async fn generate(http: &str, model: &str, prompt: &Value, max_tokens: u64) -> R
 /// 217716. For these only the first `tokens` new tokens are compared.
 const NEAR_TIES: &[(&str, u64)] = &[("What is the capital of France?", 7)];
 
-// Ignored until run once through `prism up`: the engine-level check of the same prompts
-// (`worker/engine/tests/gemma3_greedy.rs`) passes with ggml's numerics.
-#[ignore = "not yet run through prism up with ggml's CPU numerics (engine-level gemma3_greedy passes)"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gemma3_greedy_through_prism_up_equals_llama_cpp() -> Result<()> {
     let Some(path) = gemma_model() else { return Ok(()) };
