@@ -16,6 +16,12 @@
 //! the whole prompt (batch invariance), and CUDA-event timings (median of 20) of both kernels at
 //! Llama-3-8B heads (32 q, 8 KV, head_dim 128) for 512, 1,024 and 2,048-token prompts, with
 //! TFLOP/s on the causal FLOPs 4·(L²/2)·head_dim·q_heads. JSON to OUT.json; exit 1 on FAIL.
+//!
+//! `-- OUT.json --fp8` checks and times the FP8-KV build (`PrefillAttention::new_fp8_kv`)
+//! instead: every case with its caches rounded to e4m3 (the NaN slots stay NaN), the FP8-KV
+//! kernel on the codes against the host reference on the rounded values (and the bf16 kernel on
+//! them), then both kernels timed on the same values for 512 / 1,024 / 2,048-token prompts and a
+//! 2,048-token chunk at the end of a 4,096-token context.
 
 #[cfg(feature = "cuda")]
 fn main() -> anyhow::Result<()> {
@@ -43,6 +49,7 @@ mod check {
         FragmentLoads, PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq,
     };
     use prism_engine::backend::cuda::device::{DevBuf, Gpu};
+    use prism_engine::model::fp8::{e4m3_to_f32, f32_to_e4m3};
     use rayon::prelude::*;
     use serde_json::{Value, json};
     use std::time::Instant;
@@ -364,8 +371,121 @@ mod check {
         Ok(ts[ts.len() / 2])
     }
 
+    /// Rounds the case's caches to e4m3 (NaN slots stay NaN): the host copies and the bf16
+    /// device caches then hold the rounded values; returns the e4m3 caches on the device.
+    fn to_e4m3(gpu: &Gpu, d: &mut Data) -> anyhow::Result<(DevBuf, DevBuf)> {
+        let mut dev = Vec::new();
+        for (host, wide) in [(&mut d.kc, &d.d_kc), (&mut d.vc, &d.d_vc)] {
+            let codes: Vec<u8> =
+                host.par_iter().map(|&b| if b == NAN_BITS { 0x7f } else { f32_to_e4m3(f(b)) }).collect();
+            host.par_iter_mut()
+                .zip(&codes)
+                .for_each(|(b, &c)| *b = if c == 0x7f { NAN_BITS } else { bf16::from_f32(e4m3_to_f32(c)).to_bits() });
+            gpu.upload(wide, 0, host)?;
+            let b = DevBuf::zeroed(gpu, codes.len())?;
+            gpu.upload(&b, 0, &codes)?;
+            dev.push(b);
+        }
+        let v = dev.pop().context("v cache")?;
+        let k = dev.pop().context("k cache")?;
+        Ok((k, v))
+    }
+
+    /// As `run_new` for the FP8-KV kernel on the e4m3 caches.
+    fn run_fp8(
+        gpu: &Gpu,
+        pf: &mut PrefillAttention,
+        d: &Data,
+        c8: &(DevBuf, DevBuf),
+    ) -> anyhow::Result<(Vec<f32>, bool)> {
+        gpu.fill_const(d.d_out.ptr, d.out_len(), SENTINEL)?;
+        let ptrs = PrefillPtrs { k_cache: c8.0.ptr, v_cache: c8.1.ptr, ..d.ptrs(d.d_out.ptr) };
+        pf.launch(gpu, &d.seqs, &ptrs, d.dims(), d.scale())?;
+        let out = download_f32(gpu, d.d_out.ptr, d.out_len())?;
+        let w = d.c.qh * d.c.hd;
+        let mut owned = vec![false; d.rows];
+        for s in &d.seqs {
+            owned[s.query_start..s.query_start + s.query_len].iter_mut().for_each(|o| *o = true);
+        }
+        let stray = (0..d.rows).any(|r| !owned[r] && out[r * w..(r + 1) * w].iter().any(|&v| v != SENTINEL));
+        Ok((out, stray))
+    }
+
+    fn main_fp8(out_path: &str) -> anyhow::Result<()> {
+        let t_start = Instant::now();
+        let gpu = Gpu::new(0)?;
+        println!("device {} ({}), FP8-KV build", gpu.name, gpu.arch);
+        let max_tokens = 4096;
+        let mut fast = PrefillAttention::new(&gpu, max_tokens)?;
+        let mut pf8 = PrefillAttention::new_fp8_kv(&gpu, max_tokens)?;
+        let mut all_pass = true;
+        let mut results = Vec::new();
+        for (ci, c) in cases().iter().enumerate() {
+            let mut d = build(&gpu, c, 3000 + ci as u64)?;
+            let c8 = to_e4m3(&gpu, &mut d)?;
+            let host = (macs(c) <= HOST_MAX_MACS).then(|| host_reference(&d));
+            let (o16, _) = run_new(&gpu, &mut fast, &d, &d.seqs)?;
+            let (o8, stray) = run_fp8(&gpu, &mut pf8, &d, &c8)?;
+            let (again, _) = run_fp8(&gpu, &mut pf8, &d, &c8)?;
+            let det = again.iter().zip(&o8).all(|(a, b)| a.to_bits() == b.to_bits());
+            let vs_bf16 = max_diff(&d, &o8, &o16);
+            let vs_host = host.as_ref().map(|h| max_diff(&d, &o8, h));
+            let bf16_vs_host = host.as_ref().map(|h| max_diff(&d, &o16, h));
+            let pass = vs_host.unwrap_or(vs_bf16) <= TOL && vs_bf16 <= TOL && !stray && det;
+            all_pass &= pass;
+            println!(
+                "{} [fp8-kv] {:40} hd {:3} G {} bs {:2}: max|fp8-host| {}  max|bf16-host| {}  max|fp8-bf16| {vs_bf16:.3e}  deterministic {det}{}",
+                if pass { "PASS" } else { "FAIL" },
+                c.name,
+                c.hd,
+                c.qh / c.kvh,
+                c.bs,
+                vs_host.map_or("-".into(), |x| format!("{x:.3e}")),
+                bf16_vs_host.map_or("-".into(), |x| format!("{x:.3e}")),
+                if stray { "  STRAY WRITES" } else { "" }
+            );
+            results.push(json!({"case": c.name, "kv": "fp8", "head_dim": c.hd, "q_heads": c.qh, "kv_heads": c.kvh,
+                "block_size": c.bs, "max_diff_vs_host": vs_host, "bf16_kernel_vs_host": bf16_vs_host,
+                "max_diff_vs_bf16_kernel": vs_bf16, "deterministic": det, "stray_writes": stray, "pass": pass}));
+        }
+        let mut timings = Vec::new();
+        for (q, ctx) in [(512usize, 512usize), (1024, 1024), (2048, 2048), (2048, 4096)] {
+            let mut d = build(&gpu, &case(&format!("timing q={q} ctx={ctx}"), (128, 32, 8), 16, &[(q, ctx)], 0), 5)?;
+            let c8 = to_e4m3(&gpu, &mut d)?;
+            let ptrs = d.ptrs(d.d_out.ptr);
+            let ptrs8 = PrefillPtrs { k_cache: c8.0.ptr, v_cache: c8.1.ptr, ..ptrs };
+            let flops = 4.0 * q as f64 * (ctx as f64 - q as f64 / 2.0) * 128.0 * 32.0;
+            let t16 = time_us(&gpu, 3, 20, || Ok(fast.launch(&gpu, &d.seqs, &ptrs, d.dims(), d.scale())?))?;
+            let t8 = time_us(&gpu, 3, 20, || Ok(pf8.launch(&gpu, &d.seqs, &ptrs8, d.dims(), d.scale())?))?;
+            let tf = |us: f64| flops / (us * 1e-6) / 1e12;
+            println!(
+                "TIME fp8-kv q={q:5} ctx={ctx:5} (32 q heads, 8 KV heads, hd 128): bf16 {t16:8.1} us/layer {:6.1} TFLOP/s | fp8-kv {t8:8.1} us/layer {:6.1} TFLOP/s | fp8/bf16 {:.3}",
+                tf(t16),
+                tf(t8),
+                t8 / t16
+            );
+            timings.push(json!({"query_len": q, "context_len": ctx, "bf16_us": t16, "fp8_us": t8, "ratio": t8 / t16,
+                                "bf16_tflops": tf(t16), "fp8_tflops": tf(t8)}));
+        }
+        let report: Value = json!({"device": gpu.name, "arch": gpu.arch, "kv": "fp8", "tolerance": TOL, "cases": results,
+            "timings": timings, "pass": all_pass, "wall_seconds": t_start.elapsed().as_secs_f64()});
+        std::fs::write(out_path, serde_json::to_string_pretty(&report)?)?;
+        println!(
+            "cuda_attn_prefill --fp8: {} ({:.1} s)",
+            if all_pass { "PASS" } else { "FAIL" },
+            t_start.elapsed().as_secs_f64()
+        );
+        if !all_pass {
+            std::process::exit(1);
+        }
+        Ok(())
+    }
+
     pub fn main() -> anyhow::Result<()> {
         let out_path = std::env::args().nth(1).unwrap_or_else(|| "cuda_attn_prefill.json".into());
+        if std::env::args().any(|a| a == "--fp8") {
+            return main_fp8(&out_path);
+        }
         let t_start = Instant::now();
         let gpu = Gpu::new(0)?;
         println!("device {} ({})", gpu.name, gpu.arch);

@@ -11,6 +11,12 @@
 //! `G = q_heads / kv_heads` query heads (at most 8 of 16 rows used), so the arithmetic is
 //! negligible and the loads stay in flight. Softmax and accumulation are f32; the output is bf16.
 //!
+//! With an FP8 (e4m3) cache ([`DecodeAttention::with_kv`]) the raw bytes stream the same way,
+//! four tiles deep (three in flight while one is computed, half the bytes of a bf16 tile each),
+//! and each warp builds its `mma` operands from them with the hardware e4m3 → f16 conversion
+//! (exact); Q and P are rounded to f16 and the products run as f16 `mma`. The layouts that let
+//! a warp read whole 16-byte rows of bytes instead of `ldmatrix` are in the kernel file's header.
+//!
 //! # Splits
 //! A token with context `L = pos + 1` has `tiles = ceil(L / 64)` tiles, cut into
 //! `splits = ceil(tiles / ceil(tiles / cap))` contiguous splits of equal tile count (the last
@@ -26,12 +32,12 @@
 //! # CUDA graphs
 //! The launch configuration depends only on `(n_tokens, max_ctx, split_cap)`: the grid is
 //! `(grid_splits(max_ctx, cap), kv_heads, n_tokens)` blocks of 128 threads with 4·64·head_dim·2
-//! bytes of dynamic shared memory. Per-step data (positions, block tables) is read on the device,
-//! so a captured launch replays correctly with new metadata at the same addresses. Tokens with
-//! fewer splits than the grid let the extra blocks exit at once; a token with more splits than
-//! the grid (context above `max_ctx`) is still computed correctly, by blocks that loop over
-//! several splits, only more slowly. Padding tokens (position 0, a valid block table) are
-//! computed like any other.
+//! bytes of dynamic shared memory (8·64·head_dim with an e4m3 cache). Per-step data (positions,
+//! block tables) is read on the device, so a captured launch replays correctly with new metadata
+//! at the same addresses. Tokens with fewer splits than the grid let the extra blocks exit at
+//! once; a token with more splits than the grid (context above `max_ctx`) is still computed
+//! correctly, by blocks that loop over several splits, only more slowly. Padding tokens
+//! (position 0, a valid block table) are computed like any other.
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
@@ -52,8 +58,11 @@ pub const MAX_SPLITS: usize = 16;
 pub const INVARIANT_SPLIT_CAP: usize = MAX_SPLITS;
 /// Threads per block (`DA_THREADS`).
 const THREADS: u32 = 128;
-/// Blocks per SM the kernel is built for (`__launch_bounds__(DA_THREADS, 3)`).
+/// Blocks per SM the kernel is built for (`DA_MIN_BLOCKS`, both cache types).
 const BLOCKS_PER_SM: usize = 3;
+/// K/V tiles in the shared-memory pipeline (`DA_STAGES`): bf16 and e4m3 caches.
+const STAGES_BF16: usize = 2;
+const STAGES_FP8: usize = 4;
 /// Waves of blocks [`DecodeAttention::occupancy_split_cap`] aims for.
 const TARGET_WAVES: usize = 4;
 
@@ -122,6 +131,8 @@ pub fn grid_splits(max_ctx: usize, cap: usize) -> usize {
 pub struct DecodeAttention {
     f: CudaFunction,
     shape: AttnShape,
+    /// Dynamic shared memory per block, bytes.
+    smem: usize,
     max_tokens: usize,
     num_sms: usize,
     /// f32 `[max_tokens · kv_heads, MAX_SPLITS, G, head_dim]`.
@@ -177,17 +188,16 @@ impl DecodeAttention {
         let ptx = compile_ptx_with_opts(ATTN_DECODE_SRC, opts).op("NVRTC compile of attn_decode.cu")?;
         let module = gpu.ctx.load_module(ptx).op("load_module attn_decode")?;
         let f = module.load_function(&format!("attn_decode_hd{hd}_g{g}")).op("load attn_decode")?;
-        f.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            Self::smem(hd) as i32,
-        )
-        .op("attn_decode shared memory")?;
+        let smem = Self::smem(hd, kv_fp8);
+        f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .op("attn_decode shared memory")?;
         let num_sms = gpu.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).op("SM count")?;
         let max_tokens = max_tokens.max(1);
         let rows = max_tokens * shape.q_heads * MAX_SPLITS;
         Ok(Self {
             f,
             shape,
+            smem,
             max_tokens,
             num_sms: usize::try_from(num_sms).unwrap_or(1).max(1),
             part_o: DevBuf::zeroed(gpu, rows * hd * 4)?,
@@ -196,9 +206,10 @@ impl DecodeAttention {
         })
     }
 
-    /// Dynamic shared memory per block: two stages of a K and a V tile.
-    fn smem(head_dim: usize) -> usize {
-        2 * 2 * TILE * head_dim * 2
+    /// Dynamic shared memory per block: the pipeline's stages of a K and a V tile (2 bytes per
+    /// value, 1 for e4m3).
+    fn smem(head_dim: usize, kv_fp8: bool) -> usize {
+        if kv_fp8 { STAGES_FP8 * 2 * TILE * head_dim } else { STAGES_BF16 * 2 * TILE * head_dim * 2 }
     }
 
     /// The head layout this instance was compiled for.
@@ -246,7 +257,7 @@ impl DecodeAttention {
         let cfg = LaunchConfig {
             grid_dim: (grid_splits(a.max_ctx, a.split_cap) as u32, s.kv_heads as u32, a.n_tokens as u32),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: Self::smem(s.head_dim) as u32,
+            shared_mem_bytes: self.smem as u32,
         };
         let (qh, kvh, bs, cap) = (s.q_heads as i32, s.kv_heads as i32, a.block_size as i32, a.split_cap as i32);
         let mut b = gpu.stream.launch_builder(&self.f);

@@ -19,6 +19,10 @@
 //! `llama.cu`, though the two kernels round differently (their outputs agree to bf16 accuracy,
 //! not bitwise).
 //!
+//! With an e4m3 cache ([`PrefillAttention::new_fp8_kv`]) the raw bytes of the next K/V tile are
+//! copied with `cp.async` while the current one is widened to f16 in shared memory (exact) and
+//! computed with f16 `mma`; Q and P are rounded to f16.
+//!
 //! The work list is built on the host per launch and copied to a device buffer sized for
 //! `max_num_batched_tokens` (prefill steps are not captured in CUDA graphs); repeated launches
 //! with the same sequences (one per layer) skip the copy.

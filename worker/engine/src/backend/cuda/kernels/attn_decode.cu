@@ -30,11 +30,25 @@
 // by (L, cap), so results are deterministic. A grid with fewer splits than a token needs is still
 // correct (CTAs loop over splits z, z + gridDim.x, …); one with more lets the extra CTAs exit.
 //
-// KV_FP8 (compile-time define): the caches hold e4m3 values (per-tensor scale 1). Each thread
-// loads its 8 values of a row (8 bytes) and stores them to the same shared-memory place as f16
-// (e4m3 → f16 is exact, one cvt per pair), and the two products run as f16 mma with Q and P
-// rounded to f16 (Q after RoPE and P in [0, 1] are well inside f16's range). Tiles are then
-// copied synchronously instead of with cp.async (still one tile ahead of the one computed).
+// KV_FP8 (compile-time define): the caches hold e4m3 values (per-tensor scale 1). The raw bytes
+// stream through shared memory as the bf16 tiles do (16-byte cp.async, DA_STAGES = 4 stages: three
+// tiles in flight while one is computed, half the bytes of a bf16 tile each) and each warp builds
+// its mma B fragments from them, two codes per cvt.rn.f16x2.e4m3x2 (exact), so the products run
+// as f16 mma with Q and P rounded to f16 (Q after RoPE and P in [0, 1] are well inside f16's
+// range). Fragments without ldmatrix (a 16-bit element per matrix entry is what ldmatrix moves):
+//   S = Q·Kᵀ: the head dims are a sum, so their order is free. Lane (gid, tig) takes dims
+//     tig·HD/4 + 4ks + {0, 1} (register 0) and + {2, 3} (register 1) of k-step ks, for Q (loaded
+//     so from global memory) and for K: HD/4 contiguous bytes of K row gid (16-byte loads), one
+//     cvt per register.
+//   O += P·V: the B register of lane (gid, tig) pairs positions 2tig, 2tig + 1 (and + 8) of one
+//     dim; the dims of the 8 columns of output n-tile nd are c·HD/8 + nd (c = 0..7), so lane gid
+//     reads HD/8 contiguous bytes of each of its 4 rows, pairs the two rows' bytes with one prmt
+//     per two dims and converts each pair with one cvt. The accumulator element (n-tile nd,
+//     column 2tig + e) is output dim (2tig + e)·HD/8 + nd.
+// The byte tiles are [DA_TILE][HD] with 16-byte chunk c of row r at chunk c ^ (r & 7) (HD 128;
+// (r >> 1) & 3 for HD 64), so the K and V fragment loads and the copies of 8 lanes hit distinct
+// bank groups. Sums run in the same fixed order for any batch: the FP8-KV build is deterministic
+// and batch invariant as the bf16 one.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #ifdef KV_FP8
@@ -56,6 +70,13 @@ typedef bf16 kvt;
 #define DA_THREADS (DA_WARPS * 32)
 #define DA_TILE (DA_WARPS * 16)
 #define DA_MAX_SPLITS 16
+#ifdef KV_FP8
+#define DA_STAGES 4      // cp.async pipeline depth (tiles)
+#define DA_MIN_BLOCKS 3  // blocks per SM (__launch_bounds__)
+#else
+#define DA_STAGES 2
+#define DA_MIN_BLOCKS 3
+#endif
 #define DA_NEG_INF __int_as_float(0xff800000)
 #define DA_LOG2E 1.4426950408889634f
 
@@ -113,23 +134,39 @@ __device__ __forceinline__ u32 da_pack_out(float lo, float hi) {
 }
 
 #ifdef KV_FP8
-// 8 e4m3 values (src, 8 bytes; zeros when !ok) → 8 f16 at shared address dst.
-__device__ __forceinline__ void da_fp8_row8(u32 dst, const kvt* src, bool ok) {
-    uint2 v = ok ? *reinterpret_cast<const uint2*>(src) : make_uint2(0u, 0u);
-    u32 h[4];
-    const u32 w[2] = {v.x, v.y};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((w[i >> 1] >> (16 * (i & 1))) & 0xffffu), __NV_E4M3);
-        h[i] = (u32)r.x | ((u32)r.y << 16);
-    }
-    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(h[0]), "r"(h[1]), "r"(h[2]), "r"(h[3]) : "memory");
+// Two e4m3 codes (low 16 bits of v, the first in the low byte) → an f16 pair, the first low.
+// (One instruction from sm_89 on; cuda_fp8.h's software conversion before.)
+__device__ __forceinline__ u32 da_e4m3x2(u32 v) {
+#if __CUDA_ARCH__ >= 890
+    u32 r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"((unsigned short)(v & 0xffffu)));
+    return r;
+#else
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
+    return (u32)h.x | ((u32)h.y << 16);
+#endif
+}
+__device__ __forceinline__ uint4 da_lds128(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint2 da_lds64(u32 addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+    return v;
 }
 // A bf16 pair (one u32) as an f16 pair.
 __device__ __forceinline__ u32 da_bf2_to_h2(u32 v) {
     __nv_bfloat162 b = *reinterpret_cast<__nv_bfloat162*>(&v);
     float2 f = __bfloat1622float2(b);
     return da_pack_mma(f.x, f.y);
+}
+// Byte offset of 16-byte chunk c of row r in a [DA_TILE][HD] e4m3 tile (swizzle: file header).
+template <int HD>
+__device__ __forceinline__ u32 da8_off(int r, int c) {
+    const int sw = HD == 128 ? (r & 7) : ((r >> 1) & 3);
+    return (u32)(r * HD + ((c ^ sw) << 4));
 }
 #endif
 
@@ -148,9 +185,49 @@ __device__ __forceinline__ u32 da_tile_off(int r, int c) {
     return (u32)(r * HD * 2 + ((c ^ (r & 7)) << 4));
 }
 
+// Online-softmax step over a warp's 16 positions pw .. pw + 15: s[j][e] holds this lane's raw
+// scores of positions pw + 8j + 2tig + e (head row gid). Scales them by sl2 (log2 units), masks
+// positions ≥ p_end, updates the running max m and sum l, rescales the accumulator o, and
+// returns P as the A fragment of P·V (k = positions: n-tile 0 → k 0..7, n-tile 1 → k 8..15).
+template <int HD>
+__device__ __forceinline__ void da_softmax(float (&s)[2][2], int pw, int tig, int p_end, float sl2, float& m, float& l,
+                                           float (&o)[HD / 8][2], u32& pa0, u32& pa2) {
+    float mx = DA_NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int p = pw + 8 * j + 2 * tig + e;
+            s[j][e] = p < p_end ? s[j][e] * sl2 : DA_NEG_INF;
+            mx = fmaxf(mx, s[j][e]);
+        }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mn = fmaxf(m, mx);  // finite: position pw is valid
+    const float corr = exp2f(m - mn);
+    m = mn;
+    float ps = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            s[j][e] = exp2f(s[j][e] - mn);
+            ps += s[j][e];
+        }
+    l = l * corr + ps;
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) {
+        o[n][0] *= corr;
+        o[n][1] *= corr;
+    }
+    pa0 = da_pack_mma(s[0][0], s[0][1]);
+    pa2 = da_pack_mma(s[1][0], s[1][1]);
+}
+
 // part_o: f32 [T·kvh, DA_MAX_SPLITS, G, HD]; part_ml: f32 [T·kvh, DA_MAX_SPLITS, G, 2] (max in
 // log2 units, sum); cnt: u32 [T·kvh], zero between launches.
-// Dynamic shared memory: 2 stages · (K + V tile) = 4 · DA_TILE · HD · 2 bytes.
+// Dynamic shared memory: 2 stages · (K + V tile) = 4 · DA_TILE · HD · 2 bytes (KV_FP8:
+// DA_STAGES · (K + V e4m3 tile) = 8 · DA_TILE · HD bytes).
 template <int HD, int G>
 __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* __restrict__ part_o,
                                                  float* __restrict__ part_ml, u32* __restrict__ cnt,
@@ -160,9 +237,15 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
                                                  int kvh, int bs, float scale, int cap) {
     static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
     static_assert(G >= 1 && G <= 8, "1..8 query heads per KV head");
+#ifdef KV_FP8
+    constexpr int CPR8 = HD / 16;            // 16-byte chunks per e4m3 K/V row
+    constexpr int RPP8 = DA_THREADS / CPR8;  // rows per pass of the copy loop
+    constexpr int TILE8 = DA_TILE * HD;      // one e4m3 K (or V) tile, bytes
+#else
     constexpr int CPR = HD / 8;                  // 16-byte chunks per K/V row
     constexpr int RPP = DA_THREADS / CPR;        // rows per pass of the copy loop
     constexpr int TILE_BYTES = DA_TILE * HD * 2; // one K (or V) tile
+#endif
     constexpr int OSTRIDE = HD + 8;              // f32 row stride of the warp-merge buffer
     extern __shared__ __align__(128) unsigned char da_smem[];
     __shared__ float s_m[DA_WARPS][8], s_l[DA_WARPS][8];
@@ -185,17 +268,20 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
     const float sl2 = scale * DA_LOG2E;
 
     // Q as mma A fragments (rows = query heads of the group, zero past G): for k-step ks,
-    // qa[ks][0] holds head gid, dims 16ks + 2tig + {0,1}; qa[ks][1] dims 16ks + 8 + 2tig + {0,1}.
+    // qa[ks][0] holds head gid, dims 16ks + 2tig + {0,1}; qa[ks][1] dims 16ks + 8 + 2tig + {0,1}
+    // (KV_FP8: dims tig·HD/4 + 4ks + {0,1} and + {2,3}, as f16; see the file header).
     u32 qa[HD / 16][2];
     {
         const bf16* qrow = qkv + (u64)t * (u64)(qh + 2 * kvh) * HD + (u64)(g * G + gid) * HD;
 #pragma unroll
         for (int ks = 0; ks < HD / 16; ks++) {
+#ifdef KV_FP8
+            const bf16* q4 = qrow + tig * (HD / 4) + 4 * ks;
+            qa[ks][0] = gid < G ? da_bf2_to_h2(*reinterpret_cast<const u32*>(q4)) : 0u;
+            qa[ks][1] = gid < G ? da_bf2_to_h2(*reinterpret_cast<const u32*>(q4 + 2)) : 0u;
+#else
             qa[ks][0] = gid < G ? *reinterpret_cast<const u32*>(qrow + ks * 16 + 2 * tig) : 0u;
             qa[ks][1] = gid < G ? *reinterpret_cast<const u32*>(qrow + ks * 16 + 8 + 2 * tig) : 0u;
-#ifdef KV_FP8
-            qa[ks][0] = da_bf2_to_h2(qa[ks][0]);
-            qa[ks][1] = da_bf2_to_h2(qa[ks][1]);
 #endif
         }
     }
@@ -203,6 +289,25 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
     const u32 sbase = da_smem_addr(da_smem);
     float* s_o = reinterpret_cast<float*>(da_smem);  // [DA_WARPS][8][OSTRIDE], after the tiles
     const u64 tk = (u64)t * kvh + g;
+#ifdef KV_FP8
+    // Copy-loop coordinates (r & 7 and (r >> 1) & 3 are the same for all rows of a thread) and
+    // the fragment-load offsets: K rows w·16 + 8j + gid, chunks of dims tig·HD/4 ..; V rows
+    // w·16 + 2tig + {0, 1, 8, 9}, bytes gid·HD/8 .. (see the file header).
+    const int cp_row = tid / CPR8, cp_col = (tid % CPR8) * 16;
+    const int bs_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;  // block size as a shift
+    const u32 cp_off = da8_off<HD>(cp_row, tid % CPR8);
+    u32 k_off[2][HD / 64];
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int c = 0; c < HD / 64; c++) k_off[j][c] = da8_off<HD>(w * 16 + 8 * j + gid, tig * (HD / 64) + c);
+    u32 v_off[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int row = w * 16 + 2 * tig + (r & 1) + 8 * (r >> 1);
+        v_off[r] = HD == 128 ? da8_off<HD>(row, gid) : da8_off<HD>(row, gid >> 1) + 8 * (gid & 1);
+    }
+#else
     // Copy-loop coordinates and the ldmatrix row offsets (swizzle: see da_tile_off; the chunk
     // index of k-step ks is XORed in as ks << 5 since 2ks and the low bit are disjoint).
     const int cp_row = tid / CPR, cp_col = (tid % CPR) * 8;
@@ -212,12 +317,120 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
     const int vrow = w * 16 + ((mi & 1) << 3) + (lane & 7);
     const u32 k_off = da_tile_off<HD>(krow, mi & 1);
     const u32 v_off = da_tile_off<HD>(vrow, mi >> 1);
+#endif
 
     for (int z = z0; z < nsplits; z += gridDim.x) {
         const int p_begin = z * chunk;
         const int p_end = min(L, p_begin + chunk);
         const int n_tiles = (p_end - p_begin + DA_TILE - 1) / DA_TILE;
 
+        float m = DA_NEG_INF;  // running max of head row gid (log2 units), same in the 4 lanes
+        float l = 0.f;         // this lane's part of the running sum
+        float o[HD / 8][2];    // head gid, dims 8n + 2tig + {0,1} (KV_FP8: (2tig + {0,1})·HD/8 + n)
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = 0.f;
+
+#ifdef KV_FP8
+        // Copies positions tile0 .. tile0 + DA_TILE of K and V into stage `st` (zeros past
+        // p_end). Thread: chunk tid % CPR8 of rows tid / CPR8 + j·RPP8.
+        auto issue = [&](int tile0, int st) {
+            const u32 dst = sbase + (u32)(st * 2 * TILE8) + cp_off;
+#pragma unroll
+            for (int j = 0; j < DA_TILE / RPP8; j++) {
+                const int p = tile0 + cp_row + j * RPP8;
+                const bool ok = p < p_end;
+                u64 slot = 0;
+                if (ok) {
+                    const u32 up = (u32)p;
+                    slot = bs_shift >= 0 ? (u64)((bt[up >> bs_shift] << bs_shift) + (up & (u32)(bs - 1)))
+                                         : (u64)(bt[up / (u32)bs] * (u32)bs + up % (u32)bs);
+                }
+                const u64 src = slot * kvd + cp_col;
+                const u32 d = dst + (u32)(j * RPP8 * HD);
+                da_cp16(d, kbase + src, ok ? 16 : 0);
+                da_cp16(d + TILE8, vbase + src, ok ? 16 : 0);
+            }
+        };
+
+        // DA_STAGES-deep pipeline, one commit group per tile (empty past the split): tile i is
+        // complete once at most DA_STAGES − 2 younger groups are pending; the stage refilled
+        // after the barrier is the one computed in iteration i − 1, which every warp has left.
+#pragma unroll
+        for (int i = 0; i < DA_STAGES - 1; i++) {
+            if (i < n_tiles) issue(p_begin + i * DA_TILE, i);
+            da_cp_commit();
+        }
+        int st = 0;  // stage of tile i
+        for (int i = 0; i < n_tiles; i++) {
+            da_cp_wait<DA_STAGES - 2>();
+            __syncthreads();
+            {
+                const int nx = i + DA_STAGES - 1;
+                if (nx < n_tiles) issue(p_begin + nx * DA_TILE, st == 0 ? DA_STAGES - 1 : st - 1);
+                da_cp_commit();
+            }
+            const int pw = p_begin + i * DA_TILE + w * 16;  // this warp's first position
+            if (pw < p_end) {
+                const u32 sk = sbase + (u32)(st * 2 * TILE8);
+                const u32 sv = sk + TILE8;
+                // S = Q · Kᵀ: n-tile j covers positions pw + 8j .. +7; word ks of kw[j] holds
+                // the 4 codes of k-step ks (low half: register 0, high half: register 1).
+                u32 kw[2][HD / 16];
+#pragma unroll
+                for (int j = 0; j < 2; j++)
+#pragma unroll
+                    for (int c = 0; c < HD / 64; c++) {
+                        const uint4 v = da_lds128(sk + k_off[j][c]);
+                        kw[j][4 * c] = v.x;
+                        kw[j][4 * c + 1] = v.y;
+                        kw[j][4 * c + 2] = v.z;
+                        kw[j][4 * c + 3] = v.w;
+                    }
+                float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+                for (int ks = 0; ks < HD / 16; ks++) {
+#pragma unroll
+                    for (int j = 0; j < 2; j++)
+                        da_mma_top(s[j][0], s[j][1], qa[ks][0], qa[ks][1], da_e4m3x2(kw[j][ks]),
+                                   da_e4m3x2(kw[j][ks] >> 16));
+                }
+                u32 pa0, pa2;
+                da_softmax<HD>(s, pw, tig, p_end, sl2, m, l, o, pa0, pa2);
+                // O += P · V: vw[r][i] holds dims gid·HD/8 + 4i .. + 3 of row 2tig + (r & 1) +
+                // 8·(r >> 1); the two rows of a register pair byte by byte (prmt), two dims per
+                // word, n-tile nd = dim offset within the lane's HD/8.
+                constexpr int VW = HD / 32;  // words per row and lane
+                u32 vw[4][VW];
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    if constexpr (VW == 4) {
+                        const uint4 v = da_lds128(sv + v_off[r]);
+                        vw[r][0] = v.x;
+                        vw[r][1] = v.y;
+                        vw[r][2] = v.z;
+                        vw[r][3] = v.w;
+                    } else {
+                        const uint2 v = da_lds64(sv + v_off[r]);
+                        vw[r][0] = v.x;
+                        vw[r][1] = v.y;
+                    }
+                }
+#pragma unroll
+                for (int i4 = 0; i4 < VW; i4++) {
+                    const u32 lo0 = __byte_perm(vw[0][i4], vw[1][i4], 0x5140);  // dims 4i4, 4i4+1
+                    const u32 hi0 = __byte_perm(vw[0][i4], vw[1][i4], 0x7362);  // dims 4i4+2, 4i4+3
+                    const u32 lo1 = __byte_perm(vw[2][i4], vw[3][i4], 0x5140);
+                    const u32 hi1 = __byte_perm(vw[2][i4], vw[3][i4], 0x7362);
+                    da_mma_top(o[4 * i4][0], o[4 * i4][1], pa0, pa2, da_e4m3x2(lo0), da_e4m3x2(lo1));
+                    da_mma_top(o[4 * i4 + 1][0], o[4 * i4 + 1][1], pa0, pa2, da_e4m3x2(lo0 >> 16), da_e4m3x2(lo1 >> 16));
+                    da_mma_top(o[4 * i4 + 2][0], o[4 * i4 + 2][1], pa0, pa2, da_e4m3x2(hi0), da_e4m3x2(hi1));
+                    da_mma_top(o[4 * i4 + 3][0], o[4 * i4 + 3][1], pa0, pa2, da_e4m3x2(hi0 >> 16), da_e4m3x2(hi1 >> 16));
+                }
+            }
+            st = st + 1 == DA_STAGES ? 0 : st + 1;
+        }
+        __syncthreads();  // every warp is past its tiles before the merge reuses shared memory
+#else
         // Copies positions tile0 .. tile0 + DA_TILE of K and V into stage `st` (zeros past
         // p_end). Thread: chunk tid % CPR of rows tid / CPR + j·RPP; r % 8 is the same for all j.
         auto issue = [&](int tile0, int st) {
@@ -229,22 +442,11 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
                 const u64 slot = ok ? (u64)(bt[p / bs] * (u32)bs + (u32)(p % bs)) : 0ull;
                 const u64 src = slot * kvd + cp_col;
                 const u32 d = dst + (u32)(j * RPP * HD * 2);
-#ifdef KV_FP8
-                da_fp8_row8(d, kbase + src, ok);
-                da_fp8_row8(d + TILE_BYTES, vbase + src, ok);
-#else
                 da_cp16(d, kbase + src, ok ? 16 : 0);
                 da_cp16(d + TILE_BYTES, vbase + src, ok ? 16 : 0);
-#endif
             }
             da_cp_commit();
         };
-
-        float m = DA_NEG_INF;  // running max of head row gid (log2 units), same in the 4 lanes
-        float l = 0.f;         // this lane's part of the running sum
-        float o[HD / 8][2];    // head gid, dims 8n + 2tig + {0,1}
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = 0.f;
 
         issue(p_begin, 0);
         for (int i = 0; i < n_tiles; i++) {
@@ -270,38 +472,8 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
                     da_mma_top(s[0][0], s[0][1], qa[ks][0], qa[ks][1], b0, b1);
                     da_mma_top(s[1][0], s[1][1], qa[ks][0], qa[ks][1], b2, b3);
                 }
-                // Online softmax over this warp's 16 positions (lane holds 4 of them).
-                float mx = DA_NEG_INF;
-#pragma unroll
-                for (int j = 0; j < 2; j++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int p = pw + 8 * j + 2 * tig + e;
-                        s[j][e] = p < p_end ? s[j][e] * sl2 : DA_NEG_INF;
-                        mx = fmaxf(mx, s[j][e]);
-                    }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float mn = fmaxf(m, mx);  // finite: position pw is valid
-                const float corr = exp2f(m - mn);
-                m = mn;
-                float ps = 0.f;
-#pragma unroll
-                for (int j = 0; j < 2; j++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        s[j][e] = exp2f(s[j][e] - mn);
-                        ps += s[j][e];
-                    }
-                l = l * corr + ps;
-#pragma unroll
-                for (int n = 0; n < HD / 8; n++) {
-                    o[n][0] *= corr;
-                    o[n][1] *= corr;
-                }
-                // P as the A fragment of P·V (k = positions): n-tile 0 → k 0..7, n-tile 1 → k 8..15.
-                const u32 pa0 = da_pack_mma(s[0][0], s[0][1]);
-                const u32 pa2 = da_pack_mma(s[1][0], s[1][1]);
+                u32 pa0, pa2;
+                da_softmax<HD>(s, pw, tig, p_end, sl2, m, l, o, pa0, pa2);
 #pragma unroll
                 for (int nd = 0; nd < HD / 16; nd++) {
                     u32 b0, b1, b2, b3;
@@ -312,6 +484,7 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
             }
             __syncthreads();  // stage st is refilled by the next iteration's issue
         }
+#endif
 
         // Merge the warps in warp order (shared memory reused: every warp is past its tiles).
         l += __shfl_xor_sync(0xffffffffu, l, 1);
@@ -319,8 +492,14 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
         if (gid < G) {
             float* row = s_o + (w * 8 + gid) * OSTRIDE;
 #pragma unroll
-            for (int n = 0; n < HD / 8; n++)
+            for (int n = 0; n < HD / 8; n++) {
+#ifdef KV_FP8
+                row[2 * tig * (HD / 8) + n] = o[n][0];
+                row[(2 * tig + 1) * (HD / 8) + n] = o[n][1];
+#else
                 *reinterpret_cast<float2*>(row + 8 * n + 2 * tig) = make_float2(o[n][0], o[n][1]);
+#endif
+            }
             if (tig == 0) {
                 s_m[w][gid] = m;
                 s_l[w][gid] = l;
@@ -414,7 +593,7 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
 // Kernels attn_decode_hd{HD}_g{G}. Defining DA_HD and DA_G (NVRTC -D options) compiles only that
 // one, which keeps the run-time compile short; otherwise all eight are compiled.
 #define DA_KERNEL_(HD, G)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(DA_THREADS, 3) attn_decode_hd##HD##_g##G(                          \
+    extern "C" __global__ void __launch_bounds__(DA_THREADS, DA_MIN_BLOCKS) attn_decode_hd##HD##_g##G(                          \
         bf16* out, float* part_o, float* part_ml, u32* cnt, const bf16* qkv, const kvt* kc, const kvt* vc,          \
         const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int cap) {         \
         attn_decode_impl<HD, G>(out, part_o, part_ml, cnt, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, cap); \

@@ -38,10 +38,11 @@
 // loads written directly from the PTX ISA fragment tables instead of ldmatrix: a slower,
 // independent path to tell a wrong ldmatrix address from a wrong fragment layout.
 //
-// KV_FP8 (compile-time define): the caches hold e4m3 values (per-tensor scale 1). K/V tiles are
-// loaded 8 values (8 bytes) per thread and stored to the same shared-memory place as f16 (exact),
-// the Q tile is stored as f16 too, and both products run as f16 mma with P rounded to f16.
-// Those tiles are copied synchronously (the next one still ahead of the one computed).
+// KV_FP8 (compile-time define): the caches hold e4m3 values (per-tensor scale 1). The raw bytes of
+// K/V tile j + 1 are copied with cp.async (double-buffered, half the bytes of a bf16 tile) while
+// tile j is widened to f16 into single-stage swizzled tiles (exact; cvt.rn.f16x2.e4m3x2) and
+// computed; the Q tile is stored as f16, both products run as f16 mma with P rounded to f16.
+// Shared memory: the same PF_SMEM_BYTES (Q, one f16 K and V tile, two raw stages of K and V).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #ifdef KV_FP8
@@ -129,17 +130,17 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 __device__ __forceinline__ void st_shared4(u32 dst, const u32 (&h)[4]) {
     asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(h[0]), "r"(h[1]), "r"(h[2]), "r"(h[3]) : "memory");
 }
-// 8 e4m3 values at src (zeros when !ok) → 8 f16 at shared address dst.
-__device__ __forceinline__ void fp8_row8(u32 dst, const kvt* src, bool ok) {
-    uint2 v = ok ? *reinterpret_cast<const uint2*>(src) : make_uint2(0u, 0u);
-    const u32 w[2] = {v.x, v.y};
-    u32 h[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        __half2_raw r = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)((w[i >> 1] >> (16 * (i & 1))) & 0xffffu), __NV_E4M3);
-        h[i] = (u32)r.x | ((u32)r.y << 16);
-    }
-    st_shared4(dst, h);
+// Two e4m3 codes (low 16 bits of v, the first in the low byte) → an f16 pair, the first low
+// (one instruction from sm_89 on; cuda_fp8.h's software conversion before).
+__device__ __forceinline__ u32 e4m3x2_to_h2(u32 v) {
+#if __CUDA_ARCH__ >= 890
+    u32 r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"((unsigned short)(v & 0xffffu)));
+    return r;
+#else
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(v & 0xffffu), __NV_E4M3);
+    return (u32)h.x | ((u32)h.y << 16);
+#endif
 }
 // 8 bf16 values at src (zeros when !ok) → 8 f16 at shared address dst.
 __device__ __forceinline__ void bf16_row8_as_f16(u32 dst, const bf16* src, bool ok) {
@@ -297,11 +298,172 @@ __device__ __forceinline__ void load_kv_tile(bf16* dst, const kvt* cache, const 
         const int r = tid / CH + k * (PF_THREADS / CH);
         const bool ok = slot[k] != PF_NO_SLOT;
         const kvt* src = cache + ((u64)(ok ? slot[k] : 0u) * kvh + h) * HD + c * 8;
-#ifdef KV_FP8
-        fp8_row8(base + tile_off<HD>(r, c), src, ok);
-#else
         cp_async16(base + tile_off<HD>(r, c), src, ok);
+    }
+}
+
+#ifdef KV_FP8
+// FP8 KV: thread tid copies 16-byte chunk tid % (HD / 16) (16 codes) of rows tid / (HD / 16) +
+// k · PF_THREADS / (HD / 16) of a raw [PF_BN][HD] e4m3 tile, and later widens the same chunks.
+#define PF_KV_ROWS8(HD) (PF_BN * ((HD) / 16) / PF_THREADS)
+
+// Cache slots of this thread's rows of the tile at positions n0..; PF_NO_SLOT past kv_len.
+template <int HD>
+__device__ __forceinline__ void tile_slots8(u32 (&slot)[PF_KV_ROWS8(HD)], const u32* bt, int n0, int kv_len,
+                                            BlockSize b, int tid) {
+    constexpr int CH8 = HD / 16;
+    const u32 p0 = (u32)(n0 + tid / CH8);
+#pragma unroll
+    for (int k = 0; k < PF_KV_ROWS8(HD); k++) {
+        const u32 p = p0 + k * (PF_THREADS / CH8);
+        u32 sl = PF_NO_SLOT;
+        if ((int)p < kv_len) {
+            if (b.shift >= 0) {
+                sl = (bt[p >> b.shift] << b.shift) + (p & (u32)(b.bs - 1));
+            } else {
+                const u32 blk = p / (u32)b.bs;
+                sl = bt[blk] * (u32)b.bs + (p - blk * (u32)b.bs);
+            }
+        }
+        slot[k] = sl;
+    }
+}
+
+// cp.async of this thread's chunks of a raw e4m3 K or V tile of KV head h into shared address
+// dst (plain [PF_BN][HD] bytes); rows without a slot are zero-filled.
+template <int HD>
+__device__ __forceinline__ void load_kv_raw(u32 dst, const kvt* cache, const u32 (&slot)[PF_KV_ROWS8(HD)], int kvh,
+                                            int h, int tid) {
+    constexpr int CH8 = HD / 16;
+    const int c = tid % CH8;
+#pragma unroll
+    for (int k = 0; k < PF_KV_ROWS8(HD); k++) {
+        const int r = tid / CH8 + k * (PF_THREADS / CH8);
+        const bool ok = slot[k] != PF_NO_SLOT;
+        const kvt* src = cache + ((u64)(ok ? slot[k] : 0u) * kvh + h) * HD + c * 16;
+        cp_async16(dst + (u32)(r * HD + c * 16), src, ok);
+    }
+}
+
+// This thread's chunks of the raw tile at shared address src → f16 (exact) in the swizzled
+// [PF_BN][HD] tile dst: 16 codes become f16 chunks 2c and 2c + 1 of the row, the one stored
+// first alternating with c / 4 so that 8 neighbouring threads hit 8 distinct bank groups.
+template <int HD>
+__device__ __forceinline__ void widen_kv_tile(bf16* dst, u32 src, int tid) {
+    constexpr int CH8 = HD / 16;
+    const int c = tid % CH8;
+    const u32 base = smem_addr(dst);
+#pragma unroll
+    for (int k = 0; k < PF_KV_ROWS8(HD); k++) {
+        const int r = tid / CH8 + k * (PF_THREADS / CH8);
+        u32 v[4];
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                     : "r"(src + (u32)(r * HD + c * 16))
+                     : "memory");
+        u32 h[2][4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            h[i >> 1][2 * (i & 1)] = e4m3x2_to_h2(v[i]);            // codes 4i, 4i + 1
+            h[i >> 1][2 * (i & 1) + 1] = e4m3x2_to_h2(v[i] >> 16);  // codes 4i + 2, 4i + 3
+        }
+        const bool swap = (c >> 2) & 1;
+        u32 a[4], b[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            a[i] = swap ? h[1][i] : h[0][i];
+            b[i] = swap ? h[0][i] : h[1][i];
+        }
+        st_shared4(base + tile_off<HD>(r, 2 * c + swap), a);
+        st_shared4(base + tile_off<HD>(r, 2 * c + !swap), b);
+    }
+}
 #endif
+
+// ---------------------------------------------------------------- one K/V tile
+
+// S = Q·Kᵀ of the warp's 16 rows over the PF_BN positions of the K tile `skt`.
+template <int HD>
+__device__ __forceinline__ void pf_scores(float (&s)[PF_BN / 8][4], const u32 (&qf)[HD / 16][4], const bf16* skt,
+                                          int lane) {
+    constexpr int KS = HD / 16, NT = PF_BN / 8;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+#pragma unroll
+        for (int np = 0; np < NT / 2; np++) {
+            u32 b[4];
+            frag_b_k<HD>(b, skt, np * 16, kk * 16, lane);
+            mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
+            mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
+        }
+    }
+}
+
+// Causal mask and online softmax on rows g (hf 0) and g + 8 (hf 1) of the tile at positions
+// n0..: S becomes P in place, m, l and O are updated.
+template <int HD>
+__device__ __forceinline__ void pf_softmax(float (&s)[PF_BN / 8][4], float (&m)[2], float (&l)[2], float (&o)[HD / 8][4],
+                                           int n0, int pos_first, const int (&qpos)[2], int t, float scale_log2) {
+    constexpr int NT = PF_BN / 8, DT = HD / 8;
+    // m is the running max of the raw scores; P = 2^(S·c − m·c) with c = scale·log2(e) (one FFMA + ex2).
+    const bool need_mask = n0 + PF_BN - 1 > pos_first;
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        float mx = m[hf];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                if (need_mask && n0 + nt * 8 + 2 * t + e > qpos[hf]) s[nt][2 * hf + e] = PF_NEG_INF;
+                mx = fmaxf(mx, s[nt][2 * hf + e]);
+            }
+        }
+        // The 4 lanes of a group hold the row's PF_BN columns.
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // Position 0 is in tile 0 and never masked, so mx is finite from tile 0 on; the first
+        // correction is 2^-inf = 0, and exactly 1 when the max did not move (a fully masked
+        // tile then leaves O and l bit-for-bit unchanged, whatever ex2.approx(0) returns).
+        const float corr = mx == m[hf] ? 1.f : ex2((m[hf] - mx) * scale_log2);
+        const float mc = mx * scale_log2;
+        m[hf] = mx;
+        float ls = l[hf] * corr;
+#pragma unroll
+        for (int dt = 0; dt < DT; dt++) {
+            o[dt][2 * hf] *= corr;
+            o[dt][2 * hf + 1] *= corr;
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float p = ex2(fmaf(s[nt][2 * hf + e], scale_log2, -mc));
+                s[nt][2 * hf + e] = p;
+                ls += p;
+            }
+        }
+        l[hf] = ls;
+    }
+}
+
+// O += P·V over the V tile `svt` (P in registers: the C fragment of two n-tiles is the A
+// fragment of one k-step).
+template <int HD>
+__device__ __forceinline__ void pf_pv(float (&o)[HD / 8][4], const float (&s)[PF_BN / 8][4], const bf16* svt, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < PF_BN / 16; kk++) {
+        // C fragments of n-tiles 2kk, 2kk+1 = A fragment of k-step kk.
+        u32 a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                    pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int dp = 0; dp < HD / 16; dp++) {
+            u32 b[4];
+            frag_b_v<HD>(b, svt, kk * 16, dp * 16, lane);
+            mma_bf16(o[2 * dp], a, b[0], b[1]);
+            mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
+        }
     }
 }
 
@@ -319,8 +481,13 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
     static_assert(16 % G == 0, "G divides the 16 rows of a warp");
     extern __shared__ __align__(128) unsigned char pf_smem[];
     bf16* sq = reinterpret_cast<bf16*>(pf_smem);  // [PF_BM][HD]
+#ifdef KV_FP8
+    bf16* sk = sq + PF_BM * HD;                   // [PF_BN][HD] f16 (then the raw e4m3 stages)
+    bf16* sv = sk + PF_BN * HD;                   // [PF_BN][HD] f16
+#else
     bf16* sk = sq + PF_BM * HD;                   // [2][PF_BN][HD]
     bf16* sv = sk + 2 * PF_BN * HD;               // [2][PF_BN][HD]
+#endif
 
     const int tile = blockIdx.x / kvh, h = blockIdx.x % kvh;
     const u32* wk = work + (u64)tile * PF_TILE_WORDS;
@@ -350,6 +517,17 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
 #endif
         }
     }
+#ifdef KV_FP8
+    const BlockSize bsz = block_size(bs);
+    // Raw e4m3 tiles: [2 stages][K, V][PF_BN][HD] bytes after the f16 K and V tiles.
+    const u32 raw = smem_addr(sv + PF_BN * HD);
+    u32 slot[PF_KV_ROWS8(HD)];
+    tile_slots8<HD>(slot, bt, 0, kv_len, bsz, tid);
+    load_kv_raw<HD>(raw, kc, slot, kvh, h, tid);
+    load_kv_raw<HD>(raw + PF_BN * HD, vc, slot, kvh, h, tid);
+    cp_async_commit();
+
+#else
     const BlockSize bsz = block_size(bs);
     u32 slot[PF_KV_ROWS(HD)];  // slots of the next tile to load (K then V)
     tile_slots<HD>(slot, bt, 0, kv_len, bsz, tid);
@@ -358,6 +536,7 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
     load_kv_tile<HD>(sv, vc, slot, kvh, h, tid);
     cp_async_commit();
 
+#endif
     // This thread's two rows (g and g + 8 of the warp's 16) and their positions.
     int qpos[2];
 #pragma unroll
@@ -372,6 +551,34 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
     for (int dt = 0; dt < DT; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
     float m[2] = {PF_NEG_INF, PF_NEG_INF}, l[2] = {0.f, 0.f};
 
+#ifdef KV_FP8
+    // Tile j + 1's bytes are copied (cp.async) while tile j is converted and computed.
+    for (int j = 0; j < n_kv; j++) {
+        const int st = j & 1, n0 = j * PF_BN;
+        // Raw stage st ^ 1 was converted in iteration j − 1, before its second barrier.
+        if (j + 1 < n_kv) {
+            const u32 nxt = raw + (u32)((st ^ 1) * 2 * PF_BN * HD);
+            tile_slots8<HD>(slot, bt, n0 + PF_BN, kv_len, bsz, tid);
+            load_kv_raw<HD>(nxt, kc, slot, kvh, h, tid);
+            load_kv_raw<HD>(nxt + PF_BN * HD, vc, slot, kvh, h, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // tile j landed (tile j + 1 may be in flight)
+        __syncthreads();     // every thread's bytes visible; every warp is past tile j − 1's P·V
+        const u32 cur = raw + (u32)(st * 2 * PF_BN * HD);
+        widen_kv_tile<HD>(sk, cur, tid);
+        widen_kv_tile<HD>(sv, cur + PF_BN * HD, tid);
+        __syncthreads();
+        if (j == 0) {
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) frag_a<HD>(qf[kk], sq, warp * 16, kk * 16, lane);
+        }
+        float s[NT][4];
+        pf_scores<HD>(s, qf, sk, lane);
+        pf_softmax<HD>(s, m, l, o, n0, pos_first, qpos, t, scale_log2);
+        pf_pv<HD>(o, s, sv, lane);
+    }
+#else
     for (int j = 0; j < n_kv; j++) {
         const int st = j & 1, n0 = j * PF_BN;
         const bf16* skt = sk + st * PF_BN * HD;
@@ -390,79 +597,17 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
         cp_async_commit();
 
         float s[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < KS; kk++) {
-#pragma unroll
-            for (int np = 0; np < NT / 2; np++) {
-                u32 b[4];
-                frag_b_k<HD>(b, skt, np * 16, kk * 16, lane);
-                mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
-                mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
-            }
-        }
-
-        // Causal mask and online softmax on rows g (hf 0) and g + 8 (hf 1). m is the running max
-        // of the raw scores; P = 2^(S·c − m·c) with c = scale·log2(e) (one FFMA + ex2).
-        const bool need_mask = n0 + PF_BN - 1 > pos_first;
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            float mx = m[hf];
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    if (need_mask && n0 + nt * 8 + 2 * t + e > qpos[hf]) s[nt][2 * hf + e] = PF_NEG_INF;
-                    mx = fmaxf(mx, s[nt][2 * hf + e]);
-                }
-            }
-            // The 4 lanes of a group hold the row's PF_BN columns.
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // Position 0 is in tile 0 and never masked, so mx is finite from tile 0 on; the first
-            // correction is 2^-inf = 0, and exactly 1 when the max did not move (a fully masked
-            // tile then leaves O and l bit-for-bit unchanged, whatever ex2.approx(0) returns).
-            const float corr = mx == m[hf] ? 1.f : ex2((m[hf] - mx) * scale_log2);
-            const float mc = mx * scale_log2;
-            m[hf] = mx;
-            float ls = l[hf] * corr;
-#pragma unroll
-            for (int dt = 0; dt < DT; dt++) {
-                o[dt][2 * hf] *= corr;
-                o[dt][2 * hf + 1] *= corr;
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    float p = ex2(fmaf(s[nt][2 * hf + e], scale_log2, -mc));
-                    s[nt][2 * hf + e] = p;
-                    ls += p;
-                }
-            }
-            l[hf] = ls;
-        }
+        pf_scores<HD>(s, qf, skt, lane);
+        pf_softmax<HD>(s, m, l, o, n0, pos_first, qpos, t, scale_log2);
 
         cp_async_wait<1>();  // V_j landed (K_{j+1} may be in flight)
         __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < PF_BN / 16; kk++) {
-            // C fragments of n-tiles 2kk, 2kk+1 = A fragment of k-step kk.
-            u32 a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                        pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-            for (int dp = 0; dp < HD / 16; dp++) {
-                u32 b[4];
-                frag_b_v<HD>(b, svt, kk * 16, dp * 16, lane);
-                mma_bf16(o[2 * dp], a, b[0], b[1]);
-                mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
-            }
-        }
+        pf_pv<HD>(o, s, svt, lane);
         // Prefetch V_{j+1} (its stage was read in iteration j−1; all warps passed the sync above).
         if (j + 1 < n_kv) load_kv_tile<HD>(sv + (st ^ 1) * PF_BN * HD, vc, slot, kvh, h, tid);
         cp_async_commit();
     }
+#endif
     cp_async_wait<0>();
 
 #pragma unroll
