@@ -203,11 +203,12 @@ mod check {
             let f = &gpu.k.attention[usize::from(s.head_dim == 128) * 4 + g.trailing_zeros() as usize];
             let (qh, kvh, hd, bs) = (s.q_heads as i32, s.kv_heads as i32, s.head_dim as i32, self.bs as i32);
             let scale = 1.0 / (s.head_dim as f32).sqrt();
-            let (t0, chunks_i) = (0i32, chunks as i32);
+            // t0: first token of the launch; window 0: the whole context (no sliding window).
+            let (t0, chunks_i, window) = (0i32, chunks as i32, 0i32);
             let (pos, tok_bt, bts) = (self.pos(), self.tok_bt(), self.bts());
             let mut b = gpu.stream.launch_builder(f);
             b.arg(&self.out_ref.ptr).arg(&self.part_ref.ptr).arg(&self.qkv.ptr).arg(&self.kc.ptr).arg(&self.vc.ptr);
-            b.arg(&pos).arg(&tok_bt).arg(&bts).arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0);
+            b.arg(&pos).arg(&tok_bt).arg(&bts).arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0).arg(&window);
             let cfg = LaunchConfig {
                 grid_dim: (self.n as u32, s.kv_heads as u32, chunks as u32),
                 block_dim: (256, 1, 1),
@@ -815,7 +816,13 @@ mod check {
             let occ8 = d8.occupancy_split_cap(b);
             let mut rows = Vec::new();
             let mut at_occ = [0.0f64; 2];
-            for cap in [1usize, 2, 4, 8, 16] {
+            let mut caps = vec![1usize, 2, 4, 8, 16];
+            for occ in [occ16, occ8] {
+                if !caps.contains(&occ) {
+                    caps.push(occ);
+                }
+            }
+            for cap in caps {
                 let mut t = [[0.0f64; 2]; 2];
                 let mut diff = [0f32; 2];
                 for (k, (da, a)) in [(&d16, p.args(cap, ctx)), (&d8, p.args8(&c8, cap, ctx))].into_iter().enumerate() {

@@ -201,7 +201,8 @@ mod check {
             let t0_i = t0 as i32;
             let mut b = gpu.stream.launch_builder(attn_fn);
             b.arg(&out).arg(&part.ptr).arg(&d.d_qkv.ptr).arg(&d.d_kc.ptr).arg(&d.d_vc.ptr).arg(&d.d_pos.ptr);
-            b.arg(&d.d_tok_bt.ptr).arg(&d.d_bts.ptr).arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0_i);
+            // window 0: the whole context (no sliding window).
+            b.arg(&d.d_tok_bt.ptr).arg(&d.d_bts.ptr).arg(&qh).arg(&kvh).arg(&bs).arg(&scale).arg(&t0_i).arg(&0i32);
             let cfg = LaunchConfig {
                 grid_dim: (cnt as u32, c.kvh as u32, chunks as u32),
                 block_dim: (256, 1, 1),
