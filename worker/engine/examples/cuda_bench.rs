@@ -16,10 +16,6 @@
 //!
 //! `--invariant` (second argument) runs the batch-invariant mode instead of the default fast mode.
 //!
-//! `PRISM_GEMV_PREFETCH_SWEEP=1` adds the decode GEMVs' L2 prefetch plans side by side
-//! (`support/prefetch_sweep.rs`): logits equal to the plan without prefetch, batch-1 decode times
-//! with PDL off and on, per-kernel profiles.
-//!
 //! `--json-schema VOCAB[,VOCAB…]` runs only the structured-output overhead: decode steps at
 //! batch 1 and 64 (1,024-token contexts) greedy on the device, free against every row
 //! constrained by a JSON schema as the engine's step loop does it, with the host time of each
@@ -263,9 +259,6 @@ mod bench {
                 be.set_gemv_fp8_variant(in_use);
             }
         }
-        if !invariant && std::env::var("PRISM_GEMV_PREFETCH_SWEEP").is_ok_and(|v| v == "1") {
-            check_ok &= super::prefetch_sweep::run(&mut be, &mut results)?;
-        }
         if quick && std::env::var("PRISM_BENCH_PROFILE").is_ok_and(|v| v == "1") {
             // Per-kernel device time of one eager step (CUDA events between launches).
             // Batch-1 and batch-256 decode, and a 2,048-token prefill (the trace's full steps).
@@ -439,11 +432,6 @@ mod bench {
         Ok(())
     }
 }
-
-/// `PRISM_GEMV_PREFETCH_SWEEP=1`: the decode GEMVs' L2 prefetch plans side by side.
-#[cfg(feature = "cuda")]
-#[path = "support/prefetch_sweep.rs"]
-mod prefetch_sweep;
 
 /// `--json-schema`: the step-time overhead of grammar masks on the device greedy path.
 #[cfg(feature = "cuda")]

@@ -29,7 +29,7 @@ use super::error::{CudaError, CudaResultExt};
 use super::fp8::{Fp8Kernels, ScaleArgs};
 use super::gemm::LtGemm;
 use super::gemm_fp8::{Fp8Gemm, Fp8GemmArgs};
-use super::gemv::{GEMV_MAX_M, Gemv, GemvArgs, GemvKind, L2Prefetch, PrefetchPlan, RopeArgs};
+use super::gemv::{GEMV_MAX_M, Gemv, GemvArgs, GemvKind, RopeArgs};
 use super::kv_cache::KvCache;
 use super::nccl::{Elem, RankComm};
 use super::options::{CudaOptions, Dims, KvCacheDtype};
@@ -412,36 +412,11 @@ impl ShardModel {
         let chunks_i = chunks as i32;
         // The previous layer's MLP output norm (applied with its residual add).
         let mut prev_ffn_out_norm = null;
-        // The small path's L2 prefetches (see `PrefetchPlan`): bytes per weight element.
-        let plan_pf = gemv.as_ref().map_or(PrefetchPlan::default(), |g| g.prefetch);
-        let elem = |scale: u64| if scale != 0 { 1 } else { 2 };
-        let logits_here = last_stage && rows > 0 && tp_rank == 0;
         for (li, lw) in w.layers.iter().enumerate() {
             let (kc, vc) = (kv.k[li].ptr, kv.v[li].ptr);
             let lp = plan.layers[li];
             let inv_freq = s.inv_freq.ptr + (lp.rope * d.head_dim / 2 * 4) as u64;
             let window = lp.window;
-            // What each of this layer's GEMVs prefetches (`pf[0..4]`: qkv, o_proj, gate_up, down).
-            let pf = if small {
-                let base = L2Prefetch::flags(plan_pf.flags);
-                let gu_rows = d.inter * d.hidden * elem(lw.gate_up_scale);
-                let gu_half = (plan_pf.gate_up / 2).min(gu_rows);
-                let gu_head = |p: L2Prefetch| p.with(lw.gate_up, gu_half).with(lw.gate_up + gu_rows as u64, gu_half);
-                let o_bytes = plan_pf.o_proj.min(d.hidden * d.q_dim() * elem(lw.o_proj_scale));
-                let mut qkv_pf = base.with(lw.o_proj, o_bytes);
-                let mut o_pf = base;
-                if plan_pf.gate_up_in_o_proj { o_pf = gu_head(o_pf) } else { qkv_pf = gu_head(qkv_pf) }
-                let gu_pf = base.with(lw.down, plan_pf.down.min(d.hidden * d.inter * elem(lw.down_scale)));
-                let next = match w.layers.get(li + 1) {
-                    Some(nl) => (nl.qkv, d.qkv_dim() * d.hidden * elem(nl.qkv_scale)),
-                    None if logits_here => (w.lm_head, d.vocab * d.hidden * elem(w.lm_head_scale)),
-                    None => (0, 0),
-                };
-                let down_pf = base.with(next.0, plan_pf.next_qkv.min(next.1));
-                [qkv_pf, o_pf, gu_pf, down_pf]
-            } else {
-                [L2Prefetch::default(); 4]
-            };
             if small {
                 let rope = RopeArgs {
                     pos,
@@ -466,7 +441,6 @@ impl ShardModel {
                     inp: d.hidden,
                     eps: d.eps,
                     rope,
-                    prefetch: pf[0],
                 })?;
                 mark("gemv_qkv_rope_kv")?;
             } else {
@@ -602,7 +576,6 @@ impl ShardModel {
                     inp: d.q_dim(),
                     eps: d.eps,
                     rope: none,
-                    prefetch: pf[1],
                 })?;
                 mark("gemv_o_proj")?;
                 if let Some(c) = tp.as_mut() {
@@ -621,7 +594,6 @@ impl ShardModel {
                     inp: d.hidden,
                     eps: d.eps,
                     rope: none,
-                    prefetch: pf[2],
                 })?;
                 mark("gemv_gate_up_silu")?;
                 if tp.is_some() && tp_rank != 0 {
@@ -639,7 +611,6 @@ impl ShardModel {
                     inp: d.inter,
                     eps: d.eps,
                     rope: none,
-                    prefetch: pf[3],
                 })?;
                 mark("gemv_down")?;
                 if let Some(c) = tp.as_mut() {
@@ -751,7 +722,6 @@ impl ShardModel {
                     inp: d.hidden,
                     eps: d.eps,
                     rope: RopeArgs::default(),
-                    prefetch: L2Prefetch::flags(plan_pf.flags),
                 })?;
             } else {
                 matmul(

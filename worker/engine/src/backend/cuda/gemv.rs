@@ -69,113 +69,7 @@ pub struct GemvArgs {
     pub eps: f32,
     /// Positions, slots and caches of [`GemvKind::QkvRope`] (default otherwise).
     pub rope: RopeArgs,
-    /// Weights of later kernels to bring into L2 meanwhile, and the L2 policies (default: none).
-    pub prefetch: L2Prefetch,
 }
-
-/// An L2 prefetch issued by a GEMV launch (`l2_prefetch` in `kernels/gemv.cu`): up to three
-/// device byte ranges (16-byte aligned starts; lengths are rounded down to a multiple of 16),
-/// each cut into 4 KiB `cp.async.bulk.prefetch.L2` pieces dealt over the grid's threads, issued
-/// right after the kernel's first weight loads. Passed to the kernel by value (same layout as the
-/// kernel's `L2Prefetch`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct L2Prefetch {
-    /// Range starts (device pointers; 0 with a length of 0 = unused).
-    pub ptr: [u64; 3],
-    /// Range lengths in bytes.
-    pub bytes: [u64; 3],
-    /// Bit 0 ([`L2Prefetch::EVICT_LAST`]): prefetch with an L2 evict_last policy; bit 1
-    /// ([`L2Prefetch::STREAM_EVICT_FIRST`]): the launch streams its own weights with evict_first.
-    pub flags: u64,
-}
-
-// SAFETY: `#[repr(C)]` plain data matching the kernel's `struct L2Prefetch` (three pointers,
-// three u64, one u64), passed by value as a kernel parameter.
-unsafe impl cudarc::driver::DeviceRepr for L2Prefetch {}
-
-impl L2Prefetch {
-    /// Prefetched lines get an L2 evict_last policy.
-    pub const EVICT_LAST: u64 = 1;
-    /// The launch's own weight loads get an L2 evict_first policy.
-    pub const STREAM_EVICT_FIRST: u64 = 2;
-
-    /// Only the policy flags, no range.
-    pub fn flags(flags: u64) -> Self {
-        Self { flags, ..Self::default() }
-    }
-
-    /// Adds the range `[ptr, ptr + bytes)` (ignored when `bytes` rounds down to 0 or all three
-    /// slots are taken).
-    pub fn with(mut self, ptr: u64, bytes: usize) -> Self {
-        let bytes = (bytes as u64) & !15;
-        if let Some(i) = self.bytes.iter().position(|&b| b == 0).filter(|_| bytes > 0 && ptr != 0) {
-            self.ptr[i] = ptr;
-            self.bytes[i] = bytes;
-        }
-        self
-    }
-
-    /// Total bytes requested.
-    pub fn total(&self) -> u64 {
-        self.bytes.iter().sum()
-    }
-}
-
-/// Which later weights the decode GEMVs of a step prefetch into L2 (built into [`L2Prefetch`]
-/// per launch by the forward pass). A layer runs qkv → attention → o_proj → gate_up → down;
-/// byte counts are caps, cut to the weight's size.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PrefetchPlan {
-    /// The QKV GEMV prefetches the head of the o_proj weight (read after attention).
-    pub o_proj: usize,
-    /// Head of the gate_up weight, half from its gate rows and half from its up rows (read
-    /// together), prefetched by the QKV GEMV, or by o_proj when `gate_up_in_o_proj`.
-    pub gate_up: usize,
-    /// Issue the gate_up head from the o_proj GEMV instead of the QKV GEMV.
-    pub gate_up_in_o_proj: bool,
-    /// Head of the down weight, prefetched by the gate_up GEMV.
-    pub down: usize,
-    /// Head of the next layer's QKV weight (after the last layer: the lm_head), prefetched by
-    /// the down GEMV.
-    pub next_qkv: usize,
-    /// [`L2Prefetch`] flags of every launch.
-    pub flags: u64,
-}
-
-const MB: usize = 1 << 20;
-
-/// Prefetch plans selected by `PRISM_GEMV_PREFETCH` (default [`PREFETCH_DEFAULT`]); at
-/// Llama-3-8B shapes the FP8 weights of a layer are qkv 25.2 MB, o_proj 16.8 MB, gate_up
-/// 117 MB, down 58.7 MB (bf16: twice that); an H100's L2 holds 50 MB.
-pub const PREFETCH_PLANS: [PrefetchPlan; 10] = {
-    const NONE: PrefetchPlan =
-        PrefetchPlan { o_proj: 0, gate_up: 0, gate_up_in_o_proj: false, down: 0, next_qkv: 0, flags: 0 };
-    const O_QKV: PrefetchPlan = PrefetchPlan { o_proj: 24 * MB, next_qkv: 26 * MB, ..NONE };
-    const O_QKV_GU: PrefetchPlan = PrefetchPlan { gate_up: 16 * MB, ..O_QKV };
-    [
-        // 0: none.
-        NONE,
-        // 1: o_proj during QKV and attention.
-        PrefetchPlan { o_proj: 24 * MB, ..NONE },
-        // 2: 1 + the next QKV during down.
-        O_QKV,
-        // 3: 2 + 16 MB of gate_up during QKV and attention.
-        O_QKV_GU,
-        // 4, 5, 6: 3 with evict_last prefetches / evict_first streaming / both.
-        PrefetchPlan { flags: L2Prefetch::EVICT_LAST, ..O_QKV_GU },
-        PrefetchPlan { flags: L2Prefetch::STREAM_EVICT_FIRST, ..O_QKV_GU },
-        PrefetchPlan { flags: L2Prefetch::EVICT_LAST | L2Prefetch::STREAM_EVICT_FIRST, ..O_QKV_GU },
-        // 7: 3 + 16 MB of down during gate_up.
-        PrefetchPlan { down: 16 * MB, ..O_QKV_GU },
-        // 8: 3 with 32 MB of gate_up.
-        PrefetchPlan { gate_up: 32 * MB, ..O_QKV_GU },
-        // 9: 3 with the gate_up head issued by o_proj.
-        PrefetchPlan { gate_up_in_o_proj: true, ..O_QKV_GU },
-    ]
-};
-/// Prefetch plan used unless `PRISM_GEMV_PREFETCH` says otherwise.
-pub const PREFETCH_DEFAULT: usize = 3;
 
 /// Extra arguments of [`GemvKind::QkvRope`]: per-token positions and cache slots (u32, `m`
 /// each; slot `u32::MAX` = no write), RoPE inverse frequencies (f32 `[hd/2]`), this layer's K
@@ -267,9 +161,6 @@ pub struct Gemv {
     /// Launch with programmatic dependent launch (Hopper and later; opt-in with
     /// `PRISM_CUDA_PDL=1`).
     pub pdl: bool,
-    /// L2 prefetches of the decode step (an entry of [`PREFETCH_PLANS`]; `PRISM_GEMV_PREFETCH`
-    /// selects it, none before Hopper: the bulk prefetch is sm_90).
-    pub prefetch: PrefetchPlan,
 }
 
 impl Gemv {
@@ -368,13 +259,7 @@ impl Gemv {
         // Off by default: measured on an H200 it did not help (4.34 vs 4.29 ms per batch-1
         // step), since the persistent GEMV grids leave no room for the next kernel's blocks.
         let pdl = major >= 9 && std::env::var("PRISM_CUDA_PDL").is_ok_and(|v| v == "1");
-        let plan = std::env::var("PRISM_GEMV_PREFETCH")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&v| v < PREFETCH_PLANS.len())
-            .unwrap_or(PREFETCH_DEFAULT);
-        let prefetch = if major >= 9 { PREFETCH_PLANS[plan] } else { PrefetchPlan::default() };
-        Ok(Self { variants, variants_fp8, variant, variant_fp8, norm_inp, stage_inp, pdl, prefetch })
+        Ok(Self { variants, variants_fp8, variant, variant_fp8, norm_inp, stage_inp, pdl })
     }
 
     /// Dynamic shared memory of a kernel staging `m` rows of `inp` activations (2-byte
@@ -411,7 +296,7 @@ impl Gemv {
     /// multiple of 8, or a norm kind's `inp` differs from the one planned; [`CudaError`] on
     /// launch failure.
     pub fn launch(&self, gpu: &Gpu, a: &GemvArgs) -> Result<(), CudaError> {
-        let GemvArgs { kind, m, y, w, wscale, x, gain, out, inp, eps, ref rope, ref prefetch } = *a;
+        let GemvArgs { kind, m, y, w, wscale, x, gain, out, inp, eps, ref rope } = *a;
         // 16-byte rows and activations; the norm prologue reads the gain 4 values at a time.
         let aligned = w.is_multiple_of(16) && x.is_multiple_of(16) && gain.is_multiple_of(8);
         // A 16-byte load holds 8 bf16 or 16 FP8 weights.
@@ -455,7 +340,6 @@ impl Gemv {
                 params.extend([p(&rope.pos), p(&rope.slots), p(&rope.inv_freq), p(&rope.k_cache), p(&rope.v_cache)]);
                 params.extend([pi(&rope.q_heads), pi(&rope.kv_heads), pi(&rope.head_dim), pi(&rope.kv_fp8)]);
             }
-            params.push(prefetch as *const L2Prefetch as *mut c_void);
             // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
             let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
             attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -484,7 +368,6 @@ impl Gemv {
             b.arg(&rope.pos).arg(&rope.slots).arg(&rope.inv_freq).arg(&rope.k_cache).arg(&rope.v_cache);
             b.arg(&rope.q_heads).arg(&rope.kv_heads).arg(&rope.head_dim).arg(&rope.kv_fp8);
         }
-        b.arg(prefetch);
         // SAFETY: the caller passes buffers of the documented shapes; rows past `out` are
         // clamped in the kernel; shared memory matches the attribute set in `new`.
         unsafe { b.launch(cfg) }.map(|_| ()).op(kind.name())

@@ -18,7 +18,7 @@ use super::device::{DevBuf, Gpu, grid_stride, per_row};
 use super::error::{CudaError, CudaResultExt};
 use super::forward::{ATTN_CHUNK, ShardModel};
 use super::gemm::GemmPlanInfo;
-use super::gemv::{GEMV_MAX_M, PREFETCH_PLANS};
+use super::gemv::GEMV_MAX_M;
 use super::kv_cache::KvCache;
 use super::nccl::RankComm;
 use super::options::{CudaOptions, Dims, Quantization, SyntheticShape};
@@ -463,30 +463,6 @@ impl CudaBackend {
             self.m.gemv_max = m.min(GEMV_MAX_M);
             self.graphs.clear();
         }
-    }
-
-    /// Selects entry `plan` of the decode GEMVs' L2 prefetch plans (`gemv::PREFETCH_PLANS`;
-    /// benchmarks); false when there is no such plan or no GEMVs. Graphs are dropped.
-    pub fn set_gemv_prefetch(&mut self, plan: usize) -> bool {
-        self.graphs.clear();
-        match (self.m.gemv.as_mut(), PREFETCH_PLANS.get(plan)) {
-            (Some(g), Some(&p)) => {
-                g.prefetch = p;
-                true
-            }
-            _ => false,
-        }
-    }
-
-    /// The index in `gemv::PREFETCH_PLANS` of the decode GEMVs' L2 prefetch plan (0, no
-    /// prefetch, without GEMVs or before Hopper).
-    pub fn gemv_prefetch_plan(&self) -> usize {
-        self.m.gemv.as_ref().and_then(|g| PREFETCH_PLANS.iter().position(|p| *p == g.prefetch)).unwrap_or(0)
-    }
-
-    /// Whether the decode GEMVs launch with programmatic dependent launch.
-    pub fn pdl(&self) -> bool {
-        self.m.gemv.as_ref().is_some_and(|g| g.pdl)
     }
 
     /// Turns programmatic dependent launch of the decode GEMVs on or off (benchmarks); captured

@@ -71,68 +71,13 @@ __device__ __forceinline__ float gv_warp_sum(float v) {
     return v;
 }
 
-// 16-byte streaming load that does not allocate in L1 (weights are read once per step), with
-// an L2 cache policy (`stream_policy`: evict_normal, the default, or evict_first).
-__device__ __forceinline__ uint4 ld_weight(const wtype* p, u64 pol) {
+// 16-byte streaming load that does not allocate in L1 (weights are read once per step).
+__device__ __forceinline__ uint4 ld_weight(const wtype* p) {
     uint4 v;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(pol));
-#else
-    (void)pol;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
-#endif
     return v;
-}
-
-// L2 prefetch of weights a later kernel of the step reads (`L2Prefetch` in gemv.rs): up to three
-// byte ranges (16-byte aligned, lengths multiples of 16), cut into 4 KiB pieces dealt over every
-// thread of the grid, each piece one `cp.async.bulk.prefetch.L2` (sm_90; asynchronous, nothing
-// waits on it). A decode step's small kernels leave HBM idle for most of their time (launch,
-// prologue, a few load round trips, tail; and the attention kernel between QKV and o_proj moves
-// a few MB in ~11 µs), so the next weights can be in L2 when their kernel starts (an H100 has
-// 50 MB of L2). Flags: bit 0 prefetches with an L2 evict_last policy (kept over streamed
-// lines), bit 1 streams this kernel's own weights with evict_first (they are read once).
-struct L2Prefetch {
-    const unsigned char* p[3];
-    u64 n[3];
-    u64 flags;
-};
-#define GEMV_PF_PIECE 4096
-
-__device__ __forceinline__ u64 stream_policy(const L2Prefetch& pf) {
-    u64 pol = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if (pf.flags & 2)
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    else
-        asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
-#endif
-    return pol;
-}
-
-__device__ __forceinline__ void l2_prefetch(const L2Prefetch& pf) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x, nt = (u64)gridDim.x * blockDim.x;
-    u64 keep;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
-#pragma unroll
-    for (int i = 0; i < 3; i++) {
-        const u64 pieces = (pf.n[i] + GEMV_PF_PIECE - 1) / GEMV_PF_PIECE;
-        for (u64 c = tid; c < pieces; c += nt) {
-            const u64 off = c * GEMV_PF_PIECE;
-            const u32 len = (u32)min((u64)GEMV_PF_PIECE, pf.n[i] - off);
-            if (pf.flags & 1)
-                asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;"
-                             :: "l"(pf.p[i] + off), "r"(len), "l"(keep) : "memory");
-            else
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(pf.p[i] + off), "r"(len) : "memory");
-        }
-    }
-#endif
 }
 
 // 8 bf16 → 8 f32 (bf16 is the top half of an f32).
@@ -375,7 +320,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 template <int M, int MODE, bool NORM>
 __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, const void* __restrict__ xin,
                                           const bf16* __restrict__ gain, int out, int inp, float eps,
-                                          const float* __restrict__ wscale, RopeKv rk, const L2Prefetch& pf) {
+                                          const float* __restrict__ wscale, RopeKv rk) {
     constexpr int NW = (MODE == 3 || MODE == 4) ? 2 * GEMV_R : GEMV_R;
     constexpr int U = GEMV_DEPTH > 0 ? (GEMV_DEPTH / NW > 0 ? GEMV_DEPTH / NW : 1) : GEMV_U;
     extern __shared__ uint4 gv_smem[];
@@ -384,7 +329,6 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
     int grp = blockIdx.x + gridDim.x * warp;
     int j0 = (grp < groups ? grp : groups - 1) * GEMV_R;
     pdl_launch_dependents();
-    const u64 pol = stream_policy(pf);
 
     // Weight row pointers (rows past `out` are clamped and their results dropped).
     const wtype* wrow[NW];
@@ -400,13 +344,12 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
         for (int u = 0; u < U; u++) {
             int k = lane * GEMV_CH + u * 32 * GEMV_CH;
 #pragma unroll
-            for (int r = 0; r < NW; r++) wv[u][r] = k < inp ? ld_weight(wrow[r] + k, pol) : make_uint4(0, 0, 0, 0);
+            for (int r = 0; r < NW; r++) wv[u][r] = k < inp ? ld_weight(wrow[r] + k) : make_uint4(0, 0, 0, 0);
         }
     };
-    // Issue the first weight loads, then the L2 prefetches of later kernels' weights, before
-    // waiting on the previous kernel and before the prologue, so HBM is busy meanwhile.
+    // Issue the first weight loads before waiting on the previous kernel and before the
+    // prologue, so HBM is busy meanwhile.
     start_tile();
-    l2_prefetch(pf);
     pdl_wait();
 
     const bf16* xs = reinterpret_cast<const bf16*>(gv_smem);
@@ -550,12 +493,12 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
 #ifdef GEMV_FP8H
 #pragma unroll
             for (int r = 0; r < NW; r++)
-                wv[u][r] = kn < inp    ? ld_weight(wrow[r] + kn, pol)
-                           : prefetch ? ld_weight(wnext[r] + (kn - inp), pol)
+                wv[u][r] = kn < inp    ? ld_weight(wrow[r] + kn)
+                           : prefetch ? ld_weight(wnext[r] + (kn - inp))
                                       : make_uint4(0, 0, 0, 0);
 #else
 #pragma unroll
-            for (int r = 0; r < NW; r++) wv[u][r] = kn < inp ? ld_weight(wrow[r] + kn, pol) : make_uint4(0, 0, 0, 0);
+            for (int r = 0; r < NW; r++) wv[u][r] = kn < inp ? ld_weight(wrow[r] + kn) : make_uint4(0, 0, 0, 0);
 #endif
         }
     }
@@ -647,9 +590,9 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
 #define GEMV_KERNEL(NAME, M, MODE, NORM)                                                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) NAME(                                   \
         void* y, const wtype* w, const void* x, const bf16* gain, int out, int inp, float eps,           \
-        const float* wscale, L2Prefetch pf) {                                                             \
+        const float* wscale) {                                                                            \
         RopeKv rk = {nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 2, 0};                            \
-        gemv_impl<M, MODE, NORM>(y, w, x, gain, out, inp, eps, wscale, rk, pf);                           \
+        gemv_impl<M, MODE, NORM>(y, w, x, gain, out, inp, eps, wscale, rk);                               \
     }
 
 // MODE 4: `out` = qkv_dim / 2 logical rows (RoPE pairs).
@@ -657,9 +600,9 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_qkv_rope_m##M(                     \
         void* y, const wtype* w, const void* x, const bf16* gain, int out, int inp, float eps,            \
         const float* wscale, const u32* pos, const u32* slots, const float* inv_freq, bf16* kc, bf16* vc, int qh, int kvh,     \
-        int hd, int kv_fp8, L2Prefetch pf) {                                                               \
+        int hd, int kv_fp8) {                                                                              \
         RopeKv rk = {pos, slots, inv_freq, kc, vc, qh, kvh, hd, kv_fp8};                                  \
-        gemv_impl<M, 4, true>(y, w, x, gain, out, inp, eps, wscale, rk, pf);                              \
+        gemv_impl<M, 4, true>(y, w, x, gain, out, inp, eps, wscale, rk);                                  \
     }
 
 #define GEMV_FAMILY(M)                                  \
