@@ -17,8 +17,8 @@
 //!   the read-only cache, f32 sums reduced over the warp;
 //! - the engine's bf16 decode GEMV (`gemv.rs`, `GemvKind::LogitsF32`, f32 out: the plain product
 //!   without a fused prologue or epilogue);
-//! - cuBLAS `cublasGemmEx` with one activation row (what families other than Llama run at
-//!   decode).
+//! - cuBLAS `cublasGemmEx` with one activation row (families other than Llama run their decode
+//!   products through cuBLASLt; this is the nearest plain cuBLAS call).
 //!
 //! Timing: median (and min) of 30 single launches between CUDA events, each after a 256 MiB
 //! memset that evicts the weights from the 60 MB L2 (in a decode step every layer's weights
