@@ -2,11 +2,13 @@
 //! (`engine::backend::cuda::attn_decode`) against the backend's reference paged-attention kernel
 //! (`paged_attention_*` + `attn_combine` of `kernels/llama.cu`, launched as `cuda.rs` does).
 //!
-//! `cargo run --release -p prism-engine --features cuda --example cuda_attn_decode -- OUT.json`
+//! `cargo run --release -p prism-engine --features cuda --example cuda_attn_decode -- OUT.json [HEAD_DIM]`
+//! (with HEAD_DIM: only the correctness cases of that head_dim, no graph or timing)
 //!
 //! Correctness (bound: max |new − reference| ≤ 2e-2 on bf16 outputs, no NaN, every output
 //! written): random bf16 Q (inside fused QKV rows), random K/V caches, shuffled block tables,
-//! mixed contexts (1, 2, 63 … 4,096, 16,384), head_dim 64/128, 1/2/4/8 query heads per KV head,
+//! mixed contexts (1, 2, 63 … 4,096, 16,384), head_dim 64/128 with 1/2/4/8 query heads per KV
+//! head and 256 with 1/2/4,
 //! block sizes 1/8/16/32, batches 1…256, several split caps, cache slots past each context
 //! poisoned with NaN, a grid smaller than the contexts need; bitwise determinism; batch
 //! invariance with the constant split cap (a token alone = the same token in a batch of 256);
@@ -200,7 +202,7 @@ mod check {
             let s = self.shape;
             let g = s.q_heads / s.kv_heads;
             let chunks = self.max_ctx().div_ceil(REF_CHUNK);
-            let f = &gpu.k.attention[usize::from(s.head_dim == 128) * 4 + g.trailing_zeros() as usize];
+            let f = gpu.k.attention_for(s.head_dim, g).context("no reference kernel for this shape")?;
             let (qh, kvh, hd, bs) = (s.q_heads as i32, s.kv_heads as i32, s.head_dim as i32, self.bs as i32);
             let scale = 1.0 / (s.head_dim as f32).sqrt();
             // t0: first token of the launch; window 0: the whole context (no sliding window).
@@ -399,11 +401,24 @@ mod check {
         (0..n).map(|i| MIXED[i % MIXED.len()]).collect()
     }
 
-    /// Correctness over shapes, contexts, block sizes and caps; batch invariance.
-    fn correctness(gpu: &Gpu, rng: &mut Rng, out: &mut Vec<Value>) -> Result<bool> {
+    /// Correctness over shapes (those of head_dim `only_hd` when given), contexts, block sizes
+    /// and caps; batch invariance.
+    fn correctness(gpu: &Gpu, rng: &mut Rng, out: &mut Vec<Value>, only_hd: Option<usize>) -> Result<bool> {
         let mut pass = true;
-        let shapes = [(128, 4, 8), (128, 8, 4), (128, 1, 8), (128, 2, 4), (64, 1, 4), (64, 4, 2), (64, 8, 2)];
-        for (hd, g, kvh) in shapes {
+        // (head_dim, group, kv_heads); head_dim 256 as Gemma 3 270M/1B (4/1) and 4B (8/4).
+        let shapes = [
+            (128, 4, 8),
+            (128, 8, 4),
+            (128, 1, 8),
+            (128, 2, 4),
+            (64, 1, 4),
+            (64, 4, 2),
+            (64, 8, 2),
+            (256, 4, 1),
+            (256, 2, 4),
+            (256, 1, 2),
+        ];
+        for (hd, g, kvh) in shapes.into_iter().filter(|s| only_hd.is_none_or(|h| h == s.0)) {
             let shape = AttnShape { q_heads: g * kvh, kv_heads: kvh, head_dim: hd };
             let da = DecodeAttention::new(gpu, shape, MAX_TOKENS)?;
             let occ = |n: usize| da.occupancy_split_cap(n);
@@ -416,6 +431,19 @@ mod check {
                 caps: vec![INVARIANT_SPLIT_CAP, 1, 3, occ(14)],
                 max_ctx: None,
             }];
+            if (hd, g, kvh) == (256, 4, 1) {
+                for ctx in [1usize, 600, 4096] {
+                    cases.push(Case {
+                        name: "b1",
+                        ctxs: vec![ctx],
+                        bs: 16,
+                        q_scale: 4.0,
+                        poison: true,
+                        caps: vec![INVARIANT_SPLIT_CAP, occ(1), 4],
+                        max_ctx: None,
+                    });
+                }
+            }
             if (hd, g, kvh) == (128, 4, 8) {
                 let mut rnd: Vec<usize> = (0..MAX_TOKENS).map(|_| 1 + rng.below(4096)).collect();
                 rnd[3] = 1;
@@ -902,14 +930,16 @@ mod check {
         if std::env::args().any(|a| a == "--fp8") {
             return main_fp8(&path);
         }
+        // A second argument restricts the run to the correctness cases of that head_dim.
+        let only_hd = std::env::args().nth(2).map(|a| a.parse::<usize>()).transpose().context("HEAD_DIM")?;
         let t0 = Instant::now();
         let gpu = Gpu::new(0)?;
         println!("device {} ({}), tolerance {TOL}", gpu.name, gpu.arch);
         let mut rng = Rng(0x5EED_A77E);
         let mut cases = Vec::new();
-        let ok_c = correctness(&gpu, &mut rng, &mut cases)?;
-        let (ok_g, graph_j) = graph(&gpu, &mut rng)?;
-        let (ok_p, perf_j) = perf(&gpu, &mut rng)?;
+        let ok_c = correctness(&gpu, &mut rng, &mut cases, only_hd)?;
+        let (ok_g, graph_j) = if only_hd.is_none() { graph(&gpu, &mut rng)? } else { (true, Value::Null) };
+        let (ok_p, perf_j) = if only_hd.is_none() { perf(&gpu, &mut rng)? } else { (true, Vec::new()) };
         let pass = ok_c && ok_g && ok_p;
         let secs = t0.elapsed().as_secs_f64();
         let j = json!({"device": gpu.name, "arch": gpu.arch, "tolerance": TOL, "correctness": cases, "graph": graph_j,
@@ -919,8 +949,8 @@ mod check {
             "cuda_attn_decode: {} (correctness {}, graph {}, perf-shape checks {}) in {secs:.1} s; JSON in {path}",
             verdict(pass),
             verdict(ok_c),
-            verdict(ok_g),
-            verdict(ok_p)
+            if only_hd.is_none() { verdict(ok_g) } else { "skipped" },
+            if only_hd.is_none() { verdict(ok_p) } else { "skipped" }
         );
         if !pass {
             std::process::exit(1);

@@ -73,7 +73,8 @@ pub struct AttnShape {
     pub q_heads: usize,
     /// KV heads; `q_heads / kv_heads` must be 1, 2, 4 or 8.
     pub kv_heads: usize,
-    /// Head dimension: 64 or 128.
+    /// Head dimension: 64, 128 or 256 (256: at most 4 query heads per KV head, 128 KiB of
+    /// shared memory per block).
     pub head_dim: usize,
 }
 
@@ -149,8 +150,10 @@ impl DecodeAttention {
     ///
     /// # Errors
     /// [`CudaError::Unsupported`] when the device is older than sm_80 (no bf16 `mma`) or the
-    /// shape is unsupported (head_dim 64/128, 1/2/4/8 query heads per KV head); [`CudaError`]
-    /// when compilation or loading fails, or memory runs out.
+    /// shape is unsupported (head_dim 64/128 with 1/2/4/8 query heads per KV head, 256 with
+    /// 1/2/4); [`CudaError`]
+    /// when compilation or loading fails (also when the device cannot give a block the 128 KiB
+    /// of shared memory head_dim 256 takes), or memory runs out.
     pub fn new(gpu: &Gpu, shape: AttnShape, max_tokens: usize) -> Result<Self, CudaError> {
         Self::with_kv(gpu, shape, max_tokens, false)
     }
@@ -170,8 +173,11 @@ impl DecodeAttention {
         }
         let ok = shape.kv_heads > 0
             && shape.q_heads.is_multiple_of(shape.kv_heads)
-            && matches!(shape.group(), 1 | 2 | 4 | 8)
-            && matches!(shape.head_dim, 64 | 128);
+            && match shape.head_dim {
+                64 | 128 => matches!(shape.group(), 1 | 2 | 4 | 8),
+                256 => matches!(shape.group(), 1 | 2 | 4),
+                _ => false,
+            };
         if !ok {
             return Err(CudaError::Unsupported(format!("decode attention does not support {shape:?}")));
         }

@@ -27,7 +27,7 @@
 //! `max_num_batched_tokens` (prefill steps are not captured in CUDA graphs); repeated launches
 //! with the same sequences (one per layer) skip the copy.
 
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
@@ -45,6 +45,8 @@ const KV_TILE: usize = 64;
 const THREADS: u32 = 128;
 /// u32 words per work-list entry (`PF_TILE_WORDS`).
 const TILE_WORDS: usize = 8;
+/// Head dimensions the kernels are instantiated for (`PF_KERNEL`).
+const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
 /// Dynamic shared memory of one block (`PF_SMEM_BYTES`): the Q tile and two stages of K and V.
 fn smem_bytes(head_dim: usize) -> usize {
@@ -70,9 +72,9 @@ pub struct PrefillSeq {
 pub struct PrefillDims {
     /// Query heads.
     pub q_heads: usize,
-    /// KV heads (`q_heads / kv_heads` ∈ {1, 2, 4, 8}).
+    /// KV heads (`q_heads / kv_heads` ∈ {1, 2, 4, 8}; {1, 2, 4} at head_dim 256).
     pub kv_heads: usize,
-    /// Head dimension, 64 or 128.
+    /// Head dimension, 64, 128 or 256.
     pub head_dim: usize,
     /// Tokens per KV-cache block.
     pub block_size: usize,
@@ -109,8 +111,10 @@ pub enum FragmentLoads {
 
 /// The compiled prefill-attention kernels and the device work list.
 pub struct PrefillAttention {
-    /// By head_dim (64, 128) and group (1, 2, 4, 8): index `hd_index * 4 + log2(group)`.
-    kernels: Vec<CudaFunction>,
+    /// By head_dim (64, 128, 256) and group (1, 2, 4, 8): index `hd_index * 4 + log2(group)`;
+    /// `None` for head_dim 256 with 8 heads per KV head (not instantiated) and where the device
+    /// cannot give a block the kernel's shared memory (head_dim 256 takes 160 KiB).
+    kernels: Vec<Option<CudaFunction>>,
     /// u32 `[max_tiles, TILE_WORDS]` work list.
     work: DevBuf,
     max_tiles: usize,
@@ -134,15 +138,22 @@ fn invalid(msg: impl Into<String>) -> CudaError {
     CudaError::InvalidLaunch(msg.into())
 }
 
+/// Whether `attn_prefill_hd{head_dim}_g{group}` exists (head_dim 256 stops at 4 heads per KV
+/// head, as the split-KV kernel of `llama.cu`).
+fn instantiated(head_dim: usize, group: usize) -> bool {
+    matches!(group, 1 | 2 | 4 | 8) && (head_dim < 256 || group <= 4)
+}
+
 /// Checks the shapes the kernels support; returns the group size `q_heads / kv_heads`.
 fn check_dims(d: &PrefillDims) -> Result<usize, CudaError> {
-    if !(d.head_dim == 64 || d.head_dim == 128) {
-        return Err(invalid(format!("prefill attention: head_dim {} (64 or 128)", d.head_dim)));
+    if !matches!(d.head_dim, 64 | 128 | 256) {
+        return Err(invalid(format!("prefill attention: head_dim {} (64, 128 or 256)", d.head_dim)));
     }
-    if d.kv_heads == 0 || !d.q_heads.is_multiple_of(d.kv_heads) || !matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8) {
+    if d.kv_heads == 0 || !d.q_heads.is_multiple_of(d.kv_heads) || !instantiated(d.head_dim, d.q_heads / d.kv_heads) {
         return Err(invalid(format!(
-            "prefill attention: {} query heads / {} KV heads (1, 2, 4 or 8 per KV head)",
-            d.q_heads, d.kv_heads
+            "prefill attention: {} query heads / {} KV heads at head_dim {} (1, 2, 4 or 8 per KV head; 1, 2 or 4 \
+             at 256)",
+            d.q_heads, d.kv_heads, d.head_dim
         )));
     }
     if d.block_size == 0 {
@@ -240,19 +251,33 @@ impl PrefillAttention {
         let opts = CompileOptions { arch: Some(gpu.arch), include_paths: nvrtc_include_paths(), ..Default::default() };
         let ptx = compile_ptx_with_opts(src, opts).op("NVRTC compile of attn_prefill.cu")?;
         let module = gpu.ctx.load_module(ptx).op("load_module attn_prefill")?;
-        let mut kernels = Vec::with_capacity(8);
-        for hd in [64usize, 128] {
+        let optin = gpu
+            .ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .op("shared memory per block")?;
+        let mut kernels = Vec::with_capacity(HEAD_DIMS.len() * 4);
+        for hd in HEAD_DIMS {
             for g in [1, 2, 4, 8] {
+                if !instantiated(hd, g) {
+                    kernels.push(None);
+                    continue;
+                }
                 let name = format!("attn_prefill_hd{hd}_g{g}");
                 let f = module.load_function(&name).map_err(|e| CudaError::op(name.clone(), e))?;
                 let smem = i32::try_from(smem_bytes(hd))
                     .map_err(|_| CudaError::Unsupported(format!("{name}: {} B shared memory", smem_bytes(hd))))?;
+                if smem > optin {
+                    // Left out on this device (head_dim 256 before sm_80's 163 KiB); `launch`
+                    // refuses that head_dim.
+                    kernels.push(None);
+                    continue;
+                }
                 f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
                     .map_err(|e| CudaError::op(format!("{name}: {smem} B dynamic shared memory"), e))?;
                 // Prefer the largest shared-memory carveout (two 80 KiB blocks per SM at hd 128).
                 f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
                     .map_err(|e| CudaError::op(format!("{name}: carveout"), e))?;
-                kernels.push(f);
+                kernels.push(Some(f));
             }
         }
         // Every tile holds at least one query token.
@@ -314,7 +339,14 @@ impl PrefillAttention {
         }
         let group = dims.q_heads / dims.kv_heads;
         let blocks = u32::try_from(tiles * dims.kv_heads).map_err(|_| invalid("prefill attention: grid too large"))?;
-        let f = &self.kernels[usize::from(dims.head_dim == 128) * 4 + group.trailing_zeros() as usize];
+        let hd_index = HEAD_DIMS.iter().position(|&h| h == dims.head_dim).unwrap_or(0);
+        let f = self.kernels[hd_index * 4 + group.trailing_zeros() as usize].as_ref().ok_or_else(|| {
+            CudaError::Unsupported(format!(
+                "prefill attention: head_dim {} needs {} B of shared memory per block, more than the device gives",
+                dims.head_dim,
+                smem_bytes(dims.head_dim)
+            ))
+        })?;
         let i = |v: usize| i32::try_from(v).map_err(|_| invalid(format!("prefill attention: {v} > i32")));
         let (qh, kvh, bs) = (i(dims.q_heads)?, i(dims.kv_heads)?, i(dims.block_size)?);
         let scale_log2 = scale * std::f32::consts::LOG2_E;
@@ -375,6 +407,9 @@ mod tests {
         let d = PrefillDims { q_heads: 32, kv_heads: 8, head_dim: 128, block_size: 16 };
         assert_eq!(check_dims(&d).unwrap(), 4);
         assert!(check_dims(&PrefillDims { head_dim: 96, ..d }).is_err());
+        assert_eq!(check_dims(&PrefillDims { head_dim: 256, q_heads: 4, kv_heads: 1, ..d }).unwrap(), 4);
+        assert!(check_dims(&PrefillDims { head_dim: 512, ..d }).is_err());
+        assert!(check_dims(&PrefillDims { head_dim: 256, q_heads: 16, kv_heads: 2, ..d }).is_err());
         assert!(check_dims(&PrefillDims { q_heads: 48, ..d }).is_err());
         assert!(check_dims(&PrefillDims { block_size: 0, ..d }).is_err());
     }

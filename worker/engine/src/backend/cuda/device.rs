@@ -73,6 +73,12 @@ impl Drop for DevBuf {
     }
 }
 
+/// `(head_dim, query heads per KV head)` of the split-KV paged attention kernels of
+/// `kernels/llama.cu`: head_dim 64 and 128 with 1, 2, 4 or 8 heads per KV head, 256 with 1, 2
+/// or 4 (the kernel keeps `group · head_dim ≤ 1024` accumulators per warp in shared memory).
+pub const SPLIT_KV_SHAPES: [(usize, usize); 11] =
+    [(64, 1), (64, 2), (64, 4), (64, 8), (128, 1), (128, 2), (128, 4), (128, 8), (256, 1), (256, 2), (256, 4)];
+
 /// Loaded kernels (names as in `kernels/llama.cu`).
 pub struct Kernels {
     pub embed_gather: CudaFunction,
@@ -80,8 +86,8 @@ pub struct Kernels {
     pub rope_kv_write: CudaFunction,
     /// As `rope_kv_write` into e4m3 caches.
     pub rope_kv_write_fp8: CudaFunction,
-    /// Paged attention by head_dim (64, 128) and query heads per KV head (1, 2, 4, 8):
-    /// index `hd_index * 4 + log2(group)`.
+    /// Paged attention `paged_attention_hd{hd}_g{group}`, in the order of
+    /// [`SPLIT_KV_SHAPES`]; look one up with [`Kernels::attention_for`].
     pub attention: Vec<CudaFunction>,
     pub attn_combine: CudaFunction,
     pub silu_mul: CudaFunction,
@@ -97,6 +103,14 @@ pub struct Kernels {
     pub add_normed_rmsnorm: CudaFunction,
     pub gelu_tanh_mul: CudaFunction,
     pub softcap_f32: CudaFunction,
+}
+
+impl Kernels {
+    /// The split-KV paged attention kernel for `head_dim` and `group` query heads per KV head,
+    /// or `None` when [`SPLIT_KV_SHAPES`] has no such kernel.
+    pub fn attention_for(&self, head_dim: usize, group: usize) -> Option<&CudaFunction> {
+        SPLIT_KV_SHAPES.iter().position(|&s| s == (head_dim, group)).map(|i| &self.attention[i])
+    }
 }
 
 /// One GPU: context, stream, cuBLAS handle and kernels.
@@ -165,10 +179,9 @@ impl Gpu {
             add_rmsnorm: f("add_rmsnorm")?,
             rope_kv_write: f("rope_kv_write")?,
             rope_kv_write_fp8: f("rope_kv_write_fp8")?,
-            attention: [64, 128]
+            attention: SPLIT_KV_SHAPES
                 .iter()
-                .flat_map(|hd| [1, 2, 4, 8].map(move |g| format!("paged_attention_hd{hd}_g{g}")))
-                .map(|name| f(&name))
+                .map(|(hd, g)| f(&format!("paged_attention_hd{hd}_g{g}")))
                 .collect::<Result<_, _>>()?,
             attn_combine: f("attn_combine")?,
             silu_mul: f("silu_mul")?,

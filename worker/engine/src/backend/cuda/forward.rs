@@ -24,7 +24,7 @@ use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg};
 use super::arch::ArchPlan;
 use super::attn_decode::{AttnShape, DecodeArgs, DecodeAttention};
 use super::attn_prefill::{PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq};
-use super::device::{DevBuf, GemmArgs, GemmShape, Gpu, grid_stride, per_row};
+use super::device::{DevBuf, GemmArgs, GemmShape, Gpu, SPLIT_KV_SHAPES, grid_stride, per_row};
 use super::error::{CudaError, CudaResultExt};
 use super::fp8::{Fp8Kernels, ScaleArgs};
 use super::gemm::LtGemm;
@@ -173,17 +173,18 @@ impl ShardModel {
     /// # Errors
     /// [`CudaError::InvalidOption`] for a block size of 0 or a KV budget without a block;
     /// [`CudaError::Unsupported`] unless head_dim is 64 or 128 with 1, 2, 4 or 8 query heads per
-    /// KV head; [`CudaError`] when a kernel, plan or allocation fails.
+    /// KV head, or 256 with 1, 2 or 4; [`CudaError`] when a kernel, plan or allocation fails.
     pub fn new(gpu: Gpu, w: DeviceWeights, d: Dims, plan: ArchPlan, opts: &CudaOptions) -> Result<Self, CudaError> {
         if opts.block_size == 0 {
             return Err(CudaError::InvalidOption { field: "block_size", message: "block_size must be >= 1".into() });
         }
-        let group_ok =
-            d.kv_heads > 0 && d.q_heads.is_multiple_of(d.kv_heads) && matches!(d.q_heads / d.kv_heads, 1 | 2 | 4 | 8);
-        if !(d.head_dim == 64 || d.head_dim == 128) || !group_ok {
+        let group_ok = d.kv_heads > 0
+            && d.q_heads.is_multiple_of(d.kv_heads)
+            && SPLIT_KV_SHAPES.contains(&(d.head_dim, d.q_heads / d.kv_heads));
+        if !group_ok {
             return Err(CudaError::Unsupported(format!(
-                "head_dim {} with {}/{} query/KV heads (the kernels take head_dim 64 or 128 and 1, 2, 4 or 8 \
-                 query heads per KV head)",
+                "head_dim {} with {}/{} query/KV heads (the kernels take head_dim 64 or 128 with 1, 2, 4 or 8 \
+                 query heads per KV head, 256 with 1, 2 or 4)",
                 d.head_dim, d.q_heads, d.kv_heads
             )));
         }
@@ -211,12 +212,12 @@ impl ShardModel {
             });
         }
         // `qkv_prep_rope_kv_write` and the split-KV attention (sliding windows) write and read
-        // bf16 K/V only.
-        if opts.kv_cache_dtype == KvCacheDtype::Fp8 && (prep || plan.windowed()) {
+        // bf16 K/V only; the e4m3 builds of the tensor-core kernels are unchecked at head_dim 256.
+        if opts.kv_cache_dtype == KvCacheDtype::Fp8 && (prep || plan.windowed() || d.head_dim == 256) {
             return Err(CudaError::InvalidOption {
                 field: "kv_cache_dtype",
-                message: "kv_cache_dtype fp8 is not supported for models with q/k/v biases, q/k norms or \
-                          sliding-window attention; use auto"
+                message: "kv_cache_dtype fp8 is not supported for models with q/k/v biases, q/k norms, \
+                          sliding-window attention or head_dim 256; use auto"
                     .into(),
             });
         }
@@ -404,7 +405,9 @@ impl ShardModel {
         let (qh, kvh, hd, bs) = (d.q_heads as i32, d.kv_heads as i32, d.head_dim as i32, block_size as i32);
         let scale = plan.attention_scale;
         let group = d.q_heads / d.kv_heads;
-        let attn_fn = &g.k.attention[usize::from(d.head_dim == 128) * 4 + group.trailing_zeros() as usize];
+        let attn_fn = g.k.attention_for(d.head_dim, group).ok_or_else(|| {
+            CudaError::Unsupported(format!("no paged attention kernel for head_dim {} group {group}", d.head_dim))
+        })?;
         let (n_i, inter) = (n as i32, d.inter as i32);
         // Tokens per attention launch so that their partials fit (all of them with one chunk).
         let per_launch =

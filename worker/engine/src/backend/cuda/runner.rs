@@ -122,7 +122,7 @@ impl CudaBackend {
     ///
     /// # Errors
     /// [`CudaError::Unavailable`] when CUDA is unavailable; [`CudaError::Unsupported`] for
-    /// unsupported shapes (head_dim must be 64 or 128, at most 8 query heads per KV head);
+    /// unsupported shapes (head_dim 64 or 128 with at most 8 query heads per KV head, 256 with at most 4);
     /// [`CudaError::InvalidOption`] when the KV budget holds no block; [`CudaError`] when
     /// memory runs out or a kernel cannot be built.
     pub fn new(weights: LlamaWeights, config: &ModelConfig, opts: &CudaOptions) -> Result<Self, CudaError> {

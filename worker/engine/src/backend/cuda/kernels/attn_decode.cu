@@ -226,8 +226,8 @@ __device__ __forceinline__ void da_softmax(float (&s)[2][2], int pw, int tig, in
 
 // part_o: f32 [T·kvh, DA_MAX_SPLITS, G, HD]; part_ml: f32 [T·kvh, DA_MAX_SPLITS, G, 2] (max in
 // log2 units, sum); cnt: u32 [T·kvh], zero between launches.
-// Dynamic shared memory: 2 stages · (K + V tile) = 4 · DA_TILE · HD · 2 bytes (KV_FP8:
-// DA_STAGES · (K + V e4m3 tile) = 8 · DA_TILE · HD bytes).
+// Dynamic shared memory: 2 stages · (K + V tile) = 4 · DA_TILE · HD · 2 bytes (128 KiB at HD 256:
+// one block per SM; KV_FP8: DA_STAGES · (K + V e4m3 tile) = 8 · DA_TILE · HD bytes).
 template <int HD, int G>
 __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* __restrict__ part_o,
                                                  float* __restrict__ part_ml, u32* __restrict__ cnt,
@@ -235,7 +235,7 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
                                                  const kvt* __restrict__ vc, const u32* __restrict__ pos,
                                                  const u32* __restrict__ tok_bt, const u32* __restrict__ bts, int qh,
                                                  int kvh, int bs, float scale, int cap) {
-    static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
+    static_assert(HD == 64 || HD == 128 || HD == 256, "head_dim 64, 128 or 256");
     static_assert(G >= 1 && G <= 8, "1..8 query heads per KV head");
 #ifdef KV_FP8
     constexpr int CPR8 = HD / 16;            // 16-byte chunks per e4m3 K/V row
@@ -311,7 +311,6 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
     // Copy-loop coordinates and the ldmatrix row offsets (swizzle: see da_tile_off; the chunk
     // index of k-step ks is XORed in as ks << 5 since 2ks and the low bit are disjoint).
     const int cp_row = tid / CPR, cp_col = (tid % CPR) * 8;
-    const u32 cp_off = da_tile_off<HD>(cp_row, tid % CPR);
     const int mi = lane >> 3;
     const int krow = w * 16 + ((mi >> 1) << 3) + (lane & 7);
     const int vrow = w * 16 + ((mi & 1) << 3) + (lane & 7);
@@ -432,16 +431,17 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
         __syncthreads();  // every warp is past its tiles before the merge reuses shared memory
 #else
         // Copies positions tile0 .. tile0 + DA_TILE of K and V into stage `st` (zeros past
-        // p_end). Thread: chunk tid % CPR of rows tid / CPR + j·RPP; r % 8 is the same for all j.
+        // p_end). Thread: chunk tid % CPR of rows tid / CPR + j·RPP (each row swizzled by its own
+        // r % 8: with RPP = 4 at HD 256, r % 8 alternates between passes).
         auto issue = [&](int tile0, int st) {
-            const u32 dst = sbase + (u32)(st * 2 * TILE_BYTES) + cp_off;
+            const u32 dst = sbase + (u32)(st * 2 * TILE_BYTES);
 #pragma unroll
             for (int j = 0; j < DA_TILE / RPP; j++) {
                 const int p = tile0 + cp_row + j * RPP;
                 const bool ok = p < p_end;
                 const u64 slot = ok ? (u64)(bt[p / bs] * (u32)bs + (u32)(p % bs)) : 0ull;
                 const u64 src = slot * kvd + cp_col;
-                const u32 d = dst + (u32)(j * RPP * HD * 2);
+                const u32 d = dst + da_tile_off<HD>(cp_row + j * RPP, tid % CPR);
                 da_cp16(d, kbase + src, ok ? 16 : 0);
                 da_cp16(d + TILE_BYTES, vbase + src, ok ? 16 : 0);
             }
@@ -591,7 +591,8 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
 }
 
 // Kernels attn_decode_hd{HD}_g{G}. Defining DA_HD and DA_G (NVRTC -D options) compiles only that
-// one, which keeps the run-time compile short; otherwise all eight are compiled.
+// one, which keeps the run-time compile short; otherwise all eleven are compiled
+// (head_dim 256 with 1, 2 or 4 query heads per KV head, as the split-KV kernel of llama.cu).
 #define DA_KERNEL_(HD, G)                                                                                           \
     extern "C" __global__ void __launch_bounds__(DA_THREADS, DA_MIN_BLOCKS) attn_decode_hd##HD##_g##G(                          \
         bf16* out, float* part_o, float* part_ml, u32* cnt, const bf16* qkv, const kvt* kc, const kvt* vc,          \
@@ -611,4 +612,7 @@ DA_KERNEL(128, 1)
 DA_KERNEL(128, 2)
 DA_KERNEL(128, 4)
 DA_KERNEL(128, 8)
+DA_KERNEL(256, 1)
+DA_KERNEL(256, 2)
+DA_KERNEL(256, 4)
 #endif

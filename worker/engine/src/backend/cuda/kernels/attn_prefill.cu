@@ -384,19 +384,24 @@ __device__ __forceinline__ void widen_kv_tile(bf16* dst, u32 src, int tid) {
 
 // S = Q·Kᵀ of the warp's 16 rows over the PF_BN positions of the K tile `skt`.
 template <int HD>
-__device__ __forceinline__ void pf_scores(float (&s)[PF_BN / 8][4], const u32 (&qf)[HD / 16][4], const bf16* skt,
-                                          int lane) {
+// qf: the warp's Q fragments, all KS of them when they stay in registers (head_dim ≤ 128), else one
+// that each k-step re-reads from the Q tile sq (see prefill_impl).
+__device__ __forceinline__ void pf_scores(float (&s)[PF_BN / 8][4], u32 (&qf)[HD <= 128 ? HD / 16 : 1][4],
+                                          const bf16* sq, int warp, const bf16* skt, int lane) {
     constexpr int KS = HD / 16, NT = PF_BN / 8;
+    constexpr bool QREG = HD <= 128;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < KS; kk++) {
+        if (!QREG) frag_a<HD>(qf[0], sq, warp * 16, kk * 16, lane);
+        const u32(&qa)[4] = qf[QREG ? kk : 0];
 #pragma unroll
         for (int np = 0; np < NT / 2; np++) {
             u32 b[4];
             frag_b_k<HD>(b, skt, np * 16, kk * 16, lane);
-            mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
-            mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
+            mma_bf16(s[2 * np], qa, b[0], b[1]);
+            mma_bf16(s[2 * np + 1], qa, b[2], b[3]);
         }
     }
 }
@@ -545,7 +550,11 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
         qpos[hf] = min(pos_first + tk, pos_last);
     }
 
-    u32 qf[KS][4];
+    // Q fragments stay in registers for the whole K/V loop at head_dim ≤ 128; at 256 they would
+    // take 64 of the 255 registers next to O's 128, so each k-step re-reads its fragment from
+    // the Q tile (which stays in shared memory, never overwritten).
+    constexpr bool QREG = HD <= 128;
+    u32 qf[QREG ? KS : 1][4];
     float o[DT][4];
 #pragma unroll
     for (int dt = 0; dt < DT; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
@@ -569,12 +578,12 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
         widen_kv_tile<HD>(sk, cur, tid);
         widen_kv_tile<HD>(sv, cur + PF_BN * HD, tid);
         __syncthreads();
-        if (j == 0) {
+        if (QREG && j == 0) {
 #pragma unroll
-            for (int kk = 0; kk < KS; kk++) frag_a<HD>(qf[kk], sq, warp * 16, kk * 16, lane);
+            for (int kk = 0; kk < KS; kk++) frag_a<HD>(qf[QREG ? kk : 0], sq, warp * 16, kk * 16, lane);
         }
         float s[NT][4];
-        pf_scores<HD>(s, qf, sk, lane);
+        pf_scores<HD>(s, qf, sq, warp, sk, lane);
         pf_softmax<HD>(s, m, l, o, n0, pos_first, qpos, t, scale_log2);
         pf_pv<HD>(o, s, sv, lane);
     }
@@ -585,9 +594,9 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
         const bf16* svt = sv + st * PF_BN * HD;
         cp_async_wait<1>();  // K_j (and Q) landed; V_j may be in flight
         __syncthreads();
-        if (j == 0) {
+        if (QREG && j == 0) {
 #pragma unroll
-            for (int kk = 0; kk < KS; kk++) frag_a<HD>(qf[kk], sq, warp * 16, kk * 16, lane);
+            for (int kk = 0; kk < KS; kk++) frag_a<HD>(qf[QREG ? kk : 0], sq, warp * 16, kk * 16, lane);
         }
         // Prefetch K_{j+1} into the other stage (read in iteration j−1, all warps are past it).
         if (j + 1 < n_kv) {
@@ -597,7 +606,7 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
         cp_async_commit();
 
         float s[NT][4];
-        pf_scores<HD>(s, qf, skt, lane);
+        pf_scores<HD>(s, qf, sq, warp, skt, lane);
         pf_softmax<HD>(s, m, l, o, n0, pos_first, qpos, t, scale_log2);
 
         cp_async_wait<1>();  // V_j landed (K_{j+1} may be in flight)
@@ -628,7 +637,7 @@ __device__ __forceinline__ void prefill_impl(bf16* __restrict__ out, const bf16*
     }
 }
 
-// Entry points by head_dim and query heads per KV head. Arguments: out, qkv, k cache, v cache,
+// Entry points by head_dim (64, 128, 256) and query heads per KV head. Arguments: out, qkv, k cache, v cache,
 // block tables, work list, qh, kvh, block size, softmax scale · log2(e).
 #define PF_KERNEL(HD, G, MINB)                                                                             \
     extern "C" __global__ void __launch_bounds__(PF_THREADS, MINB)                                         \
@@ -645,3 +654,8 @@ PF_KERNEL(128, 1, 2)
 PF_KERNEL(128, 2, 2)
 PF_KERNEL(128, 4, 2)
 PF_KERNEL(128, 8, 2)
+// head_dim 256 (Gemma 3's 1, 2 or 4 query heads per KV head): 160 KiB of dynamic shared
+// memory, one block per SM.
+PF_KERNEL(256, 1, 1)
+PF_KERNEL(256, 2, 1)
+PF_KERNEL(256, 4, 1)

@@ -132,6 +132,7 @@ __device__ void attn_impl(bf16* out, float* part, const bf16* qkv, const bf16* k
                           const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0,
                           int window) {
     const int hd = EPL * 32;
+    static_assert(G * EPL * 32 <= 1024, "sm_acc holds 1024 values per warp");
     int tr = blockIdx.x, t = t0 + tr, g = blockIdx.y, z = blockIdx.z, S = gridDim.z;
     int L = (int)pos[t] + 1;
     // Sliding window: positions before `lo` are masked (never loaded).
@@ -283,6 +284,22 @@ extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g4(bf16*
 extern "C" __global__ void __launch_bounds__(256) paged_attention_hd128_g8(bf16* out, float* part, const bf16* qkv,
         const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
     attn_impl<4, 8>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
+}
+
+// head_dim 256 (Gemma 3): up to 4 query heads per KV head (sm_acc holds G · hd ≤ 1024 per warp).
+extern "C" __global__ void __launch_bounds__(256) paged_attention_hd256_g1(bf16* out, float* part, const bf16* qkv,
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
+    attn_impl<8, 1>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
+}
+
+extern "C" __global__ void __launch_bounds__(256) paged_attention_hd256_g2(bf16* out, float* part, const bf16* qkv,
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
+    attn_impl<8, 2>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
+}
+
+extern "C" __global__ void __launch_bounds__(256) paged_attention_hd256_g4(bf16* out, float* part, const bf16* qkv,
+        const bf16* kc, const bf16* vc, const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int t0, int window) {
+    attn_impl<8, 4>(out, part, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, t0, window);
 }
 
 // Folds the context chunks of paged attention in chunk order (a left fold starting from chunk
