@@ -2,9 +2,11 @@
 //! `y[n, out] = (xq[n, inp] · xs[n]) · (wq[out, inp] · ws[out])ᵀ` with e4m3 weights and
 //! activations and f32 scales per output channel (`ws`) and per token (`xs`): cuBLASLt computes
 //! the unscaled product of the codes (f32 accumulation, bf16 or f32 output: a quantized lm_head)
-//! and `scale_rows_cols` (`kernels/fp8.cu`) multiplies it by both scales. (cuBLASLt's own
-//! outer-vector scaling, `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`, returned no algorithm
-//! for these shapes on an H200 with CUDA 13.0, measured 2026-12-01.) As the bf16 fast mode, the
+//! and `scale_rows_cols` (`kernels/fp8.cu`) or the product's fused consumer (`fp8_path.rs`)
+//! multiplies it by both scales. (cuBLASLt's own outer-vector scaling,
+//! `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`, returned no algorithm on an H200 with CUDA 13.0
+//! on 2026-12-01; with the scale pointers set before the heuristic query it did on 2026-12-02
+//! ([`Fp8Gemm::outer_vec_available`]), its speed not measured yet.) As the bf16 fast mode, the
 //! algorithm is cuBLASLt's first heuristic answer per `(n, out, inp)`, cached, with a fixed
 //! workspace (capturable into a CUDA graph).
 
