@@ -8,18 +8,24 @@
 //!   product of the dequantized activations and weights, the FP8 GEMV and the bf16 GEMM of the
 //!   dequantized weight equal the exact product of the bf16 activations and the dequantized
 //!   weights, each within bf16 rounding; the GEMM-vs-GEMV difference is printed next to what
-//!   per-token activation rounding alone gives on the host.
+//!   per-token activation rounding alone gives on the host;
+//! - the fused passes of the FP8 GEMM path: SiLU·mul and the residual add + RMSNorm reading an
+//!   unscaled product (per-token × per-channel scales applied on load) and writing e4m3 rows
+//!   with per-token scales equal the f64 host computation within bf16 and e4m3 rounding, and
+//!   unscaled, SiLU·mul gives bit for bit the codes of `silu_mul` then the quantization.
 #![cfg(feature = "cuda")]
 
 #[path = "../examples/support/splitmix.rs"]
 mod splitmix;
 
+use cudarc::driver::PushKernelArg;
 use half::bf16;
 use prism_engine::backend::cuda::CudaError;
 use prism_engine::backend::cuda::attn_decode::{AttnShape, DecodeArgs, DecodeAttention, MAX_SPLITS};
 use prism_engine::backend::cuda::attn_prefill::{PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq};
+use prism_engine::backend::cuda::device::grid_stride;
 use prism_engine::backend::cuda::device::{DevBuf, GemmArgs, GemmShape, Gpu};
-use prism_engine::backend::cuda::fp8::{Fp8Kernels, ScaleArgs, quantize_rows};
+use prism_engine::backend::cuda::fp8::{Fp8Kernels, NormIo, ScaleArgs, SiluIo, quantize_rows};
 use prism_engine::backend::cuda::gemm_fp8::{Fp8Gemm, Fp8GemmArgs};
 use prism_engine::backend::cuda::gemv::{Gemv, GemvArgs, GemvKind, RopeArgs};
 use prism_engine::model::fp8::{e4m3_to_f32, f32_to_e4m3};
@@ -329,6 +335,12 @@ fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
     let gemv = Gemv::new(&gpu, 4096, 4096, true).unwrap();
     // `Fp8Gemm::new` reads the same variable.
     let fast = std::env::var("PRISM_FP8_FAST_ACCUM").map_or(true, |v| v != "0");
+    // Information: whether cuBLASLt would apply both scales itself (outer-vector scaling).
+    for (n, out, inp) in [(256, 28672, 4096), (2048, 4096, 14336)] {
+        let (fast_on, fast_off) =
+            (lt.outer_vec_available(n, out, inp, true).unwrap(), lt.outer_vec_available(n, out, inp, false).unwrap());
+        println!("cuBLASLt outer-vector FP8 scaling, {n}x{out}x{inp}: fast accumulation {fast_on}, without {fast_off}");
+    }
     for (n, out, inp) in [(64, 1024, 4096), (300, 768, 1536), (4, 512, 512)] {
         let p = Product::new(&mut rng, n, out, inp);
         let xb: Vec<u16> = p.x.iter().map(|&v| bf(v)).collect();
@@ -434,5 +446,141 @@ fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
         // rounding) before adding it into f32: 0.0034 of the row rms measured on the H200, against
         // the 0.20 that FP8 weights themselves move the product by.
         assert!(e_gemv < 1e-2, "FP8 GEMV off the exact product of x and the dequantized weight by {e_gemv} (row rms)");
+    }
+}
+
+/// Checks e4m3 rows (`codes`, `scales`) against f64 reference rows `y`: each row's scale is
+/// max|y| / 448 within the bf16 rounding of the activations, each value within half an e4m3 step
+/// (2^-4 relative), one bf16 rounding (2^-8) and the subnormal spacing of its row.
+fn assert_e4m3_rows(codes: &[u8], scales: &[f32], y: &[f64], cols: usize, what: &str) {
+    for (r, row) in y.chunks(cols).enumerate() {
+        let m = row.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let s = f64::from(scales[r]);
+        assert!((s - m / 448.0).abs() <= m / 448.0 * 2f64.powi(-7), "{what}: row {r} scale {s} for max {m}");
+        for (c, &v) in row.iter().enumerate() {
+            let back = f64::from(e4m3_to_f32(codes[r * cols + c])) * s;
+            let tol = v.abs() * (1.0 / 16.0 + 1.0 / 256.0) + s * 2f64.powi(-9);
+            assert!((back - v).abs() <= tol, "{what}: row {r} col {c}: {back} for {v}");
+        }
+    }
+}
+
+#[test]
+fn fused_fp8_norm_and_silu_equal_the_host_with_the_products_scales_applied_on_load() {
+    let gpu = gpu();
+    let mut rng = Rng(0x5eed_0004);
+    let k = Fp8Kernels::new(&gpu).unwrap();
+    let (n, hidden, inter) = (37usize, 4096usize, 14336usize);
+    let pos = |rng: &mut Rng, a: f32| 0.5 * a + uniform(rng, 0.5 * a).abs();
+    // An FP8 GEMM's unscaled products (code products summed: large values) and their scales.
+    let xs: Vec<f32> = (0..n).map(|_| pos(&mut rng, 2e-3)).collect();
+    let xs_d = upload(&gpu, &xs).unwrap();
+
+    // SiLU·mul of gate_up's product: scaled on load, quantized per token.
+    let gu: Vec<u16> = (0..n * 2 * inter).map(|_| rng.bf(3e3)).collect();
+    let ws: Vec<f32> = (0..2 * inter).map(|_| pos(&mut rng, 1e-3)).collect();
+    let (gu_d, ws_d) = (upload(&gpu, &gu).unwrap(), upload(&gpu, &ws).unwrap());
+    let (codes_d, sc_d) = (DevBuf::zeroed(&gpu, n * inter).unwrap(), DevBuf::zeroed(&gpu, n * 4).unwrap());
+    let a =
+        SiluIo { codes: codes_d.ptr, scales: sc_d.ptr, gu: gu_d.ptr, gu_scales: Some((xs_d.ptr, ws_d.ptr)), n, inter };
+    k.silu_mul_fp8io(&gpu, &a).unwrap();
+    let (mut codes, mut sc) = (vec![0u8; n * inter], vec![0f32; n]);
+    gpu.sync().unwrap();
+    gpu.download(&mut codes, codes_d.ptr).unwrap();
+    gpu.download(&mut sc, sc_d.ptr).unwrap();
+    let act: Vec<f64> = (0..n * inter)
+        .map(|i| {
+            let (t, j) = (i / inter, i % inter);
+            let at = |c: usize| f64::from(from_bf(gu[t * 2 * inter + c])) * f64::from(xs[t]) * f64::from(ws[c]);
+            let (g, u) = (at(j), at(inter + j));
+            g / (1.0 + (-g).exp()) * u
+        })
+        .collect();
+    assert_e4m3_rows(&codes, &sc, &act, inter, "silu_mul_fp8io");
+
+    // Unscaled, the codes are those of silu_mul then quantize_rows_e4m3, bit for bit.
+    let a = SiluIo { gu_scales: None, ..a };
+    k.silu_mul_fp8io(&gpu, &a).unwrap();
+    let act_d = DevBuf::zeroed(&gpu, n * inter * 2).unwrap();
+    let (ref_codes_d, ref_sc_d) = (DevBuf::zeroed(&gpu, n * inter).unwrap(), DevBuf::zeroed(&gpu, n * 4).unwrap());
+    let (n_i, inter_i) = (n as i32, inter as i32);
+    let mut b = gpu.stream.launch_builder(&gpu.k.silu_mul);
+    b.arg(&act_d.ptr).arg(&gu_d.ptr).arg(&n_i).arg(&inter_i);
+    // SAFETY: gu holds n × 2·inter bf16, act n × inter.
+    unsafe { b.launch(grid_stride(n * inter)) }.unwrap();
+    k.quantize(&gpu, ref_codes_d.ptr, ref_sc_d.ptr, act_d.ptr, n, inter).unwrap();
+    let (mut ref_codes, mut ref_sc) = (vec![0u8; n * inter], vec![0f32; n]);
+    gpu.sync().unwrap();
+    gpu.download(&mut codes, codes_d.ptr).unwrap();
+    gpu.download(&mut sc, sc_d.ptr).unwrap();
+    gpu.download(&mut ref_codes, ref_codes_d.ptr).unwrap();
+    gpu.download(&mut ref_sc, ref_sc_d.ptr).unwrap();
+    assert_eq!(sc, ref_sc, "unscaled silu_mul_fp8io scales differ from silu_mul + quantize");
+    assert!(codes == ref_codes, "unscaled silu_mul_fp8io codes differ from silu_mul + quantize");
+
+    // Residual add of an unscaled product + RMSNorm, over a subset of rows (the final norm's
+    // `rows`), as e4m3 and as bf16.
+    let x: Vec<f32> = (0..n * hidden).map(|_| uniform(&mut rng, 4.0)).collect();
+    let delta: Vec<u16> = (0..n * hidden).map(|_| rng.bf(2e3)).collect();
+    let dws: Vec<f32> = (0..hidden).map(|_| pos(&mut rng, 1e-3)).collect();
+    let gain: Vec<u16> = (0..hidden).map(|_| bf(pos(&mut rng, 1.0))).collect();
+    let rows: Vec<u32> = [5u32, 0, 36, 17, 2].to_vec();
+    let (delta_d, dws_d, gain_d, rows_d) = (
+        upload(&gpu, &delta).unwrap(),
+        upload(&gpu, &dws).unwrap(),
+        upload(&gpu, &gain).unwrap(),
+        upload(&gpu, &rows).unwrap(),
+    );
+    let eps = 1e-5f32;
+    let x_new: Vec<f64> = (0..n * hidden)
+        .map(|i| {
+            let (t, j) = (i / hidden, i % hidden);
+            f64::from(x[i]) + f64::from(from_bf(delta[i])) * f64::from(xs[t]) * f64::from(dws[j])
+        })
+        .collect();
+    let normed = |r: usize| -> Vec<f64> {
+        let row = &x_new[r * hidden..(r + 1) * hidden];
+        let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / hidden as f64 + f64::from(eps)).sqrt();
+        row.iter().zip(&gain).map(|(v, g)| v * inv * f64::from(from_bf(*g))).collect()
+    };
+    for (q8, with_rows) in [(true, false), (true, true), (false, true)] {
+        let x_d = upload(&gpu, &x).unwrap();
+        let blocks = if with_rows { rows.len() } else { n };
+        let out_d = DevBuf::zeroed(&gpu, blocks * hidden * 2).unwrap();
+        let a = NormIo {
+            x: x_d.ptr,
+            delta: delta_d.ptr,
+            delta_scales: Some((xs_d.ptr, dws_d.ptr)),
+            gain: gain_d.ptr,
+            out: out_d.ptr,
+            out_scales: if q8 { sc_d.ptr } else { 0 },
+            rows: if with_rows { rows_d.ptr } else { 0 },
+            blocks,
+            hidden,
+            eps,
+        };
+        k.add_rmsnorm_fp8io(&gpu, &a).unwrap();
+        let mut xd = vec![0f32; n * hidden];
+        gpu.sync().unwrap();
+        gpu.download(&mut xd, x_d.ptr).unwrap();
+        let order: Vec<usize> = if with_rows { rows.iter().map(|&r| r as usize).collect() } else { (0..n).collect() };
+        for &r in &order {
+            for j in 0..hidden {
+                let (got, want) = (f64::from(xd[r * hidden + j]), x_new[r * hidden + j]);
+                assert!((got - want).abs() <= want.abs() * 1e-6 + 1e-6, "residual row {r} col {j}: {got} for {want}");
+            }
+        }
+        let y: Vec<f64> = order.iter().flat_map(|&r| normed(r)).collect();
+        if q8 {
+            let mut codes = vec![0u8; blocks * hidden];
+            gpu.download(&mut codes, out_d.ptr).unwrap();
+            gpu.download(&mut sc[..blocks], sc_d.ptr).unwrap();
+            assert_e4m3_rows(&codes, &sc[..blocks], &y, hidden, "add_rmsnorm_fp8io");
+        } else {
+            let got = download_bf16(&gpu, out_d.ptr, blocks * hidden).unwrap();
+            for (i, (&g, &v)) in got.iter().zip(&y).enumerate() {
+                assert!((f64::from(g) - v).abs() <= v.abs() * 2f64.powi(-8) + 1e-6, "bf16 norm {i}: {g} for {v}");
+            }
+        }
     }
 }

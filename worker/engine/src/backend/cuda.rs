@@ -64,6 +64,7 @@ pub mod device;
 pub mod error;
 mod forward;
 pub mod fp8;
+mod fp8_path;
 pub mod gemm;
 pub mod gemm_fp8;
 pub mod gemv;

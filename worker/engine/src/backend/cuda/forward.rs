@@ -24,11 +24,11 @@ use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg};
 use super::arch::ArchPlan;
 use super::attn_decode::{AttnShape, DecodeArgs, DecodeAttention};
 use super::attn_prefill::{PrefillAttention, PrefillDims, PrefillPtrs, PrefillSeq};
-use super::device::{DevBuf, GemmArgs, GemmShape, Gpu, SPLIT_KV_SHAPES, grid_stride, per_row};
+use super::device::{GemmArgs, GemmShape, Gpu, SPLIT_KV_SHAPES, grid_stride, per_row};
 use super::error::{CudaError, CudaResultExt};
-use super::fp8::{Fp8Kernels, ScaleArgs};
+use super::fp8::{NormIo, SiluIo};
+use super::fp8_path::{Fp8Path, FusedIo, GemmIn, Product};
 use super::gemm::LtGemm;
-use super::gemm_fp8::{Fp8Gemm, Fp8GemmArgs};
 use super::gemv::{GEMV_MAX_M, Gemv, GemvArgs, GemvKind, RopeArgs};
 use super::kv_cache::KvCache;
 use super::nccl::{Elem, RankComm};
@@ -81,44 +81,10 @@ pub(crate) struct ShardModel {
 }
 
 impl ShardModel {
-    /// FP8 weights: how steps above the GEMVs' token count multiply ("cublaslt_fp8", or
-    /// "dequantize_bf16" where cuBLASLt has no FP8 GEMM); `None` for bf16 weights.
+    /// FP8 weights: how steps above the GEMVs' token count multiply
+    /// ([`Fp8Path::gemm_path`]); `None` for bf16 weights.
     pub fn fp8_gemm_path(&self) -> Option<&'static str> {
-        self.fp8.as_ref().map(|f| if f.wtmp.is_some() { "dequantize_bf16" } else { "cublaslt_fp8" })
-    }
-}
-
-/// What the GEMM path needs for FP8 weights: the activations of a product quantized per
-/// token (`xq` e4m3 `[tokens, widest input]`, `xs` f32 `[tokens]`), then cuBLASLt's FP8 GEMM
-/// and both scales applied to its output, or, where cuBLASLt has no FP8 GEMM, the weight
-/// dequantized to bf16 (`wtmp`, the largest layer matrix) and the bf16 GEMM.
-struct Fp8Path {
-    k: Fp8Kernels,
-    gemm: Fp8Gemm,
-    xq: DevBuf,
-    xs: DevBuf,
-    wtmp: Option<DevBuf>,
-}
-
-impl Fp8Path {
-    fn new(gpu: &Gpu, d: &Dims, tokens: usize) -> Result<Self, CudaError> {
-        let mut gemm = Fp8Gemm::new(gpu)?;
-        let widest = d.hidden.max(d.inter).max(d.q_dim());
-        let lt_ok = gemm.supports(tokens.min(256), 2 * d.inter, d.hidden);
-        let wtmp = if lt_ok {
-            None
-        } else {
-            tracing::warn!("cuBLASLt has no FP8 GEMM here: dequantizing weights for large steps");
-            let most = [d.qkv_dim() * d.hidden, d.hidden * d.q_dim(), 2 * d.inter * d.hidden, d.hidden * d.inter];
-            Some(DevBuf::zeroed(gpu, most.into_iter().max().unwrap_or(0).max(d.vocab * d.hidden) * 2)?)
-        };
-        Ok(Self {
-            k: Fp8Kernels::new(gpu)?,
-            gemm,
-            xq: DevBuf::zeroed(gpu, tokens * widest)?,
-            xs: DevBuf::zeroed(gpu, tokens * 4)?,
-            wtmp,
-        })
+        self.fp8.as_ref().map(Fp8Path::gemm_path)
     }
 }
 
@@ -157,6 +123,11 @@ fn add_norm(g: &Gpu, d: &Dims, a: &NormArgs, delta_gain: u64) -> Result<(), cuda
     b.arg(&a.x).arg(&a.delta).arg(&delta_gain).arg(&a.gain).arg(&a.out).arg(&a.rows).arg(&h).arg(&eps);
     // SAFETY: as add_rmsnorm; delta_gain holds `hidden` values.
     unsafe { b.launch(per_row(a.blocks, a.threads)) }.map(|_| ())
+}
+
+/// The FP8 path of a step that uses its fused passes (`q8` comes from it, so it is there).
+fn fp8_of(fp8: &Option<Fp8Path>) -> Result<&Fp8Path, CudaError> {
+    fp8.as_ref().ok_or_else(|| CudaError::InvalidLaunch("fused FP8 pass without FP8 weights".into()))
 }
 
 /// Enqueues a zero fill of `bytes` bytes at `ptr` (capturable into a graph).
@@ -264,7 +235,7 @@ impl ShardModel {
         if opts.batch_invariant {
             lt.plan(&gpu, w.lm_head, d.vocab, d.hidden, true, r)?;
         }
-        let fp8 = if w.has_fp8() { Some(Fp8Path::new(&gpu, &d, t)?) } else { None };
+        let fp8 = if w.has_fp8() { Some(Fp8Path::new(&gpu, &d, &w, t, llama_layers)?) } else { None };
         let kv = KvCache::allocate(&gpu, &d, opts)?;
         gpu.sync()?;
         Ok(Self {
@@ -360,21 +331,35 @@ impl ShardModel {
             let gemv = gemv.as_ref().ok_or_else(|| CudaError::InvalidLaunch("decode GEMVs not built".into()))?;
             gemv.launch(g, &a)
         };
-        // `ws`: an FP8 weight's row scales (0 for bf16).
-        let mut matmul = |g: &Gpu, y: u64, x: u64, (w, ws): (u64, u64), shape: GemmShape, f32_out: bool| {
-            if let (Some(f), true) = (fp8.as_mut(), ws != 0) {
-                let GemmShape { n, out, inp } = shape;
-                if let Some(tmp) = &f.wtmp {
-                    f.k.dequantize(g, tmp.ptr, w, ws, out, inp)?;
-                    return lt.matmul_heuristic(g, &GemmArgs { y, x, w: tmp.ptr, shape, f32_out });
-                }
-                f.k.quantize(g, f.xq.ptr, f.xs.ptr, x, n, inp)?;
-                let a = Fp8GemmArgs { y, xq: f.xq.ptr, wq: w, n, out, inp, f32_out };
-                f.gemm.matmul(g, &a)?;
-                return f.k.scale_rows_cols(g, &ScaleArgs { y, xs: f.xs.ptr, ws, n, out, f32_out });
+        // FP8 weights with the fused passes (`fp8_path.rs`): the norms and SiLU·mul write the
+        // next GEMM's e4m3 input, and the QKV, o_proj, gate_up and down products stay unscaled
+        // for RoPE, the residual adds and SiLU·mul to scale as they read them.
+        let q8 = fp8.as_ref().and_then(|f| f.fused_io(tp.is_some()));
+        // `p.ws`: an FP8 weight's row scales (0 for bf16).
+        let mut matmul = |fp8: &mut Option<Fp8Path>, g: &Gpu, p: Product| {
+            if let (Some(f), true) = (fp8.as_mut(), p.ws != 0) {
+                return f.matmul(g, lt, &p);
             }
-            let a = GemmArgs { y, x, w, shape, f32_out };
+            let GemmIn::Bf16(x) = p.x else {
+                return Err(CudaError::InvalidLaunch("e4m3 activations for a bf16 weight".into()));
+            };
+            let a = GemmArgs { y: p.y, x, w: p.w, shape: p.shape, f32_out: p.f32_out };
             if invariant { lt.matmul(g, &a) } else { lt.matmul_heuristic(g, &a) }
+        };
+        // The fused residual add + RMSNorm over the step's rows: the down or o_proj product
+        // (`delta`, unscaled; `ws` its weight's scales; 0: none) into the residual stream, then
+        // the norm with `gain` to `out`, as e4m3 codes with scales at `out_scales` (0: bf16).
+        let norm_io = |io: FusedIo, delta: u64, ws: u64, gain: u64, out: u64, out_scales: u64| NormIo {
+            x: s.x.ptr,
+            delta,
+            delta_scales: (delta != 0).then_some((io.act_scales, ws)),
+            gain,
+            out,
+            out_scales,
+            rows: 0,
+            blocks: n,
+            hidden: d.hidden,
+            eps: d.eps,
         };
         let mut mark = |name: &'static str| -> Result<(), CudaError> {
             if let Some(p) = prof.as_mut() {
@@ -415,6 +400,9 @@ impl ShardModel {
         let chunks_i = chunks as i32;
         // The previous layer's MLP output norm (applied with its residual add).
         let mut prev_ffn_out_norm = null;
+        // The previous layer's down_proj scales (its product is added unscaled on the fused
+        // FP8 path).
+        let mut prev_down_scale = null;
         for (li, lw) in w.layers.iter().enumerate() {
             let (kc, vc) = (kv.k[li].ptr, kv.v[li].ptr);
             let lp = plan.layers[li];
@@ -449,25 +437,28 @@ impl ShardModel {
             } else {
                 // Residual add of the previous layer's down_proj output fused with this norm.
                 let delta = if li == 0 { null } else { s.proj.ptr };
-                let norm = NormArgs {
-                    x: s.x.ptr,
-                    delta,
-                    gain: lw.input_norm,
-                    out: s.hn.ptr,
-                    rows: null,
-                    blocks: n,
-                    threads: norm_threads,
+                let x = if let Some(io) = q8 {
+                    let a = norm_io(io, delta, prev_down_scale, lw.input_norm, io.codes, io.norm_scales);
+                    fp8_of(fp8)?.norm(g, &a)?;
+                    mark("add_rmsnorm_fp8io")?;
+                    GemmIn::Codes(io.norm_scales)
+                } else {
+                    let norm = NormArgs {
+                        x: s.x.ptr,
+                        delta,
+                        gain: lw.input_norm,
+                        out: s.hn.ptr,
+                        rows: null,
+                        blocks: n,
+                        threads: norm_threads,
+                    };
+                    add_norm(g, &d, &norm, prev_ffn_out_norm).op("add_rmsnorm")?;
+                    mark("add_rmsnorm")?;
+                    GemmIn::Bf16(s.hn.ptr)
                 };
-                add_norm(g, &d, &norm, prev_ffn_out_norm).op("add_rmsnorm")?;
-                mark("add_rmsnorm")?;
-                matmul(
-                    g,
-                    s.qkv.ptr,
-                    s.hn.ptr,
-                    (lw.qkv, lw.qkv_scale),
-                    GemmShape { n, out: d.qkv_dim(), inp: d.hidden },
-                    false,
-                )?;
+                let shape = GemmShape { n, out: d.qkv_dim(), inp: d.hidden };
+                let (w, ws, scaled) = (lw.qkv, lw.qkv_scale, q8.is_none());
+                matmul(fp8, g, Product { y: s.qkv.ptr, x, w, ws, shape, f32_out: false, scaled })?;
                 mark("gemm_qkv")?;
                 if lw.qkv_bias != 0 || lw.q_norm != 0 {
                     let mut b = st.launch_builder(&g.k.qkv_prep_rope_kv_write);
@@ -484,6 +475,8 @@ impl ShardModel {
                     mark("qkv_prep_rope_kv_write")?;
                 } else {
                     let k = if kv_fp8 { &g.k.rope_kv_write_fp8 } else { &g.k.rope_kv_write };
+                    // The fused FP8 path's QKV product is scaled here.
+                    let (xs, ws) = q8.map_or((null, null), |io| (io.norm_scales, lw.qkv_scale));
                     let mut b = st.launch_builder(k);
                     b.arg(&s.qkv.ptr)
                         .arg(&pos)
@@ -493,8 +486,11 @@ impl ShardModel {
                         .arg(&vc)
                         .arg(&qh)
                         .arg(&kvh)
-                        .arg(&hd);
-                    // SAFETY: slots validated < num_blocks · block_size (u32::MAX = padding, skipped).
+                        .arg(&hd)
+                        .arg(&xs)
+                        .arg(&ws);
+                    // SAFETY: slots validated < num_blocks · block_size (u32::MAX = padding,
+                    // skipped); xs (n) and ws (qkv_dim) f32 or both 0.
                     unsafe { b.launch(per_row(n, 128)) }.op("rope_kv_write")?;
                     mark("rope_kv_write")?;
                 }
@@ -622,66 +618,78 @@ impl ShardModel {
                 }
                 continue;
             }
-            matmul(
-                g,
-                s.proj.ptr,
-                s.attn.ptr,
-                (lw.o_proj, lw.o_proj_scale),
-                GemmShape { n, out: d.hidden, inp: d.q_dim() },
-                false,
-            )?;
+            let (scaled, f32_out) = (q8.is_none(), false);
+            let (shape, x) = (GemmShape { n, out: d.hidden, inp: d.q_dim() }, GemmIn::Bf16(s.attn.ptr));
+            let (w, ws) = (lw.o_proj, lw.o_proj_scale);
+            matmul(fp8, g, Product { y: s.proj.ptr, x, w, ws, shape, f32_out, scaled })?;
             mark("gemm_o_proj")?;
             if let Some(c) = tp.as_mut() {
                 // Row-parallel o_proj: each shard holds a partial sum.
                 c.all_reduce(g, s.proj.ptr, n * d.hidden, Elem::Bf16)?;
                 mark("all_reduce")?;
             }
-            let norm = NormArgs {
-                x: s.x.ptr,
-                delta: s.proj.ptr,
-                gain: lw.post_norm,
-                out: s.hn.ptr,
-                rows: null,
-                blocks: n,
-                threads: norm_threads,
+            let x = if let Some(io) = q8 {
+                let a = norm_io(io, s.proj.ptr, lw.o_proj_scale, lw.post_norm, io.codes, io.norm_scales);
+                fp8_of(fp8)?.norm(g, &a)?;
+                mark("add_rmsnorm_fp8io")?;
+                GemmIn::Codes(io.norm_scales)
+            } else {
+                let norm = NormArgs {
+                    x: s.x.ptr,
+                    delta: s.proj.ptr,
+                    gain: lw.post_norm,
+                    out: s.hn.ptr,
+                    rows: null,
+                    blocks: n,
+                    threads: norm_threads,
+                };
+                add_norm(g, &d, &norm, lw.attn_out_norm).op("add_rmsnorm")?;
+                mark("add_rmsnorm")?;
+                GemmIn::Bf16(s.hn.ptr)
             };
-            add_norm(g, &d, &norm, lw.attn_out_norm).op("add_rmsnorm")?;
-            mark("add_rmsnorm")?;
-            matmul(
-                g,
-                s.gu.ptr,
-                s.hn.ptr,
-                (lw.gate_up, lw.gate_up_scale),
-                GemmShape { n, out: 2 * d.inter, inp: d.hidden },
-                false,
-            )?;
+            let (shape, w, ws) = (GemmShape { n, out: 2 * d.inter, inp: d.hidden }, lw.gate_up, lw.gate_up_scale);
+            matmul(fp8, g, Product { y: s.gu.ptr, x, w, ws, shape, f32_out, scaled })?;
             mark("gemm_gate_up")?;
-            let act_fn = if plan.gelu { &g.k.gelu_tanh_mul } else { &g.k.silu_mul };
-            let mut b = st.launch_builder(act_fn);
-            b.arg(&s.act.ptr).arg(&s.gu.ptr).arg(&n_i).arg(&inter);
-            // SAFETY: gu holds n × 2·inter, act n × inter.
-            unsafe { b.launch(grid_stride(n * d.inter)) }.op("silu_mul")?;
-            mark("silu_mul")?;
-            matmul(
-                g,
-                s.proj.ptr,
-                s.act.ptr,
-                (lw.down, lw.down_scale),
-                GemmShape { n, out: d.hidden, inp: d.inter },
-                false,
-            )?;
+            let x = if let Some(io) = q8 {
+                let (codes, scales, gu) = (io.codes, io.act_scales, s.gu.ptr);
+                let a = SiluIo {
+                    codes,
+                    scales,
+                    gu,
+                    gu_scales: Some((io.norm_scales, lw.gate_up_scale)),
+                    n,
+                    inter: d.inter,
+                };
+                fp8_of(fp8)?.silu(g, &a)?;
+                mark("silu_mul_fp8io")?;
+                GemmIn::Codes(io.act_scales)
+            } else {
+                let act_fn = if plan.gelu { &g.k.gelu_tanh_mul } else { &g.k.silu_mul };
+                let mut b = st.launch_builder(act_fn);
+                b.arg(&s.act.ptr).arg(&s.gu.ptr).arg(&n_i).arg(&inter);
+                // SAFETY: gu holds n × 2·inter, act n × inter.
+                unsafe { b.launch(grid_stride(n * d.inter)) }.op("silu_mul")?;
+                mark("silu_mul")?;
+                GemmIn::Bf16(s.act.ptr)
+            };
+            let (shape, w, ws) = (GemmShape { n, out: d.hidden, inp: d.inter }, lw.down, lw.down_scale);
+            matmul(fp8, g, Product { y: s.proj.ptr, x, w, ws, shape, f32_out, scaled })?;
             mark("gemm_down")?;
             if let Some(c) = tp.as_mut() {
                 c.all_reduce(g, s.proj.ptr, n * d.hidden, Elem::Bf16)?;
                 mark("all_reduce")?;
             }
             prev_ffn_out_norm = lw.ffn_out_norm;
+            prev_down_scale = lw.down_scale;
         }
         if !last_stage {
             // The next stage gets the complete residual stream: add the last down_proj
             // output (the small path's down GEMV already did). The norm written to `hn` is
             // not used.
-            if let (false, Some(last)) = (small, w.layers.last()) {
+            if let (false, Some(last), Some(io)) = (small, w.layers.last(), q8) {
+                fp8_of(fp8)?.norm(g, &norm_io(io, s.proj.ptr, last.down_scale, last.post_norm, s.hn.ptr, null))?;
+                mark("residual_add")?;
+            } else if let (false, Some(last)) = (small, w.layers.last()) {
                 let norm = NormArgs {
                     x: s.x.ptr,
                     delta: s.proj.ptr,
@@ -701,16 +709,32 @@ impl ShardModel {
             // Last residual add (already done by the small path's down GEMV) + final norm,
             // only for the rows that want logits.
             let delta = if small { null } else { s.proj.ptr };
-            let norm = NormArgs {
-                x: s.x.ptr,
-                delta,
-                gain: w.norm,
-                out: s.hn.ptr,
-                rows: rows_ptr,
-                blocks: rows,
-                threads: norm_threads,
+            let x = match q8.filter(|_| !small) {
+                Some(io) => {
+                    // An FP8 lm_head takes the norm's rows as e4m3.
+                    let (out, out_scales, x) = if w.lm_head_scale != 0 {
+                        (io.codes, io.norm_scales, GemmIn::Codes(io.norm_scales))
+                    } else {
+                        (s.hn.ptr, null, GemmIn::Bf16(s.hn.ptr))
+                    };
+                    let a = norm_io(io, delta, prev_down_scale, w.norm, out, out_scales);
+                    fp8_of(fp8)?.norm(g, &NormIo { rows: rows_ptr, blocks: rows, ..a })?;
+                    x
+                }
+                None => {
+                    let norm = NormArgs {
+                        x: s.x.ptr,
+                        delta,
+                        gain: w.norm,
+                        out: s.hn.ptr,
+                        rows: rows_ptr,
+                        blocks: rows,
+                        threads: norm_threads,
+                    };
+                    add_norm(g, &d, &norm, prev_ffn_out_norm).op("final_norm")?;
+                    GemmIn::Bf16(s.hn.ptr)
+                }
             };
-            add_norm(g, &d, &norm, prev_ffn_out_norm).op("final_norm")?;
             mark("final_norm")?;
             if small {
                 gv(GemvArgs {
@@ -727,14 +751,9 @@ impl ShardModel {
                     rope: RopeArgs::default(),
                 })?;
             } else {
-                matmul(
-                    g,
-                    s.logits.ptr,
-                    s.hn.ptr,
-                    (w.lm_head, w.lm_head_scale),
-                    GemmShape { n: rows, out: d.vocab, inp: d.hidden },
-                    true,
-                )?;
+                let shape = GemmShape { n: rows, out: d.vocab, inp: d.hidden };
+                let (y, w, ws) = (s.logits.ptr, w.lm_head, w.lm_head_scale);
+                matmul(fp8, g, Product { y, x, w, ws, shape, f32_out: true, scaled: true })?;
             }
             mark("lm_head")?;
             if let Some(cap) = plan.softcap {

@@ -2,6 +2,10 @@
 //! weights at load, per output channel; the activations of the FP8 GEMMs, per token) and the
 //! dequantization of a matrix back to bf16; the host reference of the quantization rule is
 //! [`quantize_rows`] (`model::fp8`, which `scripts/quantize_fp8.py` also follows bit for bit).
+//! The FP8 GEMM path's fused passes live here too: the residual add + RMSNorm and SiLU·mul
+//! variants that read an FP8 GEMM's unscaled product (applying its per-token and per-channel
+//! scales as they load it) and write the next GEMM's e4m3 input with its per-token scales
+//! ([`Fp8Kernels::add_rmsnorm_fp8io`], [`Fp8Kernels::silu_mul_fp8io`]).
 //!
 //! The rule (vLLM's `--quantization fp8`, per-channel weights and dynamic per-token
 //! activations): `scale[r] = max|x[r]| / 448` (1 for an all-zero row), `code = e4m3(x · (1 /
@@ -22,11 +26,32 @@ pub const FP8_SRC: &str = include_str!("kernels/fp8.cu");
 
 pub use crate::model::fp8::E4M3_MAX;
 
+/// Groups of 8 values a thread of the fused kernels holds (`FQ_CHUNKS` in `kernels/fp8.cu`).
+const FQ_CHUNKS: usize = 4;
+
+/// Threads per block of the fused kernels at most (their `__launch_bounds__`).
+const FQ_THREADS: usize = 512;
+
+/// Threads per row of the fused kernels for rows of `cols` values (a multiple of 8): about two
+/// groups of 8 per thread, at most [`FQ_CHUNKS`]; `None` for a row too wide or not of 8s.
+fn fused_threads(cols: usize) -> Option<u32> {
+    let n8 = cols / 8;
+    let t = n8.div_ceil(2).next_multiple_of(32).clamp(64, FQ_THREADS);
+    (cols.is_multiple_of(8) && cols > 0 && n8 <= t * FQ_CHUNKS).then_some(t as u32)
+}
+
+/// Whether the fused kernels take rows of `hidden` (norms) and `inter` (SiLU·mul) values.
+pub fn fused_supported(hidden: usize, inter: usize) -> bool {
+    fused_threads(hidden).is_some() && fused_threads(inter).is_some()
+}
+
 /// The loaded FP8 kernels.
 pub struct Fp8Kernels {
     quantize: CudaFunction,
     dequantize: CudaFunction,
     scale: CudaFunction,
+    norm: CudaFunction,
+    silu: CudaFunction,
 }
 
 impl Fp8Kernels {
@@ -42,7 +67,59 @@ impl Fp8Kernels {
             quantize: module.load_function("quantize_rows_e4m3").op("load quantize_rows_e4m3")?,
             dequantize: module.load_function("dequantize_rows_e4m3").op("load dequantize_rows_e4m3")?,
             scale: module.load_function("scale_rows_cols").op("load scale_rows_cols")?,
+            norm: module.load_function("add_rmsnorm_fp8io").op("load add_rmsnorm_fp8io")?,
+            silu: module.load_function("silu_mul_fp8io").op("load silu_mul_fp8io")?,
         })
+    }
+
+    /// Enqueues the residual add + RMSNorm of [`NormIo`] (`add_rmsnorm_fp8io`).
+    ///
+    /// # Errors
+    /// [`CudaError::InvalidLaunch`] unless `hidden` is a multiple of 8 the kernel takes
+    /// ([`fused_supported`]) and the vectors are 16-byte aligned (8 bytes for codes);
+    /// [`CudaError`] on launch failure.
+    pub fn add_rmsnorm_fp8io(&self, gpu: &Gpu, a: &NormIo) -> Result<(), CudaError> {
+        let NormIo { x, delta, delta_scales, gain, out, out_scales, rows, blocks, hidden, eps } = *a;
+        let (dxs, dws) = delta_scales.unwrap_or((0, 0));
+        let threads = fused_threads(hidden);
+        let out_align = if out_scales == 0 { 16 } else { 8 };
+        let aligned = [x, delta, dws, gain].iter().all(|p| p.is_multiple_of(16)) && out.is_multiple_of(out_align);
+        let Some(threads) = threads.filter(|_| aligned) else {
+            return Err(CudaError::InvalidLaunch(format!("add_rmsnorm_fp8io: {hidden} columns or unaligned rows")));
+        };
+        if blocks == 0 {
+            return Ok(());
+        }
+        let h = hidden as i32;
+        let mut b = gpu.stream.launch_builder(&self.norm);
+        b.arg(&x).arg(&delta).arg(&dxs).arg(&dws).arg(&gain).arg(&out).arg(&out_scales).arg(&rows).arg(&h).arg(&eps);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the caller passes the shapes of `NormIo`; alignment and width checked above.
+        unsafe { b.launch(cfg) }.map(|_| ()).op("add_rmsnorm_fp8io")
+    }
+
+    /// Enqueues SiLU·mul of [`SiluIo`] (`silu_mul_fp8io`).
+    ///
+    /// # Errors
+    /// [`CudaError::InvalidLaunch`] unless `inter` is a multiple of 8 the kernel takes
+    /// ([`fused_supported`]) and `gu` and the scales are 16-byte aligned; [`CudaError`] on
+    /// launch failure.
+    pub fn silu_mul_fp8io(&self, gpu: &Gpu, a: &SiluIo) -> Result<(), CudaError> {
+        let SiluIo { codes, scales, gu, gu_scales, n, inter } = *a;
+        let (gxs, gws) = gu_scales.unwrap_or((0, 0));
+        let aligned = gu.is_multiple_of(16) && gws.is_multiple_of(16) && codes.is_multiple_of(8);
+        let Some(threads) = fused_threads(inter).filter(|_| aligned) else {
+            return Err(CudaError::InvalidLaunch(format!("silu_mul_fp8io: {inter} columns or unaligned rows")));
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let i = inter as i32;
+        let mut b = gpu.stream.launch_builder(&self.silu);
+        b.arg(&codes).arg(&scales).arg(&gu).arg(&gxs).arg(&gws).arg(&i);
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the caller passes the shapes of `SiluIo`; alignment and width checked above.
+        unsafe { b.launch(cfg) }.map(|_| ()).op("silu_mul_fp8io")
     }
 
     /// Enqueues `y[t, j] *= xs[t] · ws[j]` (see [`ScaleArgs`]).
@@ -130,9 +207,60 @@ pub struct ScaleArgs {
     pub f32_out: bool,
 }
 
+/// Operands of [`Fp8Kernels::add_rmsnorm_fp8io`] (device addresses; 0 for none). Block `b`
+/// of `blocks` handles row `r = rows[b]` (or `b` when `rows` is 0) of the f32 residual stream
+/// `x [*, hidden]`: when `delta` (bf16 `[*, hidden]`) is set, `x[r] += delta[r]`, scaled by
+/// `xs[r] · ws[j]` when `delta_scales = Some((xs, ws))` (an FP8 GEMM's unscaled product: `xs`
+/// its input's per-token scales, `ws` the weight's `hidden` per-channel scales, f32); then
+/// `y = bf16(x[r] · rsqrt(mean(x[r]²) + eps) · gain)` goes to `out[b]` as bf16 when
+/// `out_scales` is 0, else as e4m3 codes (`out [blocks, hidden]` bytes) with the per-token scale
+/// in `out_scales[b]` (f32; the rule of [`quantize_rows`] applied to the bf16 `y`).
+#[derive(Clone, Copy, Debug)]
+pub struct NormIo {
+    pub x: u64,
+    pub delta: u64,
+    pub delta_scales: Option<(u64, u64)>,
+    pub gain: u64,
+    pub out: u64,
+    pub out_scales: u64,
+    pub rows: u64,
+    pub blocks: usize,
+    pub hidden: usize,
+    pub eps: f32,
+}
+
+/// Operands of [`Fp8Kernels::silu_mul_fp8io`]: for each of `n` tokens, `g = gu[t, j]` and
+/// `u = gu[t, inter + j]` (bf16 `[n, 2·inter]`), scaled by `xs[t] · ws[j]` and `xs[t] ·
+/// ws[inter + j]` when `gu_scales = Some((xs, ws))` (gate_up's unscaled FP8 product), `act =
+/// bf16(silu(g) · u)` quantized per token into e4m3 `codes [n, inter]` and f32 `scales [n]` (the
+/// rule of [`quantize_rows`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SiluIo {
+    pub codes: u64,
+    pub scales: u64,
+    pub gu: u64,
+    pub gu_scales: Option<(u64, u64)>,
+    pub n: usize,
+    pub inter: usize,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fused_kernels_take_llama_widths_and_refuse_rows_they_cannot_hold() {
+        // Llama-3-8B: hidden 4,096 (256 threads, 2 groups of 8 each), FFN 14,336 (512, 3.5).
+        assert_eq!(fused_threads(4096), Some(256));
+        assert_eq!(fused_threads(14336), Some(512));
+        assert_eq!(fused_threads(64), Some(64));
+        assert_eq!(fused_threads(16384), Some(512));
+        assert_eq!(fused_threads(16392), None); // more than 4 groups per thread
+        assert_eq!(fused_threads(4100), None); // not a multiple of 8
+        assert_eq!(fused_threads(0), None);
+        assert!(fused_supported(4096, 14336));
+        assert!(!fused_supported(4096, 14340));
+    }
 
     #[test]
     fn encoding_saturates_as_the_devices_satfinite_conversion() {

@@ -2,9 +2,11 @@
 //! `y[n, out] = (xq[n, inp] · xs[n]) · (wq[out, inp] · ws[out])ᵀ` with e4m3 weights and
 //! activations and f32 scales per output channel (`ws`) and per token (`xs`): cuBLASLt computes
 //! the unscaled product of the codes (f32 accumulation, bf16 or f32 output: a quantized lm_head)
-//! and `scale_rows_cols` (`kernels/fp8.cu`) multiplies it by both scales. (cuBLASLt's own
-//! outer-vector scaling, `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`, returned no algorithm
-//! for these shapes on an H200 with CUDA 13.0, measured 2026-12-01.) As the bf16 fast mode, the
+//! and `scale_rows_cols` (`kernels/fp8.cu`) or the product's fused consumer (`fp8_path.rs`)
+//! multiplies it by both scales. (cuBLASLt's own outer-vector scaling,
+//! `CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`, returned no algorithm on an H200 with CUDA 13.0
+//! on 2026-12-01; with the scale pointers set before the heuristic query it did on 2026-12-02
+//! ([`Fp8Gemm::outer_vec_available`]), its speed not measured yet.) As the bf16 fast mode, the
 //! algorithm is cuBLASLt's first heuristic answer per `(n, out, inp)`, cached, with a fixed
 //! workspace (capturable into a CUDA graph).
 
@@ -127,6 +129,14 @@ impl Fp8Gemm {
     }
 
     fn heuristic(&mut self, a: &Fp8GemmArgs) -> Result<lt::cublasLtMatmulAlgo_t, CudaError> {
+        self.heuristic_for(self.desc, a)
+    }
+
+    fn heuristic_for(
+        &mut self,
+        desc: lt::cublasLtMatmulDesc_t,
+        a: &Fp8GemmArgs,
+    ) -> Result<lt::cublasLtMatmulAlgo_t, CudaError> {
         let [la, lb, ld] = self.layouts_for(a)?;
         let mut pref = std::ptr::null_mut();
         // SAFETY: out-pointer to a local.
@@ -147,7 +157,7 @@ impl Fp8Gemm {
         let q = if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             // SAFETY: valid handle, descriptor, layouts; one result slot.
             unsafe {
-                lt::cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, la, lb, ld, ld, pref, 1, &mut res, &mut got)
+                lt::cublasLtMatmulAlgoGetHeuristic(self.handle, desc, la, lb, ld, ld, pref, 1, &mut res, &mut got)
             }
         } else {
             s
@@ -166,6 +176,48 @@ impl Fp8Gemm {
     pub fn supports(&mut self, n: usize, out: usize, inp: usize) -> bool {
         let a = Fp8GemmArgs { y: 0, xq: 0, wq: 0, n, out, inp, f32_out: false };
         self.heuristic(&a).is_ok()
+    }
+
+    /// Whether cuBLASLt has an algorithm for this shape (bf16 output) with its outer-vector
+    /// scaling (`CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F` on A and B: the per-channel ×
+    /// per-token scales applied in the GEMM's epilogue), with or without fast accumulation: the
+    /// probe behind this module's unscaled product (`tests/cuda_fp8.rs` prints it).
+    ///
+    /// # Errors
+    /// [`CudaError`] when the descriptor cannot be made.
+    pub fn outer_vec_available(&mut self, n: usize, out: usize, inp: usize, fast: bool) -> Result<bool, CudaError> {
+        use lt::cublasLtMatmulDescAttributes_t as D;
+        let mut desc = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        lt_err("cublasLtMatmulDescCreate", unsafe {
+            lt::cublasLtMatmulDescCreate(
+                &mut desc,
+                lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                lt::cudaDataType::CUDA_R_32F,
+            )
+        })?;
+        let outer = lt::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
+        // Any device address stands for the scale vectors: the heuristic does not read them.
+        let scales = self.ws.ptr;
+        let set = || -> Result<(), CudaError> {
+            set_desc(
+                desc,
+                D::CUBLASLT_MATMUL_DESC_TRANSA,
+                &(cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T as i32),
+            )?;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &i8::from(fast))?;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scales)?;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scales)
+        };
+        let found = set().map(|()| {
+            let a = Fp8GemmArgs { y: 0, xq: 0, wq: 0, n, out, inp, f32_out: false };
+            self.heuristic_for(desc, &a).is_ok()
+        });
+        // SAFETY: created above, destroyed once.
+        unsafe { lt::cublasLtMatmulDescDestroy(desc) };
+        found
     }
 
     /// Enqueues the unscaled product of the codes on the shard's stream (the caller applies

@@ -116,3 +116,191 @@ extern "C" __global__ void scale_rows_cols(void* __restrict__ y, const float* __
         }
     }
 }
+
+// ---- Fused passes of the FP8 GEMM path (quantize on output, scale on input).
+//
+// The GEMMs write the unscaled product of the codes (bf16); the kernel that reads a product
+// multiplies element (t, j) by xs[t] · ws[j] (the GEMM input's per-token scale times the
+// weight's per-channel scale) in f32 as it loads it, instead of a scale pass rounding it to bf16
+// in between. The kernels that produce a GEMM's input round each value to bf16 (the tensor the
+// unfused path would write) and quantize the row by the rule of quantize_rows_e4m3, so the codes
+// are those quantize_rows_e4m3 gives for those bf16 values. One block per row; each thread holds
+// up to FQ_CHUNKS groups of 8 values in registers across the row's passes; at most FQ_THREADS
+// threads per block (`fp8.rs` picks the count).
+#define FQ_CHUNKS 4
+#define FQ_THREADS 512
+
+__device__ __forceinline__ float fq_block_sum(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = lane < nw ? red[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    __syncthreads();
+    return s;
+}
+
+__device__ __forceinline__ float fq_block_max(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float m = lane < nw ? red[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    __syncthreads();
+    return m;
+}
+
+__device__ __forceinline__ void fq_load_bf16x8(const bf16* p, float* f) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        float2 x = __bfloat1622float2(h[e]);
+        f[2 * e] = x.x;
+        f[2 * e + 1] = x.y;
+    }
+}
+
+__device__ __forceinline__ void fq_load_f32x8(const float* p, float* f) {
+    float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+// Quantizes the block's row of bf16-exact values v (n8 groups of 8, group c = threadIdx.x +
+// k·blockDim.x in v[k]) by the rule of quantize_rows_e4m3 into codes and *scale.
+__device__ __forceinline__ void fq_store_e4m3(float (&v)[FQ_CHUNKS][8], float m, int n8, u8* codes, float* scale,
+                                              float* red) {
+    m = fq_block_max(m, red);
+    const float s = m > 0.f ? m / 448.f : 1.f;
+    const float inv = 1.f / s;
+    if (threadIdx.x == 0) *scale = s;
+#pragma unroll
+    for (int k = 0; k < FQ_CHUNKS; k++) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (c >= n8) break;
+        u8 q[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) q[e] = to_e4m3(v[k][e] * inv);
+        uint2 o;
+        o.x = q[0] | (q[1] << 8) | (q[2] << 16) | ((unsigned)q[3] << 24);
+        o.y = q[4] | (q[5] << 8) | (q[6] << 16) | ((unsigned)q[7] << 24);
+        reinterpret_cast<uint2*>(codes)[c] = o;
+    }
+}
+
+// Residual add + RMSNorm (add_rmsnorm of llama.cu) with the FP8 path's ends: block b handles row
+// r = rows ? rows[b] : b of the f32 residual stream x [*, h]; when delta is set, x[r] += delta[r]
+// · (dxs[r] · dws[j]) (dxs null: delta as it is; delta the unscaled product of an FP8 GEMM); then
+// y = bf16(x[r] · rsqrt(mean(x[r]²) + eps) · gain) goes to out[b] as bf16 when oscale is null,
+// else as e4m3 codes (out [*, h] bytes) with its per-token scale in oscale[b]. h a multiple of 8
+// and at most 8 · FQ_CHUNKS · blockDim.x; x, delta, dws, gain 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(FQ_THREADS)
+    add_rmsnorm_fp8io(float* __restrict__ x, const bf16* __restrict__ delta, const float* __restrict__ dxs,
+                      const float* __restrict__ dws, const bf16* __restrict__ gain, void* __restrict__ out,
+                      float* __restrict__ oscale, const unsigned* __restrict__ rows, int h, float eps) {
+    __shared__ float red[32];
+    const int b = blockIdx.x;
+    const int r = rows ? (int)rows[b] : b;
+    float* xr = x + (u64)r * h;
+    const bf16* dr = delta ? delta + (u64)r * h : nullptr;
+    const float a = dxs ? dxs[r] : 1.f;
+    const int n8 = h >> 3;
+    float v[FQ_CHUNKS][8];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < FQ_CHUNKS; k++) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (c >= n8) break;
+        fq_load_f32x8(xr + c * 8, v[k]);
+        if (dr) {
+            float d[8];
+            fq_load_bf16x8(dr + c * 8, d);
+            if (dxs) {
+                float w[8];
+                fq_load_f32x8(dws + c * 8, w);
+#pragma unroll
+                for (int e = 0; e < 8; e++) d[e] *= a * w[e];
+            }
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[k][e] += d[e];
+            float4* xo = reinterpret_cast<float4*>(xr + c * 8);
+            xo[0] = make_float4(v[k][0], v[k][1], v[k][2], v[k][3]);
+            xo[1] = make_float4(v[k][4], v[k][5], v[k][6], v[k][7]);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; e++) ss += v[k][e] * v[k][e];
+    }
+    ss = fq_block_sum(ss, red);
+    const float inv = rsqrtf(ss / (float)h + eps);
+    float m = 0.f;
+#pragma unroll
+    for (int k = 0; k < FQ_CHUNKS; k++) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (c >= n8) break;
+        float g[8];
+        fq_load_bf16x8(gain + c * 8, g);
+        __nv_bfloat162 o[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            o[e] = __floats2bfloat162_rn(v[k][2 * e] * inv * g[2 * e], v[k][2 * e + 1] * inv * g[2 * e + 1]);
+            float2 f = __bfloat1622float2(o[e]);
+            v[k][2 * e] = f.x;
+            v[k][2 * e + 1] = f.y;
+            m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+        if (!oscale) {
+            uint4* orow = reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(out) + (u64)b * h);
+            orow[c] = *reinterpret_cast<uint4*>(o);
+        }
+    }
+    if (oscale) fq_store_e4m3(v, m, n8, reinterpret_cast<u8*>(out) + (u64)b * h, oscale + b, red);
+}
+
+// SiLU·mul of gate_up's unscaled FP8 product into the down GEMM's input: for token t = blockIdx.x,
+// g = gu[t, j] · (gxs[t] · gws[j]), u = gu[t, inter + j] · (gxs[t] · gws[inter + j]) (gxs null:
+// gu as it is), act = bf16(silu(g) · u) (silu_mul of llama.cu), quantized per token into codes
+// [n, inter] and oscale[t]. inter a multiple of 8 and at most 8 · FQ_CHUNKS · blockDim.x; gu and
+// gws 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(FQ_THREADS)
+    silu_mul_fp8io(u8* __restrict__ codes, float* __restrict__ oscale, const bf16* __restrict__ gu,
+                   const float* __restrict__ gxs, const float* __restrict__ gws, int inter) {
+    __shared__ float red[32];
+    const int t = blockIdx.x;
+    const bf16* row = gu + (u64)t * 2 * inter;
+    const float a = gxs ? gxs[t] : 1.f;
+    const int n8 = inter >> 3;
+    float v[FQ_CHUNKS][8];
+    float m = 0.f;
+#pragma unroll
+    for (int k = 0; k < FQ_CHUNKS; k++) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (c >= n8) break;
+        float g[8], u[8];
+        fq_load_bf16x8(row + c * 8, g);
+        fq_load_bf16x8(row + inter + c * 8, u);
+        if (gxs) {
+            float wg[8], wu[8];
+            fq_load_f32x8(gws + c * 8, wg);
+            fq_load_f32x8(gws + inter + c * 8, wu);
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                g[e] *= a * wg[e];
+                u[e] *= a * wu[e];
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const float y = __bfloat162float(__float2bfloat16_rn(g[e] / (1.f + __expf(-g[e])) * u[e]));
+            v[k][e] = y;
+            m = fmaxf(m, fabsf(y));
+        }
+    }
+    fq_store_e4m3(v, m, n8, codes + (u64)t * inter, oscale + t, red);
+}

@@ -66,23 +66,35 @@ extern "C" __global__ void add_rmsnorm(float* x, const bf16* delta, const bf16* 
 
 // RoPE (rotate-half) on the q and k parts of each fused QKV row, then K and V written to
 // the token's cache slot (bf16, or e4m3 with a per-tensor scale of 1: `rope_kv_write_fp8`).
-// Grid: n tokens.
+// With xs set, the row is the unscaled product of the FP8 QKV GEMM: element j of row t is
+// multiplied by xs[t] · ws[j] (per-token activation scale, per-channel weight scale) as it is
+// read, and the whole row is written back scaled. Grid: n tokens.
 template <bool FP8>
 __device__ __forceinline__ void rope_kv_impl(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
-                                             void* kcv, void* vcv, int qh, int kvh, int hd) {
+                                             void* kcv, void* vcv, int qh, int kvh, int hd, const float* xs,
+                                             const float* ws) {
     int t = blockIdx.x;
     int half = hd / 2;
     u64 qkv_dim = (u64)(qh + 2 * kvh) * hd;
     bf16* row = qkv + (u64)t * qkv_dim;
     float p = (float)pos[t];
+    const float a = xs ? xs[t] : 1.f;
     for (int i = threadIdx.x; i < (qh + kvh) * half; i += blockDim.x) {
         int head = i / half, j = i % half;
         float s, c;
         sincosf(p * inv_freq[j], &s, &c);
         bf16* hp = row + head * hd;
         float x1 = bf2f(hp[j]), x2 = bf2f(hp[j + half]);
+        if (xs) {
+            x1 *= a * ws[head * hd + j];
+            x2 *= a * ws[head * hd + j + half];
+        }
         hp[j] = f2bf(x1 * c - x2 * s);
         hp[j + half] = f2bf(x2 * c + x1 * s);
+    }
+    if (xs) {
+        for (int i = (qh + kvh) * hd + threadIdx.x; i < (int)qkv_dim; i += blockDim.x)
+            row[i] = f2bf(bf2f(row[i]) * (a * ws[i]));
     }
     __syncthreads();
     if (slots[t] == 0xffffffffu) return;  // padding token of a CUDA-graph bucket
@@ -101,12 +113,14 @@ __device__ __forceinline__ void rope_kv_impl(bf16* qkv, const u32* pos, const u3
     }
 }
 extern "C" __global__ void rope_kv_write(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
-                                         bf16* kc, bf16* vc, int qh, int kvh, int hd) {
-    rope_kv_impl<false>(qkv, pos, slots, inv_freq, kc, vc, qh, kvh, hd);
+                                         bf16* kc, bf16* vc, int qh, int kvh, int hd, const float* xs,
+                                         const float* ws) {
+    rope_kv_impl<false>(qkv, pos, slots, inv_freq, kc, vc, qh, kvh, hd, xs, ws);
 }
 extern "C" __global__ void rope_kv_write_fp8(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
-                                             unsigned char* kc, unsigned char* vc, int qh, int kvh, int hd) {
-    rope_kv_impl<true>(qkv, pos, slots, inv_freq, kc, vc, qh, kvh, hd);
+                                             unsigned char* kc, unsigned char* vc, int qh, int kvh, int hd,
+                                             const float* xs, const float* ws) {
+    rope_kv_impl<true>(qkv, pos, slots, inv_freq, kc, vc, qh, kvh, hd, xs, ws);
 }
 
 #define ATTN_WARPS 8
