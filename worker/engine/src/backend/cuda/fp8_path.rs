@@ -5,14 +5,14 @@
 //! Unfused, a product takes three kernels: the activation quantization, the GEMM (the unscaled
 //! product of the codes) and `scale_rows_cols` (its per-token × per-channel scales). Fused
 //! ([`Fp8Path::fused_io`], Llama layers on one GPU), the kernels around the GEMMs do that work
-//! as they read and write the rows anyway (vLLM's and TensorRT-LLM's "quantize on output,
-//! scale on input" fusions): the residual add + RMSNorm writes the QKV and gate_up inputs as
-//! e4m3 with their scales and SiLU·mul the down input (`kernels/fp8.cu`), and the consumers of
-//! the products apply the scales as they load them: `rope_kv_write` for QKV, SiLU·mul for
-//! gate_up, the next residual add for o_proj and down. Only o_proj's input (the attention
-//! output) and the lm_head keep a separate quantization / scale pass. The activation codes are
-//! those of the unfused path for the same bf16 activations (one rounding fewer on the products:
-//! no bf16 copy of the scaled product in between).
+//! as they read and write the rows anyway: they quantize on output (as vLLM's fused RMSNorm +
+//! dynamic per-token quantization) and scale on input. The residual add + RMSNorm writes the
+//! QKV and gate_up inputs as e4m3 with their scales and SiLU·mul the down input
+//! (`kernels/fp8.cu`); the readers of the products apply the scales as they load them:
+//! `rope_kv_write` for QKV, SiLU·mul for gate_up, the next residual add for o_proj and down.
+//! Only o_proj's input (the attention output) and the lm_head keep a separate quantization /
+//! scale pass. The activation codes are those of the unfused path for the same bf16
+//! activations (one rounding fewer on the products: no bf16 copy of the scaled product).
 
 use super::device::{DevBuf, GemmArgs, GemmShape, Gpu};
 use super::error::CudaError;
