@@ -6,7 +6,9 @@
 //!
 //! Run: `cargo bench -p prism-engine --profile dev --bench cpu_decode`. Env: `PRISM_MODEL`
 //! (default `models/gemma-3-270m-q4_k_m.gguf`), `PRISM_BENCH_DECODE_TOKENS` (default 64),
-//! `PRISM_BENCH_ROUNDS` (decode runs from the same prompt, default 3).
+//! `PRISM_BENCH_ROUNDS` (decode runs from the same prompt, default 3), `PRISM_BENCH_AB`
+//! (set: odd rounds run with `PRISM_CPU_NO_AVX512=1`, the AVX2 kernels),
+//! `PRISM_BENCH_KERNELS` (set: first a table of each matrix kind's batch-1 time).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -38,14 +40,26 @@ fn step(tokens: &[u32], start: usize) -> StepBatch {
     b
 }
 
+/// Sets or clears `PRISM_CPU_NO_AVX512` (read by the kernels on every product).
+fn set_avx2(on: bool) {
+    // SAFETY: set between products, while no other thread of the bench reads the
+    // environment (rayon's workers are idle).
+    unsafe {
+        match on {
+            true => std::env::set_var("PRISM_CPU_NO_AVX512", "1"),
+            false => std::env::remove_var("PRISM_CPU_NO_AVX512"),
+        }
+    }
+}
+
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 fn main() -> Result<()> {
-    let model = std::env::var_os("PRISM_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/gemma-3-270m-q4_k_m.gguf")
-    });
+    let model = std::env::var_os("PRISM_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/gemma-3-270m-q4_k_m.gguf"));
     let tokens = env("PRISM_BENCH_DECODE_TOKENS", 64);
     let rounds = env("PRISM_BENCH_ROUNDS", 3);
     let m = load_model_with(&ModelSource::detect(&model)?, None, LoadOptions { keep_quantized: true })?;
@@ -56,7 +70,12 @@ fn main() -> Result<()> {
     let mut be = CpuBackend::new(m.weights, &m.config, 64 << 20, BLOCK)?;
     println!("model: {} ({} rayon threads)", model.display(), rayon::current_num_threads());
     let prompt: Vec<u32> = (0..16).map(|i| 1000 + i * 37).collect();
+    let ab = std::env::var_os("PRISM_BENCH_AB").is_some();
     for round in 0..rounds {
+        let avx2 = ab && round % 2 == 1;
+        if ab {
+            set_avx2(avx2);
+        }
         let mut tok = argmax(&be.forward(&step(&prompt, 0))?.data);
         let mut steps = Vec::with_capacity(tokens);
         for i in 0..tokens {
@@ -69,58 +88,79 @@ fn main() -> Result<()> {
         let median = steps[steps.len() / 2];
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         println!(
-            "round {round}: decode step median {:.2} ms (best {:.2} ms) = {:.1} tokens/s",
+            "round {round}{}: decode step median {:.2} ms (best {:.2} ms) = {:.1} tokens/s",
+            if avx2 { " (AVX2)" } else { "" },
             ms(median),
             ms(steps[0]),
             1.0 / median.as_secs_f64()
         );
     }
     let long: Vec<u32> = (0..512).map(|i| 1000 + (i * 7919) % 50_000).collect();
-    let t = Instant::now();
-    be.forward(&step(&long, 0))?;
-    println!("prefill, 512 tokens: {:.0} tokens/s", 512.0 / t.elapsed().as_secs_f64());
+    for avx2 in if ab { vec![false, true] } else { vec![false] } {
+        set_avx2(avx2);
+        let t = Instant::now();
+        be.forward(&step(&long, 0))?;
+        let tps = 512.0 / t.elapsed().as_secs_f64();
+        println!("prefill, 512 tokens{}: {tps:.0} tokens/s", if avx2 { " (AVX2)" } else { "" });
+    }
     Ok(())
 }
 
 /// Batch-1 time of each matrix kind of the model (as the CPU backend packs it: ggml
 /// numerics' 8-bit activations), every layer's copy in turn so the weights stream from
-/// memory as in a decode step; prints µs per call and weight GB/s.
+/// memory as in a decode step: µs per call (fastest of seven rounds) and weight GB/s, with
+/// the CPU's best kernels and with `PRISM_CPU_NO_AVX512=1` (AVX2), rounds alternating
+/// between the two so that the machine's load hits both alike.
 fn kernels(w: &prism_engine::model::LlamaWeights) {
     use prism_engine::backend::cpu::qmatmul::{PackedWeight, matmul};
-    let kinds: [(&str, fn(&prism_engine::model::LayerWeights) -> Vec<prism_engine::model::Linear>); 4] = [
+    use prism_engine::model::{LayerWeights, Linear};
+    let kinds: [(&str, fn(&LayerWeights) -> Vec<Linear>); 4] = [
         ("qkv", |l| vec![l.q_proj.clone(), l.k_proj.clone(), l.v_proj.clone()]),
         ("o_proj", |l| vec![l.o_proj.clone()]),
         ("gate_up", |l| vec![l.gate_proj.clone(), l.up_proj.clone()]),
         ("down", |l| vec![l.down_proj.clone()]),
     ];
-    let mut sets: Vec<(String, Vec<PackedWeight>)> = kinds
+    let mut sets: Vec<(&str, usize, Vec<PackedWeight>)> = kinds
         .iter()
-        .map(|(name, parts)| (name.to_string(), w.layers.iter().map(|l| PackedWeight::stack_q8(parts(l))).collect()))
+        .map(|(name, parts)| {
+            let inp = parts(&w.layers[0])[0].in_features;
+            (*name, inp, w.layers.iter().map(|l| PackedWeight::stack_q8(parts(l))).collect())
+        })
         .collect();
-    sets.push(("lm_head".into(), vec![PackedWeight::stack_q8(vec![w.embed_tokens.clone()])]));
-    println!("| matrix | out × inp | µs per call | weight GB/s |");
-    println!("| --- | --- | --- | --- |");
-    for (name, ws) in &sets {
-        let inp = w.embed_tokens.in_features.max(ws[0].out_features().min(0));
-        let inp = match name.as_str() {
-            "o_proj" => w.layers[0].o_proj.in_features,
-            "down" => w.layers[0].down_proj.in_features,
-            _ => inp,
-        };
-        let x: Vec<f32> = (0..inp).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect();
+    sets.push(("lm_head", w.embed_tokens.in_features, vec![PackedWeight::stack_q8(vec![w.embed_tokens.clone()])]));
+    let no_avx512 = std::env::var_os("PRISM_CPU_NO_AVX512");
+    println!("| matrix | out × inp | µs per call (best) | µs per call (AVX2) | GB/s (best) | GB/s (AVX2) |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for (name, inp, ws) in &sets {
+        let x: Vec<f32> = (0..*inp).map(|i| ((i * 13 % 29) as f32 - 14.0) / 7.0).collect();
         let mut y = vec![0f32; ws[0].out_features()];
-        let reps = (400 / ws.len()).max(1);
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
+        let t = Instant::now();
+        for p in ws {
+            matmul(&x, 1, p, &mut y);
+        }
+        // About 0.1 s per round.
+        let reps = (0.1 / t.elapsed().as_secs_f64()).ceil() as usize;
+        let mut best = [f64::INFINITY; 2];
+        for round in 0..14 {
+            set_avx2(round % 2 == 1);
             let t = Instant::now();
             for _ in 0..reps {
                 for p in ws {
                     matmul(&x, 1, p, &mut y);
                 }
             }
-            best = best.min(t.elapsed().as_secs_f64() / (reps * ws.len()) as f64);
+            let b = &mut best[round % 2];
+            *b = b.min(t.elapsed().as_secs_f64() / (reps * ws.len()) as f64);
         }
-        let bytes = ws[0].size_bytes() as f64;
-        println!("| {name} | {} × {inp} | {:.1} | {:.1} |", ws[0].out_features(), best * 1e6, bytes / best / 1e9);
+        let gbs = |s: f64| ws[0].size_bytes() as f64 / s / 1e9;
+        println!(
+            "| {name} | {} × {inp} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            ws[0].out_features(),
+            best[0] * 1e6,
+            best[1] * 1e6,
+            gbs(best[0]),
+            gbs(best[1])
+        );
     }
+    set_avx2(no_avx512.is_some());
 }
