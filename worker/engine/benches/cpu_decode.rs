@@ -114,7 +114,8 @@ fn main() -> Result<()> {
 fn kernels(w: &prism_engine::model::LlamaWeights) {
     use prism_engine::backend::cpu::qmatmul::{PackedWeight, matmul};
     use prism_engine::model::{LayerWeights, Linear};
-    let kinds: [(&str, fn(&LayerWeights) -> Vec<Linear>); 4] = [
+    type Parts = fn(&LayerWeights) -> Vec<Linear>;
+    let kinds: [(&str, Parts); 4] = [
         ("qkv", |l| vec![l.q_proj.clone(), l.k_proj.clone(), l.v_proj.clone()]),
         ("o_proj", |l| vec![l.o_proj.clone()]),
         ("gate_up", |l| vec![l.gate_proj.clone(), l.up_proj.clone()]),
