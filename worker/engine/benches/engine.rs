@@ -8,7 +8,8 @@
 //!
 //! Run: `cargo bench -p prism-engine --bench engine` (or `--profile dev`, whose engine and
 //! dependencies are optimised too). Env: `PRISM_MODEL` (default: the bundled GGUF),
-//! `PRISM_BENCH_DECODE_TOKENS` (default 64).
+//! `PRISM_BENCH_DECODE_TOKENS` (default 64), `PRISM_BENCH_QUICK` (set: only prefill and
+//! batch-1 decode, three decode runs, no batch 8/32 and no prefix-cache trace).
 
 use anyhow::{Context, Result};
 use prism_engine::{EngineConfig, EngineHandle, EngineRequest, Prompt, SamplingParams};
@@ -103,8 +104,10 @@ fn main() -> Result<()> {
     }
     let prefill_tps = 512.0 / prefill.as_secs_f64();
 
+    let quick = std::env::var_os("PRISM_BENCH_QUICK").is_some();
+    let batches: &[usize] = if quick { &[1, 1, 1] } else { &[1, 8, 32] };
     let mut rows = Vec::new();
-    for batch in [1usize, 8, 32] {
+    for &batch in batches {
         let (tps, ttft) = decode(&e, &short, batch, tokens)?;
         rows.push((batch, tps, ttft));
     }
@@ -124,12 +127,15 @@ fn main() -> Result<()> {
     for (b, tps, ttft) in &rows {
         println!("| decode, batch {b} | {tps:.1} tokens/s aggregate (first TTFT {:.0} ms) |", ttft.as_secs_f64() * 1e3);
     }
-    if let (Some(b1), Some(b32)) = (rows.first(), rows.last()) {
+    if let (Some(b1), Some(b32)) = (rows.first(), rows.last().filter(|r| r.0 == 32)) {
         println!("| batch 32 / batch 1 | {:.1}x |", b32.1 / b1.1);
     }
     println!("| resident memory | {rss_mib:.0} MiB (peak {hwm_mib:.0} MiB, KV cache reserved up front) |");
     println!("| KV bytes per token | {} |", info.kv_bytes_per_token);
     println!("| preemptions during run | {} |", st.num_preemptions_total);
+    if quick {
+        return Ok(());
+    }
 
     let mut on = Vec::new();
     let mut off = Vec::new();

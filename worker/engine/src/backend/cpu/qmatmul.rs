@@ -28,6 +28,8 @@ mod kscales;
 pub mod q8;
 #[cfg(target_arch = "x86_64")]
 mod q8_avx2;
+#[cfg(target_arch = "x86_64")]
+mod q8_avx512;
 #[cfg(test)]
 mod q8_tests;
 
@@ -346,29 +348,35 @@ fn matmul_q8(x: &[f32], n: usize, w: &PackedWeight, y: &mut [f32]) {
     let Some(kind) = parts[0].1.act else { unreachable!("matmul_q8 without activation blocks") };
     let mut a = q8::QuantRows::default();
     q8::quantize(x, n, w.inp, kind, &mut a);
-    let avx2 = best_isa() != Isa::Scalar;
+    let kernels = q8::Kernels::best();
     let threads = rayon::current_num_threads().max(1);
     let yp = OutPtr(y.as_mut_ptr());
     let out_total = w.out;
-    for (col0, p) in parts {
-        let chunk = (p.out / (threads * 8)).clamp(16, 512).next_multiple_of(8);
-        let chunks = p.out.div_ceil(chunk);
-        let row_blocks = n.div_ceil(ROW_BLOCK);
-        let a = &a;
-        (0..chunks * row_blocks).into_par_iter().for_each(|task| {
-            let (rb, c) = (task / chunks, task % chunks);
-            let (t0, j0) = (rb * ROW_BLOCK, c * chunk);
-            let rows = ROW_BLOCK.min(n - t0);
-            let j1 = (j0 + chunk).min(p.out);
-            // SAFETY: `y` holds `n * out` values; this task writes rows `t0..t0 + rows`,
-            // columns `col0 + j0..col0 + j1`, which lie inside it; `a` holds `n` rows
-            // quantized for `p`'s format; the ISA is the CPU's.
-            unsafe {
-                let out = q8::Out { y: yp.get().add(t0 * out_total + col0 + j0), stride: out_total };
-                q8::run(&p.block_rows(), a, (t0, rows), (j0, j1), &out, avx2);
-            }
-        });
-    }
+    // Every part's chunks of output features, run in one parallel region (one dispatch
+    // per product, not one per part).
+    let chunks: Vec<(usize, usize, usize)> = parts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (_, p))| {
+            let chunk = (p.out / (threads * 8)).clamp(16, 512).next_multiple_of(8);
+            (0..p.out.div_ceil(chunk)).map(move |c| (i, c * chunk, ((c + 1) * chunk).min(p.out)))
+        })
+        .collect();
+    let row_blocks = n.div_ceil(ROW_BLOCK);
+    let a = &a;
+    (0..chunks.len() * row_blocks).into_par_iter().for_each(|task| {
+        let (rb, (i, j0, j1)) = (task / chunks.len(), chunks[task % chunks.len()]);
+        let (col0, p) = parts[i];
+        let t0 = rb * ROW_BLOCK;
+        let rows = ROW_BLOCK.min(n - t0);
+        // SAFETY: `y` holds `n * out` values; this task writes rows `t0..t0 + rows`,
+        // columns `col0 + j0..col0 + j1`, which lie inside it; `a` holds `n` rows
+        // quantized for `p`'s format; the kernels are the CPU's.
+        unsafe {
+            let out = q8::Out { y: yp.get().add(t0 * out_total + col0 + j0), stride: out_total };
+            q8::run(&p.block_rows(), a, (t0, rows), (j0, j1), &out, kernels);
+        }
+    });
 }
 
 /// Computes `y[.., j0..j1]` for all `n` rows.
@@ -720,6 +728,14 @@ mod tests_support {
             GgmlType::Q8K => (&[], Some(0)),
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => (&[], None),
         }
+    }
+
+    /// The bytes of the f16 / f32 scale fields in one block of `ty`.
+    pub(super) fn scale_offsets(ty: GgmlType) -> Vec<usize> {
+        let (f16s, f32_at) = scale_fields(ty);
+        let mut v: Vec<usize> = f16s.iter().flat_map(|&o| [o, o + 1]).collect();
+        v.extend(f32_at.into_iter().flat_map(|o| o..o + 4));
+        v
     }
 
     /// A `[out, inp]` weight of `ty`: pseudo-random quant bytes, small finite scales.

@@ -10,7 +10,8 @@
 //! f32 product of the dequantized weight (see [`super`] for that path).
 //!
 //! [`quantize`] writes the activation blocks; [`dot_scalar`] is the portable kernel (and
-//! the tests' reference); `q8_avx2` holds the AVX2 kernels, which give the same bits.
+//! the tests' reference); `q8_avx2` and `q8_avx512` hold the AVX2 and AVX-512 kernels,
+//! which give the same bits.
 
 use super::job::reduce_lanes;
 use super::k4::k4_scales_mins;
@@ -237,8 +238,37 @@ pub fn dot_scalar(fmt: GgmlType, w: &[u8], qs: &[i8], d: &[f32], bsums: &[i16]) 
     }
 }
 
-/// Rows of activations per weight-row visit in the AVX2 kernels.
+/// Rows of activations per weight-row visit in the SIMD kernels.
 const TILE: usize = 4;
+
+/// Which kernels [`run`] takes (all give the same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kernels {
+    /// [`dot_scalar`].
+    Scalar,
+    /// `q8_avx2` (AVX2, FMA, F16C).
+    Avx2,
+    /// `q8_avx512` (AVX-512F/BW/VNNI as well); `q8_avx2` for a last odd weight row of the
+    /// 32-weight formats.
+    Avx512,
+}
+
+impl Kernels {
+    /// The fastest this CPU runs (`PRISM_CPU_NO_AVX512=1`: AVX2 at most).
+    pub(super) fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::is_x86_feature_detected as has;
+            if super::q8_avx512::available() {
+                return Self::Avx512;
+            }
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                return Self::Avx2;
+            }
+        }
+        Self::Scalar
+    }
+}
 
 /// A weight's rows of GGUF blocks.
 pub(super) struct BlockRows<'a> {
@@ -256,66 +286,127 @@ pub(super) struct Out {
 }
 
 /// `y[t - t0, j - j0] = w[j] · a[t]` for rows `t0..t0 + n` of `a` and features `j0..j1`
-/// of `w`, with the AVX2 kernels when `avx2`.
+/// of `w`, with `kernels`.
 ///
 /// # Safety
 /// `out` points at `n` rows of `out.stride` values, `j1 <= w.out`, `j1 - j0 <= out.stride`;
-/// `a` holds `n` rows of `w.inp` values quantized for `w`'s format; AVX2, FMA and F16C
-/// present when `avx2`.
+/// `a` holds `n` rows of `w.inp` values quantized for `w`'s format; the CPU has what
+/// `kernels` needs ([`Kernels::best`] or below).
 pub(super) unsafe fn run(
     w: &BlockRows<'_>,
     a: &QuantRows,
     (t0, n): (usize, usize),
     (j0, j1): (usize, usize),
     out: &Out,
-    avx2: bool,
+    kernels: Kernels,
 ) {
     let Some(kind) = ActBlocks::for_format(w.ty) else { unreachable!("run: {:?} has no 8-bit path", w.ty) };
-    let (y, y_stride) = (out.y, out.stride);
-    let rb = w.row_bytes;
-    let nb = w.inp / kind.block();
-    let wrow = |j: usize| &w.bytes[j * rb..(j + 1) * rb];
     let mut t = 0;
     #[cfg(target_arch = "x86_64")]
-    if avx2 {
+    if kernels != Kernels::Scalar {
         while t + TILE <= n {
             let rows: [(&[i8], &[f32], &[i16]); TILE] = std::array::from_fn(|r| a.row(t0 + t + r, kind));
-            for j in j0..j1 {
-                // SAFETY: AVX2/FMA/F16C present; the row and activation lengths are as the
-                // kernels need (`row` slices them); `y[t + r, j - j0]` is in bounds.
-                unsafe {
-                    let out = tile::<TILE>(w.ty, wrow(j).as_ptr(), nb, &rows);
-                    for (r, v) in out.into_iter().enumerate() {
-                        *y.add((t + r) * y_stride + j - j0) = v;
-                    }
-                }
-            }
+            // SAFETY: rows `t..t + TILE` of `out` exist (caller); the rest as documented.
+            unsafe { row_tile(w, &rows, (j0, j1), out.y.add(t * out.stride), out.stride, kernels) };
             t += TILE;
         }
         while t < n {
             let rows = [a.row(t0 + t, kind)];
-            for j in j0..j1 {
-                // SAFETY: as above.
-                unsafe { *y.add(t * y_stride + j - j0) = tile::<1>(w.ty, wrow(j).as_ptr(), nb, &rows)[0] };
-            }
+            // SAFETY: as above.
+            unsafe { row_tile(w, &rows, (j0, j1), out.y.add(t * out.stride), out.stride, kernels) };
             t += 1;
         }
         return;
     }
-    let _ = avx2;
+    let rb = w.row_bytes;
     for t in t..n {
         let (qs, d, bsums) = a.row(t0 + t, kind);
         for j in j0..j1 {
             // SAFETY: `y[t, j - j0]` is in bounds (caller).
-            unsafe { *y.add(t * y_stride + j - j0) = dot_scalar(w.ty, wrow(j), qs, d, bsums) };
+            unsafe {
+                *out.y.add(t * out.stride + j - j0) = dot_scalar(w.ty, &w.bytes[j * rb..(j + 1) * rb], qs, d, bsums)
+            };
         }
     }
 }
 
-/// One weight row against `R` activation rows with the AVX2 kernel of `fmt`.
+/// `y[r, j - j0]` for the `R` activation `rows` and features `j0..j1`: two weight rows at
+/// a time with the AVX-512 kernels of the 32-weight formats, else one.
 ///
 /// # Safety
-/// AVX2, FMA and F16C present; `w` holds `nb` blocks of `fmt`, the rows `nb` blocks each.
+/// As [`run`] with `kernels` not `Scalar`; `y` points at `R` rows of `stride` values.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn row_tile<const R: usize>(
+    w: &BlockRows<'_>,
+    rows: &[(&[i8], &[f32], &[i16]); R],
+    (j0, j1): (usize, usize),
+    y: *mut f32,
+    stride: usize,
+    kernels: Kernels,
+) {
+    let rb = w.row_bytes;
+    let nb = w.inp / ActBlocks::for_format(w.ty).map_or(QK, ActBlocks::block);
+    let wrow = |j: usize| w.bytes[j * rb..(j + 1) * rb].as_ptr();
+    let put = |j: usize, r: usize, v: f32| {
+        // SAFETY: `j0 <= j < j1` and `r < R`: inside `y` (caller).
+        unsafe { *y.add(r * stride + j - j0) = v };
+    };
+    let mut j = j0;
+    if kernels == Kernels::Avx512 && matches!(w.ty, GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0) {
+        let yq: [*const i8; R] = std::array::from_fn(|r| rows[r].0.as_ptr());
+        let yd: [*const f32; R] = std::array::from_fn(|r| rows[r].1.as_ptr());
+        while j + 2 <= j1 {
+            // SAFETY: rows `j` and `j + 1` exist (`j + 2 <= j1 <= w.out`); AVX-512 present.
+            let o = unsafe { pair::<R>(w.ty, wrow(j), rb, nb, yq, yd) };
+            for (i, r) in (0..2).flat_map(|i| (0..R).map(move |r| (i, r))) {
+                put(j + i, r, o[i][r]);
+            }
+            j += 2;
+        }
+    }
+    for j in j..j1 {
+        // SAFETY: row `j` exists; the CPU has what `kernels` needs.
+        let o = unsafe { tile::<R>(w.ty, wrow(j), nb, rows, kernels) };
+        for (r, v) in o.into_iter().enumerate() {
+            put(j, r, v);
+        }
+    }
+}
+
+/// Weight rows `w` and `w + stride` of a 32-weight format times `R` Q8_0 rows with the
+/// AVX-512 kernel.
+///
+/// # Safety
+/// AVX-512F/BW/VL/VNNI, AVX2, FMA, F16C present; two rows of `nb` blocks at `w`, `stride`
+/// bytes apart; `y[r]` `32·nb` quants, `yd[r]` `nb` scales.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pair<const R: usize>(
+    fmt: GgmlType,
+    w: *const u8,
+    stride: usize,
+    nb: usize,
+    y: [*const i8; R],
+    yd: [*const f32; R],
+) -> [[f32; R]; 2] {
+    use super::q8_avx512::{self as k, dot_q8_0};
+    // SAFETY: as documented.
+    unsafe {
+        match fmt {
+            GgmlType::Q4_0 => dot_q8_0::<k::Q40, R>(w, stride, nb, y, yd),
+            GgmlType::Q5_0 => dot_q8_0::<k::Q50, R>(w, stride, nb, y, yd),
+            GgmlType::Q8_0 => dot_q8_0::<k::Q80, R>(w, stride, nb, y, yd),
+            _ => unreachable!("pair: {fmt:?} is not a 32-weight format"),
+        }
+    }
+}
+
+/// One weight row against `R` activation rows with the SIMD kernel of `fmt`.
+///
+/// # Safety
+/// The CPU has what `kernels` (not `Scalar`) needs; `w` holds `nb` blocks of `fmt`, the
+/// rows `nb` blocks each.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn tile<const R: usize>(
@@ -323,17 +414,23 @@ unsafe fn tile<const R: usize>(
     w: *const u8,
     nb: usize,
     rows: &[(&[i8], &[f32], &[i16]); R],
+    kernels: Kernels,
 ) -> [f32; R] {
     use super::q8_avx2::{self as k, dot_k, dot_q8_0};
+    use super::q8_avx512 as wide;
     let y: [*const i8; R] = std::array::from_fn(|r| rows[r].0.as_ptr());
     let yd: [*const f32; R] = std::array::from_fn(|r| rows[r].1.as_ptr());
     let bs: [*const i16; R] = std::array::from_fn(|r| rows[r].2.as_ptr());
+    let avx512 = kernels == Kernels::Avx512;
     // SAFETY: as documented.
     unsafe {
         match fmt {
             GgmlType::Q4_0 => dot_q8_0::<k::Q40, R>(w, nb, y, yd),
             GgmlType::Q5_0 => dot_q8_0::<k::Q50, R>(w, nb, y, yd),
             GgmlType::Q8_0 => dot_q8_0::<k::Q80, R>(w, nb, y, yd),
+            GgmlType::Q4K if avx512 => wide::dot_k::<k::Q4K, R>(w, nb, y, yd, bs),
+            GgmlType::Q5K if avx512 => wide::dot_k::<k::Q5K, R>(w, nb, y, yd, bs),
+            GgmlType::Q6K if avx512 => wide::dot_k::<k::Q6K, R>(w, nb, y, yd, bs),
             GgmlType::Q4K => dot_k::<k::Q4K, R>(w, nb, y, yd, bs),
             GgmlType::Q5K => dot_k::<k::Q5K, R>(w, nb, y, yd, bs),
             GgmlType::Q6K => dot_k::<k::Q6K, R>(w, nb, y, yd, bs),

@@ -10,7 +10,7 @@ use crate::model::gguf::dequant_k::{Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K};
 
 /// ggml's `hsum_float_8`: `(l0+l4) + (l2+l6)` and `(l1+l5) + (l3+l7)`, then their sum.
 #[inline(always)]
-unsafe fn hsum8(v: __m256) -> f32 {
+pub(super) unsafe fn hsum8(v: __m256) -> f32 {
     // SAFETY: AVX present (caller).
     unsafe {
         let q = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));

@@ -1,5 +1,5 @@
-//! The 8-bit-activation path ([`super::q8`]): the AVX2 kernels give the scalar kernel's
-//! bits for every format, row tile and batch; a row's value does not depend on the batch;
+//! The 8-bit-activation path ([`super::q8`]): the AVX2 and AVX-512 kernels give the scalar
+//! kernel's bits for every format, row tile, weight-row count and batch; a row's value does not depend on the batch;
 //! the activation quantization follows ggml's formulas; products stay close to the f32
 //! product; a fused weight of mixed formats equals its parts.
 
@@ -14,35 +14,77 @@ fn input(n: usize, inp: usize) -> Vec<f32> {
     (0..n * inp).map(|i| (((i * 7919) % 1013) as f32 - 506.0) / 97.0 * if i % 11 == 0 { 4.0 } else { 1.0 }).collect()
 }
 
-fn run_with(w: &PackedWeight, x: &[f32], n: usize, avx2: bool) -> Vec<f32> {
+fn run_with(w: &PackedWeight, x: &[f32], n: usize, kernels: q8::Kernels) -> Vec<f32> {
     let kind = ActBlocks::for_format(w.fmt.ggml()).expect("8-bit path");
     let mut a = QuantRows::default();
     quantize(x, n, w.inp, kind, &mut a);
     let mut y = vec![0f32; n * w.out];
     let out = q8::Out { y: y.as_mut_ptr(), stride: w.out };
-    // SAFETY: `y` holds `n * out` values, `a` `n` rows for `w`; AVX2 only when present.
-    unsafe { q8::run(&w.block_rows(), &a, (0, n), (0, w.out), &out, avx2) };
+    // SAFETY: `y` holds `n * out` values, `a` `n` rows for `w`; only kernels the CPU has.
+    unsafe { q8::run(&w.block_rows(), &a, (0, n), (0, w.out), &out, kernels) };
     y
 }
 
+/// The kernels this CPU runs, scalar first.
+fn kernels() -> Vec<q8::Kernels> {
+    use q8::Kernels::*;
+    match q8::Kernels::best() {
+        Avx512 => vec![Scalar, Avx2, Avx512],
+        Avx2 => vec![Scalar, Avx2],
+        Scalar => vec![Scalar],
+    }
+}
+
 #[test]
-fn avx2_equals_scalar_and_rows_do_not_depend_on_the_batch() {
-    let avx2 = best_isa() != Isa::Scalar;
+fn simd_kernels_equal_scalar_and_rows_do_not_depend_on_the_batch() {
+    let best = q8::Kernels::best();
     for ty in TYPES {
-        let (out, inp) = (13, 512);
-        let w = PackedWeight::stack_q8(vec![random_linear(ty, out, inp, 11)]);
-        assert!(w.activation_blocks().is_some(), "{ty:?}");
-        for n in [1, 3, 4, 9] {
-            let x = input(n, inp);
-            let scalar = run_with(&w, &x, n, false);
-            if avx2 {
-                assert_eq!(run_with(&w, &x, n, true), scalar, "{ty:?} n={n}");
+        // 13, 14, 15 and 16 weight rows: the AVX-512 kernels' groups of four, a pair and a
+        // single row all occur.
+        for out in 13..=16 {
+            let inp = 512;
+            let w = PackedWeight::stack_q8(vec![random_linear(ty, out, inp, 11 + out as u64)]);
+            assert!(w.activation_blocks().is_some(), "{ty:?}");
+            for n in [1, 3, 4, 9] {
+                let x = input(n, inp);
+                let scalar = run_with(&w, &x, n, q8::Kernels::Scalar);
+                for k in kernels() {
+                    assert_eq!(run_with(&w, &x, n, k), scalar, "{ty:?} {k:?} out={out} n={n}");
+                }
+                let mut y = vec![0f32; n * out];
+                matmul(&x, n, &w, &mut y);
+                assert_eq!(y, scalar, "{ty:?} n={n}: matmul");
+                let last = run_with(&w, &x[(n - 1) * inp..], 1, best);
+                assert_eq!(last.as_slice(), &y[(n - 1) * out..], "{ty:?} n={n}: last row alone");
             }
-            let mut y = vec![0f32; n * out];
-            matmul(&x, n, &w, &mut y);
-            assert_eq!(y, scalar, "{ty:?} n={n}: matmul");
-            let last = run_with(&w, &x[(n - 1) * inp..], 1, avx2);
-            assert_eq!(last.as_slice(), &y[(n - 1) * out..], "{ty:?} n={n}: last row alone");
+        }
+    }
+}
+
+#[test]
+fn simd_kernels_equal_scalar_at_extreme_quants() {
+    // Activations at ±127 everywhere (blocks of one magnitude) against weight bytes of all
+    // ones or all zeros: the largest integer sums each kernel forms.
+    for ty in TYPES {
+        let (out, inp) = (6, 256);
+        for fill in [0x00u8, 0xFF, 0x80, 0x7F] {
+            let mut l = random_linear(ty, out, inp, 3);
+            let q = l.quant.as_mut().expect("quantized");
+            let (_, bb) = ty.block_layout();
+            let keep = super::tests_support::scale_offsets(ty);
+            for blk in q.bytes.chunks_exact_mut(bb) {
+                for (i, b) in blk.iter_mut().enumerate() {
+                    if !keep.contains(&i) {
+                        *b = fill;
+                    }
+                }
+            }
+            let w = PackedWeight::stack_q8(vec![l]);
+            let x: Vec<f32> = (0..2 * inp).map(|i| if i % 3 == 0 { -1.0 } else { 1.0 }).collect();
+            let scalar = run_with(&w, &x, 2, q8::Kernels::Scalar);
+            for k in kernels() {
+                assert_eq!(run_with(&w, &x, 2, k), scalar, "{ty:?} {k:?} fill={fill:#x}");
+            }
         }
     }
 }
