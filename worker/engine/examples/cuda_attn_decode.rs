@@ -42,6 +42,9 @@ fn main() {
 }
 
 #[cfg(feature = "cuda")]
+#[path = "support/cold_timing.rs"]
+mod cold_timing;
+#[cfg(feature = "cuda")]
 #[path = "support/splitmix.rs"]
 #[allow(dead_code)]
 mod splitmix;
@@ -52,7 +55,7 @@ mod check {
 
     use anyhow::{Context, Result};
     use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-    use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg, result};
+    use cudarc::driver::{CudaEvent, LaunchConfig, PushKernelArg};
     use prism_engine::backend::cuda::attn_decode::{
         AttnShape, DecodeArgs, DecodeAttention, INVARIANT_SPLIT_CAP, grid_splits, splits_for,
     };
@@ -69,6 +72,7 @@ mod check {
     const SENTINEL: f32 = 1000.0;
     const MAX_TOKENS: usize = 256;
 
+    use crate::cold_timing::time_cold;
     use crate::splitmix::Rng;
 
     fn bf16_to_f32(b: u16) -> f32 {
@@ -602,29 +606,6 @@ mod check {
 
     fn events(gpu: &Gpu, k: usize) -> Result<Vec<CudaEvent>> {
         (0..k).map(|_| gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).context("event")).collect()
-    }
-
-    /// Median and min (µs) of `reps` single launches of `f`, each after an L2 flush.
-    fn time_cold(gpu: &Gpu, flush: &DevBuf, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<(f64, f64)> {
-        let ev = events(gpu, 2 * reps)?;
-        for r in 0..reps + 3 {
-            // SAFETY: `flush` holds `flush.bytes` bytes on this context.
-            unsafe { result::memset_d8_async(flush.ptr, (r & 0xff) as u8, flush.bytes, gpu.stream.cu_stream()) }
-                .context("memset")?;
-            if r >= 3 {
-                ev[2 * (r - 3)].record(&gpu.stream)?;
-            }
-            f()?;
-            if r >= 3 {
-                ev[2 * (r - 3) + 1].record(&gpu.stream)?;
-            }
-        }
-        gpu.sync()?;
-        let mut t: Vec<f64> = (0..reps)
-            .map(|i| ev[2 * i].elapsed_ms(&ev[2 * i + 1]).map(|ms| f64::from(ms) * 1e3))
-            .collect::<Result<_, _>>()?;
-        t.sort_by(f64::total_cmp);
-        Ok((t[reps / 2], t[0]))
     }
 
     /// Mean (µs) of `reps` back-to-back launches of `f`.

@@ -41,6 +41,9 @@ fn main() {
 }
 
 #[cfg(feature = "cuda")]
+#[path = "support/cold_timing.rs"]
+mod cold_timing;
+#[cfg(feature = "cuda")]
 #[path = "support/splitmix.rs"]
 #[allow(dead_code)]
 mod splitmix;
@@ -48,8 +51,7 @@ mod splitmix;
 #[cfg(feature = "cuda")]
 mod bench {
     use anyhow::{Context, Result};
-    use cudarc::driver::sys::CUevent_flags;
-    use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg, result};
+    use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
     use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
     use half::{bf16, f16};
     use prism_engine::backend::cuda::device::{DevBuf, GemmArgs, GemmShape, Gpu, nvrtc_include_paths};
@@ -58,6 +60,7 @@ mod bench {
     use rayon::prelude::*;
     use serde_json::{Value, json};
 
+    use crate::cold_timing::time_cold;
     use crate::splitmix::Rng;
 
     /// Largest accepted |kernel − host| of a row, relative to the row's Σ |x·w|.
@@ -279,31 +282,6 @@ extern "C" __global__ void __launch_bounds__(256) q6k_gemv(float* y, const u8* w
         Ok(v)
     }
 
-    /// Median and min (µs) of `REPS` single launches of `f`, each after an L2 flush.
-    fn time_cold(gpu: &Gpu, flush: &DevBuf, f: &mut dyn FnMut() -> Result<()>) -> Result<(f64, f64)> {
-        let ev: Vec<_> = (0..2 * REPS)
-            .map(|_| gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).context("event"))
-            .collect::<Result<_>>()?;
-        for r in 0..REPS + 3 {
-            // SAFETY: `flush` holds `flush.bytes` bytes on this context.
-            unsafe { result::memset_d8_async(flush.ptr, (r & 0xff) as u8, flush.bytes, gpu.stream.cu_stream()) }
-                .context("memset")?;
-            if r >= 3 {
-                ev[2 * (r - 3)].record(&gpu.stream)?;
-            }
-            f()?;
-            if r >= 3 {
-                ev[2 * (r - 3) + 1].record(&gpu.stream)?;
-            }
-        }
-        gpu.sync()?;
-        let mut t: Vec<f64> = (0..REPS)
-            .map(|i| ev[2 * i].elapsed_ms(&ev[2 * i + 1]).map(|ms| f64::from(ms) * 1e3))
-            .collect::<Result<_, _>>()?;
-        t.sort_by(f64::total_cmp);
-        Ok((t[REPS / 2], t[0]))
-    }
-
     fn launch_kq(gpu: &Gpu, f: &CudaFunction, y: u64, w: u64, x: u64, out: usize, inp: usize) -> Result<()> {
         let (rows, inp_i) = (out as i32, inp as i32);
         let cfg = LaunchConfig {
@@ -369,15 +347,15 @@ extern "C" __global__ void __launch_bounds__(256) q6k_gemv(float* y, const u8* w
                 let mut run_kq = || launch_kq(&gpu, f, d_y.ptr, d_q.ptr, d_x.ptr, out, inp);
                 run_kq()?;
                 let y_kq = download(&gpu, d_y.ptr, out)?;
-                let (t_kq, t_kq_min) = time_cold(&gpu, &flush, &mut run_kq)?;
+                let (t_kq, t_kq_min) = time_cold(&gpu, &flush, REPS, &mut run_kq)?;
                 let mut run_gv = || Ok(gemv.launch(&gpu, &gv_args)?);
                 run_gv()?;
                 let y_gv = download(&gpu, d_y.ptr, out)?;
-                let (t_gv, t_gv_min) = time_cold(&gpu, &flush, &mut run_gv)?;
+                let (t_gv, t_gv_min) = time_cold(&gpu, &flush, REPS, &mut run_gv)?;
                 let mut run_blas = || Ok(gpu.gemm(&gemm_args)?);
                 run_blas()?;
                 let y_blas = download(&gpu, d_y.ptr, out)?;
-                let (t_blas, t_blas_min) = time_cold(&gpu, &flush, &mut run_blas)?;
+                let (t_blas, t_blas_min) = time_cold(&gpu, &flush, REPS, &mut run_blas)?;
                 let (ok_kq, e_kq) = check(&y_kq, &ref_q, &abs_q);
                 let (ok_gv, e_gv) = check(&y_gv, &ref_b, &abs_b);
                 let (ok_blas, e_blas) = check(&y_blas, &ref_b, &abs_b);
