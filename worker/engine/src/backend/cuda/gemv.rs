@@ -22,6 +22,8 @@ use super::error::{CudaError, CudaResultExt};
 
 /// The kernels' CUDA C source.
 pub const GEMV_SRC: &str = include_str!("kernels/gemv.cu");
+/// The tensor-core FP8 kernels (`GEMV_FP8MMA`), appended to [`GEMV_SRC`] for every build.
+pub const GEMV_MMA_SRC: &str = include_str!("kernels/gemv_mma.cu");
 
 /// Largest token count the GEMV kernels are instantiated for.
 pub const GEMV_MAX_M: usize = 4;
@@ -113,6 +115,9 @@ struct Variant {
     staged: bool,
     /// Rows per warp group (`GEMV_R`).
     rows: usize,
+    /// Tensor-core FP8 kernels (`gemv_mma.cu`): every kind stages e4m3 activations, a block
+    /// takes 16 weight rows at a time and `inp` must be a multiple of 64.
+    mma: bool,
 }
 
 /// Compile-time variants (NVRTC defines, blocks per SM; 0 = as many as fit):
@@ -130,18 +135,30 @@ const VARIANTS: [(&str, u32); 2] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1
 /// 3: packed-f16 products, codes decoded with integer ops;
 /// 4: f32 products, codes decoded with integer ops into f32 bit places (the first FP8 kernel);
 /// 5, 6: as 2 and 0 with one block per SM (room for the next kernel's blocks under
-///    programmatic dependent launch, `PRISM_CUDA_PDL=1`).
-const FP8_VARIANTS: [(&str, u32, bool, usize); 7] = [
-    ("-DGEMV_FP8H=1", 0, true, 2),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1),
-    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2),
-    ("-DGEMV_FP8H=2", 0, true, 2),
-    ("-DGEMV_DEPTH=0", 0, false, 2),
-    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2),
-    ("-DGEMV_FP8H=1", 1, true, 2),
+///    programmatic dependent launch, `PRISM_CUDA_PDL=1`);
+/// 7, 8, 9: tensor cores (`gemv_mma.cu`: e4m3 activations with per-token scales, the FP8 GEMM
+///    path's W8A8 product) with 4, 8 and 2 loads in flight per lane and weight row.
+/// Columns: NVRTC defines, blocks per SM cap (0 = as many as fit), staged activations, rows per
+/// warp group, tensor cores.
+const FP8_VARIANTS: [(&str, u32, bool, usize, bool); 10] = [
+    ("-DGEMV_FP8H=1", 0, true, 2, false),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1, false),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2, false),
+    ("-DGEMV_FP8H=2", 0, true, 2, false),
+    ("-DGEMV_DEPTH=0", 0, false, 2, false),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2, false),
+    ("-DGEMV_FP8H=1", 1, true, 2, false),
+    ("-DGEMV_FP8MMA=1", 0, true, 16, true),
+    ("-DGEMV_FP8MMA=1 -DGEMV_MMA_U=8", 0, true, 16, true),
+    ("-DGEMV_FP8MMA=1 -DGEMV_MMA_U=2", 0, true, 16, true),
 ];
 /// FP8 variant used unless `PRISM_GEMV_FP8_VARIANT` says otherwise.
 const FP8_DEFAULT: usize = 0;
+/// The tensor-core FP8 variant (4 loads in flight per lane and row).
+pub const FP8_TENSOR_CORES: usize = 7;
+/// The CUDA-core FP8 variant a tensor-core one falls back to for inputs that are not a
+/// multiple of 64 wide.
+const FP8_FALLBACK: usize = 0;
 
 /// The loaded GEMV kernels.
 pub struct Gemv {
@@ -173,31 +190,59 @@ impl Gemv {
     /// [`CudaError`] on compile or load failure, or when `norm_inp` rows of [`GEMV_MAX_M`]
     /// tokens do not fit in shared memory.
     pub fn new(gpu: &Gpu, norm_inp: usize, stage_inp: usize, fp8: bool) -> Result<Self, CudaError> {
-        let sms = gpu
-            .ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .op("SM count")?
-            .max(1) as u32;
         let variant_fp8 = std::env::var("PRISM_GEMV_FP8_VARIANT")
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|&v| v < FP8_VARIANTS.len())
             .unwrap_or(FP8_DEFAULT);
-        let sweep = std::env::var("PRISM_GEMV_FP8_SWEEP").is_ok_and(|v| v == "1");
+        // "1": every FP8 variant; else a comma-separated list of them.
+        let sweep: Vec<usize> = match std::env::var("PRISM_GEMV_FP8_SWEEP") {
+            Ok(v) if v == "1" => (0..FP8_VARIANTS.len()).collect(),
+            Ok(v) => v.split(',').filter_map(|i| i.trim().parse().ok()).collect(),
+            Err(_) => Vec::new(),
+        };
+        Self::build(gpu, norm_inp, stage_inp, fp8.then_some(variant_fp8), &sweep)
+    }
+
+    /// As [`Gemv::new`] with FP8 kernels, FP8 variant `v` (an index into the variant table;
+    /// [`FP8_TENSOR_CORES`] for the tensor-core kernels) whatever the environment says.
+    ///
+    /// # Errors
+    /// As [`Gemv::new`]; [`CudaError::InvalidLaunch`] for an unknown variant.
+    pub fn with_fp8_variant(gpu: &Gpu, norm_inp: usize, stage_inp: usize, v: usize) -> Result<Self, CudaError> {
+        if v >= FP8_VARIANTS.len() {
+            return Err(CudaError::InvalidLaunch(format!("gemv: no FP8 variant {v}")));
+        }
+        Self::build(gpu, norm_inp, stage_inp, Some(v), &[])
+    }
+
+    /// Compiles the bf16 variants and, with `fp8`, FP8 variant `fp8` and those in `sweep`.
+    fn build(
+        gpu: &Gpu,
+        norm_inp: usize,
+        stage_inp: usize,
+        fp8: Option<usize>,
+        sweep: &[usize],
+    ) -> Result<Self, CudaError> {
+        let sms = gpu
+            .ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .op("SM count")?
+            .max(1) as u32;
+        let variant_fp8 = fp8.unwrap_or(FP8_DEFAULT);
         let mut variants = Vec::new();
         let mut variants_fp8 = Vec::new();
-        // (defines, blocks per SM, FP8 weights, staged activations, rows, compile it)
-        let mut builds: Vec<(&str, u32, bool, bool, usize, bool)> =
-            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, true)).collect();
-        if fp8 {
-            builds.extend(
-                FP8_VARIANTS
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &(d, c, st, rows))| (d, c, true, st, rows, sweep || i == variant_fp8)),
-            );
+        // (defines, blocks per SM, FP8 weights, staged activations, rows, tensor cores, compile it)
+        let mut builds: Vec<(&str, u32, bool, bool, usize, bool, bool)> =
+            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, false, true)).collect();
+        if fp8.is_some() {
+            let fallback = FP8_VARIANTS[variant_fp8].4;
+            builds.extend(FP8_VARIANTS.iter().enumerate().map(|(i, &(d, c, st, rows, mma))| {
+                (d, c, true, st, rows, mma, sweep.contains(&i) || i == variant_fp8 || (fallback && i == FP8_FALLBACK))
+            }));
         }
-        for (defines, per_sm_cap, fp8_w, staged, rows, wanted) in builds {
+        let src = format!("{GEMV_SRC}\n{GEMV_MMA_SRC}");
+        for (defines, per_sm_cap, fp8_w, staged, rows, mma, wanted) in builds {
             if !wanted {
                 variants_fp8.push(None);
                 continue;
@@ -212,7 +257,7 @@ impl Gemv {
                 options,
                 ..Default::default()
             };
-            let ptx = compile_ptx_with_opts(GEMV_SRC, opts).op("NVRTC compile of gemv.cu")?;
+            let ptx = compile_ptx_with_opts(&src, opts).op("NVRTC compile of gemv.cu")?;
             let module = gpu.ctx.load_module(ptx).op("load_module gemv")?;
             let mut fns = Vec::with_capacity(GEMV_MAX_M);
             for m in 1..=GEMV_MAX_M {
@@ -220,9 +265,9 @@ impl Gemv {
                     let name = format!("{}_m{m}", k.name());
                     let f = module.load_function(&name).map_err(|e| CudaError::op(name, e))?;
                     let bytes = if k.norm() {
-                        Self::smem(m, norm_inp, staged)
+                        Self::smem(m, norm_inp, staged, mma)
                     } else if staged {
-                        Self::smem(m, stage_inp, true)
+                        Self::smem(m, stage_inp, true, mma)
                     } else {
                         0
                     };
@@ -247,7 +292,7 @@ impl Gemv {
                     f(GemvKind::NormGateUpSilu)?,
                 ]);
             }
-            let v = Variant { fns, staged, rows };
+            let v = Variant { fns, staged, rows, mma };
             if fp8_w { variants_fp8.push(Some(v)) } else { variants.push(v) }
         }
         let variant = std::env::var("PRISM_GEMV_VARIANT")
@@ -264,8 +309,12 @@ impl Gemv {
 
     /// Dynamic shared memory of a kernel staging `m` rows of `inp` activations (2-byte
     /// values, then f32 reduction slots: one set per warp and token, two for the staged
-    /// variants' row maxima).
-    fn smem(m: usize, inp: usize, staged: bool) -> usize {
+    /// variants' row maxima; the tensor-core kernels: 1-byte codes, token scales, reduction
+    /// slots and the double-buffered per-tile partial sums, as `gemv_mma.cu` lays them out).
+    fn smem(m: usize, inp: usize, staged: bool, mma: bool) -> usize {
+        if mma {
+            return m * inp + 4 * (4 + WARPS * 4) + 2 * WARPS * 32 * 16;
+        }
         m * inp * 2 + (1 + usize::from(staged)) * WARPS * m * 4
     }
 
@@ -305,7 +354,12 @@ impl Gemv {
             return Err(CudaError::InvalidLaunch(format!("gemv: m {m}, inp {inp} not supported")));
         }
         let v = if wscale != 0 {
-            self.variants_fp8.get(self.variant_fp8).and_then(Option::as_ref)
+            let v = self.variants_fp8.get(self.variant_fp8).and_then(Option::as_ref);
+            if v.is_some_and(|v| v.mma) && !inp.is_multiple_of(64) {
+                self.variants_fp8.get(FP8_FALLBACK).and_then(Option::as_ref)
+            } else {
+                v
+            }
         } else {
             self.variants.get(self.variant.min(self.variants.len().saturating_sub(1)))
         }
@@ -316,8 +370,17 @@ impl Gemv {
         let (f, resident) = &v.fns[m - 1][kind.index()];
         // Logical rows: RoPE pairs for the fused QKV.
         let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
-        let blocks = (rows.div_ceil(WARPS * v.rows) as u32).min(*resident);
-        let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged) as u32 } else { 0 };
+        // Rows per block: the tensor-core kernels take tiles of 16 weight rows (8 logical rows
+        // with their partners for the paired kinds).
+        let per_block = if !v.mma {
+            WARPS * v.rows
+        } else if matches!(kind, GemvKind::QkvRope | GemvKind::NormGateUpSilu) {
+            8
+        } else {
+            16
+        };
+        let blocks = (rows.div_ceil(per_block) as u32).min(*resident);
+        let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged, v.mma) as u32 } else { 0 };
         let cfg =
             LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((WARPS * 32) as u32, 1, 1), shared_mem_bytes: shared };
         let (out_i, inp_i) = (rows as i32, inp as i32);

@@ -311,6 +311,54 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Writes logical row j of token m as MODE says: sa is the row's scaled sum, sb its partner row's
+// (MODE 3: the up row; MODE 4: the other RoPE half; unused otherwise).
+template <int MODE>
+__device__ __forceinline__ void gv_store(void* y, int j, int m, int out, float sa, float sb, const RopeKv& rk) {
+    u64 o = (u64)m * out + j;
+    if (MODE == 4) {
+        int half = rk.hd >> 1, head = j / half, i = j % half;
+        int r0 = head * rk.hd + i;
+        float a = rbf(sa), b = rbf(sb);
+        if (head < rk.qh + rk.kvh) {
+            float sn, cs;
+            sincosf((float)rk.pos[m] * rk.inv_freq[i], &sn, &cs);
+            float a2 = a * cs - b * sn, b2 = b * cs + a * sn;
+            a = a2;
+            b = b2;
+        }
+        bf16 ab = __float2bfloat16_rn(a), bb = __float2bfloat16_rn(b);
+        bf16* row = reinterpret_cast<bf16*>(y) + (u64)m * (2 * out);
+        row[r0] = ab;
+        row[r0 + half] = bb;
+        u32 slot = rk.slots[m];
+        if (head >= rk.qh && slot != 0xffffffffu) {
+            int kvd = rk.kvh * rk.hd;
+            bool is_v = head >= rk.qh + rk.kvh;
+            int col = r0 - (is_v ? rk.qh + rk.kvh : rk.qh) * rk.hd;
+            bf16* cache = is_v ? rk.vc : rk.kc;
+            if (rk.kv_fp8) {
+                unsigned char* c8 = reinterpret_cast<unsigned char*>(cache);
+                c8[(u64)slot * kvd + col] = __nv_cvt_float_to_fp8(__bfloat162float(ab), __NV_SATFINITE, __NV_E4M3);
+                c8[(u64)slot * kvd + col + half] =
+                    __nv_cvt_float_to_fp8(__bfloat162float(bb), __NV_SATFINITE, __NV_E4M3);
+            } else {
+                cache[(u64)slot * kvd + col] = ab;
+                cache[(u64)slot * kvd + col + half] = bb;
+            }
+        }
+    } else if (MODE == 0) {
+        reinterpret_cast<bf16*>(y)[o] = __float2bfloat16_rn(sa);
+    } else if (MODE == 1) {
+        reinterpret_cast<float*>(y)[o] = sa;
+    } else if (MODE == 2) {
+        reinterpret_cast<float*>(y)[o] += rbf(sa);
+    } else {
+        float g = rbf(sa), up = rbf(sb);
+        reinterpret_cast<bf16*>(y)[o] = __float2bfloat16_rn(g / (1.f + __expf(-g)) * up);
+    }
+}
+
 // Groups of R logical rows are dealt to warps block-first (group g → block g mod grid, warp
 // (g / grid) mod GEMV_WARPS, …) so every block, and so every SM, gets the same share of a
 // small matrix; blocks are persistent (grid ≤ resident blocks) so the norm prologue runs once
@@ -523,55 +571,12 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
 #endif
     if (lane == 0) {
 #pragma unroll
-    for (int r = 0; r < GEMV_R; r++) {
-        int j = j0 + r;
-        if (j >= out) break;
+        for (int r = 0; r < GEMV_R; r++) {
+            int j = j0 + r;
+            if (j >= out) break;
 #pragma unroll
-        for (int m = 0; m < M; m++) {
-            u64 o = (u64)m * out + j;
-            if (MODE == 4) {
-                int half = rk.hd >> 1, head = j / half, i = j % half;
-                int r0 = head * rk.hd + i;
-                float a = rbf(acc[r][m]), b = rbf(acc[GEMV_R + r][m]);
-                if (head < rk.qh + rk.kvh) {
-                    float sn, cs;
-                    sincosf((float)rk.pos[m] * rk.inv_freq[i], &sn, &cs);
-                    float a2 = a * cs - b * sn, b2 = b * cs + a * sn;
-                    a = a2;
-                    b = b2;
-                }
-                bf16 ab = __float2bfloat16_rn(a), bb = __float2bfloat16_rn(b);
-                bf16* row = reinterpret_cast<bf16*>(y) + (u64)m * (2 * out);
-                row[r0] = ab;
-                row[r0 + half] = bb;
-                u32 slot = rk.slots[m];
-                if (head >= rk.qh && slot != 0xffffffffu) {
-                    int kvd = rk.kvh * rk.hd;
-                    bool is_v = head >= rk.qh + rk.kvh;
-                    int col = r0 - (is_v ? rk.qh + rk.kvh : rk.qh) * rk.hd;
-                    bf16* cache = is_v ? rk.vc : rk.kc;
-                    if (rk.kv_fp8) {
-                        unsigned char* c8 = reinterpret_cast<unsigned char*>(cache);
-                        c8[(u64)slot * kvd + col] = __nv_cvt_float_to_fp8(__bfloat162float(ab), __NV_SATFINITE, __NV_E4M3);
-                        c8[(u64)slot * kvd + col + half] =
-                            __nv_cvt_float_to_fp8(__bfloat162float(bb), __NV_SATFINITE, __NV_E4M3);
-                    } else {
-                        cache[(u64)slot * kvd + col] = ab;
-                        cache[(u64)slot * kvd + col + half] = bb;
-                    }
-                }
-            } else if (MODE == 0) {
-                reinterpret_cast<bf16*>(y)[o] = __float2bfloat16_rn(acc[r][m]);
-            } else if (MODE == 1) {
-                reinterpret_cast<float*>(y)[o] = acc[r][m];
-            } else if (MODE == 2) {
-                reinterpret_cast<float*>(y)[o] += rbf(acc[r][m]);
-            } else {
-                float g = rbf(acc[r][m]), up = rbf(acc[GEMV_R + r][m]);
-                reinterpret_cast<bf16*>(y)[o] = __float2bfloat16_rn(g / (1.f + __expf(-g)) * up);
-            }
+            for (int m = 0; m < M; m++) gv_store<MODE>(y, j, m, out, acc[r][m], acc[NW > GEMV_R ? GEMV_R + r : r][m], rk);
         }
-    }
     }
     grp += gridDim.x * GEMV_WARPS;
     if (grp >= groups) return;
@@ -611,7 +616,11 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
     GEMV_KERNEL(gemv_residual_m##M, M, 2, false)        \
     GEMV_KERNEL(gemv_gate_up_m##M, M, 3, true)
 
+// The tensor-core build (GEMV_FP8MMA, gemv_mma.cu appended to this file) defines the same
+// entry points itself.
+#ifndef GEMV_FP8MMA
 GEMV_FAMILY(1)
 GEMV_FAMILY(2)
 GEMV_FAMILY(3)
 GEMV_FAMILY(4)
+#endif
