@@ -585,154 +585,175 @@ fn fused_fp8_norm_and_silu_equal_the_host_with_the_products_scales_applied_on_lo
     }
 }
 
-/// The tensor-core FP8 GEMV (`gemv_mma.cu`) against the f64 host product of its e4m3 operands:
-/// the activations quantized per token by the FP8 GEMM path's rule (`quantize_rows`, normed first
-/// for the norm kinds) and the weights per row, for 1..=4 tokens, three kinds (f32 logits, the
-/// residual add, RMSNorm + gate_up + SiLU·mul) and a row count that is not a multiple of the
-/// 16-row tile. An input width that is not a multiple of 64 falls back to the CUDA-core kernel,
-/// which multiplies the bf16 activations themselves.
+/// The tensor-core FP8 GEMVs (`gemv_mma.cu`) against the f64 host product of their operands:
+/// the weights quantized per row, the activations as they are (f16 kernel, W8A16) or quantized
+/// per token by the FP8 GEMM path's rule (`quantize_rows`, e4m3 kernel, W8A8), normed first for
+/// the norm kinds, for 1..=4 tokens, three kinds (f32 logits, the residual add, RMSNorm with
+/// gate_up and SiLU·mul) and a row count that is not a multiple of the 16-row tile. An input width that is
+/// not a multiple of 64 falls back to the CUDA-core kernel, which multiplies the bf16 activations.
 #[test]
-fn tensor_core_fp8_gemv_equals_the_exact_product_of_its_e4m3_operands() {
-    use prism_engine::backend::cuda::gemv::FP8_TENSOR_CORES;
-    let gpu = gpu();
-    let mut rng = Rng(0x5eed_0004);
-    let (inp, out, wide) = (4096, 1000, 4096 + 16);
-    let gemv = Gemv::with_fp8_variant(&gpu, inp, wide, FP8_TENSOR_CORES).unwrap();
-    let p = Product::new(&mut rng, 4, 2 * out, wide);
-    let (wq, ws) = quantize_rows(&p.w, wide);
-    // The first `inp` columns of every row (the weight and activations of the 64-aligned width).
-    let cut =
-        |v: &[f32], rows: usize| -> Vec<f32> { (0..rows).flat_map(|r| v[r * wide..r * wide + inp].to_vec()).collect() };
-    let (w4, x4) = (cut(&p.w, 2 * out), cut(&p.x, 4));
-    let (wq4, ws4) = quantize_rows(&w4, inp);
-    let (wq4_d, ws4_d) = (upload(&gpu, &wq4).unwrap(), upload(&gpu, &ws4).unwrap());
-    let wdq4 = dequantized(&wq4, &ws4, inp);
-    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f64>();
-    let row_rel = |a: &[f64], b: &[f64]| {
-        let e = a.iter().zip(b).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
-        e / rms(b)
-    };
-    for m in 1..=4usize {
-        // f32 logits and the residual add over the bf16 activations.
-        let xb: Vec<u16> = x4[..m * inp].iter().map(|&v| bf(v)).collect();
-        let x_d = upload(&gpu, &xb).unwrap();
-        let (xq, xs) = quantize_rows(&x4[..m * inp], inp);
-        let xdq = dequantized(&xq, &xs, inp);
-        let exact: Vec<f64> =
-            (0..m * out).map(|i| dot(&xdq[(i / out) * inp..][..inp], &wdq4[(i % out) * inp..][..inp])).collect();
-        let resid: Vec<f32> = (0..m * out).map(|_| uniform(&mut rng, 4.0)).collect();
-        for kind in [GemvKind::LogitsF32, GemvKind::Residual] {
-            let init = if kind == GemvKind::Residual { resid.clone() } else { vec![0f32; m * out] };
-            let y_d = upload(&gpu, &init).unwrap();
+fn tensor_core_fp8_gemvs_equal_the_exact_products_of_their_operands() {
+    use prism_engine::backend::cuda::gemv::{FP8_TENSOR_CORES, FP8_TENSOR_CORES_F16};
+    // `w8a8`: the variant quantizes the activations.
+    for (variant, w8a8) in [(FP8_TENSOR_CORES, true), (FP8_TENSOR_CORES_F16, false)] {
+        let gpu = gpu();
+        let mut rng = Rng(0x5eed_0004);
+        let (inp, out, wide) = (4096, 1000, 4096 + 16);
+        let gemv = Gemv::with_fp8_variant(&gpu, inp, wide, variant).unwrap();
+        // The activations the kernel multiplies.
+        let operand = |x: &[f32]| -> Vec<f64> {
+            if w8a8 {
+                let (q, s) = quantize_rows(x, inp);
+                dequantized(&q, &s, inp)
+            } else {
+                x.iter().map(|&v| f64::from(v)).collect()
+            }
+        };
+        let p = Product::new(&mut rng, 4, 2 * out, wide);
+        let (wq, ws) = quantize_rows(&p.w, wide);
+        // The first `inp` columns of every row (the weight and activations of the 64-aligned width).
+        let cut = |v: &[f32], rows: usize| -> Vec<f32> {
+            (0..rows).flat_map(|r| v[r * wide..r * wide + inp].to_vec()).collect()
+        };
+        let (w4, x4) = (cut(&p.w, 2 * out), cut(&p.x, 4));
+        let (wq4, ws4) = quantize_rows(&w4, inp);
+        let (wq4_d, ws4_d) = (upload(&gpu, &wq4).unwrap(), upload(&gpu, &ws4).unwrap());
+        let wdq4 = dequantized(&wq4, &ws4, inp);
+        let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f64>();
+        let row_rel = |a: &[f64], b: &[f64]| {
+            let e = a.iter().zip(b).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+            e / rms(b)
+        };
+        for m in 1..=4usize {
+            // f32 logits and the residual add over the bf16 activations.
+            let xb: Vec<u16> = x4[..m * inp].iter().map(|&v| bf(v)).collect();
+            let x_d = upload(&gpu, &xb).unwrap();
+            let xdq = operand(&x4[..m * inp]);
+            let exact: Vec<f64> =
+                (0..m * out).map(|i| dot(&xdq[(i / out) * inp..][..inp], &wdq4[(i % out) * inp..][..inp])).collect();
+            let resid: Vec<f32> = (0..m * out).map(|_| uniform(&mut rng, 4.0)).collect();
+            for kind in [GemvKind::LogitsF32, GemvKind::Residual] {
+                let init = if kind == GemvKind::Residual { resid.clone() } else { vec![0f32; m * out] };
+                let y_d = upload(&gpu, &init).unwrap();
+                let a = GemvArgs {
+                    kind,
+                    m,
+                    y: y_d.ptr,
+                    w: wq4_d.ptr,
+                    x: x_d.ptr,
+                    gain: 0,
+                    wscale: ws4_d.ptr,
+                    out,
+                    inp,
+                    eps: 0.0,
+                    rope: RopeArgs::default(),
+                };
+                gemv.launch(&gpu, &a).unwrap();
+                let mut y = vec![0f32; m * out];
+                gpu.sync().unwrap();
+                gpu.download(&mut y, y_d.ptr).unwrap();
+                let got: Vec<f64> = y
+                    .iter()
+                    .zip(&resid)
+                    .map(|(&v, &r)| f64::from(v) - if kind == GemvKind::Residual { f64::from(r) } else { 0.0 })
+                    .collect();
+                for t in 0..m {
+                    let e = row_rel(&got[t * out..(t + 1) * out], &exact[t * out..(t + 1) * out]);
+                    println!(
+                        "tensor-core FP8 GEMV {variant} {kind:?}, {m} tokens, token {t}: max |y - exact| / rms = {e:.5}"
+                    );
+                    // f32 sums of exact products (W8A8) or of f16 products (W8A16: the activations
+                    // in f16 are exact but for f16 subnormals); the residual kind adds the product
+                    // rounded to bf16 (2^-9 of values up to ~8 row rms). e4m3 activation rounding
+                    // alone moves the product by ~0.05.
+                    let tol = if kind == GemvKind::Residual {
+                        2e-2
+                    } else if w8a8 {
+                        2e-3
+                    } else {
+                        1e-2
+                    };
+                    assert!(e < tol, "{kind:?} m {m} token {t}: off the exact product by {e}");
+                }
+            }
+            // RMSNorm + gate_up + SiLU·mul from f32 residual rows.
+            let (eps, inter) = (1e-5f32, out / 2);
+            let gain: Vec<f32> = (0..inp).map(|_| 1.0 + uniform(&mut rng, 0.5)).collect();
+            let gain_d = upload(&gpu, &gain.iter().map(|&v| bf(v)).collect::<Vec<_>>()).unwrap();
+            let gain: Vec<f32> = gain.iter().map(|&v| from_bf(bf(v))).collect();
+            let xr: Vec<f32> = x4[..m * inp].iter().map(|&v| v * 3.0).collect();
+            let xr_d = upload(&gpu, &xr).unwrap();
+            let normed: Vec<f32> = (0..m * inp)
+                .map(|i| {
+                    let row = &xr[(i / inp) * inp..][..inp];
+                    let ms = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / inp as f64;
+                    let rs = (1.0 / (ms + f64::from(eps)).sqrt()) as f32;
+                    from_bf(bf(xr[i] * rs * gain[i % inp]))
+                })
+                .collect();
+            let hdq = operand(&normed);
+            let act_exact: Vec<f64> = (0..m * inter)
+                .map(|i| {
+                    let (t, j) = (i / inter, i % inter);
+                    let h = &hdq[t * inp..][..inp];
+                    let g = f64::from(from_bf(bf(dot(h, &wdq4[j * inp..][..inp]) as f32)));
+                    let u = f64::from(from_bf(bf(dot(h, &wdq4[(inter + j) * inp..][..inp]) as f32)));
+                    g / (1.0 + (-g).exp()) * u
+                })
+                .collect();
+            let act_d = DevBuf::zeroed(&gpu, m * inter * 2).unwrap();
             let a = GemvArgs {
-                kind,
+                kind: GemvKind::NormGateUpSilu,
                 m,
-                y: y_d.ptr,
+                y: act_d.ptr,
                 w: wq4_d.ptr,
-                x: x_d.ptr,
-                gain: 0,
+                x: xr_d.ptr,
+                gain: gain_d.ptr,
                 wscale: ws4_d.ptr,
-                out,
+                out: inter,
                 inp,
-                eps: 0.0,
+                eps,
                 rope: RopeArgs::default(),
             };
             gemv.launch(&gpu, &a).unwrap();
-            let mut y = vec![0f32; m * out];
-            gpu.sync().unwrap();
-            gpu.download(&mut y, y_d.ptr).unwrap();
-            let got: Vec<f64> = y
-                .iter()
-                .zip(&resid)
-                .map(|(&v, &r)| f64::from(v) - if kind == GemvKind::Residual { f64::from(r) } else { 0.0 })
-                .collect();
+            let act: Vec<f64> = download_bf16(&gpu, act_d.ptr, m * inter).unwrap().into_iter().map(f64::from).collect();
             for t in 0..m {
-                let e = row_rel(&got[t * out..(t + 1) * out], &exact[t * out..(t + 1) * out]);
+                let e = row_rel(&act[t * inter..(t + 1) * inter], &act_exact[t * inter..(t + 1) * inter]);
                 println!(
-                    "tensor-core FP8 GEMV {kind:?}, {m} tokens, token {t}: max |y - exact(xq, wq)| / rms = {e:.5}"
+                    "tensor-core FP8 GEMV {variant} gate_up + SiLU, {m} tokens, token {t}: max |act - exact| / rms = {e:.5}"
                 );
-                // f32 sums (the residual kind adds the product rounded to bf16: 2^-9 of |y|, and
-                // the f32 residual's own rounding). Activation rounding alone moves it by ~0.05.
-                let tol = if kind == GemvKind::Residual { 1e-2 } else { 2e-3 };
-                assert!(e < tol, "{kind:?} m {m} token {t}: off the exact W8A8 product by {e}");
+                // bf16 rounding of g, u and the output (3 · 2^-9 of |act|), plus the few activation
+                // codes that a last-bit difference of the norm moves by one e4m3 step.
+                assert!(e < 3e-2, "gate_up m {m} token {t}: off the exact product by {e}");
             }
         }
-        // RMSNorm + gate_up + SiLU·mul from f32 residual rows.
-        let (eps, inter) = (1e-5f32, out / 2);
-        let gain: Vec<f32> = (0..inp).map(|_| 1.0 + uniform(&mut rng, 0.5)).collect();
-        let gain_d = upload(&gpu, &gain.iter().map(|&v| bf(v)).collect::<Vec<_>>()).unwrap();
-        let gain: Vec<f32> = gain.iter().map(|&v| from_bf(bf(v))).collect();
-        let xr: Vec<f32> = x4[..m * inp].iter().map(|&v| v * 3.0).collect();
-        let xr_d = upload(&gpu, &xr).unwrap();
-        let normed: Vec<f32> = (0..m * inp)
-            .map(|i| {
-                let row = &xr[(i / inp) * inp..][..inp];
-                let ms = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / inp as f64;
-                let rs = (1.0 / (ms + f64::from(eps)).sqrt()) as f32;
-                from_bf(bf(xr[i] * rs * gain[i % inp]))
-            })
-            .collect();
-        let (hq, hs) = quantize_rows(&normed, inp);
-        let hdq = dequantized(&hq, &hs, inp);
-        let act_exact: Vec<f64> = (0..m * inter)
-            .map(|i| {
-                let (t, j) = (i / inter, i % inter);
-                let h = &hdq[t * inp..][..inp];
-                let g = f64::from(from_bf(bf(dot(h, &wdq4[j * inp..][..inp]) as f32)));
-                let u = f64::from(from_bf(bf(dot(h, &wdq4[(inter + j) * inp..][..inp]) as f32)));
-                g / (1.0 + (-g).exp()) * u
-            })
-            .collect();
-        let act_d = DevBuf::zeroed(&gpu, m * inter * 2).unwrap();
+        // Input width 4,112 (not a multiple of 64): the CUDA-core kernel over the bf16 activations.
+        let (wq_d, ws_d) = (upload(&gpu, &wq).unwrap(), upload(&gpu, &ws).unwrap());
+        let xb: Vec<u16> = p.x[..wide].iter().map(|&v| bf(v)).collect();
+        let x_d = upload(&gpu, &xb).unwrap();
+        let y_d = DevBuf::zeroed(&gpu, out * 4).unwrap();
         let a = GemvArgs {
-            kind: GemvKind::NormGateUpSilu,
-            m,
-            y: act_d.ptr,
-            w: wq4_d.ptr,
-            x: xr_d.ptr,
-            gain: gain_d.ptr,
-            wscale: ws4_d.ptr,
-            out: inter,
-            inp,
-            eps,
+            kind: GemvKind::LogitsF32,
+            m: 1,
+            y: y_d.ptr,
+            w: wq_d.ptr,
+            x: x_d.ptr,
+            gain: 0,
+            wscale: ws_d.ptr,
+            out,
+            inp: wide,
+            eps: 0.0,
             rope: RopeArgs::default(),
         };
         gemv.launch(&gpu, &a).unwrap();
-        let act: Vec<f64> = download_bf16(&gpu, act_d.ptr, m * inter).unwrap().into_iter().map(f64::from).collect();
-        for t in 0..m {
-            let e = row_rel(&act[t * inter..(t + 1) * inter], &act_exact[t * inter..(t + 1) * inter]);
-            println!("tensor-core FP8 GEMV gate_up + SiLU, {m} tokens, token {t}: max |act - exact| / rms = {e:.5}");
-            // bf16 rounding of g, u and the output (3 · 2^-9 of |act|), plus the few activation
-            // codes that a last-bit difference of the norm moves by one e4m3 step.
-            assert!(e < 3e-2, "gate_up m {m} token {t}: off the exact W8A8 product by {e}");
-        }
+        let mut y = vec![0f32; out];
+        gpu.sync().unwrap();
+        gpu.download(&mut y, y_d.ptr).unwrap();
+        let wdq = dequantized(&wq, &ws, wide);
+        let x64: Vec<f64> = p.x[..wide].iter().map(|&v| f64::from(v)).collect();
+        let exact: Vec<f64> = (0..out).map(|j| dot(&x64, &wdq[j * wide..][..wide])).collect();
+        let e = row_rel(&y.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(), &exact);
+        println!("FP8 GEMV {variant} fallback at inp {wide}: max |y - exact(x, wq)| / rms = {e:.5}");
+        assert!(e < 1e-2, "fallback GEMV off the exact product of x and the dequantized weight by {e}");
     }
-    // Input width 4,112 (not a multiple of 64): the CUDA-core kernel over the bf16 activations.
-    let (wq_d, ws_d) = (upload(&gpu, &wq).unwrap(), upload(&gpu, &ws).unwrap());
-    let xb: Vec<u16> = p.x[..wide].iter().map(|&v| bf(v)).collect();
-    let x_d = upload(&gpu, &xb).unwrap();
-    let y_d = DevBuf::zeroed(&gpu, out * 4).unwrap();
-    let a = GemvArgs {
-        kind: GemvKind::LogitsF32,
-        m: 1,
-        y: y_d.ptr,
-        w: wq_d.ptr,
-        x: x_d.ptr,
-        gain: 0,
-        wscale: ws_d.ptr,
-        out,
-        inp: wide,
-        eps: 0.0,
-        rope: RopeArgs::default(),
-    };
-    gemv.launch(&gpu, &a).unwrap();
-    let mut y = vec![0f32; out];
-    gpu.sync().unwrap();
-    gpu.download(&mut y, y_d.ptr).unwrap();
-    let wdq = dequantized(&wq, &ws, wide);
-    let x64: Vec<f64> = p.x[..wide].iter().map(|&v| f64::from(v)).collect();
-    let exact: Vec<f64> = (0..out).map(|j| dot(&x64, &wdq[j * wide..][..wide])).collect();
-    let e = row_rel(&y.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(), &exact);
-    println!("FP8 GEMV fallback at inp {wide}: max |y - exact(x, wq)| / rms = {e:.5}");
-    assert!(e < 1e-2, "fallback GEMV off the exact product of x and the dequantized weight by {e}");
 }

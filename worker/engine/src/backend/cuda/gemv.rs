@@ -115,9 +115,10 @@ struct Variant {
     staged: bool,
     /// Rows per warp group (`GEMV_R`).
     rows: usize,
-    /// Tensor-core FP8 kernels (`gemv_mma.cu`): every kind stages e4m3 activations, a block
-    /// takes 16 weight rows at a time and `inp` must be a multiple of 64.
-    mma: bool,
+    /// Tensor-core FP8 kernels (`gemv_mma.cu`; 1: e4m3 activations, 2: f16): every kind
+    /// stages its activations, a block takes 16 weight rows at a time and `inp` must be a
+    /// multiple of 64; 0 for the CUDA-core kernels.
+    mma: u8,
 }
 
 /// Compile-time variants (NVRTC defines, blocks per SM; 0 = as many as fit):
@@ -136,26 +137,33 @@ const VARIANTS: [(&str, u32); 2] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1
 /// 4: f32 products, codes decoded with integer ops into f32 bit places (the first FP8 kernel);
 /// 5, 6: as 2 and 0 with one block per SM (room for the next kernel's blocks under
 ///    programmatic dependent launch, `PRISM_CUDA_PDL=1`);
-/// 7, 8, 9: tensor cores (`gemv_mma.cu`: e4m3 activations with per-token scales, the FP8 GEMM
-///    path's W8A8 product) with 4, 8 and 2 loads in flight per lane and weight row.
+/// 7, 8, 9: `mma.m16n8k32.e4m3` (`gemv_mma.cu`: e4m3 activations with per-token scales, the
+///    FP8 GEMM path's W8A8 product) with 4, 8 and 2 loads in flight per lane and weight row;
+///    on sm_90 ptxas lowers it to conversions of both operands and f16 `mma`;
+/// 10, 11: f16 `mma.m16n8k16` over the hardware-decoded weights and variant 0's f16
+///    activations (the same W8A16 product as 0), 4 and 8 loads in flight per lane and row.
 /// Columns: NVRTC defines, blocks per SM cap (0 = as many as fit), staged activations, rows per
-/// warp group, tensor cores.
-const FP8_VARIANTS: [(&str, u32, bool, usize, bool); 10] = [
-    ("-DGEMV_FP8H=1", 0, true, 2, false),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1, false),
-    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2, false),
-    ("-DGEMV_FP8H=2", 0, true, 2, false),
-    ("-DGEMV_DEPTH=0", 0, false, 2, false),
-    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2, false),
-    ("-DGEMV_FP8H=1", 1, true, 2, false),
-    ("-DGEMV_FP8MMA=1", 0, true, 16, true),
-    ("-DGEMV_FP8MMA=1 -DGEMV_MMA_U=8", 0, true, 16, true),
-    ("-DGEMV_FP8MMA=1 -DGEMV_MMA_U=2", 0, true, 16, true),
+/// warp group, tensor-core kind (0 none, 1 e4m3 activations, 2 f16 activations).
+const FP8_VARIANTS: [(&str, u32, bool, usize, u8); 12] = [
+    ("-DGEMV_FP8H=1", 0, true, 2, 0),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1, 0),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2, 0),
+    ("-DGEMV_FP8H=2", 0, true, 2, 0),
+    ("-DGEMV_DEPTH=0", 0, false, 2, 0),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2, 0),
+    ("-DGEMV_FP8H=1", 1, true, 2, 0),
+    ("-DGEMV_FP8MMA=1", 0, true, 16, 1),
+    ("-DGEMV_FP8MMA=1 -DGEMV_MMA_U=8", 0, true, 16, 1),
+    ("-DGEMV_FP8MMA=1 -DGEMV_MMA_U=2", 0, true, 16, 1),
+    ("-DGEMV_FP8H=1 -DGEMV_FP8MMA=2", 0, true, 16, 2),
+    ("-DGEMV_FP8H=1 -DGEMV_FP8MMA=2 -DGEMV_MMA_U=8", 0, true, 16, 2),
 ];
 /// FP8 variant used unless `PRISM_GEMV_FP8_VARIANT` says otherwise.
 const FP8_DEFAULT: usize = 0;
-/// The tensor-core FP8 variant (4 loads in flight per lane and row).
+/// The tensor-core FP8 variants (4 loads in flight per lane and row): e4m3 activations (W8A8)
+/// and f16 activations (W8A16).
 pub const FP8_TENSOR_CORES: usize = 7;
+pub const FP8_TENSOR_CORES_F16: usize = 10;
 /// The CUDA-core FP8 variant a tensor-core one falls back to for inputs that are not a
 /// multiple of 64 wide.
 const FP8_FALLBACK: usize = 0;
@@ -233,10 +241,10 @@ impl Gemv {
         let mut variants = Vec::new();
         let mut variants_fp8 = Vec::new();
         // (defines, blocks per SM, FP8 weights, staged activations, rows, tensor cores, compile it)
-        let mut builds: Vec<(&str, u32, bool, bool, usize, bool, bool)> =
-            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, false, true)).collect();
+        let mut builds: Vec<(&str, u32, bool, bool, usize, u8, bool)> =
+            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, 0, true)).collect();
         if fp8.is_some() {
-            let fallback = FP8_VARIANTS[variant_fp8].4;
+            let fallback = FP8_VARIANTS[variant_fp8].4 != 0;
             builds.extend(FP8_VARIANTS.iter().enumerate().map(|(i, &(d, c, st, rows, mma))| {
                 (d, c, true, st, rows, mma, sweep.contains(&i) || i == variant_fp8 || (fallback && i == FP8_FALLBACK))
             }));
@@ -311,11 +319,13 @@ impl Gemv {
     /// values, then f32 reduction slots: one set per warp and token, two for the staged
     /// variants' row maxima; the tensor-core kernels: 1-byte codes, token scales, reduction
     /// slots and the double-buffered per-tile partial sums, as `gemv_mma.cu` lays them out).
-    fn smem(m: usize, inp: usize, staged: bool, mma: bool) -> usize {
-        if mma {
-            return m * inp + 4 * (4 + WARPS * 4) + 2 * WARPS * 32 * 16;
+    fn smem(m: usize, inp: usize, staged: bool, mma: u8) -> usize {
+        let tail = 4 * (4 + WARPS * 4) + 2 * WARPS * 32 * 16;
+        match mma {
+            1 => m * inp + tail,
+            2 => (m * inp * 2 + 2 * WARPS * m * 4).next_multiple_of(16) + tail,
+            _ => m * inp * 2 + (1 + usize::from(staged)) * WARPS * m * 4,
         }
-        m * inp * 2 + (1 + usize::from(staged)) * WARPS * m * 4
     }
 
     /// The FP8 variants compiled (indices into [`FP8_VARIANTS`]).
@@ -355,7 +365,7 @@ impl Gemv {
         }
         let v = if wscale != 0 {
             let v = self.variants_fp8.get(self.variant_fp8).and_then(Option::as_ref);
-            if v.is_some_and(|v| v.mma) && !inp.is_multiple_of(64) {
+            if v.is_some_and(|v| v.mma != 0) && !inp.is_multiple_of(64) {
                 self.variants_fp8.get(FP8_FALLBACK).and_then(Option::as_ref)
             } else {
                 v
@@ -372,7 +382,7 @@ impl Gemv {
         let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
         // Rows per block: the tensor-core kernels take tiles of 16 weight rows (8 logical rows
         // with their partners for the paired kinds).
-        let per_block = if !v.mma {
+        let per_block = if v.mma == 0 {
             WARPS * v.rows
         } else if matches!(kind, GemvKind::QkvRope | GemvKind::NormGateUpSilu) {
             8

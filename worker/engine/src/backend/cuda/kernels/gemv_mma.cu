@@ -47,6 +47,17 @@
 
 typedef unsigned char u8;
 
+#if GEMV_FP8MMA == 2
+// f16 products on tensor cores (mma.m16n8k16, native on sm_80+): A = weights decoded in
+// hardware (decode16, two codes per instruction), B = the f16 activations of stage_f16.
+__device__ __forceinline__ void gm_mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+
 __device__ __forceinline__ void gm_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
@@ -162,7 +173,13 @@ __device__ __forceinline__ void gemv_mma_impl(void* y, const u8* __restrict__ w,
     constexpr int U = GEMV_MMA_U;
     extern __shared__ uint4 gv_smem[];
     u8* codes = reinterpret_cast<u8*>(gv_smem);
+#if GEMV_FP8MMA == 2
+    // stage_f16's rows and reduction slots come first.
+    float* xs = reinterpret_cast<float*>(codes + (u64)M * inp * 2 + 2 * GEMV_WARPS * M * 4);
+    xs = reinterpret_cast<float*>(((unsigned long long)xs + 15) & ~15ull);
+#else
     float* xs = reinterpret_cast<float*>(codes + (u64)M * inp);
+#endif
     float* red = xs + 4;
     float4* tred = reinterpret_cast<float4*>(red + GEMV_WARPS * 4);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
@@ -201,8 +218,20 @@ __device__ __forceinline__ void gemv_mma_impl(void* y, const u8* __restrict__ w,
         }
     }
     pdl_wait();
+#if GEMV_FP8MMA == 2
+    {
+        float xun[M];
+        stage_f16<M, NORM>(xin, gain, inp, eps, xun);
+        if (threadIdx.x == 0) {
+#pragma unroll
+            for (int m = 0; m < M; m++) xs[m] = xun[m];
+        }
+    }
+    const __half* xrow = reinterpret_cast<const __half*>(gv_smem) + (u64)(gid < M ? gid : M - 1) * inp + tig * 16;
+#else
     gm_stage<M, NORM>(xin, gain, inp, eps, codes, xs, red);
     const u8* xrow = codes + (u64)(gid < M ? gid : M - 1) * inp + tig * 16;
+#endif
 
     for (int it = 0;; it++) {
         const int next = tile + gridDim.x;
@@ -221,9 +250,24 @@ __device__ __forceinline__ void gemv_mma_impl(void* y, const u8* __restrict__ w,
             for (int u = 0; u < U; u++) {
                 const int p = piece(r, u);
                 if (p < pieces) {
+#if GEMV_FP8MMA == 2
+                    // Lane (n, tig)'s 16 activations at the lane's 16 weight columns; mma j
+                    // takes columns 4j .. 4j + 3 (A: decoded pairs 2j, 2j + 1 of both rows).
+                    const uint4* xp = reinterpret_cast<const uint4*>(xrow + p * 64);
+                    const uint4 x0 = xp[0], x1 = xp[1];
+                    const u32 xb[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                    __half2 ha[8], hb[8];
+                    decode16(va[u], ha);
+                    decode16(vb[u], hb);
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        gm_mma_f16(e, h2_bits(ha[2 * j]), h2_bits(hb[2 * j]), h2_bits(ha[2 * j + 1]),
+                                   h2_bits(hb[2 * j + 1]), xb[2 * j], xb[2 * j + 1]);
+#else
                     const uint4 xb = *reinterpret_cast<const uint4*>(xrow + p * 64);
                     gm_mma(e, va[u].x, vb[u].x, va[u].y, vb[u].y, xb.x, xb.y);
                     gm_mma(e, va[u].z, vb[u].z, va[u].w, vb[u].w, xb.z, xb.w);
+#endif
                 }
                 // Refill the slot: this tile's next round, else the next tile's first.
                 if (r + 1 < rounds) {
