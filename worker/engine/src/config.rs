@@ -165,6 +165,7 @@ impl EngineHandle {
         }
         let source = ModelSource::detect(&cfg.model)?;
         let parallel = effective_parallel(&cfg);
+        check_number_formats(&cfg, &parallel)?;
         if !parallel.sizes.is_single() || !parallel.rank0_in_process {
             return start_parallel(&cfg, &parallel, &source, progress);
         }
@@ -218,6 +219,40 @@ impl EngineHandle {
         let parts = EngineParts { backend, codec, eos_ids, model_max_len, control };
         Self::start_with_parts(parts, cfg.runtime())
     }
+}
+
+/// `--quantization fp8` and `--kv-cache-dtype fp8` are built for one-GPU CUDA replicas: refuses
+/// them elsewhere instead of serving bf16 while the deployment says FP8 (vLLM likewise refuses
+/// FP8 on its CPU backend). FP8 checkpoints are not affected: they load on every backend
+/// (dequantized where FP8 kernels are missing).
+fn check_number_formats(cfg: &EngineConfig, parallel: &ParallelConfig) -> Result<(), EngineError> {
+    let one_gpu = matches!(&cfg.backend, BackendKind::Cuda { devices } if devices.len() <= 1)
+        && parallel.sizes.is_single()
+        && parallel.rank0_in_process;
+    let (field, asked) = if cfg.quantization != Quantization::None {
+        ("quantization", "quantization fp8")
+    } else if cfg.kv_cache_dtype != KvCacheDtype::Bf16 {
+        ("kv_cache_dtype", "kv_cache_dtype fp8")
+    } else {
+        return Ok(());
+    };
+    if one_gpu {
+        return Ok(());
+    }
+    let replica = match &cfg.backend {
+        BackendKind::Cpu => "the CPU backend".to_owned(),
+        BackendKind::Cuda { .. } => format!(
+            "a parallel CUDA replica (tensor_parallel_size {}, pipeline_parallel_size {})",
+            parallel.sizes.tensor_parallel_size, parallel.sizes.pipeline_parallel_size
+        ),
+    };
+    Err(EngineError::InvalidRequest {
+        field,
+        message: format!(
+            "{asked} needs a one-GPU CUDA replica; this one runs on {replica}. FP8 checkpoints load \
+             on every backend without it"
+        ),
+    })
 }
 
 /// The replica's rank layout: `cfg.parallel`, except that a CUDA replica given several

@@ -13,12 +13,14 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use half::bf16;
 use prism_engine::backend::cpu::CpuBackend;
 use prism_engine::backend::{Backend, SeqStep, StepBatch};
 use prism_engine::model::{LoadedModel, ModelError, ModelSource, load_model};
-use prism_engine::{EngineConfig, EngineHandle, EngineRequest, Prompt, SamplingParams};
+use prism_engine::{
+    EngineConfig, EngineError, EngineHandle, EngineRequest, KvCacheDtype, Prompt, Quantization, SamplingParams,
+};
 use serde_json::{Value, json};
 
 fn fixture_dir() -> PathBuf {
@@ -503,6 +505,39 @@ fn the_cpu_engine_generates_from_an_fp8_checkpoint_as_from_its_reference() -> Re
     Ok(())
 }
 
+/// `--quantization fp8` and `--kv-cache-dtype fp8` are one-GPU CUDA options: a CPU replica
+/// refuses them with an error naming the field rather than serving bf16, while the FP8
+/// checkpoint itself still loads (the test above).
+#[test]
+fn the_cpu_engine_refuses_fp8_quantization_and_fp8_kv_cache_by_name() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let (_, layout) = layouts().into_iter().next().context("layout")?;
+    let (fp8, reference) = (tmp.path().join("fp8"), tmp.path().join("ref"));
+    write_fp8_pair(&layout, &fp8, &reference)?;
+    for field in ["quantization", "kv_cache_dtype"] {
+        let mut cfg = EngineConfig::new(reference.clone());
+        cfg.engine_threads = Some(2);
+        cfg.kv_cache_bytes = Some(4 << 20);
+        if field == "quantization" {
+            cfg.quantization = Quantization::Fp8;
+        } else {
+            cfg.kv_cache_dtype = KvCacheDtype::Fp8;
+        }
+        match EngineHandle::start(cfg, None) {
+            Err(EngineError::InvalidRequest { field: f, message }) => {
+                ensure!(f == field, "{field}: error names {f}: {message}");
+                ensure!(message.contains("one-GPU CUDA replica") && message.contains("CPU"), "{message}");
+            }
+            Err(e) => bail!("{field}: {e}"),
+            Ok(engine) => {
+                engine.shutdown();
+                bail!("{field} fp8 on the CPU backend started an engine");
+            }
+        }
+    }
+    Ok(())
+}
+
 fn has_numpy(python: &Path) -> bool {
     std::process::Command::new(python).args(["-c", "import numpy"]).output().is_ok_and(|o| o.status.success())
 }
@@ -518,6 +553,9 @@ fn numpy_python() -> Result<PathBuf> {
     }
     let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/fp8-venv");
     let python = venv.join("bin/python");
+    // Two tests may get here at once on a fresh checkout: one of them makes the environment.
+    static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _making = MAKING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     if !has_numpy(&python) {
         let made = std::process::Command::new("python3").arg("-m").arg("venv").arg(&venv).status()?;
         ensure!(made.success(), "python3 -m venv {} failed", venv.display());
