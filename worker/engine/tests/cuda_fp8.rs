@@ -593,9 +593,9 @@ fn fused_fp8_norm_and_silu_equal_the_host_with_the_products_scales_applied_on_lo
 /// not a multiple of 64 falls back to the CUDA-core kernel, which multiplies the bf16 activations.
 #[test]
 fn tensor_core_fp8_gemvs_equal_the_exact_products_of_their_operands() {
-    use prism_engine::backend::cuda::gemv::{FP8_TENSOR_CORES, FP8_TENSOR_CORES_F16};
+    use prism_engine::backend::cuda::gemv::{FP8_TENSOR_CORES, FP8_TENSOR_CORES_F16, FP8_TENSOR_CORES_MIXED};
     // `w8a8`: the variant quantizes the activations.
-    for (variant, w8a8) in [(FP8_TENSOR_CORES, true), (FP8_TENSOR_CORES_F16, false)] {
+    for (variant, w8a8) in [(FP8_TENSOR_CORES, true), (FP8_TENSOR_CORES_F16, false), (FP8_TENSOR_CORES_MIXED, false)] {
         let gpu = gpu();
         let mut rng = Rng(0x5eed_0004);
         let (inp, out, wide) = (4096, 1000, 4096 + 16);

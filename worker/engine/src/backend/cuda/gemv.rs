@@ -141,10 +141,12 @@ const VARIANTS: [(&str, u32); 2] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1
 ///    FP8 GEMM path's W8A8 product) with 4, 8 and 2 loads in flight per lane and weight row;
 ///    on sm_90 ptxas lowers it to conversions of both operands and f16 `mma`;
 /// 10, 11: f16 `mma.m16n8k16` over the hardware-decoded weights and variant 0's f16
-///    activations (the same W8A16 product as 0), 4 and 8 loads in flight per lane and row.
+///    activations (the same W8A16 product as 0), 4 and 8 loads in flight per lane and row;
+/// 12: as 10, half of the codes decoded with integer ops instead (conversion and integer
+///    units share the decode).
 /// Columns: NVRTC defines, blocks per SM cap (0 = as many as fit), staged activations, rows per
 /// warp group, tensor-core kind (0 none, 1 e4m3 activations, 2 f16 activations).
-const FP8_VARIANTS: [(&str, u32, bool, usize, u8); 12] = [
+const FP8_VARIANTS: [(&str, u32, bool, usize, u8); 13] = [
     ("-DGEMV_FP8H=1", 0, true, 2, 0),
     ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1, 0),
     ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2, 0),
@@ -157,6 +159,7 @@ const FP8_VARIANTS: [(&str, u32, bool, usize, u8); 12] = [
     ("-DGEMV_FP8MMA=1 -DGEMV_MMA_U=2", 0, true, 16, 1),
     ("-DGEMV_FP8H=1 -DGEMV_FP8MMA=2", 0, true, 16, 2),
     ("-DGEMV_FP8H=1 -DGEMV_FP8MMA=2 -DGEMV_MMA_U=8", 0, true, 16, 2),
+    ("-DGEMV_FP8H=1 -DGEMV_FP8MMA=3", 0, true, 16, 2),
 ];
 /// FP8 variant used unless `PRISM_GEMV_FP8_VARIANT` says otherwise.
 const FP8_DEFAULT: usize = 0;
@@ -164,6 +167,8 @@ const FP8_DEFAULT: usize = 0;
 /// and f16 activations (W8A16).
 pub const FP8_TENSOR_CORES: usize = 7;
 pub const FP8_TENSOR_CORES_F16: usize = 10;
+/// As [`FP8_TENSOR_CORES_F16`] with the mixed (conversion + integer) decode.
+pub const FP8_TENSOR_CORES_MIXED: usize = 12;
 /// The CUDA-core FP8 variant a tensor-core one falls back to for inputs that are not a
 /// multiple of 64 wide.
 const FP8_FALLBACK: usize = 0;

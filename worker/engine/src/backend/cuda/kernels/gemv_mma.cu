@@ -47,7 +47,28 @@
 
 typedef unsigned char u8;
 
-#if GEMV_FP8MMA == 2
+#if GEMV_FP8MMA >= 2
+// The 16 codes of a 16-byte load as 8 f16 pairs in mma A-register order: 2 decodes codes 2t,
+// 2t + 1 into register t in hardware (decode16); 3 (mixed) does so for codes 0..7 and decodes
+// codes 8..15 with integer ops into the f16 places (the value · 2^-8, pairs (8, 10), (9, 11),
+// (12, 14), (13, 15): stage_f16 stores their activations in that order, times 2^8), so the
+// conversion unit and the integer unit share the work.
+__device__ __forceinline__ void gm_decode(const uint4& v, u32 (&h)[8]) {
+    __half2 d[8];
+    decode16(v, d);
+#pragma unroll
+    for (int t = 0; t < 8; t++) h[t] = h2_bits(d[t]);
+#if GEMV_FP8MMA == 3
+    const u32 q[2] = {v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const u32 a = q[i], b = q[i] << 8;
+        h[4 + 2 * i] = (b & 0x80008000u) | ((b >> 1) & 0x3f803f80u);
+        h[5 + 2 * i] = (a & 0x80008000u) | ((a >> 1) & 0x3f803f80u);
+    }
+#endif
+}
+
 // f16 products on tensor cores (mma.m16n8k16, native on sm_80+): A = weights decoded in
 // hardware (decode16, two codes per instruction), B = the f16 activations of stage_f16.
 __device__ __forceinline__ void gm_mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -173,7 +194,7 @@ __device__ __forceinline__ void gemv_mma_impl(void* y, const u8* __restrict__ w,
     constexpr int U = GEMV_MMA_U;
     extern __shared__ uint4 gv_smem[];
     u8* codes = reinterpret_cast<u8*>(gv_smem);
-#if GEMV_FP8MMA == 2
+#if GEMV_FP8MMA >= 2
     // stage_f16's rows and reduction slots come first.
     float* xs = reinterpret_cast<float*>(codes + (u64)M * inp * 2 + 2 * GEMV_WARPS * M * 4);
     xs = reinterpret_cast<float*>(((unsigned long long)xs + 15) & ~15ull);
@@ -218,7 +239,7 @@ __device__ __forceinline__ void gemv_mma_impl(void* y, const u8* __restrict__ w,
         }
     }
     pdl_wait();
-#if GEMV_FP8MMA == 2
+#if GEMV_FP8MMA >= 2
     {
         float xun[M];
         stage_f16<M, NORM>(xin, gain, inp, eps, xun);
@@ -250,19 +271,18 @@ __device__ __forceinline__ void gemv_mma_impl(void* y, const u8* __restrict__ w,
             for (int u = 0; u < U; u++) {
                 const int p = piece(r, u);
                 if (p < pieces) {
-#if GEMV_FP8MMA == 2
+#if GEMV_FP8MMA >= 2
                     // Lane (n, tig)'s 16 activations at the lane's 16 weight columns; mma j
                     // takes columns 4j .. 4j + 3 (A: decoded pairs 2j, 2j + 1 of both rows).
                     const uint4* xp = reinterpret_cast<const uint4*>(xrow + p * 64);
                     const uint4 x0 = xp[0], x1 = xp[1];
                     const u32 xb[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-                    __half2 ha[8], hb[8];
-                    decode16(va[u], ha);
-                    decode16(vb[u], hb);
+                    u32 ha[8], hb[8];
+                    gm_decode(va[u], ha);
+                    gm_decode(vb[u], hb);
 #pragma unroll
                     for (int j = 0; j < 4; j++)
-                        gm_mma_f16(e, h2_bits(ha[2 * j]), h2_bits(hb[2 * j]), h2_bits(ha[2 * j + 1]),
-                                   h2_bits(hb[2 * j + 1]), xb[2 * j], xb[2 * j + 1]);
+                        gm_mma_f16(e, ha[2 * j], hb[2 * j], ha[2 * j + 1], hb[2 * j + 1], xb[2 * j], xb[2 * j + 1]);
 #else
                     const uint4 xb = *reinterpret_cast<const uint4*>(xrow + p * 64);
                     gm_mma(e, va[u].x, vb[u].x, va[u].y, vb[u].y, xb.x, xb.y);
