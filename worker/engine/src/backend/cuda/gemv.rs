@@ -22,8 +22,6 @@ use super::error::{CudaError, CudaResultExt};
 
 /// The kernels' CUDA C source.
 pub const GEMV_SRC: &str = include_str!("kernels/gemv.cu");
-/// The tensor-core FP8 kernels (`GEMV_FP8MMA`), appended to [`GEMV_SRC`] for every build.
-pub const GEMV_MMA_SRC: &str = include_str!("kernels/gemv_mma.cu");
 
 /// Largest token count the GEMV kernels are instantiated for.
 pub const GEMV_MAX_M: usize = 4;
@@ -115,10 +113,6 @@ struct Variant {
     staged: bool,
     /// Rows per warp group (`GEMV_R`).
     rows: usize,
-    /// Tensor-core FP8 kernels (`gemv_mma.cu`; 1: e4m3 activations, 2: f16): every kind
-    /// stages its activations, a block takes 16 weight rows at a time and `inp` must be a
-    /// multiple of 64; 0 for the CUDA-core kernels.
-    mma: u8,
 }
 
 /// Compile-time variants (NVRTC defines, blocks per SM; 0 = as many as fit):
@@ -136,42 +130,21 @@ const VARIANTS: [(&str, u32); 2] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1
 /// 3: packed-f16 products, codes decoded with integer ops;
 /// 4: f32 products, codes decoded with integer ops into f32 bit places (the first FP8 kernel);
 /// 5, 6: as 2 and 0 with one block per SM (room for the next kernel's blocks under
-///    programmatic dependent launch, `PRISM_CUDA_PDL=1`);
-/// 7, 8, 9: `mma.m16n8k32.e4m3` (`gemv_mma.cu`: e4m3 activations with per-token scales, the
-///    FP8 GEMM path's W8A8 product) with 4, 8 and 2 loads in flight per lane and weight row;
-///    on sm_90 ptxas lowers it to conversions of both operands and f16 `mma`;
-/// 10, 11: f16 `mma.m16n8k16` over the hardware-decoded weights and variant 0's f16
-///    activations (the same W8A16 product as 0), 4 and 8 loads in flight per lane and row;
-/// 12: as 10, half of the codes decoded with integer ops instead (conversion and integer
-///    units share the decode).
-/// Columns: NVRTC defines, blocks per SM cap (0 = as many as fit), staged activations, rows per
-/// warp group, tensor-core kind (0 none, 1 e4m3 activations, 2 f16 activations).
-const FP8_VARIANTS: [(&str, u32, bool, usize, u8); 13] = [
-    ("-DGEMV_FP8H=1", 0, true, 2, 0),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1, 0),
-    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2, 0),
-    ("-DGEMV_FP8H=2", 0, true, 2, 0),
-    ("-DGEMV_DEPTH=0", 0, false, 2, 0),
-    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2, 0),
-    ("-DGEMV_FP8H=1", 1, true, 2, 0),
-    ("-DGEMV_FP8MMA=1", 0, true, 16, 1),
-    ("-DGEMV_FP8MMA=1 -DGEMV_MMA_U=8", 0, true, 16, 1),
-    ("-DGEMV_FP8MMA=1 -DGEMV_MMA_U=2", 0, true, 16, 1),
-    ("-DGEMV_FP8H=1 -DGEMV_FP8MMA=2", 0, true, 16, 2),
-    ("-DGEMV_FP8H=1 -DGEMV_FP8MMA=2 -DGEMV_MMA_U=8", 0, true, 16, 2),
-    ("-DGEMV_FP8H=1 -DGEMV_FP8MMA=3", 0, true, 16, 2),
+///    programmatic dependent launch, `PRISM_CUDA_PDL=1`).
+const FP8_VARIANTS: [(&str, u32, bool, usize); 7] = [
+    ("-DGEMV_FP8H=1", 0, true, 2),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2),
+    ("-DGEMV_FP8H=2", 0, true, 2),
+    ("-DGEMV_DEPTH=0", 0, false, 2),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2),
+    ("-DGEMV_FP8H=1", 1, true, 2),
 ];
-/// FP8 variant used unless `PRISM_GEMV_FP8_VARIANT` says otherwise.
+/// FP8 variant used unless `PRISM_GEMV_FP8_VARIANT` says otherwise
+/// (`PRISM_GEMV_FP8_KINDS=qkv=1,down=2` picks one per product).
 const FP8_DEFAULT: usize = 0;
-/// The tensor-core FP8 variants (4 loads in flight per lane and row): e4m3 activations (W8A8)
-/// and f16 activations (W8A16).
-pub const FP8_TENSOR_CORES: usize = 7;
-pub const FP8_TENSOR_CORES_F16: usize = 10;
-/// As [`FP8_TENSOR_CORES_F16`] with the mixed (conversion + integer) decode.
-pub const FP8_TENSOR_CORES_MIXED: usize = 12;
-/// The CUDA-core FP8 variant a tensor-core one falls back to for inputs that are not a
-/// multiple of 64 wide.
-const FP8_FALLBACK: usize = 0;
+/// The products `PRISM_GEMV_FP8_KINDS` names.
+const PRODUCTS: [&str; 5] = ["qkv", "o_proj", "gate_up", "down", "lm_head"];
 
 /// The loaded GEMV kernels.
 pub struct Gemv {
@@ -184,6 +157,9 @@ pub struct Gemv {
     pub variant: usize,
     /// FP8 variant in use (index into [`FP8_VARIANTS`]).
     variant_fp8: usize,
+    /// Per-product FP8 variants that override `variant_fp8` (`PRISM_GEMV_FP8_KINDS`), indexed
+    /// by [`Gemv::product`].
+    kind_fp8: [Option<usize>; 5],
     /// Input width the norm prologues' shared memory was sized for.
     norm_inp: usize,
     /// Widest input of the other kinds (the staged variants keep it in shared memory).
@@ -203,59 +179,44 @@ impl Gemv {
     /// [`CudaError`] on compile or load failure, or when `norm_inp` rows of [`GEMV_MAX_M`]
     /// tokens do not fit in shared memory.
     pub fn new(gpu: &Gpu, norm_inp: usize, stage_inp: usize, fp8: bool) -> Result<Self, CudaError> {
-        let variant_fp8 = std::env::var("PRISM_GEMV_FP8_VARIANT")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&v| v < FP8_VARIANTS.len())
-            .unwrap_or(FP8_DEFAULT);
-        // "1": every FP8 variant; else a comma-separated list of them.
-        let sweep: Vec<usize> = match std::env::var("PRISM_GEMV_FP8_SWEEP") {
-            Ok(v) if v == "1" => (0..FP8_VARIANTS.len()).collect(),
-            Ok(v) => v.split(',').filter_map(|i| i.trim().parse().ok()).collect(),
-            Err(_) => Vec::new(),
-        };
-        Self::build(gpu, norm_inp, stage_inp, fp8.then_some(variant_fp8), &sweep)
-    }
-
-    /// As [`Gemv::new`] with FP8 kernels, FP8 variant `v` (an index into the variant table;
-    /// [`FP8_TENSOR_CORES`] for the tensor-core kernels) whatever the environment says.
-    ///
-    /// # Errors
-    /// As [`Gemv::new`]; [`CudaError::InvalidLaunch`] for an unknown variant.
-    pub fn with_fp8_variant(gpu: &Gpu, norm_inp: usize, stage_inp: usize, v: usize) -> Result<Self, CudaError> {
-        if v >= FP8_VARIANTS.len() {
-            return Err(CudaError::InvalidLaunch(format!("gemv: no FP8 variant {v}")));
-        }
-        Self::build(gpu, norm_inp, stage_inp, Some(v), &[])
-    }
-
-    /// Compiles the bf16 variants and, with `fp8`, FP8 variant `fp8` and those in `sweep`.
-    fn build(
-        gpu: &Gpu,
-        norm_inp: usize,
-        stage_inp: usize,
-        fp8: Option<usize>,
-        sweep: &[usize],
-    ) -> Result<Self, CudaError> {
         let sms = gpu
             .ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .op("SM count")?
             .max(1) as u32;
-        let variant_fp8 = fp8.unwrap_or(FP8_DEFAULT);
+        let variant_fp8 = std::env::var("PRISM_GEMV_FP8_VARIANT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&v| v < FP8_VARIANTS.len())
+            .unwrap_or(FP8_DEFAULT);
+        // "1": every variant; else a comma-separated list of them.
+        let sweep: Vec<usize> = match std::env::var("PRISM_GEMV_FP8_SWEEP") {
+            Ok(v) if v == "1" => (0..FP8_VARIANTS.len()).collect(),
+            Ok(v) => v.split(',').filter_map(|i| i.trim().parse().ok()).collect(),
+            Err(_) => Vec::new(),
+        };
+        // Per-product overrides, e.g. "qkv=1,o_proj=1,down=2" (names as in `PRODUCTS`).
+        let mut kind_fp8 = [None; 5];
+        for item in std::env::var("PRISM_GEMV_FP8_KINDS").unwrap_or_default().split(',') {
+            if let Some((name, v)) = item.split_once('=')
+                && let (Some(slot), Ok(v)) = (PRODUCTS.iter().position(|&p| p == name.trim()), v.trim().parse())
+                && v < FP8_VARIANTS.len()
+            {
+                kind_fp8[slot] = Some(v);
+            }
+        }
         let mut variants = Vec::new();
         let mut variants_fp8 = Vec::new();
-        // (defines, blocks per SM, FP8 weights, staged activations, rows, tensor cores, compile it)
-        let mut builds: Vec<(&str, u32, bool, bool, usize, u8, bool)> =
-            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, 0, true)).collect();
-        if fp8.is_some() {
-            let fallback = FP8_VARIANTS[variant_fp8].4 != 0;
-            builds.extend(FP8_VARIANTS.iter().enumerate().map(|(i, &(d, c, st, rows, mma))| {
-                (d, c, true, st, rows, mma, sweep.contains(&i) || i == variant_fp8 || (fallback && i == FP8_FALLBACK))
+        // (defines, blocks per SM, FP8 weights, staged activations, rows, compile it)
+        let mut builds: Vec<(&str, u32, bool, bool, usize, bool)> =
+            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, true)).collect();
+        if fp8 {
+            builds.extend(FP8_VARIANTS.iter().enumerate().map(|(i, &(d, c, st, rows))| {
+                let wanted = sweep.contains(&i) || i == variant_fp8 || kind_fp8.contains(&Some(i));
+                (d, c, true, st, rows, wanted)
             }));
         }
-        let src = format!("{GEMV_SRC}\n{GEMV_MMA_SRC}");
-        for (defines, per_sm_cap, fp8_w, staged, rows, mma, wanted) in builds {
+        for (defines, per_sm_cap, fp8_w, staged, rows, wanted) in builds {
             if !wanted {
                 variants_fp8.push(None);
                 continue;
@@ -270,7 +231,7 @@ impl Gemv {
                 options,
                 ..Default::default()
             };
-            let ptx = compile_ptx_with_opts(&src, opts).op("NVRTC compile of gemv.cu")?;
+            let ptx = compile_ptx_with_opts(GEMV_SRC, opts).op("NVRTC compile of gemv.cu")?;
             let module = gpu.ctx.load_module(ptx).op("load_module gemv")?;
             let mut fns = Vec::with_capacity(GEMV_MAX_M);
             for m in 1..=GEMV_MAX_M {
@@ -278,9 +239,9 @@ impl Gemv {
                     let name = format!("{}_m{m}", k.name());
                     let f = module.load_function(&name).map_err(|e| CudaError::op(name, e))?;
                     let bytes = if k.norm() {
-                        Self::smem(m, norm_inp, staged, mma)
+                        Self::smem(m, norm_inp, staged)
                     } else if staged {
-                        Self::smem(m, stage_inp, true, mma)
+                        Self::smem(m, stage_inp, true)
                     } else {
                         0
                     };
@@ -305,7 +266,7 @@ impl Gemv {
                     f(GemvKind::NormGateUpSilu)?,
                 ]);
             }
-            let v = Variant { fns, staged, rows, mma };
+            let v = Variant { fns, staged, rows };
             if fp8_w { variants_fp8.push(Some(v)) } else { variants.push(v) }
         }
         let variant = std::env::var("PRISM_GEMV_VARIANT")
@@ -317,19 +278,25 @@ impl Gemv {
         // Off by default: measured on an H200 it did not help (4.34 vs 4.29 ms per batch-1
         // step), since the persistent GEMV grids leave no room for the next kernel's blocks.
         let pdl = major >= 9 && std::env::var("PRISM_CUDA_PDL").is_ok_and(|v| v == "1");
-        Ok(Self { variants, variants_fp8, variant, variant_fp8, norm_inp, stage_inp, pdl })
+        Ok(Self { variants, variants_fp8, variant, variant_fp8, kind_fp8, norm_inp, stage_inp, pdl })
     }
 
     /// Dynamic shared memory of a kernel staging `m` rows of `inp` activations (2-byte
     /// values, then f32 reduction slots: one set per warp and token, two for the staged
-    /// variants' row maxima; the tensor-core kernels: 1-byte codes, token scales, reduction
-    /// slots and the double-buffered per-tile partial sums, as `gemv_mma.cu` lays them out).
-    fn smem(m: usize, inp: usize, staged: bool, mma: u8) -> usize {
-        let tail = 4 * (4 + WARPS * 4) + 2 * WARPS * 32 * 16;
-        match mma {
-            1 => m * inp + tail,
-            2 => (m * inp * 2 + 2 * WARPS * m * 4).next_multiple_of(16) + tail,
-            _ => m * inp * 2 + (1 + usize::from(staged)) * WARPS * m * 4,
+    /// variants' row maxima).
+    fn smem(m: usize, inp: usize, staged: bool) -> usize {
+        m * inp * 2 + (1 + usize::from(staged)) * WARPS * m * 4
+    }
+
+    /// Which product of a layer a launch is ([`PRODUCTS`] index): the residual kind is o_proj
+    /// up to the hidden width (`norm_inp`) and down_proj above it.
+    fn product(kind: GemvKind, inp: usize, norm_inp: usize) -> usize {
+        match kind {
+            GemvKind::QkvRope => 0,
+            GemvKind::Residual if inp <= norm_inp => 1,
+            GemvKind::NormGateUpSilu => 2,
+            GemvKind::Residual => 3,
+            GemvKind::LogitsF32 => 4,
         }
     }
 
@@ -369,12 +336,8 @@ impl Gemv {
             return Err(CudaError::InvalidLaunch(format!("gemv: m {m}, inp {inp} not supported")));
         }
         let v = if wscale != 0 {
-            let v = self.variants_fp8.get(self.variant_fp8).and_then(Option::as_ref);
-            if v.is_some_and(|v| v.mma != 0) && !inp.is_multiple_of(64) {
-                self.variants_fp8.get(FP8_FALLBACK).and_then(Option::as_ref)
-            } else {
-                v
-            }
+            let v = self.kind_fp8[Self::product(kind, inp, self.norm_inp)].unwrap_or(self.variant_fp8);
+            self.variants_fp8.get(v).and_then(Option::as_ref)
         } else {
             self.variants.get(self.variant.min(self.variants.len().saturating_sub(1)))
         }
@@ -385,17 +348,8 @@ impl Gemv {
         let (f, resident) = &v.fns[m - 1][kind.index()];
         // Logical rows: RoPE pairs for the fused QKV.
         let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
-        // Rows per block: the tensor-core kernels take tiles of 16 weight rows (8 logical rows
-        // with their partners for the paired kinds).
-        let per_block = if v.mma == 0 {
-            WARPS * v.rows
-        } else if matches!(kind, GemvKind::QkvRope | GemvKind::NormGateUpSilu) {
-            8
-        } else {
-            16
-        };
-        let blocks = (rows.div_ceil(per_block) as u32).min(*resident);
-        let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged, v.mma) as u32 } else { 0 };
+        let blocks = (rows.div_ceil(WARPS * v.rows) as u32).min(*resident);
+        let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged) as u32 } else { 0 };
         let cfg =
             LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((WARPS * 32) as u32, 1, 1), shared_mem_bytes: shared };
         let (out_i, inp_i) = (rows as i32, inp as i32);

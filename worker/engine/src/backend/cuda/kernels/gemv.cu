@@ -255,26 +255,15 @@ __device__ __forceinline__ void stage_f16(const void* __restrict__ xin, const bf
             uint4 v = gv_smem[(u64)m * n8 + i];
             float f[8];
             unpack8(v, f);
-            // Integer-decoded weights pair elements (0, 2) and (1, 3) of each 4 and are the
-            // value · 2^-8: their activations are stored in that order, times 2^8.
 #if GEMV_FP8H == 2
-            const bool perm = true;
-            const float up = 1.f;
-#elif defined(GEMV_FP8MMA) && GEMV_FP8MMA == 3
-            // The mixed-decode tensor-core kernel: the second 8 of each lane's 16 weights.
-            const bool perm = i & 1;
-            const float up = perm ? 256.f : 1.f;
-#else
-            const bool perm = false;
-            const float up = 1.f;
-#endif
             const int ord[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+#else
+            const int ord[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
             u32 o[4];
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int i0 = perm ? ord[2 * e] : 2 * e, i1 = perm ? ord[2 * e + 1] : 2 * e + 1;
-                o[e] = h2_bits(__floats2half2_rn(f[i0] * (sc[m] * up), f[i1] * (sc[m] * up)));
-            }
+            for (int e = 0; e < 4; e++)
+                o[e] = h2_bits(__floats2half2_rn(f[ord[2 * e]] * sc[m], f[ord[2 * e + 1]] * sc[m]));
             gv_smem[(u64)m * n8 + i] = make_uint4(o[0], o[1], o[2], o[3]);
         }
     }
@@ -627,11 +616,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
     GEMV_KERNEL(gemv_residual_m##M, M, 2, false)        \
     GEMV_KERNEL(gemv_gate_up_m##M, M, 3, true)
 
-// The tensor-core build (GEMV_FP8MMA, gemv_mma.cu appended to this file) defines the same
-// entry points itself.
-#ifndef GEMV_FP8MMA
 GEMV_FAMILY(1)
 GEMV_FAMILY(2)
 GEMV_FAMILY(3)
 GEMV_FAMILY(4)
-#endif
