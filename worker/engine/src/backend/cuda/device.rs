@@ -153,6 +153,39 @@ pub fn cuda_available() -> bool {
 }
 
 impl Gpu {
+    /// Launches `f` on this stream with programmatic dependent launch (Hopper and later): the
+    /// grid may start while the previous kernel finishes; the kernel must execute
+    /// `griddepcontrol.wait` before it reads anything the previous kernel writes.
+    ///
+    /// # Safety
+    /// `params` points at the kernel's arguments in order, each of its parameter's type, alive
+    /// for the call (the driver copies them); the buffers are as the kernel requires.
+    pub unsafe fn launch_programmatic(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), result::DriverError> {
+        // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let lc = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as the caller guarantees for `params`; `lc` and `attr` outlive the call.
+        unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result()
+    }
+
     /// Opens device `ordinal`, creates a stream and a cuBLAS handle, compiles and loads the kernels.
     ///
     /// # Errors

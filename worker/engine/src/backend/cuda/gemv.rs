@@ -354,7 +354,6 @@ impl Gemv {
             LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((WARPS * 32) as u32, 1, 1), shared_mem_bytes: shared };
         let (out_i, inp_i) = (rows as i32, inp as i32);
         if self.pdl {
-            use cudarc::driver::sys;
             use std::ffi::c_void;
             let p = |v: &u64| v as *const u64 as *mut c_void;
             let pi = |v: &i32| v as *const i32 as *mut c_void;
@@ -372,27 +371,9 @@ impl Gemv {
                 params.extend([p(&rope.pos), p(&rope.slots), p(&rope.inv_freq), p(&rope.k_cache), p(&rope.v_cache)]);
                 params.extend([pi(&rope.q_heads), pi(&rope.kv_heads), pi(&rope.head_dim), pi(&rope.kv_fp8)]);
             }
-            // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
-            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
-            let lc = sys::CUlaunchConfig {
-                gridDimX: cfg.grid_dim.0,
-                gridDimY: 1,
-                gridDimZ: 1,
-                blockDimX: cfg.block_dim.0,
-                blockDimY: 1,
-                blockDimZ: 1,
-                sharedMemBytes: shared,
-                hStream: gpu.stream.cu_stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            // SAFETY: `params` points at locals that outlive the call (the driver copies the
-            // values at launch), in the kernel's parameter order and types; buffers as for the
-            // plain launch below.
-            let r = unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) };
-            return r.result().op(kind.name());
+            // SAFETY: `params` points at locals that outlive the call, in the kernel's parameter
+            // order and types; buffers as for the plain launch below.
+            return unsafe { gpu.launch_programmatic(f, cfg, &mut params) }.op(kind.name());
         }
         let mut b = gpu.stream.launch_builder(f);
         b.arg(&y).arg(&w).arg(&x).arg(&gain).arg(&out_i).arg(&inp_i).arg(&eps).arg(&wscale);
