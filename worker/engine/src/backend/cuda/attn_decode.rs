@@ -142,9 +142,6 @@ pub struct DecodeAttention {
     part_ml: DevBuf,
     /// u32 `[max_tokens · kv_heads]`, zero between launches.
     cnt: DevBuf,
-    /// Launch with programmatic dependent launch (the kernel waits on the previous grid
-    /// before its first read; set with the decode GEMVs' switch, `PRISM_CUDA_PDL=1`).
-    pub pdl: bool,
 }
 
 impl DecodeAttention {
@@ -212,7 +209,6 @@ impl DecodeAttention {
             part_o: DevBuf::zeroed(gpu, rows * hd * 4)?,
             part_ml: DevBuf::zeroed(gpu, rows * 2 * 4)?,
             cnt: DevBuf::zeroed(gpu, max_tokens * shape.kv_heads * 4)?,
-            pdl: false,
         })
     }
 
@@ -270,32 +266,6 @@ impl DecodeAttention {
             shared_mem_bytes: self.smem as u32,
         };
         let (qh, kvh, bs, cap) = (s.q_heads as i32, s.kv_heads as i32, a.block_size as i32, a.split_cap as i32);
-        if self.pdl {
-            use std::ffi::c_void;
-            let p = |v: &u64| v as *const u64 as *mut c_void;
-            let pi = |v: &i32| v as *const i32 as *mut c_void;
-            let mut params = [
-                p(&a.out),
-                p(&self.part_o.ptr),
-                p(&self.part_ml.ptr),
-                p(&self.cnt.ptr),
-                p(&a.qkv),
-                p(&a.k_cache),
-                p(&a.v_cache),
-                p(&a.pos),
-                p(&a.tok_bt),
-                p(&a.bts),
-                pi(&qh),
-                pi(&kvh),
-                pi(&bs),
-                &a.scale as *const f32 as *mut c_void,
-                pi(&cap),
-            ];
-            // SAFETY: the kernel's parameters in order (as the builder below passes them),
-            // pointing at values alive for the call; buffers as below; the kernel waits on the
-            // previous grid (griddepcontrol.wait) before reading any of them.
-            return unsafe { gpu.launch_programmatic(&self.f, cfg, &mut params) }.op("attn_decode");
-        }
         let mut b = gpu.stream.launch_builder(&self.f);
         b.arg(&a.out).arg(&self.part_o.ptr).arg(&self.part_ml.ptr).arg(&self.cnt.ptr);
         b.arg(&a.qkv).arg(&a.k_cache).arg(&a.v_cache).arg(&a.pos).arg(&a.tok_bt).arg(&a.bts);

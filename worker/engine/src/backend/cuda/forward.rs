@@ -220,9 +220,7 @@ impl ShardModel {
             let shape = AttnShape { q_heads: d.q_heads, kv_heads: d.kv_heads, head_dim: d.head_dim };
             let kv8 = opts.kv_cache_dtype == KvCacheDtype::Fp8;
             let pa = if kv8 { PrefillAttention::new_fp8_kv(&gpu, t)? } else { PrefillAttention::new(&gpu, t)? };
-            let mut da = DecodeAttention::with_kv(&gpu, shape, r, kv8)?;
-            da.pdl = gemv.as_ref().is_some_and(|g| g.pdl);
-            (Some(da), Some(pa))
+            (Some(DecodeAttention::with_kv(&gpu, shape, r, kv8)?), Some(pa))
         };
         if let (true, Some(l0)) = (opts.batch_invariant, w.layers.first()) {
             for (wp, out, inp) in [

@@ -465,14 +465,11 @@ impl CudaBackend {
         }
     }
 
-    /// Turns programmatic dependent launch of the decode GEMVs and the decode attention on or
-    /// off (benchmarks); captured graphs are dropped.
+    /// Turns programmatic dependent launch of the decode GEMVs on or off (benchmarks); captured
+    /// graphs are dropped.
     pub fn set_pdl(&mut self, on: bool) {
         if let Some(g) = self.m.gemv.as_mut() {
             g.pdl = on;
-        }
-        if let Some(a) = self.m.dattn.as_mut() {
-            a.pdl = on;
         }
         self.graphs.clear();
     }

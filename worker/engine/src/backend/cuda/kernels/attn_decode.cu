@@ -80,16 +80,6 @@ typedef bf16 kvt;
 #define DA_NEG_INF __int_as_float(0xff800000)
 #define DA_LOG2E 1.4426950408889634f
 
-// Programmatic dependent launch (launched with the attribute when the backend's switch is on):
-// let the next kernel launch now (it waits on this grid itself), and wait for the previous
-// grid (its QKV and K/V writes) before reading anything. No-ops without the attribute.
-__device__ __forceinline__ void da_pdl_start() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ u32 da_smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // 16-byte async copy global → shared; src_bytes 0 writes zeros (tail positions of a tile).
@@ -607,7 +597,6 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
     extern "C" __global__ void __launch_bounds__(DA_THREADS, DA_MIN_BLOCKS) attn_decode_hd##HD##_g##G(                          \
         bf16* out, float* part_o, float* part_ml, u32* cnt, const bf16* qkv, const kvt* kc, const kvt* vc,          \
         const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int cap) {         \
-        da_pdl_start();                                                                                               \
         attn_decode_impl<HD, G>(out, part_o, part_ml, cnt, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, cap); \
     }
 #define DA_KERNEL(HD, G) DA_KERNEL_(HD, G)
