@@ -170,40 +170,6 @@ impl Gpu {
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;
-        // SAFETY: as the caller guarantees.
-        unsafe { self.launch_with(f, cfg, params, attr) }
-    }
-
-    /// Launches `f` cooperatively: every block of the grid is resident at once (the launch
-    /// fails otherwise), so blocks may wait on each other (grid barriers).
-    ///
-    /// # Safety
-    /// As [`Gpu::launch_programmatic`].
-    pub unsafe fn launch_cooperative(
-        &self,
-        f: &CudaFunction,
-        cfg: LaunchConfig,
-        params: &mut [*mut std::ffi::c_void],
-    ) -> Result<(), result::DriverError> {
-        // SAFETY: a zeroed attribute is valid; we set its id and the matching union field.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-        attr.value.cooperative = 1;
-        // SAFETY: as the caller guarantees.
-        unsafe { self.launch_with(f, cfg, params, attr) }
-    }
-
-    /// `cuLaunchKernelEx` with one launch attribute.
-    ///
-    /// # Safety
-    /// As [`Gpu::launch_programmatic`].
-    unsafe fn launch_with(
-        &self,
-        f: &CudaFunction,
-        cfg: LaunchConfig,
-        params: &mut [*mut std::ffi::c_void],
-        mut attr: sys::CUlaunchAttribute,
-    ) -> Result<(), result::DriverError> {
         let lc = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,

@@ -29,7 +29,7 @@ use super::error::{CudaError, CudaResultExt};
 use super::fp8::{NormIo, SiluIo};
 use super::fp8_path::{Fp8Path, FusedIo, GemmIn, Product};
 use super::gemm::LtGemm;
-use super::gemv::{GEMV_MAX_M, Gemv, GemvArgs, GemvKind, MlpArgs, RopeArgs};
+use super::gemv::{GEMV_MAX_M, Gemv, GemvArgs, GemvKind, RopeArgs};
 use super::kv_cache::KvCache;
 use super::nccl::{Elem, RankComm};
 use super::options::{CudaOptions, Dims, KvCacheDtype};
@@ -553,32 +553,6 @@ impl ShardModel {
                     mark("attn_combine")?;
                 }
                 t0 += cnt;
-            }
-            if small && tp.is_none() && gemv.as_ref().is_some_and(|g| g.fused_mlp) {
-                // o_proj, gate_up and down_proj as one cooperative kernel (grid barriers).
-                let gemv = gemv.as_ref().ok_or_else(|| CudaError::InvalidLaunch("decode GEMVs not built".into()))?;
-                gemv.launch_mlp(
-                    g,
-                    &MlpArgs {
-                        m: n,
-                        x: s.x.ptr,
-                        attn: s.attn.ptr,
-                        o_proj: lw.o_proj,
-                        o_proj_scale: lw.o_proj_scale,
-                        gate_up: lw.gate_up,
-                        gate_up_scale: lw.gate_up_scale,
-                        gain: lw.post_norm,
-                        act: s.act.ptr,
-                        down: lw.down,
-                        down_scale: lw.down_scale,
-                        hidden: d.hidden,
-                        q_dim: d.q_dim(),
-                        inter: d.inter,
-                        eps: d.eps,
-                    },
-                )?;
-                mark("gemv_mlp")?;
-                continue;
             }
             if small {
                 let none = RopeArgs::default();

@@ -17,7 +17,7 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use super::device::{DevBuf, Gpu, nvrtc_include_paths};
+use super::device::{Gpu, nvrtc_include_paths};
 use super::error::{CudaError, CudaResultExt};
 
 /// The kernels' CUDA C source.
@@ -108,8 +108,6 @@ impl GemvKind {
 /// One compiled variant: `fns[m - 1][kind]` with its grid size cap.
 struct Variant {
     fns: Vec<[(CudaFunction, u32); 4]>,
-    /// `gemv_mlp_m{m}` per token count, with its resident blocks (its grid).
-    mlp: Vec<(CudaFunction, u32)>,
     /// Every kind stages its activations in shared memory (`GEMV_FP8H`), not only the norm
     /// kinds.
     staged: bool,
@@ -170,37 +168,6 @@ pub struct Gemv {
     /// Launch with programmatic dependent launch (Hopper and later; opt-in with
     /// `PRISM_CUDA_PDL=1`).
     pub pdl: bool,
-    /// Run o_proj, gate_up and down of a decode layer as one cooperative kernel with grid
-    /// barriers ([`Gemv::launch_mlp`]; opt-in with `PRISM_GEMV_FUSED_MLP=1`).
-    pub fused_mlp: bool,
-    /// The fused MLP's grid barrier (arrivals, generation).
-    bar: DevBuf,
-}
-
-/// One fused MLP launch ([`Gemv::launch_mlp`]) over `m` tokens: `x += o_proj(attn)`, then
-/// `act = silu(g)·u` of `[g; u] = rmsnorm(x)·gate_upᵀ`, then `x += down(act)`, as the three
-/// separate launches compute them. Weights bf16, or all three FP8 with their row scales.
-#[derive(Clone, Copy, Debug)]
-pub struct MlpArgs {
-    pub m: usize,
-    /// f32 residual rows `[m, hidden]`.
-    pub x: u64,
-    /// bf16 attention output `[m, q_dim]`.
-    pub attn: u64,
-    pub o_proj: u64,
-    pub o_proj_scale: u64,
-    pub gate_up: u64,
-    pub gate_up_scale: u64,
-    /// post-attention RMSNorm gain `[hidden]`.
-    pub gain: u64,
-    /// bf16 `[m, inter]` (written, then read by down).
-    pub act: u64,
-    pub down: u64,
-    pub down_scale: u64,
-    pub hidden: usize,
-    pub q_dim: usize,
-    pub inter: usize,
-    pub eps: f32,
 }
 
 impl Gemv {
@@ -268,11 +235,17 @@ impl Gemv {
             let ptx = compile_ptx_with_opts(GEMV_SRC, opts).op("NVRTC compile of gemv.cu")?;
             let module = gpu.ctx.load_module(ptx).op("load_module gemv")?;
             let mut fns = Vec::with_capacity(GEMV_MAX_M);
-            let mut mlp = Vec::with_capacity(GEMV_MAX_M);
             for m in 1..=GEMV_MAX_M {
-                // A kernel with `bytes` of dynamic shared memory and its resident blocks.
-                let load = |name: String, bytes: usize| -> Result<(CudaFunction, u32), CudaError> {
+                let f = |k: GemvKind| -> Result<(CudaFunction, u32), CudaError> {
+                    let name = format!("{}_m{m}", k.name());
                     let f = module.load_function(&name).map_err(|e| CudaError::op(name, e))?;
+                    let bytes = if k.norm() {
+                        Self::smem(m, norm_inp, staged)
+                    } else if staged {
+                        Self::smem(m, stage_inp, true)
+                    } else {
+                        0
+                    };
                     if bytes > 0 {
                         f.set_attribute(
                             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -287,20 +260,6 @@ impl Gemv {
                     let per_sm = if per_sm_cap > 0 { per_sm.min(per_sm_cap) } else { per_sm };
                     Ok((f, per_sm * sms))
                 };
-                let f = |k: GemvKind| {
-                    let bytes = if k.norm() {
-                        Self::smem(m, norm_inp, staged)
-                    } else if staged {
-                        Self::smem(m, stage_inp, true)
-                    } else {
-                        0
-                    };
-                    load(format!("{}_m{m}", k.name()), bytes)
-                };
-                // The fused MLP stages the widest of its three inputs (all of them when staged).
-                let mlp_bytes =
-                    if staged { Self::smem(m, norm_inp.max(stage_inp), true) } else { Self::smem(m, norm_inp, false) };
-                mlp.push(load(format!("gemv_mlp_m{m}"), mlp_bytes)?);
                 fns.push([
                     f(GemvKind::QkvRope)?,
                     f(GemvKind::LogitsF32)?,
@@ -308,7 +267,7 @@ impl Gemv {
                     f(GemvKind::NormGateUpSilu)?,
                 ]);
             }
-            let v = Variant { fns, mlp, staged, rows };
+            let v = Variant { fns, staged, rows };
             if fp8_w { variants_fp8.push(Some(v)) } else { variants.push(v) }
         }
         let variant = std::env::var("PRISM_GEMV_VARIANT")
@@ -320,9 +279,7 @@ impl Gemv {
         // Off by default: measured on an H200 it did not help (4.34 vs 4.29 ms per batch-1
         // step), since the persistent GEMV grids leave no room for the next kernel's blocks.
         let pdl = major >= 9 && std::env::var("PRISM_CUDA_PDL").is_ok_and(|v| v == "1");
-        let fused_mlp = std::env::var("PRISM_GEMV_FUSED_MLP").is_ok_and(|v| v == "1");
-        let bar = DevBuf::zeroed(gpu, 8)?;
-        Ok(Self { variants, variants_fp8, variant, variant_fp8, kind_fp8, norm_inp, stage_inp, pdl, fused_mlp, bar })
+        Ok(Self { variants, variants_fp8, variant, variant_fp8, kind_fp8, norm_inp, stage_inp, pdl })
     }
 
     /// Dynamic shared memory of a kernel staging `m` rows of `inp` activations (2-byte
@@ -330,69 +287,6 @@ impl Gemv {
     /// variants' row maxima).
     fn smem(m: usize, inp: usize, staged: bool) -> usize {
         m * inp * 2 + (1 + usize::from(staged)) * WARPS * m * 4
-    }
-
-    /// Enqueues the fused MLP of a decode layer (see [`MlpArgs`]): one cooperative launch on
-    /// the kernel's resident blocks.
-    ///
-    /// # Errors
-    /// [`CudaError::InvalidLaunch`] when `m` is out of range, the weights mix formats, a width
-    /// is not a multiple of 16 or the hidden width is not the one planned; [`CudaError`] on
-    /// launch failure.
-    pub fn launch_mlp(&self, gpu: &Gpu, a: &MlpArgs) -> Result<(), CudaError> {
-        let fp8 = a.o_proj_scale != 0;
-        let mixed = (a.gate_up_scale != 0) != fp8 || (a.down_scale != 0) != fp8;
-        let widths = [a.hidden, a.q_dim, a.inter].iter().all(|w| w.is_multiple_of(16));
-        if a.m == 0 || a.m > GEMV_MAX_M || mixed || !widths || a.hidden != self.norm_inp {
-            return Err(CudaError::InvalidLaunch(format!("gemv_mlp: m {}, widths or formats not supported", a.m)));
-        }
-        let v = if fp8 {
-            self.variants_fp8.get(self.variant_fp8).and_then(Option::as_ref)
-        } else {
-            self.variants.get(self.variant.min(self.variants.len().saturating_sub(1)))
-        }
-        .ok_or_else(|| CudaError::InvalidLaunch("gemv_mlp: kernels not built".into()))?;
-        if v.staged && a.inter.max(a.q_dim) > self.stage_inp {
-            return Err(CudaError::InvalidLaunch(format!("gemv_mlp: inter {} wider than planned", a.inter)));
-        }
-        let (f, grid) = &v.mlp[a.m - 1];
-        let bytes = if v.staged {
-            Self::smem(a.m, a.hidden.max(a.q_dim).max(a.inter), true)
-        } else {
-            Self::smem(a.m, a.hidden, false)
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (*grid, 1, 1),
-            block_dim: ((WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: bytes as u32,
-        };
-        let (hidden, qd, inter) = (a.hidden as i32, a.q_dim as i32, a.inter as i32);
-        use std::ffi::c_void;
-        let p = |v: &u64| v as *const u64 as *mut c_void;
-        let pi = |v: &i32| v as *const i32 as *mut c_void;
-        let bar = self.bar.ptr;
-        let mut params = [
-            p(&a.x),
-            p(&a.attn),
-            p(&a.o_proj),
-            p(&a.o_proj_scale),
-            p(&a.gate_up),
-            p(&a.gate_up_scale),
-            p(&a.gain),
-            p(&a.act),
-            p(&a.down),
-            p(&a.down_scale),
-            pi(&hidden),
-            pi(&qd),
-            pi(&inter),
-            &a.eps as *const f32 as *mut c_void,
-            p(&bar),
-        ];
-        // SAFETY: the kernel's parameters in order and types, alive for the call; buffers of
-        // the documented shapes; the grid is the kernel's resident blocks (the cooperative
-        // launch fails rather than run a grid that cannot be resident); shared memory within
-        // the attribute set in `new` (the widest input planned).
-        unsafe { gpu.launch_cooperative(f, cfg, &mut params) }.op("gemv_mlp")
     }
 
     /// Which product of a layer a launch is ([`PRODUCTS`] index): the residual kind is o_proj

@@ -120,14 +120,6 @@ __device__ __forceinline__ float row_scale(const float* ws, int row) {
 
 __device__ __forceinline__ float rbf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// Activation loads. COH (the fused MLP kernel, whose phases read what other blocks wrote earlier
-// in the same kernel): through L2 only (ld.global.cg), never from a non-coherent cache.
-template <bool COH, class T>
-__device__ __forceinline__ T gv_ld(const T* p) {
-    if (COH) return __ldcg(p);
-    return *p;
-}
-
 #ifdef GEMV_FP8H
 #if GEMV_FP8H == 2
 #define GEMV_XS 8
@@ -168,7 +160,7 @@ __device__ __forceinline__ float gv_warp_max(float v) {
 // Stages the M activation rows in shared memory as f16 (see the top): bf16 rows first (normed
 // from the f32 residual rows when NORM, else copied from `xin`), then each token's row scaled
 // in place by 2^(XS - e); xun[m] = 2^e. Shared memory: M · inp halves + 2 · GEMV_WARPS · M f32.
-template <int M, bool NORM, bool COH = false>
+template <int M, bool NORM>
 __device__ __forceinline__ void stage_f16(const void* __restrict__ xin, const bf16* __restrict__ gain, int inp,
                                           float eps, float xun[M]) {
     extern __shared__ uint4 gv_smem[];
@@ -187,7 +179,7 @@ __device__ __forceinline__ void stage_f16(const void* __restrict__ xin, const bf
             float s = 0.f;
 #pragma unroll 4
             for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-                float4 v = gv_ld<COH>(x4 + (u64)m * n4 + i);
+                float4 v = x4[(u64)m * n4 + i];
                 s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
             }
             s = gv_warp_sum(s);
@@ -206,7 +198,7 @@ __device__ __forceinline__ void stage_f16(const void* __restrict__ xin, const bf
             float am = 0.f;
 #pragma unroll 4
             for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-                float4 v = gv_ld<COH>(x4 + (u64)m * n4 + i);
+                float4 v = x4[(u64)m * n4 + i];
                 uint2 gw = g4[i];
                 float g0 = __uint_as_float(gw.x << 16), g1 = __uint_as_float(gw.x & 0xffff0000u);
                 float g2 = __uint_as_float(gw.y << 16), g3 = __uint_as_float(gw.y & 0xffff0000u);
@@ -229,7 +221,7 @@ __device__ __forceinline__ void stage_f16(const void* __restrict__ xin, const bf
             float am = 0.f;
 #pragma unroll 4
             for (int i = threadIdx.x; i < n8; i += blockDim.x) {
-                uint4 v = gv_ld<COH>(x8 + (u64)m * n8 + i);
+                uint4 v = x8[(u64)m * n8 + i];
                 gv_smem[(u64)m * n8 + i] = v;
                 float f[8];
                 unpack8(v, f);
@@ -373,16 +365,10 @@ __device__ __forceinline__ void gv_store(void* y, int j, int m, int out, float s
 // per block. Requires
 // inp % 8 == 0 and 16-byte aligned rows. Dynamic shared memory (NORM only): M · inp bf16
 // activation rows + GEMV_WARPS · M f32. `out` counts logical rows (MODE 4: qkv_dim / 2).
-// The wait before a GEMV touches activations: on the previous grid (programmatic dependent
-// launch; a no-op without it), or, inside the fused MLP kernel, on every block of this grid.
-struct PdlWait {
-    __device__ __forceinline__ void operator()() const { pdl_wait(); }
-};
-
-template <int M, int MODE, bool NORM, bool COH = false, class Wait = PdlWait>
-__device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, const void* xin,
+template <int M, int MODE, bool NORM>
+__device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, const void* __restrict__ xin,
                                           const bf16* __restrict__ gain, int out, int inp, float eps,
-                                          const float* __restrict__ wscale, RopeKv rk, Wait wait = Wait{}) {
+                                          const float* __restrict__ wscale, RopeKv rk) {
     constexpr int NW = (MODE == 3 || MODE == 4) ? 2 * GEMV_R : GEMV_R;
     constexpr int U = GEMV_DEPTH > 0 ? (GEMV_DEPTH / NW > 0 ? GEMV_DEPTH / NW : 1) : GEMV_U;
     extern __shared__ uint4 gv_smem[];
@@ -412,12 +398,12 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
     // Issue the first weight loads before waiting on the previous kernel and before the
     // prologue, so HBM is busy meanwhile.
     start_tile();
-    wait();
+    pdl_wait();
 
     const bf16* xs = reinterpret_cast<const bf16*>(gv_smem);
 #ifdef GEMV_FP8H
     float xun[M];
-    stage_f16<M, NORM, COH>(xin, gain, inp, eps, xun);
+    stage_f16<M, NORM>(xin, gain, inp, eps, xun);
     const __half* xh = reinterpret_cast<const __half*>(gv_smem);
     (void)xs;
 #else
@@ -435,7 +421,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
             float s = 0.f;
 #pragma unroll 4
             for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-                float4 v = gv_ld<COH>(x4 + (u64)m * n4 + i);
+                float4 v = x4[(u64)m * n4 + i];
                 s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
             }
             s = gv_warp_sum(s);
@@ -453,7 +439,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
         for (int m = 0; m < M; m++) {
 #pragma unroll 4
             for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-                float4 v = gv_ld<COH>(x4 + (u64)m * n4 + i);
+                float4 v = x4[(u64)m * n4 + i];
                 uint2 gw = g4[i];
                 float g0 = __uint_as_float(gw.x << 16), g1 = __uint_as_float(gw.x & 0xffff0000u);
                 float g2 = __uint_as_float(gw.y << 16), g3 = __uint_as_float(gw.y & 0xffff0000u);
@@ -536,8 +522,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
 #pragma unroll
                 for (int m = 0; m < M; m++) {
                     uint4 xv = NORM ? *reinterpret_cast<const uint4*>(xs + (u64)m * inp + kx)
-                                    : COH ? __ldcg(reinterpret_cast<const uint4*>(xg + (u64)m * inp + kx))
-                                          : __ldg(reinterpret_cast<const uint4*>(xg + (u64)m * inp + kx));
+                                    : __ldg(reinterpret_cast<const uint4*>(xg + (u64)m * inp + kx));
                     float xf[8];
                     unpack8(xv, xf);
 #pragma unroll
@@ -625,51 +610,8 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
         gemv_impl<M, 4, true>(y, w, x, gain, out, inp, eps, wscale, rk);                                  \
     }
 
-// All of a block's threads at the barrier: every block of the grid has finished what came before
-// (its writes made visible at GPU scope) when any leaves. bar[0] counts arrivals, bar[1] is the
-// generation; the last block to arrive resets the count and moves the generation on, so the
-// barrier is ready for the next use and the next launch (CUDA graph replays). The grid must be
-// co-resident (a cooperative launch).
-struct GridWait {
-    unsigned* bar;
-    __device__ __forceinline__ void operator()() const {
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            volatile unsigned* gen = bar + 1;
-            const unsigned g = *gen;
-            __threadfence();
-            if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-                bar[0] = 0;
-                __threadfence();
-                atomicAdd(bar + 1, 1u);
-            } else {
-                while (*gen == g) __nanosleep(20);
-            }
-            __threadfence();
-        }
-        __syncthreads();
-    }
-};
-
-// The MLP half of a decode layer in one kernel: o_proj (+ residual), then RMSNorm + gate_up +
-// SiLU·mul, then down_proj (+ residual), the phases separated by grid barriers instead of kernel
-// boundaries. Each phase issues its first weight loads before its barrier, so HBM is busy while
-// the last blocks of the previous phase finish. Launched cooperatively on at most the resident
-// blocks. Same arithmetic as the three kernels (gemv_residual, gemv_gate_up, gemv_residual).
-#define GEMV_MLP(M)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_mlp_m##M(                          \
-        float* x, const bf16* attn, const wtype* wo, const float* wo_s, const wtype* wgu, const float* wgu_s, \
-        const bf16* gain, bf16* act, const wtype* wd, const float* wd_s, int hidden, int qd, int inter,    \
-        float eps, unsigned* bar) {                                                                        \
-        RopeKv rk = {nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 2, 0};                            \
-        gemv_impl<M, 2, false, true>(x, wo, attn, nullptr, hidden, qd, eps, wo_s, rk);                    \
-        gemv_impl<M, 3, true, true>(act, wgu, x, gain, inter, hidden, eps, wgu_s, rk, GridWait{bar});    \
-        gemv_impl<M, 2, false, true>(x, wd, act, nullptr, hidden, inter, eps, wd_s, rk, GridWait{bar});  \
-    }
-
 #define GEMV_FAMILY(M)                                  \
     GEMV_QKV_ROPE(M)                                    \
-    GEMV_MLP(M)                                         \
     GEMV_KERNEL(gemv_logits_m##M, M, 1, false)          \
     GEMV_KERNEL(gemv_residual_m##M, M, 2, false)        \
     GEMV_KERNEL(gemv_gate_up_m##M, M, 3, true)
