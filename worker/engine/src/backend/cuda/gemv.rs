@@ -147,14 +147,6 @@ const FP8_DEFAULT: usize = 1;
 /// The products `PRISM_GEMV_FP8_KINDS` names.
 const PRODUCTS: [&str; 5] = ["qkv", "o_proj", "gate_up", "down", "lm_head"];
 
-/// A grid of at most `blocks` blocks (and at least half as many) over which `groups` row groups
-/// split evenly: every warp takes the same number (the grid-stride loop deals group g to warp
-/// g mod (grid · warps)), so no last round runs with a fraction of the warps; `blocks` itself
-/// when no such grid exists.
-fn even_grid(groups: usize, blocks: usize) -> usize {
-    (blocks.div_ceil(2).max(1)..=blocks).rev().find(|&b| groups.is_multiple_of(b * WARPS)).unwrap_or(blocks)
-}
-
 /// The loaded GEMV kernels.
 pub struct Gemv {
     variants: Vec<Variant>,
@@ -176,9 +168,6 @@ pub struct Gemv {
     /// Launch with programmatic dependent launch (Hopper and later; opt-in with
     /// `PRISM_CUDA_PDL=1`).
     pub pdl: bool,
-    /// Size grids so every warp gets the same number of row groups (`PRISM_GEMV_EVEN=1`):
-    /// see [`even_grid`].
-    pub even: bool,
 }
 
 impl Gemv {
@@ -290,8 +279,7 @@ impl Gemv {
         // Off by default: measured on an H200 it did not help (4.34 vs 4.29 ms per batch-1
         // step), since the persistent GEMV grids leave no room for the next kernel's blocks.
         let pdl = major >= 9 && std::env::var("PRISM_CUDA_PDL").is_ok_and(|v| v == "1");
-        let even = std::env::var("PRISM_GEMV_EVEN").is_ok_and(|v| v == "1");
-        Ok(Self { variants, variants_fp8, variant, variant_fp8, kind_fp8, norm_inp, stage_inp, pdl, even })
+        Ok(Self { variants, variants_fp8, variant, variant_fp8, kind_fp8, norm_inp, stage_inp, pdl })
     }
 
     /// Dynamic shared memory of a kernel staging `m` rows of `inp` activations (2-byte
@@ -361,9 +349,7 @@ impl Gemv {
         let (f, resident) = &v.fns[m - 1][kind.index()];
         // Logical rows: RoPE pairs for the fused QKV.
         let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
-        let groups = rows.div_ceil(v.rows);
-        let blocks = (groups.div_ceil(WARPS) as u32).min(*resident);
-        let blocks = if self.even { even_grid(groups, blocks as usize) as u32 } else { blocks };
+        let blocks = (rows.div_ceil(WARPS * v.rows) as u32).min(*resident);
         let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged) as u32 } else { 0 };
         let cfg =
             LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((WARPS * 32) as u32, 1, 1), shared_mem_bytes: shared };
@@ -399,23 +385,5 @@ impl Gemv {
         // SAFETY: the caller passes buffers of the documented shapes; rows past `out` are
         // clamped in the kernel; shared memory matches the attribute set in `new`.
         unsafe { b.launch(cfg) }.map(|_| ()).op(kind.name())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::even_grid;
-
-    #[test]
-    fn even_grids_give_every_warp_the_same_number_of_groups() {
-        // Llama-3-8B decode GEMVs (one row per group): QKV pairs, o_proj, gate_up, down, lm_head.
-        assert_eq!(even_grid(3072, 264), 192);
-        assert_eq!(even_grid(4096, 396), 256);
-        assert_eq!(even_grid(14336, 528), 448);
-        assert_eq!(even_grid(4096, 512), 512);
-        assert_eq!(even_grid(128_256, 528), 501);
-        // No even split within [blocks / 2, blocks]: the grid as planned.
-        assert_eq!(even_grid(7, 5), 5);
-        assert_eq!(even_grid(8, 1), 1);
     }
 }
