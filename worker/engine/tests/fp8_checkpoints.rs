@@ -470,17 +470,29 @@ fn broken_fp8_checkpoints_are_errors_naming_the_field_or_tensor() -> Result<()> 
     Ok(())
 }
 
+/// The first layout's FP8 checkpoint and its dequantized reference, written under `root`.
+fn first_fp8_pair(root: &Path) -> Result<(PathBuf, PathBuf)> {
+    let (_, layout) = layouts().into_iter().next().context("layout")?;
+    let (fp8, reference) = (root.join("fp8"), root.join("ref"));
+    write_fp8_pair(&layout, &fp8, &reference)?;
+    Ok((fp8, reference))
+}
+
+/// A CPU engine on `dir` with two threads and a 4 MiB KV cache.
+fn small_cpu_engine(dir: &Path) -> EngineConfig {
+    let mut cfg = EngineConfig::new(dir.to_path_buf());
+    cfg.engine_threads = Some(2);
+    cfg.kv_cache_bytes = Some(4 << 20);
+    cfg
+}
+
 #[test]
 fn the_cpu_engine_generates_from_an_fp8_checkpoint_as_from_its_reference() -> Result<()> {
     let tmp = tempfile::tempdir()?;
-    let (_, layout) = layouts().into_iter().next().context("layout")?;
-    let (fp8, reference) = (tmp.path().join("fp8"), tmp.path().join("ref"));
-    write_fp8_pair(&layout, &fp8, &reference)?;
+    let (fp8, reference) = first_fp8_pair(tmp.path())?;
     let mut generated = Vec::new();
     for dir in [&fp8, &reference] {
-        let mut cfg = EngineConfig::new(dir.clone());
-        cfg.engine_threads = Some(2);
-        cfg.kv_cache_bytes = Some(4 << 20);
+        let cfg = small_cpu_engine(dir);
         let engine = EngineHandle::start(cfg, None)?;
         let params =
             SamplingParams { temperature: 0.0, max_tokens: Some(24), ignore_eos: true, ..SamplingParams::default() };
@@ -511,13 +523,9 @@ fn the_cpu_engine_generates_from_an_fp8_checkpoint_as_from_its_reference() -> Re
 #[test]
 fn the_cpu_engine_refuses_fp8_quantization_and_fp8_kv_cache_by_name() -> Result<()> {
     let tmp = tempfile::tempdir()?;
-    let (_, layout) = layouts().into_iter().next().context("layout")?;
-    let (fp8, reference) = (tmp.path().join("fp8"), tmp.path().join("ref"));
-    write_fp8_pair(&layout, &fp8, &reference)?;
+    let (_, reference) = first_fp8_pair(tmp.path())?;
     for field in ["quantization", "kv_cache_dtype"] {
-        let mut cfg = EngineConfig::new(reference.clone());
-        cfg.engine_threads = Some(2);
-        cfg.kv_cache_bytes = Some(4 << 20);
+        let mut cfg = small_cpu_engine(&reference);
         if field == "quantization" {
             cfg.quantization = Quantization::Fp8;
         } else {
