@@ -85,6 +85,7 @@ mod bench {
     use prism_engine::backend::cuda::{CudaBackend, CudaOptions, KvCacheDtype, Quantization, SyntheticShape};
     use prism_engine::backend::{Backend, SeqStep, StepBatch};
     use serde_json::json;
+    use std::io::Write as _;
     use std::time::Instant;
 
     const BS: usize = 16;
@@ -123,6 +124,45 @@ mod bench {
             be.forward_greedy(b)?;
         }
         Ok(t.elapsed().as_secs_f64() / iters as f64)
+    }
+
+    /// With `PRISM_GEMV_TRACE=1`: one more step of `b` (a captured graph when timed before),
+    /// its decode GEMVs' per-block records written as CSV to `{out}.gemv_trace_{label}.csv`
+    /// (columns as the kernel file's `GEMV_TRACE`; `scripts/gpu/gemv_trace.py` reads them).
+    fn trace_step(be: &mut CudaBackend, b: &StepBatch, out: &str, label: &str) -> anyhow::Result<()> {
+        if !std::env::var("PRISM_GEMV_TRACE").is_ok_and(|v| v == "1") {
+            return Ok(());
+        }
+        be.forward_greedy(b)?;
+        be.gemv_trace_take()?;
+        be.forward_greedy(b)?;
+        let words = be.gemv_trace_take()?;
+        let path = format!("{out}.gemv_trace_{label}.csv");
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&path)?);
+        writeln!(f, "mode,out,inp,sm,block,g_entry,g_prologue,g_exit,c_prologue,c_warp_first_end,c_warp_last_end")?;
+        for r in words.chunks_exact(prism_engine::backend::cuda::gemv::TRACE_WORDS) {
+            writeln!(
+                f,
+                "{},{},{},{},{},{},{},{},{},{},{}",
+                r[0] & 0xff,
+                (r[0] >> 8) & 0xff_ffff,
+                r[0] >> 32,
+                r[1] >> 32,
+                r[1] & 0xffff_ffff,
+                r[2],
+                r[3],
+                r[4],
+                r[5],
+                r[6],
+                r[7]
+            )?;
+        }
+        f.flush()?;
+        println!(
+            "gemv trace {label}: {} block records in {path}",
+            words.len() / prism_engine::backend::cuda::gemv::TRACE_WORDS
+        );
+        Ok(())
     }
 
     pub fn main() -> anyhow::Result<()> {
@@ -245,6 +285,7 @@ mod bench {
                     be.set_gemv_fp8_variant(v);
                     let t128 = time_greedy(&mut be, &batch(1, 128, 1, true), 5, 50)?;
                     let t1024 = time_greedy(&mut be, &batch(1, 1024, 1, true), 5, 50)?;
+                    trace_step(&mut be, &batch(1, 1024, 1, true), &out, &format!("fp8_v{v}"))?;
                     println!(
                         "fp8 gemv variant {v}: decode b=1 ctx 128 / 1024 {:.3} / {:.3} ms/step; max |dlogit| vs cublasLt {max_diff:.4}",
                         t128 * 1e3,
@@ -257,6 +298,10 @@ mod bench {
                     );
                 }
                 be.set_gemv_fp8_variant(in_use);
+            } else {
+                let b1 = batch(1, 1024, 1, true);
+                time_greedy(&mut be, &b1, 3, 3)?;
+                trace_step(&mut be, &b1, &out, if quantization == Quantization::Fp8 { "fp8" } else { "bf16" })?;
             }
         }
         if quick && std::env::var("PRISM_BENCH_PROFILE").is_ok_and(|v| v == "1") {

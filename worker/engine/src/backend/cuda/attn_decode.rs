@@ -232,7 +232,18 @@ impl DecodeAttention {
     /// this device: many splits for small batches (latency), one for large ones (no partials).
     /// Depends on the step, so results then vary with the batch (use [`INVARIANT_SPLIT_CAP`]
     /// for batch invariance).
+    /// `PRISM_ATTN_SPLIT_CAP` (1..=[`MAX_SPLITS`]) replaces it for every step (benchmarks).
     pub fn occupancy_split_cap(&self, n_tokens: usize) -> usize {
+        static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        let fixed = FIXED.get_or_init(|| {
+            std::env::var("PRISM_ATTN_SPLIT_CAP")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|c| (1..=MAX_SPLITS).contains(c))
+        });
+        if let Some(c) = *fixed {
+            return c;
+        }
         let want = TARGET_WAVES * BLOCKS_PER_SM * self.num_sms;
         want.div_ceil((n_tokens * self.shape.kv_heads).max(1)).clamp(1, MAX_SPLITS)
     }

@@ -14,7 +14,9 @@
 //! `CudaOptions::gemv_max_tokens` tokens.
 
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
 use super::device::{Gpu, nvrtc_include_paths};
@@ -25,9 +27,12 @@ pub const GEMV_SRC: &str = include_str!("kernels/gemv.cu");
 
 /// Largest token count the GEMV kernels are instantiated for.
 pub const GEMV_MAX_M: usize = 4;
-/// Warps per block and rows per warp (`GEMV_WARPS`, `GEMV_R` in the kernel file).
+/// Warps per block (`GEMV_WARPS` in the kernel file) unless a variant says otherwise, and rows
+/// per warp (`GEMV_R`).
 const WARPS: usize = 8;
 const ROWS_PER_WARP: usize = 2;
+/// u64 words per block record of the `GEMV_TRACE` build (see the kernel file).
+pub const TRACE_WORDS: usize = 8;
 
 /// What a GEMV computes (kernel `MODE` and prologue).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,13 +118,18 @@ struct Variant {
     staged: bool,
     /// Rows per warp group (`GEMV_R`).
     rows: usize,
+    /// Warps per block (`GEMV_WARPS`).
+    warps: usize,
+    /// The module (its `gv_trace` globals in the `GEMV_TRACE` build).
+    module: Arc<CudaModule>,
 }
 
 /// Compile-time variants (NVRTC defines, blocks per SM; 0 = as many as fit):
 /// 0: 4 chunks in flight per weight row, every resident block;
 /// 1: 16 loads in flight per lane, one block per SM (room for the next kernel's blocks to start
-///    early under programmatic dependent launch).
-const VARIANTS: [(&str, u32); 2] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1)];
+///    early under programmatic dependent launch);
+/// 2: as 0 with one token's norm prologue held in registers (`GEMV_XREG=4`, see the kernel file).
+const VARIANTS: [(&str, u32); 3] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1), ("-DGEMV_DEPTH=0 -DGEMV_XREG=4", 0)];
 
 /// The FP8-weight variants (NVRTC defines besides `GEMV_FP8`, blocks per SM, staged
 /// activations, rows per warp group), selected by `PRISM_GEMV_FP8_VARIANT` (default
@@ -130,15 +140,30 @@ const VARIANTS: [(&str, u32); 2] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1
 /// 3: packed-f16 products, codes decoded with integer ops;
 /// 4: f32 products, codes decoded with integer ops into f32 bit places (the first FP8 kernel);
 /// 5, 6: as 2 and 0 with one block per SM (room for the next kernel's blocks under
-///    programmatic dependent launch, `PRISM_CUDA_PDL=1`).
-const FP8_VARIANTS: [(&str, u32, bool, usize); 7] = [
-    ("-DGEMV_FP8H=1", 0, true, 2),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1),
-    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2),
-    ("-DGEMV_FP8H=2", 0, true, 2),
-    ("-DGEMV_DEPTH=0", 0, false, 2),
-    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2),
-    ("-DGEMV_FP8H=1", 1, true, 2),
+///    programmatic dependent launch, `PRISM_CUDA_PDL=1`);
+/// 7: as 1 with one token's activations held in registers through the prologue (`GEMV_XREG=4`:
+///    one L2 read of the residual row per block instead of two), loaded after the first weights;
+/// 8: as 1 with 16 warps per block (half the blocks, so half the prologues);
+/// 9, 10: as 7 with the activations loaded before the first weights (`GEMV_XFIRST`), with 8 /
+///    16 warps per block; 11: as 9 with 8 chunks per thread in registers; 12: as 7 with 16 warps;
+/// 13, 14: as 9, 10 with the whole prologue before the first weight load (`GEMV_XFIRST=2`).
+/// The last field is the warps per block.
+const FP8_VARIANTS: [(&str, u32, bool, usize, usize); 15] = [
+    ("-DGEMV_FP8H=1", 0, true, 2, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2, WARPS),
+    ("-DGEMV_FP8H=2", 0, true, 2, WARPS),
+    ("-DGEMV_DEPTH=0", 0, false, 2, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2, WARPS),
+    ("-DGEMV_FP8H=1", 1, true, 2, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4", 0, true, 1, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_WARPS=16", 0, true, 1, 16),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=1", 0, true, 1, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=1 -DGEMV_WARPS=16", 0, true, 1, 16),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=8 -DGEMV_XFIRST=1", 0, true, 1, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_WARPS=16", 0, true, 1, 16),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=2", 0, true, 1, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=2 -DGEMV_WARPS=16", 0, true, 1, 16),
 ];
 /// FP8 variant used unless `PRISM_GEMV_FP8_VARIANT` says otherwise
 /// (`PRISM_GEMV_FP8_KINDS=qkv=1,down=2` picks one per product): 1, which beat 0 by 0.01–0.04 ms
@@ -206,18 +231,20 @@ impl Gemv {
                 kind_fp8[slot] = Some(v);
             }
         }
+        // Per-block timing records (`GEMV_TRACE`, see the kernel file) for `cuda_bench`.
+        let trace = std::env::var("PRISM_GEMV_TRACE").is_ok_and(|v| v == "1");
         let mut variants = Vec::new();
         let mut variants_fp8 = Vec::new();
-        // (defines, blocks per SM, FP8 weights, staged activations, rows, compile it)
-        let mut builds: Vec<(&str, u32, bool, bool, usize, bool)> =
-            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, true)).collect();
+        // (defines, blocks per SM, FP8 weights, staged activations, rows, warps, compile it)
+        let mut builds: Vec<(&str, u32, bool, bool, usize, usize, bool)> =
+            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, WARPS, true)).collect();
         if fp8 {
-            builds.extend(FP8_VARIANTS.iter().enumerate().map(|(i, &(d, c, st, rows))| {
+            builds.extend(FP8_VARIANTS.iter().enumerate().map(|(i, &(d, c, st, rows, warps))| {
                 let wanted = sweep.contains(&i) || i == variant_fp8 || kind_fp8.contains(&Some(i));
-                (d, c, true, st, rows, wanted)
+                (d, c, true, st, rows, warps, wanted)
             }));
         }
-        for (defines, per_sm_cap, fp8_w, staged, rows, wanted) in builds {
+        for (defines, per_sm_cap, fp8_w, staged, rows, warps, wanted) in builds {
             if !wanted {
                 variants_fp8.push(None);
                 continue;
@@ -225,6 +252,9 @@ impl Gemv {
             let mut options: Vec<String> = defines.split_whitespace().map(str::to_owned).collect();
             if fp8_w {
                 options.push("-DGEMV_FP8".to_owned());
+            }
+            if trace {
+                options.push("-DGEMV_TRACE".to_owned());
             }
             let opts = CompileOptions {
                 arch: Some(gpu.arch),
@@ -240,9 +270,9 @@ impl Gemv {
                     let name = format!("{}_m{m}", k.name());
                     let f = module.load_function(&name).map_err(|e| CudaError::op(name, e))?;
                     let bytes = if k.norm() {
-                        Self::smem(m, norm_inp, staged)
+                        Self::smem(m, norm_inp, staged, warps)
                     } else if staged {
-                        Self::smem(m, stage_inp, true)
+                        Self::smem(m, stage_inp, true, warps)
                     } else {
                         0
                     };
@@ -254,7 +284,7 @@ impl Gemv {
                         .op("gemv shared memory")?;
                     }
                     let per_sm = f
-                        .occupancy_max_active_blocks_per_multiprocessor((WARPS * 32) as u32, bytes, None)
+                        .occupancy_max_active_blocks_per_multiprocessor((warps * 32) as u32, bytes, None)
                         .op("gemv occupancy")?
                         .max(1);
                     let per_sm = if per_sm_cap > 0 { per_sm.min(per_sm_cap) } else { per_sm };
@@ -267,7 +297,7 @@ impl Gemv {
                     f(GemvKind::NormGateUpSilu)?,
                 ]);
             }
-            let v = Variant { fns, staged, rows };
+            let v = Variant { fns, staged, rows, warps, module };
             if fp8_w { variants_fp8.push(Some(v)) } else { variants.push(v) }
         }
         let variant = std::env::var("PRISM_GEMV_VARIANT")
@@ -285,8 +315,8 @@ impl Gemv {
     /// Dynamic shared memory of a kernel staging `m` rows of `inp` activations (2-byte
     /// values, then f32 reduction slots: one set per warp and token, two for the staged
     /// variants' row maxima).
-    fn smem(m: usize, inp: usize, staged: bool) -> usize {
-        m * inp * 2 + (1 + usize::from(staged)) * WARPS * m * 4
+    fn smem(m: usize, inp: usize, staged: bool, warps: usize) -> usize {
+        m * inp * 2 + (1 + usize::from(staged)) * warps * m * 4
     }
 
     /// Which product of a layer a launch is ([`PRODUCTS`] index): the residual kind is o_proj
@@ -320,6 +350,35 @@ impl Gemv {
         ok
     }
 
+    /// The block records the variant in use (the FP8 one when the model has FP8 weights) wrote
+    /// since the last call,
+    /// [`TRACE_WORDS`] u64 each (benchmarks; empty unless built with `PRISM_GEMV_TRACE=1`), and
+    /// clears them. Synchronises the stream.
+    ///
+    /// # Errors
+    /// [`CudaError`] on a copy failure.
+    pub fn trace_take(&self, gpu: &Gpu) -> Result<Vec<u64>, CudaError> {
+        let v = if self.variants_fp8.iter().any(Option::is_some) {
+            self.variants_fp8.get(self.variant_fp8).and_then(Option::as_ref)
+        } else {
+            self.variants.get(self.variant)
+        };
+        let Some(v) = v else { return Ok(Vec::new()) };
+        let Ok(mut count) = v.module.get_global("gv_trace_n", &gpu.stream) else { return Ok(Vec::new()) };
+        let mut n = [0u8; 4];
+        gpu.stream.memcpy_dtoh(&count, &mut n).op("trace count")?;
+        let n = (u32::from_le_bytes(n) as usize)
+            .min(v.module.get_global("gv_trace", &gpu.stream).op("trace")?.len() / 8 / TRACE_WORDS);
+        let mut words = vec![0u8; n * TRACE_WORDS * 8];
+        if n > 0 {
+            let buf = v.module.get_global("gv_trace", &gpu.stream).op("trace")?;
+            gpu.stream.memcpy_dtoh(&buf.slice(..words.len()), &mut words).op("trace records")?;
+        }
+        gpu.stream.memcpy_htod(&[0u8; 4], &mut count).op("trace reset")?;
+        gpu.stream.synchronize().op("trace sync")?;
+        Ok(words.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+    }
+
     /// Enqueues one GEMV over `a.m` tokens (see [`GemvArgs`] for the operands; `a.rope` is
     /// used by [`GemvKind::QkvRope`] only).
     ///
@@ -349,10 +408,13 @@ impl Gemv {
         let (f, resident) = &v.fns[m - 1][kind.index()];
         // Logical rows: RoPE pairs for the fused QKV.
         let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
-        let blocks = (rows.div_ceil(WARPS * v.rows) as u32).min(*resident);
-        let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged) as u32 } else { 0 };
-        let cfg =
-            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((WARPS * 32) as u32, 1, 1), shared_mem_bytes: shared };
+        let blocks = (rows.div_ceil(v.warps * v.rows) as u32).min(*resident);
+        let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged, v.warps) as u32 } else { 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: ((v.warps * 32) as u32, 1, 1),
+            shared_mem_bytes: shared,
+        };
         let (out_i, inp_i) = (rows as i32, inp as i32);
         if self.pdl {
             use std::ffi::c_void;

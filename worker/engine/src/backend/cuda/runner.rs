@@ -456,6 +456,19 @@ impl CudaBackend {
         self.m.gemv.as_mut().is_some_and(|g| g.set_fp8_variant(v))
     }
 
+    /// The decode GEMVs' per-block timing records since the last call (benchmarks; see
+    /// [`super::gemv::Gemv::trace_take`]): empty unless built with `PRISM_GEMV_TRACE=1`.
+    ///
+    /// # Errors
+    /// [`BackendError::Cuda`] on a copy failure.
+    pub fn gemv_trace_take(&self) -> Result<Vec<u64>, BackendError> {
+        self.m.gpu.bind()?;
+        Ok(match self.m.gemv.as_ref() {
+            Some(g) => g.trace_take(&self.m.gpu)?,
+            None => Vec::new(),
+        })
+    }
+
     /// Sets [`CudaOptions::gemv_max_tokens`] (benchmarks; ignored in batch-invariant mode).
     /// Captured graphs are dropped.
     pub fn set_gemv_max_tokens(&mut self, m: usize) {

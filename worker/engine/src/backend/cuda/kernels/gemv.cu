@@ -55,7 +55,9 @@ typedef bf16 wtype;
 #define GEMV_CH 8
 #endif
 
+#ifndef GEMV_WARPS
 #define GEMV_WARPS 8
+#endif
 #ifndef GEMV_R
 #define GEMV_R 2
 #endif
@@ -120,6 +122,124 @@ __device__ __forceinline__ float row_scale(const float* ws, int row) {
 
 __device__ __forceinline__ float rbf(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
+// One token's activations held in registers through the prologue (GEMV_XREG = chunks per
+// thread, 0 = none; more tokens always read them from memory): the first XR 16-byte chunks of
+// each thread (chunk i = thread + c · blockDim), four f32 residual values each for the norm kinds
+// (with the four gain values: uint2), eight bf16 values for the others. Loaded with volatile asm
+// so they stay where the kernel issues them: with GEMV_XFIRST before the weight loads, so these
+// L2 reads do not queue behind the weight stream (measured on an H200: the prologue took 3–6 µs
+// per launch when they did); GEMV_XFIRST=2 runs the whole prologue before the first weight load.
+#ifndef GEMV_XREG
+#define GEMV_XREG 0
+#endif
+#ifndef GEMV_XFIRST
+#define GEMV_XFIRST 0
+#endif
+template <int M>
+struct XPre {
+    static constexpr int XR = (M == 1 && GEMV_XREG > 0) ? GEMV_XREG : 0;
+    uint4 x[XR > 0 ? XR : 1];
+    uint2 g[XR > 0 ? XR : 1];
+};
+
+__device__ __forceinline__ uint4 ld_act(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 ld_act2(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// Loads `p` (see XPre): NORM: f32 rows (4 values a chunk) and the gain, else bf16 (8 a chunk).
+template <int M, bool NORM>
+__device__ __forceinline__ void x_preload(XPre<M>& p, const void* __restrict__ xin, const bf16* __restrict__ gain,
+                                          int inp) {
+    const int n = NORM ? inp >> 2 : inp >> 3;
+#pragma unroll
+    for (int c = 0; c < XPre<M>::XR; c++) {
+        int i = threadIdx.x + c * blockDim.x;
+        p.x[c] = i < n ? ld_act(reinterpret_cast<const uint4*>(xin) + i) : make_uint4(0, 0, 0, 0);
+        if (NORM) p.g[c] = i < n ? ld_act2(reinterpret_cast<const uint2*>(gain) + i) : make_uint2(0, 0);
+    }
+}
+
+__device__ __forceinline__ float4 as_f4(uint4 v) {
+    return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
+}
+
+// RMSNorm prologue: writes bf16(x[m] · rsqrt(mean(x[m]²) + eps) · gain) for the M f32 residual
+// rows `xin` into shared memory (as bf16 [M, inp]) and each row's max |value| (of the bf16
+// values) into amax[m]; ends with the block synchronised when SYNC. The chunks `p` holds come
+// from it, the rest from memory, vectorised and unrolled so each thread's loads are in flight
+// together (a plain strided loop issues them one L2 round trip at a time: ~9 µs per kernel
+// measured).
+template <int M, bool SYNC>
+__device__ __forceinline__ void norm_rows(const void* __restrict__ xin, const bf16* __restrict__ gain, int inp,
+                                          float eps, float amax[M], const XPre<M>& p) {
+    extern __shared__ uint4 gv_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* red = reinterpret_cast<float*>(reinterpret_cast<bf16*>(gv_smem) + (u64)M * inp);
+    const float4* x4 = reinterpret_cast<const float4*>(xin);
+    const uint2* g4 = reinterpret_cast<const uint2*>(gain);
+    uint2* xw4 = reinterpret_cast<uint2*>(gv_smem);
+    const int n4 = inp >> 2;
+    constexpr int XR = XPre<M>::XR;
+    float ss[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float s = 0.f;
+#pragma unroll
+        for (int c = 0; c < XR; c++) {
+            float4 v = as_f4(p.x[c]);
+            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+#pragma unroll 4
+        for (int i = threadIdx.x + XR * blockDim.x; i < n4; i += blockDim.x) {
+            float4 v = x4[(u64)m * n4 + i];
+            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        s = gv_warp_sum(s);
+        if (lane == 0) red[warp * M + m] = s;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float s = 0.f;
+#pragma unroll
+        for (int ww = 0; ww < GEMV_WARPS; ww++) s += red[ww * M + m];
+        ss[m] = rsqrtf(s / (float)inp + eps);
+    }
+    auto put = [&](int m, int i, float4 v, uint2 gw) -> float {
+        float g0 = __uint_as_float(gw.x << 16), g1 = __uint_as_float(gw.x & 0xffff0000u);
+        float g2 = __uint_as_float(gw.y << 16), g3 = __uint_as_float(gw.y & 0xffff0000u);
+        __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * ss[m] * g0, v.y * ss[m] * g1);
+        __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * ss[m] * g2, v.w * ss[m] * g3);
+        uint2 o;
+        o.x = *reinterpret_cast<unsigned int*>(&lo);
+        o.y = *reinterpret_cast<unsigned int*>(&hi);
+        xw4[(u64)m * n4 + i] = o;
+        float2 fl = __bfloat1622float2(lo), fh = __bfloat1622float2(hi);
+        return fmaxf(fmaxf(fabsf(fl.x), fabsf(fl.y)), fmaxf(fabsf(fh.x), fabsf(fh.y)));
+    };
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float am = 0.f;
+#pragma unroll
+        for (int c = 0; c < XR; c++) {
+            int i = threadIdx.x + c * blockDim.x;
+            if (i < n4) am = fmaxf(am, put(m, i, as_f4(p.x[c]), p.g[c]));
+        }
+#pragma unroll 4
+        for (int i = threadIdx.x + XR * blockDim.x; i < n4; i += blockDim.x)
+            am = fmaxf(am, put(m, i, x4[(u64)m * n4 + i], g4[i]));
+        amax[m] = am;
+    }
+    if (SYNC) __syncthreads();
+}
+
 #ifdef GEMV_FP8H
 #if GEMV_FP8H == 2
 #define GEMV_XS 8
@@ -160,74 +280,40 @@ __device__ __forceinline__ float gv_warp_max(float v) {
 // Stages the M activation rows in shared memory as f16 (see the top): bf16 rows first (normed
 // from the f32 residual rows when NORM, else copied from `xin`), then each token's row scaled
 // in place by 2^(XS - e); xun[m] = 2^e. Shared memory: M · inp halves + 2 · GEMV_WARPS · M f32.
+// The chunks `p` holds come from it (see XPre).
 template <int M, bool NORM>
 __device__ __forceinline__ void stage_f16(const void* __restrict__ xin, const bf16* __restrict__ gain, int inp,
-                                          float eps, float xun[M]) {
+                                          float eps, float xun[M], const XPre<M>& p) {
     extern __shared__ uint4 gv_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float* red = reinterpret_cast<float*>(reinterpret_cast<bf16*>(gv_smem) + (u64)M * inp);
     float* redmax = red + GEMV_WARPS * M;
     float amax[M];
     if (NORM) {
-        const float4* x4 = reinterpret_cast<const float4*>(xin);
-        const uint2* g4 = reinterpret_cast<const uint2*>(gain);
-        uint2* xw4 = reinterpret_cast<uint2*>(gv_smem);
-        const int n4 = inp >> 2;
-        float ss[M];
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float s = 0.f;
-#pragma unroll 4
-            for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-                float4 v = x4[(u64)m * n4 + i];
-                s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-            s = gv_warp_sum(s);
-            if (lane == 0) red[warp * M + m] = s;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float s = 0.f;
-#pragma unroll
-            for (int ww = 0; ww < GEMV_WARPS; ww++) s += red[ww * M + m];
-            ss[m] = rsqrtf(s / (float)inp + eps);
-        }
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float am = 0.f;
-#pragma unroll 4
-            for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-                float4 v = x4[(u64)m * n4 + i];
-                uint2 gw = g4[i];
-                float g0 = __uint_as_float(gw.x << 16), g1 = __uint_as_float(gw.x & 0xffff0000u);
-                float g2 = __uint_as_float(gw.y << 16), g3 = __uint_as_float(gw.y & 0xffff0000u);
-                __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * ss[m] * g0, v.y * ss[m] * g1);
-                __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * ss[m] * g2, v.w * ss[m] * g3);
-                uint2 o;
-                o.x = *reinterpret_cast<unsigned int*>(&lo);
-                o.y = *reinterpret_cast<unsigned int*>(&hi);
-                xw4[(u64)m * n4 + i] = o;
-                float2 fl = __bfloat1622float2(lo), fh = __bfloat1622float2(hi);
-                am = fmaxf(am, fmaxf(fmaxf(fabsf(fl.x), fabsf(fl.y)), fmaxf(fabsf(fh.x), fabsf(fh.y))));
-            }
-            amax[m] = am;
-        }
+        norm_rows<M, false>(xin, gain, inp, eps, amax, p);
     } else {
         const uint4* x8 = reinterpret_cast<const uint4*>(xin);
         const int n8 = inp >> 3;
+        auto put = [&](int m, int i, uint4 v) -> float {
+            gv_smem[(u64)m * n8 + i] = v;
+            float f[8];
+            unpack8(v, f);
+            float am = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; e++) am = fmaxf(am, fabsf(f[e]));
+            return am;
+        };
 #pragma unroll
         for (int m = 0; m < M; m++) {
             float am = 0.f;
-#pragma unroll 4
-            for (int i = threadIdx.x; i < n8; i += blockDim.x) {
-                uint4 v = x8[(u64)m * n8 + i];
-                gv_smem[(u64)m * n8 + i] = v;
-                float f[8];
-                unpack8(v, f);
 #pragma unroll
-                for (int e = 0; e < 8; e++) am = fmaxf(am, fabsf(f[e]));
+            for (int c = 0; c < XPre<M>::XR; c++) {
+                int i = threadIdx.x + c * blockDim.x;
+                if (i < n8) am = fmaxf(am, put(m, i, p.x[c]));
             }
+#pragma unroll 4
+            for (int i = threadIdx.x + XPre<M>::XR * blockDim.x; i < n8; i += blockDim.x)
+                am = fmaxf(am, put(m, i, x8[(u64)m * n8 + i]));
             amax[m] = am;
         }
     }
@@ -310,6 +396,74 @@ __device__ __forceinline__ void pdl_launch_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
+
+// GEMV_TRACE (benchmarks): every block appends one record of 8 u64 to gv_trace (in completion
+// order, gv_trace_n counts them): [0] MODE | out << 8 | inp << 32, [1] SM id << 32 | block,
+// [2] %globaltimer (ns) at entry, [3] after the prologue, [4] at exit, then clock64 cycles
+// from entry: [5] to the end of the prologue (thread 0), [6] / [7] to the first / last end of a
+// warp that had rows. Reading the timer costs a few cycles; the extra block barrier at entry
+// is the only change to the kernel's schedule.
+#ifdef GEMV_TRACE
+#define GEMV_TRACE_CAP 131072
+__device__ u64 gv_trace[GEMV_TRACE_CAP * 8];
+__device__ u32 gv_trace_n;
+__shared__ u64 gv_t0_g, gv_t0_c, gv_t_pro_g, gv_t_pro_c, gv_w_min, gv_w_max;
+__device__ __forceinline__ u64 gv_gtime() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// The entry times live in shared memory (thread 0's), not in registers across the kernel.
+__device__ __forceinline__ void gv_trace_begin() {
+    if (threadIdx.x == 0) {
+        gv_t0_c = (u64)clock64();
+        gv_t0_g = gv_gtime();
+        gv_w_min = ~0ull;
+        gv_w_max = 0;
+        gv_t_pro_c = gv_t0_c;
+        gv_t_pro_g = gv_t0_g;
+    }
+    __syncthreads();
+}
+__device__ __forceinline__ void gv_trace_prologue() {
+    if (threadIdx.x == 0) {
+        gv_t_pro_c = (u64)clock64();
+        gv_t_pro_g = gv_gtime();
+    }
+}
+__device__ __forceinline__ void gv_trace_end(int mode, int out, int inp) {
+    u64 c = (u64)clock64();
+    const int groups = (out + GEMV_R - 1) / GEMV_R;
+    if ((threadIdx.x & 31) == 0 && blockIdx.x + gridDim.x * (threadIdx.x >> 5) < groups) {
+        atomicMin(&gv_w_min, c);
+        atomicMax(&gv_w_max, c);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 i = atomicAdd(&gv_trace_n, 1u);
+        if (i < GEMV_TRACE_CAP) {
+            u32 smid;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+            u64* r = gv_trace + (u64)i * 8;
+            r[0] = (u64)mode | ((u64)out << 8) | ((u64)inp << 32);
+            r[1] = ((u64)smid << 32) | blockIdx.x;
+            r[2] = gv_t0_g;
+            r[3] = gv_t_pro_g;
+            r[4] = gv_gtime();
+            r[5] = gv_t_pro_c - gv_t0_c;
+            r[6] = gv_w_max ? gv_w_min - gv_t0_c : 0;
+            r[7] = gv_w_max ? gv_w_max - gv_t0_c : 0;
+        }
+    }
+}
+#define GV_TRACE_BEGIN gv_trace_begin();
+#define GV_TRACE_END(MODE) gv_trace_end(MODE, out, inp);
+#define GV_TRACE_PROLOGUE gv_trace_prologue();
+#else
+#define GV_TRACE_BEGIN
+#define GV_TRACE_END(MODE)
+#define GV_TRACE_PROLOGUE
+#endif
 
 // Writes logical row j of token m as MODE says: sa is the row's scaled sum, sb its partner row's
 // (MODE 3: the up row; MODE 4: the other RoPE half; unused otherwise).
@@ -395,66 +549,47 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
             for (int r = 0; r < NW; r++) wv[u][r] = k < inp ? ld_weight(wrow[r] + k) : make_uint4(0, 0, 0, 0);
         }
     };
+#ifdef GEMV_FP8H
+    constexpr bool STAGED = true;
+#else
+    constexpr bool STAGED = false;
+#endif
+    XPre<M> xp;
+#if GEMV_XFIRST == 2
+    // The whole prologue before any weight load: its barriers then wait on no warp still issuing
+    // loads (the weight stream starts once the activations are staged).
+    pdl_wait();
+    if (NORM || STAGED) x_preload<M, NORM>(xp, xin, gain, inp);
+#elif GEMV_XFIRST
+    // The activations first (see XPre), then the first weight loads, which the prologue overlaps.
+    pdl_wait();
+    if (NORM || STAGED) x_preload<M, NORM>(xp, xin, gain, inp);
+    start_tile();
+#else
     // Issue the first weight loads before waiting on the previous kernel and before the
     // prologue, so HBM is busy meanwhile.
     start_tile();
     pdl_wait();
+    if (NORM || STAGED) x_preload<M, NORM>(xp, xin, gain, inp);
+#endif
 
     const bf16* xs = reinterpret_cast<const bf16*>(gv_smem);
 #ifdef GEMV_FP8H
     float xun[M];
-    stage_f16<M, NORM>(xin, gain, inp, eps, xun);
+    stage_f16<M, NORM>(xin, gain, inp, eps, xun, xp);
     const __half* xh = reinterpret_cast<const __half*>(gv_smem);
     (void)xs;
 #else
     if (NORM) {
-        // Vectorised and unrolled so each thread's loads are in flight together (a plain
-        // strided loop issues them one L2 round trip at a time: ~9 µs per kernel measured).
-        const float4* x4 = reinterpret_cast<const float4*>(xin);
-        const uint2* g4 = reinterpret_cast<const uint2*>(gain);
-        uint2* xw4 = reinterpret_cast<uint2*>(gv_smem);
-        float* red = reinterpret_cast<float*>(reinterpret_cast<bf16*>(gv_smem) + (u64)M * inp);
-        const int n4 = inp >> 2;
-        float ss[M];
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float s = 0.f;
-#pragma unroll 4
-            for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-                float4 v = x4[(u64)m * n4 + i];
-                s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-            s = gv_warp_sum(s);
-            if (lane == 0) red[warp * M + m] = s;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float s = 0.f;
-#pragma unroll
-            for (int ww = 0; ww < GEMV_WARPS; ww++) s += red[ww * M + m];
-            ss[m] = rsqrtf(s / (float)inp + eps);
-        }
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-#pragma unroll 4
-            for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-                float4 v = x4[(u64)m * n4 + i];
-                uint2 gw = g4[i];
-                float g0 = __uint_as_float(gw.x << 16), g1 = __uint_as_float(gw.x & 0xffff0000u);
-                float g2 = __uint_as_float(gw.y << 16), g3 = __uint_as_float(gw.y & 0xffff0000u);
-                __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * ss[m] * g0, v.y * ss[m] * g1);
-                __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * ss[m] * g2, v.w * ss[m] * g3);
-                uint2 o;
-                o.x = *reinterpret_cast<unsigned int*>(&lo);
-                o.y = *reinterpret_cast<unsigned int*>(&hi);
-                xw4[(u64)m * n4 + i] = o;
-            }
-        }
-        __syncthreads();
+        float amax[M];
+        norm_rows<M, true>(xin, gain, inp, eps, amax, xp);
     }
 #endif
 
+    GV_TRACE_PROLOGUE
+#if GEMV_XFIRST == 2
+    start_tile();
+#endif
     const bf16* xg = reinterpret_cast<const bf16*>(xin);
 #ifdef GEMV_FP8H
     (void)xg;
@@ -597,7 +732,9 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
         void* y, const wtype* w, const void* x, const bf16* gain, int out, int inp, float eps,           \
         const float* wscale) {                                                                            \
         RopeKv rk = {nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 2, 0};                            \
+        GV_TRACE_BEGIN                                                                                    \
         gemv_impl<M, MODE, NORM>(y, w, x, gain, out, inp, eps, wscale, rk);                               \
+        GV_TRACE_END(MODE)                                                                                \
     }
 
 // MODE 4: `out` = qkv_dim / 2 logical rows (RoPE pairs).
@@ -607,7 +744,9 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
         const float* wscale, const u32* pos, const u32* slots, const float* inv_freq, bf16* kc, bf16* vc, int qh, int kvh,     \
         int hd, int kv_fp8) {                                                                              \
         RopeKv rk = {pos, slots, inv_freq, kc, vc, qh, kvh, hd, kv_fp8};                                  \
+        GV_TRACE_BEGIN                                                                                    \
         gemv_impl<M, 4, true>(y, w, x, gain, out, inp, eps, wscale, rk);                                  \
+        GV_TRACE_END(4)                                                                                   \
     }
 
 #define GEMV_FAMILY(M)                                  \
