@@ -336,7 +336,8 @@ mod bench {
                 results.insert(format!("gemv_sweep_b{bsz}_ctx1024_ms"), serde_json::Value::Object(row));
             }
             be.set_gemv_max_tokens(CudaOptions::default().gemv_max_tokens);
-            for v in [1usize, 0] {
+            // Ending on the default (2).
+            for v in [1usize, 0, 2] {
                 be.set_gemv_variant(v);
                 for ctx in [128usize, 1024] {
                     let t = time_greedy(&mut be, &batch(1, ctx, 1, true), 5, 50)?;

@@ -118,8 +118,8 @@ struct Variant {
     staged: bool,
     /// Rows per warp group (`GEMV_R`).
     rows: usize,
-    /// Warps per block (`GEMV_WARPS`).
-    warps: usize,
+    /// Warps per block of each kind (indexed as [`GemvKind::index`]).
+    warps: [usize; 4],
     /// The module (its `gv_trace` globals in the `GEMV_TRACE` build).
     module: Arc<CudaModule>,
 }
@@ -146,29 +146,48 @@ const VARIANTS: [(&str, u32); 3] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1
 /// 8: as 1 with 16 warps per block (half the blocks, so half the prologues);
 /// 9, 10: as 7 with the activations loaded before the first weights (`GEMV_XFIRST`), with 8 /
 ///    16 warps per block; 11: as 9 with 8 chunks per thread in registers; 12: as 7 with 16 warps;
-/// 13, 14: as 9, 10 with the whole prologue before the first weight load (`GEMV_XFIRST=2`).
-/// The last field is the warps per block.
-const FP8_VARIANTS: [(&str, u32, bool, usize, usize); 15] = [
-    ("-DGEMV_FP8H=1", 0, true, 2, WARPS),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1, WARPS),
-    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2, WARPS),
-    ("-DGEMV_FP8H=2", 0, true, 2, WARPS),
-    ("-DGEMV_DEPTH=0", 0, false, 2, WARPS),
-    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2, WARPS),
-    ("-DGEMV_FP8H=1", 1, true, 2, WARPS),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4", 0, true, 1, WARPS),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_WARPS=16", 0, true, 1, 16),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=1", 0, true, 1, WARPS),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=1 -DGEMV_WARPS=16", 0, true, 1, 16),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=8 -DGEMV_XFIRST=1", 0, true, 1, WARPS),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_WARPS=16", 0, true, 1, 16),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=2", 0, true, 1, WARPS),
-    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=2 -DGEMV_WARPS=16", 0, true, 1, 16),
+/// 13, 14: as 9, 10 with the whole prologue before the first weight load (`GEMV_XFIRST=2`);
+/// 15: as 7 with the QKV kernel compiled for three resident blocks per SM (`GEMV_QKV_MINB=3`);
+/// 16 (default): each product as it measured best on an H200 (2026-12-02, batch-1 Llama-3-8B
+///    shapes): QKV as 15, gate_up and lm_head as 7, o_proj and down_proj as 14
+///    (`GEMV_WARPS_RES=16 GEMV_XFIRST_RES=2`); 17: as 16 with the residual kind's activations
+///    loaded after the first weights (as 12), so its weight loads can start under PDL.
+/// The last fields are the warps per block of every kind but the residual one, and of it.
+const FP8_VARIANTS: [(&str, u32, bool, usize, usize, usize); 18] = [
+    ("-DGEMV_FP8H=1", 0, true, 2, WARPS, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1", 0, true, 1, WARPS, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 0, true, 2, WARPS, WARPS),
+    ("-DGEMV_FP8H=2", 0, true, 2, WARPS, WARPS),
+    ("-DGEMV_DEPTH=0", 0, false, 2, WARPS, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_DEPTH=16", 1, true, 2, WARPS, WARPS),
+    ("-DGEMV_FP8H=1", 1, true, 2, WARPS, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4", 0, true, 1, WARPS, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_WARPS=16", 0, true, 1, 16, 16),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=1", 0, true, 1, WARPS, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=1 -DGEMV_WARPS=16", 0, true, 1, 16, 16),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=8 -DGEMV_XFIRST=1", 0, true, 1, WARPS, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_WARPS=16", 0, true, 1, 16, 16),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=2", 0, true, 1, WARPS, WARPS),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_XFIRST=2 -DGEMV_WARPS=16", 0, true, 1, 16, 16),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_QKV_MINB=3", 0, true, 1, WARPS, WARPS),
+    (
+        "-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_QKV_MINB=3 -DGEMV_WARPS_RES=16 -DGEMV_XFIRST_RES=2",
+        0,
+        true,
+        1,
+        WARPS,
+        16,
+    ),
+    ("-DGEMV_FP8H=1 -DGEMV_R=1 -DGEMV_XREG=4 -DGEMV_QKV_MINB=3 -DGEMV_WARPS_RES=16", 0, true, 1, WARPS, 16),
 ];
 /// FP8 variant used unless `PRISM_GEMV_FP8_VARIANT` says otherwise
-/// (`PRISM_GEMV_FP8_KINDS=qkv=1,down=2` picks one per product): 1, which beat 0 by 0.01–0.04 ms
-/// per batch-1 step in each of four side-by-side runs on an H200 (same logits).
-const FP8_DEFAULT: usize = 1;
+/// (`PRISM_GEMV_FP8_KINDS=qkv=1,down=2` picks one per product): 16, the per-product choice of one
+/// module (2.57 against 2.83 ms for variant 1 per batch-1 step on an H200, same logits; the
+/// figures are in docs/benchmarks.md).
+const FP8_DEFAULT: usize = 16;
+/// bf16 variant used unless `PRISM_GEMV_VARIANT` says otherwise: 2 (4.20 against 4.32 ms for 0
+/// per batch-1 step on an H200, same logits).
+const BF16_DEFAULT: usize = 2;
 /// The products `PRISM_GEMV_FP8_KINDS` names.
 const PRODUCTS: [&str; 5] = ["qkv", "o_proj", "gate_up", "down", "lm_head"];
 
@@ -235,16 +254,18 @@ impl Gemv {
         let trace = std::env::var("PRISM_GEMV_TRACE").is_ok_and(|v| v == "1");
         let mut variants = Vec::new();
         let mut variants_fp8 = Vec::new();
-        // (defines, blocks per SM, FP8 weights, staged activations, rows, warps, compile it)
-        let mut builds: Vec<(&str, u32, bool, bool, usize, usize, bool)> =
-            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, WARPS, true)).collect();
+        // (defines, blocks per SM, FP8 weights, staged activations, rows, warps of the other
+        // kinds and of the residual kind, compile it)
+        let mut builds: Vec<(&str, u32, bool, bool, usize, usize, usize, bool)> =
+            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, WARPS, WARPS, true)).collect();
         if fp8 {
-            builds.extend(FP8_VARIANTS.iter().enumerate().map(|(i, &(d, c, st, rows, warps))| {
+            builds.extend(FP8_VARIANTS.iter().enumerate().map(|(i, &(d, c, st, rows, warps, warps_res))| {
                 let wanted = sweep.contains(&i) || i == variant_fp8 || kind_fp8.contains(&Some(i));
-                (d, c, true, st, rows, warps, wanted)
+                (d, c, true, st, rows, warps, warps_res, wanted)
             }));
         }
-        for (defines, per_sm_cap, fp8_w, staged, rows, warps, wanted) in builds {
+        for (defines, per_sm_cap, fp8_w, staged, rows, warps_other, warps_res, wanted) in builds {
+            let warps_of = |k: GemvKind| if k == GemvKind::Residual { warps_res } else { warps_other };
             if !wanted {
                 variants_fp8.push(None);
                 continue;
@@ -267,6 +288,7 @@ impl Gemv {
             let mut fns = Vec::with_capacity(GEMV_MAX_M);
             for m in 1..=GEMV_MAX_M {
                 let f = |k: GemvKind| -> Result<(CudaFunction, u32), CudaError> {
+                    let warps = warps_of(k);
                     let name = format!("{}_m{m}", k.name());
                     let f = module.load_function(&name).map_err(|e| CudaError::op(name, e))?;
                     let bytes = if k.norm() {
@@ -297,6 +319,8 @@ impl Gemv {
                     f(GemvKind::NormGateUpSilu)?,
                 ]);
             }
+            let warps =
+                [GemvKind::QkvRope, GemvKind::LogitsF32, GemvKind::Residual, GemvKind::NormGateUpSilu].map(warps_of);
             let v = Variant { fns, staged, rows, warps, module };
             if fp8_w { variants_fp8.push(Some(v)) } else { variants.push(v) }
         }
@@ -304,7 +328,7 @@ impl Gemv {
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|&v| v < VARIANTS.len())
-            .unwrap_or(0);
+            .unwrap_or(BF16_DEFAULT);
         let (major, _) = gpu.ctx.compute_capability().op("compute_capability")?;
         // Off by default: measured on an H200 it did not help (4.34 vs 4.29 ms per batch-1
         // step), since the persistent GEMV grids leave no room for the next kernel's blocks.
@@ -408,13 +432,11 @@ impl Gemv {
         let (f, resident) = &v.fns[m - 1][kind.index()];
         // Logical rows: RoPE pairs for the fused QKV.
         let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
-        let blocks = (rows.div_ceil(v.warps * v.rows) as u32).min(*resident);
-        let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged, v.warps) as u32 } else { 0 };
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: ((v.warps * 32) as u32, 1, 1),
-            shared_mem_bytes: shared,
-        };
+        let warps = v.warps[kind.index()];
+        let blocks = (rows.div_ceil(warps * v.rows) as u32).min(*resident);
+        let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged, warps) as u32 } else { 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((warps * 32) as u32, 1, 1), shared_mem_bytes: shared };
         let (out_i, inp_i) = (rows as i32, inp as i32);
         if self.pdl {
             use std::ffi::c_void;

@@ -58,6 +58,11 @@ typedef bf16 wtype;
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 8
 #endif
+// Warps per block of the residual kind (o_proj, down_proj) when it differs.
+#ifndef GEMV_WARPS_RES
+#define GEMV_WARPS_RES GEMV_WARPS
+#endif
+#define GV_WARPS_OF(MODE) ((MODE) == 2 ? GEMV_WARPS_RES : GEMV_WARPS)
 #ifndef GEMV_R
 #define GEMV_R 2
 #endif
@@ -135,6 +140,10 @@ __device__ __forceinline__ float rbf(float v) { return __bfloat162float(__float2
 #ifndef GEMV_XFIRST
 #define GEMV_XFIRST 0
 #endif
+// GEMV_XFIRST of the residual kind when it differs.
+#ifndef GEMV_XFIRST_RES
+#define GEMV_XFIRST_RES GEMV_XFIRST
+#endif
 template <int M>
 struct XPre {
     static constexpr int XR = (M == 1 && GEMV_XREG > 0) ? GEMV_XREG : 0;
@@ -176,7 +185,7 @@ __device__ __forceinline__ float4 as_f4(uint4 v) {
 // from it, the rest from memory, vectorised and unrolled so each thread's loads are in flight
 // together (a plain strided loop issues them one L2 round trip at a time: ~9 µs per kernel
 // measured).
-template <int M, bool SYNC>
+template <int M, bool SYNC, int W>
 __device__ __forceinline__ void norm_rows(const void* __restrict__ xin, const bf16* __restrict__ gain, int inp,
                                           float eps, float amax[M], const XPre<M>& p) {
     extern __shared__ uint4 gv_smem[];
@@ -209,7 +218,7 @@ __device__ __forceinline__ void norm_rows(const void* __restrict__ xin, const bf
     for (int m = 0; m < M; m++) {
         float s = 0.f;
 #pragma unroll
-        for (int ww = 0; ww < GEMV_WARPS; ww++) s += red[ww * M + m];
+        for (int ww = 0; ww < W; ww++) s += red[ww * M + m];
         ss[m] = rsqrtf(s / (float)inp + eps);
     }
     auto put = [&](int m, int i, float4 v, uint2 gw) -> float {
@@ -279,18 +288,18 @@ __device__ __forceinline__ float gv_warp_max(float v) {
 
 // Stages the M activation rows in shared memory as f16 (see the top): bf16 rows first (normed
 // from the f32 residual rows when NORM, else copied from `xin`), then each token's row scaled
-// in place by 2^(XS - e); xun[m] = 2^e. Shared memory: M · inp halves + 2 · GEMV_WARPS · M f32.
+// in place by 2^(XS - e); xun[m] = 2^e. Shared memory: M · inp halves + 2 · W · M f32 (W warps).
 // The chunks `p` holds come from it (see XPre).
-template <int M, bool NORM>
+template <int M, bool NORM, int W>
 __device__ __forceinline__ void stage_f16(const void* __restrict__ xin, const bf16* __restrict__ gain, int inp,
                                           float eps, float xun[M], const XPre<M>& p) {
     extern __shared__ uint4 gv_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float* red = reinterpret_cast<float*>(reinterpret_cast<bf16*>(gv_smem) + (u64)M * inp);
-    float* redmax = red + GEMV_WARPS * M;
+    float* redmax = red + W * M;
     float amax[M];
     if (NORM) {
-        norm_rows<M, false>(xin, gain, inp, eps, amax, p);
+        norm_rows<M, false, W>(xin, gain, inp, eps, amax, p);
     } else {
         const uint4* x8 = reinterpret_cast<const uint4*>(xin);
         const int n8 = inp >> 3;
@@ -328,7 +337,7 @@ __device__ __forceinline__ void stage_f16(const void* __restrict__ xin, const bf
     for (int m = 0; m < M; m++) {
         float a = 0.f;
 #pragma unroll
-        for (int ww = 0; ww < GEMV_WARPS; ww++) a = fmaxf(a, redmax[ww * M + m]);
+        for (int ww = 0; ww < W; ww++) a = fmaxf(a, redmax[ww * M + m]);
         int e = 0;
         if (a > 0.f && a <= 3.0e38f) frexpf(a, &e);  // a = f · 2^e, f in [0.5, 1)
         xun[m] = ldexpf(1.f, e);
@@ -514,16 +523,18 @@ __device__ __forceinline__ void gv_store(void* y, int j, int m, int out, float s
 }
 
 // Groups of R logical rows are dealt to warps block-first (group g → block g mod grid, warp
-// (g / grid) mod GEMV_WARPS, …) so every block, and so every SM, gets the same share of a
+// (g / grid) mod W, …, W = GV_WARPS_OF(MODE)) so every block, and so every SM, gets the same share of a
 // small matrix; blocks are persistent (grid ≤ resident blocks) so the norm prologue runs once
 // per block. Requires
 // inp % 8 == 0 and 16-byte aligned rows. Dynamic shared memory (NORM only): M · inp bf16
-// activation rows + GEMV_WARPS · M f32. `out` counts logical rows (MODE 4: qkv_dim / 2).
+// activation rows + W · M f32. `out` counts logical rows (MODE 4: qkv_dim / 2).
 template <int M, int MODE, bool NORM>
 __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, const void* __restrict__ xin,
                                           const bf16* __restrict__ gain, int out, int inp, float eps,
                                           const float* __restrict__ wscale, RopeKv rk) {
     constexpr int NW = (MODE == 3 || MODE == 4) ? 2 * GEMV_R : GEMV_R;
+    constexpr int W = GV_WARPS_OF(MODE);
+    constexpr int XF = MODE == 2 ? GEMV_XFIRST_RES : GEMV_XFIRST;
     constexpr int U = GEMV_DEPTH > 0 ? (GEMV_DEPTH / NW > 0 ? GEMV_DEPTH / NW : 1) : GEMV_U;
     extern __shared__ uint4 gv_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -555,41 +566,36 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
     constexpr bool STAGED = false;
 #endif
     XPre<M> xp;
-#if GEMV_XFIRST == 2
-    // The whole prologue before any weight load: its barriers then wait on no warp still issuing
-    // loads (the weight stream starts once the activations are staged).
-    pdl_wait();
-    if (NORM || STAGED) x_preload<M, NORM>(xp, xin, gain, inp);
-#elif GEMV_XFIRST
-    // The activations first (see XPre), then the first weight loads, which the prologue overlaps.
-    pdl_wait();
-    if (NORM || STAGED) x_preload<M, NORM>(xp, xin, gain, inp);
-    start_tile();
-#else
-    // Issue the first weight loads before waiting on the previous kernel and before the
-    // prologue, so HBM is busy meanwhile.
-    start_tile();
-    pdl_wait();
-    if (NORM || STAGED) x_preload<M, NORM>(xp, xin, gain, inp);
-#endif
+    if (XF != 0) {
+        // The activations first (see XPre), then (XF 1) the first weight loads, which the
+        // prologue overlaps, or (XF 2) the whole prologue before any weight load: its barriers
+        // then wait on no warp still issuing loads.
+        pdl_wait();
+        if (NORM || STAGED) x_preload<M, NORM>(xp, xin, gain, inp);
+        if (XF == 1) start_tile();
+    } else {
+        // The first weight loads before waiting on the previous kernel and before the prologue,
+        // so HBM is busy meanwhile.
+        start_tile();
+        pdl_wait();
+        if (NORM || STAGED) x_preload<M, NORM>(xp, xin, gain, inp);
+    }
 
     const bf16* xs = reinterpret_cast<const bf16*>(gv_smem);
 #ifdef GEMV_FP8H
     float xun[M];
-    stage_f16<M, NORM>(xin, gain, inp, eps, xun, xp);
+    stage_f16<M, NORM, W>(xin, gain, inp, eps, xun, xp);
     const __half* xh = reinterpret_cast<const __half*>(gv_smem);
     (void)xs;
 #else
     if (NORM) {
         float amax[M];
-        norm_rows<M, true>(xin, gain, inp, eps, amax, xp);
+        norm_rows<M, true, W>(xin, gain, inp, eps, amax, xp);
     }
 #endif
 
     GV_TRACE_PROLOGUE
-#if GEMV_XFIRST == 2
-    start_tile();
-#endif
+    if (XF == 2) start_tile();
     const bf16* xg = reinterpret_cast<const bf16*>(xin);
 #ifdef GEMV_FP8H
     (void)xg;
@@ -604,7 +610,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
 #endif
   for (;;) {
 #ifdef GEMV_FP8H
-    const int gnext = grp + gridDim.x * GEMV_WARPS;
+    const int gnext = grp + gridDim.x * W;
     const bool prefetch = stream && gnext < groups;
     if (prefetch) {
 #pragma unroll
@@ -713,7 +719,7 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
             for (int m = 0; m < M; m++) gv_store<MODE>(y, j, m, out, acc[r][m], acc[NW > GEMV_R ? GEMV_R + r : r][m], rk);
         }
     }
-    grp += gridDim.x * GEMV_WARPS;
+    grp += gridDim.x * W;
     if (grp >= groups) return;
     j0 = grp * GEMV_R;
 #ifdef GEMV_FP8H
@@ -727,8 +733,22 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
   }
 }
 
-#define GEMV_KERNEL(NAME, M, MODE, NORM)                                                                  \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) NAME(                                   \
+// Launch bounds (an explicit minimum of one block per SM changes ptxas's register choice, so
+// the second argument appears only when asked for).
+#if GEMV_GATE_MINB > 1
+#define GV_GATE_BOUNDS __launch_bounds__(GEMV_WARPS * 32, GEMV_GATE_MINB)
+#else
+#define GV_GATE_BOUNDS __launch_bounds__(GEMV_WARPS * 32)
+#endif
+#if GEMV_QKV_MINB > 1
+#define GV_QKV_BOUNDS __launch_bounds__(GEMV_WARPS * 32, GEMV_QKV_MINB)
+#else
+#define GV_QKV_BOUNDS __launch_bounds__(GEMV_WARPS * 32)
+#endif
+#define GV_BOUNDS(MODE) __launch_bounds__(GV_WARPS_OF(MODE) * 32)
+
+#define GEMV_KERNEL(NAME, M, MODE, NORM, BOUNDS)                                                          \
+    extern "C" __global__ void BOUNDS NAME(                                                               \
         void* y, const wtype* w, const void* x, const bf16* gain, int out, int inp, float eps,           \
         const float* wscale) {                                                                            \
         RopeKv rk = {nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 2, 0};                            \
@@ -737,9 +757,18 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
         GV_TRACE_END(MODE)                                                                                \
     }
 
-// MODE 4: `out` = qkv_dim / 2 logical rows (RoPE pairs).
+// MODE 4: `out` = qkv_dim / 2 logical rows (RoPE pairs). GEMV_QKV_MINB: resident blocks per SM
+// the compiler must leave registers for (the RoPE epilogue's sincosf otherwise takes enough that
+// only two 8-warp blocks fit on an H200 SM, fewer warps than a Llama-3-8B QKV has row pairs).
+#ifndef GEMV_QKV_MINB
+#define GEMV_QKV_MINB 1
+#endif
+// The same for the gate_up kind.
+#ifndef GEMV_GATE_MINB
+#define GEMV_GATE_MINB 1
+#endif
 #define GEMV_QKV_ROPE(M)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_qkv_rope_m##M(                     \
+    extern "C" __global__ void GV_QKV_BOUNDS gemv_qkv_rope_m##M(                                         \
         void* y, const wtype* w, const void* x, const bf16* gain, int out, int inp, float eps,            \
         const float* wscale, const u32* pos, const u32* slots, const float* inv_freq, bf16* kc, bf16* vc, int qh, int kvh,     \
         int hd, int kv_fp8) {                                                                              \
@@ -751,9 +780,9 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
 
 #define GEMV_FAMILY(M)                                  \
     GEMV_QKV_ROPE(M)                                    \
-    GEMV_KERNEL(gemv_logits_m##M, M, 1, false)          \
-    GEMV_KERNEL(gemv_residual_m##M, M, 2, false)        \
-    GEMV_KERNEL(gemv_gate_up_m##M, M, 3, true)
+    GEMV_KERNEL(gemv_logits_m##M, M, 1, false, GV_BOUNDS(1))    \
+    GEMV_KERNEL(gemv_residual_m##M, M, 2, false, GV_BOUNDS(2))  \
+    GEMV_KERNEL(gemv_gate_up_m##M, M, 3, true, GV_GATE_BOUNDS)
 
 GEMV_FAMILY(1)
 GEMV_FAMILY(2)
