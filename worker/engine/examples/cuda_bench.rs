@@ -345,7 +345,8 @@ mod bench {
                     results.insert(format!("decode_b1_ctx{ctx}_gemv_variant_{v}"), json!(t * 1e3));
                 }
             }
-            // PDL on, then back to the default (off) for everything after the sweep.
+            // PDL on and off, then back to the default for everything after the sweep.
+            let pdl_default = be.pdl();
             for pdl in [true, false] {
                 be.set_pdl(pdl);
                 for ctx in [128usize, 1024] {
@@ -354,6 +355,7 @@ mod bench {
                     results.insert(format!("decode_b1_ctx{ctx}_pdl_{pdl}"), json!(t * 1e3));
                 }
             }
+            be.set_pdl(pdl_default);
             // Per-kernel device time of one eager step (CUDA events between launches).
             for (bsz, ctx) in [(1usize, 1024usize), (256, 1024)] {
                 let b = batch(bsz, ctx, 1, true);

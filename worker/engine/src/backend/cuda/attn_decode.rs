@@ -188,6 +188,11 @@ impl DecodeAttention {
             options: [format!("-DDA_HD={hd}"), format!("-DDA_G={g}")]
                 .into_iter()
                 .chain(kv_fp8.then(|| "-DKV_FP8".to_owned()))
+                .chain(
+                    std::env::var("PRISM_ATTN_EARLY_DEPENDENTS")
+                        .is_ok_and(|v| v == "1")
+                        .then(|| "-DDA_EARLY_DEPENDENTS".to_owned()),
+                )
                 .collect(),
             ..Default::default()
         };

@@ -478,6 +478,11 @@ impl CudaBackend {
         }
     }
 
+    /// Whether the decode GEMVs launch with programmatic dependent launch (see `gemv.rs`).
+    pub fn pdl(&self) -> bool {
+        self.m.gemv.as_ref().is_some_and(|g| g.pdl)
+    }
+
     /// Turns programmatic dependent launch of the decode GEMVs on or off (benchmarks); captured
     /// graphs are dropped.
     pub fn set_pdl(&mut self, on: bool) {

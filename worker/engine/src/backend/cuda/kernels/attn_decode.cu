@@ -590,6 +590,16 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
     }
 }
 
+// DA_EARLY_DEPENDENTS: each block lets the next kernel's blocks launch at once (Hopper's
+// griddepcontrol.launch_dependents): a decode GEMV launched with programmatic dependent launch
+// then becomes resident beside this kernel's blocks and waits (griddepcontrol.wait) for the
+// whole grid before it reads the output. A no-op for kernels launched without the attribute.
+__device__ __forceinline__ void da_early_dependents() {
+#if defined(DA_EARLY_DEPENDENTS) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // Kernels attn_decode_hd{HD}_g{G}. Defining DA_HD and DA_G (NVRTC -D options) compiles only that
 // one, which keeps the run-time compile short; otherwise all eleven are compiled
 // (head_dim 256 with 1, 2 or 4 query heads per KV head, as the split-KV kernel of llama.cu).
@@ -597,6 +607,7 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
     extern "C" __global__ void __launch_bounds__(DA_THREADS, DA_MIN_BLOCKS) attn_decode_hd##HD##_g##G(                          \
         bf16* out, float* part_o, float* part_ml, u32* cnt, const bf16* qkv, const kvt* kc, const kvt* vc,          \
         const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int cap) {         \
+        da_early_dependents();                                                                                      \
         attn_decode_impl<HD, G>(out, part_o, part_ml, cnt, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, cap); \
     }
 #define DA_KERNEL(HD, G) DA_KERNEL_(HD, G)
