@@ -191,6 +191,20 @@ const BF16_DEFAULT: usize = 2;
 /// The products `PRISM_GEMV_FP8_KINDS` names.
 const PRODUCTS: [&str; 5] = ["qkv", "o_proj", "gate_up", "down", "lm_head"];
 
+/// One module to compile: NVRTC defines, blocks per SM (0 = as many as fit), FP8 weights,
+/// staged activations, rows per warp group, warps per block of the residual kind and of the
+/// others, and whether it is wanted (unwanted FP8 variants keep their index as `None`).
+struct Build {
+    defines: &'static str,
+    per_sm_cap: u32,
+    fp8: bool,
+    staged: bool,
+    rows: usize,
+    warps: usize,
+    warps_res: usize,
+    wanted: bool,
+}
+
 /// The loaded GEMV kernels.
 pub struct Gemv {
     variants: Vec<Variant>,
@@ -254,17 +268,34 @@ impl Gemv {
         let trace = std::env::var("PRISM_GEMV_TRACE").is_ok_and(|v| v == "1");
         let mut variants = Vec::new();
         let mut variants_fp8 = Vec::new();
-        // (defines, blocks per SM, FP8 weights, staged activations, rows, warps of the other
-        // kinds and of the residual kind, compile it)
-        let mut builds: Vec<(&str, u32, bool, bool, usize, usize, usize, bool)> =
-            VARIANTS.iter().map(|&(d, c)| (d, c, false, false, ROWS_PER_WARP, WARPS, WARPS, true)).collect();
+        let mut builds: Vec<Build> = VARIANTS
+            .iter()
+            .map(|&(defines, per_sm_cap)| Build {
+                defines,
+                per_sm_cap,
+                fp8: false,
+                staged: false,
+                rows: ROWS_PER_WARP,
+                warps: WARPS,
+                warps_res: WARPS,
+                wanted: true,
+            })
+            .collect();
         if fp8 {
-            builds.extend(FP8_VARIANTS.iter().enumerate().map(|(i, &(d, c, st, rows, warps, warps_res))| {
-                let wanted = sweep.contains(&i) || i == variant_fp8 || kind_fp8.contains(&Some(i));
-                (d, c, true, st, rows, warps, warps_res, wanted)
-            }));
+            builds.extend(FP8_VARIANTS.iter().enumerate().map(
+                |(i, &(defines, per_sm_cap, staged, rows, warps, warps_res))| Build {
+                    defines,
+                    per_sm_cap,
+                    fp8: true,
+                    staged,
+                    rows,
+                    warps,
+                    warps_res,
+                    wanted: sweep.contains(&i) || i == variant_fp8 || kind_fp8.contains(&Some(i)),
+                },
+            ));
         }
-        for (defines, per_sm_cap, fp8_w, staged, rows, warps_other, warps_res, wanted) in builds {
+        for Build { defines, per_sm_cap, fp8: fp8_w, staged, rows, warps: warps_other, warps_res, wanted } in builds {
             let warps_of = |k: GemvKind| if k == GemvKind::Residual { warps_res } else { warps_other };
             if !wanted {
                 variants_fp8.push(None);
