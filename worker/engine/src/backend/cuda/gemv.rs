@@ -135,7 +135,7 @@ const VARIANTS: [(&str, u32); 3] = [("-DGEMV_DEPTH=0", 0), ("-DGEMV_DEPTH=16", 1
 /// activations, rows per warp group), selected by `PRISM_GEMV_FP8_VARIANT` (default
 /// [`FP8_DEFAULT`]):
 /// 0: packed-f16 products, codes decoded by the hardware (`cvt.rn.f16x2.e4m3x2`);
-/// 1 (default): as 0 with one row per warp group (half the registers, finer work split);
+/// 1 (the default before 16): as 0 with one row per warp group (half the registers, finer work split);
 /// 2: as 0 with 8 loads in flight per weight row (two rows per warp) instead of 4;
 /// 3: packed-f16 products, codes decoded with integer ops;
 /// 4: f32 products, codes decoded with integer ops into f32 bit places (the first FP8 kernel);
@@ -182,18 +182,18 @@ const FP8_VARIANTS: [(&str, u32, bool, usize, usize, usize); 18] = [
 ];
 /// FP8 variant used unless `PRISM_GEMV_FP8_VARIANT` says otherwise
 /// (`PRISM_GEMV_FP8_KINDS=qkv=1,down=2` picks one per product): 16, the per-product choice of one
-/// module (2.57 against 2.83 ms for variant 1 per batch-1 step on an H200, same logits; the
-/// figures are in docs/benchmarks.md).
+/// module (2.56 against 2.85 ms for variant 1 per batch-1 step on an H200 in one run, same
+/// logits; the figures are in docs/benchmarks.md).
 const FP8_DEFAULT: usize = 16;
-/// bf16 variant used unless `PRISM_GEMV_VARIANT` says otherwise: 2 (4.20 against 4.32 ms for 0
-/// per batch-1 step on an H200, same logits).
+/// bf16 variant used unless `PRISM_GEMV_VARIANT` says otherwise: 2 (4.18 against 4.28 ms for 0
+/// per batch-1 step on an H200 in one run, same logits).
 const BF16_DEFAULT: usize = 2;
 /// The products `PRISM_GEMV_FP8_KINDS` names.
 const PRODUCTS: [&str; 5] = ["qkv", "o_proj", "gate_up", "down", "lm_head"];
 
 /// One module to compile: NVRTC defines, blocks per SM (0 = as many as fit), FP8 weights,
-/// staged activations, rows per warp group, warps per block of the residual kind and of the
-/// others, and whether it is wanted (unwanted FP8 variants keep their index as `None`).
+/// staged activations, rows per warp group, warps per block of the kinds other than the
+/// residual one and of the residual one, and whether it is wanted (unwanted FP8 variants keep their index as `None`).
 struct Build {
     defines: &'static str,
     per_sm_cap: u32,
