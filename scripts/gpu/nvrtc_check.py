@@ -25,7 +25,7 @@ def main():
         src = open(f, "rb").read()
         prog = ctypes.c_void_p()
         assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(f).encode(), 0, None, None) == 0
-        opts = [b"--gpu-architecture=sm_90", b"-I" + os.path.join(root, "include").encode(), b"--std=c++17", b"-default-device"] + defines
+        opts = [b"--gpu-architecture=sm_90", b"-I" + os.path.join(root, "include").encode(), b"--std=c++17"] + defines
         arr = (ctypes.c_char_p * len(opts))(*opts)
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         n = ctypes.c_size_t()

@@ -135,8 +135,10 @@ mod bench {
         }
         be.forward_greedy(b)?;
         be.gemv_trace_take()?;
+        be.attn_trace_take()?;
         be.forward_greedy(b)?;
         let words = be.gemv_trace_take()?;
+        let attn = be.attn_trace_take()?;
         let path = format!("{out}.gemv_trace_{label}.csv");
         let mut f = std::io::BufWriter::new(std::fs::File::create(&path)?);
         writeln!(f, "mode,out,inp,sm,block,g_entry,g_prologue,g_exit,c_prologue,c_warp_first_end,c_warp_last_end")?;
@@ -162,6 +164,30 @@ mod bench {
             "gemv trace {label}: {} block records in {path}",
             words.len() / prism_engine::backend::cuda::gemv::TRACE_WORDS
         );
+        // Decode attention: one row per CTA with a split (the kernel file's DA_TRACE).
+        let path = format!("{out}.attn_trace_{label}.csv");
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&path)?);
+        writeln!(f, "z,g,t,nsplits,last,sm,g_entry,g_pos,g_tile,g_computed,g_written,g_counted,g_exit")?;
+        let tw = prism_engine::backend::cuda::attn_decode::TRACE_WORDS;
+        for r in attn.chunks_exact(tw) {
+            let h = r[0];
+            write!(
+                f,
+                "{},{},{},{},{},{}",
+                h & 0xff,
+                (h >> 8) & 0xff,
+                (h >> 16) & 0xffff,
+                (h >> 32) & 0xff,
+                (h >> 40) & 1,
+                r[1]
+            )?;
+            for v in &r[2..] {
+                write!(f, ",{v}")?;
+            }
+            writeln!(f)?;
+        }
+        f.flush()?;
+        println!("attention trace {label}: {} block records in {path}", attn.len() / tw);
         Ok(())
     }
 
@@ -301,7 +327,11 @@ mod bench {
             } else {
                 let b1 = batch(1, 1024, 1, true);
                 time_greedy(&mut be, &b1, 3, 3)?;
-                trace_step(&mut be, &b1, &out, if quantization == Quantization::Fp8 { "fp8" } else { "bf16" })?;
+                let label = if quantization == Quantization::Fp8 { "fp8" } else { "bf16" };
+                trace_step(&mut be, &b1, &out, label)?;
+                let b128 = batch(1, 128, 1, true);
+                time_greedy(&mut be, &b128, 3, 3)?;
+                trace_step(&mut be, &b128, &out, &format!("{label}_ctx128"))?;
             }
         }
         if quick && std::env::var("PRISM_BENCH_PROFILE").is_ok_and(|v| v == "1") {

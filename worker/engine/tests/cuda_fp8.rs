@@ -185,7 +185,18 @@ fn fp8_kv_decode_attention_equals_the_bf16_kernel_on_the_same_cache_values() {
                     scale,
                 };
                 kern.launch(&gpu, &a).unwrap();
-                errs[i] = max_err(&download_bf16(&gpu, out.ptr, n * qh * hd).unwrap(), &want);
+                let got = download_bf16(&gpu, out.ptr, n * qh * hd).unwrap();
+                errs[i] = max_err(&got, &want);
+                // The early launch (programmatic dependent launch, metadata read and K/V
+                // prefetched into L2 before the wait; a plain launch before Hopper): the same
+                // values bit for bit.
+                gpu.fill_const(out.ptr, n * qh * hd, 1000.0).unwrap();
+                kern.launch_with(&gpu, &a, true).unwrap();
+                let early = download_bf16(&gpu, out.ptr, n * qh * hd).unwrap();
+                assert!(
+                    got.iter().zip(&early).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "early launch differs: hd {hd}, cap {cap}, kernel {i}"
+                );
             }
             println!(
                 "decode hd {hd} g {g} split cap {cap}: max |out - f64| bf16 kernel {:.5}, fp8-KV kernel {:.5}",

@@ -56,6 +56,8 @@ pub const MAX_SPLITS: usize = 16;
 /// A split cap that does not depend on the step: with it the result of a token depends only on
 /// its own context (batch invariance).
 pub const INVARIANT_SPLIT_CAP: usize = MAX_SPLITS;
+/// u64 words per block record of the `DA_TRACE` build (`DA_TRACE_WORDS`).
+pub const TRACE_WORDS: usize = 9;
 /// Threads per block (`DA_THREADS`).
 const THREADS: u32 = 128;
 /// Blocks per SM the kernel is built for (`DA_MIN_BLOCKS`, both cache types).
@@ -131,11 +133,15 @@ pub fn grid_splits(max_ctx: usize, cap: usize) -> usize {
 /// (token, KV head).
 pub struct DecodeAttention {
     f: CudaFunction,
+    /// The module (its `da_trace` globals in the `DA_TRACE` build).
+    module: std::sync::Arc<cudarc::driver::CudaModule>,
     shape: AttnShape,
     /// Dynamic shared memory per block, bytes.
     smem: usize,
     max_tokens: usize,
     num_sms: usize,
+    /// Compute capability as `major · 10 + minor`.
+    sm: u32,
     /// f32 `[max_tokens · kv_heads, MAX_SPLITS, G, head_dim]`.
     part_o: DevBuf,
     /// f32 `[max_tokens · kv_heads, MAX_SPLITS, G, 2]` (max in log2 units, sum).
@@ -182,12 +188,15 @@ impl DecodeAttention {
             return Err(CudaError::Unsupported(format!("decode attention does not support {shape:?}")));
         }
         let (hd, g) = (shape.head_dim, shape.group());
+        // The decode trace (benchmarks), with the GEMVs' (`gemv.rs`).
+        let trace = std::env::var("PRISM_GEMV_TRACE").is_ok_and(|v| v == "1");
         let opts = CompileOptions {
             arch: Some(gpu.arch),
             include_paths: nvrtc_include_paths(),
             options: [format!("-DDA_HD={hd}"), format!("-DDA_G={g}")]
                 .into_iter()
                 .chain(kv_fp8.then(|| "-DKV_FP8".to_owned()))
+                .chain(trace.then(|| "-DDA_TRACE".to_owned()))
                 .chain(
                     std::env::var("PRISM_ATTN_EARLY_DEPENDENTS")
                         .is_ok_and(|v| v == "1")
@@ -207,9 +216,11 @@ impl DecodeAttention {
         let rows = max_tokens * shape.q_heads * MAX_SPLITS;
         Ok(Self {
             f,
+            module,
             shape,
             smem,
             max_tokens,
+            sm,
             num_sms: usize::try_from(num_sms).unwrap_or(1).max(1),
             part_o: DevBuf::zeroed(gpu, rows * hd * 4)?,
             part_ml: DevBuf::zeroed(gpu, rows * 2 * 4)?,
@@ -226,6 +237,27 @@ impl DecodeAttention {
     /// The head layout this instance was compiled for.
     pub fn shape(&self) -> AttnShape {
         self.shape
+    }
+
+    /// The `DA_TRACE` build's block records since the last call (the kernel file's `DA_TRACE`
+    /// gives the [`TRACE_WORDS`] u64 of each), and resets them; empty without the trace build
+    /// (`PRISM_GEMV_TRACE=1` at construction).
+    ///
+    /// # Errors
+    /// [`CudaError`] when a copy fails.
+    pub fn trace_take(&self, gpu: &Gpu) -> Result<Vec<u64>, CudaError> {
+        let Ok(mut count) = self.module.get_global("da_trace_n", &gpu.stream) else { return Ok(Vec::new()) };
+        let mut n = [0u8; 4];
+        gpu.stream.memcpy_dtoh(&count, &mut n).op("attention trace count")?;
+        let buf = self.module.get_global("da_trace", &gpu.stream).op("attention trace")?;
+        let n = (u32::from_le_bytes(n) as usize).min(buf.len() / 8 / TRACE_WORDS);
+        let mut words = vec![0u8; n * TRACE_WORDS * 8];
+        if n > 0 {
+            gpu.stream.memcpy_dtoh(&buf.slice(..words.len()), &mut words).op("attention trace records")?;
+        }
+        gpu.stream.memcpy_htod(&[0u8; 4], &mut count).op("attention trace reset")?;
+        gpu.stream.synchronize().op("attention trace sync")?;
+        Ok(words.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
     }
 
     /// Bytes of device scratch (partials and counters).
@@ -260,6 +292,22 @@ impl DecodeAttention {
     /// [`CudaError::InvalidLaunch`] when `n_tokens` exceeds `max_tokens` (or 65,535), the split
     /// cap is outside 1..=[`MAX_SPLITS`] or `block_size` is 0; [`CudaError`] on launch failure.
     pub fn launch(&self, gpu: &Gpu, a: &DecodeArgs) -> Result<(), CudaError> {
+        self.launch_with(gpu, a, false)
+    }
+
+    /// As [`DecodeAttention::launch`]; `early`: launch with programmatic dependent launch
+    /// (Hopper; ignored before sm_90), for a launch right behind a kernel that lets its
+    /// dependents start early (the decode GEMVs do). Each block then reads the step metadata and
+    /// block table and prefetches its first K/V tiles into L2 before it waits for that kernel
+    /// (`griddepcontrol.wait`). Only what the host copied before the step (positions, block
+    /// tables) is read so, and L2 (coherent for the whole device) is the only cache filled; the
+    /// Q rows and K/V are read after the wait. Results are identical either way.
+    /// `PRISM_ATTN_EARLY` (benchmarks): `0` plain launches, `1` the early launch without the
+    /// prefetch, `2` (default) both.
+    ///
+    /// # Errors
+    /// As [`DecodeAttention::launch`].
+    pub fn launch_with(&self, gpu: &Gpu, a: &DecodeArgs, early: bool) -> Result<(), CudaError> {
         if a.n_tokens == 0 {
             return Ok(());
         }
@@ -282,10 +330,47 @@ impl DecodeAttention {
             shared_mem_bytes: self.smem as u32,
         };
         let (qh, kvh, bs, cap) = (s.q_heads as i32, s.kv_heads as i32, a.block_size as i32, a.split_cap as i32);
+        // The kernel's `early`: 0 plain launch, 1 the wait only, 2 prefetch and wait.
+        static MODE: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+        let mode = *MODE.get_or_init(|| {
+            std::env::var("PRISM_ATTN_EARLY")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|m| (0..=2).contains(m))
+                .unwrap_or(2)
+        });
+        let early_i: i32 = if early && self.sm >= 90 { mode } else { 0 };
+        let early = early_i != 0;
+        if early {
+            use std::ffi::c_void;
+            let p = |v: &u64| v as *const u64 as *mut c_void;
+            let pi = |v: &i32| v as *const i32 as *mut c_void;
+            let mut params: Vec<*mut c_void> = vec![
+                p(&a.out),
+                p(&self.part_o.ptr),
+                p(&self.part_ml.ptr),
+                p(&self.cnt.ptr),
+                p(&a.qkv),
+                p(&a.k_cache),
+                p(&a.v_cache),
+                p(&a.pos),
+                p(&a.tok_bt),
+                p(&a.bts),
+                pi(&qh),
+                pi(&kvh),
+                pi(&bs),
+                &a.scale as *const f32 as *mut c_void,
+                pi(&cap),
+                pi(&early_i),
+            ];
+            // SAFETY: `params` points at values that outlive the call, in the kernel's
+            // parameter order and types; buffers as for the plain launch below.
+            return unsafe { gpu.launch_programmatic(&self.f, cfg, &mut params) }.op("attn_decode");
+        }
         let mut b = gpu.stream.launch_builder(&self.f);
         b.arg(&a.out).arg(&self.part_o.ptr).arg(&self.part_ml.ptr).arg(&self.cnt.ptr);
         b.arg(&a.qkv).arg(&a.k_cache).arg(&a.v_cache).arg(&a.pos).arg(&a.tok_bt).arg(&a.bts);
-        b.arg(&qh).arg(&kvh).arg(&bs).arg(&a.scale).arg(&cap);
+        b.arg(&qh).arg(&kvh).arg(&bs).arg(&a.scale).arg(&cap).arg(&early_i);
         // SAFETY: argument types match the kernel; the caller passes buffers of the documented
         // shapes whose block tables cover every token's context; the scratch holds n_tokens
         // (checked above) rows; shared memory matches the attribute set in `new`.

@@ -497,7 +497,10 @@ impl ShardModel {
             }
             if let (Some(da), Some(pa)) = (dattn.as_ref(), pattn.as_mut()) {
                 let (qd, qkvd) = ((d.q_dim() * 2) as u64, (d.qkv_dim() * 2) as u64);
-                for &(t0, cnt) in plan_decode.iter() {
+                // Right behind the QKV GEMV (which lets its dependents launch early), the first
+                // launch overlaps its metadata reads and K/V prefetch with the GEMV's tail.
+                let early = small && gemv.as_ref().is_some_and(|g| g.pdl);
+                for (i, &(t0, cnt)) in plan_decode.iter().enumerate() {
                     let t = t0 as u64;
                     let args = DecodeArgs {
                         n_tokens: cnt,
@@ -513,7 +516,7 @@ impl ShardModel {
                         block_size,
                         scale,
                     };
-                    da.launch(g, &args)?;
+                    da.launch_with(g, &args, early && i == 0)?;
                     mark("attn_decode")?;
                 }
                 if !plan_prefill.is_empty() {
@@ -706,10 +709,20 @@ impl ShardModel {
         }
         // Tensor parallelism: tp_rank 0 computes the logits (lm_head is replicated).
         if rows > 0 && tp_rank == 0 {
+            // The small path's FP8 lm_head GEMV takes the final norm in its prologue when every
+            // token is a logit row (pure decode: the rows are the tokens in order).
+            static LM_HEAD_NORM: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let fuse_norm = small
+                && w.lm_head_scale != 0
+                && rows == n
+                && prev_ffn_out_norm == null
+                && plan.softcap.is_none()
+                && *LM_HEAD_NORM.get_or_init(|| std::env::var("PRISM_LM_HEAD_NORM").map_or(true, |v| v != "0"));
             // Last residual add (already done by the small path's down GEMV) + final norm,
             // only for the rows that want logits.
             let delta = if small { null } else { s.proj.ptr };
             let x = match q8.filter(|_| !small) {
+                _ if fuse_norm => GemmIn::Bf16(null),
                 Some(io) => {
                     // An FP8 lm_head takes the norm's rows as e4m3.
                     let (out, out_scales, x) = if w.lm_head_scale != 0 {
@@ -735,7 +748,9 @@ impl ShardModel {
                     GemmIn::Bf16(s.hn.ptr)
                 }
             };
-            mark("final_norm")?;
+            if !fuse_norm {
+                mark("final_norm")?;
+            }
             if small {
                 gv(GemvArgs {
                     kind: GemvKind::LogitsF32,
@@ -743,8 +758,8 @@ impl ShardModel {
                     y: s.logits.ptr,
                     w: w.lm_head,
                     wscale: w.lm_head_scale,
-                    x: s.hn.ptr,
-                    gain: null,
+                    x: if fuse_norm { s.x.ptr } else { s.hn.ptr },
+                    gain: if fuse_norm { w.norm } else { null },
                     out: d.vocab,
                     inp: d.hidden,
                     eps: d.eps,

@@ -39,7 +39,8 @@ pub const TRACE_WORDS: usize = 8;
 pub enum GemvKind {
     /// Fused QKV: `rmsnorm(x)·Wᵀ` with RoPE and the K/V cache write (see [`RopeArgs`]).
     QkvRope,
-    /// f32 `y = x·Wᵀ` (lm_head; `x` already normed).
+    /// f32 `y = x·Wᵀ` (lm_head; `x` already normed), or with FP8 weights and a gain
+    /// `y = rmsnorm(x)·Wᵀ` of the f32 residual rows (the final norm in the prologue).
     LogitsF32,
     /// f32 `x_res += bf16(x·Wᵀ)` (o_proj, down_proj).
     Residual,
@@ -452,9 +453,14 @@ impl Gemv {
         let GemvArgs { kind, m, y, w, wscale, x, gain, out, inp, eps, ref rope } = *a;
         // 16-byte rows and activations; the norm prologue reads the gain 4 values at a time.
         let aligned = w.is_multiple_of(16) && x.is_multiple_of(16) && gain.is_multiple_of(8);
+        // The lm_head with its norm (a gain given): the FP8 (staged) kernels only.
+        let norm = kind.norm() || (kind == GemvKind::LogitsF32 && gain != 0);
+        if norm && !kind.norm() && wscale == 0 {
+            return Err(CudaError::InvalidLaunch("gemv: the lm_head takes its norm with FP8 weights only".into()));
+        }
         // A 16-byte load holds 8 bf16 or 16 FP8 weights.
         let chunk = if wscale != 0 { 16 } else { 8 };
-        if m == 0 || m > GEMV_MAX_M || !aligned || !inp.is_multiple_of(chunk) || (kind.norm() && inp != self.norm_inp) {
+        if m == 0 || m > GEMV_MAX_M || !aligned || !inp.is_multiple_of(chunk) || (norm && inp != self.norm_inp) {
             return Err(CudaError::InvalidLaunch(format!("gemv: m {m}, inp {inp} not supported")));
         }
         let v = if wscale != 0 {
@@ -464,6 +470,9 @@ impl Gemv {
             self.variants.get(self.variant.min(self.variants.len().saturating_sub(1)))
         }
         .ok_or_else(|| CudaError::InvalidLaunch("gemv: FP8 weights but the FP8 kernels were not built".into()))?;
+        if norm && !v.staged {
+            return Err(CudaError::InvalidLaunch("gemv: the lm_head's norm needs a staged variant".into()));
+        }
         if v.staged && !kind.norm() && inp > self.stage_inp {
             return Err(CudaError::InvalidLaunch(format!("gemv: inp {inp} wider than the {} planned", self.stage_inp)));
         }
@@ -472,7 +481,7 @@ impl Gemv {
         let rows = if kind == GemvKind::QkvRope { out / 2 } else { out };
         let warps = v.warps[kind.index()];
         let blocks = (rows.div_ceil(warps * v.rows) as u32).min(*resident);
-        let shared = if kind.norm() || v.staged { Self::smem(m, inp, v.staged, warps) as u32 } else { 0 };
+        let shared = if norm || v.staged { Self::smem(m, inp, v.staged, warps) as u32 } else { 0 };
         let cfg =
             LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((warps * 32) as u32, 1, 1), shared_mem_bytes: shared };
         let (out_i, inp_i) = (rows as i32, inp as i32);

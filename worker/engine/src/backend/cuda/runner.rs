@@ -469,6 +469,19 @@ impl CudaBackend {
         })
     }
 
+    /// The decode attention's trace records (see [`super::attn_decode::DecodeAttention::trace_take`]); empty
+    /// without the trace build.
+    ///
+    /// # Errors
+    /// As [`Backend::forward`].
+    pub fn attn_trace_take(&self) -> Result<Vec<u64>, BackendError> {
+        self.m.gpu.bind()?;
+        Ok(match self.m.dattn.as_ref() {
+            Some(a) => a.trace_take(&self.m.gpu)?,
+            None => Vec::new(),
+        })
+    }
+
     /// Sets [`CudaOptions::gemv_max_tokens`] (benchmarks; ignored in batch-invariant mode).
     /// Captured graphs are dropped.
     pub fn set_gemv_max_tokens(&mut self, m: usize) {

@@ -29,6 +29,9 @@
 // the splits in split order 0, 1, … and writes the output. Every reduction order above is fixed
 // by (L, cap), so results are deterministic. A grid with fewer splits than a token needs is still
 // correct (CTAs loop over splits z, z + gridDim.x, …); one with more lets the extra CTAs exit.
+// With `early` (launched with programmatic dependent launch right behind the QKV GEMV) a CTA reads
+// the step metadata and its block-table entries and prefetches its first K/V tiles into L2
+// before griddepcontrol.wait, so those latencies overlap the GEMV's tail.
 //
 // KV_FP8 (compile-time define): the caches hold e4m3 values (per-tensor scale 1). The raw bytes
 // stream through shared memory as the bf16 tiles do (16-byte cp.async, DA_STAGES = 4 stages: three
@@ -224,6 +227,85 @@ __device__ __forceinline__ void da_softmax(float (&s)[2][2], int pw, int tig, in
     pa2 = da_pack_mma(s[1][0], s[1][1]);
 }
 
+// Programmatic dependent launch (Hopper): waits until the previous grid has completed and its
+// writes are visible. A no-op for a kernel launched without the attribute.
+__device__ __forceinline__ void da_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// *p += v at device scope with acquire-release semantics; returns the old value.
+__device__ __forceinline__ u32 da_atom_add_acq_rel(u32* p, u32 v) {
+    u32 old;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+#else
+    __threadfence();
+    old = atomicAdd(p, v);
+    __threadfence();
+#endif
+    return old;
+}
+
+// L2 prefetch of the K and V rows of positions p_begin .. min(p_end, p_begin + DA_STAGES tiles)
+// (the tiles the copy pipeline issues first), one 128-byte line per thread and step.
+template <int HD>
+__device__ __forceinline__ void da_prefetch_tiles(const u32* bt, const kvt* kbase, const kvt* vbase, u64 kvd, int bs,
+                                                  int p_begin, int p_end, int tid) {
+    constexpr int ROW = HD * (int)sizeof(kvt);      // bytes of one K (or V) row of a head
+    constexpr int LPR = ROW >= 128 ? ROW / 128 : 1;  // lines per row
+    const int n = min(p_end - p_begin, DA_STAGES * DA_TILE);
+    for (int i = tid; i < n * 2 * LPR; i += DA_THREADS) {
+        const int p = p_begin + i / (2 * LPR);
+        const int kv = (i / LPR) & 1, line = i % LPR;
+        const u64 slot = (u64)(bt[p / bs] * (u32)bs + (u32)(p % bs));
+        const char* a = reinterpret_cast<const char*>((kv ? vbase : kbase) + slot * kvd) + line * 128;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+    }
+}
+
+// DA_TRACE (benchmarks): thread 0 of every CTA that has a split stamps %globaltimer (ns) at
+// entry [2], once pos is read [3], when its first K/V tile is in shared memory [4], after its
+// tiles are computed [5], after its split's output or partial is written [6], after the split
+// counter [7] and at exit [8], and appends one record of DA_TRACE_WORDS u64 to da_trace:
+// [0] z | g << 8 | t << 16 | nsplits << 32 | last << 40,
+// [1] SM id, then the stamps. da_trace_n counts the records.
+#ifdef DA_TRACE
+#define DA_TRACE_WORDS 9
+#define DA_TRACE_CAP 65536
+__device__ u64 da_trace[DA_TRACE_CAP * DA_TRACE_WORDS];
+__device__ u32 da_trace_n;
+__shared__ u64 da_tr[DA_TRACE_WORDS];
+__device__ __forceinline__ void da_stamp(int i) {
+    if (threadIdx.x == 0) {
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        da_tr[i] = t;
+    }
+}
+__device__ __forceinline__ void da_trace_end(u64 head) {
+    da_stamp(8);
+    if (threadIdx.x == 0) {
+        const u32 i = atomicAdd(&da_trace_n, 1u);
+        if (i < DA_TRACE_CAP) {
+            u32 smid;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+            u64* r = da_trace + (u64)i * DA_TRACE_WORDS;
+            r[0] = head;
+            r[1] = smid;
+            for (int k = 2; k < DA_TRACE_WORDS; k++) r[k] = da_tr[k];
+        }
+    }
+}
+#define DA_STAMP(i) da_stamp(i)
+#define DA_TRACE_END(last) \
+    da_trace_end((u64)z0 | ((u64)g << 8) | ((u64)t << 16) | ((u64)nsplits << 32) | ((u64)(last) << 40))
+#else
+#define DA_STAMP(i)
+#define DA_TRACE_END(last)
+#endif
+
 // part_o: f32 [T·kvh, DA_MAX_SPLITS, G, HD]; part_ml: f32 [T·kvh, DA_MAX_SPLITS, G, 2] (max in
 // log2 units, sum); cnt: u32 [T·kvh], zero between launches.
 // Dynamic shared memory: 2 stages · (K + V tile) = 4 · DA_TILE · HD · 2 bytes (128 KiB at HD 256:
@@ -234,7 +316,7 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
                                                  const bf16* __restrict__ qkv, const kvt* __restrict__ kc,
                                                  const kvt* __restrict__ vc, const u32* __restrict__ pos,
                                                  const u32* __restrict__ tok_bt, const u32* __restrict__ bts, int qh,
-                                                 int kvh, int bs, float scale, int cap) {
+                                                 int kvh, int bs, float scale, int cap, int early) {
     static_assert(HD == 64 || HD == 128 || HD == 256, "head_dim 64, 128 or 256");
     static_assert(G >= 1 && G <= 8, "1..8 query heads per KV head");
 #ifdef KV_FP8
@@ -256,16 +338,34 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;  // mma groupID (query head row) and thread in group
     cap = min(max(cap, 1), DA_MAX_SPLITS);
+#ifdef DA_TRACE
+    if (tid == 0)
+        for (int k = 2; k < DA_TRACE_WORDS; k++) da_tr[k] = 0;
+#endif
+    DA_STAMP(2);
+    const u32 bt_off = tok_bt[t];  // loaded with pos: they do not depend on each other
     const int L = (int)pos[t] + 1;
     int chunk, nsplits;
     da_split(L, cap, chunk, nsplits);
     if (z0 >= nsplits) return;
+    DA_STAMP(3);
 
     const u64 kvd = (u64)kvh * HD;
-    const u32* bt = bts + tok_bt[t];
+    const u32* bt = bts + bt_off;
     const kvt* kbase = kc + (u64)g * HD;
     const kvt* vbase = vc + (u64)g * HD;
     const float sl2 = scale * DA_LOG2E;
+    if (early) {
+        // Launched with programmatic dependent launch behind the QKV GEMV: the step metadata
+        // (copied from the host before the step) and the block table are read now, and the K/V
+        // lines of this block's first tiles are prefetched into L2, while the GEMV still runs.
+        // L2 is coherent for the whole device, so a line the GEMV writes afterwards (this
+        // step's position) is read fresh by the copies below; nothing is read into registers
+        // or shared memory before the wait.
+        // early 1: the wait only (benchmarks).
+        if (early > 1) da_prefetch_tiles<HD>(bt, kbase, vbase, kvd, bs, z0 * chunk, min(L, z0 * chunk + chunk), tid);
+        da_pdl_wait();
+    }
 
     // Q as mma A fragments (rows = query heads of the group, zero past G): for k-step ks,
     // qa[ks][0] holds head gid, dims 16ks + 2tig + {0,1}; qa[ks][1] dims 16ks + 8 + 2tig + {0,1}
@@ -363,6 +463,7 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
         for (int i = 0; i < n_tiles; i++) {
             da_cp_wait<DA_STAGES - 2>();
             __syncthreads();
+            if (i == 0 && z == z0) DA_STAMP(4);
             {
                 const int nx = i + DA_STAGES - 1;
                 if (nx < n_tiles) issue(p_begin + nx * DA_TILE, st == 0 ? DA_STAGES - 1 : st - 1);
@@ -459,6 +560,7 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
                 da_cp_wait<0>();
             }
             __syncthreads();
+            if (i == 0 && z == z0) DA_STAMP(4);
             const int pw = tile0 + w * 16;  // this warp's first position
             if (pw < p_end) {
                 const u32 sk = sbase + (u32)(st * 2 * TILE_BYTES);
@@ -486,6 +588,7 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
         }
 #endif
 
+        DA_STAMP(5);
         // Merge the warps in warp order (shared memory reused: every warp is past its tiles).
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -530,23 +633,44 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
             }
         }
         __syncthreads();  // shared memory is reused by the next split of this CTA
+        DA_STAMP(6);
     }
-    if (nsplits == 1) return;
+    if (nsplits == 1) {
+        DA_TRACE_END(1);
+        return;
+    }
 
-    // The CTA that finishes last for (t, g) folds the splits (threadFenceReduction pattern of
-    // the CUDA samples: partials, fence, counter; the last one reads them through L2).
-    __threadfence();
+    // The CTA that finishes last for (t, g) folds the splits: every thread's partials are ordered
+    // before thread 0's counter increment by the barrier, and the increment is a release (for
+    // them) and an acquire (for the other CTAs' partials, which the last CTA then reads through
+    // L2) at device scope, so no separate fences.
     __syncthreads();
     if (tid == 0) {
         const u32 participants = (u32)min(nsplits, (int)gridDim.x);
-        const u32 prev = atomicAdd(cnt + tk, 1u);
+        const u32 prev = da_atom_add_acq_rel(cnt + tk, 1u);
         const int last = prev + 1 == participants;
         if (last) atomicExch(cnt + tk, 0u);  // ready for the next launch or graph replay
-        __threadfence();
         s_last = last;
     }
     __syncthreads();
-    if (!s_last) return;
+    DA_STAMP(7);
+    if (!s_last) {
+        DA_TRACE_END(0);
+        return;
+    }
+    // Each thread folds 4 consecutive dims of one head over the splits in split order. The
+    // partials of its first 4 dims are loaded before the split weights are computed, so both
+    // round trips to L2 overlap.
+    const float* src0 = part_o + tk * DA_MAX_SPLITS * G * HD;
+    auto load_acc = [&](int e, float4 (&v)[DA_MAX_SPLITS]) {
+        const int gi = e / (HD / 4), d = (e % (HD / 4)) * 4;
+#pragma unroll
+        for (int z = 0; z < DA_MAX_SPLITS; z++)
+            v[z] = z < nsplits ? __ldcg(reinterpret_cast<const float4*>(src0 + ((u64)z * G + gi) * HD + d))
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+    };
+    float4 v[DA_MAX_SPLITS];
+    if (tid < G * HD / 4) load_acc(tid, v);
     // Split weights 2^(m_z − M) per head (all (m, l) loaded at once: nsplits · G ≤ 128).
     if (tid < nsplits * G) {
         const u64 row = tk * DA_MAX_SPLITS * G + tid;  // split tid / G, head tid % G
@@ -566,15 +690,9 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
         s_den[tid] = den;
     }
     __syncthreads();
-    // Each thread folds 4 consecutive dims of one head over the splits in split order, with all
-    // of its loads issued together.
     for (int e = tid; e < G * HD / 4; e += DA_THREADS) {
         const int gi = e / (HD / 4), d = (e % (HD / 4)) * 4;
-        const float* src = part_o + (tk * DA_MAX_SPLITS * G + gi) * HD + d;
-        float4 v[DA_MAX_SPLITS];
-#pragma unroll
-        for (int z = 0; z < DA_MAX_SPLITS; z++)
-            v[z] = z < nsplits ? __ldcg(reinterpret_cast<const float4*>(src + (u64)z * G * HD)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (e != tid) load_acc(e, v);
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll
         for (int z = 0; z < DA_MAX_SPLITS; z++) {
@@ -588,6 +706,8 @@ __device__ __forceinline__ void attn_decode_impl(bf16* __restrict__ out, float* 
         bf16* o4 = out + (u64)t * qh * HD + (u64)(g * G + gi) * HD + d;
         *reinterpret_cast<uint2*>(o4) = make_uint2(da_pack_out(a0 * inv, a1 * inv), da_pack_out(a2 * inv, a3 * inv));
     }
+    __syncthreads();
+    DA_TRACE_END(1);
 }
 
 // DA_EARLY_DEPENDENTS: each block lets the next kernel's blocks launch at once (Hopper's
@@ -606,9 +726,11 @@ __device__ __forceinline__ void da_early_dependents() {
 #define DA_KERNEL_(HD, G)                                                                                           \
     extern "C" __global__ void __launch_bounds__(DA_THREADS, DA_MIN_BLOCKS) attn_decode_hd##HD##_g##G(                          \
         bf16* out, float* part_o, float* part_ml, u32* cnt, const bf16* qkv, const kvt* kc, const kvt* vc,          \
-        const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int cap) {         \
+        const u32* pos, const u32* tok_bt, const u32* bts, int qh, int kvh, int bs, float scale, int cap,           \
+        int early) {                                                                                                \
         da_early_dependents();                                                                                      \
-        attn_decode_impl<HD, G>(out, part_o, part_ml, cnt, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, cap); \
+        attn_decode_impl<HD, G>(out, part_o, part_ml, cnt, qkv, kc, vc, pos, tok_bt, bts, qh, kvh, bs, scale, cap, \
+                                early);                                                                             \
     }
 #define DA_KERNEL(HD, G) DA_KERNEL_(HD, G)
 

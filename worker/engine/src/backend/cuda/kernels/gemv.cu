@@ -747,13 +747,15 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
 #endif
 #define GV_BOUNDS(MODE) __launch_bounds__(GV_WARPS_OF(MODE) * 32)
 
-#define GEMV_KERNEL(NAME, M, MODE, NORM, BOUNDS)                                                          \
+// NORM_IF_GAIN: with a gain the kernel takes the f32 residual rows and RMSNorms them first.
+#define GEMV_KERNEL(NAME, M, MODE, NORM, BOUNDS, NORM_IF_GAIN)                                            \
     extern "C" __global__ void BOUNDS NAME(                                                               \
         void* y, const wtype* w, const void* x, const bf16* gain, int out, int inp, float eps,           \
         const float* wscale) {                                                                            \
         RopeKv rk = {nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 2, 0};                            \
         GV_TRACE_BEGIN                                                                                    \
-        gemv_impl<M, MODE, NORM>(y, w, x, gain, out, inp, eps, wscale, rk);                               \
+        if (NORM_IF_GAIN && gain != nullptr) gemv_impl<M, MODE, NORM_IF_GAIN>(y, w, x, gain, out, inp, eps, wscale, rk); \
+        else gemv_impl<M, MODE, NORM>(y, w, x, gain, out, inp, eps, wscale, rk);                          \
         GV_TRACE_END(MODE)                                                                                \
     }
 
@@ -778,11 +780,17 @@ __device__ __forceinline__ void gemv_impl(void* y, const wtype* __restrict__ w, 
         GV_TRACE_END(4)                                                                                   \
     }
 
+// The staged (FP8) lm_head can take the final RMSNorm in its prologue (a gain given).
+#ifdef GEMV_FP8H
+#define GV_LOGITS_NORM true
+#else
+#define GV_LOGITS_NORM false
+#endif
 #define GEMV_FAMILY(M)                                  \
     GEMV_QKV_ROPE(M)                                    \
-    GEMV_KERNEL(gemv_logits_m##M, M, 1, false, GV_BOUNDS(1))    \
-    GEMV_KERNEL(gemv_residual_m##M, M, 2, false, GV_BOUNDS(2))  \
-    GEMV_KERNEL(gemv_gate_up_m##M, M, 3, true, GV_GATE_BOUNDS)
+    GEMV_KERNEL(gemv_logits_m##M, M, 1, false, GV_BOUNDS(1), GV_LOGITS_NORM)    \
+    GEMV_KERNEL(gemv_residual_m##M, M, 2, false, GV_BOUNDS(2), false)  \
+    GEMV_KERNEL(gemv_gate_up_m##M, M, 3, true, GV_GATE_BOUNDS, false)
 
 GEMV_FAMILY(1)
 GEMV_FAMILY(2)
