@@ -595,3 +595,112 @@ fn fused_fp8_norm_and_silu_equal_the_host_with_the_products_scales_applied_on_lo
         }
     }
 }
+
+/// The decode GEMVs whose prologue takes the RMSNorm of f32 residual rows, against f64 host
+/// products of the normed rows: gate_up (`silu(g)·u`, bf16 out) with bf16 and with FP8 weights,
+/// and the FP8 lm_head taking the final norm (f32 out) where its variant can, a clear launch
+/// error where it cannot (and always for a bf16 lm_head): never a silently unnormed product.
+#[test]
+fn decode_gemvs_with_the_norm_prologue_equal_the_host() {
+    let gpu = gpu();
+    let mut rng = Rng(0x5eed_0005);
+    let (inp, out, eps) = (512usize, 384usize, 1e-5f32);
+    let gemv = Gemv::new(&gpu, inp, inp, true).unwrap();
+    let gain: Vec<f32> = (0..inp).map(|_| from_bf(bf(1.0 + uniform(&mut rng, 0.5)))).collect();
+    let gain_d = upload(&gpu, &gain.iter().map(|&v| bf(v)).collect::<Vec<u16>>()).unwrap();
+    // Weights of the gate_up product [2·out, inp] and of an lm_head [out, inp], bf16 values.
+    let w_gu: Vec<f32> = (0..2 * out * inp).map(|_| uniform(&mut rng, 0.05)).collect();
+    let w_lm: Vec<f32> = (0..out * inp).map(|_| uniform(&mut rng, 0.05)).collect();
+    // The row error bound, as a fraction of the host row's rms: the bf16 (or f16) rounding of
+    // the normed activations and of the output; a missing norm or gain is off by 0.3 or more.
+    let tol = 2e-2;
+    for m in [1usize, 2] {
+        let x: Vec<f32> = (0..m * inp).map(|i| uniform(&mut rng, 1.0 + (i / inp) as f32 * 3.0)).collect();
+        let x_d = upload(&gpu, &x).unwrap();
+        let normed: Vec<f64> = (0..m * inp)
+            .map(|i| {
+                let row = &x[i / inp * inp..(i / inp + 1) * inp];
+                let ms = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / inp as f64;
+                f64::from(x[i]) / (ms + f64::from(eps)).sqrt() * f64::from(gain[i % inp])
+            })
+            .collect();
+        let prod = |w: &[f64], rows: usize| Product { n: m, out: rows, inp, x: Vec::new(), w: Vec::new() }.exact(&normed, w);
+        let check = |what: &str, got: &[f32], want: &[f64], rows: usize| {
+            let p = Product { n: m, out: rows, inp, x: Vec::new(), w: Vec::new() };
+            let e = p.row_err(got, want);
+            println!("{what}, m {m}: max |device − host| / rms(row) = {e:.5}");
+            assert!(e < tol, "{what}, m {m}: off the host by {e} of the row rms");
+        };
+        for fp8 in [false, true] {
+            // gate_up: [g; u] = rmsnorm(x)·[W_gate; W_up]ᵀ, act = silu(g)·u.
+            let (w_d, ws_d, w64) = if fp8 {
+                let (codes, scales) = quantize_rows(&w_gu, inp);
+                (upload(&gpu, &codes).unwrap(), Some(upload(&gpu, &scales).unwrap()), dequantized(&codes, &scales, inp))
+            } else {
+                let wb: Vec<u16> = w_gu.iter().map(|&v| bf(v)).collect();
+                (upload(&gpu, &wb).unwrap(), None, w_gu.iter().map(|&v| f64::from(v)).collect())
+            };
+            let gu = prod(&w64, 2 * out);
+            let act: Vec<f64> = (0..m * out)
+                .map(|i| {
+                    let (t, j) = (i / out, i % out);
+                    let (g, u) = (gu[t * 2 * out + j], gu[t * 2 * out + out + j]);
+                    g / (1.0 + (-g).exp()) * u
+                })
+                .collect();
+            let y_d = DevBuf::zeroed(&gpu, m * out * 2).unwrap();
+            let a = GemvArgs {
+                kind: GemvKind::NormGateUpSilu,
+                m,
+                y: y_d.ptr,
+                w: w_d.ptr,
+                x: x_d.ptr,
+                gain: gain_d.ptr,
+                wscale: ws_d.as_ref().map_or(0, |b| b.ptr),
+                out,
+                inp,
+                eps,
+                rope: RopeArgs::default(),
+            };
+            gemv.launch(&gpu, &a).unwrap();
+            let got = download_bf16(&gpu, y_d.ptr, m * out).unwrap();
+            check(if fp8 { "FP8 gate_up" } else { "bf16 gate_up" }, &got, &act, out);
+
+            // lm_head with the final norm in its prologue.
+            let (w_d, ws_d, w64) = if fp8 {
+                let (codes, scales) = quantize_rows(&w_lm, inp);
+                (upload(&gpu, &codes).unwrap(), Some(upload(&gpu, &scales).unwrap()), dequantized(&codes, &scales, inp))
+            } else {
+                let wb: Vec<u16> = w_lm.iter().map(|&v| bf(v)).collect();
+                (upload(&gpu, &wb).unwrap(), None, w_lm.iter().map(|&v| f64::from(v)).collect())
+            };
+            let y_d = DevBuf::zeroed(&gpu, m * out * 4).unwrap();
+            let a = GemvArgs {
+                kind: GemvKind::LogitsF32,
+                m,
+                y: y_d.ptr,
+                w: w_d.ptr,
+                x: x_d.ptr,
+                gain: gain_d.ptr,
+                wscale: ws_d.as_ref().map_or(0, |b| b.ptr),
+                out,
+                inp,
+                eps,
+                rope: RopeArgs::default(),
+            };
+            let launched = gemv.launch(&gpu, &a);
+            if fp8 && gemv.lm_head_takes_norm() {
+                launched.unwrap();
+                let mut got = vec![0f32; m * out];
+                gpu.sync().unwrap();
+                gpu.download(&mut got, y_d.ptr).unwrap();
+                check("FP8 lm_head with the final norm", &got, &prod(&w64, out), out);
+            } else {
+                assert!(
+                    matches!(launched, Err(CudaError::InvalidLaunch(_))),
+                    "an lm_head launch with a gain it cannot apply must be refused (FP8 {fp8})"
+                );
+            }
+        }
+    }
+}

@@ -717,6 +717,7 @@ impl ShardModel {
                 && rows == n
                 && prev_ffn_out_norm == null
                 && plan.softcap.is_none()
+                && gemv.as_ref().is_some_and(Gemv::lm_head_takes_norm)
                 && *LM_HEAD_NORM.get_or_init(|| std::env::var("PRISM_LM_HEAD_NORM").map_or(true, |v| v != "0"));
             // Last residual add (already done by the small path's down GEMV) + final norm,
             // only for the rows that want logits.

@@ -394,6 +394,14 @@ impl Gemv {
         }
     }
 
+    /// Whether an FP8 lm_head launch ([`GemvKind::LogitsF32`] with FP8 weights) can take the
+    /// final RMSNorm in its prologue (a gain given): only the staged variants can, so the
+    /// caller norms the rows itself otherwise.
+    pub fn lm_head_takes_norm(&self) -> bool {
+        let v = self.kind_fp8[Self::product(GemvKind::LogitsF32, self.norm_inp, self.norm_inp)].unwrap_or(self.variant_fp8);
+        self.variants_fp8.get(v).and_then(Option::as_ref).is_some_and(|v| v.staged)
+    }
+
     /// The FP8 variants compiled (indices into [`FP8_VARIANTS`]).
     pub fn fp8_variants(&self) -> Vec<usize> {
         self.variants_fp8.iter().enumerate().filter_map(|(i, v)| v.as_ref().map(|_| i)).collect()
@@ -470,7 +478,7 @@ impl Gemv {
             self.variants.get(self.variant.min(self.variants.len().saturating_sub(1)))
         }
         .ok_or_else(|| CudaError::InvalidLaunch("gemv: FP8 weights but the FP8 kernels were not built".into()))?;
-        if norm && !v.staged {
+        if norm && !kind.norm() && !v.staged {
             return Err(CudaError::InvalidLaunch("gemv: the lm_head's norm needs a staged variant".into()));
         }
         if v.staged && !kind.norm() && inp > self.stage_inp {
