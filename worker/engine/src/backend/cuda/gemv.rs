@@ -398,7 +398,8 @@ impl Gemv {
     /// final RMSNorm in its prologue (a gain given): only the staged variants can, so the
     /// caller norms the rows itself otherwise.
     pub fn lm_head_takes_norm(&self) -> bool {
-        let v = self.kind_fp8[Self::product(GemvKind::LogitsF32, self.norm_inp, self.norm_inp)].unwrap_or(self.variant_fp8);
+        let v =
+            self.kind_fp8[Self::product(GemvKind::LogitsF32, self.norm_inp, self.norm_inp)].unwrap_or(self.variant_fp8);
         self.variants_fp8.get(v).and_then(Option::as_ref).is_some_and(|v| v.staged)
     }
 
