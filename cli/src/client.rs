@@ -127,8 +127,12 @@ impl ModelArg {
         if let Some(model) = self.name {
             return Ok(model);
         }
-        let models =
-            client.list_models(key.request(ListModelsRequest {})?).await.map_err(status_error)?.into_inner().models;
+        let models = client
+            .list_models(key.request(ListModelsRequest {})?)
+            .await
+            .map_err(router_status_error)?
+            .into_inner()
+            .models;
         match models.as_slice() {
             [] => bail!("the router serves no model yet (deploy one, or wait until a replica is Ready)"),
             [one] => Ok(one.id.clone()),
@@ -180,14 +184,22 @@ pub async fn router(addr: &str) -> Result<InferenceServiceClient<Channel>> {
     Ok(InferenceServiceClient::new(channel(addr, "router").await?))
 }
 
-/// Turns a gRPC status into a readable error (`NotFound: deployment "x" does not exist`).
+/// Turns a head's gRPC status into a readable error (`NotFound: deployment "x" does not
+/// exist`); an authentication failure names the head's credential flags.
 pub fn status_error(status: tonic::Status) -> anyhow::Error {
+    readable(&status, "give the head's token with --token, PRISM_TOKEN or --token-file")
+}
+
+/// As [`status_error`] for the router's `InferenceService`, whose credential is an API key.
+pub fn router_status_error(status: tonic::Status) -> anyhow::Error {
+    readable(&status, "give the router's API key with --api-key or PRISM_API_KEY")
+}
+
+fn readable(status: &tonic::Status, auth_hint: &str) -> anyhow::Error {
     match status.code() {
-        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => anyhow::anyhow!(
-            "{:?}: {} (give the head's token with --token, PRISM_TOKEN or --token-file)",
-            status.code(),
-            status.message()
-        ),
+        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+            anyhow::anyhow!("{:?}: {} ({auth_hint})", status.code(), status.message())
+        }
         code => anyhow::anyhow!("{code:?}: {}", status.message()),
     }
 }

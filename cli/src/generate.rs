@@ -2,7 +2,7 @@
 //! (`InferenceService.Generate`), printing text as it arrives. Also the streaming helper
 //! shared by `prism chat`, `prism up --prompt` and `prism bench`.
 
-use crate::client::{self, ModelArg, status_error};
+use crate::client::{self, ModelArg, router_status_error};
 use anyhow::{Context, Result};
 use clap::Args;
 use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
@@ -30,8 +30,9 @@ pub struct SamplingArgs {
     /// Random seed, for reproducible sampling.
     #[arg(long, env = "PRISM_SEED")]
     pub seed: Option<u64>,
-    /// Stop string (repeatable); never part of the output.
-    #[arg(long = "stop", env = "PRISM_STOP", value_delimiter = ',')]
+    /// Stop string (repeat the flag for several; a comma is an ordinary character, so `--stop ,`
+    /// stops at a comma); never part of the output.
+    #[arg(long = "stop", env = "PRISM_STOP")]
     pub stop: Vec<String>,
 }
 
@@ -144,9 +145,9 @@ pub async fn stream(
     out: &mut (dyn Write + Send),
 ) -> Result<Generation> {
     let started = std::time::Instant::now();
-    let mut responses = client.generate(request).await.map_err(status_error)?.into_inner();
+    let mut responses = client.generate(request).await.map_err(router_status_error)?.into_inner();
     let mut generation = Generation::default();
-    while let Some(message) = responses.message().await.map_err(status_error).context("stream broken")? {
+    while let Some(message) = responses.message().await.map_err(router_status_error).context("stream broken")? {
         if message.index != 0 {
             continue;
         }
@@ -190,5 +191,27 @@ mod tests {
         assert_eq!(p.top_p, None);
         assert_eq!(p.stop, vec!["\n".to_owned()]);
         assert_eq!(p.skip_special_tokens, Some(true));
+    }
+
+    #[test]
+    fn stop_strings_are_taken_whole_commas_included() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            sampling: SamplingArgs,
+        }
+        let cli = <Cli as clap::Parser>::try_parse_from(["prism", "--stop", ",", "--stop", "a,b"]).unwrap();
+        assert_eq!(cli.sampling.stop, vec![",".to_owned(), "a,b".to_owned()]);
+    }
+
+    #[test]
+    fn an_auth_failure_names_the_credential_of_the_service_asked() {
+        let denied = || tonic::Status::unauthenticated("missing or invalid API key");
+        let router = client::router_status_error(denied()).to_string();
+        assert!(router.contains("--api-key") && !router.contains("--token"), "{router}");
+        let head = client::status_error(denied()).to_string();
+        assert!(head.contains("--token") && !head.contains("--api-key"), "{head}");
+        let other = client::router_status_error(tonic::Status::invalid_argument("bad")).to_string();
+        assert_eq!(other, "InvalidArgument: bad");
     }
 }

@@ -301,6 +301,7 @@ fn print_banner(served: &str, model: &Path, ep: &Endpoints, keys: bool) {
     if keys {
         // The key itself is never printed: the example reads it from the environment.
         println!("API keys required: send Authorization: Bearer KEY (the probes /health, /healthz, /readyz are open)");
+        println!("The example below reads the key from $PRISM_API_KEY: export PRISM_API_KEY=KEY first");
         println!();
     }
     let auth = if keys { " -H \"Authorization: Bearer $PRISM_API_KEY\"" } else { "" };

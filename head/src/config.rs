@@ -11,7 +11,7 @@ use crate::auth::{HeadAuth, TokenFileError};
 
 /// Command-line flags of `prism-head`.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "prism-head", about = "Prism control plane: cluster state, placement, routes")]
+#[command(name = "prism-head", version, about = "Prism control plane: cluster state, placement, routes")]
 pub struct Args {
     /// gRPC listen address (HeadService + grpc.health.v1).
     #[arg(long, env = "PRISM_HEAD_LISTEN", default_value = "0.0.0.0:50050")]

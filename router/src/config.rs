@@ -50,7 +50,7 @@ pub enum RoutingPolicy {
 
 /// Command-line flags of `prism-router`.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "prism-router", about = "Prism router: OpenAI HTTP + gRPC inference front end")]
+#[command(name = "prism-router", version, about = "Prism router: OpenAI HTTP + gRPC inference front end")]
 pub struct Args {
     /// Head gRPC address(es) to watch routes from, e.g. http://head:50050 (repeatable or comma separated).
     #[arg(long = "head", env = "PRISM_HEAD", value_delimiter = ',')]
