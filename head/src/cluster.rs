@@ -9,6 +9,7 @@
 
 pub mod group;
 pub mod registry;
+pub mod stall;
 pub mod state;
 pub mod view;
 
@@ -60,6 +61,8 @@ pub struct Cluster {
     /// Recent control-plane events (`GET /v1/events`).
     events: EventLog,
     session_seq: AtomicU64,
+    /// Whether this head was running (stalls of its own do not count against workers).
+    stall: Arc<stall::StallWatch>,
 }
 
 impl Cluster {
@@ -80,6 +83,7 @@ impl Cluster {
             metrics,
             events: EventLog::default(),
             session_seq: AtomicU64::new(1),
+            stall: stall::StallWatch::started(),
         })
     }
 
@@ -96,6 +100,12 @@ impl Cluster {
     /// Recent control-plane events.
     pub fn events(&self) -> &EventLog {
         &self.events
+    }
+
+    /// This head's own liveness clock: judge a worker by time only from
+    /// [`stall::StallWatch::watched_from`].
+    pub fn stall_watch(&self) -> &stall::StallWatch {
+        &self.stall
     }
 
     /// Current leadership.

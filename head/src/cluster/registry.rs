@@ -163,6 +163,13 @@ async fn session_loop(
             () = cancel.cancelled() => break,
             m = inbound.message() => m,
             () = tokio::time::sleep_until(silence), if reports_load => {
+                // Only time this head was running counts: after a stall of its own the
+                // worker's messages may still sit unread, so the silence starts over.
+                let watched = cluster.stall_watch().watched_from(last_message);
+                if watched > last_message {
+                    last_message = watched;
+                    continue;
+                }
                 tracing::warn!(node = %node, ?timeout, "worker session silent; treating it as gone");
                 gone_since = Some(last_message);
                 break;

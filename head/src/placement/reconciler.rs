@@ -167,7 +167,11 @@ async fn mark_dead_nodes(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
         .nodes
         .iter()
         .filter(|(id, e)| e.record.state() != NodeState::Dead && !st.is_connected(id))
-        .filter(|(id, _)| st.disconnected_since(id).is_none_or(|t| now.duration_since(t) >= timeout))
+        // Counted from the end of a stall of this head, if one came after the disconnect.
+        .filter(|(id, _)| {
+            st.disconnected_since(id)
+                .is_none_or(|t| now.duration_since(cluster.stall_watch().watched_from(t)) >= timeout)
+        })
         .map(|(id, _)| id.clone())
         .collect();
     for id in dead {
