@@ -32,19 +32,41 @@ pub use cluster::Cluster;
 pub use config::{Args, HeadConfig, StoreSpec};
 pub use election::Leadership;
 
-/// Runs a head: opens the store named by `cfg.store`, then as [`run_with_store`].
+/// Runs a head: opens the store named by `cfg.store`, then as [`run_with_store`]. A store
+/// that cannot be reached yet (etcd down or still starting when the head starts or restarts)
+/// is retried with backoff until it answers or `shutdown`: the workers and routers serve on
+/// without a head meanwhile, and the head takes over once the store is back, with no outside
+/// supervisor needed to restart it.
 ///
 /// # Errors
-/// The store cannot be opened, or a listener fails.
+/// The store is misconfigured (not merely unreachable), or a listener fails.
 pub async fn run(
     cfg: HeadConfig,
     grpc_listener: TcpListener,
     http_listener: TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let store = store::open(&cfg.store).await?;
+    let mut backoff = STORE_RETRY_MIN;
+    let store = loop {
+        match store::open(&cfg.store).await {
+            Ok(store) => break store,
+            Err(store::StoreError::Unavailable(reason)) => {
+                tracing::warn!(%reason, retry_in = ?backoff, "state store unavailable; retrying");
+                tokio::select! {
+                    () = shutdown.cancelled() => return Ok(()),
+                    () = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(STORE_RETRY_MAX);
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
     run_with_store(cfg, store, grpc_listener, http_listener, shutdown).await
 }
+
+/// First and largest pause between two attempts to reach the state store at start.
+const STORE_RETRY_MIN: Duration = Duration::from_millis(250);
+const STORE_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Runs a head on an already-opened store (for `prism up`, which embeds the head
 /// in-process): the election, the reconciler, gRPC (`HeadService` + `grpc.health.v1`) on

@@ -15,10 +15,12 @@
 //! - `leader_killed_follower_takes_over_under_load`: two heads; the leader SIGKILLed: the
 //!   follower leads within about the lease TTL and publishes a newer term with the same
 //!   replicas; routers and workers follow it without a failed request.
+//! - `head_started_while_etcd_is_down_leads_once_it_is_back`: a head (re)started during an etcd
+//!   outage keeps retrying the store instead of exiting, and leads once etcd is back.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use prism_tests::{Cluster, Load, eventually, model, reference};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -227,6 +229,36 @@ async fn etcd_quorum_lost_for_30s_routes_stay() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let mut cluster = serving_on_three_members(&model).start().await?;
     if let Err(e) = serve_through(&mut cluster, Outage::KillMembers(&[1, 2], Duration::from_secs(30))).await {
+        bail!("{e:#}\n{}", cluster.logs());
+    }
+    Ok(())
+}
+
+/// A head that starts (or restarts) while etcd is down waits for it instead of exiting: it
+/// retries with backoff, and once etcd is back it leads without being started again. No model
+/// needed: etcd and one head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_started_while_etcd_is_down_leads_once_it_is_back() -> Result<()> {
+    let mut cluster = Cluster::builder().workers(0).start().await?;
+    let result = async {
+        let Some(etcd) = cluster.etcd_mut() else { bail!("the cluster has no etcd") };
+        etcd.kill();
+        let head = cluster.head_mut();
+        head.process.kill();
+        head.process.restart()?;
+        // Several attempts' worth of time: the head must still be running, saying why it waits.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let head = cluster.head_mut();
+        ensure!(!head.process.exited(), "the head exited while etcd was down:\n{}", head.process.stderr());
+        ensure!(head.process.stderr().contains("state store unavailable; retrying"), "the head says why it waits");
+        let Some(etcd) = cluster.etcd_mut() else { bail!("the cluster has no etcd") };
+        etcd.restart().await?;
+        // The backoff is at most 5 s, then the election (lease 5 s at most to take over).
+        cluster.wait_leader(Duration::from_secs(30)).await.context("the head leads once etcd is back")?;
+        Ok(())
+    }
+    .await;
+    if let Err(e) = result {
         bail!("{e:#}\n{}", cluster.logs());
     }
     Ok(())
