@@ -185,7 +185,10 @@ impl Dispatcher {
                 Some(p) => p,
                 None => match self.upstream.pick(&req.model, &tried, &hint) {
                     Ok(p) => p,
-                    Err(e) => return Err(last.map_or(e, DispatchError::from_status)),
+                    Err(e) => {
+                        let last_replica = tried.last().map_or("", String::as_str);
+                        return Err(last.map_or(e, |s| DispatchError::from_last_failure(s, last_replica)));
+                    }
                 },
             };
             match self.upstream.open(&replica, &req, &hint, &[], deadline).await {
@@ -208,7 +211,11 @@ impl Dispatcher {
                         last = Some(s);
                         continue;
                     }
-                    return Err(DispatchError::from_status(s));
+                    return Err(if retryable(&s) {
+                        DispatchError::from_last_failure(s, &replica.replica_id)
+                    } else {
+                        DispatchError::from_status(s)
+                    });
                 }
             }
         }

@@ -32,6 +32,15 @@ pub enum DispatchError {
         /// Suggested `Retry-After`, seconds.
         retry_after_s: u32,
     },
+    /// The replica serving the request failed (its worker died, froze, dropped the connection
+    /// or stopped the replica) and no other replica could take the request over in time (503
+    /// with `Retry-After`). The worker's own status (often a transport error) is logged, not
+    /// sent.
+    #[error("the replica serving the request {what}, and no other replica could continue it; retry after 1 s")]
+    ReplicaLost {
+        /// What happened to it, in words.
+        what: &'static str,
+    },
     /// The request's deadline passed (504).
     #[error("the request deadline was exceeded")]
     DeadlineExceeded,
@@ -44,7 +53,7 @@ impl DispatchError {
     /// The `Retry-After` seconds this error suggests (429 / 503 kinds).
     pub fn retry_after_s(&self) -> Option<u32> {
         match self {
-            Self::NoReplica(_) => Some(1),
+            Self::NoReplica(_) | Self::ReplicaLost { .. } => Some(1),
             Self::NoReplicaInTime { retry_after_s, .. } | Self::Overloaded { retry_after_s, .. } => {
                 Some(*retry_after_s)
             }
@@ -76,5 +85,49 @@ impl DispatchError {
     /// anything else the worker's answer.
     pub(super) fn from_status(s: Status) -> Self {
         if s.code() == Code::DeadlineExceeded { Self::DeadlineExceeded } else { Self::Worker(s) }
+    }
+
+    /// The error of the last failure of a request that could go to no other replica: a
+    /// failure of the replica itself becomes [`Self::ReplicaLost`] (a clean 503 the client may
+    /// retry), anything else (the request's own error, a full replica) stays the worker's.
+    pub(super) fn from_last_failure(s: Status, replica: &str) -> Self {
+        let what = match s.code() {
+            Code::Unavailable | Code::Unknown | Code::Cancelled => "lost its worker",
+            Code::Aborted | Code::NotFound => "was stopped",
+            Code::Internal => "failed",
+            _ => return Self::from_status(s),
+        };
+        tracing::warn!(%replica, code = ?s.code(), message = s.message(), "replica failed and no other could take the request");
+        Self::ReplicaLost { what }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::openai::errors::ApiError;
+    use axum::http::StatusCode;
+
+    #[test]
+    fn a_replica_failure_with_nowhere_else_to_go_is_a_clean_retryable_503() {
+        let lost =
+            || DispatchError::from_last_failure(Status::unknown("h2 protocol error: error reading a body"), "r1");
+        assert!(matches!(lost(), DispatchError::ReplicaLost { what: "lost its worker" }));
+        let api = ApiError::from(lost());
+        assert_eq!((api.status, api.retry_after), (StatusCode::SERVICE_UNAVAILABLE, Some(1)));
+        assert!(!api.message.contains("h2"), "no transport internals in the reply: {}", api.message);
+        let grpc = crate::grpc::to_status(lost());
+        assert_eq!(grpc.code(), Code::Unavailable);
+        assert_eq!(grpc.metadata().get(crate::admission::RETRY_AFTER_METADATA).map(|v| v.to_str().unwrap()), Some("1"));
+        let stopped = DispatchError::from_last_failure(Status::aborted("replica stopping"), "r1");
+        assert!(matches!(stopped, DispatchError::ReplicaLost { what: "was stopped" }));
+
+        // The request's own errors and a full replica keep the worker's answer.
+        let own = DispatchError::from_last_failure(Status::invalid_argument("prompt too long"), "r1");
+        assert!(matches!(&own, DispatchError::Worker(s) if s.code() == Code::InvalidArgument));
+        let full = DispatchError::from_last_failure(Status::resource_exhausted("full"), "r1");
+        assert_eq!(ApiError::from(full).status, StatusCode::TOO_MANY_REQUESTS);
+        let late = DispatchError::from_last_failure(Status::deadline_exceeded("late"), "r1");
+        assert!(matches!(late, DispatchError::DeadlineExceeded));
     }
 }

@@ -170,7 +170,7 @@ impl StreamPump {
                     }
                 }
                 None => {
-                    let _ = tx.send(Err(DispatchError::from_status(failure))).await;
+                    let _ = tx.send(Err(DispatchError::from_last_failure(failure, &replica.replica_id))).await;
                     return;
                 }
             }
