@@ -61,13 +61,17 @@ fn on_node(r: &ReplicaRecord, node: &str) -> bool {
 }
 
 /// Drain progress of a node: time left to its deadline and requests still in flight on its
-/// replicas (running + waiting, from the latest load reports); `-` when not draining.
+/// replicas (running + waiting, from the latest load reports); `drained` once no replica is
+/// left on it (it stays cordoned until `prism uncordon`); `-` when not draining.
 fn drain_progress(node: &NodeRecord, status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
     if node.drain_deadline_unix_ms == 0 {
         return "-".to_owned();
     }
     let id = node.inventory.as_ref().map_or("", |i| i.node_id.as_str());
     let mine: Vec<&str> = status.replicas.iter().filter(|r| on_node(r, id)).map(|r| r.replica_id.as_str()).collect();
+    if mine.is_empty() {
+        return "drained".to_owned();
+    }
     let in_flight: u32 =
         status.load.iter().filter(|l| mine.contains(&l.replica_id.as_str())).map(|l| l.running + l.waiting).sum();
     let left = node.drain_deadline_unix_ms.saturating_sub(now_unix_ms) / 1000;
@@ -295,6 +299,14 @@ mod tests {
         };
         let text = render_at(&status, 58_000);
         assert!(text.contains("42s left, 3 in flight"), "{text}");
+
+        // Once its last replica has gone, the node reads as drained, at any time.
+        let mut done = status.clone();
+        done.replicas.retain(|r| r.node_id != "w2");
+        for now in [58_000, 200_000] {
+            let line = render_at(&done, now).lines().find(|l| l.starts_with("w2")).unwrap_or_default().to_owned();
+            assert!(line.contains("drained") && !line.contains("left"), "{line}");
+        }
     }
 
     #[test]
