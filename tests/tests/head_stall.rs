@@ -6,7 +6,8 @@
 //! Real cluster (`Cluster::serving`): etcd, `prism-head` with `--worker-timeout 2s` (leader lease
 //! 5 s), two `prism-worker`s with one replica each of the bundled SmolLM2 GGUF (CPU engine), a
 //! router. The head is stopped for twice the worker timeout, under the lease, so it stays the
-//! leader and judges its own sessions when it resumes.
+//! leader and judges its own sessions when it resumes; then for 9 s, past the lease, so it
+//! leads again with a reloaded state.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
@@ -21,6 +22,8 @@ use prism_tests::{Cluster, PROMPTS, greedy_request, model, stream};
 const WORKER_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long the head is stopped: twice the worker timeout, under the 5 s lease.
 const STOPPED: Duration = Duration::from_secs(4);
+/// The second stop: past the head's 5 s leader lease.
+const PAST_LEASE: Duration = Duration::from_secs(9);
 /// Time after the resume for a wrong verdict to show: the worker timeout again, a reconcile
 /// pass and the stop/start of a replica would all be visible by then.
 const AFTER: Duration = Duration::from_secs(5);
@@ -59,6 +62,18 @@ async fn scenario(c: &Cluster) -> Result<()> {
 
     let reply = stream(c.grpc(), greedy_request(PROMPTS[0], 8, true)).await?;
     assert_eq!(reply.tokens.len(), 8, "served after the stall: {reply:?}");
+
+    // Stopped past its lease: the head loses its leadership, wins it again, reloads the state
+    // and gives the known workers their adoption grace; again no replica moves.
+    c.head().process.freeze()?;
+    tokio::time::sleep(PAST_LEASE).await;
+    c.head().process.thaw()?;
+    c.wait_leader(Duration::from_secs(30)).await?;
+    tokio::time::sleep(AFTER).await;
+    assert!(c.head().process.stderr().contains("leadership lost"), "the lease lapsed during the stop");
+    assert_eq!(ready(c).await?, before, "the same replicas after a stop past the lease");
+    let reply = stream(c.grpc(), greedy_request(PROMPTS[0], 8, true)).await?;
+    assert_eq!(reply.tokens.len(), 8, "served after the second stall: {reply:?}");
     Ok(())
 }
 
