@@ -640,15 +640,32 @@ fn decode_gemvs_with_the_norm_prologue_equal_the_host() {
             println!("{what}, m {m}: |device − host| / |host| per row, largest {e:.5}");
             assert!(e < tol, "{what}, m {m}: off the host by {e} (relative L2 of a row)");
         };
-        for fp8 in [false, true] {
-            // gate_up: [g; u] = rmsnorm(x)·[W_gate; W_up]ᵀ, act = silu(g)·u.
-            let (w_d, ws_d, w64) = if fp8 {
-                let (codes, scales) = quantize_rows(&w_gu, inp);
+        // The weight as uploaded (bf16, or e4m3 codes with per-row scales) and as the host sees it.
+        let weights = |w: &[f32], fp8: bool| -> (DevBuf, Option<DevBuf>, Vec<f64>) {
+            if fp8 {
+                let (codes, scales) = quantize_rows(w, inp);
                 (upload(&gpu, &codes).unwrap(), Some(upload(&gpu, &scales).unwrap()), dequantized(&codes, &scales, inp))
             } else {
-                let wb: Vec<u16> = w_gu.iter().map(|&v| bf(v)).collect();
-                (upload(&gpu, &wb).unwrap(), None, w_gu.iter().map(|&v| f64::from(v)).collect())
-            };
+                let wb: Vec<u16> = w.iter().map(|&v| bf(v)).collect();
+                (upload(&gpu, &wb).unwrap(), None, w.iter().map(|&v| f64::from(v)).collect())
+            }
+        };
+        let args = |kind, y, w, wscale| GemvArgs {
+            kind,
+            m,
+            y,
+            w,
+            x: x_d.ptr,
+            gain: gain_d.ptr,
+            wscale,
+            out,
+            inp,
+            eps,
+            rope: RopeArgs::default(),
+        };
+        for fp8 in [false, true] {
+            // gate_up: [g; u] = rmsnorm(x)·[W_gate; W_up]ᵀ, act = silu(g)·u.
+            let (w_d, ws_d, w64) = weights(&w_gu, fp8);
             let gu = prod(&w64, 2 * out);
             let act: Vec<f64> = (0..m * out)
                 .map(|i| {
@@ -658,45 +675,15 @@ fn decode_gemvs_with_the_norm_prologue_equal_the_host() {
                 })
                 .collect();
             let y_d = DevBuf::zeroed(&gpu, m * out * 2).unwrap();
-            let a = GemvArgs {
-                kind: GemvKind::NormGateUpSilu,
-                m,
-                y: y_d.ptr,
-                w: w_d.ptr,
-                x: x_d.ptr,
-                gain: gain_d.ptr,
-                wscale: ws_d.as_ref().map_or(0, |b| b.ptr),
-                out,
-                inp,
-                eps,
-                rope: RopeArgs::default(),
-            };
+            let a = args(GemvKind::NormGateUpSilu, y_d.ptr, w_d.ptr, ws_d.as_ref().map_or(0, |b| b.ptr));
             gemv.launch(&gpu, &a).unwrap();
             let got = download_bf16(&gpu, y_d.ptr, m * out).unwrap();
             check(if fp8 { "FP8 gate_up" } else { "bf16 gate_up" }, &got, &act, out);
 
             // lm_head with the final norm in its prologue.
-            let (w_d, ws_d, w64) = if fp8 {
-                let (codes, scales) = quantize_rows(&w_lm, inp);
-                (upload(&gpu, &codes).unwrap(), Some(upload(&gpu, &scales).unwrap()), dequantized(&codes, &scales, inp))
-            } else {
-                let wb: Vec<u16> = w_lm.iter().map(|&v| bf(v)).collect();
-                (upload(&gpu, &wb).unwrap(), None, w_lm.iter().map(|&v| f64::from(v)).collect())
-            };
+            let (w_d, ws_d, w64) = weights(&w_lm, fp8);
             let y_d = DevBuf::zeroed(&gpu, m * out * 4).unwrap();
-            let a = GemvArgs {
-                kind: GemvKind::LogitsF32,
-                m,
-                y: y_d.ptr,
-                w: w_d.ptr,
-                x: x_d.ptr,
-                gain: gain_d.ptr,
-                wscale: ws_d.as_ref().map_or(0, |b| b.ptr),
-                out,
-                inp,
-                eps,
-                rope: RopeArgs::default(),
-            };
+            let a = args(GemvKind::LogitsF32, y_d.ptr, w_d.ptr, ws_d.as_ref().map_or(0, |b| b.ptr));
             let launched = gemv.launch(&gpu, &a);
             if fp8 && gemv.lm_head_takes_norm() {
                 launched.unwrap();
