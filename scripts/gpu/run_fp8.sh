@@ -13,7 +13,7 @@
 #             fp8 runs: logits error vs HF f32, greedy agreement with bf16), also with fp8 KV (with fp8
 #             and with bf16 weights) and fp8_kv_sim.py (e4m3 K/V in HF, scale 1 vs calibrated)
 # Knobs: BENCH_RUNS / TRACE_RUNS replace the bench / trace lists (';'-separated NAME:ENV:FLAGS /
-# NAME:FLAGS entries), ACCURACY_ENV (e.g. PRISM_FP8_FAST_ACCUM=0) for the FP8 accuracy check, KV8_CHECK=0
+# NAME:FLAGS or NAME:ENV:FLAGS entries), ACCURACY_ENV (e.g. PRISM_FP8_FAST_ACCUM=0) for the FP8 accuracy check, KV8_CHECK=0
 # skips its FP8-KV variant, QUANTIZE the path of scripts/quantize_fp8.py.
 # Logs and JSON into $OUT (default bench/out/run_fp8-<UTC time>), summary.json next to them.
 #   usage (from the repo root): [OUT=dir] [BIN=.gpu-bin] [PARTS="bench trace accuracy"] bash scripts/gpu/run_fp8.sh
@@ -52,9 +52,11 @@ part_trace() {
     runs=("bf16:" "fp8:--quantization fp8" "fp8_kv8:--quantization fp8 --kv-cache-dtype fp8")
   fi
   for v in "${runs[@]}"; do
-    name=${v%%:*}; args=${v#*:}
+    # NAME:FLAGS, or NAME:ENV:FLAGS (ENV a list of VAR=VALUE for the run).
+    name=${v%%:*}; args=${v#*:}; envs=
+    case $args in *:*) envs=${args%%:*}; args=${args#*:} ;; esac
     # shellcheck disable=SC2086
-    timeout 150 "$BIN/cuda_trace" "$OUT/trace.json" "$OUT/cuda_trace_$name.json" --timeout-s 120 $args 2>&1 \
+    env $envs timeout 150 "$BIN/cuda_trace" "$OUT/trace.json" "$OUT/cuda_trace_$name.json" --timeout-s 120 $args 2>&1 \
       | tee "$OUT/cuda_trace_$name.log" || rc=1
   done
   python3 - "$OUT" <<'EOF' | tee "$OUT/fp8_trace_summary.txt"
@@ -67,7 +69,8 @@ def tps(n):
     except (OSError, ValueError, KeyError):
         return None
 b = tps("bf16")
-for n in ("fp8", "fp8_kv8"):
+names = [p.name[len("cuda_trace_"):-len(".json")] for p in sorted(out.glob("cuda_trace_*.json"))]
+for n in [n for n in names if n != "bf16"]:
     t = tps(n)
     if b and t:
         print(f"SUMMARY trace {n}: {t:.0f} tok/s vs bf16 {b:.0f} tok/s = {t / b:.2f}x ({'PASS' if t / b >= 1.5 else 'FAIL'} >= 1.5x)")

@@ -11,7 +11,8 @@
 # cuda --test cuda_fp8 --test cuda_masked_greedy --no-run`, copied under those names).
 #   usage (from the repo root): OUT=dir BIN=.gpu-bin/NAME bash scripts/gpu/run_fp8_verify.sh
 # Knobs: BENCH_RUNS / TRACE_RUNS as for run_fp8.sh (defaults below), ACCURACY_FLAGS (default
-# `--fp8-lm-head`: the FP8 lm_head's continuations against bf16 as well).
+# `--fp8-lm-head`: the FP8 lm_head's continuations against bf16 as well) and ACCURACY_ENV (its
+# environment, e.g. PRISM_FP8_OUTER_VEC=1), GEMM_SWEEP=1 (the FP8 GEMM algorithm sweep).
 set -uo pipefail
 BIN=${BIN:?BIN: the folder of prebuilt binaries}
 DEST=${OUT:?OUT: the folder to write the archive into}
@@ -30,6 +31,12 @@ step() { # NAME TIMEOUT COMMAND...: one step, its log and its exit status in $RU
   [ "$s" = 0 ] || rc=1
 }
 step cuda_fp8 150 "$BIN/cuda_fp8"
+# GEMM_SWEEP=1: cuBLASLt's FP8 GEMM algorithms timed at the trace's step sizes (cuda_bench
+# --fp8-gemm-sweep), first answer against fastest.
+if [ "${GEMM_SWEEP:-0}" = 1 ]; then
+  step fp8_gemm_sweep 150 "$BIN/cuda_bench" "$RUN/fp8_gemm_sweep.json" --fp8-gemm-sweep
+  grep "^fp8 gemm" "$RUN/fp8_gemm_sweep.log" | sed 's/; all.*//' >> "$STEPS"
+fi
 export BENCH_RUNS=${BENCH_RUNS:-"bf16::;fp8::--quantization fp8;fp8_lm::--quantization fp8 --fp8-lm-head;fp8_lm_unfused:PRISM_LM_HEAD_NORM=0:--quantization fp8 --fp8-lm-head;fp8_kv8::--quantization fp8 --kv-cache-dtype fp8"}
 export TRACE_RUNS=${TRACE_RUNS:-"bf16:;fp8:--quantization fp8;fp8_kv8:--quantization fp8 --kv-cache-dtype fp8"}
 part() { # PART: one part of run_fp8.sh into $RUN
@@ -48,7 +55,7 @@ step hf_reference 240 python3 scripts/gpu/hf_reference.py "$MODEL"
 step quantize_fp8 120 python3 scripts/quantize_fp8.py "$MODEL/trained" "$MODEL/trained/fp8"
 python3 scripts/quantize_fp8.py "$MODEL" "$MODEL/fp8" >> "$RUN/quantize_fp8.log" 2>&1 || rc=1
 # shellcheck disable=SC2086  # a list of flags
-step cuda_check_fp8 120 "$BIN/cuda_check" "$MODEL" "$RUN/cuda_check_fp8.json" --fp8 ${ACCURACY_FLAGS:---fp8-lm-head}
+step cuda_check_fp8 120 env ${ACCURACY_ENV:-} "$BIN/cuda_check" "$MODEL" "$RUN/cuda_check_fp8.json" --fp8 ${ACCURACY_FLAGS:---fp8-lm-head}
 tail -12 "$RUN/cuda_check_fp8.log" | tee -a "$STEPS"
 part trace
 cat "$RUN/fp8_trace_summary.txt" >> "$STEPS"

@@ -88,6 +88,51 @@ mod bench {
     use std::io::Write as _;
     use std::time::Instant;
 
+    /// `--fp8-gemm-sweep`: the FP8 GEMMs of a Llama-3-8B layer at the step sizes of the serving
+    /// trace, cuBLASLt's first 8 heuristic answers each timed (µs per launch, median of 20;
+    /// random codes, unit scales), plain and with the scales in the epilogue (outer-vector):
+    /// how far the first answer, the one the engine takes, is from the fastest.
+    fn fp8_gemm_sweep(out: &str) -> anyhow::Result<()> {
+        use prism_engine::backend::cuda::device::{DevBuf, Gpu};
+        use prism_engine::backend::cuda::gemm_fp8::{Fp8Gemm, Fp8GemmArgs};
+        let gpu = Gpu::new(0)?;
+        let mut lt = Fp8Gemm::new(&gpu)?;
+        let shapes = [("qkv", 6144usize, 4096usize), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)];
+        let (max_w, max_x, max_y, max_n) = (28672 * 4096, 2048 * 14336, 2048 * 28672, 28672);
+        // bf16 fills read as e4m3 bytes: random codes (timing only).
+        let (w, x) = (DevBuf::zeroed(&gpu, max_w)?, DevBuf::zeroed(&gpu, max_x)?);
+        gpu.fill_uniform(w.ptr, max_w / 2, 7, 0.5)?;
+        gpu.fill_uniform(x.ptr, max_x / 2, 11, 0.5)?;
+        let y = DevBuf::zeroed(&gpu, max_y * 2)?;
+        let (ws, xs) = (DevBuf::zeroed(&gpu, max_n * 4)?, DevBuf::zeroed(&gpu, max_n * 4)?);
+        gpu.upload(&ws, 0, &vec![1f32; max_n])?;
+        gpu.upload(&xs, 0, &vec![1f32; max_n])?;
+        gpu.sync()?;
+        let mut rows = Vec::new();
+        for (name, o, i) in shapes {
+            for n in [64usize, 128, 256, 512, 1024, 2048] {
+                let a = Fp8GemmArgs { y: y.ptr, xq: x.ptr, wq: w.ptr, n, out: o, inp: i, f32_out: false };
+                for outer in [false, true] {
+                    let t = lt.time_algorithms(&gpu, &a, outer.then_some((xs.ptr, ws.ptr)), 8, 20)?;
+                    let Some(&first) = t.first() else {
+                        println!("fp8 gemm {name} n={n} outer={outer}: no algorithm");
+                        continue;
+                    };
+                    let (bi, best) = t.iter().copied().enumerate().fold((0, f64::MAX), |b, (k, v)| if v < b.1 { (k, v) } else { b });
+                    let tflops = 2.0 * (n * o * i) as f64 / (best * 1e-6) / 1e12;
+                    println!(
+                        "fp8 gemm {name:<8} n={n:<5} outer={outer:<5}: first {first:7.1} us, best {best:7.1} us (#{bi} of {}, {tflops:.0} TFLOP/s); all {:?}",
+                        t.len(),
+                        t.iter().map(|v| (v * 10.0).round() / 10.0).collect::<Vec<_>>()
+                    );
+                    rows.push(json!({"gemm": name, "n": n, "out": o, "inp": i, "outer_vec": outer, "us": t}));
+                }
+            }
+        }
+        std::fs::write(out, serde_json::to_string_pretty(&json!({"device": gpu.name.clone(), "fp8_gemm_sweep": rows}))?)?;
+        Ok(())
+    }
+
     const BS: usize = 16;
     const HBM: f64 = 4.3e12;
     const PEAK: f64 = 790e12;
@@ -210,6 +255,9 @@ mod bench {
             Some(k) => anyhow::bail!("--kv-cache-dtype {k}: auto, bf16 or fp8"),
         };
         let json_vocab = args.iter().position(|a| a == "--json-schema").and_then(|i| args.get(i + 1).cloned());
+        if has("--fp8-gemm-sweep") {
+            return fp8_gemm_sweep(&out);
+        }
         let shape = SyntheticShape::llama3_8b(1234);
         let opts = CudaOptions {
             quantization,

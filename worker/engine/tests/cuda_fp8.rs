@@ -412,6 +412,30 @@ fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
             assert!(e < tol, "FP8 GEMM off the exact product of its quantized operands by {e} (row rms)");
             gemm_out = y;
         }
+        // The same product with both scales applied in cuBLASLt's epilogue (outer-vector
+        // scaling, `PRISM_FP8_OUTER_VEC=1`), where cuBLASLt has an algorithm for the shape: the
+        // per-channel scales on the weight's rows and the per-token scales on the activations'
+        // (swapped, or either missing, the rows are off by far more than the bound).
+        lt.enable_outer_vec().unwrap();
+        for f32_out in [false, true] {
+            let a = Fp8GemmArgs { y: y_d.ptr, xq: xq_d.ptr, wq: wq_d.ptr, n, out, inp, f32_out };
+            if !lt.matmul_scaled(&gpu, &a, xs_d.ptr, ws_d.ptr).unwrap() {
+                println!("FP8 GEMM {n}x{out}x{inp} (f32 out {f32_out}): no outer-vector algorithm");
+                continue;
+            }
+            let y = if f32_out {
+                let mut h = vec![0f32; n * out];
+                gpu.sync().unwrap();
+                gpu.download(&mut h, y_d.ptr).unwrap();
+                h
+            } else {
+                download_bf16(&gpu, y_d.ptr, n * out).unwrap()
+            };
+            let e = rel(&y, &y_w8a8);
+            println!("FP8 GEMM {n}x{out}x{inp} scaled in the epilogue (f32 out {f32_out}): {e:.5} of the row rms");
+            let tol = if fast { 0.1 } else { 2e-2 };
+            assert!(e < tol, "outer-vector scaled FP8 GEMM off the exact product by {e} (row rms)");
+        }
         // bf16 GEMM of the dequantized weight.
         let wdq_d = DevBuf::zeroed(&gpu, out * inp * 2).unwrap();
         k.dequantize(&gpu, wdq_d.ptr, wq_d.ptr, ws_d.ptr, out, inp).unwrap();

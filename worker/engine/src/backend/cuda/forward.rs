@@ -352,7 +352,7 @@ impl ShardModel {
         let norm_io = |io: FusedIo, delta: u64, ws: u64, gain: u64, out: u64, out_scales: u64| NormIo {
             x: s.x.ptr,
             delta,
-            delta_scales: (delta != 0).then_some((io.act_scales, ws)),
+            delta_scales: if delta != 0 { io.reader_scales(io.act_scales, ws) } else { None },
             gain,
             out,
             out_scales,
@@ -476,7 +476,7 @@ impl ShardModel {
                 } else {
                     let k = if kv_fp8 { &g.k.rope_kv_write_fp8 } else { &g.k.rope_kv_write };
                     // The fused FP8 path's QKV product is scaled here.
-                    let (xs, ws) = q8.map_or((null, null), |io| (io.norm_scales, lw.qkv_scale));
+                    let (xs, ws) = q8.and_then(|io| io.reader_scales(io.norm_scales, lw.qkv_scale)).unwrap_or((null, null));
                     let mut b = st.launch_builder(k);
                     b.arg(&s.qkv.ptr)
                         .arg(&pos)
@@ -659,7 +659,7 @@ impl ShardModel {
                     codes,
                     scales,
                     gu,
-                    gu_scales: Some((io.norm_scales, lw.gate_up_scale)),
+                    gu_scales: io.reader_scales(io.norm_scales, lw.gate_up_scale),
                     n,
                     inter: d.inter,
                 };

@@ -13,6 +13,12 @@
 //! Only o_proj's input (the attention output) and the lm_head keep a separate quantization /
 //! scale pass. The activation codes are those of the unfused path for the same bf16
 //! activations (one rounding fewer on the products: no bf16 copy of the scaled product).
+//!
+//! With `PRISM_FP8_OUTER_VEC=1` the GEMMs scale their products in cuBLASLt's epilogue instead
+//! ([`Fp8Gemm::matmul_scaled`]; [`FusedIo::products_scaled`]): the readers then load no
+//! per-channel scales (a f32 per element from L2 on every row) and the o_proj and lm_head
+//! products need no scale pass; a shape cuBLASLt has no such algorithm for is scaled by
+//! `scale_rows_cols` after the plain GEMM, so every product leaves the path scaled.
 
 use super::device::{DevBuf, GemmArgs, GemmShape, Gpu};
 use super::error::CudaError;
@@ -36,6 +42,8 @@ pub(crate) struct Fp8Path {
     wtmp: Option<DevBuf>,
     /// The fused passes apply to this model (see the module docs).
     fused: bool,
+    /// The GEMMs scale their products (outer-vector epilogue; see the module docs).
+    outer: bool,
 }
 
 /// A GEMM's input.
@@ -70,6 +78,16 @@ pub(crate) struct FusedIo {
     pub codes: u64,
     pub norm_scales: u64,
     pub act_scales: u64,
+    /// The products come out of the path scaled: their readers take no scales.
+    pub products_scaled: bool,
+}
+
+impl FusedIo {
+    /// The scales a reader of a product applies as it loads it (the product's input scales at
+    /// `xs`, its weight's at `ws`), or none when the path already scaled it.
+    pub fn reader_scales(&self, xs: u64, ws: u64) -> Option<(u64, u64)> {
+        (!self.products_scaled).then_some((xs, ws))
+    }
 }
 
 impl Fp8Path {
@@ -100,6 +118,15 @@ impl Fp8Path {
             w.layers.iter().flat_map(|l| [l.input_norm, l.post_norm]).chain([w.norm]).all(|p| p.is_multiple_of(16));
         let fused = lt_ok && llama_layers && all_fp8 && gains_aligned && fused_supported(d.hidden, d.inter);
         let off = std::env::var("PRISM_FP8_FUSED").is_ok_and(|v| v == "0");
+        let want_outer = std::env::var("PRISM_FP8_OUTER_VEC").is_ok_and(|v| v == "1");
+        let outer = lt_ok
+            && want_outer
+            && gemm.outer_vec_available(tokens.min(256), 2 * d.inter, d.hidden, true).unwrap_or(false);
+        if outer {
+            gemm.enable_outer_vec()?;
+        } else if want_outer {
+            tracing::warn!("PRISM_FP8_OUTER_VEC=1: cuBLASLt has no outer-vector FP8 GEMM here; scaling separately");
+        }
         Ok(Self {
             k: Fp8Kernels::new(gpu)?,
             gemm,
@@ -108,17 +135,21 @@ impl Fp8Path {
             xs2: DevBuf::zeroed(gpu, tokens * 4)?,
             wtmp,
             fused: fused && !off,
+            outer,
         })
     }
 
     /// How steps above the GEMVs' token count multiply: "cublaslt_fp8_fused",
     /// "cublaslt_fp8" (fused passes off: `PRISM_FP8_FUSED=0`, or a model they do not take) or
-    /// "dequantize_bf16" (cuBLASLt has no FP8 GEMM).
+    /// "dequantize_bf16" (cuBLASLt has no FP8 GEMM); "_outer_vec" added when the GEMMs scale
+    /// their products.
     pub fn gemm_path(&self) -> &'static str {
-        match (&self.wtmp, self.fused) {
-            (Some(_), _) => "dequantize_bf16",
-            (None, true) => "cublaslt_fp8_fused",
-            (None, false) => "cublaslt_fp8",
+        match (&self.wtmp, self.fused, self.outer) {
+            (Some(_), _, _) => "dequantize_bf16",
+            (None, true, true) => "cublaslt_fp8_fused_outer_vec",
+            (None, true, false) => "cublaslt_fp8_fused",
+            (None, false, true) => "cublaslt_fp8_outer_vec",
+            (None, false, false) => "cublaslt_fp8",
         }
     }
 
@@ -129,6 +160,7 @@ impl Fp8Path {
             codes: self.xq.ptr,
             norm_scales: self.xs2.ptr,
             act_scales: self.xs.ptr,
+            products_scaled: self.outer,
         })
     }
 
@@ -154,8 +186,14 @@ impl Fp8Path {
             }
             GemmIn::Codes(xs) => xs,
         };
-        self.gemm.matmul(g, &Fp8GemmArgs { y, xq: self.xq.ptr, wq: w, n, out, inp, f32_out })?;
-        if !scaled {
+        let args = Fp8GemmArgs { y, xq: self.xq.ptr, wq: w, n, out, inp, f32_out };
+        if self.gemm.matmul_scaled(g, &args, xs, ws)? {
+            return Ok(());
+        }
+        self.gemm.matmul(g, &args)?;
+        // With outer-vector scaling on, every product leaves the path scaled (its readers
+        // take no scales), this one too.
+        if !scaled && !self.outer {
             return Ok(());
         }
         self.k.scale_rows_cols(g, &ScaleArgs { y, xs, ws, n, out, f32_out })

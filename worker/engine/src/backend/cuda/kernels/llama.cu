@@ -69,37 +69,109 @@ extern "C" __global__ void add_rmsnorm(float* x, const bf16* delta, const bf16* 
 // With xs set, the row is the unscaled product of the FP8 QKV GEMM: element j of row t is
 // multiplied by xs[t] · ws[j] (per-token activation scale, per-channel weight scale) as it is
 // read, and the whole row is written back scaled. Grid: n tokens.
+// The token's angles' sines and cosines are computed once per frequency into shared memory
+// (every head uses the same ones; the same sincosf of the same argument, so the same values as
+// computing them per head), and head dims that are multiples of 8 move two values per access in
+// the rotation and 8 per access in the cache write.
+#define ROPE_MAX_HALF 256
 template <bool FP8>
 __device__ __forceinline__ void rope_kv_impl(bf16* qkv, const u32* pos, const u32* slots, const float* inv_freq,
                                              void* kcv, void* vcv, int qh, int kvh, int hd, const float* xs,
                                              const float* ws) {
+    __shared__ float sn[ROPE_MAX_HALF], cs[ROPE_MAX_HALF];
     int t = blockIdx.x;
     int half = hd / 2;
     u64 qkv_dim = (u64)(qh + 2 * kvh) * hd;
     bf16* row = qkv + (u64)t * qkv_dim;
     float p = (float)pos[t];
     const float a = xs ? xs[t] : 1.f;
-    for (int i = threadIdx.x; i < (qh + kvh) * half; i += blockDim.x) {
-        int head = i / half, j = i % half;
-        float s, c;
-        sincosf(p * inv_freq[j], &s, &c);
-        bf16* hp = row + head * hd;
-        float x1 = bf2f(hp[j]), x2 = bf2f(hp[j + half]);
-        if (xs) {
-            x1 *= a * ws[head * hd + j];
-            x2 *= a * ws[head * hd + j + half];
+    const bool vec = (hd & 7) == 0 && half <= ROPE_MAX_HALF;
+    if (vec) {
+        for (int j = threadIdx.x; j < half; j += blockDim.x) sincosf(p * inv_freq[j], &sn[j], &cs[j]);
+        __syncthreads();
+        const int pairs = half >> 1;
+        for (int i = threadIdx.x; i < (qh + kvh) * pairs; i += blockDim.x) {
+            int head = i / pairs, j = (i - head * pairs) * 2;
+            bf16* hp = row + head * hd;
+            float2 x1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(hp + j));
+            float2 x2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(hp + j + half));
+            if (xs) {
+                float2 w1 = *reinterpret_cast<const float2*>(ws + head * hd + j);
+                float2 w2 = *reinterpret_cast<const float2*>(ws + head * hd + j + half);
+                x1.x *= a * w1.x;
+                x1.y *= a * w1.y;
+                x2.x *= a * w2.x;
+                x2.y *= a * w2.y;
+            }
+            const float c0 = cs[j], c1 = cs[j + 1], s0 = sn[j], s1 = sn[j + 1];
+            __nv_bfloat162 o1, o2;
+            o1.x = f2bf(x1.x * c0 - x2.x * s0);
+            o1.y = f2bf(x1.y * c1 - x2.y * s1);
+            o2.x = f2bf(x2.x * c0 + x1.x * s0);
+            o2.y = f2bf(x2.y * c1 + x1.y * s1);
+            *reinterpret_cast<__nv_bfloat162*>(hp + j) = o1;
+            *reinterpret_cast<__nv_bfloat162*>(hp + j + half) = o2;
         }
-        hp[j] = f2bf(x1 * c - x2 * s);
-        hp[j + half] = f2bf(x2 * c + x1 * s);
-    }
-    if (xs) {
-        for (int i = (qh + kvh) * hd + threadIdx.x; i < (int)qkv_dim; i += blockDim.x)
-            row[i] = f2bf(bf2f(row[i]) * (a * ws[i]));
+        if (xs) {
+            for (u64 i = (u64)(qh + kvh) * hd / 2 + threadIdx.x; i < qkv_dim / 2; i += blockDim.x) {
+                __nv_bfloat162* rp = reinterpret_cast<__nv_bfloat162*>(row) + i;
+                float2 v = __bfloat1622float2(*rp);
+                float2 w = reinterpret_cast<const float2*>(ws)[i];
+                *rp = __floats2bfloat162_rn(v.x * (a * w.x), v.y * (a * w.y));
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < (qh + kvh) * half; i += blockDim.x) {
+            int head = i / half, j = i % half;
+            float s, c;
+            sincosf(p * inv_freq[j], &s, &c);
+            bf16* hp = row + head * hd;
+            float x1 = bf2f(hp[j]), x2 = bf2f(hp[j + half]);
+            if (xs) {
+                x1 *= a * ws[head * hd + j];
+                x2 *= a * ws[head * hd + j + half];
+            }
+            hp[j] = f2bf(x1 * c - x2 * s);
+            hp[j + half] = f2bf(x2 * c + x1 * s);
+        }
+        if (xs) {
+            for (int i = (qh + kvh) * hd + threadIdx.x; i < (int)qkv_dim; i += blockDim.x)
+                row[i] = f2bf(bf2f(row[i]) * (a * ws[i]));
+        }
     }
     __syncthreads();
     if (slots[t] == 0xffffffffu) return;  // padding token of a CUDA-graph bucket
     u64 slot = slots[t];
     int kvd = kvh * hd;
+    if (vec) {
+        // 8 values per access: K then V of the row, 16-byte aligned (hd a multiple of 8).
+        const uint4* kr = reinterpret_cast<const uint4*>(row + qh * hd);
+        const uint4* vr = reinterpret_cast<const uint4*>(row + (qh + kvh) * hd);
+        for (int i = threadIdx.x; i < kvd / 8; i += blockDim.x) {
+            uint4 k8 = kr[i], v8 = vr[i];
+            if (FP8) {
+                const __nv_bfloat162* kh = reinterpret_cast<const __nv_bfloat162*>(&k8);
+                const __nv_bfloat162* vh = reinterpret_cast<const __nv_bfloat162*>(&v8);
+                unsigned char kq[8], vq[8];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float2 kf = __bfloat1622float2(kh[e]), vf = __bfloat1622float2(vh[e]);
+                    kq[2 * e] = __nv_cvt_float_to_fp8(kf.x, __NV_SATFINITE, __NV_E4M3);
+                    kq[2 * e + 1] = __nv_cvt_float_to_fp8(kf.y, __NV_SATFINITE, __NV_E4M3);
+                    vq[2 * e] = __nv_cvt_float_to_fp8(vf.x, __NV_SATFINITE, __NV_E4M3);
+                    vq[2 * e + 1] = __nv_cvt_float_to_fp8(vf.y, __NV_SATFINITE, __NV_E4M3);
+                }
+                reinterpret_cast<uint2*>(reinterpret_cast<unsigned char*>(kcv) + slot * kvd)[i] =
+                    *reinterpret_cast<const uint2*>(kq);
+                reinterpret_cast<uint2*>(reinterpret_cast<unsigned char*>(vcv) + slot * kvd)[i] =
+                    *reinterpret_cast<const uint2*>(vq);
+            } else {
+                reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(kcv) + slot * kvd)[i] = k8;
+                reinterpret_cast<uint4*>(reinterpret_cast<bf16*>(vcv) + slot * kvd)[i] = v8;
+            }
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
         if (FP8) {
             unsigned char* kc = reinterpret_cast<unsigned char*>(kcv);
