@@ -467,9 +467,18 @@ mod bench {
                 floor * 1e3,
                 100.0 * floor / greedy
             );
+            // The same steps enqueued back to back (one wait at the end): the host's part of a
+            // step is the difference.
+            let enqueued = be.time_enqueued_steps(&b, 50)?;
+            println!(
+                "decode b=1 ctx={ctx}: {:.3} ms/step enqueued back to back (host part of a step {:.1} us)",
+                enqueued * 1e3,
+                (greedy - enqueued) * 1e6
+            );
             results.insert(
                 format!("decode_b1_ctx{ctx}"),
                 json!({"ms_per_step": greedy * 1e3, "ms_per_step_logits_to_host": logits * 1e3,
+                       "ms_per_step_enqueued": enqueued * 1e3,
                        "floor_ms": floor * 1e3, "fraction_of_floor": floor / greedy}),
             );
         }
@@ -481,13 +490,15 @@ mod bench {
             }
             let b = batch(bsz, 1024, 1, true);
             let step = time_greedy(&mut be, &b, 3, 20)?;
+            let enqueued = be.time_enqueued_steps(&b, 20)?;
             let floor = (wbytes + bsz as f64 * 1024.0 * kv_tok) / HBM;
             println!(
-                "decode b={bsz} ctx=1024: {:.3} ms/step, {:.0} tok/s; floor {:.3} ms -> {:.1}% of floor",
+                "decode b={bsz} ctx=1024: {:.3} ms/step, {:.0} tok/s; floor {:.3} ms -> {:.1}% of floor; enqueued back to back {:.3} ms",
                 step * 1e3,
                 bsz as f64 / step,
                 floor * 1e3,
-                100.0 * floor / step
+                100.0 * floor / step,
+                enqueued * 1e3
             );
             results.insert(
                 format!("decode_b{bsz}_ctx1024"),

@@ -708,6 +708,16 @@ mod trace {
             stats.steps_total,
             stats.num_preemptions_total
         );
+        // The engine's step loop runs the forward pass and the host work (scheduling, the
+        // step's metadata, sampling bookkeeping, detokenizing, streaming) one after the other:
+        // the device idles for the latter.
+        let fwd = stats.forward_seconds_total;
+        let host = (wall - fwd).max(0.0);
+        println!(
+            "forward passes {fwd:.2}s of the {wall:.2}s wall ({:.1}%); between them {host:.2}s ({:.2} ms per step)",
+            100.0 * fwd / wall.max(1e-9),
+            1e3 * host / (stats.steps_total.max(1) as f64)
+        );
         report.insert(
             "result".into(),
             json!({
@@ -716,7 +726,7 @@ mod trace {
                 "ttft_s": {"p50": ttft50, "p99": ttft99}, "tpot_s": {"p50": tpot50, "p99": tpot99},
                 "steps": stats.steps_total, "device_greedy_steps": stats.device_greedy_steps_total,
                 "preemptions": stats.num_preemptions_total, "timed_out": timed_out, "complete": complete,
-                "engine_alive": engine_alive,
+                "engine_alive": engine_alive, "forward_s": fwd,
                 "kv_waste": {"time_weighted": w.time_weighted, "mean": w.mean, "max": w.max, "steps": w.steps,
                              "allocated_slot_steps": w.allocated_slot_steps, "stored_token_steps": w.stored_token_steps,
                              "limit": WASTE_LIMIT, "pass": waste_ok},

@@ -189,6 +189,9 @@ pub struct EngineStats {
     /// Prompt tokens actually run through the model in prefill (cache hits excluded,
     /// recomputation after preemption included).
     pub prompt_tokens_computed_total: u64,
+    /// Seconds spent in forward passes (the backend's step call, device work and its wait
+    /// included) since start: against wall time, what the host spends between steps.
+    pub forward_seconds_total: f64,
 }
 
 #[derive(Debug)]
@@ -198,6 +201,7 @@ struct Histograms {
     e2e: LatencyHistogram,
     last_step_ok_at: Option<Instant>,
     kv_waste: KvWasteAcc,
+    forward_seconds: f64,
 }
 
 /// Shared counters written by the step thread, read by [`super::EngineHandle::stats`].
@@ -254,6 +258,7 @@ impl Default for StatsRecorder {
                 e2e: LatencyHistogram::new(E2E_BUCKETS),
                 last_step_ok_at: None,
                 kv_waste: KvWasteAcc::default(),
+                forward_seconds: 0.0,
             }),
         }
     }
@@ -289,7 +294,10 @@ impl StatsRecorder {
         if device_greedy {
             self.device_greedy_steps.fetch_add(1, Ordering::Relaxed);
         }
-        self.with_hist(|h| h.kv_waste.observe(allocated, stored, forward));
+        self.with_hist(|h| {
+            h.kv_waste.observe(allocated, stored, forward);
+            h.forward_seconds += forward.as_secs_f64();
+        });
     }
 
     /// Records why the step thread died.
@@ -348,6 +356,7 @@ impl StatsRecorder {
             prefix_cache_queries_total: r(&self.prefix_cache_queries),
             prefix_cache_hits_total: r(&self.prefix_cache_hits),
             prompt_tokens_computed_total: r(&self.prompt_tokens_computed),
+            forward_seconds_total: h.forward_seconds,
         }
     }
 }

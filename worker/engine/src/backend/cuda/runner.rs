@@ -540,6 +540,27 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// Seconds per step of `iters` steps of `batch` enqueued back to back (metadata upload,
+    /// forward pass or graph replay, device argmax; one wait at the end). Against
+    /// [`CudaBackend::forward_greedy`], which waits for each step's tokens, the difference is
+    /// the host's part of a step: the wait, the copy back and the next step's launch
+    /// (benchmarks).
+    ///
+    /// # Errors
+    /// As [`Backend::forward`].
+    pub fn time_enqueued_steps(&mut self, batch: &StepBatch, iters: usize) -> Result<f64, BackendError> {
+        let rows = self.run(batch)?;
+        self.launch_argmax(rows)?;
+        self.m.gpu.sync()?;
+        let t = std::time::Instant::now();
+        for _ in 0..iters.max(1) {
+            let rows = self.run(batch)?;
+            self.launch_argmax(rows)?;
+        }
+        self.m.gpu.sync()?;
+        Ok(t.elapsed().as_secs_f64() / iters.max(1) as f64)
+    }
+
     /// Waits for all queued work (benchmarks).
     ///
     /// # Errors
