@@ -141,4 +141,26 @@ fn device_masked_greedy_equals_host_masked_greedy() {
     assert!(host[3] as usize >= VOCAB - 4, "row 3 stays in the partial last word: {}", host[3]);
     assert_eq!(host[4], 0, "a row whose mask allows nothing falls back to token 0");
     assert_ne!(host[5], free[5], "row 5's banned free choice");
+
+    // A few rows' argmax is split over many blocks per row (ROWS rows: 43 each): a tie between
+    // the first and the last block's range goes to the lower id, and NaN never wins, whichever
+    // block finishes last. Adding 3e38 to a logit of a few units gives exactly 3e38 (an f32
+    // step there is ~2e31), so the two tokens tie exactly.
+    let (lo, hi) = (3u32, (VOCAB - 2) as u32);
+    let edits = vec![
+        LogitEdit { row: 0, token: hi, value: 3.0e38 },
+        LogitEdit { row: 0, token: lo, value: 3.0e38 },
+        LogitEdit { row: 5, token: lo, value: f32::NAN },
+        LogitEdit { row: 5, token: hi, value: 3.0e38 },
+        LogitEdit { row: 5, token: 100, value: f32::NAN },
+    ];
+    let c = LogitConstraints { mask_words: 0, masks: Vec::new(), mask_of_row: Vec::new(), edits };
+    let mut host_logits = logits.clone();
+    c.apply(&mut host_logits);
+    let host: Vec<u32> = (0..ROWS).map(|r| argmax(host_logits.row(r))).collect();
+    assert_eq!((host[0], host[5]), (lo, hi), "host sampler: lowest id on ties, NaN skipped");
+    for _ in 0..3 {
+        let device = be.forward_greedy_constrained(&batch, &mut || c.clone()).expect("tie/NaN greedy");
+        assert_eq!(device, host, "split device argmax vs host argmax on ties and NaN");
+    }
 }

@@ -11,10 +11,10 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{PinnedHostSlice, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PinnedHostSlice, PushKernelArg};
 
 use super::arch::ArchPlan;
-use super::device::{DevBuf, Gpu, grid_stride, per_row};
+use super::device::{DevBuf, Gpu, grid_stride};
 use super::error::{CudaError, CudaResultExt};
 use super::forward::{ATTN_CHUNK, ShardModel};
 use super::gemm::GemmPlanInfo;
@@ -22,7 +22,7 @@ use super::gemv::GEMV_MAX_M;
 use super::kv_cache::KvCache;
 use super::nccl::RankComm;
 use super::options::{CudaOptions, Dims, Quantization, SyntheticShape};
-use super::scratch::Uploaded;
+use super::scratch::{ARGMAX_MAX_SPLITS, Uploaded};
 use super::weights::{DeviceWeights, ShardSpec, WeightFormat};
 use crate::backend::{Backend, BackendError, LogitConstraints, Logits, StepBatch};
 use crate::model::config::ModelConfig;
@@ -51,6 +51,9 @@ pub struct CudaBackend {
     /// Whether constraints are staged in page-locked memory (default) or copied from
     /// pageable memory (benchmark comparison).
     pinned_constraints: bool,
+    /// Page-locked landing place of the greedy ids (allocated at the first greedy step): the
+    /// copy back is one DMA into it instead of a pageable copy staged by the driver.
+    argmax_host: Option<PinnedHostSlice<u32>>,
     /// Host-side phases of the last [`Backend::forward_greedy_constrained`] (benchmarks).
     pub constrained_timing: ConstrainedTiming,
 }
@@ -244,7 +247,7 @@ impl CudaBackend {
     ///
     /// # Errors
     /// [`BackendError::Cuda`] on a launch or copy failure.
-    pub(super) fn greedy_rows(&self, rows: usize) -> Result<Vec<u32>, BackendError> {
+    pub(super) fn greedy_rows(&mut self, rows: usize) -> Result<Vec<u32>, BackendError> {
         self.launch_argmax(rows)?;
         self.download_argmax(rows)
     }
@@ -265,13 +268,23 @@ impl CudaBackend {
             return Ok(());
         }
         let m = &self.m;
-        let cfg = per_row(rows, 1024);
+        // A few rows: each split over several blocks (about 256 blocks in all), so that a row
+        // is not read by one SM alone; from 64 rows on, one 1,024-thread block per row.
+        let splits = if rows >= 64 { 1 } else { 256usize.div_ceil(rows).min(ARGMAX_MAX_SPLITS) };
+        let threads = if splits > 1 { 256 } else { 1024 };
+        let cfg = LaunchConfig { grid_dim: (rows as u32, splits as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let vocab = m.d.vocab as i32;
         let MaskPtrs { masks, mask_of_row, words } = masks.unwrap_or(MaskPtrs { masks: 0, mask_of_row: 0, words: 0 });
+        let max_rows = m.s.max_rows as u64;
+        let part_v = m.s.argmax_part.ptr;
+        let part_i = part_v + max_rows * (ARGMAX_MAX_SPLITS as u64) * 4;
+        let done = part_i + max_rows * (ARGMAX_MAX_SPLITS as u64) * 4;
         let mut b = m.gpu.stream.launch_builder(&m.gpu.k.argmax_rows);
         b.arg(&m.s.argmax.ptr).arg(&m.s.logits.ptr).arg(&vocab).arg(&masks).arg(&mask_of_row).arg(&words);
+        b.arg(&part_v).arg(&part_i).arg(&done);
         // SAFETY: logits hold rows × vocab f32, argmax rows u32; masks (when not null) hold
-        // `words` u32 per mask and mask_of_row one i32 per row.
+        // `words` u32 per mask and mask_of_row one i32 per row; the partials hold
+        // max_rows × ARGMAX_MAX_SPLITS values and indices and max_rows zeroed counts.
         unsafe { b.launch(cfg) }.op("argmax_rows")?;
         Ok(())
     }
@@ -341,12 +354,20 @@ impl CudaBackend {
     ///
     /// # Errors
     /// [`BackendError::Cuda`] on a copy failure (or an earlier asynchronous fault).
-    pub(super) fn download_argmax(&self, rows: usize) -> Result<Vec<u32>, BackendError> {
-        let mut out = vec![0u32; rows];
-        if rows > 0 {
-            self.m.gpu.download(&mut out, self.m.s.argmax.ptr)?;
+    pub(super) fn download_argmax(&mut self, rows: usize) -> Result<Vec<u32>, BackendError> {
+        if rows == 0 {
+            return Ok(Vec::new());
         }
-        Ok(out)
+        let m = &self.m;
+        if self.argmax_host.as_ref().is_none_or(|h| h.len() < rows) {
+            // SAFETY: only the ids a copy below wrote are read.
+            let h = unsafe { m.gpu.ctx.alloc_pinned::<u32>(m.s.max_rows.max(rows)) }.op("cuMemHostAlloc")?;
+            self.argmax_host = Some(h);
+        }
+        let Some(host) = self.argmax_host.as_mut() else { return Ok(vec![0; rows]) };
+        let host = &mut host.as_mut_slice().op("pinned ids")?[..rows];
+        m.gpu.download(host, m.s.argmax.ptr)?;
+        Ok(host.to_vec())
     }
 
     /// The first `rows` logit rows of the last step.
@@ -401,6 +422,7 @@ impl CudaBackend {
             constraints_buf: None,
             constraints_host: None,
             pinned_constraints: true,
+            argmax_host: None,
             constrained_timing: ConstrainedTiming::default(),
         })
     }

@@ -9,6 +9,8 @@ use super::error::CudaError;
 use super::options::Dims;
 use crate::backend::StepBatch;
 
+/// Most blocks the greedy argmax splits one logit row over (`argmax_rows`).
+pub(crate) const ARGMAX_MAX_SPLITS: usize = 64;
 /// Bytes of the attention partial buffer; larger steps are split into several launches.
 const PART_BYTES: usize = 64 << 20;
 /// u32 entries of the metadata buffer beyond the per-token ones, for block tables (it grows
@@ -37,6 +39,10 @@ pub(crate) struct Scratch {
     pub logits: DevBuf,
     /// u32 `[R]` greedy tokens.
     pub argmax: DevBuf,
+    /// The split argmax's per-block partials: f32 values `[R, ARGMAX_MAX_SPLITS]`, then i32
+    /// indices `[R, ARGMAX_MAX_SPLITS]`, then u32 `[R]` finished-block counts (zero between
+    /// launches).
+    pub argmax_part: DevBuf,
     /// u32 step metadata: ids, positions, slots, block-table offsets, logit rows, block tables.
     meta: DevBuf,
     /// f32 chunked-context attention partials (`[n, q_heads, chunks, head_dim + 2]`).
@@ -97,6 +103,7 @@ impl Scratch {
             act: alloc(t * d.inter * bf)?,
             logits: alloc(r * d.vocab * 4)?,
             argmax: alloc(r * 4)?,
+            argmax_part: alloc(r * (ARGMAX_MAX_SPLITS * 8 + 4))?,
             meta: alloc((4 * t + r + META_SPARE) * 4)?,
             part: alloc(PART_BYTES)?,
             part_cap: PART_BYTES / 4,

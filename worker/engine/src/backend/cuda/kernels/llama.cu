@@ -438,22 +438,9 @@ extern "C" __global__ void logit_edits(float* logits, const u32* rows, const u32
     }
 }
 
-// out[r] = argmax(logits[r, :]) (first index on ties, as torch.argmax). With `masks`, a row
-// r whose mask_of_row[r] >= 0 only considers tokens whose bit is set in its mask of `words`
-// u32 words (bit t % 32 of word t / 32; tokens beyond the mask are out). Grid: rows; 1024
-// threads.
-extern "C" __global__ void argmax_rows(u32* out, const float* logits, int vocab, const u32* masks,
-                                       const int* mask_of_row, int words) {
-    const float* row = logits + (u64)blockIdx.x * vocab;
-    const u32* mask = nullptr;
-    if (masks != nullptr && mask_of_row[blockIdx.x] >= 0) mask = masks + (u64)mask_of_row[blockIdx.x] * words;
-    float best = NEG_INF;
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float v = row[i];
-        if (mask != nullptr && ((i >> 5) >= words || ((mask[i >> 5] >> (i & 31)) & 1u) == 0u)) continue;
-        if (v > best) { best = v; bi = i; }
-    }
+// Block-wide (value, index) maximum: the larger value, the lower index on ties (NaN never
+// wins: it compares false). The result is in thread 0.
+__device__ __forceinline__ void argmax_block(float& best, int& bi) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(0xffffffffu, best, o);
@@ -475,7 +462,67 @@ extern "C" __global__ void argmax_rows(u32* out, const float* logits, int vocab,
             int oi = __shfl_xor_sync(0xffffffffu, bi, o);
             if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
         }
-        if (l == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0u : (u32)bi;
+    }
+}
+
+// out[r] = argmax(logits[r, :]) (first index on ties, as torch.argmax). With `masks`, a row
+// r whose mask_of_row[r] >= 0 only considers tokens whose bit is set in its mask of `words`
+// u32 words (bit t % 32 of word t / 32; tokens beyond the mask are out). Grid (rows, splits):
+// block (r, z) takes the z-th of `splits` equal ranges of row r (one block per row reads a
+// 128K-token row from L2 at one SM's rate, several microseconds at batch 1). With more than one
+// split each block leaves its (value, index) in part_v / part_i [rows, splits], and the row's
+// last block to finish (done[r] counts them; it resets it for the next launch) folds them: the
+// maximum with the lowest index on ties is the same in any order, so the result does not depend
+// on which block finishes last.
+extern "C" __global__ void argmax_rows(u32* out, const float* logits, int vocab, const u32* masks,
+                                       const int* mask_of_row, int words, float* part_v, int* part_i, u32* done) {
+    const int r = blockIdx.x, z = blockIdx.y, splits = gridDim.y;
+    const float* row = logits + (u64)r * vocab;
+    const u32* mask = nullptr;
+    if (masks != nullptr && mask_of_row[r] >= 0) mask = masks + (u64)mask_of_row[r] * words;
+    const int per = (vocab + splits - 1) / splits;
+    const int lo = z * per, hi = min(vocab, lo + per);
+    float best = NEG_INF;
+    int bi = 0x7fffffff;
+#pragma unroll 4
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        float v = row[i];
+        if (mask != nullptr && ((i >> 5) >= words || ((mask[i >> 5] >> (i & 31)) & 1u) == 0u)) continue;
+        if (v > best) { best = v; bi = i; }
+    }
+    argmax_block(best, bi);
+    if (splits == 1) {
+        if (threadIdx.x == 0) out[r] = bi == 0x7fffffff ? 0u : (u32)bi;
+        return;
+    }
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        part_v[(u64)r * splits + z] = best;
+        part_i[(u64)r * splits + z] = bi;
+        __threadfence();
+        last = atomicAdd(&done[r], 1u) == (u32)splits - 1;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x >= 32) return;
+    __threadfence();
+    const volatile float* pv = part_v + (u64)r * splits;
+    const volatile int* pi = part_i + (u64)r * splits;
+    best = NEG_INF;
+    bi = 0x7fffffff;
+    for (int k = threadIdx.x; k < splits; k += 32) {
+        float v = pv[k];
+        int i = pi[k];
+        if (v > best || (v == best && i < bi)) { best = v; bi = i; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+    }
+    if (threadIdx.x == 0) {
+        out[r] = bi == 0x7fffffff ? 0u : (u32)bi;
+        done[r] = 0;
     }
 }
 
