@@ -97,7 +97,8 @@ mod bench {
         use prism_engine::backend::cuda::gemm_fp8::{Fp8Gemm, Fp8GemmArgs};
         let gpu = Gpu::new(0)?;
         let mut lt = Fp8Gemm::new(&gpu)?;
-        let shapes = [("qkv", 6144usize, 4096usize), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)];
+        let shapes =
+            [("qkv", 6144usize, 4096usize), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)];
         let (max_w, max_x, max_y, max_n) = (28672 * 4096, 2048 * 14336, 2048 * 28672, 28672);
         // bf16 fills read as e4m3 bytes: random codes (timing only).
         let (w, x) = (DevBuf::zeroed(&gpu, max_w)?, DevBuf::zeroed(&gpu, max_x)?);
@@ -118,7 +119,8 @@ mod bench {
                         println!("fp8 gemm {name} n={n} outer={outer}: no algorithm");
                         continue;
                     };
-                    let (bi, best) = t.iter().copied().enumerate().fold((0, f64::MAX), |b, (k, v)| if v < b.1 { (k, v) } else { b });
+                    let (bi, best) =
+                        t.iter().copied().enumerate().fold((0, f64::MAX), |b, (k, v)| if v < b.1 { (k, v) } else { b });
                     let tflops = 2.0 * (n * o * i) as f64 / (best * 1e-6) / 1e12;
                     println!(
                         "fp8 gemm {name:<8} n={n:<5} outer={outer:<5}: first {first:7.1} us, best {best:7.1} us (#{bi} of {}, {tflops:.0} TFLOP/s); all {:?}",
@@ -129,7 +131,10 @@ mod bench {
                 }
             }
         }
-        std::fs::write(out, serde_json::to_string_pretty(&json!({"device": gpu.name.clone(), "fp8_gemm_sweep": rows}))?)?;
+        std::fs::write(
+            out,
+            serde_json::to_string_pretty(&json!({"device": gpu.name.clone(), "fp8_gemm_sweep": rows}))?,
+        )?;
         Ok(())
     }
 

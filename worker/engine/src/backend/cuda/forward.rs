@@ -476,7 +476,8 @@ impl ShardModel {
                 } else {
                     let k = if kv_fp8 { &g.k.rope_kv_write_fp8 } else { &g.k.rope_kv_write };
                     // The fused FP8 path's QKV product is scaled here.
-                    let (xs, ws) = q8.and_then(|io| io.reader_scales(io.norm_scales, lw.qkv_scale)).unwrap_or((null, null));
+                    let (xs, ws) =
+                        q8.and_then(|io| io.reader_scales(io.norm_scales, lw.qkv_scale)).unwrap_or((null, null));
                     let mut b = st.launch_builder(k);
                     b.arg(&s.qkv.ptr)
                         .arg(&pos)

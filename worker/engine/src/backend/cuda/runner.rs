@@ -272,7 +272,8 @@ impl CudaBackend {
         // is not read by one SM alone; from 64 rows on, one 1,024-thread block per row.
         let splits = if rows >= 64 { 1 } else { 256usize.div_ceil(rows).min(ARGMAX_MAX_SPLITS) };
         let threads = if splits > 1 { 256 } else { 1024 };
-        let cfg = LaunchConfig { grid_dim: (rows as u32, splits as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (rows as u32, splits as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let vocab = m.d.vocab as i32;
         let MaskPtrs { masks, mask_of_row, words } = masks.unwrap_or(MaskPtrs { masks: 0, mask_of_row: 0, words: 0 });
         let max_rows = m.s.max_rows as u64;
