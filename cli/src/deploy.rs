@@ -42,7 +42,7 @@ use clap::Args;
 use prism_common::engine_flags::EngineFlags;
 use prism_common::proto::v1::{ApplyDeploymentRequest, AutoscalingConfig, DeploymentSpec, PlacementStrategy};
 use prism_head::placement::autoscaler::Params;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -52,13 +52,14 @@ pub struct DeployArgs {
     /// YAML deployment file (`-` = stdin).
     #[arg(short = 'f', long = "file", env = "PRISM_DEPLOY_FILE")]
     pub file: PathBuf,
-    /// Validate and print the spec without applying it.
+    /// Validate and print the deployment as it would be applied, without applying it: YAML
+    /// with the file's keys and the defaults filled in (`prism deploy -f` reads it back).
     #[arg(long, env = "PRISM_DRY_RUN")]
     pub dry_run: bool,
 }
 
-/// A deployment file.
-#[derive(Debug, Deserialize, Clone, PartialEq)]
+/// A deployment file (serialized with the same keys, absent ones left out).
+#[derive(Debug, Deserialize, Serialize, Clone, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DeploymentFile {
     /// Deployment name (DNS-1123 label).
@@ -66,28 +67,28 @@ pub struct DeploymentFile {
     /// GGUF file or Hugging Face directory, as the worker sees it.
     pub model: String,
     /// Model name clients use (default: `name`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub served_model_name: Option<String>,
     /// Engine knobs (vLLM names, the same as `prism up`'s engine flags).
     #[serde(default)]
     pub engine: EngineFlags,
     /// Number of replicas (default 1; not with `autoscaling_config`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<u32>,
     /// Lower bound for `prism scale` (not with `autoscaling_config`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_replicas: Option<u32>,
     /// Upper bound for `prism scale` (not with `autoscaling_config`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_replicas: Option<u32>,
     /// Ray Serve's autoscaling config: the head's autoscaler owns the replica count.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling_config: Option<AutoscalingFile>,
     /// `spread` (default) or `pack`.
     #[serde(default)]
     pub placement: PlacementArg,
     /// Only nodes with all these labels are used.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub node_selector: BTreeMap<String, String>,
     /// The first N replicas prefer `capacity-type=on-demand` nodes.
     #[serde(default)]
@@ -96,7 +97,7 @@ pub struct DeploymentFile {
 
 /// The `autoscaling_config:` block: Ray Serve's names, units (seconds) and defaults (see
 /// the module docs); absent keys take the default.
-#[derive(Debug, Deserialize, Clone, Default, PartialEq)]
+#[derive(Debug, Deserialize, Serialize, Clone, Default, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct AutoscalingFile {
     /// Lower bound (0 = scale to zero when idle).
@@ -105,28 +106,28 @@ pub struct AutoscalingFile {
     /// Upper bound (≥ max(1, min_replicas)).
     pub max_replicas: u32,
     /// Replicas at creation (default `min_replicas`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initial_replicas: Option<u32>,
     /// Running + waiting + queued requests per replica (default 2).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_ongoing_requests: Option<f64>,
     /// Mean KV-cache usage in (0, 1] above which one more replica is added (default off).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_kv_cache_usage: Option<f64>,
     /// Seconds a higher target must hold (default 30).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upscale_delay_s: Option<f64>,
     /// Seconds a lower target must hold (default 600).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub downscale_delay_s: Option<f64>,
     /// Seconds the load is averaged over (default 30).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub look_back_period_s: Option<f64>,
     /// Multiplies each upscale step (> 0, default 1).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upscaling_factor: Option<f64>,
     /// Multiplies each downscale step (> 0, default 1).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub downscaling_factor: Option<f64>,
 }
 
@@ -149,7 +150,7 @@ impl AutoscalingFile {
 }
 
 /// Placement strategy of a deployment's replicas.
-#[derive(Debug, Deserialize, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Deserialize, Serialize, Clone, Copy, Default, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum PlacementArg {
     /// Over as many nodes as possible.
@@ -213,6 +214,27 @@ impl DeploymentFile {
         Ok(())
     }
 
+    /// The same deployment with the defaults [`DeploymentFile::to_spec`] applies written out
+    /// (the served name; the replica count of a fixed-size deployment): what `--dry-run`
+    /// shows. Its spec is the same.
+    pub fn with_defaults(&self) -> Self {
+        let mut file = self.clone();
+        file.served_model_name.get_or_insert_with(|| self.name.clone());
+        if file.autoscaling_config.is_none() {
+            file.replicas.get_or_insert(1);
+        }
+        file
+    }
+
+    /// What `prism deploy --dry-run` prints: [`DeploymentFile::with_defaults`] as YAML, with
+    /// the keys of a deployment file, so it reads as one and `prism deploy -f` takes it back.
+    ///
+    /// # Errors
+    /// Only if serialization fails (it does not for a parsed file).
+    pub fn dry_run_yaml(&self) -> Result<String> {
+        serde_yaml::to_string(&self.with_defaults()).context("cannot write the deployment as YAML")
+    }
+
     /// The protocol's `DeploymentSpec` (absent counts and bounds are 0 = default).
     pub fn to_spec(&self) -> DeploymentSpec {
         let served = self.served_model_name.as_deref().unwrap_or(&self.name);
@@ -253,7 +275,7 @@ pub async fn run(head_addr: &client::HeadTarget, args: DeployArgs) -> Result<()>
         crate::model_check::check_parallel(engine).with_context(|| format!("model {}", engine.model))?;
     }
     if args.dry_run {
-        println!("{spec:#?}");
+        print!("{}", file.dry_run_yaml()?);
         return Ok(());
     }
     let mut head = client::head(head_addr).await?;
@@ -301,6 +323,49 @@ node_selector:
         assert_eq!(engine.max_num_seqs, Some(64));
         assert_eq!(engine.max_num_batched_tokens, Some(1024));
         assert!((engine.gpu_memory_utilization.context("gpu_memory_utilization")? - 0.85).abs() < 1e-6);
+        Ok(())
+    }
+
+    #[test]
+    fn dry_run_prints_a_deployment_file_that_reads_back_as_the_same_deployment() -> Result<()> {
+        let files = [
+            FULL,
+            "name: a\nmodel: /m.gguf\n",
+            "name: a\nmodel: m\nengine: {enable_prefix_caching: false, backend: cpu}\nmin_replicas: 1\nmax_replicas: 4\n",
+            include_str!("../../docs/examples/smollm2-autoscaled.yaml"),
+        ];
+        for yaml in files {
+            let file = DeploymentFile::parse(yaml)?;
+            let printed = file.dry_run_yaml()?;
+            let back = DeploymentFile::parse(&printed).with_context(|| format!("re-reading:\n{printed}"))?;
+            assert_eq!(back.to_spec(), file.to_spec(), "{printed}");
+            assert_eq!(back, file.with_defaults(), "{printed}");
+        }
+
+        // The keys a user writes, with the defaults that apply filled in.
+        let full: serde_yaml::Value = serde_yaml::from_str(&DeploymentFile::parse(FULL)?.dry_run_yaml()?)?;
+        assert_eq!(full["name"].as_str(), Some("smollm2"));
+        assert_eq!(full["model"].as_str(), Some("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+        assert_eq!(full["served_model_name"].as_str(), Some("smol"));
+        assert_eq!(full["replicas"].as_u64(), Some(3));
+        assert_eq!(full["placement"].as_str(), Some("pack"));
+        assert_eq!(full["node_selector"]["capacity-type"].as_str(), Some("on-demand"));
+        assert_eq!(full["engine"]["tensor_parallel_size"].as_u64(), Some(2));
+        assert_eq!(full["engine"]["max_model_len"].as_u64(), Some(2048));
+        assert_eq!(full["engine"]["max_num_batched_tokens"].as_u64(), Some(1024));
+        assert_eq!(full["engine"]["gpu_memory_utilization"].as_f64().map(|u| (u * 100.0).round()), Some(85.0));
+        let minimal: serde_yaml::Value =
+            serde_yaml::from_str(&DeploymentFile::parse("name: a\nmodel: /m.gguf\n")?.dry_run_yaml()?)?;
+        assert_eq!(minimal["served_model_name"].as_str(), Some("a"), "defaults to name");
+        assert_eq!(minimal["replicas"].as_u64(), Some(1));
+        assert_eq!(minimal["placement"].as_str(), Some("spread"));
+        assert!(minimal["engine"]["max_model_len"].is_null(), "an unset knob is left out: {minimal:?}");
+        assert!(minimal["autoscaling_config"].is_null() && minimal["node_selector"].is_null());
+        let auto: serde_yaml::Value = serde_yaml::from_str(
+            &DeploymentFile::parse(include_str!("../../docs/examples/smollm2-autoscaled.yaml"))?.dry_run_yaml()?,
+        )?;
+        assert!(auto["replicas"].is_null(), "the autoscaler owns the count: {auto:?}");
+        assert_eq!(auto["autoscaling_config"]["max_replicas"].as_u64(), Some(2));
         Ok(())
     }
 

@@ -16,7 +16,7 @@ mod table;
 mod up;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Prism: LLM serving on a Rust actor runtime (a replacement for Ray Serve + KubeRay + vLLM).
 #[derive(Parser, Debug)]
@@ -61,7 +61,12 @@ enum Command {
 
 fn main() -> Result<()> {
     prism_engine::parallel::rank::exit_if_rank();
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut Cli::command()).exit());
+    if let (Command::Up(args), Some(up)) = (&mut cli.command, matches.subcommand_matches("up")) {
+        // On a restart over a kept store, only the flags given override the stored deployment.
+        args.given = up::Given::of(up);
+    }
     if matches!(cli.command, Command::Up(_)) && std::env::var_os("RUST_LOG").is_none() {
         // `prism up` draws a progress bar: only warnings and errors go to the terminal.
         // SAFETY: no other thread exists yet (the runtime is built below).

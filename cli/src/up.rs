@@ -2,13 +2,16 @@
 //! or etcd), one worker (every local GPU, else the CPU backend) and the router, talking
 //! real gRPC on loopback exactly as separate processes do — then deploys one model, shows
 //! its loading progress, prints the endpoints, and serves until Ctrl-C, which drains and
-//! exits 0.
+//! exits 0. Restarted on a kept store, it keeps what was changed in the stored deployment
+//! since (`prism scale`, `prism deploy`) unless the flag for it is given ([`restart`]).
 
 mod args;
 mod components;
 mod head_auth;
+mod restart;
 
 pub use args::{DEFAULT_MODEL, DEMO_PROMPT, FETCH_SCRIPT, Listeners, UpArgs};
+pub use restart::Given;
 
 use crate::client::{self, status_error};
 use crate::deploy::is_dns1123_label;
@@ -96,12 +99,20 @@ pub async fn run(args: UpArgs) -> Result<()> {
     endpoints.head_token = head_auth.as_ref().map(|a| a.admin()).unwrap_or_default();
     endpoints.head_token_file = head_auth.as_ref().map(|a| a.admin_file().to_owned());
     let root = CancellationToken::new();
-    let mut cluster = components::start(&args.store, &args, api_keys, head_auth.as_ref(), listeners, &root).await?;
+    let fresh = spec(&args, &model, &served);
+    let (mut cluster, deployment) =
+        components::start(&args.store, &args, fresh.clone(), api_keys, head_auth.as_ref(), listeners, &root).await?;
+    if deployment.replicas != fresh.replicas {
+        eprintln!(
+            "{} is in the store ({}): keeping its {} replicas (pass --replicas to change them)",
+            deployment.name, args.store, deployment.replicas
+        );
+    }
 
     let signal = wait_for_signal();
     tokio::pin!(signal);
     let outcome = tokio::select! {
-        r = bring_up(&args, &model, &served, &endpoints, auth.as_deref()) => r,
+        r = bring_up(&args, &deployment, &model, &endpoints, auth.as_deref()) => r,
         s = &mut signal => { eprintln!("\n{}: stopping during startup", signal_name(&s)); Ok(false) }
         r = cluster.failed() => Err(r),
     };
@@ -172,10 +183,17 @@ impl Endpoints {
     }
 }
 
-/// Deploys the model, shows progress until it is served, prints the endpoints and runs the
-/// `--prompt` (the router calls carry `api_key` when API keys are set). Returns `Ok(true)`
-/// when serving.
-async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints, api_key: Option<&str>) -> Result<bool> {
+/// Applies `spec`, shows progress until its replicas are Ready and the router serves the
+/// model, prints the endpoints and runs the `--prompt` (the router calls carry `api_key`
+/// when API keys are set). Returns `Ok(true)` when serving.
+async fn bring_up(
+    args: &UpArgs,
+    spec: &DeploymentSpec,
+    model: &Path,
+    ep: &Endpoints,
+    api_key: Option<&str>,
+) -> Result<bool> {
+    let served = spec.engine.as_ref().map(|e| e.served_model_name.as_str()).unwrap_or_default();
     let bar = ProgressBar::new(4);
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:24}] {pos}/{len} {msg}")
@@ -194,8 +212,9 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints, api
             Err(_) => tokio::time::sleep(poll).await,
         }
     };
-    let spec = spec(args, model, served);
     let deployment = spec.name.clone();
+    // At zero (a stored autoscaled deployment scaled to zero) nothing starts until a request comes.
+    let want = spec.replicas as usize;
     loop {
         match head.apply_deployment(ApplyDeploymentRequest { spec: Some(spec.clone()) }).await {
             Ok(_) => break,
@@ -220,7 +239,7 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints, api
         }
         let ready = replicas.iter().filter(|r| r.state == ReplicaState::Ready as i32).count();
         let starting = replicas.iter().any(|r| r.state == ReplicaState::Starting as i32);
-        let new_stage = if ready >= args.replicas as usize {
+        let new_stage = if ready >= want {
             4
         } else if starting || ready > 0 {
             3
@@ -234,7 +253,7 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints, api
             bar.set_position(stage);
             let msg = match stage {
                 2 => "worker registered; placing the replica".to_owned(),
-                3 => format!("loading {} ({ready}/{} ready)", model.display(), args.replicas),
+                3 => format!("loading {} ({ready}/{want} ready)", model.display()),
                 _ => "model loaded; waiting for the router".to_owned(),
             };
             bar.set_message(msg);
@@ -256,7 +275,7 @@ async fn bring_up(args: &UpArgs, model: &Path, served: &str, ep: &Endpoints, api
             .map_err(status_error)?
             .into_inner()
             .models;
-        if models.iter().any(|m| m.id == served && m.ready_replicas > 0) {
+        if models.iter().any(|m| m.id == served && (m.ready_replicas > 0 || want == 0)) {
             break;
         }
         if Instant::now() > deadline {

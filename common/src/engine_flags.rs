@@ -7,18 +7,19 @@
 //!
 //! Adding a knob touches: a field here (flag, env var, YAML key, doc) with its value in
 //! `Default`, its line in [`EngineFlags::to_proto`] (and in [`unset_zeros`] when it is
-//! optional), the field of `EngineConfig` in `proto/prism/v1/head.proto`, and its line in
-//! the worker's launcher (plus the engine's own `EngineConfig` when the engine lacks it).
+//! optional), the field of `EngineConfig` in `proto/prism/v1/head.proto`, its line in
+//! the worker's launcher (plus the engine's own `EngineConfig` when the engine lacks it), and
+//! its line in what `prism up` applies over a stored deployment (`cli/src/up/restart.rs`).
 
 use crate::proto::v1 as pb;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The worker's KV-cache budget for a CPU replica whose deployment sets none: 256 MiB
 /// (`prism-worker --kv-cache-bytes` default; `prism up` uses it too).
 pub const DEFAULT_CPU_KV_CACHE_BYTES: u64 = 256 << 20;
 
 /// Which engine backend a replica runs on (`EngineConfig.backend` in the protocol).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendChoice {
     /// CUDA when the replica was placed on GPUs, else CPU.
@@ -41,7 +42,7 @@ impl BackendChoice {
 }
 
 /// Weight quantization of a deployment (`EngineConfig.quantization`; vLLM's `--quantization`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum QuantizationChoice {
     /// FP8 e4m3 weights with per-output-channel scales, quantized at load (CUDA).
@@ -50,7 +51,7 @@ pub enum QuantizationChoice {
 
 /// KV-cache element type of a deployment (`EngineConfig.kv_cache_dtype`; vLLM's
 /// `--kv-cache-dtype`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvCacheDtypeChoice {
     /// The model's compute type (bf16).
@@ -77,12 +78,14 @@ impl KvCacheDtypeChoice {
 ///
 /// As clap flags: `--max-model-len`, `--tensor-parallel-size`, … with env vars
 /// `PRISM_MAX_MODEL_LEN`, `PRISM_TENSOR_PARALLEL_SIZE`, …. As YAML: the same names in
-/// snake case (`max_model_len: 2048`); any other key is an error.
-#[derive(Clone, Debug, PartialEq, clap::Args, Deserialize)]
+/// snake case (`max_model_len: 2048`); any other key is an error. Serialized (`prism deploy
+/// --dry-run`) with the same keys, unset knobs left out.
+#[derive(Clone, Debug, PartialEq, clap::Args, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct EngineFlags {
     /// Context length in tokens (default: the model's own).
     #[arg(long, env = "PRISM_MAX_MODEL_LEN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_model_len: Option<u32>,
     /// Tensor-parallel ranks per pipeline stage, at least 1 (each rank holds 1/N of every
     /// layer's attention heads, KV heads and MLP columns: N must divide them).
@@ -92,10 +95,12 @@ pub struct EngineFlags {
     /// Pipeline stages per replica (default 1); each stage holds a contiguous range of layers.
     /// A replica uses tensor_parallel_size x pipeline_parallel_size GPUs (CPU slots on CPU nodes).
     #[arg(long, env = "PRISM_PIPELINE_PARALLEL_SIZE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline_parallel_size: Option<u32>,
     /// Fraction of GPU memory for weights + KV cache on the CUDA backend, in (0, 1]
     /// (default 0.9).
     #[arg(long, env = "PRISM_GPU_MEMORY_UTILIZATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_memory_utilization: Option<f32>,
     /// CUDA: batch-invariant (deterministic) kernels: a request's output never depends on what
     /// else is batched with it (slower; vLLM's VLLM_BATCH_INVARIANT; default off).
@@ -104,28 +109,35 @@ pub struct EngineFlags {
     pub batch_invariant: bool,
     /// Most sequences per batch (default 256).
     #[arg(long, env = "PRISM_MAX_NUM_SEQS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_num_seqs: Option<u32>,
     /// Most tokens per engine step, prefill chunks + decodes: the chunked-prefill budget
     /// (default 512 on the CPU backend, 2048 on CUDA).
     #[arg(long, env = "PRISM_MAX_NUM_BATCHED_TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_num_batched_tokens: Option<u32>,
     /// KV cache block size in tokens (default 16).
     #[arg(long, env = "PRISM_BLOCK_SIZE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
     /// KV cache budget in bytes (default: the worker's, 256 MiB, on the CPU backend; sized
     /// from --gpu-memory-utilization on CUDA).
     #[arg(long, env = "PRISM_KV_CACHE_BYTES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_cache_bytes: Option<u64>,
     /// Engine backend: auto (CUDA when the replica got GPUs, else CPU; the default), cpu or cuda.
     #[arg(long, env = "PRISM_BACKEND", value_enum, hide_possible_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub backend: Option<BackendChoice>,
     /// Requests the router keeps in flight on one replica (default: the router's
     /// --max-in-flight-per-replica, 256).
     #[arg(long, env = "PRISM_MAX_IN_FLIGHT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_in_flight: Option<u32>,
     /// Automatic prefix caching: reuse the KV blocks of prompt prefixes seen before (default
     /// on, as in vLLM). YAML: `enable_prefix_caching: false`; flags: `--no-enable-prefix-caching`.
     #[arg(long, env = "PRISM_ENABLE_PREFIX_CACHING", num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub enable_prefix_caching: Option<bool>,
     /// Turns automatic prefix caching off (vLLM's `--no-enable-prefix-caching`).
     #[arg(long, conflicts_with = "enable_prefix_caching")]
@@ -141,9 +153,11 @@ pub struct EngineFlags {
     /// Weight quantization: fp8 quantizes a bf16 checkpoint's linear layers to FP8 e4m3 at load
     /// (per-output-channel scales; CUDA). Default: the checkpoint's own format.
     #[arg(long, env = "PRISM_QUANTIZATION", value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub quantization: Option<QuantizationChoice>,
     /// KV cache element type: auto (bf16; the default), bf16 or fp8 (e4m3, scale 1.0; CUDA).
     #[arg(long, env = "PRISM_KV_CACHE_DTYPE", value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_cache_dtype: Option<KvCacheDtypeChoice>,
 }
 
@@ -328,6 +342,18 @@ mod tests {
         assert_eq!(flags(&["--kv-cache-dtype=auto"]).to_proto("/m", "m").kv_cache_dtype, "auto");
         assert!(serde_yaml::from_str::<EngineFlags>("quantization: awq\n").is_err());
         assert!(serde_yaml::from_str::<EngineFlags>("kv_cache_dtype: fp16\n").is_err());
+    }
+
+    #[test]
+    fn serialized_knobs_read_back_the_same() {
+        let set =
+            flags(&["--max-model-len=2048", "--backend=cpu", "--kv-cache-dtype=bf16", "--gpu-memory-utilization=0.85"]);
+        let text = serde_yaml::to_string(&set).expect("serializes");
+        assert!(text.contains("max_model_len: 2048\n"), "{text}");
+        assert!(text.contains("backend: cpu\n") && text.contains("kv_cache_dtype: bf16\n"), "{text}");
+        assert!(!text.contains("block_size") && !text.contains("null"), "unset knobs are left out: {text}");
+        assert_eq!(yaml(&text), set);
+        assert_eq!(yaml(&serde_yaml::to_string(&EngineFlags::default()).expect("serializes")), EngineFlags::default());
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! `prism up`'s flags and listening sockets (a leaf module: `up.rs` and `up/components.rs`
-//! both use it).
+//! `prism up`'s flags and listening sockets (`up.rs` and `up/components.rs` use it; it uses
+//! only `up/restart.rs`'s `Given`).
 
+use super::restart::Given;
 use anyhow::{Context, Result};
 use clap::Args;
 use prism_common::engine_flags::EngineFlags;
@@ -27,7 +28,8 @@ pub struct UpArgs {
     /// Engine knobs (the keys of a deployment file's `engine:` block).
     #[command(flatten)]
     pub engine: EngineFlags,
-    /// Number of replicas of the model.
+    /// Number of replicas of the model. On a restart over a kept store, without this flag
+    /// the stored count is kept (e.g. one set with `prism scale`).
     #[arg(long, env = "PRISM_REPLICAS", default_value_t = 1)]
     pub replicas: u32,
     /// Address the router listens on (use 0.0.0.0 to serve other machines).
@@ -52,7 +54,11 @@ pub struct UpArgs {
     #[arg(long, env = "PRISM_WORKER_HTTP_PORT", default_value_t = 8082)]
     pub worker_http_port: u16,
     /// State store: `embedded` (in process, state in a temporary file), `embedded:PATH`
-    /// (persisted to PATH) or `etcd://HOST:PORT[,HOST:PORT]`.
+    /// (persisted to PATH) or `etcd://HOST:PORT[,HOST:PORT]`. When it already holds this
+    /// model's deployment (a restart), the stored settings are kept (the replica count from
+    /// `prism scale`, engine knobs, placement, autoscaling from `prism deploy`) and only the
+    /// flags given (or set in the environment) override them; the model and served name are
+    /// always this command line's.
     #[arg(long, env = "PRISM_STORE", default_value = "embedded")]
     pub store: String,
     /// After startup, stream the answer to this prompt (chat template, greedy), then keep serving.
@@ -67,9 +73,10 @@ pub struct UpArgs {
     /// Give up when the model is not Ready after this many seconds.
     #[arg(long, env = "PRISM_LOAD_TIMEOUT", default_value_t = 900)]
     pub load_timeout: u64,
-    /// CPU slots of the embedded worker: replicas it can hold on the CPU backend (default:
-    /// `--replicas` × `--tensor-parallel-size` × `--pipeline-parallel-size`: one per rank). Raise it to deploy more models or let an
-    /// autoscaled deployment grow (`prism deploy`).
+    /// CPU slots of the embedded worker: replicas it can hold on the CPU backend (default
+    /// and minimum: the deployment's replicas × tensor-parallel × pipeline-parallel size,
+    /// one per rank; on a restart, of the stored deployment). Raise it to deploy more models
+    /// or let an autoscaled deployment grow (`prism deploy`).
     #[arg(long, env = "PRISM_UP_CPU_SLOTS")]
     pub cpu_slots: Option<u32>,
     /// Requests that may wait in the router's admission queue while the replicas are full
@@ -90,6 +97,12 @@ pub struct UpArgs {
     /// `prism status --token-file`. Off: the head is open, on loopback only.
     #[arg(long, env = "PRISM_UP_HEAD_AUTH")]
     pub head_auth: bool,
+
+    /// Which of these flags were given (command line or environment) rather than left at
+    /// their default: on a restart over a kept store only those override the stored
+    /// deployment. Filled by `main` from the parsed command line.
+    #[arg(skip)]
+    pub given: Given,
 }
 
 /// A number of seconds above zero (finite).

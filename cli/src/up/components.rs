@@ -1,10 +1,12 @@
 //! The three components of `prism up`, each started through its library's `run` with the
 //! listeners bound by the caller and its own cancellation token, stopped in order:
-//! router (stop accepting), worker (drain in-flight requests), head.
+//! router (stop accepting), worker (drain in-flight requests), head. The head starts first:
+//! the deployment it already stores decides what `prism up` applies ([`super::restart`])
+//! and so how many CPU slots the worker offers.
 
 use anyhow::{Context, Result, anyhow};
 use prism_common::engine_flags::DEFAULT_CPU_KV_CACHE_BYTES;
-use prism_common::proto::v1::ClusterStatusRequest;
+use prism_common::proto::v1::{ClusterStatusRequest, ClusterStatusResponse, DeploymentSpec};
 use prism_common::shutdown::CancellationToken;
 use prism_head::{HeadConfig, StoreSpec};
 use prism_router::RouterConfig;
@@ -45,18 +47,21 @@ pub struct Cluster {
 
 /// Starts head, worker and router on `listeners`; the router accepts `api_keys` (none = no
 /// authentication); with `head_auth` the head asks for tokens and the worker and router
-/// present theirs. `store` is `embedded`, `embedded:PATH` or `etcd://…`.
+/// present theirs. `store` is `embedded`, `embedded:PATH` or `etcd://…`. Returns the
+/// cluster and the deployment to apply: `fresh` (what the flags say) merged with the one of
+/// the same name the store already holds ([`super::restart::deployment_to_apply`]).
 ///
 /// # Errors
 /// Fails on an invalid store or configuration.
 pub async fn start(
     store: &str,
     args: &UpArgs,
+    fresh: DeploymentSpec,
     api_keys: Vec<prism_router::auth::ApiKeyEntry>,
     head_auth: Option<&UpHeadAuth>,
     listeners: Listeners,
     root: &CancellationToken,
-) -> Result<Cluster> {
+) -> Result<(Cluster, DeploymentSpec)> {
     let (store, state_dir) = if store == "embedded" {
         let dir = tempfile::Builder::new().prefix("prism-up-").tempdir()?;
         (StoreSpec::Embedded(dir.path().join("state.json")), Some(dir))
@@ -74,10 +79,6 @@ pub async fn start(
     };
 
     let mut worker_config = prism_worker::WorkerConfig::for_test(head_url.clone(), &prism_worker::config::hostname());
-    // Every rank of every replica holds a CPU slot: replicas x tp x pp.
-    let pp = args.engine.pipeline_parallel_size.unwrap_or(1).max(1);
-    let own = args.replicas.saturating_mul(args.engine.tensor_parallel_size).saturating_mul(pp);
-    worker_config.cpu_slots = args.cpu_slots.unwrap_or(own).max(own).max(1);
     // The budget of CPU replicas that set none (`--kv-cache-bytes` travels in the spec).
     worker_config.kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES;
     // Ctrl-C drains in-flight requests for at most this long.
@@ -100,14 +101,17 @@ pub async fn start(
     let mut head =
         tokio::spawn(prism_head::run(head_config, listeners.head_grpc, listeners.head_http, head_token.clone()));
     // Worker and router start once the head leads, so neither logs a "not the leader" retry.
-    tokio::select! {
+    let status = tokio::select! {
         r = wait_for_leader(&head_url, &admin) => r?,
         r = &mut head => return Err(match r {
             Ok(Ok(())) => anyhow!("the head stopped during startup"),
             Ok(Err(e)) => e.context("the head failed to start"),
             Err(e) => anyhow!("the head panicked: {e}"),
         }),
-    }
+    };
+    let stored = status.deployments.iter().filter_map(|d| d.spec.as_ref()).find(|s| s.name == fresh.name);
+    let spec = super::restart::deployment_to_apply(fresh, stored, &args.given);
+    worker_config.cpu_slots = cpu_slots(args.cpu_slots, &spec);
     let worker = tokio::spawn(prism_worker::run(
         worker_config,
         listeners.worker_grpc,
@@ -120,18 +124,30 @@ pub async fn start(
         listeners.router_grpc,
         router_token.clone(),
     ));
-    Ok(Cluster {
+    let cluster = Cluster {
         tasks: vec![
             Component::new("router", router_token, router, ROUTER_STOP),
             Component::new("worker", worker_token, worker, WORKER_STOP),
             Component::new("head", head_token, head, HEAD_STOP),
         ],
         _state_dir: state_dir,
-    })
+    };
+    Ok((cluster, spec))
 }
 
-/// Polls the head until it reports itself leader (at most 30 s).
-async fn wait_for_leader(head_url: &str, admin: &HeadCredential) -> Result<()> {
+/// The worker's CPU slots: `--cpu-slots`, and at least one per rank of every replica of
+/// `spec` (replicas x tensor_parallel_size x pipeline_parallel_size), and at least one.
+fn cpu_slots(flag: Option<u32>, spec: &DeploymentSpec) -> u32 {
+    let (tp, pp) = spec
+        .engine
+        .as_ref()
+        .map_or((1, 1), |e| (e.tensor_parallel_size.max(1), e.pipeline_parallel_size.unwrap_or(1).max(1)));
+    let own = spec.replicas.saturating_mul(tp).saturating_mul(pp);
+    flag.unwrap_or(own).max(own).max(1)
+}
+
+/// Polls the head until it reports itself leader (at most 30 s); returns its status then.
+async fn wait_for_leader(head_url: &str, admin: &HeadCredential) -> Result<ClusterStatusResponse> {
     let target = crate::client::HeadTarget { addr: head_url.to_owned(), credential: admin.clone() };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -139,7 +155,7 @@ async fn wait_for_leader(head_url: &str, admin: &HeadCredential) -> Result<()> {
             && let Ok(status) = head.cluster_status(ClusterStatusRequest {}).await
             && status.get_ref().is_leader
         {
-            return Ok(());
+            return Ok(status.into_inner());
         }
         if tokio::time::Instant::now() > deadline {
             return Err(anyhow!("the embedded head did not become leader within 30 s"));

@@ -1,0 +1,84 @@
+//! `prism up` restarted on a kept store (`--store embedded:PATH`): the replica count set with
+//! `prism scale` survives the restart (and the worker offers the CPU slots it needs), while an
+//! explicit `--replicas` on the restart's command line wins. Its logs, piped here, carry no
+//! ANSI colour codes. Three starts of the bundled model on the CPU backend.
+//!
+//! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
+
+use anyhow::{Context, Result, ensure};
+use prism_common::proto::v1::head_service_client::HeadServiceClient;
+use prism_common::proto::v1::{ClusterStatusRequest, ClusterStatusResponse, ReplicaState};
+use prism_tests::{PrismUp, eventually, model, prism_cli};
+use std::time::Duration;
+
+/// The deployment `prism up` makes of the bundled model.
+const DEPLOYMENT: &str = "smollm2-135m-instruct";
+
+async fn status(up: &PrismUp) -> Result<ClusterStatusResponse> {
+    let mut head = HeadServiceClient::connect(up.endpoints.head.clone()).await?;
+    Ok(head.cluster_status(ClusterStatusRequest {}).await?.into_inner())
+}
+
+/// The deployment's desired replica count and how many of its replicas are Ready.
+async fn replicas(up: &PrismUp) -> Result<(u32, usize)> {
+    let st = status(up).await?;
+    let desired = st
+        .deployments
+        .iter()
+        .filter_map(|d| d.spec.as_ref())
+        .find(|s| s.name == DEPLOYMENT)
+        .map(|s| s.replicas)
+        .with_context(|| format!("no deployment {DEPLOYMENT} in {st:?}"))?;
+    let ready =
+        st.replicas.iter().filter(|r| r.deployment == DEPLOYMENT && r.state == ReplicaState::Ready as i32).count();
+    Ok((desired, ready))
+}
+
+fn check_no_escape_codes(up: &PrismUp) -> Result<()> {
+    let stderr = up.proc.stderr();
+    ensure!(!stderr.contains('\x1b'), "ANSI escape codes in piped logs:\n{stderr:?}");
+    ensure!(stderr.contains(" INFO "), "no log lines to check:\n{stderr}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_on_a_kept_store_keeps_the_scaled_replica_count_unless_replicas_is_given() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    let store = format!("embedded:{}", dir.path().join("state.json").display());
+
+    // First run: one replica (the default), room for a second; then `prism scale` to 2.
+    let mut up = PrismUp::start(&model, &["--store", &store, "--cpu-slots", "2"]).await?;
+    assert_eq!(replicas(&up).await?, (1, 1));
+    let head = up.endpoints.head.clone();
+    let scaled = tokio::task::block_in_place(|| prism_cli(&["--head", &head, "scale", DEPLOYMENT, "2"]))?;
+    assert!(scaled.contains("scaled to 2 replicas"), "{scaled}");
+    eventually(Duration::from_secs(120), "2 Ready replicas", || async {
+        Ok((replicas(&up).await? == (2, 2)).then_some(()))
+    })
+    .await
+    .with_context(|| format!("prism up stderr:\n{}", up.proc.stderr()))?;
+    check_no_escape_codes(&up)?;
+    up.interrupt(Duration::from_secs(10)).await?;
+
+    // Restart with the first run's defaults (and no --cpu-slots): the stored count is kept,
+    // and `prism up` printed its endpoints only once both replicas were Ready.
+    let mut up = PrismUp::start(&model, &["--store", &store]).await?;
+    assert_eq!(replicas(&up).await?, (2, 2), "prism up stderr:\n{}", up.proc.stderr());
+    let stderr = up.proc.stderr();
+    assert!(stderr.contains(&format!("{DEPLOYMENT} is in the store")), "{stderr}");
+    assert!(stderr.contains("keeping its 2 replicas"), "{stderr}");
+    check_no_escape_codes(&up)?;
+    up.interrupt(Duration::from_secs(10)).await?;
+
+    // An explicit --replicas on the command line wins over the stored count.
+    let mut up = PrismUp::start(&model, &["--store", &store, "--replicas", "1"]).await?;
+    let desired = replicas(&up).await?.0;
+    assert_eq!(desired, 1, "prism up stderr:\n{}", up.proc.stderr());
+    eventually(Duration::from_secs(60), "1 Ready replica", || async {
+        Ok((replicas(&up).await? == (1, 1)).then_some(()))
+    })
+    .await?;
+    up.interrupt(Duration::from_secs(10)).await?;
+    Ok(())
+}
