@@ -337,18 +337,12 @@ fn print_banner(served: &str, model: &Path, ep: &Endpoints, keys: bool) {
 mod tests {
     use super::*;
     use crate::deploy::DeploymentFile;
-    use clap::Parser;
+    use args::parse_up;
     use prism_common::proto::v1::EngineConfig;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        up: UpArgs,
-    }
 
     /// The engine config `prism up FLAGS` deploys, and the one of a deployment file with `engine_block`.
     fn both(flags: &[&str], engine_block: &str) -> anyhow::Result<(EngineConfig, EngineConfig)> {
-        let args = Cli::try_parse_from(std::iter::once("prism-up").chain(flags.iter().copied()))?.up;
+        let args = parse_up(flags)?;
         let up = spec(&args, Path::new("/models/m.gguf"), "smol").engine.context("engine")?;
         let yaml = format!("name: smol\nmodel: /models/m.gguf\n{engine_block}");
         let deployed = DeploymentFile::parse(&yaml)?.to_spec().engine.context("engine")?;
@@ -402,7 +396,7 @@ mod tests {
             let (up, deployed) = both(flags, block)?;
             assert_eq!((up.enable_prefix_caching, deployed.enable_prefix_caching), (want, want), "{flags:?}");
         }
-        let parse = |flags: &[&str]| Cli::try_parse_from(std::iter::once("prism-up").chain(flags.iter().copied()));
+        let parse = parse_up;
         assert!(parse(&["--enable-prefix-caching", "--no-enable-prefix-caching"]).is_err(), "contradicting flags");
         // The flag has no YAML spelling: the key is `enable_prefix_caching`.
         assert!(DeploymentFile::parse("name: a\nmodel: m\nengine:\n  no_enable_prefix_caching: true\n").is_err());
@@ -411,12 +405,12 @@ mod tests {
 
     #[test]
     fn queue_flags_default_to_the_routers_and_refuse_a_wait_of_zero() -> anyhow::Result<()> {
-        let parse = |flags: &[&str]| Cli::try_parse_from(std::iter::once("prism-up").chain(flags.iter().copied()));
-        let d = parse(&[])?.up;
+        let parse = parse_up;
+        let d = parse(&[])?;
         let router = prism_router::RouterConfig::default();
         assert_eq!(d.max_queued_requests, router.max_queued_requests);
         assert_eq!(Duration::from_secs_f64(d.max_queue_wait), router.max_queue_wait);
-        let set = parse(&["--max-queued-requests=0", "--max-queue-wait=120"])?.up;
+        let set = parse(&["--max-queued-requests=0", "--max-queue-wait=120"])?;
         assert_eq!((set.max_queued_requests, set.max_queue_wait), (0, 120.0));
         for bad in ["0", "-1", "nan", "inf", "soon"] {
             let flag = format!("--max-queue-wait={bad}");
@@ -430,9 +424,8 @@ mod tests {
     /// error naming it.
     #[test]
     fn api_key_flags_reach_the_router_config() -> anyhow::Result<()> {
-        let parse = |flags: &[&str]| Cli::try_parse_from(std::iter::once("prism-up").chain(flags.iter().copied()));
-        let up =
-            parse(&["--api-key", "sk-1", "--api-key=sk-2", "--api-key-rate-limit=5", "--metrics-without-auth"])?.up;
+        let parse = parse_up;
+        let up = parse(&["--api-key", "sk-1", "--api-key=sk-2", "--api-key-rate-limit=5", "--metrics-without-auth"])?;
         let keys = up.keys.entries()?;
         assert_eq!(
             keys.iter().map(|k| (k.key.as_str(), k.rps)).collect::<Vec<_>>(),
@@ -440,8 +433,8 @@ mod tests {
         );
         assert!(up.keys.metrics_without_auth);
         assert!(!format!("{up:?}").contains("sk-1"), "Debug of the flags shows a key");
-        assert!(parse(&[])?.up.keys.entries()?.is_empty());
-        let err = parse(&["--api-key-file", "/nonexistent/keys"])?.up.keys.entries().err().map(|e| e.to_string());
+        assert!(parse(&[])?.keys.entries()?.is_empty());
+        let err = parse(&["--api-key-file", "/nonexistent/keys"])?.keys.entries().err().map(|e| e.to_string());
         assert!(err.unwrap_or_default().contains("/nonexistent/keys"));
         Ok(())
     }

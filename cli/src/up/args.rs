@@ -153,3 +153,19 @@ impl Listeners {
         })
     }
 }
+
+/// `prism up`'s arguments parsed from `flags` as `main` parses the `up` subcommand, the flags
+/// given recorded (tests).
+#[cfg(test)]
+pub(crate) fn parse_up(flags: &[&str]) -> Result<UpArgs> {
+    use clap::{CommandFactory, FromArgMatches};
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+    let matches = Cli::command().try_get_matches_from(std::iter::once("prism-up").chain(flags.iter().copied()))?;
+    let mut up = Cli::from_arg_matches(&matches)?.up;
+    up.given = Given::of(&matches);
+    Ok(up)
+}

@@ -85,25 +85,11 @@ fn engine_to_apply(fresh: EngineConfig, stored: &EngineConfig, given: &Given) ->
 
 #[cfg(test)]
 mod tests {
+    use super::super::args::parse_up as parse;
     use super::*;
-    use crate::up::UpArgs;
-    use clap::{CommandFactory, FromArgMatches, Parser};
+    use clap::{CommandFactory, Parser};
     use prism_common::engine_flags::EngineFlags;
     use prism_common::proto::v1::{AutoscalingConfig, PlacementStrategy};
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        up: UpArgs,
-    }
-
-    /// `prism up FLAGS` parsed as `main` does, with the given flags recorded.
-    fn parse(flags: &[&str]) -> anyhow::Result<UpArgs> {
-        let matches = Cli::command().try_get_matches_from(std::iter::once("prism-up").chain(flags.iter().copied()))?;
-        let mut up = Cli::from_arg_matches(&matches)?.up;
-        up.given = Given::of(&matches);
-        Ok(up)
-    }
 
     fn given(ids: &[&str]) -> Given {
         Given(ids.iter().map(|id| (*id).to_owned()).collect())

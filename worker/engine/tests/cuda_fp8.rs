@@ -331,6 +331,17 @@ impl Product {
     }
 }
 
+/// `len` product values at `ptr` (f32, or bf16 unless `f32_out`) as f32, after the stream.
+fn download_out(gpu: &Gpu, ptr: u64, len: usize, f32_out: bool) -> Vec<f32> {
+    if !f32_out {
+        return download_bf16(gpu, ptr, len).unwrap();
+    }
+    let mut h = vec![0f32; len];
+    gpu.sync().unwrap();
+    gpu.download(&mut h, ptr).unwrap();
+    h
+}
+
 /// Dequantized rows: `code · scale[row]` in f64.
 fn dequantized(codes: &[u8], scales: &[f32], cols: usize) -> Vec<f64> {
     codes.iter().enumerate().map(|(i, &c)| f64::from(e4m3_to_f32(c)) * f64::from(scales[i / cols])).collect()
@@ -390,14 +401,7 @@ fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
             let a = Fp8GemmArgs { y: y_d.ptr, xq: xq_d.ptr, wq: wq_d.ptr, n, out, inp, f32_out };
             lt.matmul(&gpu, &a).unwrap();
             k.scale_rows_cols(&gpu, &ScaleArgs { y: y_d.ptr, xs: xs_d.ptr, ws: ws_d.ptr, n, out, f32_out }).unwrap();
-            let y = if f32_out {
-                let mut h = vec![0f32; n * out];
-                gpu.sync().unwrap();
-                gpu.download(&mut h, y_d.ptr).unwrap();
-                h
-            } else {
-                download_bf16(&gpu, y_d.ptr, n * out).unwrap()
-            };
+            let y = download_out(&gpu, y_d.ptr, n * out, f32_out);
             let e = rel(&y, &y_w8a8);
             println!(
                 "FP8 GEMM {n}x{out}x{inp} (f32 out {f32_out}, fast accumulation {fast}): max |y - exact(xq, wq)| / rms(row) = {e:.5}"
@@ -423,14 +427,7 @@ fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
                 println!("FP8 GEMM {n}x{out}x{inp} (f32 out {f32_out}): no outer-vector algorithm");
                 continue;
             }
-            let y = if f32_out {
-                let mut h = vec![0f32; n * out];
-                gpu.sync().unwrap();
-                gpu.download(&mut h, y_d.ptr).unwrap();
-                h
-            } else {
-                download_bf16(&gpu, y_d.ptr, n * out).unwrap()
-            };
+            let y = download_out(&gpu, y_d.ptr, n * out, f32_out);
             let e = rel(&y, &y_w8a8);
             println!("FP8 GEMM {n}x{out}x{inp} scaled in the epilogue (f32 out {f32_out}): {e:.5} of the row rms");
             let tol = if fast { 0.1 } else { 2e-2 };
