@@ -332,14 +332,14 @@ impl Product {
 }
 
 /// `len` product values at `ptr` (f32, or bf16 unless `f32_out`) as f32, after the stream.
-fn download_out(gpu: &Gpu, ptr: u64, len: usize, f32_out: bool) -> Vec<f32> {
+fn download_out(gpu: &Gpu, ptr: u64, len: usize, f32_out: bool) -> Result<Vec<f32>, CudaError> {
     if !f32_out {
-        return download_bf16(gpu, ptr, len).unwrap();
+        return download_bf16(gpu, ptr, len);
     }
     let mut h = vec![0f32; len];
-    gpu.sync().unwrap();
-    gpu.download(&mut h, ptr).unwrap();
-    h
+    gpu.sync()?;
+    gpu.download(&mut h, ptr)?;
+    Ok(h)
 }
 
 /// Dequantized rows: `code · scale[row]` in f64.
@@ -401,7 +401,7 @@ fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
             let a = Fp8GemmArgs { y: y_d.ptr, xq: xq_d.ptr, wq: wq_d.ptr, n, out, inp, f32_out };
             lt.matmul(&gpu, &a).unwrap();
             k.scale_rows_cols(&gpu, &ScaleArgs { y: y_d.ptr, xs: xs_d.ptr, ws: ws_d.ptr, n, out, f32_out }).unwrap();
-            let y = download_out(&gpu, y_d.ptr, n * out, f32_out);
+            let y = download_out(&gpu, y_d.ptr, n * out, f32_out).unwrap();
             let e = rel(&y, &y_w8a8);
             println!(
                 "FP8 GEMM {n}x{out}x{inp} (f32 out {f32_out}, fast accumulation {fast}): max |y - exact(xq, wq)| / rms(row) = {e:.5}"
@@ -427,7 +427,7 @@ fn fp8_gemm_and_gemv_equal_the_exact_products_of_their_quantized_operands() {
                 println!("FP8 GEMM {n}x{out}x{inp} (f32 out {f32_out}): no outer-vector algorithm");
                 continue;
             }
-            let y = download_out(&gpu, y_d.ptr, n * out, f32_out);
+            let y = download_out(&gpu, y_d.ptr, n * out, f32_out).unwrap();
             let e = rel(&y, &y_w8a8);
             println!("FP8 GEMM {n}x{out}x{inp} scaled in the epilogue (f32 out {f32_out}): {e:.5} of the row rms");
             let tol = if fast { 0.1 } else { 2e-2 };
