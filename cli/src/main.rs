@@ -42,6 +42,11 @@ enum Command {
     Deploy(deploy::DeployArgs),
     /// Set a deployment's replica count.
     Scale(scale::ScaleArgs),
+    /// Remove a deployment: its replicas drain and stop, and its model is no longer served.
+    Delete {
+        /// Deployment name (see `prism status`).
+        name: String,
+    },
     /// Stop placing new replicas on NODE.
     Cordon {
         /// Node id (see `prism status`).
@@ -86,6 +91,7 @@ fn main() -> Result<()> {
             Command::Status => status::run(&head).await,
             Command::Deploy(args) => deploy::run(&head, args).await,
             Command::Scale(args) => scale::run(&head, args).await,
+            Command::Delete { name } => scale::delete(&head, name).await,
             Command::Cordon { node } => cordon::run(&head, node, true).await,
             Command::Uncordon { node } => cordon::run(&head, node, false).await,
             Command::Drain(args) => drain::run(&head, args).await,

@@ -1,9 +1,10 @@
-//! `prism scale NAME N`: sets a deployment's replica count.
+//! `prism scale NAME N`: sets a deployment's replica count. `prism delete NAME`: removes a
+//! deployment (its replicas drain and stop; the router stops listing its model).
 
 use crate::client::{self, status_error};
 use anyhow::Result;
 use clap::Args;
-use prism_common::proto::v1::ScaleDeploymentRequest;
+use prism_common::proto::v1::{DeleteDeploymentRequest, ScaleDeploymentRequest};
 
 /// `prism scale` arguments.
 #[derive(Args, Debug)]
@@ -24,5 +25,16 @@ pub async fn run(head_addr: &client::HeadTarget, args: ScaleArgs) -> Result<()> 
         .await
         .map_err(status_error)?;
     println!("deployment {} scaled to {} replicas", args.name, args.replicas);
+    Ok(())
+}
+
+/// Runs `prism delete NAME`.
+///
+/// # Errors
+/// Fails when the head is unreachable or rejects the request (unknown deployment, …).
+pub async fn delete(head_addr: &client::HeadTarget, name: String) -> Result<()> {
+    let mut head = client::head(head_addr).await?;
+    head.delete_deployment(DeleteDeploymentRequest { name: name.clone() }).await.map_err(status_error)?;
+    println!("deployment {name} deleted; its replicas drain and stop");
     Ok(())
 }

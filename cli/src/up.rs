@@ -23,6 +23,7 @@ use prism_common::proto::v1::{
     ListModelsRequest, PlacementStrategy, ReplicaState, generate_request::Prompt,
 };
 use prism_common::shutdown::{CancellationToken, StopSignal, wait_for_signal};
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -100,19 +101,29 @@ pub async fn run(args: UpArgs) -> Result<()> {
     endpoints.head_token_file = head_auth.as_ref().map(|a| a.admin_file().to_owned());
     let root = CancellationToken::new();
     let fresh = spec(&args, &model, &served);
-    let (mut cluster, deployment) =
+    let (mut cluster, deployment, others) =
         components::start(&args.store, &args, fresh.clone(), api_keys, head_auth.as_ref(), listeners, &root).await?;
-    if deployment.replicas != fresh.replicas {
+    let kept = restart::kept_settings(&fresh, &deployment);
+    if !kept.is_empty() {
         eprintln!(
-            "{} is in the store ({}): keeping its {} replicas (pass --replicas to change them)",
-            deployment.name, args.store, deployment.replicas
+            "{} is in the store ({}): keeping its {} (pass their flags to change them)",
+            deployment.name,
+            args.store,
+            kept.join(", ")
+        );
+    }
+    for o in &others {
+        eprintln!(
+            "the store also holds deployment {} ({} replicas) from an earlier run: it keeps serving beside {}; \
+             `prism delete {}` removes it",
+            o.name, o.replicas, deployment.name, o.name
         );
     }
 
     let signal = wait_for_signal();
     tokio::pin!(signal);
     let outcome = tokio::select! {
-        r = bring_up(&args, &deployment, &model, &endpoints, auth.as_deref()) => r,
+        r = bring_up(&args, &deployment, &kept, &model, &endpoints, auth.as_deref()) => r,
         s = &mut signal => { eprintln!("\n{}: stopping during startup", signal_name(&s)); Ok(false) }
         r = cluster.failed() => Err(r),
     };
@@ -183,18 +194,42 @@ impl Endpoints {
     }
 }
 
+/// `prism up`'s startup progress: a bar on a terminal; elsewhere (a log file, a pipe, where the
+/// bar does not draw) each new message as a line.
+struct Progress<'a> {
+    bar: &'a ProgressBar,
+    plain: bool,
+    last: String,
+}
+
+impl Progress<'_> {
+    fn say(&mut self, msg: String) {
+        if msg == self.last {
+            return;
+        }
+        if self.plain {
+            eprintln!("prism up: {msg}");
+        }
+        self.bar.set_message(msg.clone());
+        self.last = msg;
+    }
+}
+
 /// Applies `spec`, shows progress until its replicas are Ready and the router serves the
 /// model, prints the endpoints and runs the `--prompt` (the router calls carry `api_key`
-/// when API keys are set). Returns `Ok(true)` when serving.
+/// when API keys are set). `kept`: the settings kept from the store, named when a replica
+/// fails. Returns `Ok(true)` when serving.
 async fn bring_up(
     args: &UpArgs,
     spec: &DeploymentSpec,
+    kept: &[String],
     model: &Path,
     ep: &Endpoints,
     api_key: Option<&str>,
 ) -> Result<bool> {
     let served = spec.engine.as_ref().map(|e| e.served_model_name.as_str()).unwrap_or_default();
     let bar = ProgressBar::new(4);
+    let mut progress = Progress { bar: &bar, plain: !std::io::stderr().is_terminal(), last: String::new() };
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] [{bar:24}] {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
@@ -204,7 +239,7 @@ async fn bring_up(
     let deadline = Instant::now() + Duration::from_secs(args.load_timeout);
     let poll = Duration::from_millis(200);
 
-    bar.set_message("starting the head");
+    progress.say("starting the head".to_owned());
     let mut head = loop {
         match client::head(&client::HeadTarget { addr: ep.head.clone(), credential: ep.head_token.clone() }).await {
             Ok(h) => break h,
@@ -225,17 +260,26 @@ async fn bring_up(
         }
     }
     bar.inc(1);
-    bar.set_message(format!("waiting for the worker; deploying {served}"));
+    progress.say(format!("waiting for the worker; deploying {served}"));
     let mut stage = 1;
     loop {
         if Instant::now() > deadline {
-            bail!("the model was not Ready within {} s (see `prism status` and the logs)", args.load_timeout);
+            bail!(
+                "the model was not Ready within {} s; last: {} (see `prism status` and the logs)",
+                args.load_timeout,
+                progress.last
+            );
         }
         let status = head.cluster_status(ClusterStatusRequest {}).await.map_err(status_error)?.into_inner();
         let replicas: Vec<_> = status.replicas.iter().filter(|r| r.deployment == deployment).collect();
         if let Some(failed) = replicas.iter().find(|r| r.state == ReplicaState::Failed as i32) {
             bar.abandon_with_message("failed");
-            bail!("replica {} failed to start: {}", failed.replica_id, failed.reason);
+            let from_store = if kept.is_empty() {
+                String::new()
+            } else {
+                format!(" (kept from the store: {}; pass their flags to change them)", kept.join(", "))
+            };
+            bail!("replica {} failed to start: {}{from_store}", failed.replica_id, failed.reason);
         }
         let ready = replicas.iter().filter(|r| r.state == ReplicaState::Ready as i32).count();
         let starting = replicas.iter().any(|r| r.state == ReplicaState::Starting as i32);
@@ -256,11 +300,11 @@ async fn bring_up(
                 3 => format!("loading {} ({ready}/{want} ready)", model.display()),
                 _ => "model loaded; waiting for the router".to_owned(),
             };
-            bar.set_message(msg);
+            progress.say(msg);
         }
         if let Some(pending) = replicas.iter().find(|r| r.state == ReplicaState::Pending as i32 && !r.reason.is_empty())
         {
-            bar.set_message(format!("pending: {}", pending.reason));
+            progress.say(format!("pending: {}", pending.reason));
         }
         if stage == 4 {
             break;

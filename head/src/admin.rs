@@ -204,6 +204,14 @@ pub async fn apply_deployment(cluster: &Cluster, spec: DeploymentSpec) -> HeadRe
     {
         return Ok((e.record.clone(), false));
     }
+    let served = served_name(&spec).to_owned();
+    let specs = st.view().deployments.values().filter_map(|e| e.record.spec.as_ref());
+    if let Some(other) = served_elsewhere(specs, &spec.name, &served) {
+        return Err(HeadError::FailedPrecondition(format!(
+            "served_model_name {served:?} is already served by deployment {other}: give this deployment another \
+             served_model_name, or delete {other} first (`prism delete {other}`)"
+        )));
+    }
     check_capacity(st.view(), &spec)?;
     let rec = match st.view().deployments.get(&name) {
         Some(e) => {
@@ -221,6 +229,21 @@ pub async fn apply_deployment(cluster: &Cluster, spec: DeploymentSpec) -> HeadRe
     let created = rec.generation == 1 && !st.view().deployments.contains_key(&name);
     tracing::info!(deployment = %name, generation = rec.generation, created, "deployment applied");
     Ok((cluster.put_deployment(&mut st, rec).await?, created))
+}
+
+/// The model name a deployment is served under (`served_model_name`, else its name).
+fn served_name(spec: &DeploymentSpec) -> &str {
+    spec.engine.as_ref().map(|e| e.served_model_name.as_str()).filter(|s| !s.is_empty()).unwrap_or(&spec.name)
+}
+
+/// The deployment other than `name` among `specs` already served as `served`: one served name
+/// routes to one deployment (two would split its requests between different models).
+fn served_elsewhere<'a>(
+    specs: impl IntoIterator<Item = &'a DeploymentSpec>,
+    name: &str,
+    served: &str,
+) -> Option<&'a str> {
+    specs.into_iter().find(|s| s.name != name && served_name(s) == served).map(|s| s.name.as_str())
 }
 
 /// Deletes a deployment; its replicas drain and stop.
@@ -365,6 +388,22 @@ mod tests {
         }
         // Without a root any path is accepted.
         assert!(check_model_root(None, &with("/etc/passwd")).is_ok());
+    }
+
+    #[test]
+    fn a_served_name_belongs_to_one_deployment() {
+        let named = |name: &str, served: &str| {
+            let mut s = DeploymentSpec { name: name.into(), ..spec() };
+            if let Some(e) = s.engine.as_mut() {
+                e.served_model_name = served.into();
+            }
+            s
+        };
+        let stored = [named("smol", "SmolLM2"), named("gemma", "")];
+        assert_eq!(served_elsewhere(&stored, "smol-v2", "SmolLM2"), Some("smol"));
+        assert_eq!(served_elsewhere(&stored, "smol", "SmolLM2"), None, "re-applying the same deployment");
+        assert_eq!(served_elsewhere(&stored, "other", "gemma"), Some("gemma"), "an empty served name is the name");
+        assert_eq!(served_elsewhere(&stored, "other", "other"), None);
     }
 
     #[test]

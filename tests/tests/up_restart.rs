@@ -1,7 +1,9 @@
 //! `prism up` restarted on a kept store (`--store embedded:PATH`): the replica count set with
 //! `prism scale` survives the restart (and the worker offers the CPU slots it needs), while an
 //! explicit `--replicas` on the restart's command line wins. Its logs, piped here, carry no
-//! ANSI colour codes. Three starts of the bundled model on the CPU backend.
+//! ANSI colour codes. A restart under another served name leaves the earlier deployment
+//! serving beside it, says so, and `prism delete` removes it. Four starts of the bundled
+//! model on the CPU backend.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
@@ -67,7 +69,7 @@ async fn a_restart_on_a_kept_store_keeps_the_scaled_replica_count_unless_replica
     assert_eq!(replicas(&up).await?, (2, 2), "prism up stderr:\n{}", up.proc.stderr());
     let stderr = up.proc.stderr();
     assert!(stderr.contains(&format!("{DEPLOYMENT} is in the store")), "{stderr}");
-    assert!(stderr.contains("keeping its 2 replicas"), "{stderr}");
+    assert!(stderr.contains("keeping its replicas 2 (pass their flags"), "{stderr}");
     check_no_escape_codes(&up)?;
     up.interrupt(Duration::from_secs(10)).await?;
 
@@ -77,6 +79,28 @@ async fn a_restart_on_a_kept_store_keeps_the_scaled_replica_count_unless_replica
     assert_eq!(desired, 1, "prism up stderr:\n{}", up.proc.stderr());
     eventually(Duration::from_secs(60), "1 Ready replica", || async {
         Ok((replicas(&up).await? == (1, 1)).then_some(()))
+    })
+    .await?;
+    up.interrupt(Duration::from_secs(10)).await?;
+
+    // Another served name makes another deployment: the earlier one stays in the store, is
+    // named on startup, and the worker has CPU slots for both (no --cpu-slots); `prism delete`
+    // then removes it.
+    let mut up = PrismUp::start(&model, &["--store", &store, "--served-model-name", "other"]).await?;
+    let stderr = up.proc.stderr();
+    assert!(
+        stderr.contains(&format!("the store also holds deployment {DEPLOYMENT} (1 replicas)"))
+            && stderr.contains(&format!("`prism delete {DEPLOYMENT}`")),
+        "{stderr}"
+    );
+    assert_eq!(replicas(&up).await?, (1, 1), "the earlier deployment keeps serving");
+    let head = up.endpoints.head.clone();
+    let deleted = tokio::task::block_in_place(|| prism_cli(&["--head", &head, "delete", DEPLOYMENT]))?;
+    assert!(deleted.contains(&format!("deployment {DEPLOYMENT} deleted")), "{deleted}");
+    eventually(Duration::from_secs(30), "the earlier deployment gone", || async {
+        let st = status(&up).await?;
+        let names: Vec<&str> = st.deployments.iter().filter_map(|d| d.spec.as_ref()).map(|s| s.name.as_str()).collect();
+        Ok((names == ["other"]).then_some(()))
     })
     .await?;
     up.interrupt(Duration::from_secs(10)).await?;

@@ -48,8 +48,10 @@ pub struct Cluster {
 /// Starts head, worker and router on `listeners`; the router accepts `api_keys` (none = no
 /// authentication); with `head_auth` the head asks for tokens and the worker and router
 /// present theirs. `store` is `embedded`, `embedded:PATH` or `etcd://…`. Returns the
-/// cluster and the deployment to apply: `fresh` (what the flags say) merged with the one of
-/// the same name the store already holds ([`super::restart::deployment_to_apply`]).
+/// cluster, the deployment to apply: `fresh` (what the flags say) merged with the one of
+/// the same name the store already holds ([`super::restart::deployment_to_apply`]), and the
+/// other deployments the store holds with replicas (an earlier run that served another model
+/// or name): the worker's default CPU slots count theirs too, so this run's replicas fit.
 ///
 /// # Errors
 /// Fails on an invalid store or configuration.
@@ -61,7 +63,7 @@ pub async fn start(
     head_auth: Option<&UpHeadAuth>,
     listeners: Listeners,
     root: &CancellationToken,
-) -> Result<(Cluster, DeploymentSpec)> {
+) -> Result<(Cluster, DeploymentSpec, Vec<DeploymentSpec>)> {
     let (store, state_dir) = if store == "embedded" {
         let dir = tempfile::Builder::new().prefix("prism-up-").tempdir()?;
         (StoreSpec::Embedded(dir.path().join("state.json")), Some(dir))
@@ -109,9 +111,11 @@ pub async fn start(
             Err(e) => anyhow!("the head panicked: {e}"),
         }),
     };
-    let stored = status.deployments.iter().filter_map(|d| d.spec.as_ref()).find(|s| s.name == fresh.name);
+    let specs = || status.deployments.iter().filter_map(|d| d.spec.as_ref());
+    let stored = specs().find(|s| s.name == fresh.name);
     let spec = super::restart::deployment_to_apply(fresh, stored, &args.given);
-    worker_config.cpu_slots = cpu_slots(args.cpu_slots, &spec);
+    let others: Vec<DeploymentSpec> = specs().filter(|s| s.name != spec.name && s.replicas > 0).cloned().collect();
+    worker_config.cpu_slots = cpu_slots(args.cpu_slots, std::iter::once(&spec).chain(&others));
     let worker = tokio::spawn(prism_worker::run(
         worker_config,
         listeners.worker_grpc,
@@ -132,17 +136,20 @@ pub async fn start(
         ],
         _state_dir: state_dir,
     };
-    Ok((cluster, spec))
+    Ok((cluster, spec, others))
 }
 
 /// The worker's CPU slots: `--cpu-slots`, and at least one per rank of every replica of
-/// `spec` (replicas x tensor_parallel_size x pipeline_parallel_size), and at least one.
-fn cpu_slots(flag: Option<u32>, spec: &DeploymentSpec) -> u32 {
-    let (tp, pp) = spec
-        .engine
-        .as_ref()
-        .map_or((1, 1), |e| (e.tensor_parallel_size.max(1), e.pipeline_parallel_size.unwrap_or(1).max(1)));
-    let own = spec.replicas.saturating_mul(tp).saturating_mul(pp);
+/// `specs` (replicas x tensor_parallel_size x pipeline_parallel_size each), and at least one.
+fn cpu_slots<'a>(flag: Option<u32>, specs: impl IntoIterator<Item = &'a DeploymentSpec>) -> u32 {
+    let ranks = |spec: &DeploymentSpec| {
+        let (tp, pp) = spec
+            .engine
+            .as_ref()
+            .map_or((1, 1), |e| (e.tensor_parallel_size.max(1), e.pipeline_parallel_size.unwrap_or(1).max(1)));
+        spec.replicas.saturating_mul(tp).saturating_mul(pp)
+    };
+    let own = specs.into_iter().map(ranks).fold(0u32, u32::saturating_add);
     flag.unwrap_or(own).max(own).max(1)
 }
 

@@ -83,6 +83,47 @@ fn engine_to_apply(fresh: EngineConfig, stored: &EngineConfig, given: &Given) ->
     engine
 }
 
+/// What `applied` keeps from the store against `fresh` (what this run's flags alone say), as
+/// `setting value` items for the restart notice: the replica count and each engine knob that
+/// differs. Bounds, placement and autoscaling are not listed (no `prism up` flag sets them).
+pub fn kept_settings(fresh: &DeploymentSpec, applied: &DeploymentSpec) -> Vec<String> {
+    let mut kept = Vec::new();
+    if applied.replicas != fresh.replicas {
+        kept.push(format!("replicas {}", applied.replicas));
+    }
+    let (Some(f), Some(a)) = (fresh.engine.as_ref(), applied.engine.as_ref()) else { return kept };
+    // `Some(512)` reads `512`, `"fp8"` reads `fp8`.
+    let show = |v: String| {
+        let v = v.strip_prefix("Some(").and_then(|x| x.strip_suffix(')')).map_or(v.clone(), str::to_owned);
+        v.trim_matches('"').to_owned()
+    };
+    macro_rules! differing {
+        ($($knob:ident),* $(,)?) => {$(
+            if a.$knob != f.$knob {
+                kept.push(format!("{} {}", stringify!($knob), show(format!("{:?}", a.$knob))));
+            }
+        )*};
+    }
+    differing!(
+        max_model_len,
+        tensor_parallel_size,
+        pipeline_parallel_size,
+        gpu_memory_utilization,
+        batch_invariant,
+        max_num_seqs,
+        max_num_batched_tokens,
+        block_size,
+        kv_cache_bytes,
+        backend,
+        max_in_flight,
+        chat_content_special_tokens,
+        quantization,
+        kv_cache_dtype,
+        enable_prefix_caching,
+    );
+    kept
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::args::parse_up as parse;
@@ -154,6 +195,23 @@ mod tests {
         let engine = explicit.engine.unwrap_or_default();
         assert_eq!(engine.max_num_seqs, None, "an explicit --max-num-seqs wins (0 = the default)");
         assert_eq!(engine.max_model_len, Some(2048), "knobs not given stay as stored");
+        Ok(())
+    }
+
+    /// The restart notice names every kept setting with its value, and nothing when the store
+    /// holds what the flags say.
+    #[test]
+    fn the_kept_settings_are_listed_with_their_values() -> anyhow::Result<()> {
+        let stored = stored()?;
+        let applied = deployment_to_apply(fresh(1), Some(&stored), &given(&["max_num_seqs"]));
+        let kept = kept_settings(&fresh(1), &applied);
+        for item in ["replicas 3", "max_model_len 2048", "kv_cache_dtype fp8", "quantization fp8", "backend cpu"] {
+            assert!(kept.contains(&item.to_owned()), "{item} missing from {kept:?}");
+        }
+        assert!(!kept.iter().any(|k| k.starts_with("max_num_seqs")), "a flag given is not kept: {kept:?}");
+        assert_eq!(kept.len(), 15, "replicas and every stored knob but max_num_seqs: {kept:?}");
+        let same = deployment_to_apply(fresh(2), Some(&fresh(2)), &Given::default());
+        assert_eq!(kept_settings(&fresh(2), &same), Vec::<String>::new());
         Ok(())
     }
 

@@ -229,10 +229,10 @@ fn check_number_formats(cfg: &EngineConfig, parallel: &ParallelConfig) -> Result
     let one_gpu = matches!(&cfg.backend, BackendKind::Cuda { devices } if devices.len() <= 1)
         && parallel.sizes.is_single()
         && parallel.rank0_in_process;
-    let (field, asked) = if cfg.quantization != Quantization::None {
-        ("quantization", "quantization fp8")
+    let (field, asked, hint) = if cfg.quantization != Quantization::None {
+        ("quantization", "quantization fp8", " FP8 checkpoints load on every backend without it.")
     } else if cfg.kv_cache_dtype != KvCacheDtype::Bf16 {
-        ("kv_cache_dtype", "kv_cache_dtype fp8")
+        ("kv_cache_dtype", "kv_cache_dtype fp8", " Leave it at auto (bf16) here.")
     } else {
         return Ok(());
     };
@@ -248,10 +248,7 @@ fn check_number_formats(cfg: &EngineConfig, parallel: &ParallelConfig) -> Result
     };
     Err(EngineError::InvalidRequest {
         field,
-        message: format!(
-            "{asked} needs a one-GPU CUDA replica; this one runs on {replica}. FP8 checkpoints load \
-             on every backend without it"
-        ),
+        message: format!("{asked} needs a one-GPU CUDA replica; this one runs on {replica}.{hint}"),
     })
 }
 
