@@ -31,6 +31,29 @@ impl Given {
     }
 }
 
+/// Calls `$m!` with the `EngineConfig` knobs that one `prism up` flag each sets (the clap id
+/// of the flag is the field's name); `enable_prefix_caching`, which two flags set, is not in it.
+macro_rules! engine_knobs {
+    ($m:ident) => {
+        $m!(
+            max_model_len,
+            tensor_parallel_size,
+            pipeline_parallel_size,
+            gpu_memory_utilization,
+            batch_invariant,
+            max_num_seqs,
+            max_num_batched_tokens,
+            block_size,
+            kv_cache_bytes,
+            backend,
+            max_in_flight,
+            chat_content_special_tokens,
+            quantization,
+            kv_cache_dtype,
+        )
+    };
+}
+
 /// The deployment `prism up` applies: `fresh` (built from its flags) when nothing is
 /// `stored` under its name; else the stored deployment with the replica count and each
 /// engine knob taken from `fresh` only when its flag was `given`, the model and served name
@@ -60,22 +83,7 @@ fn engine_to_apply(fresh: EngineConfig, stored: &EngineConfig, given: &Given) ->
             }
         )*};
     }
-    keep_stored_unless_given!(
-        max_model_len,
-        tensor_parallel_size,
-        pipeline_parallel_size,
-        gpu_memory_utilization,
-        batch_invariant,
-        max_num_seqs,
-        max_num_batched_tokens,
-        block_size,
-        kv_cache_bytes,
-        backend,
-        max_in_flight,
-        chat_content_special_tokens,
-        quantization,
-        kv_cache_dtype,
-    );
+    engine_knobs!(keep_stored_unless_given);
     // Two flags set this knob: `--enable-prefix-caching[=BOOL]` and `--no-enable-prefix-caching`.
     if !given.contains("enable_prefix_caching") && !given.contains("no_enable_prefix_caching") {
         engine.enable_prefix_caching = stored.enable_prefix_caching;
@@ -104,23 +112,8 @@ pub fn kept_settings(fresh: &DeploymentSpec, applied: &DeploymentSpec) -> Vec<St
             }
         )*};
     }
-    differing!(
-        max_model_len,
-        tensor_parallel_size,
-        pipeline_parallel_size,
-        gpu_memory_utilization,
-        batch_invariant,
-        max_num_seqs,
-        max_num_batched_tokens,
-        block_size,
-        kv_cache_bytes,
-        backend,
-        max_in_flight,
-        chat_content_special_tokens,
-        quantization,
-        kv_cache_dtype,
-        enable_prefix_caching,
-    );
+    engine_knobs!(differing);
+    differing!(enable_prefix_caching);
     kept
 }
 
