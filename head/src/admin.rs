@@ -232,7 +232,7 @@ pub async fn apply_deployment(cluster: &Cluster, spec: DeploymentSpec) -> HeadRe
 }
 
 /// The model name a deployment is served under (`served_model_name`, else its name).
-fn served_name(spec: &DeploymentSpec) -> &str {
+pub(crate) fn served_name(spec: &DeploymentSpec) -> &str {
     spec.engine.as_ref().map(|e| e.served_model_name.as_str()).filter(|s| !s.is_empty()).unwrap_or(&spec.name)
 }
 

@@ -113,10 +113,12 @@ impl HeadService for HeadGrpc {
         let mut st = self.cluster.lock().await;
         let wake = r.models.iter().any(|m| {
             m.queued > 0
-                && st.view().deployments.values().filter_map(|d| d.record.spec.as_ref()).any(|s| {
-                    s.replicas == 0
-                        && s.engine.as_ref().map_or(s.name.as_str(), |e| e.served_model_name.as_str()) == m.model
-                })
+                && st
+                    .view()
+                    .deployments
+                    .values()
+                    .filter_map(|d| d.record.spec.as_ref())
+                    .any(|s| s.replicas == 0 && crate::admin::served_name(s) == m.model)
         });
         st.record_demand(r.router_id, r.models, tokio::time::Instant::now());
         drop(st);

@@ -276,10 +276,7 @@ impl CudaBackend {
             LaunchConfig { grid_dim: (rows as u32, splits as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let vocab = m.d.vocab as i32;
         let MaskPtrs { masks, mask_of_row, words } = masks.unwrap_or(MaskPtrs { masks: 0, mask_of_row: 0, words: 0 });
-        let max_rows = m.s.max_rows as u64;
-        let part_v = m.s.argmax_part.ptr;
-        let part_i = part_v + max_rows * (ARGMAX_MAX_SPLITS as u64) * 4;
-        let done = part_i + max_rows * (ARGMAX_MAX_SPLITS as u64) * 4;
+        let (part_v, part_i, done) = m.s.argmax_partials();
         let mut b = m.gpu.stream.launch_builder(&m.gpu.k.argmax_rows);
         b.arg(&m.s.argmax.ptr).arg(&m.s.logits.ptr).arg(&vocab).arg(&masks).arg(&mask_of_row).arg(&words);
         b.arg(&part_v).arg(&part_i).arg(&done);

@@ -114,6 +114,14 @@ impl Scratch {
         Ok(s)
     }
 
+    /// The split argmax's partial values, partial indices and per-row finished-block counts
+    /// (device addresses inside `argmax_part`).
+    pub fn argmax_partials(&self) -> (u64, u64, u64) {
+        let per = (self.max_rows * ARGMAX_MAX_SPLITS * 4) as u64;
+        let v = self.argmax_part.ptr;
+        (v, v + per, v + 2 * per)
+    }
+
     /// Uploads the step metadata, padded to `pad_to` tokens (padding: token 0 at position 0,
     /// no KV slot, the first sequence's block table, its own logit row).
     ///
