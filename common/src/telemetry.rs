@@ -1,7 +1,9 @@
 //! Logging set-up shared by every binary: `tracing` to stderr, filtered by `RUST_LOG`
 //! (default `info`), in colour only when stderr is a terminal ([`use_colour`]), so logs
-//! redirected to a file, a pipe or a container runtime carry no ANSI escape codes. Never log
-//! prompts or generated text at info level.
+//! redirected to a file, a pipe or a container runtime carry no ANSI escape codes. The usual
+//! variables decide before the terminal does, in this order: `NO_COLOR` (never),
+//! `CLICOLOR_FORCE` (always), `CLICOLOR=0` or `TERM=dumb` (never). Never log prompts or
+//! generated text at info level.
 
 use std::ffi::OsString;
 use std::io::IsTerminal;
@@ -11,6 +13,11 @@ pub const NO_COLOR_ENV: &str = "NO_COLOR";
 /// Set to a non-empty value other than `0`: colour even when stderr is not a terminal
 /// (<https://bixense.com/clicolors/>).
 pub const CLICOLOR_FORCE_ENV: &str = "CLICOLOR_FORCE";
+/// Set to `0`: no colour, unless `CLICOLOR_FORCE` asks for it (<https://bixense.com/clicolors/>).
+pub const CLICOLOR_ENV: &str = "CLICOLOR";
+/// The terminal type; `dumb` means one that understands no escape codes (Emacs shells, some CI
+/// log viewers), so no colour unless `CLICOLOR_FORCE` asks for it.
+pub const TERM_ENV: &str = "TERM";
 
 /// Installs the global subscriber once; later calls are ignored.
 pub fn init_logging() {
@@ -25,15 +32,23 @@ pub fn init_logging() {
         .try_init();
 }
 
-/// Whether log lines carry ANSI colour codes: never with `NO_COLOR` set (non-empty), always
-/// with `CLICOLOR_FORCE` set (non-empty, not `0`), else only when the log stream is a
-/// `terminal`. `env` reads an environment variable (`std::env::var_os` outside tests).
+/// Whether log lines carry ANSI colour codes, the first rule that applies deciding:
+/// 1. `NO_COLOR` set (non-empty): never;
+/// 2. `CLICOLOR_FORCE` set (non-empty, not `0`): always, even on a pipe or a dumb terminal;
+/// 3. `CLICOLOR=0` or `TERM=dumb`: never;
+/// 4. else only when the log stream is a `terminal`.
+///
+/// `env` reads an environment variable (`std::env::var_os` outside tests), so the decision is
+/// a pure function of its inputs.
 pub fn use_colour(terminal: bool, env: impl Fn(&str) -> Option<OsString>) -> bool {
     if env(NO_COLOR_ENV).is_some_and(|v| !v.is_empty()) {
         return false;
     }
     if env(CLICOLOR_FORCE_ENV).is_some_and(|v| !v.is_empty() && v != "0") {
         return true;
+    }
+    if env(CLICOLOR_ENV).is_some_and(|v| v == "0") || env(TERM_ENV).is_some_and(|v| v == "dumb") {
+        return false;
     }
     terminal
 }
@@ -67,5 +82,31 @@ mod tests {
         assert!(colour(false, &[("CLICOLOR_FORCE", "1")]));
         assert!(!colour(false, &[("CLICOLOR_FORCE", "0")]));
         assert!(!colour(false, &[("CLICOLOR_FORCE", "")]));
+    }
+
+    #[test]
+    fn clicolor_zero_turns_colour_off_on_a_terminal() {
+        assert!(!colour(true, &[("CLICOLOR", "0")]));
+        assert!(colour(true, &[("CLICOLOR", "1")]), "CLICOLOR=1 keeps the terminal's answer");
+        assert!(!colour(false, &[("CLICOLOR", "1")]), "CLICOLOR=1 does not colour a pipe");
+        assert!(colour(true, &[("CLICOLOR", "")]));
+    }
+
+    #[test]
+    fn a_dumb_terminal_gets_no_colour() {
+        assert!(!colour(true, &[("TERM", "dumb")]));
+        assert!(colour(true, &[("TERM", "xterm-256color")]));
+    }
+
+    #[test]
+    fn precedence_no_color_then_force_then_clicolor_and_term_then_terminal() {
+        // CLICOLOR_FORCE beats CLICOLOR=0 and TERM=dumb...
+        assert!(colour(true, &[("CLICOLOR_FORCE", "1"), ("CLICOLOR", "0")]));
+        assert!(colour(false, &[("CLICOLOR_FORCE", "1"), ("TERM", "dumb")]));
+        // ...and NO_COLOR beats everything.
+        assert!(!colour(true, &[("NO_COLOR", "1"), ("CLICOLOR_FORCE", "1"), ("CLICOLOR", "1")]));
+        // CLICOLOR=0 and TERM=dumb each win over a terminal on their own.
+        assert!(!colour(true, &[("CLICOLOR", "0"), ("TERM", "xterm")]));
+        assert!(!colour(true, &[("CLICOLOR", "1"), ("TERM", "dumb")]));
     }
 }
