@@ -41,7 +41,6 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use prism_common::engine_flags::EngineFlags;
 use prism_common::proto::v1::{ApplyDeploymentRequest, AutoscalingConfig, DeploymentSpec, PlacementStrategy};
-use prism_head::placement::autoscaler::Params;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -160,17 +159,6 @@ pub enum PlacementArg {
     Pack,
 }
 
-/// Whether `name` is a DNS-1123 label (lowercase alphanumerics and `-`, 1–63 chars,
-/// alphanumeric at both ends).
-pub fn is_dns1123_label(name: &str) -> bool {
-    let bytes = name.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= 63
-        && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
-        && bytes.first().is_some_and(u8::is_ascii_alphanumeric)
-        && bytes.last().is_some_and(u8::is_ascii_alphanumeric)
-}
-
 impl DeploymentFile {
     /// Parses and validates a YAML document.
     ///
@@ -183,34 +171,18 @@ impl DeploymentFile {
     }
 
     fn validate(&self) -> Result<()> {
-        if !is_dns1123_label(&self.name) {
-            bail!("name {:?} is not a DNS-1123 label (lowercase letters, digits, '-', at most 63)", self.name);
+        // The one key combination the spec cannot show (`to_spec` drops `replicas` then).
+        if self.autoscaling_config.is_some() && self.replicas.is_some() {
+            bail!(
+                "replicas cannot be combined with autoscaling_config (the autoscaler owns the count); \
+                 use autoscaling_config.initial_replicas"
+            );
         }
-        if self.model.trim().is_empty() {
-            bail!("model must name a GGUF file or a Hugging Face directory");
-        }
+        // The head's own validation of the spec (the same function, so the same message):
+        // whatever the head would refuse on apply is refused here, `--dry-run` included.
+        prism_common::deployment::validate_spec(self.to_spec())?;
+        // Stricter than the head where a zero would silently mean the default.
         self.engine.validate().map_err(|e| anyhow!("engine.{e}"))?;
-        if let (Some(min), Some(max)) = (self.min_replicas, self.max_replicas)
-            && min > max
-        {
-            bail!("min_replicas ({min}) is larger than max_replicas ({max})");
-        }
-        if let Some(a) = &self.autoscaling_config {
-            if self.replicas.is_some() {
-                bail!(
-                    "replicas cannot be combined with autoscaling_config (the autoscaler owns the count); \
-                     use autoscaling_config.initial_replicas"
-                );
-            }
-            if self.min_replicas.is_some() || self.max_replicas.is_some() {
-                bail!(
-                    "min_replicas / max_replicas bound `prism scale` and cannot be combined with autoscaling_config; \
-                     use autoscaling_config.min_replicas / max_replicas"
-                );
-            }
-            // The head's own check, so the wording is the same either way.
-            Params::from_config(&a.to_proto()).map_err(|e| anyhow!(e))?;
-        }
         Ok(())
     }
 
@@ -491,15 +463,5 @@ node_selector:
             let yaml = format!("name: a\nmodel: m\n{extra}\nautoscaling_config: {{ max_replicas: 2 }}\n");
             assert!(DeploymentFile::parse(&yaml).expect_err(extra).to_string().contains("autoscaling_config"));
         }
-    }
-
-    #[test]
-    fn dns1123_labels() {
-        assert!(is_dns1123_label("smollm2"));
-        assert!(is_dns1123_label("a-b-1"));
-        assert!(!is_dns1123_label("-a"));
-        assert!(!is_dns1123_label("a-"));
-        assert!(!is_dns1123_label(""));
-        assert!(!is_dns1123_label(&"a".repeat(64)));
     }
 }

@@ -14,10 +14,10 @@ pub use args::{DEFAULT_MODEL, DEMO_PROMPT, FETCH_SCRIPT, Listeners, UpArgs};
 pub use restart::Given;
 
 use crate::client::{self, status_error};
-use crate::deploy::is_dns1123_label;
 use crate::generate::{self, SamplingArgs};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
+use prism_common::deployment::is_dns1123_label;
 use prism_common::proto::v1::{
     ApplyDeploymentRequest, ChatMessage, ChatMessages, ClusterStatusRequest, DeploymentSpec, GenerateRequest,
     ListModelsRequest, PlacementStrategy, ReplicaState, generate_request::Prompt,

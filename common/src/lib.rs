@@ -1,9 +1,10 @@
-//! Prism's shared crate: the `prism.v1` protocol, the engine flags of a deployment, newtype
-//! ids, shutdown and telemetry helpers, and the `StateStore` trait with its embedded
-//! implementation. It depends on no backend (no etcd-client, cudarc or axum), as TiKV's
-//! trait crates do.
+//! Prism's shared crate: the `prism.v1` protocol, the engine flags of a deployment and the
+//! validation of its spec, newtype ids, shutdown and telemetry helpers, and the `StateStore`
+//! trait with its embedded implementation. It depends on no backend (no etcd-client, cudarc
+//! or axum), as TiKV's trait crates do.
 
 pub mod bearer;
+pub mod deployment;
 pub mod engine_flags;
 pub mod head_auth;
 pub mod model_root;

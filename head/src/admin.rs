@@ -15,83 +15,8 @@ use crate::election::Leadership;
 use crate::error::{HeadError, HeadResult};
 use crate::placement::autoscaler::Params;
 
-/// Largest accepted `tensor_parallel_size` (no node has more GPUs than this).
-pub const MAX_TENSOR_PARALLEL: u32 = 1024;
-
-/// True for a DNS-1123 label: 1–63 of `[a-z0-9-]`, starting and ending alphanumeric.
-pub fn is_dns1123_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-/// Validates a deployment spec and fills defaults (`served_model_name` = name; a knob set to
-/// 0 is unset; an autoscaled spec's `replicas` = its `initial_replicas`, else `min_replicas`).
-///
-/// # Errors
-/// `InvalidArgument` naming the field.
-pub fn validate_spec(mut spec: DeploymentSpec) -> HeadResult<DeploymentSpec> {
-    let bad = |m: String| Err(HeadError::InvalidArgument(m));
-    if !is_dns1123_label(&spec.name) {
-        return bad(format!(
-            "deployment name {:?} is not a DNS-1123 label (1-63 of a-z, 0-9, '-', alphanumeric at both ends)",
-            spec.name
-        ));
-    }
-    let Some(engine) = spec.engine.as_mut() else {
-        return bad("engine is required".into());
-    };
-    if engine.model.trim().is_empty() {
-        return bad("engine.model must not be empty".into());
-    }
-    if engine.tensor_parallel_size == 0 || engine.tensor_parallel_size > MAX_TENSOR_PARALLEL {
-        return bad(format!(
-            "engine.tensor_parallel_size must be between 1 and {MAX_TENSOR_PARALLEL}, got {}",
-            engine.tensor_parallel_size
-        ));
-    }
-    if let Some(pp) = engine.pipeline_parallel_size
-        && (pp == 0 || pp > MAX_TENSOR_PARALLEL)
-    {
-        return bad(format!("engine.pipeline_parallel_size must be between 1 and {MAX_TENSOR_PARALLEL}, got {pp}"));
-    }
-    if let Some(u) = engine.gpu_memory_utilization
-        && !(0.0..=1.0).contains(&u)
-    {
-        return bad(format!("engine.gpu_memory_utilization must be in [0, 1], got {u}"));
-    }
-    if !matches!(engine.quantization.as_str(), "" | "fp8") {
-        return bad(format!("engine.quantization must be fp8 or unset, got {:?}", engine.quantization));
-    }
-    if !matches!(engine.kv_cache_dtype.as_str(), "" | "auto" | "bf16" | "fp8") {
-        return bad(format!("engine.kv_cache_dtype must be auto, bf16 or fp8, got {:?}", engine.kv_cache_dtype));
-    }
-    if !matches!(engine.backend.as_str(), "" | "auto" | "cpu" | "cuda") {
-        return bad(format!("engine.backend must be auto, cpu or cuda, got {:?}", engine.backend));
-    }
-    if engine.served_model_name.is_empty() {
-        engine.served_model_name.clone_from(&spec.name);
-    }
-    prism_common::engine_flags::unset_zeros(engine);
-    if let Some(a) = &spec.autoscaling {
-        let p = Params::from_config(a).map_err(HeadError::InvalidArgument)?;
-        if spec.min_replicas != 0 || spec.max_replicas != 0 {
-            return bad(format!(
-                "min_replicas ({}) / max_replicas ({}) bound `prism scale` and cannot be combined with autoscaling_config; \
-                 use autoscaling_config.min_replicas / max_replicas",
-                spec.min_replicas, spec.max_replicas
-            ));
-        }
-        // The autoscaler's target starts at initial_replicas (an update keeps the current
-        // count: see `apply_deployment`).
-        spec.replicas = p.initial_replicas;
-        return Ok(spec);
-    }
-    check_bounds(&spec, spec.replicas)?;
-    Ok(spec)
-}
+/// The spec's own checks are shared with `prism deploy --dry-run` (`prism_common::deployment`).
+pub use prism_common::deployment::{MAX_TENSOR_PARALLEL, is_dns1123_label, validate_spec};
 
 /// Refuses a spec whose `engine.model` is not under the model root (lexically: the head
 /// cannot see the workers' disks; each worker checks again with symlinks resolved). No root:
@@ -109,21 +34,6 @@ pub fn check_model_root(root: Option<&std::path::Path>, spec: &DeploymentSpec) -
 /// The validated autoscaling parameters of an autoscaled spec (None otherwise).
 pub fn autoscaling_params(spec: &DeploymentSpec) -> Option<Params> {
     spec.autoscaling.as_ref().and_then(|a| Params::from_config(a).ok())
-}
-
-fn check_bounds(spec: &DeploymentSpec, replicas: u32) -> HeadResult<()> {
-    let min = spec.min_replicas;
-    let max = if spec.max_replicas == 0 { u32::MAX } else { spec.max_replicas };
-    if min > max {
-        return Err(HeadError::InvalidArgument(format!("min_replicas {min} is greater than max_replicas {max}")));
-    }
-    if replicas < min || replicas > max {
-        return Err(HeadError::InvalidArgument(format!(
-            "replicas {replicas} is outside [min_replicas {min}, max_replicas {}]",
-            spec.max_replicas
-        )));
-    }
-    Ok(())
 }
 
 /// Refuses a spec whose replica's GPU group (`tensor_parallel_size x
@@ -283,7 +193,7 @@ pub async fn scale_deployment(cluster: &Cluster, name: &str, replicas: u32) -> H
             a.min_replicas, a.max_replicas
         )));
     }
-    check_bounds(spec, replicas)?;
+    prism_common::deployment::check_replica_bounds(spec, replicas)?;
     if spec.replicas == replicas {
         return Ok(rec);
     }
@@ -362,14 +272,6 @@ mod tests {
     }
 
     #[test]
-    fn names() {
-        assert!(is_dns1123_label("llama-3-8b"));
-        for bad in ["", "-a", "a-", "Llama", "a_b", "a.b", &"a".repeat(64)] {
-            assert!(!is_dns1123_label(bad), "{bad}");
-        }
-    }
-
-    #[test]
     fn model_paths_outside_the_root_are_refused_naming_engine_model() {
         let with = |model: &str| DeploymentSpec {
             engine: Some(EngineConfig { model: model.into(), tensor_parallel_size: 1, ..Default::default() }),
@@ -404,71 +306,6 @@ mod tests {
         assert_eq!(served_elsewhere(&stored, "smol", "SmolLM2"), None, "re-applying the same deployment");
         assert_eq!(served_elsewhere(&stored, "other", "gemma"), Some("gemma"), "an empty served name is the name");
         assert_eq!(served_elsewhere(&stored, "other", "other"), None);
-    }
-
-    #[test]
-    fn spec_validation() {
-        let s = validate_spec(spec()).expect("valid");
-        assert_eq!(s.engine.map(|e| e.served_model_name), Some("smollm".to_owned()));
-        let mut s = spec();
-        s.engine = s.engine.map(|e| EngineConfig { tensor_parallel_size: 0, ..e });
-        assert!(matches!(validate_spec(s), Err(HeadError::InvalidArgument(_))));
-        let mut s = spec();
-        s.engine = s.engine.map(|e| EngineConfig { model: " ".into(), ..e });
-        assert!(validate_spec(s).is_err());
-        let mut s = spec();
-        s.name = "Bad_Name".into();
-        assert!(validate_spec(s).is_err());
-        let mut s = spec();
-        s.engine = None;
-        assert!(validate_spec(s).is_err());
-        let mut s = spec();
-        s.replicas = 5;
-        s.max_replicas = 3;
-        assert!(validate_spec(s).is_err());
-        let mut s = spec();
-        s.min_replicas = 2;
-        assert!(validate_spec(s).is_err());
-    }
-
-    #[test]
-    fn autoscaling_specs() {
-        use prism_common::proto::v1::AutoscalingConfig;
-        let auto = |min, max, initial| AutoscalingConfig {
-            min_replicas: min,
-            max_replicas: max,
-            initial_replicas: initial,
-            ..Default::default()
-        };
-        // initial_replicas (else min) is the starting count, whatever `replicas` says.
-        let s = validate_spec(DeploymentSpec { autoscaling: Some(auto(1, 3, None)), replicas: 0, ..spec() });
-        assert_eq!(s.expect("valid").replicas, 1);
-        let s = validate_spec(DeploymentSpec { autoscaling: Some(auto(1, 3, Some(2))), replicas: 7, ..spec() });
-        assert_eq!(s.expect("valid").replicas, 2);
-        let s = validate_spec(DeploymentSpec { autoscaling: Some(auto(0, 3, None)), replicas: 0, ..spec() });
-        assert_eq!(s.expect("valid").replicas, 0);
-        let Err(HeadError::InvalidArgument(m)) =
-            validate_spec(DeploymentSpec { autoscaling: Some(auto(3, 1, None)), ..spec() })
-        else {
-            panic!("min > max accepted");
-        };
-        assert_eq!(m, "autoscaling_config.min_replicas (3) is greater than max_replicas (1)");
-        let both = DeploymentSpec { autoscaling: Some(auto(1, 3, None)), max_replicas: 3, ..spec() };
-        assert!(matches!(validate_spec(both), Err(HeadError::InvalidArgument(m)) if m.contains("autoscaling_config")));
-    }
-
-    #[test]
-    fn parallel_sizes_name_their_field() {
-        let with = |tp: u32, pp: Option<u32>| DeploymentSpec {
-            engine: spec().engine.map(|e| EngineConfig { tensor_parallel_size: tp, pipeline_parallel_size: pp, ..e }),
-            ..spec()
-        };
-        let Err(HeadError::InvalidArgument(m)) = validate_spec(with(0, None)) else { panic!("tp 0 accepted") };
-        assert_eq!(m, "engine.tensor_parallel_size must be between 1 and 1024, got 0");
-        let Err(HeadError::InvalidArgument(m)) = validate_spec(with(2, Some(0))) else { panic!("pp 0 accepted") };
-        assert_eq!(m, "engine.pipeline_parallel_size must be between 1 and 1024, got 0");
-        let s = validate_spec(with(2, Some(3))).expect("valid");
-        assert_eq!(s.engine.and_then(|e| e.pipeline_parallel_size), Some(3));
     }
 
     #[test]

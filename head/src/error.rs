@@ -44,6 +44,12 @@ pub enum HeadError {
 /// Result alias for head operations.
 pub type HeadResult<T> = Result<T, HeadError>;
 
+impl From<prism_common::deployment::InvalidSpec> for HeadError {
+    fn from(e: prism_common::deployment::InvalidSpec) -> Self {
+        HeadError::InvalidArgument(e.0)
+    }
+}
+
 impl From<HeadError> for tonic::Status {
     fn from(e: HeadError) -> Self {
         let msg = e.to_string();

@@ -3,20 +3,23 @@
 //! - a `prism-head`'s logs carry no ANSI colour codes unless `CLICOLOR_FORCE` asks for them,
 //!   and never with `NO_COLOR`;
 //! - `prism deploy --dry-run` prints the deployment as a YAML deployment file (the keys a user
-//!   writes, the defaults filled in) that `prism deploy` reads back as the same deployment.
+//!   writes, the defaults filled in) that `prism deploy` reads back as the same deployment,
+//!   and refuses what a head refuses on apply, with the head's message and a non-zero exit.
 //!
-//! Neither needs the model or a running cluster.
+//! None needs the model or a worker.
 
 use anyhow::{Context, Result, ensure};
-use prism_tests::{Head, prism_cli, workspace_root};
+use prism_common::proto::v1::{ApplyDeploymentRequest, DeploymentSpec, EngineConfig};
+use prism_tests::{Head, bin_path, prism_cli, workspace_root};
 use std::time::Duration;
 
 /// The stderr of a `prism-head` (embedded store) started with `envs`, once it leads.
 async fn head_logs(envs: &[(&str, &str)]) -> Result<String> {
     let dir = tempfile::tempdir()?;
     let store = format!("embedded:{}", dir.path().join("state.json").display());
-    // The test's own environment must not decide: both variables are set, empty = unset.
-    let mut all = vec![("NO_COLOR".to_owned(), String::new()), ("CLICOLOR_FORCE".to_owned(), String::new())];
+    // The test's own environment must not decide: every variable is set, empty = unset.
+    let mut all: Vec<(String, String)> =
+        ["NO_COLOR", "CLICOLOR_FORCE", "CLICOLOR", "TERM"].iter().map(|k| ((*k).to_owned(), String::new())).collect();
     all.extend(envs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
     all.push(("RUST_LOG".to_owned(), "info".to_owned()));
     let mut head = Head::spawn("prism-head", &store, &[], &all)?;
@@ -67,5 +70,52 @@ fn deploy_dry_run_prints_a_deployment_file_that_reads_back_the_same() -> Result<
     std::fs::write(&again, &printed)?;
     let reprinted = prism_cli(&["deploy", "--dry-run", "-f", again.to_str().context("path")?])?;
     assert_eq!(reprinted, printed);
+    Ok(())
+}
+
+/// Each deployment a head refuses on apply (asked over gRPC with the spec `prism deploy`
+/// sends for the file) is refused by `prism deploy --dry-run` too: non-zero exit, nothing
+/// printed, the head's own message on stderr.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deploy_dry_run_refuses_what_the_head_refuses_with_its_message() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let store = format!("embedded:{}", dir.path().join("state.json").display());
+    let head = Head::spawn("prism-head", &store, &[], &[])?;
+    let mut client = head.wait_leader(Duration::from_secs(30)).await?;
+    let engine = |tensor_parallel_size| EngineConfig {
+        model: "/m.gguf".into(),
+        served_model_name: "a".into(),
+        tensor_parallel_size,
+        ..EngineConfig::default()
+    };
+    let spec = |tp, replicas, max_replicas| DeploymentSpec {
+        name: "a".into(),
+        engine: Some(engine(tp)),
+        replicas,
+        max_replicas,
+        ..DeploymentSpec::default()
+    };
+    let cases = [
+        ("engine: {tensor_parallel_size: 2000}\n", spec(2000, 1, 0)),
+        ("replicas: 5\nmax_replicas: 2\n", spec(1, 5, 2)),
+        ("replicas: 0\nmin_replicas: 1\n", DeploymentSpec { min_replicas: 1, ..spec(1, 0, 0) }),
+    ];
+    for (extra, spec) in cases {
+        let refused = client.apply_deployment(ApplyDeploymentRequest { spec: Some(spec) }).await;
+        let status = refused.err().with_context(|| format!("the head accepted {extra:?}"))?;
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{extra:?}: {status:?}");
+
+        let file = dir.path().join("bad.yaml");
+        std::fs::write(&file, format!("name: a\nmodel: /m.gguf\n{extra}"))?;
+        let out = std::process::Command::new(bin_path("prism")?)
+            .args(["deploy", "--dry-run", "-f"])
+            .arg(&file)
+            .env("RUST_BACKTRACE", "0")
+            .output()?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "--dry-run accepted {extra:?}:\n{}", String::from_utf8_lossy(&out.stdout));
+        assert!(out.stdout.is_empty(), "{extra:?}: printed {:?}", String::from_utf8_lossy(&out.stdout));
+        assert!(stderr.contains(status.message()), "{extra:?}: {stderr:?} does not say {:?}", status.message());
+    }
     Ok(())
 }

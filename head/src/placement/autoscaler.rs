@@ -24,7 +24,9 @@
 //! A window starts empty (a new leader, a new deployment), so no decision is made from
 //! history this head did not see.
 
-pub mod params;
+/// The validation of `autoscaling_config` lives with the deployment spec's (`prism deploy
+/// --dry-run` runs it too); re-exported under its old path.
+pub use prism_common::deployment::autoscaling as params;
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;

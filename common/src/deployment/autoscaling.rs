@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use prism_common::proto::v1::AutoscalingConfig;
+use crate::proto::v1::AutoscalingConfig;
 
 /// Ray Serve's default `target_ongoing_requests`: running + waiting + queued per replica.
 pub const DEFAULT_TARGET_ONGOING_REQUESTS: f64 = 2.0;
