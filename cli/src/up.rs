@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use prism_common::deployment::is_dns1123_label;
 use prism_common::proto::v1::{
     ApplyDeploymentRequest, ChatMessage, ChatMessages, ClusterStatusRequest, DeploymentSpec, GenerateRequest,
-    ListModelsRequest, PlacementStrategy, ReplicaState, generate_request::Prompt,
+    ListModelsRequest, NodeState, PlacementStrategy, ReplicaState, generate_request::Prompt,
 };
 use prism_common::shutdown::{CancellationToken, StopSignal, wait_for_signal};
 use std::io::IsTerminal;
@@ -194,6 +194,19 @@ impl Endpoints {
     }
 }
 
+/// How long after a worker has registered `prism up` keeps a Pending replica's reason to
+/// itself: the reconciler places the replica on its next pass (about a second).
+const PENDING_GRACE: Duration = Duration::from_secs(3);
+
+/// Whether a Pending replica's reason is worth saying: only once a worker has been
+/// registered (`worker_since`, the first poll that saw a Ready node) for [`PENDING_GRACE`].
+/// Before that "no schedulable node" only means that `prism up`'s own worker has not
+/// registered yet, or registered an instant ago: not news, and a reader of a log takes a
+/// "pending:" line for an error.
+fn pending_worth_saying(worker_since: Option<Instant>, now: Instant) -> bool {
+    worker_since.is_some_and(|since| now.saturating_duration_since(since) >= PENDING_GRACE)
+}
+
 /// `prism up`'s startup progress: a bar on a terminal; elsewhere (a log file, a pipe, where the
 /// bar does not draw) each new message as a line.
 struct Progress<'a> {
@@ -262,6 +275,7 @@ async fn bring_up(
     bar.inc(1);
     progress.say(format!("waiting for the worker; deploying {served}"));
     let mut stage = 1;
+    let mut worker_since: Option<Instant> = None;
     loop {
         if Instant::now() > deadline {
             bail!(
@@ -272,6 +286,9 @@ async fn bring_up(
         }
         let status = head.cluster_status(ClusterStatusRequest {}).await.map_err(status_error)?.into_inner();
         let replicas: Vec<_> = status.replicas.iter().filter(|r| r.deployment == deployment).collect();
+        if worker_since.is_none() && status.nodes.iter().any(|n| n.state == NodeState::Ready as i32) {
+            worker_since = Some(Instant::now());
+        }
         if let Some(failed) = replicas.iter().find(|r| r.state == ReplicaState::Failed as i32) {
             bar.abandon_with_message("failed");
             let from_store = if kept.is_empty() {
@@ -303,6 +320,7 @@ async fn bring_up(
             progress.say(msg);
         }
         if let Some(pending) = replicas.iter().find(|r| r.state == ReplicaState::Pending as i32 && !r.reason.is_empty())
+            && pending_worth_saying(worker_since, Instant::now())
         {
             progress.say(format!("pending: {}", pending.reason));
         }
@@ -490,5 +508,19 @@ mod tests {
         assert_eq!(deployment_name(&served), "smollm2-135m-instruct");
         assert_eq!(deployment_name("My_Model.v2"), "my-model-v2");
         assert_eq!(deployment_name("___"), "model");
+    }
+
+    /// No "pending: no schedulable node" while `prism up`'s own worker has not registered,
+    /// nor in the instant after it did (before the reconciler's next pass places the replica);
+    /// a replica still Pending a few seconds after that is news.
+    #[test]
+    fn a_pending_reason_is_said_only_a_grace_after_the_worker_registered() {
+        let t0 = Instant::now();
+        assert!(!pending_worth_saying(None, t0), "no worker yet");
+        assert!(!pending_worth_saying(None, t0 + Duration::from_secs(600)), "still no worker");
+        assert!(!pending_worth_saying(Some(t0), t0), "the worker has just registered");
+        assert!(!pending_worth_saying(Some(t0), t0 + PENDING_GRACE - Duration::from_millis(1)));
+        assert!(pending_worth_saying(Some(t0), t0 + PENDING_GRACE));
+        assert!(pending_worth_saying(Some(t0), t0 + Duration::from_secs(60)));
     }
 }

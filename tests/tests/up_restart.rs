@@ -1,7 +1,7 @@
 //! `prism up` restarted on a kept store (`--store embedded:PATH`): the replica count set with
 //! `prism scale` survives the restart (and the worker offers the CPU slots it needs), while an
 //! explicit `--replicas` on the restart's command line wins. Its logs, piped here, carry no
-//! ANSI colour codes. A restart under another served name leaves the earlier deployment
+//! ANSI colour codes, and its progress lines no transient "pending:" reason. A restart under another served name leaves the earlier deployment
 //! serving beside it, says so, and `prism delete` removes it. Four starts of the bundled
 //! model on the CPU backend.
 //!
@@ -43,6 +43,17 @@ fn check_no_escape_codes(up: &PrismUp) -> Result<()> {
     Ok(())
 }
 
+/// `prism up`'s progress, written as lines on a pipe, says nothing of a Pending replica when
+/// the only reason was that its own worker had not registered yet (a reader of a log takes a
+/// "pending:" line for an error): the worker has room for every replica here.
+fn check_no_pending_line(up: &PrismUp) -> Result<()> {
+    let stderr = up.proc.stderr();
+    ensure!(stderr.contains("prism up: starting the head"), "no progress lines to check:\n{stderr}");
+    let pending: Vec<&str> = stderr.lines().filter(|l| l.starts_with("prism up: pending:")).collect();
+    ensure!(pending.is_empty(), "a transient Pending reason printed: {pending:?}\n{stderr}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_on_a_kept_store_keeps_the_scaled_replica_count_unless_replicas_is_given() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
@@ -61,6 +72,7 @@ async fn a_restart_on_a_kept_store_keeps_the_scaled_replica_count_unless_replica
     .await
     .with_context(|| format!("prism up stderr:\n{}", up.proc.stderr()))?;
     check_no_escape_codes(&up)?;
+    check_no_pending_line(&up)?;
     up.interrupt(Duration::from_secs(10)).await?;
 
     // Restart with the first run's defaults (and no --cpu-slots): the stored count is kept,
@@ -71,6 +83,7 @@ async fn a_restart_on_a_kept_store_keeps_the_scaled_replica_count_unless_replica
     assert!(stderr.contains(&format!("{DEPLOYMENT} is in the store")), "{stderr}");
     assert!(stderr.contains("keeping its replicas 2 (pass their flags"), "{stderr}");
     check_no_escape_codes(&up)?;
+    check_no_pending_line(&up)?;
     up.interrupt(Duration::from_secs(10)).await?;
 
     // An explicit --replicas on the command line wins over the stored count.
