@@ -1,11 +1,12 @@
 //! The route table published to routers through `WatchRoutes`: every Ready or Draining
-//! replica with its endpoint, served model name, load and limits. A new table (with a
-//! higher `version`) is published only when its content changes.
+//! replica with its endpoint, served model name, load and limits, and the served models whose
+//! replicas all failed with nothing on its way ([`failed`]). A new table (with a higher
+//! `version`) is published only when its content changes.
 
 use std::sync::Arc;
 
 use prism_common::DeploymentName;
-use prism_common::proto::v1::{ReplicaState, RouteEntry, RouteTable};
+use prism_common::proto::v1::{FailedModel, ReplicaState, RouteEntry, RouteTable};
 use prism_common::time::unix_ms;
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
@@ -63,6 +64,44 @@ pub fn models(st: &State) -> Vec<String> {
     names
 }
 
+/// Served models whose deployment has Failed replicas and nothing that may serve soon: no
+/// replica Pending (waiting for a node, scale from zero), Starting (loading), Ready or
+/// Draining, and no Failed one that the reconciler will replace (one that was Ready once, or
+/// a GPU group: see `ClusterView::planner_inputs`). A one-rank replica that failed while
+/// starting stays Failed until the spec changes, so routers may answer at once. Sorted by
+/// model; the reason is the earliest-named Failed replica's.
+pub fn failed(st: &State) -> Vec<FailedModel> {
+    use std::collections::BTreeMap;
+    let view = st.view();
+    // Per deployment: whether something may serve soon, and a failure reason.
+    let mut by_deployment: BTreeMap<&str, (bool, Option<&str>)> = BTreeMap::new();
+    for e in view.replicas.values() {
+        let r = &e.record;
+        let (coming, reason) = by_deployment.entry(r.deployment.as_str()).or_default();
+        match r.state() {
+            ReplicaState::Pending | ReplicaState::Starting | ReplicaState::Ready | ReplicaState::Draining => {
+                *coming = true;
+            }
+            ReplicaState::Failed if r.ready_unix_ms > 0 || view.tp_of(&r.deployment) > 1 => *coming = true,
+            ReplicaState::Failed => {
+                reason.get_or_insert(r.reason.as_str());
+            }
+            _ => {}
+        }
+    }
+    let mut out: Vec<FailedModel> = by_deployment
+        .into_iter()
+        .filter_map(|(deployment, (coming, reason))| {
+            let reason = reason.filter(|_| !coming)?;
+            let spec = view.deployments.get(&DeploymentName::from(deployment))?.record.spec.as_ref()?;
+            let model = spec.engine.as_ref().map(|e| e.served_model_name.clone()).filter(|n| !n.is_empty())?;
+            Some(FailedModel { model, deployment: deployment.to_owned(), reason: reason.to_owned() })
+        })
+        .collect();
+    out.sort_unstable_by(|a, b| a.model.cmp(&b.model));
+    out
+}
+
 /// The route table routers watch. Only a leader that has loaded the cluster state publishes:
 /// until [`RoutePublisher::begin_term`] and after [`RoutePublisher::end_term`] subscribers
 /// see `None` and send nothing, so losing leadership (a store outage, a lease that expired)
@@ -112,26 +151,30 @@ impl RoutePublisher {
         };
         let routes = build(st);
         let models = models(st);
+        let failed = failed(st);
         if let Some(cur) = self.tx.borrow().as_ref()
             && cur.term == term
             && cur.routes == routes
             && cur.models == models
+            && cur.failed == failed
         {
             return;
         }
-        self.send_table(term, routes, models);
+        self.send_table(RouteTable { version: 0, routes, models, term, failed });
     }
 
     fn send(&self, term: u64, st: &State) {
-        self.send_table(term, build(st), models(st));
+        self.send_table(RouteTable { version: 0, routes: build(st), models: models(st), term, failed: failed(st) });
     }
 
-    fn send_table(&self, term: u64, routes: Vec<RouteEntry>, models: Vec<String>) {
+    /// Publishes `table` (its version set here).
+    fn send_table(&self, mut table: RouteTable) {
         use std::sync::atomic::Ordering;
         // Monotonic across leaders too: a new leader never publishes a lower version.
         let version = (self.last_version.load(Ordering::Relaxed) + 1).max(unix_ms());
         self.last_version.store(version, Ordering::Relaxed);
-        self.tx.send_replace(Some(Arc::new(RouteTable { version, routes, models, term })));
+        table.version = version;
+        self.tx.send_replace(Some(Arc::new(table)));
         self.updates.inc();
     }
 }
@@ -207,5 +250,59 @@ mod tests {
         assert_eq!(lens(&st), [("a".to_owned(), 8192), ("b".to_owned(), 0)]);
         let st = state(2048, &[("a", ready, 1456), ("b", ReplicaState::Draining, 0)]);
         assert_eq!(lens(&st), [("a".to_owned(), 1456), ("b".to_owned(), 2048)]);
+    }
+
+    /// `(model, reason)` of [`failed`] for deployment "d" (served as "m") with `replicas`:
+    /// (id, state, whether it was Ready once).
+    fn failed_of(replicas: &[(&str, ReplicaState, bool)]) -> Vec<(String, String)> {
+        let mut view = state(0, &[]).view().clone();
+        for (id, state, was_ready) in replicas {
+            let record = ReplicaRecord {
+                replica_id: (*id).into(),
+                deployment: "d".into(),
+                served_model_name: "m".into(),
+                state: *state as i32,
+                reason: if *state == ReplicaState::Failed { format!("{id} cannot start") } else { String::new() },
+                ready_unix_ms: if *was_ready { 1 } else { 0 },
+                ..ReplicaRecord::default()
+            };
+            view.replicas.insert(ReplicaId::from(*id), Entry { record, mod_revision: 1 });
+        }
+        failed(&State::with_view(view)).into_iter().map(|f| (f.model, f.reason)).collect()
+    }
+
+    /// Routers answer at once only for a model none of whose replicas is on its way: all
+    /// Failed while starting (never replaced). A replica Pending (no node yet, scale from
+    /// zero), Starting or Ready, or a Failed one the reconciler will replace (it was Ready
+    /// once), keeps requests waiting; stopped replicas count for nothing.
+    #[test]
+    fn a_model_is_published_as_failed_only_when_no_replica_is_on_its_way() {
+        use ReplicaState::{Failed, Pending, Ready, Starting, Stopped};
+        let m = |reason: &str| vec![("m".to_owned(), reason.to_owned())];
+        assert_eq!(failed_of(&[("a", Failed, false)]), m("a cannot start"));
+        assert_eq!(failed_of(&[("a", Failed, false), ("b", Failed, false)]), m("a cannot start"));
+        assert_eq!(failed_of(&[("a", Failed, false), ("b", Stopped, false)]), m("a cannot start"));
+        for on_its_way in [Pending, Starting, Ready, ReplicaState::Draining] {
+            assert_eq!(failed_of(&[("a", Failed, false), ("b", on_its_way, false)]), [], "{on_its_way:?}");
+        }
+        assert_eq!(failed_of(&[("a", Failed, true)]), [], "a replica that was Ready is replaced");
+        assert_eq!(failed_of(&[]), [], "no replica (scaled to zero) is not a failure");
+        assert_eq!(failed_of(&[("a", Stopped, false)]), []);
+    }
+
+    /// The failed models are part of the table: a change publishes a new version.
+    #[test]
+    fn a_deployment_that_fails_publishes_a_new_table_naming_it() {
+        let p = RoutePublisher::new(Counter::default());
+        p.begin_term(1, &state(0, &[("a", ReplicaState::Starting, 0)]));
+        let before = p.subscribe().borrow().as_ref().map(|t| (t.version, t.failed.len()));
+        assert_eq!(before.map(|b| b.1), Some(0));
+        p.publish(&state(0, &[("a", ReplicaState::Failed, 0)]));
+        let after = p.subscribe().borrow().clone().expect("table");
+        assert!(Some(after.version) > before.map(|b| b.0));
+        assert_eq!(
+            after.failed.iter().map(|f| (f.model.as_str(), f.deployment.as_str())).collect::<Vec<_>>(),
+            [("m", "d")]
+        );
     }
 }

@@ -8,6 +8,9 @@
 //!   Otherwise the request joins the back of its model's queue: no new arrival overtakes a
 //!   waiting one. A model listed in the route table with no Ready replica (scaled to zero,
 //!   replicas starting) queues too, and wakes the demand reporter at once (`crate::demand`).
+//! - A model whose replicas all failed with none on its way (the head's `RouteTable.failed`:
+//!   a replica that cannot start) is refused at once, and so are its waiters when the news
+//!   comes (503 / UNAVAILABLE naming the failure): no replica is coming to serve them.
 //! - Bounds, per model: `--max-queued-requests` (count), `--max-queued-tokens` (the
 //!   request's token estimate, prompt + decode), `--max-queue-wait` and the request's own
 //!   deadline (time). Past a count or token bound the request is refused at once with a
@@ -36,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::balance::{BalancePolicy, DispatchGuard, RequestHint, SelectError, select};
 use crate::metrics::Metrics;
-use crate::routes::{ReplicaRoute, RouteSnapshot, Routes};
+use crate::routes::{ModelFailure, ReplicaRoute, RouteSnapshot, Routes};
 /// gRPC metadata key carrying the suggested retry delay in whole seconds (HTTP's
 /// `Retry-After`) on RESOURCE_EXHAUSTED and UNAVAILABLE answers of the router.
 pub const RETRY_AFTER_METADATA: &str = "retry-after";
@@ -93,7 +96,7 @@ impl Bound {
 }
 
 /// Why a request got no slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AdmitError {
     /// No route mentions the model (404).
     #[error("model not found")]
@@ -119,6 +122,9 @@ pub enum AdmitError {
     /// Its own deadline passed while it waited (504).
     #[error("deadline exceeded in the admission queue")]
     DeadlineExceeded,
+    /// The model's replicas all failed and none is on its way (503).
+    #[error("the replicas of deployment {} failed to start", .0.deployment)]
+    ReplicasFailed(Arc<ModelFailure>),
 }
 
 type Answer = Result<Admitted, AdmitError>;
@@ -172,7 +178,10 @@ impl Inner {
             Err(SelectError::UnknownModel) => Attempt::Fail(AdmitError::UnknownModel),
             Err(SelectError::AllFull) => Attempt::Wait { no_ready: false },
             Err(SelectError::NoneReady) if snap.has_ready(model) => Attempt::Fail(AdmitError::NoneUsable),
-            Err(SelectError::NoneReady) => Attempt::Wait { no_ready: true },
+            Err(SelectError::NoneReady) => match snap.failure(model) {
+                Some(failure) => Attempt::Fail(AdmitError::ReplicasFailed(failure)),
+                None => Attempt::Wait { no_ready: true },
+            },
         }
     }
 
@@ -205,11 +214,12 @@ impl Inner {
                     // A receiver gone in this instant drops the slot with the message.
                     let _ = w.tx.send(Ok(a));
                 }
-                Attempt::Fail(AdmitError::UnknownModel) => {
-                    // The model left the table (deleted): nobody of it will be served.
+                Attempt::Fail(e @ (AdmitError::UnknownModel | AdmitError::ReplicasFailed(_))) => {
+                    // The model left the table (deleted), or its replicas failed with none on
+                    // its way: nobody of it will be served.
                     while let Some(w) = q.pop_front() {
                         self.metrics.queue_waited(now.saturating_duration_since(w.since).as_secs_f64());
-                        let _ = w.tx.send(Err(AdmitError::UnknownModel));
+                        let _ = w.tx.send(Err(e.clone()));
                     }
                     changed = true;
                 }
@@ -306,6 +316,9 @@ impl Admission {
             let no_ready = if waiting {
                 if !snap.models.contains_key(model) {
                     return Err(AdmitError::UnknownModel);
+                }
+                if let Some(failure) = snap.failure(model) {
+                    return Err(AdmitError::ReplicasFailed(failure));
                 }
                 !snap.has_ready(model)
             } else {

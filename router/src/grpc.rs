@@ -83,9 +83,10 @@ pub fn to_status(e: DispatchError) -> Status {
     let retry_after = e.retry_after_s();
     let mut s = match e {
         DispatchError::UnknownModel(_) => Status::not_found(e.to_string()),
-        DispatchError::NoReplica(_) | DispatchError::NoReplicaInTime { .. } | DispatchError::ReplicaLost { .. } => {
-            Status::unavailable(e.to_string())
-        }
+        DispatchError::NoReplica(_)
+        | DispatchError::NoReplicaInTime { .. }
+        | DispatchError::ReplicaLost { .. }
+        | DispatchError::ReplicasFailed { .. } => Status::unavailable(e.to_string()),
         DispatchError::Overloaded { .. } => Status::resource_exhausted(e.to_string()),
         DispatchError::DeadlineExceeded => Status::deadline_exceeded(e.to_string()),
         DispatchError::Worker(s) => return s,

@@ -7,7 +7,8 @@
 //! in [`ReplicaStats`], kept across table updates so the load guards of requests in flight
 //! (`balance::DispatchGuard`) stay attached. Every update bumps a [`tokio::sync::watch`]
 //! counter ([`Routes::subscribe`]) so requests waiting on a replica learn at once when it
-//! leaves the table.
+//! leaves the table. The head also names the models whose replicas all failed with none on
+//! its way ([`RouteSnapshot::failure`]): requests for them are answered at once.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -127,6 +128,15 @@ impl ReplicaRoute {
     }
 }
 
+/// Why a model's replicas cannot serve: the head's `RouteTable.failed` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelFailure {
+    /// The deployment serving the model.
+    pub deployment: String,
+    /// A Failed replica's reason, as its worker reported it (may be empty).
+    pub reason: String,
+}
+
 /// An immutable version of the table.
 #[derive(Debug, Default)]
 pub struct RouteSnapshot {
@@ -136,6 +146,8 @@ pub struct RouteSnapshot {
     pub term: u64,
     /// Replicas by served model name.
     pub models: BTreeMap<String, Vec<Arc<ReplicaRoute>>>,
+    /// Models whose replicas all failed with none on its way, by served model name.
+    pub failed: BTreeMap<String, Arc<ModelFailure>>,
     /// Whether a table was ever received (or static routes were given).
     pub loaded: bool,
     /// Notified whenever a request admitted from this table releases its slot (shared by
@@ -152,6 +164,12 @@ impl RouteSnapshot {
     /// Whether `model` has a Ready replica (ejected ones included).
     pub fn has_ready(&self, model: &str) -> bool {
         self.models.get(model).is_some_and(|rs| rs.iter().any(|r| r.is_ready()))
+    }
+
+    /// Why `model` cannot be served, when the head says its replicas all failed and none is
+    /// on its way (and this table has no Ready replica of it): waiting would be for nothing.
+    pub fn failure(&self, model: &str) -> Option<Arc<ModelFailure>> {
+        self.failed.get(model).filter(|_| !self.has_ready(model)).cloned()
     }
 }
 
@@ -279,7 +297,8 @@ impl Routes {
                 cache,
             }));
         }
-        self.store(RouteSnapshot { version: 0, term: 0, models, loaded: true, released: self.released() });
+        let failed = BTreeMap::new();
+        self.store(RouteSnapshot { version: 0, term: 0, models, failed, loaded: true, released: self.released() });
     }
 
     /// Replaces the table with one received from the head, unless it is stale: published in
@@ -310,6 +329,14 @@ impl Routes {
         // Deployed models with no usable replica stay known (503, not 404).
         let mut models: BTreeMap<String, Vec<Arc<ReplicaRoute>>> =
             table.models.into_iter().map(|m| (m, Vec::new())).collect();
+        let failed: BTreeMap<String, Arc<ModelFailure>> = table
+            .failed
+            .into_iter()
+            .map(|f| (f.model, Arc::new(ModelFailure { deployment: f.deployment, reason: f.reason })))
+            .collect();
+        for model in failed.keys() {
+            models.entry(model.clone()).or_default();
+        }
         for e in table.routes {
             let state = ReplicaState::try_from(e.state).unwrap_or(ReplicaState::Unspecified);
             if !matches!(state, ReplicaState::Ready | ReplicaState::Draining) || e.endpoint.is_empty() {
@@ -349,8 +376,11 @@ impl Routes {
             let draining = models.values().flatten().filter(|r| r.state == ReplicaState::Draining).count();
             tracing::info!(version = table.version, replicas = live.len(), draining, "route table updated");
         }
+        if self.snapshot().failed != failed {
+            tracing::info!(failed = ?failed.keys().collect::<Vec<_>>(), "models whose replicas failed to start");
+        }
         let released = self.released();
-        self.store(RouteSnapshot { version: table.version, term: table.term, models, loaded: true, released });
+        self.store(RouteSnapshot { version: table.version, term: table.term, models, failed, loaded: true, released });
     }
 
     /// Follows `WatchRoutes` on the given heads until `shutdown`, trying them in turn and
@@ -459,6 +489,7 @@ mod tests {
     fn apply_keeps_ready_and_draining_and_stats() {
         let routes = Routes::new(4, Metrics::new());
         routes.apply(RouteTable {
+            failed: vec![],
             term: 0,
             models: vec![],
             version: 3,
@@ -476,6 +507,7 @@ mod tests {
         assert_eq!(m[0].max_in_flight, 4);
         m[0].stats.in_flight.store(2, Ordering::Relaxed);
         routes.apply(RouteTable {
+            failed: vec![],
             term: 0,
             version: 4,
             routes: vec![entry("a", "m", ReplicaState::Ready)],
@@ -491,6 +523,7 @@ mod tests {
         let routes = Routes::new(4, Metrics::new());
         let mut rx = routes.subscribe();
         routes.apply(RouteTable {
+            failed: vec![],
             term: 0,
             version: 1,
             routes: vec![entry("a", "m", ReplicaState::Ready)],
@@ -501,6 +534,7 @@ mod tests {
         assert!(routes.lists("m", "a"));
         assert!(!routes.lists("other", "a"));
         routes.apply(RouteTable {
+            failed: vec![],
             term: 0,
             version: 2,
             routes: vec![entry("a", "m", ReplicaState::Draining)],
@@ -509,6 +543,7 @@ mod tests {
         assert!(rx.has_changed().unwrap_or(false));
         assert!(routes.lists("m", "a"), "a Draining replica stays listed");
         routes.apply(RouteTable {
+            failed: vec![],
             term: 0,
             version: 3,
             routes: vec![entry("b", "m", ReplicaState::Ready)],
@@ -525,6 +560,7 @@ mod tests {
         let metrics = Metrics::new();
         let routes = Routes::new(4, metrics.clone());
         let table = |term, version, ids: &[&str]| RouteTable {
+            failed: vec![],
             term,
             version,
             routes: ids.iter().map(|id| entry(id, "m", ReplicaState::Ready)).collect(),

@@ -122,7 +122,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     let ea = format!("http://{}", a.clone().spawn(shutdown.clone()).await?);
     let eb = format!("http://{}", b.clone().spawn(shutdown.clone()).await?);
 
-    let (tx, rx) = watch::channel(RouteTable { term: 0, models: vec![], version: 1, routes: vec![] });
+    let (tx, rx) = watch::channel(RouteTable { failed: vec![], term: 0, models: vec![], version: 1, routes: vec![] });
     let head_stop = CancellationToken::new();
     let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let head_addr = format!("http://{}", hl.local_addr()?);
@@ -143,6 +143,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     // Empty table: unknown model.
     wait_status(&http, 404).await?;
     tx.send(RouteTable {
+        failed: vec![],
         term: 0,
         models: vec![],
         version: 2,
@@ -158,13 +159,20 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
 
     // Only Draining replicas: known model, none ready → queued, 503 once the wait bound passes.
     tx.send(RouteTable {
+        failed: vec![],
         term: 0,
         models: vec![],
         version: 3,
         routes: vec![entry("rb", &eb, ReplicaState::Draining)],
     })?;
     wait_status(&http, 503).await?;
-    tx.send(RouteTable { term: 0, models: vec![], version: 4, routes: vec![entry("rb", &eb, ReplicaState::Ready)] })?;
+    tx.send(RouteTable {
+        failed: vec![],
+        term: 0,
+        models: vec![],
+        version: 4,
+        routes: vec![entry("rb", &eb, ReplicaState::Ready)],
+    })?;
     wait_status(&http, 200).await?;
 
     // Head gone: the last table keeps serving.
@@ -187,6 +195,7 @@ async fn demand_reports_reach_the_head() -> anyhow::Result<()> {
     let a = MockEngineWorker::new(MockBehavior::default());
     let ea = format!("http://{}", a.clone().spawn(shutdown.clone()).await?);
     let table = RouteTable {
+        failed: vec![],
         term: 0,
         models: vec!["mock".into(), "cold".into()],
         version: 1,

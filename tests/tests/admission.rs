@@ -12,13 +12,18 @@
 //! - Both routers' `prism_router_queue_depth` return to 0 afterwards.
 //! - Scaled to zero the model stays listed: a request waits in the router's queue, wakes
 //!   the demand reporter, and is served token-exact by the replica that scaling to 1 starts.
+//! - A deployment whose replica cannot start (its model file does not exist) is not waited
+//!   for: once the replica is Failed, a request gets 503 at once (HTTP: an OpenAI error body
+//!   naming the failure and its reason, `Retry-After`; gRPC: UNAVAILABLE with `retry-after`).
+//!   This one needs no model.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
 use anyhow::{Context, Result, bail, ensure};
+use prism_common::proto::v1::ReplicaState;
 use prism_tests::{
-    Cluster, Deployment, PROMPTS, Router, SERVED, eventually, greedy_request, metric_value, model, post_sse, reference,
-    router_ready_replicas, stream,
+    Cluster, Deployment, PROMPTS, Router, SERVED, Store, eventually, greedy_request, metric_value, model, post_sse,
+    reference, router_ready_replicas, stream,
 };
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -240,4 +245,51 @@ async fn queue_empty(router: &Router) -> Result<()> {
         Ok((depth == 0.0 && m.contains("prism_router_queue_depth{")).then_some(()))
     })
     .await
+}
+
+/// A replica that cannot start (no such model file) is Failed for good: requests for its
+/// model are answered at once, not after the queue's 30 s wait bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_whose_replicas_failed_to_start_is_refused_at_once() -> Result<()> {
+    let mut cluster = Cluster::builder().store(Store::Embedded).workers(1).routers(1).start().await?;
+    let missing = std::path::Path::new("/nonexistent/prism-test/model.gguf");
+    cluster.deploy(&Deployment::new(missing))?;
+    let reason = eventually(Duration::from_secs(60), "the replica Failed at the head", || async {
+        let st = cluster.status().await?;
+        Ok(st.replicas.iter().find(|r| r.state == ReplicaState::Failed as i32).map(|r| r.reason.clone()))
+    })
+    .await;
+    let reason = cluster.with_logs(reason)?;
+    ensure!(!reason.is_empty(), "the Failed replica has no reason");
+
+    // The router learns it from the route table: poll until a request is refused, each
+    // attempt bounded well below the queue's wait bound (30 s).
+    let url = format!("{}/v1/chat/completions", cluster.http());
+    let body = json!({"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+    let http = reqwest::Client::new();
+    let (status, retry_after, error) = eventually(Duration::from_secs(30), "an immediate 503", || async {
+        let started = std::time::Instant::now();
+        let response = http.post(&url).json(&body).timeout(Duration::from_secs(5)).send().await?;
+        let status = response.status().as_u16();
+        let retry_after = response.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let error: Value = response.json().await?;
+        ensure!(started.elapsed() < Duration::from_secs(3), "answered after {:?}", started.elapsed());
+        Ok(Some((status, retry_after, error)))
+    })
+    .await?;
+    assert_eq!(status, 503, "{error}");
+    let seconds = retry_after.as_deref().and_then(|s| s.parse::<u32>().ok());
+    assert!(seconds.is_some_and(|s| s >= 1), "Retry-After: {retry_after:?}");
+    let message = error["error"]["message"].as_str().context("error.message")?;
+    assert!(message.contains("failed to start") && message.contains("smollm2"), "{error}");
+    assert!(message.contains(&reason), "the reason {reason:?} is not in {message:?}");
+
+    let started = std::time::Instant::now();
+    let refused = stream(cluster.grpc(), greedy_request(&[1, 2, 3], 4, false)).await;
+    let status = refused.err().and_then(|e| e.downcast::<tonic::Status>().ok()).context("a gRPC status")?;
+    assert!(started.elapsed() < Duration::from_secs(3), "gRPC answered after {:?}", started.elapsed());
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("failed to start"), "{status:?}");
+    assert!(status.metadata().get("retry-after").is_some(), "{status:?}");
+    Ok(())
 }

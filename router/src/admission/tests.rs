@@ -17,6 +17,7 @@ fn routes(limit: u32) -> Routes {
 
 fn table(version: u64, limit: u32) -> RouteTable {
     RouteTable {
+        failed: vec![],
         term: 0,
         version,
         models: vec![MODEL.into(), "cold".into()],
@@ -278,4 +279,50 @@ async fn ejected_replicas_fail_a_new_arrival_at_once() {
     f.routes.snapshot().models[MODEL][0].stats.record_failure(f.routes.now_ms(), Duration::from_secs(10));
     assert_eq!(f.adm.admit(MODEL, hint(1), far()).await.err(), Some(AdmitError::NoneUsable));
     assert_eq!(f.adm.queued(MODEL), 0);
+}
+
+/// The head's table naming `cold` as failed (its replicas cannot start).
+fn failed_table(version: u64) -> RouteTable {
+    let mut t = table(version, 1);
+    t.failed.push(prism_common::proto::v1::FailedModel {
+        model: "cold".into(),
+        deployment: "cold-dep".into(),
+        reason: "model file not found".into(),
+    });
+    t
+}
+
+/// A model whose replicas all failed to start (none Pending, Starting or Ready) is refused
+/// at once with the failure, never queued: no replica is coming. Requests already waiting
+/// for it (a replica that was Starting, then failed) are answered when the news comes.
+#[tokio::test]
+async fn a_model_whose_replicas_failed_is_refused_at_once_and_its_waiters_answered() {
+    let f = fixture(1, AdmissionConfig::default());
+    let waiting = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.admit("cold", hint(10), far()).await.map(|(r, _g)| r.replica_id.clone()) }
+    });
+    queued(&f, "cold", 1).await;
+    f.routes.apply(failed_table(2));
+    let got = tokio::time::timeout(Duration::from_secs(5), waiting).await.expect("answered at once").expect("join");
+    let failure = Arc::new(ModelFailure { deployment: "cold-dep".into(), reason: "model file not found".into() });
+    assert_eq!(got.err(), Some(AdmitError::ReplicasFailed(failure.clone())));
+    assert_eq!(f.adm.queued("cold"), 0);
+
+    let started = Instant::now();
+    let r = f.adm.admit("cold", hint(10), far()).await;
+    assert_eq!(r.err(), Some(AdmitError::ReplicasFailed(failure)));
+    assert!(started.elapsed() < Duration::from_secs(1), "refused at once, not after the queue wait");
+    assert_eq!(f.adm.queued("cold"), 0);
+    // Other models are not affected.
+    assert!(f.adm.admit(MODEL, hint(1), far()).await.is_ok());
+
+    // A replica on its way again (the deployment was fixed): requests wait for it as before.
+    f.routes.apply(table(3, 1));
+    let cold = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.admit("cold", hint(10), far()).await.map(|(r, _g)| r.replica_id.clone()) }
+    });
+    queued(&f, "cold", 1).await;
+    cold.abort();
 }

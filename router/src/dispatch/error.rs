@@ -5,6 +5,11 @@ use tonic::{Code, Status};
 
 use crate::admission::{AdmitError, Bound};
 
+/// `Retry-After` of [`DispatchError::ReplicasFailed`], seconds: nothing changes until the
+/// deployment does, so a client should not come back at once (the head replaces a replica
+/// that failed after serving about this long after it failed).
+pub const REPLICAS_FAILED_RETRY_AFTER_S: u32 = 10;
+
 /// Why a request could not be served.
 #[derive(Debug, thiserror::Error)]
 pub enum DispatchError {
@@ -41,6 +46,22 @@ pub enum DispatchError {
         /// What happened to it, in words.
         what: &'static str,
     },
+    /// The model's replicas all failed to start and none is on its way (503 with
+    /// `Retry-After`, at once: waiting would be for nothing). `reason` is a failed replica's,
+    /// as its worker reported it (may be empty).
+    #[error(
+        "the replicas of deployment `{deployment}` (model `{model}`) failed to start{}; fix the deployment \
+         (`prism status` shows its replicas) and retry",
+        because(.reason)
+    )]
+    ReplicasFailed {
+        /// Served model name.
+        model: String,
+        /// The deployment serving it.
+        deployment: String,
+        /// Why, in the worker's words.
+        reason: String,
+    },
     /// The request's deadline passed (504).
     #[error("the request deadline was exceeded")]
     DeadlineExceeded,
@@ -57,6 +78,7 @@ impl DispatchError {
             Self::NoReplicaInTime { retry_after_s, .. } | Self::Overloaded { retry_after_s, .. } => {
                 Some(*retry_after_s)
             }
+            Self::ReplicasFailed { .. } => Some(REPLICAS_FAILED_RETRY_AFTER_S),
             _ => None,
         }
     }
@@ -78,6 +100,11 @@ impl DispatchError {
                 Self::Overloaded { reason, retry_after_s }
             }
             AdmitError::DeadlineExceeded => Self::DeadlineExceeded,
+            AdmitError::ReplicasFailed(f) => Self::ReplicasFailed {
+                model: model.to_owned(),
+                deployment: f.deployment.clone(),
+                reason: f.reason.clone(),
+            },
         }
     }
 
@@ -100,6 +127,11 @@ impl DispatchError {
         tracing::warn!(%replica, code = ?s.code(), message = s.message(), "replica failed and no other could take the request");
         Self::ReplicaLost { what }
     }
+}
+
+/// `: REASON` when there is one.
+fn because(reason: &str) -> String {
+    if reason.is_empty() { String::new() } else { format!(": {reason}") }
 }
 
 #[cfg(test)]

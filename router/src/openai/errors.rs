@@ -124,7 +124,10 @@ impl From<DispatchError> for ApiError {
             DispatchError::UnknownModel(_) => {
                 Self { param: Some("model".into()), ..Self::new(StatusCode::NOT_FOUND, message) }
             }
-            DispatchError::NoReplica(_) | DispatchError::NoReplicaInTime { .. } | DispatchError::ReplicaLost { .. } => {
+            DispatchError::NoReplica(_)
+            | DispatchError::NoReplicaInTime { .. }
+            | DispatchError::ReplicaLost { .. }
+            | DispatchError::ReplicasFailed { .. } => {
                 Self { retry_after, ..Self::new(StatusCode::SERVICE_UNAVAILABLE, message) }
             }
             DispatchError::Overloaded { .. } => {
