@@ -10,8 +10,9 @@ use tokio::time::Instant;
 /// Pause between two polls.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
-/// A TCP port on 127.0.0.1 that was free a moment ago. Prefer passing a bound listener where
-/// the API allows it; this is for child processes that must be told their port.
+/// A TCP port on 127.0.0.1 that was free a moment ago and that no other test process will
+/// hand out while this one runs. Prefer passing a bound listener where the API allows it;
+/// this is for child processes that must be told their port.
 ///
 /// The port comes from outside the kernel's ephemeral range (`ip_local_port_range`): a port
 /// the OS handed out for `bind(0)` is just as likely to be handed out next as the local port
@@ -20,6 +21,13 @@ const POLL_INTERVAL: Duration = Duration::from_millis(20);
 /// already in use". Ports below the range are only ever taken by an explicit `bind`. Calls in
 /// one process walk the range from a pid-dependent start, so concurrent tests of one test
 /// binary never get the same port, and each port is checked by binding it.
+///
+/// Test binaries run side by side too, and their walks meet: the bind check alone let two
+/// of them hand out one port between the check and the child's `bind` (or while a fixture
+/// restarts a child on its ports). So each port is also reserved across processes before it
+/// is handed out: a lock on a file named after it under [`PORT_LOCK_DIR`] in the temporary
+/// directory, held until this process exits (the kernel drops it then, even on a crash).
+/// A port another process holds is skipped.
 ///
 /// # Errors
 /// When no port of the range can be bound.
@@ -30,14 +38,52 @@ pub fn free_port() -> Result<u16> {
     let span = u32::from(hi - lo) + 1;
     let seed = std::process::id().wrapping_mul(7919) % span;
     let _ = NEXT.compare_exchange(u32::MAX, seed, Ordering::Relaxed, Ordering::Relaxed);
-    for _ in 0..span {
+    let candidates = (0..span).filter_map(|_| {
         let offset = NEXT.fetch_add(1, Ordering::Relaxed) % span;
-        let port = lo + u16::try_from(offset).expect("offset below a u16 span");
+        u16::try_from(offset).ok().map(|o| lo + o)
+    });
+    pick_port(candidates).ok_or_else(|| anyhow!("no free loopback port in {lo}..={hi}"))
+}
+
+/// Directory (under the temporary directory) of the per-port lock files of [`free_port`].
+pub const PORT_LOCK_DIR: &str = "prism-test-ports";
+
+/// The first of `candidates` that this process can reserve ([`reserve_port`]) and bind.
+fn pick_port(candidates: impl Iterator<Item = u16>) -> Option<u16> {
+    for port in candidates {
+        let Some(reservation) = reserve_port(port) else { continue };
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return Ok(port);
+            if let Some(lock) = reservation {
+                RESERVED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(lock);
+            }
+            return Some(port);
         }
     }
-    bail!("no free loopback port in {lo}..={hi}")
+    None
+}
+
+/// The lock files of the ports this process reserved, kept open (locked) until it exits.
+static RESERVED: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
+
+/// Reserves `port` across processes: `None` when another process holds it; `Some(Some(lock))`
+/// when the lock is taken (keep the file open to keep it); `Some(None)` where no lock can be
+/// taken at all (no writable temporary directory, a file system without locks): the bind
+/// check alone decides then, as before reservations.
+fn reserve_port(port: u16) -> Option<Option<std::fs::File>> {
+    let dir = std::env::temp_dir().join(PORT_LOCK_DIR);
+    if std::fs::create_dir_all(&dir).is_err() {
+        return Some(None);
+    }
+    let Ok(file) =
+        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join(port.to_string()))
+    else {
+        return Some(None);
+    };
+    match file.try_lock() {
+        Ok(()) => Some(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => None,
+        Err(std::fs::TryLockError::Error(_)) => Some(None),
+    }
 }
 
 /// The widest run of ports in 10000..=65535 outside the kernel's ephemeral range (Linux
@@ -125,5 +171,25 @@ where
             return Err(last.context(format!("{what}: not reached within {timeout:?}")));
         }
         tokio::time::sleep(RETRY_INTERVAL).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::Context;
+
+    /// A port reserved by another test process (its lock file held through another open
+    /// file, as a second process holds it) is never handed out here, even though nothing
+    /// listens on it yet: that process's child is about to bind it.
+    #[test]
+    fn a_port_another_process_reserved_is_skipped() -> Result<()> {
+        let taken = free_port()?;
+        // `taken` stays reserved by this process; a new open file of its lock is refused
+        // exactly as one in another process is.
+        assert!(reserve_port(taken).is_none(), "a held reservation was granted again");
+        let picked = pick_port(taken..taken.saturating_add(50)).context("no port")?;
+        assert_ne!(picked, taken, "a port reserved elsewhere was handed out");
+        Ok(())
     }
 }
