@@ -17,6 +17,12 @@ pub const MAX_TENSOR_PARALLEL: u32 = 1024;
 #[error("{0}")]
 pub struct InvalidSpec(pub String);
 
+/// The model name a deployment is served under (`served_model_name`, else its name: specs
+/// stored before [`validate_spec`] filled it in may leave it empty).
+pub fn served_name(spec: &DeploymentSpec) -> &str {
+    spec.engine.as_ref().map(|e| e.served_model_name.as_str()).filter(|s| !s.is_empty()).unwrap_or(&spec.name)
+}
+
 /// True for a DNS-1123 label: 1–63 of `[a-z0-9-]`, starting and ending alphanumeric.
 pub fn is_dns1123_label(s: &str) -> bool {
     !s.is_empty()
@@ -124,6 +130,18 @@ mod tests {
             replicas: 1,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_served_name_is_the_deployment_name_unless_set() {
+        let mut s = spec();
+        assert_eq!(served_name(&s), "smollm");
+        if let Some(e) = s.engine.as_mut() {
+            e.served_model_name = "llama".into();
+        }
+        assert_eq!(served_name(&s), "llama");
+        s.engine = None;
+        assert_eq!(served_name(&s), "smollm");
     }
 
     #[test]

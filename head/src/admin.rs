@@ -4,6 +4,7 @@
 //! changes nothing.
 
 use prism_common::DeploymentName;
+use prism_common::deployment::served_name;
 use prism_common::proto::v1::{
     ClusterStatusResponse, DeploymentRecord, DeploymentSpec, NodeInventory, NodeRecord, NodeState, ReplicaRecord,
 };
@@ -139,11 +140,6 @@ pub async fn apply_deployment(cluster: &Cluster, spec: DeploymentSpec) -> HeadRe
     let created = rec.generation == 1 && !st.view().deployments.contains_key(&name);
     tracing::info!(deployment = %name, generation = rec.generation, created, "deployment applied");
     Ok((cluster.put_deployment(&mut st, rec).await?, created))
-}
-
-/// The model name a deployment is served under (`served_model_name`, else its name).
-pub(crate) fn served_name(spec: &DeploymentSpec) -> &str {
-    spec.engine.as_ref().map(|e| e.served_model_name.as_str()).filter(|s| !s.is_empty()).unwrap_or(&spec.name)
 }
 
 /// The deployment other than `name` among `specs` already served as `served`: one served name

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use prism_common::DeploymentName;
+use prism_common::deployment::served_name;
 use prism_common::proto::v1::{FailedModel, ReplicaState, RouteEntry, RouteTable};
 use prism_common::time::unix_ms;
 use prometheus_client::metrics::counter::Counter;
@@ -56,8 +57,7 @@ pub fn models(st: &State) -> Vec<String> {
         .view()
         .deployments
         .values()
-        .filter_map(|d| d.record.spec.as_ref()?.engine.as_ref().map(|e| e.served_model_name.clone()))
-        .filter(|n| !n.is_empty())
+        .filter_map(|d| d.record.spec.as_ref().map(|s| served_name(s).to_owned()))
         .collect();
     names.sort_unstable();
     names.dedup();
@@ -94,7 +94,7 @@ pub fn failed(st: &State) -> Vec<FailedModel> {
         .filter_map(|(deployment, (coming, reason))| {
             let reason = reason.filter(|_| !coming)?;
             let spec = view.deployments.get(&DeploymentName::from(deployment))?.record.spec.as_ref()?;
-            let model = spec.engine.as_ref().map(|e| e.served_model_name.clone()).filter(|n| !n.is_empty())?;
+            let model = served_name(spec).to_owned();
             Some(FailedModel { model, deployment: deployment.to_owned(), reason: reason.to_owned() })
         })
         .collect();

@@ -118,7 +118,7 @@ impl HeadService for HeadGrpc {
                     .deployments
                     .values()
                     .filter_map(|d| d.record.spec.as_ref())
-                    .any(|s| s.replicas == 0 && crate::admin::served_name(s) == m.model)
+                    .any(|s| s.replicas == 0 && prism_common::deployment::served_name(s) == m.model)
         });
         st.record_demand(r.router_id, r.models, tokio::time::Instant::now());
         drop(st);

@@ -106,7 +106,7 @@ async fn autoscale(cluster: &Cluster, st: &mut State, autoscaler: &mut Autoscale
     for (name, e) in &view.deployments {
         let Some(spec) = e.record.spec.as_ref() else { continue };
         let Some(p) = autoscaling_params(spec) else { continue };
-        let served = crate::admin::served_name(spec);
+        let served = prism_common::deployment::served_name(spec);
         let ready: Vec<ReplicaId> = st
             .view()
             .replicas
@@ -189,7 +189,7 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
                 .deployments
                 .get(&deployment)
                 .and_then(|d| d.record.spec.as_ref())
-                .map(|s| crate::admin::served_name(s).to_owned())
+                .map(|s| prism_common::deployment::served_name(s).to_owned())
                 .unwrap_or_else(|| deployment.to_string());
             let rec = ReplicaRecord {
                 replica_id: id.to_string(),
