@@ -11,8 +11,8 @@
 //! - `include_stop_str_in_output` keeps a stop string taken from the greedy output, streamed
 //!   and not; `"<|im_end|>"` as a stop string stops at that special token with `ignore_eos`,
 //!   although `skip_special_tokens` hides it from the text;
-//! - `max_completion_tokens` wins over `max_tokens`; `logit_bias` and `min_tokens` out of
-//!   range are 400s naming the field.
+//! - `max_completion_tokens` wins over `max_tokens`; completions without `max_tokens` stop
+//!   at 16 tokens; `logit_bias` and `min_tokens` out of range are 400s naming the field.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
@@ -308,6 +308,16 @@ async fn stops_and_fields(api: &Api) -> Result<()> {
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     api.refused("/v1/chat/completions", &chat(json!({"max_completion_tokens": 0})), 400, "max_completion_tokens")
         .await?;
+    // Completions without max_tokens: 16 tokens, the legacy API's default (vLLM's too).
+    let mut absent = completion(json!({}));
+    if let Some(o) = absent.as_object_mut() {
+        o.remove("max_tokens");
+    }
+    let v = api.ok("/v1/completions", &absent).await?;
+    assert_eq!(
+        (v["usage"]["completion_tokens"].as_u64(), v["choices"][0]["finish_reason"].as_str()),
+        (Some(16), Some("length"))
+    );
     // logit_bias / min_tokens validation.
     let e = api.refused("/v1/completions", &completion(json!({"logit_bias": {"12": 101}})), 400, "logit_bias").await?;
     assert!(e["error"]["message"].as_str().unwrap_or_default().contains("\"12\""), "{e}");

@@ -48,11 +48,30 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
+/// `max_tokens` of a `/v1/completions` request that does not send the field, as OpenAI's
+/// legacy completions API and vLLM's `CompletionRequest` default it. `"max_tokens": null`
+/// stays unset there, and chat completions have no default.
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: i64 = 16;
+
+/// Reads a field that may be absent (`None`, through `#[serde(default)]`), `null`
+/// (`Some(None)`) or a value (`Some(Some(v))`): `max_tokens` means different things when
+/// absent and when `null` on completions.
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
+}
+
 /// Sampling fields shared by both endpoints (OpenAI + vLLM extras).
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct SamplingFields {
-    /// Tokens to generate; `null` = unset.
-    pub max_tokens: Option<i64>,
+    /// Tokens to generate: `None` when the field is absent, `Some(None)` for `null` (unset:
+    /// until EOS or the context limit). An absent one is [`COMPLETIONS_DEFAULT_MAX_TOKENS`]
+    /// on completions and unset on chat ([`SamplingFields::to_proto`]).
+    #[serde(default, deserialize_with = "present")]
+    pub max_tokens: Option<Option<i64>>,
     /// OpenAI's newer name of `max_tokens`: when both are set it wins, as in vLLM
     /// (`max_completion_tokens or max_tokens`).
     pub max_completion_tokens: Option<i64>,
@@ -310,14 +329,21 @@ pub fn logit_bias(v: Option<&Value>) -> Result<HashMap<u32, f32>, ApiError> {
 
 impl SamplingFields {
     /// Validates and converts to `SamplingParams` (`logprobs`: top alternatives wanted;
-    /// `echo`: `max_tokens: 0` is allowed, the prompt alone is returned).
+    /// `echo`: `max_tokens: 0` is allowed, the prompt alone is returned; `absent_max_tokens`:
+    /// the value of a `max_tokens` the body does not have, `None` = unset).
     ///
     /// # Errors
     /// 400 naming the first invalid field.
-    pub fn to_proto(&self, logprobs: Option<u32>, echo: bool) -> Result<SamplingParams, ApiError> {
+    pub fn to_proto(
+        &self,
+        logprobs: Option<u32>,
+        echo: bool,
+        absent_max_tokens: Option<i64>,
+    ) -> Result<SamplingParams, ApiError> {
         let (field, max_tokens) = match (self.max_completion_tokens, self.max_tokens) {
             (Some(m), _) => ("max_completion_tokens", Some(m)),
-            (None, m) => ("max_tokens", m),
+            (None, Some(m)) => ("max_tokens", m),
+            (None, None) => ("max_tokens", absent_max_tokens),
         };
         let least = if echo { 0 } else { 1 };
         if let Some(m) = max_tokens
@@ -332,9 +358,14 @@ impl SamplingFields {
                 return Err(ApiError::invalid("min_tokens", format!("min_tokens must be >= 0, got {m}")));
             }
             Some(m) if max_tokens.is_some_and(|x| m > x) => {
+                let default = if self.max_tokens.is_none() && self.max_completion_tokens.is_none() {
+                    ", the default when it is absent"
+                } else {
+                    ""
+                };
                 return Err(ApiError::invalid(
                     "min_tokens",
-                    format!("min_tokens must be at most {field} ({}), got {m}", max_tokens.unwrap_or(0)),
+                    format!("min_tokens must be at most {field} ({}{default}), got {m}", max_tokens.unwrap_or(0)),
                 ));
             }
             Some(m) => Some(
@@ -514,7 +545,7 @@ impl CompletionRequest {
         let req = GenerateRequest {
             model: self.model.clone(),
             prompt: Some(prompt),
-            sampling: Some(self.sampling.to_proto(self.logprobs, echo)?),
+            sampling: Some(self.sampling.to_proto(self.logprobs, echo, Some(COMPLETIONS_DEFAULT_MAX_TOKENS))?),
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
             cache_salt: self.sampling.cache_salt.clone(),
@@ -553,7 +584,7 @@ impl ChatRequest {
         let req = GenerateRequest {
             model: self.model.clone(),
             prompt: Some(generate_request::Prompt::Chat(ChatMessages { messages })),
-            sampling: Some(self.sampling.to_proto(logprobs, false)?),
+            sampling: Some(self.sampling.to_proto(logprobs, false, None)?),
             request_id: String::new(),
             timeout_ms: self.sampling.timeout_ms,
             cache_salt: self.sampling.cache_salt.clone(),
@@ -584,6 +615,27 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some("max_tokens"));
             assert_eq!(e.status.as_u16(), 400);
         }
+    }
+
+    /// Completions: an absent `max_tokens` is 16 (OpenAI's legacy API and vLLM), `null` is
+    /// unset, `max_completion_tokens` still wins; chat has no default.
+    #[test]
+    fn completions_default_max_tokens_when_absent() {
+        let max = |r: GenerateRequest| r.sampling.expect("s").max_tokens;
+        assert_eq!(max(parse(serde_json::json!({"model": "m", "prompt": "hi"})).expect("ok")), Some(16));
+        let echo = serde_json::json!({"model": "m", "prompt": "hi", "echo": true});
+        assert_eq!(max(parse(echo).expect("ok")), Some(16));
+        let null = serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": null});
+        assert_eq!(max(parse(null).expect("ok")), None);
+        let newer = serde_json::json!({"model": "m", "prompt": "hi", "max_completion_tokens": 40});
+        assert_eq!(max(parse(newer).expect("ok")), Some(40));
+        let newer_null = serde_json::json!({"model": "m", "prompt": "hi", "max_completion_tokens": null});
+        assert_eq!(max(parse(newer_null).expect("ok")), Some(16));
+        assert_eq!(max(chat(serde_json::json!({})).expect("ok")), None);
+        // min_tokens is bounded by the default too, and the message says where 16 came from.
+        let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "min_tokens": 17})).expect_err("over 16");
+        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("min_tokens")));
+        assert!(e.message.contains("default"), "{}", e.message);
     }
 
     #[test]
