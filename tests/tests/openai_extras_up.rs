@@ -10,7 +10,8 @@
 //!   greedy output that the same request without echo returns;
 //! - `include_stop_str_in_output` keeps a stop string taken from the greedy output, streamed
 //!   and not; `"<|im_end|>"` as a stop string stops at that special token with `ignore_eos`,
-//!   although `skip_special_tokens` hides it from the text;
+//!   although `skip_special_tokens` hides it from the text; the EOS token that ends a turn
+//!   shows its text with `include_stop_str_in_output` and `skip_special_tokens: false`;
 //! - `max_completion_tokens` wins over `max_tokens`; completions without `max_tokens` stop
 //!   at 16 tokens; `logit_bias` and `min_tokens` out of range are 400s naming the field.
 //!
@@ -299,6 +300,38 @@ async fn stops_and_fields(api: &Api) -> Result<()> {
         .await?;
     let content = shown["choices"][0]["message"]["content"].as_str().unwrap_or_default();
     assert_eq!(content, format!("{}<|im_end|>", base["choices"][0]["message"]["content"].as_str().unwrap_or_default()));
+    // The EOS token itself ending the turn (no ignore_eos, no stop string): its text is kept
+    // with include_stop_str_in_output and skip_special_tokens false, as vLLM keeps it, on
+    // both endpoints, whole and streamed; with either flag off it is not.
+    let base_text = base["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_owned();
+    let keep = json!({"include_stop_str_in_output": true, "skip_special_tokens": false});
+    let v = api.ok("/v1/chat/completions", &chat(keep.clone())).await?;
+    assert_eq!(v["choices"][0]["message"]["content"], format!("{base_text}<|im_end|>"));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let mut streamed = chat(keep.clone());
+    streamed["stream"] = json!(true);
+    let chunks = api.stream("/v1/chat/completions", &streamed).await?;
+    let joined: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(joined, format!("{base_text}<|im_end|>"));
+    let v = api.ok("/v1/chat/completions", &chat(json!({"skip_special_tokens": false}))).await?;
+    assert_eq!(v["choices"][0]["message"]["content"], base_text.as_str());
+    let templated = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n";
+    let cmpl = |extra: Value| {
+        let mut v = json!({"model": MODEL, "prompt": templated, "max_tokens": 48, "temperature": 0.0});
+        for (k, x) in extra.as_object().into_iter().flatten() {
+            v[k] = x.clone();
+        }
+        v
+    };
+    let plain = api.ok("/v1/completions", &cmpl(json!({}))).await?;
+    ensure!(plain["choices"][0]["finish_reason"] == "stop", "the completion did not end its turn: {plain}");
+    let v = api.ok("/v1/completions", &cmpl(keep.clone())).await?;
+    assert_eq!(text(&v), format!("{}<|im_end|>", text(&plain)));
+    let mut streamed = cmpl(keep);
+    streamed["stream"] = json!(true);
+    let chunks = api.stream("/v1/completions", &streamed).await?;
+    let joined: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(joined, format!("{}<|im_end|>", text(&plain)));
 
     // max_completion_tokens wins over max_tokens.
     let v = api

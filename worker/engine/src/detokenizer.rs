@@ -13,6 +13,8 @@
 //!   tokens' text, also when `skip_special` hides them from the output (so `"<|im_end|>"` as a
 //!   stop string stops at that token, as it does in vLLM): the earlier match wins. Hidden text is
 //!   never emitted, also not as part of a kept stop string;
+//! - the token that ends a sequence (EOS, a stop token id) adds its text only with
+//!   `include_stop` ([`Detokenizer::push_end`]), as vLLM's detokenizer does;
 //! - the concatenation of all deltas equals [`Detokenizer::text`].
 
 /// Incremental detokenizer of one sequence.
@@ -76,6 +78,18 @@ impl Detokenizer {
         self.text_scan_from = self.text.len() - held_back(&self.stops, &self.text[self.text_scan_from..]);
         let safe = self.visible_offset(self.scan_from).min(self.text_scan_from).max(self.emitted);
         (self.take_until(safe), false)
+    }
+
+    /// Adds the token that ended the sequence (EOS or a stop token id) and returns the text
+    /// that can be emitted now. Its text is kept only with `include_stop` (vLLM's detokenizer
+    /// drops the stop token otherwise), and then hidden like any special token under
+    /// `skip_special`: so `skip_special_tokens: false` with `include_stop_str_in_output: true`
+    /// ends the text with the EOS text (`<|im_end|>`).
+    pub fn push_end(&mut self, token_bytes: &[u8], special: bool) -> String {
+        if !self.include_stop {
+            return String::new();
+        }
+        self.push(token_bytes, special).0
     }
 
     /// Ends the sequence: returns whatever was held back for a possible stop string
@@ -266,6 +280,25 @@ mod tests {
         // The earliest of several stop strings wins, kept whole.
         let mut d = Detokenizer::new(&["cd".to_owned(), "b".to_owned()], true, true);
         assert_eq!(d.push(b"abcd", false), ("ab".to_owned(), true));
+    }
+
+    /// vLLM's rule for the token that ended the sequence: its text only with
+    /// `include_stop_str_in_output`, and a special one only when special tokens are shown.
+    #[test]
+    fn the_end_token_shows_only_with_include_stop_and_shown_special_tokens() {
+        for (skip, include, want) in
+            [(false, true, "Hi<|im_end|>"), (false, false, "Hi"), (true, true, "Hi"), (true, false, "Hi")]
+        {
+            let mut d = Detokenizer::new(&[], skip, include);
+            let mut out = d.push(b"Hi", false).0;
+            out.push_str(&d.push_end(b"<|im_end|>", true));
+            out.push_str(&d.finish());
+            assert_eq!((out.as_str(), d.text()), (want, want), "skip {skip} include {include}");
+        }
+        // A stop token id that is plain text shows with include_stop whatever skip_special says.
+        let mut d = Detokenizer::new(&[], true, true);
+        d.push(b"a", false);
+        assert_eq!(d.push_end(b".", false), ".");
     }
 
     #[test]

@@ -629,7 +629,7 @@ impl EngineCore {
             _ => (false, false),
         };
         let (text, stop_str) = if eos || stop_id {
-            (String::new(), false)
+            (s.detok.push_end(self.codec.token_bytes(tok), self.codec.is_special(tok)), false)
         } else {
             s.detok.push(self.codec.token_bytes(tok), self.codec.is_special(tok))
         };

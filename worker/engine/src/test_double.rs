@@ -459,6 +459,26 @@ mod tests {
         let before: Vec<u8> = tokens[..at].iter().filter(|&&t| t < EOS).map(|&t| t as u8).collect();
         assert_eq!(c[0].1, String::from_utf8_lossy(&before), "the hidden token stays out of the text");
         assert!(text.starts_with(&c[0].1));
+        // EOS ending the sequence by itself: its text only with include_stop_str_in_output and
+        // skip_special_tokens false (vLLM's rule), streamed deltas adding up to the same text.
+        let ends = |include: bool, skip: bool| SamplingParams {
+            ignore_eos: false,
+            include_stop_str_in_output: include,
+            skip_special_tokens: skip,
+            ..greedy(64)
+        };
+        let (plain, _) = drain(e.submit(req(&prompt, ends(false, true))).expect("submit"));
+        assert_eq!((plain[0].0.last(), plain[0].2), (Some(&EOS), Some(FinishReason::Stop)));
+        for (include, skip) in [(false, true), (false, false), (true, true)] {
+            let (c, _) = drain(e.submit(req(&prompt, ends(include, skip))).expect("submit"));
+            assert_eq!(c[0].1, plain[0].1, "include {include} skip {skip}: no EOS text");
+        }
+        let (c, outs) = drain(e.submit(req(&prompt, ends(true, false))).expect("submit"));
+        assert_eq!(c[0].1, format!("{}</s>", plain[0].1));
+        assert_eq!(
+            outs.last().map(|o| (o.text.ends_with("</s>"), o.finish_reason)),
+            Some((true, Some(FinishReason::Stop)))
+        );
         wait_idle(&e);
     }
 
