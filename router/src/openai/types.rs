@@ -175,7 +175,8 @@ pub struct ChatMessageIn {
     pub content: Option<Value>,
     /// Assistant turns: the calls it made, `[{id, type: "function", function: {name, arguments}}]`.
     pub tool_calls: Option<Value>,
-    /// Role `tool`: the id of the call this message answers (required there).
+    /// Role `tool`: the id of the call this message answers. Optional, as in vLLM: a `tool`
+    /// message without it is passed to the chat template as it is.
     pub tool_call_id: Option<String>,
     /// The participant's name (or, on legacy `function` results, the function's).
     pub name: Option<String>,
@@ -185,9 +186,9 @@ impl ChatMessageIn {
     /// The message as a proto message (text, tool calls, tool fields).
     ///
     /// # Errors
-    /// 400 (`messages`) for bad content ([`ChatMessageIn::text`]), malformed `tool_calls`
-    /// (not on an assistant turn, not function calls, `arguments` not JSON text), or a `tool`
-    /// message without `tool_call_id`.
+    /// 400 (`messages`) for bad content ([`ChatMessageIn::text`]) or malformed `tool_calls`
+    /// (not on an assistant turn, not function calls, `arguments` not JSON text). A `tool`
+    /// message without `tool_call_id` is not an error (see the body).
     pub fn to_proto(&self, i: usize) -> Result<ChatMessage, ApiError> {
         let bad = |m: String| ApiError::invalid("messages", m);
         let mut tool_calls = Vec::new();
@@ -219,8 +220,8 @@ impl ChatMessageIn {
             Some(Value::Array(_)) => return Err(bad(format!("messages[{i}].tool_calls is only for assistant turns"))),
             Some(_) => return Err(bad(format!("messages[{i}].tool_calls must be a list"))),
         }
-        // A tool message without `tool_call_id` is accepted (as it always was, and as vLLM
-        // accepts it): templates that do not read the id render it the same.
+        // A tool message without `tool_call_id` is accepted, as vLLM accepts it: the template
+        // gets the message without the id, and templates that do not read it render the same.
         let content = if !tool_calls.is_empty() && matches!(self.content, None | Some(Value::Null)) {
             String::new()
         } else {
@@ -647,6 +648,31 @@ mod tests {
         assert!(matches!(r.prompt, Some(generate_request::Prompt::TokenIds(ref t)) if t.ids == vec![1, 2, 3]));
         assert!(parse(serde_json::json!({"model": "m", "prompt": ["a", "b"]})).is_err());
         assert!(parse(serde_json::json!({"model": "m", "prompt": []})).is_err());
+    }
+
+    /// `role: tool` messages: `tool_call_id` is passed on when given and optional, as in vLLM.
+    #[test]
+    fn tool_messages_need_no_tool_call_id() {
+        let msgs = |tool: serde_json::Value| {
+            serde_json::json!([
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": null,
+                 "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+                tool,
+            ])
+        };
+        let tool_msg = |r: GenerateRequest| match r.prompt {
+            Some(generate_request::Prompt::Chat(c)) => c.messages[2].clone(),
+            other => panic!("not a chat prompt: {other:?}"),
+        };
+        let with = chat(serde_json::json!({"messages": msgs(serde_json::json!(
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}))}));
+        let m = tool_msg(with.expect("valid"));
+        assert_eq!((m.role.as_str(), m.tool_call_id.as_deref(), m.content.as_str()), ("tool", Some("call_1"), "sunny"));
+        let without =
+            chat(serde_json::json!({"messages": msgs(serde_json::json!({"role": "tool", "content": "sunny"}))}));
+        let m = tool_msg(without.expect("a tool message without tool_call_id is accepted"));
+        assert_eq!((m.tool_call_id, m.content.as_str()), (None, "sunny"));
     }
 
     #[test]
