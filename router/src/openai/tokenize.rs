@@ -33,6 +33,10 @@ pub struct TokenizeBody {
     pub add_generation_prompt: Option<bool>,
     /// Also return each token's vocabulary string (`token_strs`).
     pub return_token_strs: Option<bool>,
+    /// vLLM: a request chat template (refused, as on chat completions).
+    pub chat_template: Option<Value>,
+    /// vLLM: extra template variables (only absent, `null` or `{}`).
+    pub chat_template_kwargs: Option<Value>,
 }
 
 /// `POST /detokenize` body.
@@ -54,6 +58,7 @@ impl From<TokenizeError> for ApiError {
 }
 
 fn input_of(b: &TokenizeBody) -> Result<TokenizeInput, ApiError> {
+    super::types::check_template_fields(b.chat_template.as_ref(), b.chat_template_kwargs.as_ref())?;
     match (&b.prompt, &b.messages) {
         (Some(p), None) => Ok(TokenizeInput::Text(p.clone())),
         (None, Some(ms)) => {

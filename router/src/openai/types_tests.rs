@@ -1,0 +1,200 @@
+//! Unit tests of the OpenAI request bodies ([`super`]): field mapping and 400s.
+
+use super::*;
+
+fn parse(v: serde_json::Value) -> Result<GenerateRequest, ApiError> {
+    serde_json::from_value::<CompletionRequest>(v).map_err(|e| ApiError::invalid("body", e.to_string()))?.to_proto()
+}
+
+#[test]
+fn max_tokens_null_is_unset_and_zero_is_rejected() {
+    let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": null})).expect("valid");
+    assert_eq!(r.sampling.expect("sampling").max_tokens, None);
+    for bad in [0, -1] {
+        let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": bad})).expect_err("invalid");
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert_eq!(e.status.as_u16(), 400);
+    }
+}
+
+/// Completions: an absent `max_tokens` is 16 (OpenAI's legacy API and vLLM), `null` is
+/// unset, `max_completion_tokens` still wins; chat has no default.
+#[test]
+fn completions_default_max_tokens_when_absent() {
+    let max = |r: GenerateRequest| r.sampling.expect("s").max_tokens;
+    assert_eq!(max(parse(serde_json::json!({"model": "m", "prompt": "hi"})).expect("ok")), Some(16));
+    let echo = serde_json::json!({"model": "m", "prompt": "hi", "echo": true});
+    assert_eq!(max(parse(echo).expect("ok")), Some(16));
+    let null = serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": null});
+    assert_eq!(max(parse(null).expect("ok")), None);
+    let newer = serde_json::json!({"model": "m", "prompt": "hi", "max_completion_tokens": 40});
+    assert_eq!(max(parse(newer).expect("ok")), Some(40));
+    let newer_null = serde_json::json!({"model": "m", "prompt": "hi", "max_completion_tokens": null});
+    assert_eq!(max(parse(newer_null).expect("ok")), Some(16));
+    assert_eq!(max(chat(serde_json::json!({})).expect("ok")), None);
+    // min_tokens is bounded by the default too, and the message says where 16 came from.
+    let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "min_tokens": 17})).expect_err("over 16");
+    assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("min_tokens")));
+    assert!(e.message.contains("default"), "{}", e.message);
+}
+
+#[test]
+fn prompt_forms_and_stop() {
+    let r = parse(serde_json::json!({"model": "m", "prompt": ["a b"], "stop": "x"})).expect("valid");
+    assert!(matches!(r.prompt, Some(generate_request::Prompt::Text(ref t)) if t == "a b"));
+    assert_eq!(r.sampling.as_ref().expect("s").stop, vec!["x".to_owned()]);
+    let r = parse(serde_json::json!({"model": "m", "prompt": [1, 2, 3], "stop": ["x", "y"]})).expect("valid");
+    assert!(matches!(r.prompt, Some(generate_request::Prompt::TokenIds(ref t)) if t.ids == vec![1, 2, 3]));
+    assert!(parse(serde_json::json!({"model": "m", "prompt": ["a", "b"]})).is_err());
+    assert!(parse(serde_json::json!({"model": "m", "prompt": []})).is_err());
+}
+
+/// `role: tool` messages: `tool_call_id` is passed on when given and optional, as in vLLM.
+#[test]
+fn tool_messages_need_no_tool_call_id() {
+    let msgs = |tool: serde_json::Value| {
+        serde_json::json!([
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null,
+             "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+            tool,
+        ])
+    };
+    let tool_msg = |r: GenerateRequest| match r.prompt {
+        Some(generate_request::Prompt::Chat(c)) => c.messages[2].clone(),
+        other => panic!("not a chat prompt: {other:?}"),
+    };
+    let with = chat(serde_json::json!({"messages": msgs(serde_json::json!(
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}))}));
+    let m = tool_msg(with.expect("valid"));
+    assert_eq!((m.role.as_str(), m.tool_call_id.as_deref(), m.content.as_str()), ("tool", Some("call_1"), "sunny"));
+    let without = chat(serde_json::json!({"messages": msgs(serde_json::json!({"role": "tool", "content": "sunny"}))}));
+    let m = tool_msg(without.expect("a tool message without tool_call_id is accepted"));
+    assert_eq!((m.tool_call_id, m.content.as_str()), (None, "sunny"));
+}
+
+/// A request-supplied chat template is refused by name (vLLM's default), as are template
+/// variables; `null` and `{}` are nothing asked and pass.
+#[test]
+fn request_chat_templates_are_refused() {
+    for (extra, param) in [
+        (serde_json::json!({"chat_template": "{{ messages }}"}), "chat_template"),
+        (serde_json::json!({"chat_template": ""}), "chat_template"),
+        (serde_json::json!({"chat_template_kwargs": {"enable_thinking": false}}), "chat_template_kwargs"),
+        (serde_json::json!({"chat_template_kwargs": "x"}), "chat_template_kwargs"),
+    ] {
+        let e = chat(extra.clone()).expect_err("refused");
+        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some(param)), "{extra}");
+    }
+    let e = chat(serde_json::json!({"chat_template": "x"})).expect_err("refused");
+    assert!(e.message.contains("not accepted"), "{}", e.message);
+    chat(serde_json::json!({"chat_template": null, "chat_template_kwargs": {}})).expect("nothing asked");
+    chat(serde_json::json!({"chat_template_kwargs": null})).expect("nothing asked");
+}
+
+#[test]
+fn chat_logprobs_mapping() {
+    let c: ChatRequest = serde_json::from_value(serde_json::json!({
+        "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "logprobs": true, "top_logprobs": 3, "max_completion_tokens": 5
+    }))
+    .expect("parse");
+    let s = c.to_proto().expect("valid").sampling.expect("s");
+    assert_eq!((s.logprobs, s.max_tokens), (Some(3), Some(5)));
+}
+
+#[test]
+fn cache_salt_reaches_the_request_on_both_endpoints() {
+    let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "cache_salt": "tenant-a"})).expect("valid");
+    assert_eq!(r.cache_salt.as_deref(), Some("tenant-a"));
+    let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "cache_salt": null})).expect("valid");
+    assert_eq!(r.cache_salt, None);
+    let c: ChatRequest = serde_json::from_value(serde_json::json!({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "s"
+    }))
+    .expect("parse");
+    assert_eq!(c.to_proto().expect("valid").cache_salt.as_deref(), Some("s"));
+    let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "cache_salt": ""})).expect_err("empty");
+    assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("cache_salt")));
+}
+
+fn chat(extra: serde_json::Value) -> Result<GenerateRequest, ApiError> {
+    let mut v = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    for (k, x) in extra.as_object().expect("object") {
+        v[k] = x.clone();
+    }
+    serde_json::from_value::<ChatRequest>(v).map_err(|e| ApiError::invalid("body", e.to_string()))?.to_proto()
+}
+
+/// vLLM's rule: `max_completion_tokens or max_tokens`, the newer name winning; a bad
+/// value is named by the field it came in.
+#[test]
+fn max_completion_tokens_wins_over_max_tokens() {
+    let max = |r: GenerateRequest| r.sampling.expect("s").max_tokens;
+    assert_eq!(max(chat(serde_json::json!({"max_completion_tokens": 7})).expect("ok")), Some(7));
+    assert_eq!(max(chat(serde_json::json!({"max_tokens": 9})).expect("ok")), Some(9));
+    let both = serde_json::json!({"max_tokens": 9, "max_completion_tokens": 3});
+    assert_eq!(max(chat(both).expect("ok")), Some(3));
+    let both = serde_json::json!({"max_tokens": 0, "max_completion_tokens": 3});
+    assert_eq!(max(chat(both).expect("the unused max_tokens is not checked")), Some(3));
+    let e = chat(serde_json::json!({"max_tokens": 9, "max_completion_tokens": 0})).expect_err("zero");
+    assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("max_completion_tokens")));
+    let e = chat(serde_json::json!({"max_completion_tokens": 0, "min_tokens": 1})).expect_err("zero");
+    assert_eq!(e.param.as_deref(), Some("max_completion_tokens"));
+}
+
+#[test]
+fn logit_bias_min_tokens_and_include_stop_str_are_mapped() {
+    let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": 8,
+        "logit_bias": {"42": 5, "7": -100, "0": 100.0}, "min_tokens": 3,
+        "include_stop_str_in_output": true, "stop": "x"}))
+    .expect("valid");
+    let s = r.sampling.expect("s");
+    let mut bias: Vec<(u32, f32)> = s.logit_bias.into_iter().collect();
+    bias.sort_by_key(|b| b.0);
+    assert_eq!(bias, vec![(0, 100.0), (7, -100.0), (42, 5.0)]);
+    assert_eq!((s.min_tokens, s.include_stop_str_in_output), (Some(3), true));
+    let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "logit_bias": null, "min_tokens": 0})).expect("ok");
+    let s = r.sampling.expect("s");
+    assert!(s.logit_bias.is_empty() && !s.include_stop_str_in_output);
+    assert_eq!(s.min_tokens, Some(0));
+    // The same fields on chat.
+    let c = chat(serde_json::json!({"logit_bias": {"5": 1.5}, "min_tokens": 2})).expect("ok");
+    assert_eq!(c.sampling.expect("s").logit_bias.get(&5), Some(&1.5));
+    for (bad, names) in [
+        (serde_json::json!({"abc": 1}), "\"abc\""),
+        (serde_json::json!({"-1": 1}), "\"-1\""),
+        (serde_json::json!({"+3": 1}), "\"+3\""),
+        (serde_json::json!({"1.5": 1}), "\"1.5\""),
+        (serde_json::json!({"99999999999": 1}), "\"99999999999\""),
+        (serde_json::json!({"3": 100.5}), "\"3\""),
+        (serde_json::json!({"4": -101}), "\"4\""),
+        (serde_json::json!({"5": "high"}), "\"5\""),
+        (serde_json::json!([1, 2]), "map"),
+    ] {
+        let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "logit_bias": bad})).expect_err("bad");
+        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("logit_bias")), "{bad}");
+        assert!(e.message.contains(names), "{bad}: {}", e.message);
+    }
+    for (bad, max) in [(-1, None), (5, Some(4)), (2, Some(1))] {
+        let mut v = serde_json::json!({"model": "m", "prompt": "hi", "min_tokens": bad});
+        if let Some(m) = max {
+            v["max_tokens"] = serde_json::json!(m);
+        }
+        let e = parse(v).expect_err("bad min_tokens");
+        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("min_tokens")), "{bad} {max:?}");
+    }
+}
+
+#[test]
+fn echo_is_forwarded_and_allows_max_tokens_zero() {
+    let r = parse(serde_json::json!({"model": "m", "prompt": "hi", "echo": true, "max_tokens": 0})).expect("ok");
+    assert!(r.echo);
+    assert_eq!(r.sampling.expect("s").max_tokens, Some(0));
+    let r = parse(serde_json::json!({"model": "m", "prompt": [1, 2], "echo": true})).expect("ok");
+    assert!(r.echo);
+    let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": 0})).expect_err("no echo");
+    assert_eq!(e.param.as_deref(), Some("max_tokens"));
+    let e = chat(serde_json::json!({"echo": true})).expect_err("chat echo");
+    assert_eq!(e.param.as_deref(), Some("echo"));
+}
