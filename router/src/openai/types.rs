@@ -34,9 +34,9 @@ pub enum PromptSpec {
     Text(String),
     /// Token ids.
     Ids(Vec<u32>),
-    /// A list of strings (one supported).
+    /// A list of strings (only one: batched prompts are a 400).
     Texts(Vec<String>),
-    /// A list of id lists (one supported).
+    /// A list of id lists (only one: batched prompts are a 400).
     IdLists(Vec<Vec<u32>>),
 }
 
@@ -545,6 +545,18 @@ impl SamplingFields {
     }
 }
 
+/// The 400 for a list of several prompts (`[]` parses as an empty id list, refused by
+/// [`check_request`]): batched prompts are not fanned out into several requests.
+fn batched(n: usize) -> ApiError {
+    ApiError::invalid(
+        "prompt",
+        format!(
+            "a list of {n} prompts: exactly one prompt per request is supported, \
+             send each prompt in its own request"
+        ),
+    )
+}
+
 impl CompletionRequest {
     /// Validates and converts to a `GenerateRequest`.
     ///
@@ -564,7 +576,8 @@ impl CompletionRequest {
             PromptSpec::IdLists(v) if v.len() == 1 => {
                 generate_request::Prompt::TokenIds(TokenIds { ids: v[0].clone() })
             }
-            _ => return Err(ApiError::invalid("prompt", "exactly one prompt per request is supported")),
+            PromptSpec::Texts(v) => return Err(batched(v.len())),
+            PromptSpec::IdLists(v) => return Err(batched(v.len())),
         };
         let (tools, choice) = self.sampling.tools_proto()?;
         if !tools.is_empty() && tools != "[]" {

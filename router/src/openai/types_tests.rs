@@ -45,7 +45,11 @@ fn prompt_forms_and_stop() {
     assert_eq!(r.sampling.as_ref().expect("s").stop, vec!["x".to_owned()]);
     let r = parse(serde_json::json!({"model": "m", "prompt": [1, 2, 3], "stop": ["x", "y"]})).expect("valid");
     assert!(matches!(r.prompt, Some(generate_request::Prompt::TokenIds(ref t)) if t.ids == vec![1, 2, 3]));
-    assert!(parse(serde_json::json!({"model": "m", "prompt": ["a", "b"]})).is_err());
+    let e = parse(serde_json::json!({"model": "m", "prompt": ["a", "b"]})).expect_err("batched");
+    assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("prompt")));
+    assert!(e.message.contains("2 prompts"), "{}", e.message);
+    let e = parse(serde_json::json!({"model": "m", "prompt": [[1], [2], [3]]})).expect_err("batched ids");
+    assert!(e.message.contains("3 prompts"), "{}", e.message);
     assert!(parse(serde_json::json!({"model": "m", "prompt": []})).is_err());
 }
 
