@@ -11,3 +11,8 @@ pub mod v1 {
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("prism_descriptor");
 
 pub use v1::*;
+
+/// Metadata key on the head's `ALREADY_EXISTS` refusal of a worker registration (its node
+/// id has a live session from another worker process): milliseconds until that session ends
+/// if its worker has stopped sending (the head's `--worker-timeout` after its last message).
+pub const SESSION_EXPIRES_METADATA: &str = "prism-session-expires-ms";

@@ -76,7 +76,7 @@ async fn reconciler_on_embedded_store() -> anyhow::Result<()> {
             gpus: (0..GPUS).map(|g| GpuInfo { index: g, ..Default::default() }).collect(),
             ..Default::default()
         };
-        sessions.push(registry::register(&cluster, inv).await?);
+        sessions.push(registry::register(&cluster, inv, None).await?);
     }
     for d in 0..DEPLOYMENTS {
         let spec = DeploymentSpec {

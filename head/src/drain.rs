@@ -254,7 +254,7 @@ mod tests {
         let cfg = HeadConfig::new(StoreSpec::Embedded("unused".into()), "http://127.0.0.1:50050");
         let cluster = Cluster::new(cfg, store, lead_rx, Metrics::new());
         cluster.on_elected(1).await.expect("elected");
-        let worker = registry::register(&cluster, inventory()).await.expect("registered");
+        let worker = registry::register(&cluster, inventory(), None).await.expect("registered");
         let spec = DeploymentSpec {
             name: "d".into(),
             engine: Some(EngineConfig { model: "/m.gguf".into(), tensor_parallel_size: 1, ..Default::default() }),
@@ -328,7 +328,7 @@ mod tests {
             assert!(left > Duration::from_secs(28) && left <= Duration::from_secs(30), "{left:?}");
         }
         // The next worker process on the node is schedulable again.
-        let _again = registry::register(&cluster, inventory()).await.expect("registered");
+        let _again = registry::register(&cluster, inventory(), None).await.expect("registered");
         assert_eq!(cluster.lock().await.view().nodes[&node].record.state(), NodeState::Ready);
     }
 }

@@ -16,6 +16,15 @@ pub enum HeadError {
     /// deployment by hand).
     #[error("{0}")]
     FailedPrecondition(String),
+    /// A worker registered with a node id whose live session belongs to another worker
+    /// process; `expires_in` is how long that session lasts if its worker has stopped sending.
+    #[error("{message}")]
+    NodeIdInUse {
+        /// What is refused and why, naming the node id and where the live worker is.
+        message: String,
+        /// Until the live session ends should its worker be gone.
+        expires_in: std::time::Duration,
+    },
     /// The named deployment or node does not exist.
     #[error("{0} not found")]
     NotFound(String),
@@ -61,6 +70,13 @@ impl From<HeadError> for tonic::Status {
                 let mut s = tonic::Status::unavailable(msg);
                 if let Some(l) = leader.and_then(|l| MetadataValue::try_from(l.as_str()).ok()) {
                     s.metadata_mut().insert(LEADER_METADATA, l);
+                }
+                s
+            }
+            HeadError::NodeIdInUse { expires_in, .. } => {
+                let mut s = tonic::Status::already_exists(msg);
+                if let Ok(v) = MetadataValue::try_from(expires_in.as_millis().to_string()) {
+                    s.metadata_mut().insert(prism_common::proto::SESSION_EXPIRES_METADATA, v);
                 }
                 s
             }

@@ -98,7 +98,8 @@ impl HeadService for HeadGrpc {
         let caller = self.authorize(&request, Rpc::WorkerSession, "")?;
         tracing::debug!(who = %caller.name, "worker session opened");
         self.leader_only()?;
-        Ok(Response::new(registry::open_session(&self.cluster, request.into_inner()).await?))
+        let peer = request.remote_addr();
+        Ok(Response::new(registry::open_session(&self.cluster, request.into_inner(), peer).await?))
     }
 
     /// Keeps the router's latest demand (the autoscaler's queue input); a model with queued

@@ -13,6 +13,7 @@
 
 pub mod errors;
 pub mod guard;
+pub mod json;
 pub mod sse;
 pub mod structured;
 pub mod tokenize;
@@ -150,7 +151,7 @@ async fn read_json<T: DeserializeOwned>(state: &HttpState, headers: &HeaderMap, 
         return Err(ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json"));
     }
     let bytes = read_body(state, headers, body).await?;
-    let value: Value = serde_json::from_slice(&bytes)
+    let value: Value = json::parse_body(&bytes)
         .map_err(|e| ApiError::invalid("body", format!("request body is not valid JSON: {e}")))?;
     if !value.is_object() {
         return Err(ApiError::invalid("body", "request body must be a JSON object"));

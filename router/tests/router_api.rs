@@ -158,6 +158,26 @@ async fn sse_stream_framing_and_usage() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A lone UTF-16 surrogate escape (`"\ud800"`, which Python clients can send) is read as
+/// U+FFFD instead of failing the body as "unexpected end of hex escape".
+#[tokio::test]
+async fn lone_surrogate_escapes_are_read_as_replacement_characters() -> anyhow::Result<()> {
+    let c = cluster(1).await?;
+    let http = reqwest::Client::new();
+    for (path, body) in [
+        ("/v1/completions", r#"{"model":"mock","prompt":"a\ud800b","max_tokens":1}"#),
+        ("/v1/chat/completions", r#"{"model":"mock","messages":[{"role":"user","content":"\udc00"}],"max_tokens":1}"#),
+    ] {
+        let r =
+            http.post(format!("{}{path}", c.http)).header("content-type", "application/json").body(body).send().await?;
+        assert_eq!(r.status().as_u16(), 200, "{path}: {}", r.text().await?);
+        let last = c.mocks[0].stats.last_request.lock().map(|g| g.clone()).ok().flatten().expect("a request");
+        let prompt = format!("{:?}", last.request.and_then(|r| r.prompt));
+        assert!(prompt.contains('\u{FFFD}'), "{path}: {prompt}");
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn bad_bodies_get_4xx_error_objects() -> anyhow::Result<()> {
     let c = cluster(1).await?;

@@ -53,6 +53,9 @@ pub struct Agent {
     pub devices: gpu::Devices,
     /// Endpoint routers dial.
     pub address: String,
+    /// Made at start-up (uuid v4), sent in `register`: the head tells this process
+    /// reconnecting from another process registering with the same node id.
+    instance_id: String,
     replicas: ReplicaTable,
     launcher: Arc<dyn EngineLauncher>,
     registered: AtomicBool,
@@ -67,6 +70,7 @@ impl Agent {
             cfg,
             devices,
             address,
+            instance_id: uuid::Uuid::new_v4().to_string(),
             drain: Arc::new(NodeDrain::new(replicas.clone())),
             replicas,
             launcher,
@@ -98,6 +102,7 @@ impl Agent {
             cpu_slots: self.devices.cpu_slots,
             labels: self.cfg.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             simulated_gpus: self.devices.simulated,
+            instance_id: self.instance_id.clone(),
         }
     }
 

@@ -42,7 +42,7 @@ pub fn advertise_from(local: SocketAddr) -> String {
 /// see `agent/drain.rs`) and returns.
 ///
 /// # Errors
-/// A listener or server failure.
+/// See [`run_with_launcher`].
 pub async fn run(
     cfg: WorkerConfig,
     grpc_listener: TcpListener,
@@ -56,7 +56,8 @@ pub async fn run(
 /// [`run`] with a chosen engine launcher (tests use doubles).
 ///
 /// # Errors
-/// A listener or server failure.
+/// No GPUs and no CPU slots to offer; a listener or server failure; the head refused the
+/// registration ([`agent::registration::Refused`]).
 pub async fn run_with_launcher(
     cfg: WorkerConfig,
     grpc_listener: TcpListener,
@@ -111,17 +112,32 @@ pub async fn run_with_launcher(
             .with_graceful_shutdown(stop.clone().cancelled_owned())
             .into_future(),
     );
-    let registration = tokio::spawn(agent::registration::run(Arc::clone(&agent), stop.child_token()));
+    let mut registration = tokio::spawn(agent::registration::run(Arc::clone(&agent), stop.child_token()));
     let spot = tokio::spawn(
         Arc::clone(agent.node_drain()).drain_on_spot_notice(NoticeWatch::from_config(&agent.cfg), stop.child_token()),
     );
 
     // Phase 1: serve until asked to stop. Phase 2: drain (refuse new work, finish or hand back
-    // in-flight requests, tell the head).
-    agent.node_drain().drain_on_terminate(&shutdown, sigterm_drain).await;
+    // in-flight requests, tell the head). The registration loop ends early only when the head
+    // refused this worker before it ever registered (its node id is another live worker's):
+    // nothing was started, so there is nothing to drain.
+    let drained = agent.node_drain().drain_on_terminate(&shutdown, sigterm_drain);
+    tokio::pin!(drained);
+    let refused = tokio::select! {
+        () = &mut drained => None,
+        r = &mut registration => match r {
+            Ok(Err(refused)) => Some(refused),
+            Ok(Ok(())) | Err(_) => {
+                drained.await;
+                None
+            }
+        },
+    };
     // Phase 3: stop everything (the session sends its last status first).
     stop.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(3), registration).await;
+    if !registration.is_finished() {
+        let _ = tokio::time::timeout(Duration::from_secs(3), registration).await;
+    }
     spot.abort();
     health_task.abort();
     let grpc_res = tokio::time::timeout(Duration::from_secs(5), grpc).await;
@@ -135,3 +151,6 @@ pub async fn run_with_launcher(
     tracing::info!("worker stopped");
     Ok(())
 }
+    if let Some(refused) = refused {
+        return Err(refused.into());
+    }

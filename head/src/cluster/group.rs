@@ -203,8 +203,8 @@ mod tests {
         cfg.replica_restart_delay = Duration::ZERO;
         let cluster = Cluster::new(cfg, store, lead_rx, Metrics::new());
         cluster.on_elected(1).await.expect("elected");
-        let a = registry::register(&cluster, inventory("a")).await.expect("a registered");
-        let b = registry::register(&cluster, inventory("b")).await.expect("b registered");
+        let a = registry::register(&cluster, inventory("a"), None).await.expect("a registered");
+        let b = registry::register(&cluster, inventory("b"), None).await.expect("b registered");
         let spec = DeploymentSpec {
             name: "d".into(),
             engine: Some(EngineConfig {
@@ -338,7 +338,7 @@ mod tests {
         // its unreported Starting ranks are started from the stored rendezvous and token, once.
         let b2 = {
             drop(b);
-            registry::register(&cluster, inventory("b")).await.expect("b again")
+            registry::register(&cluster, inventory("b"), None).await.expect("b again")
         };
         let mut b = b2;
         report(&cluster, "b", vec![]).await;
@@ -363,7 +363,7 @@ mod tests {
         assert_eq!(starts(&commands(&mut b)).len(), 1, "the member was started at the rendezvous");
         // The driver's worker restarts (a new session) and reports nothing.
         drop(a);
-        let mut a = registry::register(&cluster, inventory("a")).await.expect("a again");
+        let mut a = registry::register(&cluster, inventory("a"), None).await.expect("a again");
         report(&cluster, "a", vec![]).await;
         let rec = record(&cluster, &rid).await;
         assert_eq!(

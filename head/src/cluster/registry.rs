@@ -3,8 +3,15 @@
 //! worker's full replica `status` is reconciled against the records (replicas it runs are
 //! ADOPTED with their ids, records it lacks are started, replicas nobody owns are stopped),
 //! `load` reports feed the route table and `drain` starts a worker-initiated drain (`drain.rs`).
+//!
+//! A node has one live session. A `register` from the same worker process (the same
+//! `instance_id`: it reconnected) takes it over; one from another process is refused with
+//! `ALREADY_EXISTS` while the live session lasts, so two workers given one `--node-id`
+//! never take the node from each other. A restarted worker gets in once the old session has
+//! ended: at once when its connection closed, else after `--worker-timeout` of silence.
 
 use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,7 +29,7 @@ use tonic::{Status, Streaming};
 
 use super::Cluster;
 use super::group;
-use super::state::{Session, State};
+use super::state::{Session, SessionOwner, State};
 use super::view::member_part;
 use crate::drain;
 use crate::error::{HeadError, HeadResult};
@@ -84,6 +91,7 @@ pub fn validate_inventory(inv: &NodeInventory) -> HeadResult<()> {
 pub async fn open_session(
     cluster: &Arc<Cluster>,
     mut inbound: Streaming<WorkerMessage>,
+    peer: Option<SocketAddr>,
 ) -> HeadResult<ReceiverStream<Result<HeadMessage, Status>>> {
     {
         let st = cluster.lock().await;
@@ -96,28 +104,37 @@ pub async fn open_session(
     let Some(WorkerMessage { msg: Some(worker_message::Msg::Register(inv)) }) = first else {
         return Err(HeadError::InvalidArgument("the first WorkerSession message must be register".into()));
     };
-    let Registration { node, session, commands, cancel } = register(cluster, inv).await?;
+    let Registration { node, session, commands, cancel } = register(cluster, inv, peer).await?;
     let this = Arc::clone(cluster);
     tokio::spawn(async move { session_loop(this, node, session, inbound, cancel).await });
     cluster.kick();
     Ok(ReceiverStream::new(commands))
 }
 
-/// Accepts a worker's `register`: validates the inventory, writes the node record (Ready,
-/// unless an operator's drain holds it), queues the `RegisterAck` and makes this the node's
-/// live session, ending any earlier one.
+/// Accepts a worker's `register` (its connection from `peer`, when known): validates the
+/// inventory, writes the node record (Ready, unless an operator's drain holds it), queues
+/// the `RegisterAck` and makes this the node's live session, ending an earlier one of the
+/// same worker process.
 ///
 /// # Errors
-/// `InvalidArgument` (malformed inventory), `NotLeader`, store failures.
-pub async fn register(cluster: &Cluster, inv: NodeInventory) -> HeadResult<Registration> {
+/// `InvalidArgument` (malformed inventory), `NodeIdInUse` (the node's live session belongs
+/// to another worker process), `NotLeader`, store failures.
+pub async fn register(cluster: &Cluster, inv: NodeInventory, peer: Option<SocketAddr>) -> HeadResult<Registration> {
     validate_inventory(&inv)?;
     let node = NodeId::from(inv.node_id.as_str());
+    let owner = SessionOwner { instance_id: inv.instance_id.clone(), address: inv.address.clone(), peer };
     let (tx, rx) = mpsc::channel(SESSION_QUEUE);
     let cancel = CancellationToken::new();
     let id = cluster.next_session_id();
     {
         let mut st = cluster.lock().await;
         cluster.require_leader(&st)?;
+        if let Some((live, last_message)) = st.live_session(&node)
+            && !live.instance_id.is_empty()
+            && live.instance_id != owner.instance_id
+        {
+            return Err(node_id_in_use(&node, live, &owner, last_message, cluster.cfg().worker_timeout));
+        }
         let mut rec = st
             .view()
             .nodes
@@ -131,11 +148,41 @@ pub async fn register(cluster: &Cluster, inv: NodeInventory) -> HeadResult<Regis
         let leader = cluster.cfg().advertise_address.clone();
         let ack = head_message::Msg::Ack(RegisterAck { node_id: node.to_string(), leader });
         let _ = tx.try_send(Ok(HeadMessage { msg: Some(ack) }));
-        st.attach_session(node.clone(), Session::new(id, tx, cancel.clone()));
+        st.attach_session(node.clone(), Session::new(id, owner, tx, cancel.clone()));
         cluster.after_change(&st);
     }
     tracing::info!(node = %node, session = id, "worker registered");
     Ok(Registration { node, session: id, commands: rx, cancel })
+}
+
+/// The refusal of a registration by `new` for a node whose live session (last message at
+/// `last_message`) belongs to another worker process `live`, logged as a warning.
+fn node_id_in_use(
+    node: &NodeId,
+    live: &SessionOwner,
+    new: &SessionOwner,
+    last_message: Instant,
+    worker_timeout: Duration,
+) -> HeadError {
+    let peer = |p: Option<SocketAddr>| p.map_or_else(|| "an unknown address".to_owned(), |p| p.to_string());
+    let expires_in = (last_message + worker_timeout).saturating_duration_since(Instant::now());
+    tracing::warn!(
+        node = %node, live_address = %live.address, live_peer = %peer(live.peer), new_address = %new.address,
+        new_peer = %peer(new.peer),
+        "refused a worker registration: the node id has a live session from another worker process"
+    );
+    let message = format!(
+        "node id {:?} is in use by another live worker process (advertising {}, connected from {}); \
+         each worker needs a unique --node-id. If that worker is gone, the head ends its session after \
+         {:.1} s without a message from it (--worker-timeout), in about {:.1} s, and a worker with this \
+         node id can register then",
+        node.as_str(),
+        live.address,
+        peer(live.peer),
+        worker_timeout.as_secs_f64(),
+        expires_in.as_secs_f64(),
+    );
+    HeadError::NodeIdInUse { message, expires_in }
 }
 
 async fn session_loop(
@@ -209,6 +256,7 @@ async fn session_loop(
 
 async fn handle_message(cluster: &Cluster, node: &NodeId, id: u64, msg: worker_message::Msg) -> HeadResult<()> {
     let mut st = cluster.lock().await;
+    st.touch_session(node, id, Instant::now());
     if !st.is_current_session(node, id) || !st.is_loaded() {
         return Ok(());
     }
@@ -390,7 +438,50 @@ pub fn send_start(st: &mut State, rid: &ReplicaId) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{HeadConfig, StoreSpec};
+    use crate::election::Leadership;
+    use crate::metrics::Metrics;
     use prism_common::proto::v1::GpuInfo;
+    use prism_common::state_store::{EmbeddedStore, StateStore};
+    use tokio::sync::watch;
+
+    fn cpu_worker(instance: &str) -> NodeInventory {
+        NodeInventory {
+            node_id: "n1".into(),
+            address: "http://127.0.0.1:1".into(),
+            cpu_slots: 1,
+            instance_id: instance.into(),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn another_process_is_refused_while_the_live_session_lasts_and_the_same_one_takes_over() {
+        let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::in_memory().expect("store"));
+        let (_lead_tx, lead_rx) = watch::channel(Leadership::Leader);
+        let cfg = HeadConfig::new(StoreSpec::Embedded("unused".into()), "http://127.0.0.1:50050");
+        let cluster = Cluster::new(cfg, store, lead_rx, Metrics::new());
+        cluster.on_elected(1).await.expect("elected");
+        let peer: SocketAddr = "127.0.0.1:40000".parse().expect("addr");
+        let first = register(&cluster, cpu_worker("a"), Some(peer)).await.expect("a registered");
+
+        let refused = register(&cluster, cpu_worker("b"), None).await.expect_err("b refused");
+        assert!(matches!(refused, HeadError::NodeIdInUse { .. }), "{refused:?}");
+        let status = Status::from(refused);
+        assert_eq!(status.code(), tonic::Code::AlreadyExists);
+        assert!(status.metadata().get(prism_common::proto::SESSION_EXPIRES_METADATA).is_some());
+        assert!(!first.cancel.is_cancelled(), "the live session is kept");
+        // A worker that sends no instance id cannot be told apart from the live one's process.
+        let refused = register(&cluster, cpu_worker(""), None).await.expect_err("no instance id refused");
+        assert!(matches!(refused, HeadError::NodeIdInUse { .. }));
+
+        // The same process reconnecting takes its session over.
+        let again = register(&cluster, cpu_worker("a"), None).await.expect("a again");
+        assert!(first.cancel.is_cancelled(), "the earlier session of the same worker ended");
+        // Once the live session ends, another process gets in.
+        assert!(cluster.lock().await.detach_session(&again.node, again.session, Instant::now()));
+        register(&cluster, cpu_worker("b"), None).await.expect("b after the session ended");
+    }
 
     fn inv() -> NodeInventory {
         NodeInventory {

@@ -35,11 +35,27 @@ pub struct DrainTimer {
     pub deadline: Instant,
 }
 
+/// Who holds a worker session: what tells the same worker reconnecting from another
+/// process registering with the same node id.
+#[derive(Clone, Debug, Default)]
+pub struct SessionOwner {
+    /// The worker process's `NodeInventory.instance_id` (empty: the worker sent none).
+    pub instance_id: String,
+    /// The endpoint the worker advertises.
+    pub address: String,
+    /// Where its connection comes from, when known.
+    pub peer: Option<std::net::SocketAddr>,
+}
+
 /// One live worker session.
 #[derive(Debug)]
 pub struct Session {
     /// Distinguishes a reconnected session from the one it replaced.
     id: u64,
+    /// The worker process holding it.
+    owner: SessionOwner,
+    /// When the worker's last message came (the registration, at first).
+    last_message: Instant,
     /// Commands to the worker.
     tx: mpsc::Sender<Result<HeadMessage, Status>>,
     /// Ends the session (replaced, or leadership lost).
@@ -49,9 +65,14 @@ pub struct Session {
 }
 
 impl Session {
-    /// A session that has told the worker nothing yet.
-    pub fn new(id: u64, tx: mpsc::Sender<Result<HeadMessage, Status>>, cancel: CancellationToken) -> Self {
-        Self { id, tx, cancel, started: HashSet::new() }
+    /// A session of `owner` that has told the worker nothing yet.
+    pub fn new(
+        id: u64,
+        owner: SessionOwner,
+        tx: mpsc::Sender<Result<HeadMessage, Status>>,
+        cancel: CancellationToken,
+    ) -> Self {
+        Self { id, owner, last_message: Instant::now(), tx, cancel, started: HashSet::new() }
     }
 }
 
@@ -165,6 +186,18 @@ impl State {
     /// True when session `id` is the node's live session.
     pub fn is_current_session(&self, node: &NodeId, id: u64) -> bool {
         self.sessions.get(node).is_some_and(|s| s.id == id)
+    }
+
+    /// The node's live session: who holds it and when its last message came.
+    pub fn live_session(&self, node: &NodeId) -> Option<(&SessionOwner, Instant)> {
+        self.sessions.get(node).map(|s| (&s.owner, s.last_message))
+    }
+
+    /// Notes a message of session `id` of the node (ignored when it is not the live one).
+    pub fn touch_session(&mut self, node: &NodeId, id: u64, at: Instant) {
+        if let Some(s) = self.sessions.get_mut(node).filter(|s| s.id == id) {
+            s.last_message = at;
+        }
     }
 
     /// True when the node has a live session.

@@ -370,7 +370,7 @@ mod tests {
             cpu_slots: 2,
             ..Default::default()
         };
-        let _worker = registry::register(&cluster, inv).await.expect("registered");
+        let _worker = registry::register(&cluster, inv, None).await.expect("registered");
         crate::admin::apply_deployment(&cluster, autoscaled(0, 2)).await.expect("applied");
         reconcile_once(&cluster).await.expect("pass");
         assert_eq!(replicas_of(&cluster).await, (0, None), "initial = min = 0, nothing queued");

@@ -4,6 +4,14 @@
 //! second and `drain` progress; execute the head's commands. On reconnect (head restart,
 //! new leader) the worker registers again and reports its running replicas, which the head
 //! adopts: they are never restarted.
+//!
+//! A head refuses (`ALREADY_EXISTS`) a registration whose node id has a live session from
+//! another worker process. At start-up that is either a second worker given a node id in
+//! use, or this worker restarted before the head noticed that its previous process is gone
+//! (its session ends after the head's `--worker-timeout` of silence, which the refusal says).
+//! So a worker that has not registered yet retries until that session would have ended, and
+//! then gives up: [`run`] returns [`Refused`] and the process exits non-zero. A worker that
+//! was registered before (it may host replicas) keeps retrying, logging the refusal.
 
 use super::Agent;
 use super::drain::DrainSource;
@@ -11,6 +19,7 @@ use prism_common::proto::v1::{self as pb, head_message, worker_message};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Endpoint;
@@ -50,25 +59,76 @@ pub fn leader_hint(status: &tonic::Status) -> Option<String> {
     None
 }
 
+/// How long a refused worker keeps trying past the moment the head said the live session
+/// would end (the head notices the silence on its next check; retries are up to a second apart).
+const REFUSAL_MARGIN: Duration = Duration::from_secs(3);
+/// How long it keeps trying when the refusal does not say when the live session would end.
+const REFUSAL_DEFAULT_WAIT: Duration = Duration::from_secs(10);
+/// Longest pause between registrations while refused (the live session may end any moment).
+const REFUSAL_RETRY: Duration = Duration::from_secs(1);
+
 /// How a session ended.
 enum SessionEnd {
     /// Shutdown requested.
     Shutdown,
     /// Error (connect or stream); with a leader hint when a follower answered.
     Failed { error: String, leader: Option<String> },
+    /// The head refused the registration: the node id has a live session from another
+    /// worker process, which ends within `expires_in` (when the head said) if that worker is gone.
+    NodeIdInUse { message: String, expires_in: Option<Duration> },
+}
+
+/// The head refused to register this worker, which had not registered yet, for as long as
+/// the node's live session could have belonged to an earlier process of this worker.
+#[derive(Debug, thiserror::Error)]
+#[error("the head at {head} refused to register this worker: {message}")]
+pub struct Refused {
+    /// The head that refused.
+    pub head: String,
+    /// Its reason (names the node id and where the live worker is).
+    pub message: String,
 }
 
 /// Runs the registration loop until `shutdown` is cancelled.
-pub async fn run(agent: Arc<Agent>, shutdown: CancellationToken) {
+///
+/// # Errors
+/// [`Refused`]: the node id stayed in use by another live worker process (see the module doc).
+pub async fn run(agent: Arc<Agent>, shutdown: CancellationToken) -> Result<(), Refused> {
     let heads = agent.cfg.heads.clone();
     let mut idx = 0usize;
     let mut hinted: Option<String> = None;
     let mut backoff = Duration::from_millis(100);
+    let mut registered_once = false;
+    // While refused before ever registering: until when this worker keeps trying.
+    let mut refused_until: Option<Instant> = None;
     loop {
         let target = hinted.take().unwrap_or_else(|| heads[idx % heads.len()].clone());
         let started = tokio::time::Instant::now();
-        match session(&agent, &target, &shutdown).await {
-            SessionEnd::Shutdown => return,
+        let end = session(&agent, &target, &shutdown).await;
+        if agent.is_registered() {
+            registered_once = true;
+            refused_until = None;
+        }
+        match end {
+            SessionEnd::Shutdown => return Ok(()),
+            SessionEnd::NodeIdInUse { message, expires_in } => {
+                agent.set_registered(false);
+                if registered_once {
+                    tracing::error!(head = %target, error = %message, "head refused the registration; retrying");
+                } else {
+                    let now = Instant::now();
+                    let until = *refused_until
+                        .get_or_insert_with(|| now + expires_in.unwrap_or(REFUSAL_DEFAULT_WAIT) + REFUSAL_MARGIN);
+                    if now >= until {
+                        return Err(Refused { head: target, message });
+                    }
+                    tracing::warn!(
+                        head = %target, error = %message, gives_up_in_s = (until - now).as_secs_f64(),
+                        "head refused the registration; retrying until that session would have ended"
+                    );
+                }
+                backoff = backoff.min(REFUSAL_RETRY);
+            }
             SessionEnd::Failed { error, leader } => {
                 agent.set_registered(false);
                 if let Some(l) = leader.filter(|l| *l != target) {
@@ -85,7 +145,7 @@ pub async fn run(agent: Arc<Agent>, shutdown: CancellationToken) {
             }
         }
         tokio::select! {
-            _ = shutdown.cancelled() => return,
+            _ = shutdown.cancelled() => return Ok(()),
             _ = tokio::time::sleep(backoff) => {}
         }
         backoff = (backoff * 2).min(agent.cfg.max_backoff);
@@ -138,6 +198,15 @@ async fn session(agent: &Arc<Agent>, target: &str, shutdown: &CancellationToken)
     };
     let mut inbound = match response {
         Ok(r) => r.into_inner(),
+        Err(s) if s.code() == tonic::Code::AlreadyExists => {
+            let expires_in = s
+                .metadata()
+                .get(prism_common::proto::SESSION_EXPIRES_METADATA)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_millis);
+            return SessionEnd::NodeIdInUse { message: s.message().to_owned(), expires_in };
+        }
         Err(s) => return SessionEnd::Failed { error: s.to_string(), leader: leader_hint(&s) },
     };
     tracing::info!(head = %target, node = %agent.node_id(), "registered with head");
