@@ -6,12 +6,15 @@
 //!   non-zero at start-up; the live worker keeps its session and its replica (same id, never
 //!   replaced). A worker restarted while the head still holds its frozen predecessor's
 //!   session gets in once that session times out, and the replica is Ready on it again.
+//! - `a_worker_with_nothing_to_offer_fails_at_start_up`: `--cpu-slots 0` on a node without
+//!   GPUs exits non-zero at once with a clear error instead of retrying a registration the
+//!   head refuses.
 //!
-//! It is skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
+//! The first test is skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
 use anyhow::{Context, Result, bail};
 use prism_common::proto::v1::{ReplicaRecord, ReplicaState};
-use prism_tests::{Cluster, Deployment, eventually, model};
+use prism_tests::{Cluster, Deployment, Process, bin_path, eventually, free_port, model};
 use std::time::Duration;
 
 const NODE: &str = "w1";
@@ -104,4 +107,32 @@ async fn a_second_worker_with_a_node_id_in_use_is_refused_and_a_restarted_one_ge
     }
     .await;
     cluster.with_logs(outcome)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_nothing_to_offer_fails_at_start_up() -> Result<()> {
+    let (gp, hp) = (free_port()?, free_port()?);
+    let args: Vec<String> = [
+        "--head",
+        "http://127.0.0.1:9",
+        "--node-id",
+        "empty",
+        "--cpu-slots",
+        "0",
+        "--listen",
+        &format!("127.0.0.1:{gp}"),
+        "--http-listen",
+        &format!("127.0.0.1:{hp}"),
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let mut worker = Process::spawn("empty", &bin_path("prism-worker")?, &args, &[])?;
+    let status = worker.wait_exit(Duration::from_secs(20)).await?;
+    worker.wait_stderr_closed(Duration::from_secs(5)).await?;
+    let log = worker.stderr();
+    assert!(!status.success(), "exited with {status}:\n{log}");
+    assert!(log.contains("no GPUs and --cpu-slots is 0"), "{log}");
+    assert!(!log.contains("reconnecting"), "it tried to register:\n{log}");
+    Ok(())
 }

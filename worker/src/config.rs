@@ -51,7 +51,8 @@ pub struct Args {
     #[arg(long, env = "PRISM_SIMULATE_GPUS", default_value_t = 0)]
     pub simulate_gpus: u32,
 
-    /// Replica slots offered by a node without GPUs.
+    /// Replica slots offered by a node without GPUs (at least 1 there: a worker with no GPU
+    /// and no slot has nothing to offer and refuses to start).
     #[arg(long, env = "PRISM_CPU_SLOTS", default_value_t = 1)]
     pub cpu_slots: u32,
 

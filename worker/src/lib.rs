@@ -71,6 +71,13 @@ pub async fn run_with_launcher(
     cfg.rendezvous_bind = cfg.rendezvous_bind.or(Some(local.ip()));
     let address = cfg.advertise_address.clone().unwrap_or_else(|| advertise_from(local));
     let devices = agent::gpu::discover(cfg.simulate_gpus, cfg.cpu_slots);
+    if devices.gpus.is_empty() && devices.cpu_slots == 0 {
+        // The head refuses an empty inventory; without this the worker would retry forever.
+        anyhow::bail!(
+            "this node has no GPUs and --cpu-slots is 0, so the worker has nothing to run replicas on: \
+             give --cpu-slots 1 or more (PRISM_CPU_SLOTS)"
+        );
+    }
     tracing::info!(
         node = %cfg.node_id, %address, gpus = devices.gpus.len(), simulated = devices.simulated,
         cpu_slots = devices.cpu_slots, grpc = %local, http = %http_listener.local_addr()?, "worker starting"
@@ -148,9 +155,9 @@ pub async fn run_with_launcher(
     if let Ok(Ok(Err(e))) = http_res {
         return Err(e.into());
     }
-    tracing::info!("worker stopped");
-    Ok(())
-}
     if let Some(refused) = refused {
         return Err(refused.into());
     }
+    tracing::info!("worker stopped");
+    Ok(())
+}
