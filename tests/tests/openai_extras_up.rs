@@ -315,7 +315,9 @@ async fn stops_and_fields(api: &Api) -> Result<()> {
     assert_eq!(joined, format!("{base_text}<|im_end|>"));
     let v = api.ok("/v1/chat/completions", &chat(json!({"skip_special_tokens": false}))).await?;
     assert_eq!(v["choices"][0]["message"]["content"], base_text.as_str());
-    let templated = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n";
+    // The chat's own prompt, as token ids, on /v1/completions.
+    let msgs = json!([{"role": "user", "content": "Say hello."}]);
+    let templated = api.ok("/tokenize", &json!({"model": MODEL, "messages": msgs})).await?["tokens"].clone();
     let cmpl = |extra: Value| {
         let mut v = json!({"model": MODEL, "prompt": templated, "max_tokens": 48, "temperature": 0.0});
         for (k, x) in extra.as_object().into_iter().flatten() {
