@@ -128,9 +128,11 @@ pub fn print_summary(g: &Generation) {
     let (prompt, completion, cached) =
         g.usage.map_or((0, g.tokens as u32, 0), |u| (u.prompt_tokens, u.completion_tokens, u.cached_tokens));
     let ttft = g.ttft.map_or_else(|| "-".to_owned(), |t| format!("{:.0} ms", t.as_secs_f64() * 1e3));
+    let tokens = |n: u32| prism_common::text::count(u64::from(n), "token", "tokens");
     eprintln!(
-        "[prompt {prompt} tokens ({cached} from the prefix cache), completion {completion} tokens, TTFT {ttft}, \
-         finish_reason {reason}]"
+        "[prompt {} ({cached} from the prefix cache), completion {}, TTFT {ttft}, finish_reason {reason}]",
+        tokens(prompt),
+        tokens(completion)
     );
 }
 

@@ -1,17 +1,31 @@
-//! `prism scale NAME N`: sets a deployment's replica count. `prism delete NAME`: removes a
-//! deployment (its replicas drain and stop; the router stops listing its model).
+//! `prism scale NAME N`: sets a deployment's replica count, then says how many of them the
+//! current nodes cannot place (they stay Pending until capacity joins, as in Ray Serve).
+//! `prism delete NAME`: removes a deployment (its replicas drain and stop; the router stops
+//! listing its model).
 
 use crate::client::{self, status_error};
 use anyhow::Result;
 use clap::Args;
-use prism_common::proto::v1::{DeleteDeploymentRequest, ScaleDeploymentRequest};
+use prism_common::head_auth::HeadClient;
+use prism_common::proto::v1::{
+    ClusterStatusRequest, DeleteDeploymentRequest, ReplicaRecord, ReplicaState, ScaleDeploymentRequest,
+};
+use prism_common::text::count;
+use std::time::{Duration, Instant};
+
+/// How long `prism scale` waits for the head to create or place the new replicas before it
+/// reports what is still Pending (the reconciler acts on a scale at once).
+const PLACEMENT_WAIT: Duration = Duration::from_secs(2);
+/// Pause between two status reads while waiting.
+const PLACEMENT_POLL: Duration = Duration::from_millis(100);
 
 /// `prism scale` arguments.
 #[derive(Args, Debug)]
 pub struct ScaleArgs {
     /// Deployment name.
     pub name: String,
-    /// Desired number of replicas.
+    /// Desired number of replicas. More than the nodes can place is accepted: the rest stay
+    /// Pending until nodes join (a notice on stderr says how many, and why).
     pub replicas: u32,
 }
 
@@ -24,8 +38,45 @@ pub async fn run(head_addr: &client::HeadTarget, args: ScaleArgs) -> Result<()> 
     head.scale_deployment(ScaleDeploymentRequest { name: args.name.clone(), replicas: args.replicas })
         .await
         .map_err(status_error)?;
-    println!("deployment {} scaled to {} replicas", args.name, args.replicas);
+    println!("deployment {} scaled to {}", args.name, count(u64::from(args.replicas), "replica", "replicas"));
+    if let Some(notice) = unplaced_notice(&mut head, &args.name, args.replicas).await {
+        eprintln!("{notice}");
+    }
     Ok(())
+}
+
+/// The notice for replicas of `name` the current nodes cannot place, once the head has
+/// created its `replicas` (or after [`PLACEMENT_WAIT`]); `None` when all are placed or
+/// the status cannot be read (the scale itself succeeded).
+async fn unplaced_notice(head: &mut HeadClient, name: &str, replicas: u32) -> Option<String> {
+    let deadline = Instant::now() + PLACEMENT_WAIT;
+    loop {
+        let status = head.cluster_status(ClusterStatusRequest {}).await.ok()?.into_inner();
+        let mine: Vec<&ReplicaRecord> = status
+            .replicas
+            .iter()
+            .filter(|r| r.deployment == name)
+            .filter(|r| matches!(r.state(), ReplicaState::Pending | ReplicaState::Starting | ReplicaState::Ready))
+            .collect();
+        let settled = mine.len() == replicas as usize;
+        if settled || Instant::now() >= deadline {
+            return pending_notice(&mine, replicas);
+        }
+        tokio::time::sleep(PLACEMENT_POLL).await;
+    }
+}
+
+/// "notice: P of N replicas cannot be placed …" for the Pending ones among `replicas`.
+fn pending_notice(replicas: &[&ReplicaRecord], desired: u32) -> Option<String> {
+    let pending: Vec<&&ReplicaRecord> = replicas.iter().filter(|r| r.state() == ReplicaState::Pending).collect();
+    let first = pending.first()?;
+    let reason = if first.reason.is_empty() { "no room on any node" } else { first.reason.as_str() };
+    let of = count(u64::from(desired), "replica", "replicas");
+    let verb = if pending.len() == 1 { "it stays" } else { "they stay" };
+    Some(format!(
+        "notice: {} of {of} cannot be placed on the current nodes: {reason}; {verb} Pending until capacity joins",
+        pending.len()
+    ))
 }
 
 /// Runs `prism delete NAME`.
@@ -37,4 +88,31 @@ pub async fn delete(head_addr: &client::HeadTarget, name: String) -> Result<()> 
     head.delete_deployment(DeleteDeploymentRequest { name: name.clone() }).await.map_err(status_error)?;
     println!("deployment {name} deleted; its replicas drain and stop");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replica(state: ReplicaState, reason: &str) -> ReplicaRecord {
+        ReplicaRecord { state: state as i32, reason: reason.into(), ..Default::default() }
+    }
+
+    #[test]
+    fn the_notice_counts_pending_replicas_and_gives_the_planner_reason() {
+        let ready = replica(ReplicaState::Ready, "");
+        let pending = replica(ReplicaState::Pending, "needs 1 CPU slot on one node; largest free group is 0");
+        assert_eq!(pending_notice(&[&ready, &ready], 2), None);
+        assert_eq!(
+            pending_notice(&[&ready, &pending, &pending], 3).as_deref(),
+            Some(
+                "notice: 2 of 3 replicas cannot be placed on the current nodes: needs 1 CPU slot on one node; \
+                 largest free group is 0; they stay Pending until capacity joins"
+            )
+        );
+        assert!(
+            pending_notice(&[&pending], 1)
+                .is_some_and(|n| n.contains("1 of 1 replica cannot") && n.contains("it stays"))
+        );
+    }
 }

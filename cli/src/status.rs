@@ -164,8 +164,11 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
         if let Some(last) = &d.last_scaling {
             let age = now_unix_ms.saturating_sub(last.unix_ms) / 1000;
             decisions.push(format!(
-                "  {}: {} -> {} replicas, {age}s ago: {}\n",
-                spec.name, last.from_replicas, last.to_replicas, last.reason
+                "  {}: {} -> {}, {age}s ago: {}\n",
+                spec.name,
+                last.from_replicas,
+                prism_common::text::count(u64::from(last.to_replicas), "replica", "replicas"),
+                last.reason
             ));
         }
         let hit_rate = prefix_cache_hit_rate(&spec.name, status);
@@ -214,7 +217,8 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
     out.push_str(&if replicas.is_empty() { "  (none)\n".to_owned() } else { replicas.render() });
     if status.pending_gpus > 0 {
         // Pending replicas' devices: GPUs, or CPU slots on CPU-only clusters.
-        out.push_str(&format!("\nUnmet demand (Pending replicas): {} GPUs or CPU slots\n", status.pending_gpus));
+        let unmet = prism_common::text::count(u64::from(status.pending_gpus), "GPU or CPU slot", "GPUs or CPU slots");
+        out.push_str(&format!("\nUnmet demand (Pending replicas): {unmet}\n"));
     }
     out
 }

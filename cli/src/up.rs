@@ -114,9 +114,12 @@ pub async fn run(args: UpArgs) -> Result<()> {
     }
     for o in &others {
         eprintln!(
-            "the store also holds deployment {} ({} replicas) from an earlier run: it keeps serving beside {}; \
+            "the store also holds deployment {} ({}) from an earlier run: it keeps serving beside {}; \
              `prism delete {}` removes it",
-            o.name, o.replicas, deployment.name, o.name
+            o.name,
+            prism_common::text::count(u64::from(o.replicas), "replica", "replicas"),
+            deployment.name,
+            o.name
         );
     }
 

@@ -12,6 +12,7 @@ pub mod proto;
 pub mod shutdown;
 pub mod state_store;
 pub mod telemetry;
+pub mod text;
 pub mod time;
 pub mod tls;
 

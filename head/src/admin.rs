@@ -82,8 +82,9 @@ pub fn check_capacity(view: &ClusterView, spec: &DeploymentSpec) -> HeadResult<(
     let each: Vec<String> = matching.iter().map(|(id, n)| format!("{id} {n}")).collect();
     let each = if each.is_empty() { "none match".to_owned() } else { each.join(", ") };
     Err(HeadError::InvalidArgument(format!(
-        "a replica needs {world} GPUs or CPU slots (engine.tensor_parallel_size {} x engine.pipeline_parallel_size {pp}), \
+        "a replica needs {} (engine.tensor_parallel_size {} x engine.pipeline_parallel_size {pp}), \
          more than {nodes} have together: {total} ({each})",
+        prism_common::text::count(u64::from(world), "GPU or CPU slot", "GPUs or CPU slots"),
         engine.tensor_parallel_size.max(1)
     )))
 }
@@ -161,7 +162,7 @@ pub async fn delete_deployment(cluster: &Cluster, name: &str) -> HeadResult<()> 
     cluster.require_leader(&st)?;
     let name = DeploymentName::from(name);
     let Some(rev) = st.view().deployments.get(&name).map(|e| e.mod_revision) else {
-        return Err(HeadError::NotFound(format!("deployment {name:?}")));
+        return Err(HeadError::NotFound(format!("deployment {:?}", name.as_str())));
     };
     cluster.delete_deployment(&mut st, &name, rev).await?;
     tracing::info!(deployment = %name, "deployment deleted");

@@ -128,7 +128,8 @@ impl Window {
         if current == 0 && (inputs.queued > 0 || inputs.ongoing > 0.0) {
             let to = 1.clamp(p.min_replicas, p.max_replicas);
             self.proposal = None;
-            let reason = format!("scale from zero: {} requests queued with 0 replicas", inputs.queued);
+            let queued = prism_common::text::count(u64::from(inputs.queued), "request", "requests");
+            let reason = format!("scale from zero: {queued} queued with 0 replicas");
             return Some(Decision { from: 0, to, reason });
         }
         let (to, why) = self.target(p, current);

@@ -24,6 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use prism_common::proto::v1::{PlacementStrategy, ReplicaState};
+use prism_common::text::count;
 use prism_common::{DeploymentName, NodeId, ReplicaId};
 
 /// Label naming a node's capacity type (`spot` or `on-demand`).
@@ -398,35 +399,33 @@ fn split_group<'a>(
     Some(parts)
 }
 
-/// "N GPUs" / "N CPU slots", with the sizes when the group has more than one stage.
-fn group_size(unit: &str, tp: usize, pp: usize) -> String {
-    if pp > 1 {
-        format!("{} {unit} (tensor_parallel_size {tp} x pipeline_parallel_size {pp})", tp * pp)
-    } else {
-        format!("{tp} {unit}")
-    }
+/// "1 GPU" / "N CPU slots" (`unit` is (singular, plural)), with the sizes when the group
+/// has more than one stage.
+fn group_size(unit: (&str, &str), tp: usize, pp: usize) -> String {
+    let n = count((tp * pp) as u64, unit.0, unit.1);
+    if pp > 1 { format!("{n} (tensor_parallel_size {tp} x pipeline_parallel_size {pp})") } else { n }
 }
 
 fn pending_reason(cap: &Capacity<'_>, d: &DeploymentView, eligible: &[&NodeView], tp: usize, pp: usize) -> String {
     let schedulable = cap.nodes.iter().filter(|n| n.schedulable).count();
     let one_node = if pp > 1 { "" } else { " on one node" };
     if schedulable == 0 {
-        return format!("needs {}{one_node}; no schedulable node", group_size("slots", tp, pp));
+        return format!("needs {}{one_node}; no schedulable node", group_size(("slot", "slots"), tp, pp));
     }
     if eligible.is_empty() {
         let sel: Vec<String> = d.node_selector.iter().map(|(k, v)| format!("{k}={v}")).collect();
         return format!(
             "needs {}{one_node}; no schedulable node matches node_selector {{{}}}",
-            group_size("slots", tp, pp),
+            group_size(("slot", "slots"), tp, pp),
             sel.join(",")
         );
     }
-    let unit = if eligible.iter().any(|n| n.gpu) { "GPUs" } else { "CPU slots" };
+    let unit = if eligible.iter().any(|n| n.gpu) { ("GPU", "GPUs") } else { ("CPU slot", "CPU slots") };
     let free: Vec<(&NodeView, usize)> = eligible.iter().map(|n| (*n, cap.free(n).len())).collect();
     let largest = free.iter().map(|(_, f)| *f).max().unwrap_or(0);
     if pp == 1 && free.iter().filter(|(_, f)| *f > 0).count() <= 1 {
         // No split is possible: the group needs one node with room for it.
-        return format!("needs {tp} {unit} on one node; largest free group is {largest}");
+        return format!("needs {} on one node; largest free group is {largest}", count(tp as u64, unit.0, unit.1));
     }
     let listed: Vec<String> = free.iter().map(|(n, f)| format!("{} {f}", n.id)).collect();
     format!("needs {}; free: {}", group_size(unit, tp, pp), listed.join(", "))

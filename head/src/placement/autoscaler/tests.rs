@@ -128,7 +128,7 @@ fn scale_from_zero_is_immediate_and_scale_to_zero_waits_for_an_idle_window() {
     s.run(20.5, 20.5, |_| Inputs { ongoing: 1.0, queued: 1, kv_cache_usage: None, starting: 0 });
     assert_eq!(s.decisions.len(), 1);
     assert_eq!((s.decisions[0].1.from, s.decisions[0].1.to), (0, 1));
-    assert!(s.decisions[0].1.reason.starts_with("scale from zero: 1 requests queued"));
+    assert!(s.decisions[0].1.reason.starts_with("scale from zero: 1 request queued"));
     // Light load keeps it at 1; a blip inside the look-back keeps it from zero.
     s.run(21.0, 60.0, |t| load(if ((t * 2.0) as u64).is_multiple_of(5) { 1.0 } else { 0.0 }));
     assert_eq!(s.current, 1, "{:?}", s.decisions);

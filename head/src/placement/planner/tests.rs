@@ -459,3 +459,25 @@ fn pack_fills_one_node_first() {
     let first = rs[0].node.clone();
     assert!(rs.iter().all(|r| r.node == first));
 }
+
+#[test]
+fn pending_reasons_say_one_slot_in_the_singular() {
+    let mut cpu = node("cpu", 1, &[]);
+    cpu.gpu = false;
+    let acts = plan(std::slice::from_ref(&cpu), &[dep("m", 1, 2)], &[]);
+    let pending: Vec<&str> = acts
+        .iter()
+        .filter_map(|a| match a {
+            Action::Create { placement: PlacementDecision::Pending { reason }, .. } => Some(reason.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(pending, vec!["needs 1 CPU slot on one node; largest free group is 0"]);
+    cpu.schedulable = false;
+    let acts = plan(&[cpu], &[dep("m", 1, 1)], &[]);
+    assert!(
+        matches!(&acts[0], Action::Create { placement: PlacementDecision::Pending { reason }, .. }
+        if reason == "needs 1 slot on one node; no schedulable node"),
+        "{acts:?}"
+    );
+}

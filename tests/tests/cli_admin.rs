@@ -1,0 +1,61 @@
+//! What the admin commands tell their user, with the real `prism` binary:
+//! - `prism_scale_and_delete_name_the_deployment_and_what_cannot_be_placed`: against a real
+//!   head and one worker offering one CPU slot (the bundled model; skipped when absent unless
+//!   `PRISM_REQUIRE_MODEL=1`): an unknown deployment is named as given, never as a Rust
+//!   value, by `prism delete` and `prism scale`; `prism scale` past the cluster's room is
+//!   accepted, in the right number, with a notice of how many replicas stay Pending and why.
+
+use anyhow::Result;
+use prism_tests::{Cluster, Deployment, bin_path, model};
+use std::process::Output;
+
+/// `prism --head HEAD ARGS` (stdout and stderr, whatever the exit).
+fn prism(head: &str, args: &[&str]) -> Result<Output> {
+    let out = std::process::Command::new(bin_path("prism")?).args(["--head", head]).args(args).output()?;
+    Ok(out)
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prism_scale_and_delete_name_the_deployment_and_what_cannot_be_placed() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let mut cluster = Cluster::builder()
+        .worker_nodes(&["w1"])
+        .worker_args(&["--cpu-slots", "1", "--kv-cache-bytes", "67108864", "--engine-threads", "1"])
+        .start()
+        .await?;
+    let outcome = async {
+        let head = cluster.head_url().to_owned();
+        for args in [&["delete", "nope"][..], &["scale", "nope", "2"]] {
+            let out = tokio::task::block_in_place(|| prism(&head, args))?;
+            let err = text(&out.stderr);
+            assert!(!out.status.success(), "prism {args:?} succeeded");
+            assert!(err.contains("deployment \"nope\" not found"), "prism {args:?}: {err}");
+            assert!(!err.contains("DeploymentName"), "prism {args:?}: {err}");
+        }
+
+        cluster.deploy(&Deployment::new(&model).replicas(1))?;
+        let out = tokio::task::block_in_place(|| prism(&head, &["scale", "smollm2", "3"]))?;
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "{stderr}");
+        assert_eq!(stdout.trim(), "deployment smollm2 scaled to 3 replicas");
+        assert!(
+            stderr.contains(
+                "notice: 2 of 3 replicas cannot be placed on the current nodes: needs 1 CPU slot on one node; \
+                 largest free group is 0; they stay Pending until capacity joins"
+            ),
+            "{stderr}"
+        );
+
+        let out = tokio::task::block_in_place(|| prism(&head, &["scale", "smollm2", "1"]))?;
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_eq!(text(&out.stdout).trim(), "deployment smollm2 scaled to 1 replica");
+        assert!(!text(&out.stderr).contains("notice"), "{}", text(&out.stderr));
+        anyhow::Ok(())
+    }
+    .await;
+    cluster.with_logs(outcome)
+}
