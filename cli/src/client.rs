@@ -81,7 +81,9 @@ pub struct ModelArg {
 /// `--api-key`: the key a router with API keys asks for (`Debug` hides it).
 #[derive(Args, Clone, Default)]
 pub struct KeyArg {
-    /// API key of the router, sent as `authorization: Bearer KEY` (vLLM's `--api-key`).
+    /// API key of the router, sent as `authorization: Bearer KEY` (vLLM's `--api-key`). A
+    /// comma-separated list (PRISM_API_KEY as `prism up` and prism-router read it) sends its
+    /// first key.
     #[arg(long = "api-key", env = "PRISM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
 }
@@ -98,8 +100,15 @@ impl KeyArg {
     /// # Errors
     /// The key holds characters gRPC metadata cannot carry (the message does not show it).
     pub fn request<T>(&self, message: T) -> Result<tonic::Request<T>> {
-        authorized(message, self.api_key.as_deref())
+        authorized(message, self.api_key.as_deref().and_then(first_api_key))
     }
+}
+
+/// The key a client sends from an `--api-key` / `PRISM_API_KEY` value: the first non-empty
+/// entry of a comma-separated list (the form `prism up` and prism-router accept, so one
+/// environment serves both), `None` when it holds none.
+pub fn first_api_key(list: &str) -> Option<&str> {
+    list.split(',').map(str::trim).find(|k| !k.is_empty())
 }
 
 /// `message` as a router request carrying `authorization: Bearer KEY` when `api_key` is set.

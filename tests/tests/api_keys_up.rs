@@ -3,7 +3,8 @@
 //! UNAUTHENTICATED), the probes stay open, `/metrics` needs the key, the limited key gets 429
 //! with Retry-After on its third immediate request, `prism up`'s own `--prompt` runs with the key,
 //! and neither key appears in what the process logs. Skipped when the model is absent unless
-//! `PRISM_REQUIRE_MODEL=1`. `prism generate --api-key` is checked against it too.
+//! `PRISM_REQUIRE_MODEL=1`. `prism generate --api-key` is checked against it too, and
+//! `prism generate` / `prism bench serve` with `PRISM_API_KEY` holding a comma-separated list.
 
 use anyhow::{Context, Result, bail};
 use prism_common::proto::v1::ListModelsRequest;
@@ -76,6 +77,43 @@ async fn checks(up: &mut PrismUp) -> Result<()> {
     assert!(!with?.trim().is_empty(), "prism generate --api-key printed nothing");
     let err = without.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("Unauthenticated"), "prism generate without a key: {err}");
+
+    // PRISM_API_KEY holding a comma-separated list, as `prism up` reads it: the client
+    // commands send its first key (gRPC for generate and bench, HTTP for bench's openai backend).
+    let (grpc, base_url) = (ep.grpc.clone(), ep.http.clone());
+    let outputs = tokio::task::spawn_blocking(move || -> Result<Vec<std::process::Output>> {
+        let bench = [
+            "bench",
+            "serve",
+            "--num-prompts",
+            "2",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "2",
+            "--no-progress",
+        ];
+        let runs: [Vec<&str>; 3] = [
+            vec!["generate", "The sky is", "--raw", "--max-tokens", "3"],
+            bench.to_vec(),
+            [&bench[..], &["--backend", "openai", "--base-url", &base_url]].concat(),
+        ];
+        let mut outs = Vec::new();
+        for args in runs {
+            let out = std::process::Command::new(prism_tests::bin_path("prism")?)
+                .args(["--router", grpc.as_str()])
+                .args(&args)
+                .env("PRISM_API_KEY", format!("{KEY},sk-other"))
+                .output()?;
+            outs.push(out);
+        }
+        Ok(outs)
+    })
+    .await??;
+    for out in outputs {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "a client with PRISM_API_KEY=KEY,sk-other failed: {stderr}");
+    }
 
     let m = status(&http, &format!("{}/metrics", ep.http), Some(KEY)).await?.text().await?;
     assert!(m.contains(r#"prism_router_rate_limited_total{key="limited",limit="requests"} 1"#), "{m}");

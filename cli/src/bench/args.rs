@@ -69,7 +69,8 @@ pub struct ServeArgs {
     /// HTTP path (default: /v1/completions, or /v1/chat/completions for openai-chat).
     #[arg(long, env = "PRISM_BENCH_ENDPOINT")]
     pub endpoint: Option<String>,
-    /// API key, sent as `authorization: Bearer KEY`.
+    /// API key, sent as `authorization: Bearer KEY`. A comma-separated list (PRISM_API_KEY as
+    /// `prism up` and prism-router read it) sends its first key.
     #[arg(long, env = "PRISM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
 
@@ -212,8 +213,13 @@ impl ServeArgs {
             router: router.to_owned(),
             base_url: self.base_url.clone(),
             endpoint: self.endpoint.clone(),
-            api_key: self.api_key.clone(),
+            api_key: self.api_key(),
         }
+    }
+
+    /// The key requests carry: the first of a comma-separated `--api-key` / `PRISM_API_KEY`.
+    pub fn api_key(&self) -> Option<String> {
+        self.api_key.as_deref().and_then(crate::client::first_api_key).map(str::to_owned)
     }
 
     /// The arrival process.

@@ -61,7 +61,7 @@ pub async fn run(router: &str, args: ServeArgs) -> Result<()> {
         model: model.clone(),
         temperature: args.temperature,
         ignore_eos: args.ignore_eos,
-        api_key: args.api_key.clone(),
+        api_key: args.api_key(),
     });
     let info = RunInfo {
         backend: args.backend.name(),
