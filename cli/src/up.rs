@@ -86,6 +86,13 @@ pub async fn run(args: UpArgs) -> Result<()> {
         bail!("--tensor-parallel-size and --replicas must be at least 1");
     }
     args.engine.validate().map_err(|e| anyhow::anyhow!("--{}", e.to_string().replace('_', "-")))?;
+    if args.served_model_name.as_deref().is_some_and(|n| n.trim().is_empty()) {
+        // Clients could never ask for it (the router would list the deployment's name instead).
+        bail!(
+            "--served-model-name (PRISM_SERVED_MODEL_NAME) is empty: give a name, or leave it out to serve the \
+             model as its file name without extension"
+        );
+    }
     let model = resolve_model(&args.model)?;
     let engine = args.engine.to_proto(model.to_string_lossy(), "");
     crate::model_check::check_parallel(&engine).with_context(|| format!("model {}", model.display()))?;

@@ -1,13 +1,16 @@
-//! What the admin commands tell their user, with the real `prism` binary:
+//! What the admin commands and `prism up` tell their user, with the real `prism` binary:
 //! - `prism_scale_and_delete_name_the_deployment_and_what_cannot_be_placed`: against a real
 //!   head and one worker offering one CPU slot (the bundled model; skipped when absent unless
 //!   `PRISM_REQUIRE_MODEL=1`): an unknown deployment is named as given, never as a Rust
 //!   value, by `prism delete` and `prism scale`; `prism scale` past the cluster's room is
 //!   accepted, in the right number, with a notice of how many replicas stay Pending and why.
+//! - `prism_up_refuses_an_empty_served_model_name_at_once`: no waiting for a name that no
+//!   client could ask for.
 
 use anyhow::Result;
-use prism_tests::{Cluster, Deployment, bin_path, model};
+use prism_tests::{Cluster, Deployment, bin_path, model, workspace_root};
 use std::process::Output;
+use std::time::{Duration, Instant};
 
 /// `prism --head HEAD ARGS` (stdout and stderr, whatever the exit).
 fn prism(head: &str, args: &[&str]) -> Result<Output> {
@@ -58,4 +61,21 @@ async fn prism_scale_and_delete_name_the_deployment_and_what_cannot_be_placed() 
     }
     .await;
     cluster.with_logs(outcome)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prism_up_refuses_an_empty_served_model_name_at_once() -> Result<()> {
+    for name in ["", "  "] {
+        let started = Instant::now();
+        let out = std::process::Command::new(bin_path("prism")?)
+            .args(["up", "--served-model-name", name, "--port", "0", "--grpc-port", "0", "--head-port", "0"])
+            .args(["--head-http-port", "0", "--worker-port", "0", "--worker-http-port", "0"])
+            .current_dir(workspace_root())
+            .output()?;
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{name:?}: prism up started");
+        assert!(err.contains("--served-model-name (PRISM_SERVED_MODEL_NAME) is empty"), "{name:?}: {err}");
+        assert!(started.elapsed() < Duration::from_secs(20), "{name:?}: took {:?}", started.elapsed());
+    }
+    Ok(())
 }
