@@ -6,9 +6,12 @@
 //!   accepted, in the right number, with a notice of how many replicas stay Pending and why.
 //! - `prism_up_refuses_an_empty_served_model_name_at_once`: no waiting for a name that no
 //!   client could ask for.
+//! - `the_example_deployments_have_served_names_of_their_own`: the README deploys them into
+//!   one cluster, and a head refuses a served name that another deployment already serves.
 
 use anyhow::Result;
-use prism_tests::{Cluster, Deployment, bin_path, model, workspace_root};
+use prism_tests::{Cluster, Deployment, bin_path, model, prism_cli, workspace_root};
+use std::collections::HashMap;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
@@ -77,5 +80,25 @@ async fn prism_up_refuses_an_empty_served_model_name_at_once() -> Result<()> {
         assert!(err.contains("--served-model-name (PRISM_SERVED_MODEL_NAME) is empty"), "{name:?}: {err}");
         assert!(started.elapsed() < Duration::from_secs(20), "{name:?}: took {:?}", started.elapsed());
     }
+    Ok(())
+}
+
+#[test]
+fn the_example_deployments_have_served_names_of_their_own() -> Result<()> {
+    let mut served: HashMap<String, String> = HashMap::new();
+    for entry in std::fs::read_dir(workspace_root().join("docs/examples"))? {
+        let path = entry?.path();
+        if path.extension().is_none_or(|e| e != "yaml") {
+            continue;
+        }
+        let file = path.to_string_lossy().into_owned();
+        let printed: serde_yaml::Value = serde_yaml::from_str(&prism_cli(&["deploy", "--dry-run", "-f", &file])?)?;
+        let name = printed["served_model_name"].as_str().unwrap_or_default().to_owned();
+        assert!(!name.is_empty(), "{file}: no served_model_name in the dry run:\n{printed:?}");
+        if let Some(other) = served.insert(name.clone(), file.clone()) {
+            panic!("{file} and {other} are both served as {name}");
+        }
+    }
+    assert!(served.len() >= 2, "{served:?}");
     Ok(())
 }
