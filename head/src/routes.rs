@@ -1,18 +1,22 @@
 //! The route table published to routers through `WatchRoutes`: every Ready or Draining
-//! replica with its endpoint, served model name, load and limits, and the served models whose
-//! replicas all failed with nothing on its way ([`failed`]). A new table (with a higher
+//! replica with its endpoint, served model name, load and limits, and the served models that
+//! no replica is coming to serve, with why ([`availability`]). A new table (with a higher
 //! `version`) is published only when its content changes.
+
+pub mod availability;
 
 use std::sync::Arc;
 
 use prism_common::DeploymentName;
 use prism_common::deployment::served_name;
-use prism_common::proto::v1::{FailedModel, ReplicaState, RouteEntry, RouteTable};
+use prism_common::proto::v1::{ReplicaState, RouteEntry, RouteTable};
 use prism_common::time::unix_ms;
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::cluster::state::State;
+use availability::{REGISTRATION_GRACE, unavailable};
 
 /// Builds the route table content (version 0) from the leader's state.
 pub fn build(st: &State) -> Vec<RouteEntry> {
@@ -64,42 +68,10 @@ pub fn models(st: &State) -> Vec<String> {
     names
 }
 
-/// Served models whose deployment has Failed replicas and nothing that may serve soon: no
-/// replica Pending (waiting for a node, scale from zero), Starting (loading), Ready or
-/// Draining, and no Failed one that the reconciler will replace (one that was Ready once, or
-/// a GPU group: see `ClusterView::planner_inputs`). A one-rank replica that failed while
-/// starting stays Failed until the spec changes, so routers may answer at once. Sorted by
-/// model; the reason is the earliest-named Failed replica's.
-pub fn failed(st: &State) -> Vec<FailedModel> {
-    use std::collections::BTreeMap;
-    let view = st.view();
-    // Per deployment: whether something may serve soon, and a failure reason.
-    let mut by_deployment: BTreeMap<&str, (bool, Option<&str>)> = BTreeMap::new();
-    for e in view.replicas.values() {
-        let r = &e.record;
-        let (coming, reason) = by_deployment.entry(r.deployment.as_str()).or_default();
-        match r.state() {
-            ReplicaState::Pending | ReplicaState::Starting | ReplicaState::Ready | ReplicaState::Draining => {
-                *coming = true;
-            }
-            ReplicaState::Failed if r.ready_unix_ms > 0 || view.tp_of(&r.deployment) > 1 => *coming = true,
-            ReplicaState::Failed => {
-                reason.get_or_insert(r.reason.as_str());
-            }
-            _ => {}
-        }
-    }
-    let mut out: Vec<FailedModel> = by_deployment
-        .into_iter()
-        .filter_map(|(deployment, (coming, reason))| {
-            let reason = reason.filter(|_| !coming)?;
-            let spec = view.deployments.get(&DeploymentName::from(deployment))?.record.spec.as_ref()?;
-            let model = served_name(spec).to_owned();
-            Some(FailedModel { model, deployment: deployment.to_owned(), reason: reason.to_owned() })
-        })
-        .collect();
-    out.sort_unstable_by(|a, b| a.model.cmp(&b.model));
-    out
+/// The content of a table of `term` (version 0); `new_term`: see [`unavailable`].
+fn table(term: u64, st: &State, new_term: bool) -> RouteTable {
+    let unavailable = unavailable(st.view(), &st.connected_nodes(), new_term);
+    RouteTable { version: 0, routes: build(st), models: models(st), term, unavailable }
 }
 
 /// The route table routers watch. Only a leader that has loaded the cluster state publishes:
@@ -109,8 +81,8 @@ pub fn failed(st: &State) -> Vec<FailedModel> {
 /// its content changed.
 pub struct RoutePublisher {
     tx: watch::Sender<Option<Arc<RouteTable>>>,
-    /// The current term while leading with a loaded state.
-    term: std::sync::Mutex<Option<u64>>,
+    /// The current term while leading with a loaded state, and when it began.
+    term: std::sync::Mutex<Option<(u64, Instant)>>,
     /// Last published version, kept across terms (versions never go back).
     last_version: std::sync::atomic::AtomicU64,
     /// `prism_route_updates_total`.
@@ -134,8 +106,9 @@ impl RoutePublisher {
     /// freshly loaded state: the first table is sent even when it equals the last one, so
     /// routers learn the new term.
     pub fn begin_term(&self, term: u64, st: &State) {
-        *self.term.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(term);
-        self.send(term, st);
+        let now = Instant::now();
+        *self.term.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some((term, now));
+        self.send_table(table(term, st, true));
     }
 
     /// Stops publishing (leadership lost). Routers keep the last table they applied.
@@ -144,27 +117,22 @@ impl RoutePublisher {
         self.tx.send_replace(None);
     }
 
-    /// Publishes a new table when the routes changed; nothing outside a term.
+    /// Publishes a new table when the routes changed; nothing outside a term. Called on every
+    /// change and reconcile pass, so a model whose grace ends is published within a pass.
     pub fn publish(&self, st: &State) {
-        let Some(term) = *self.term.lock().unwrap_or_else(std::sync::PoisonError::into_inner) else {
+        let Some((term, began)) = *self.term.lock().unwrap_or_else(std::sync::PoisonError::into_inner) else {
             return;
         };
-        let routes = build(st);
-        let models = models(st);
-        let failed = failed(st);
+        let next = table(term, st, began.elapsed() < REGISTRATION_GRACE);
         if let Some(cur) = self.tx.borrow().as_ref()
             && cur.term == term
-            && cur.routes == routes
-            && cur.models == models
-            && cur.failed == failed
+            && cur.routes == next.routes
+            && cur.models == next.models
+            && cur.unavailable == next.unavailable
         {
             return;
         }
-        self.send_table(RouteTable { version: 0, routes, models, term, failed });
-    }
-
-    fn send(&self, term: u64, st: &State) {
-        self.send_table(RouteTable { version: 0, routes: build(st), models: models(st), term, failed: failed(st) });
+        self.send_table(next);
     }
 
     /// Publishes `table` (its version set here).
@@ -190,7 +158,7 @@ mod tests {
         let mut view = ClusterView::default();
         let engine =
             EngineConfig { served_model_name: "m".into(), max_model_len: Some(configured), ..EngineConfig::default() };
-        let spec = DeploymentSpec { name: "d".into(), engine: Some(engine), ..DeploymentSpec::default() };
+        let spec = DeploymentSpec { name: "d".into(), engine: Some(engine), replicas: 1, ..DeploymentSpec::default() };
         let record = DeploymentRecord { spec: Some(spec), ..DeploymentRecord::default() };
         view.deployments.insert(DeploymentName::from("d"), Entry { record, mod_revision: 1 });
         for (id, state, reported) in replicas {
@@ -252,57 +220,19 @@ mod tests {
         assert_eq!(lens(&st), [("a".to_owned(), 1456), ("b".to_owned(), 2048)]);
     }
 
-    /// `(model, reason)` of [`failed`] for deployment "d" (served as "m") with `replicas`:
-    /// (id, state, whether it was Ready once).
-    fn failed_of(replicas: &[(&str, ReplicaState, bool)]) -> Vec<(String, String)> {
-        let mut view = state(0, &[]).view().clone();
-        for (id, state, was_ready) in replicas {
-            let record = ReplicaRecord {
-                replica_id: (*id).into(),
-                deployment: "d".into(),
-                served_model_name: "m".into(),
-                state: *state as i32,
-                reason: if *state == ReplicaState::Failed { format!("{id} cannot start") } else { String::new() },
-                ready_unix_ms: if *was_ready { 1 } else { 0 },
-                ..ReplicaRecord::default()
-            };
-            view.replicas.insert(ReplicaId::from(*id), Entry { record, mod_revision: 1 });
-        }
-        failed(&State::with_view(view)).into_iter().map(|f| (f.model, f.reason)).collect()
-    }
-
-    /// Routers answer at once only for a model none of whose replicas is on its way: all
-    /// Failed while starting (never replaced). A replica Pending (no node yet, scale from
-    /// zero), Starting or Ready, or a Failed one the reconciler will replace (it was Ready
-    /// once), keeps requests waiting; stopped replicas count for nothing.
-    #[test]
-    fn a_model_is_published_as_failed_only_when_no_replica_is_on_its_way() {
-        use ReplicaState::{Failed, Pending, Ready, Starting, Stopped};
-        let m = |reason: &str| vec![("m".to_owned(), reason.to_owned())];
-        assert_eq!(failed_of(&[("a", Failed, false)]), m("a cannot start"));
-        assert_eq!(failed_of(&[("a", Failed, false), ("b", Failed, false)]), m("a cannot start"));
-        assert_eq!(failed_of(&[("a", Failed, false), ("b", Stopped, false)]), m("a cannot start"));
-        for on_its_way in [Pending, Starting, Ready, ReplicaState::Draining] {
-            assert_eq!(failed_of(&[("a", Failed, false), ("b", on_its_way, false)]), [], "{on_its_way:?}");
-        }
-        assert_eq!(failed_of(&[("a", Failed, true)]), [], "a replica that was Ready is replaced");
-        assert_eq!(failed_of(&[]), [], "no replica (scaled to zero) is not a failure");
-        assert_eq!(failed_of(&[("a", Stopped, false)]), []);
-    }
-
-    /// The failed models are part of the table: a change publishes a new version.
+    /// The unavailable models are part of the table: a change publishes a new version.
     #[test]
     fn a_deployment_that_fails_publishes_a_new_table_naming_it() {
         let p = RoutePublisher::new(Counter::default());
         p.begin_term(1, &state(0, &[("a", ReplicaState::Starting, 0)]));
-        let before = p.subscribe().borrow().as_ref().map(|t| (t.version, t.failed.len()));
+        let before = p.subscribe().borrow().as_ref().map(|t| (t.version, t.unavailable.len()));
         assert_eq!(before.map(|b| b.1), Some(0));
         p.publish(&state(0, &[("a", ReplicaState::Failed, 0)]));
         let after = p.subscribe().borrow().clone().expect("table");
         assert!(Some(after.version) > before.map(|b| b.0));
         assert_eq!(
-            after.failed.iter().map(|f| (f.model.as_str(), f.deployment.as_str())).collect::<Vec<_>>(),
-            [("m", "d")]
+            after.unavailable.iter().map(|f| (f.model.as_str(), f.deployment.as_str(), f.cause())).collect::<Vec<_>>(),
+            [("m", "d", prism_common::proto::v1::UnavailableCause::Failed)]
         );
     }
 }

@@ -8,9 +8,11 @@
 //!   Otherwise the request joins the back of its model's queue: no new arrival overtakes a
 //!   waiting one. A model listed in the route table with no Ready replica (scaled to zero,
 //!   replicas starting) queues too, and wakes the demand reporter at once (`crate::demand`).
-//! - A model whose replicas all failed with none on its way (the head's `RouteTable.failed`:
-//!   a replica that cannot start) is refused at once, and so are its waiters when the news
-//!   comes (503 / UNAVAILABLE naming the failure): no replica is coming to serve them.
+//! - A model that no replica is coming to serve (the head's `RouteTable.unavailable`: its
+//!   replicas cannot start, it is scaled to 0, no node can run one) is refused at once, and so
+//!   are its waiters when the news comes (503 / UNAVAILABLE saying why): nobody would serve
+//!   them. Before the first route table came every request is refused (503 / UNAVAILABLE, not
+//!   404: the model may well exist).
 //! - Bounds, per model: `--max-queued-requests` (count), `--max-queued-tokens` (the
 //!   request's token estimate, prompt + decode), `--max-queue-wait` and the request's own
 //!   deadline (time). Past a count or token bound the request is refused at once with a
@@ -39,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::balance::{BalancePolicy, DispatchGuard, RequestHint, SelectError, select};
 use crate::metrics::Metrics;
-use crate::routes::{ModelFailure, ReplicaRoute, RouteSnapshot, Routes};
+use crate::routes::{ModelUnavailable, ReplicaRoute, RouteSnapshot, Routes};
 /// gRPC metadata key carrying the suggested retry delay in whole seconds (HTTP's
 /// `Retry-After`) on RESOURCE_EXHAUSTED and UNAVAILABLE answers of the router.
 pub const RETRY_AFTER_METADATA: &str = "retry-after";
@@ -122,9 +124,12 @@ pub enum AdmitError {
     /// Its own deadline passed while it waited (504).
     #[error("deadline exceeded in the admission queue")]
     DeadlineExceeded,
-    /// The model's replicas all failed and none is on its way (503).
-    #[error("the replicas of deployment {} failed to start", .0.deployment)]
-    ReplicasFailed(Arc<ModelFailure>),
+    /// No replica of the model is coming (503).
+    #[error("no replica of deployment {} is coming ({})", .0.deployment, .0.cause.as_str_name())]
+    Unavailable(Arc<ModelUnavailable>),
+    /// No route table came from the head yet: the model is not known either way (503).
+    #[error("no route table from the head yet")]
+    NoRouteTable,
 }
 
 type Answer = Result<Admitted, AdmitError>;
@@ -173,13 +178,16 @@ impl Inner {
     }
 
     fn try_now(&self, snap: &RouteSnapshot, model: &str, hint: &RequestHint) -> Attempt {
+        if !snap.loaded {
+            return Attempt::Fail(AdmitError::NoRouteTable);
+        }
         match select(snap, model, &[], self.routes.now_ms(), self.policy.as_ref(), hint) {
             Ok(a) => Attempt::Go(a),
             Err(SelectError::UnknownModel) => Attempt::Fail(AdmitError::UnknownModel),
             Err(SelectError::AllFull) => Attempt::Wait { no_ready: false },
             Err(SelectError::NoneReady) if snap.has_ready(model) => Attempt::Fail(AdmitError::NoneUsable),
-            Err(SelectError::NoneReady) => match snap.failure(model) {
-                Some(failure) => Attempt::Fail(AdmitError::ReplicasFailed(failure)),
+            Err(SelectError::NoneReady) => match snap.unavailable(model) {
+                Some(why) => Attempt::Fail(AdmitError::Unavailable(why)),
                 None => Attempt::Wait { no_ready: true },
             },
         }
@@ -214,9 +222,9 @@ impl Inner {
                     // A receiver gone in this instant drops the slot with the message.
                     let _ = w.tx.send(Ok(a));
                 }
-                Attempt::Fail(e @ (AdmitError::UnknownModel | AdmitError::ReplicasFailed(_))) => {
-                    // The model left the table (deleted), or its replicas failed with none on
-                    // its way: nobody of it will be served.
+                Attempt::Fail(e @ (AdmitError::UnknownModel | AdmitError::Unavailable(_))) => {
+                    // The model left the table (deleted), or no replica of it is coming:
+                    // nobody of it will be served.
                     while let Some(w) = q.pop_front() {
                         self.metrics.queue_waited(now.saturating_duration_since(w.since).as_secs_f64());
                         let _ = w.tx.send(Err(e.clone()));
@@ -317,8 +325,8 @@ impl Admission {
                 if !snap.models.contains_key(model) {
                     return Err(AdmitError::UnknownModel);
                 }
-                if let Some(failure) = snap.failure(model) {
-                    return Err(AdmitError::ReplicasFailed(failure));
+                if let Some(why) = snap.unavailable(model) {
+                    return Err(AdmitError::Unavailable(why));
                 }
                 !snap.has_ready(model)
             } else {

@@ -117,7 +117,7 @@ mod tests {
     fn table(states: &[ReplicaState], limit: u32) -> Routes {
         let r = Routes::new(limit, Metrics::new());
         r.apply(RouteTable {
-            failed: vec![],
+            unavailable: vec![],
             term: 0,
             models: vec![],
             version: 1,

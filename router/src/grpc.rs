@@ -86,7 +86,8 @@ pub fn to_status(e: DispatchError) -> Status {
         DispatchError::NoReplica(_)
         | DispatchError::NoReplicaInTime { .. }
         | DispatchError::ReplicaLost { .. }
-        | DispatchError::ReplicasFailed { .. } => Status::unavailable(e.to_string()),
+        | DispatchError::Unavailable { .. }
+        | DispatchError::NoRouteTable => Status::unavailable(e.to_string()),
         DispatchError::Overloaded { .. } => Status::resource_exhausted(e.to_string()),
         DispatchError::DeadlineExceeded => Status::deadline_exceeded(e.to_string()),
         DispatchError::Worker(s) => return s,
@@ -307,6 +308,10 @@ impl InferenceService for InferenceApi {
 
     async fn list_models(&self, _request: Request<ListModelsRequest>) -> Result<Response<ListModelsResponse>, Status> {
         let snap = self.dispatcher.routes().snapshot();
+        if !snap.loaded {
+            // An empty list would say that no model exists.
+            return Err(to_status(DispatchError::NoRouteTable));
+        }
         let models = snap
             .models
             .iter()

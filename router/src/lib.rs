@@ -120,7 +120,8 @@ pub async fn run(
     );
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    // grpc.health.v1 follows readiness: SERVING while at least one replica is Ready.
+    // grpc.health.v1 follows readiness (`RouteSnapshot::readiness`, as /readyz): SERVING while
+    // a model has a Ready replica or one on its way.
     let health_task = {
         let routes = routes.clone();
         let stop = shutdown.clone();
@@ -128,7 +129,7 @@ pub async fn run(
             let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
             loop {
                 tokio::select! { _ = stop.cancelled() => break, _ = tick.tick() => {} }
-                if routes.snapshot().any_ready() {
+                if routes.snapshot().readiness().is_ok() {
                     health_reporter.set_serving::<InferenceServiceServer<grpc::InferenceApi>>().await;
                     health_reporter.set_service_status("", tonic_health::ServingStatus::Serving).await;
                 } else {

@@ -79,9 +79,9 @@ pub fn router(state: HttpState) -> Router {
         .route("/tokenize", post(tokenize_route))
         .route("/detokenize", post(detokenize_route))
         .route("/v1/models/{id}", get(model))
-        .route("/health", get(health))
+        .route("/health", get(|State(s): State<HttpState>| async move { readiness(&s, "ok") }))
         .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
+        .route("/readyz", get(|State(s): State<HttpState>| async move { readiness(&s, "ready") }))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
         .method_not_allowed_fallback(|| async {
@@ -730,12 +730,17 @@ async fn detokenize_route(State(state): State<HttpState>, headers: HeaderMap, bo
     }
 }
 
-/// The OpenAI model objects of models with a Ready replica, by served name.
-fn model_objects(state: &HttpState) -> Vec<(String, Value)> {
+/// The OpenAI model objects of the route table's models, by served name; 503 before the
+/// first table (an empty list would say that no model exists).
+fn model_objects(state: &HttpState) -> Result<Vec<(String, Value)>, ApiError> {
     let snap = state.dispatcher.routes().snapshot();
+    if !snap.loaded {
+        return Err(DispatchError::NoRouteTable.into());
+    }
     // Every served model the head lists, also one with no Ready replica right now (scaled to
     // zero, starting, draining): a request for it queues rather than failing with 404.
-    snap.models
+    Ok(snap
+        .models
         .iter()
         .map(|(name, rs)| {
             let max_len = rs.iter().map(|r| r.max_model_len).max().unwrap_or(0);
@@ -744,20 +749,26 @@ fn model_objects(state: &HttpState) -> Vec<(String, Value)> {
                    "max_model_len": if max_len > 0 { json!(max_len) } else { Value::Null }});
             (name.clone(), obj)
         })
-        .collect()
+        .collect())
 }
 
 /// `GET /v1/models`.
 async fn models(State(state): State<HttpState>) -> Response {
-    let data: Vec<Value> = model_objects(&state).into_iter().map(|(_, v)| v).collect();
-    axum::Json(json!({"object": "list", "data": data})).into_response()
+    match model_objects(&state) {
+        Ok(objects) => {
+            let data: Vec<Value> = objects.into_iter().map(|(_, v)| v).collect();
+            axum::Json(json!({"object": "list", "data": data})).into_response()
+        }
+        Err(e) => e.into_response(),
+    }
 }
 
 /// `GET /v1/models/{id}`: the model object, or 404.
 async fn model(State(state): State<HttpState>, Path(id): Path<String>) -> Response {
-    match model_objects(&state).into_iter().find(|(name, _)| *name == id) {
-        Some((_, v)) => axum::Json(v).into_response(),
-        None => ApiError {
+    match model_objects(&state).map(|objects| objects.into_iter().find(|(name, _)| *name == id)) {
+        Ok(Some((_, v))) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+        Ok(None) => ApiError {
             param: Some("model".into()),
             ..ApiError::new(StatusCode::NOT_FOUND, format!("the model `{id}` does not exist"))
         }
@@ -765,24 +776,12 @@ async fn model(State(state): State<HttpState>, Path(id): Path<String>) -> Respon
     }
 }
 
-async fn health(State(state): State<HttpState>) -> Response {
-    if state.dispatcher.routes().snapshot().any_ready() {
-        (StatusCode::OK, "ok").into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "no ready replica").into_response()
-    }
-}
-
-/// Readiness: at least one Ready replica in the route table, so a Kubernetes Service only
-/// reaches routers that can serve.
-async fn readyz(State(state): State<HttpState>) -> Response {
-    let snap = state.dispatcher.routes().snapshot();
-    if snap.any_ready() {
-        (StatusCode::OK, "ready").into_response()
-    } else if snap.loaded {
-        (StatusCode::SERVICE_UNAVAILABLE, "no ready replica").into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "no route table yet").into_response()
+/// `/health` (load balancers) and `/readyz` (a Kubernetes Service): 200 while the router can
+/// take requests (`RouteSnapshot::readiness`: scale from zero included), else 503 saying why.
+fn readiness(state: &HttpState, ok: &'static str) -> Response {
+    match state.dispatcher.routes().snapshot().readiness() {
+        Ok(()) => (StatusCode::OK, ok).into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
     }
 }
 

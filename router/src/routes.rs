@@ -7,8 +7,9 @@
 //! in [`ReplicaStats`], kept across table updates so the load guards of requests in flight
 //! (`balance::DispatchGuard`) stay attached. Every update bumps a [`tokio::sync::watch`]
 //! counter ([`Routes::subscribe`]) so requests waiting on a replica learn at once when it
-//! leaves the table. The head also names the models whose replicas all failed with none on
-//! its way ([`RouteSnapshot::failure`]): requests for them are answered at once.
+//! leaves the table. The head also names the models that no replica is coming to serve,
+//! with why ([`RouteSnapshot::unavailable`]): requests for them are answered at once.
+//! [`RouteSnapshot::readiness`] says whether the router can take requests at all.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
 use prism_common::head_auth::{HeadCredential, head_client};
-use prism_common::proto::v1::{ReplicaState, RouteTable, WatchRoutesRequest};
+use prism_common::proto::v1::{ReplicaState, RouteTable, UnavailableCause, WatchRoutesRequest};
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -128,13 +129,30 @@ impl ReplicaRoute {
     }
 }
 
-/// Why a model's replicas cannot serve: the head's `RouteTable.failed` entry.
+/// Why no replica of a model is coming: the head's `RouteTable.unavailable` entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ModelFailure {
+pub struct ModelUnavailable {
     /// The deployment serving the model.
     pub deployment: String,
-    /// A Failed replica's reason, as its worker reported it (may be empty).
+    /// Why (`Unspecified`, from a head that predates the causes, is read as `Failed`).
+    pub cause: UnavailableCause,
+    /// A Failed replica's reason as its worker reported it, or a Pending replica's as the
+    /// placer found it (may be empty).
     pub reason: String,
+}
+
+/// Why the router cannot take requests now (`/readyz`, `/health`, `grpc.health.v1`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotReady {
+    /// No route table came from the head yet (and no static route was given).
+    #[error("no route table from the head yet")]
+    NoTable,
+    /// The table names no model: nothing is deployed.
+    #[error("no model is deployed")]
+    NoModel,
+    /// Every model is unavailable (failed, scaled to 0, no node can run it): named here.
+    #[error("no model can serve or is on its way (unavailable: {})", .0.join(", "))]
+    NoneCanServe(Vec<String>),
 }
 
 /// An immutable version of the table.
@@ -146,8 +164,8 @@ pub struct RouteSnapshot {
     pub term: u64,
     /// Replicas by served model name.
     pub models: BTreeMap<String, Vec<Arc<ReplicaRoute>>>,
-    /// Models whose replicas all failed with none on its way, by served model name.
-    pub failed: BTreeMap<String, Arc<ModelFailure>>,
+    /// Models that no replica is coming to serve, by served model name.
+    pub unavailable: BTreeMap<String, Arc<ModelUnavailable>>,
     /// Whether a table was ever received (or static routes were given).
     pub loaded: bool,
     /// Notified whenever a request admitted from this table releases its slot (shared by
@@ -166,10 +184,31 @@ impl RouteSnapshot {
         self.models.get(model).is_some_and(|rs| rs.iter().any(|r| r.is_ready()))
     }
 
-    /// Why `model` cannot be served, when the head says its replicas all failed and none is
-    /// on its way (and this table has no Ready replica of it): waiting would be for nothing.
-    pub fn failure(&self, model: &str) -> Option<Arc<ModelFailure>> {
-        self.failed.get(model).filter(|_| !self.has_ready(model)).cloned()
+    /// Why `model` cannot be served, when the head says no replica of it is coming (and this
+    /// table has no Ready replica of it): waiting would be for nothing.
+    pub fn unavailable(&self, model: &str) -> Option<Arc<ModelUnavailable>> {
+        self.unavailable.get(model).filter(|_| !self.has_ready(model)).cloned()
+    }
+
+    /// Whether the router can take requests: a table came (Ray Serve's proxies are not ready
+    /// before their route table is populated either) and it holds a model that has a Ready
+    /// replica or one on its way (loading, about to be placed, an autoscaled deployment at
+    /// zero that a request scales up). Not "a Ready replica exists": a Service whose routers
+    /// all went unready with only scaled-to-zero models would get no request to scale them up.
+    ///
+    /// # Errors
+    /// [`NotReady`]: no table yet, no model, or every model unavailable.
+    pub fn readiness(&self) -> Result<(), NotReady> {
+        if !self.loaded {
+            return Err(NotReady::NoTable);
+        }
+        if self.models.is_empty() {
+            return Err(NotReady::NoModel);
+        }
+        if self.models.keys().any(|m| self.unavailable(m).is_none()) {
+            return Ok(());
+        }
+        Err(NotReady::NoneCanServe(self.models.keys().cloned().collect()))
     }
 }
 
@@ -297,8 +336,9 @@ impl Routes {
                 cache,
             }));
         }
-        let failed = BTreeMap::new();
-        self.store(RouteSnapshot { version: 0, term: 0, models, failed, loaded: true, released: self.released() });
+        let unavailable = BTreeMap::new();
+        let released = self.released();
+        self.store(RouteSnapshot { version: 0, term: 0, models, unavailable, loaded: true, released });
     }
 
     /// Replaces the table with one received from the head, unless it is stale: published in
@@ -329,12 +369,18 @@ impl Routes {
         // Deployed models with no usable replica stay known (503, not 404).
         let mut models: BTreeMap<String, Vec<Arc<ReplicaRoute>>> =
             table.models.into_iter().map(|m| (m, Vec::new())).collect();
-        let failed: BTreeMap<String, Arc<ModelFailure>> = table
-            .failed
+        let unavailable: BTreeMap<String, Arc<ModelUnavailable>> = table
+            .unavailable
             .into_iter()
-            .map(|f| (f.model, Arc::new(ModelFailure { deployment: f.deployment, reason: f.reason })))
+            .map(|u| {
+                let cause = match u.cause() {
+                    UnavailableCause::Unspecified => UnavailableCause::Failed,
+                    c => c,
+                };
+                (u.model, Arc::new(ModelUnavailable { deployment: u.deployment, cause, reason: u.reason }))
+            })
             .collect();
-        for model in failed.keys() {
+        for model in unavailable.keys() {
             models.entry(model.clone()).or_default();
         }
         for e in table.routes {
@@ -376,11 +422,13 @@ impl Routes {
             let draining = models.values().flatten().filter(|r| r.state == ReplicaState::Draining).count();
             tracing::info!(version = table.version, replicas = live.len(), draining, "route table updated");
         }
-        if self.snapshot().failed != failed {
-            tracing::info!(failed = ?failed.keys().collect::<Vec<_>>(), "models whose replicas failed to start");
+        if self.snapshot().unavailable != unavailable {
+            let names: Vec<_> = unavailable.iter().map(|(m, u)| format!("{m} ({})", u.cause.as_str_name())).collect();
+            tracing::info!(unavailable = ?names, "models no replica is coming to serve");
         }
         let released = self.released();
-        self.store(RouteSnapshot { version: table.version, term: table.term, models, failed, loaded: true, released });
+        let (version, term) = (table.version, table.term);
+        self.store(RouteSnapshot { version, term, models, unavailable, loaded: true, released });
     }
 
     /// Follows `WatchRoutes` on the given heads until `shutdown`, trying them in turn and
@@ -489,7 +537,7 @@ mod tests {
     fn apply_keeps_ready_and_draining_and_stats() {
         let routes = Routes::new(4, Metrics::new());
         routes.apply(RouteTable {
-            failed: vec![],
+            unavailable: vec![],
             term: 0,
             models: vec![],
             version: 3,
@@ -507,7 +555,7 @@ mod tests {
         assert_eq!(m[0].max_in_flight, 4);
         m[0].stats.in_flight.store(2, Ordering::Relaxed);
         routes.apply(RouteTable {
-            failed: vec![],
+            unavailable: vec![],
             term: 0,
             version: 4,
             routes: vec![entry("a", "m", ReplicaState::Ready)],
@@ -523,7 +571,7 @@ mod tests {
         let routes = Routes::new(4, Metrics::new());
         let mut rx = routes.subscribe();
         routes.apply(RouteTable {
-            failed: vec![],
+            unavailable: vec![],
             term: 0,
             version: 1,
             routes: vec![entry("a", "m", ReplicaState::Ready)],
@@ -534,7 +582,7 @@ mod tests {
         assert!(routes.lists("m", "a"));
         assert!(!routes.lists("other", "a"));
         routes.apply(RouteTable {
-            failed: vec![],
+            unavailable: vec![],
             term: 0,
             version: 2,
             routes: vec![entry("a", "m", ReplicaState::Draining)],
@@ -543,7 +591,7 @@ mod tests {
         assert!(rx.has_changed().unwrap_or(false));
         assert!(routes.lists("m", "a"), "a Draining replica stays listed");
         routes.apply(RouteTable {
-            failed: vec![],
+            unavailable: vec![],
             term: 0,
             version: 3,
             routes: vec![entry("b", "m", ReplicaState::Ready)],
@@ -560,7 +608,7 @@ mod tests {
         let metrics = Metrics::new();
         let routes = Routes::new(4, metrics.clone());
         let table = |term, version, ids: &[&str]| RouteTable {
-            failed: vec![],
+            unavailable: vec![],
             term,
             version,
             routes: ids.iter().map(|id| entry(id, "m", ReplicaState::Ready)).collect(),
@@ -577,6 +625,43 @@ mod tests {
         assert!(!routes.lists("m", "a"));
         assert_eq!(metrics.route_replicas.get(), 0);
         assert_eq!(metrics.route_term.get(), 6);
+    }
+
+    /// Ready means "can take requests": a table came and a model has a Ready replica or one
+    /// on its way (a model listed with no replica and not unavailable: scale from zero,
+    /// loading). A scaled-to-zero autoscaled model keeps the router ready; models that all
+    /// are unavailable, an empty table and no table at all do not.
+    #[test]
+    fn readiness_needs_a_table_and_a_model_that_can_serve_or_is_coming() {
+        use prism_common::proto::v1::UnavailableModel;
+        let routes = Routes::new(4, Metrics::new());
+        assert_eq!(routes.snapshot().readiness(), Err(NotReady::NoTable));
+        let table = |version, ready: &[&str], unavailable: &[&str]| RouteTable {
+            term: 0,
+            version,
+            models: vec!["m".into(), "n".into()],
+            routes: ready.iter().map(|m| entry(&format!("r-{m}"), m, ReplicaState::Ready)).collect(),
+            unavailable: unavailable
+                .iter()
+                .map(|m| UnavailableModel {
+                    model: (*m).into(),
+                    deployment: format!("{m}-dep"),
+                    cause: UnavailableCause::ScaledToZero as i32,
+                    reason: String::new(),
+                })
+                .collect(),
+        };
+        routes.apply(RouteTable { models: vec![], ..table(1, &[], &[]) });
+        assert_eq!(routes.snapshot().readiness(), Err(NotReady::NoModel));
+        routes.apply(table(2, &[], &[]));
+        assert_eq!(routes.snapshot().readiness(), Ok(()), "no Ready replica, both on their way");
+        routes.apply(table(3, &[], &["m"]));
+        assert_eq!(routes.snapshot().readiness(), Ok(()), "n is on its way");
+        routes.apply(table(4, &[], &["m", "n"]));
+        assert_eq!(routes.snapshot().readiness(), Err(NotReady::NoneCanServe(vec!["m".into(), "n".into()])));
+        routes.apply(table(5, &["m"], &["m", "n"]));
+        assert_eq!(routes.snapshot().readiness(), Ok(()), "m still has a Ready replica");
+        assert!(routes.snapshot().unavailable("m").is_none() && routes.snapshot().unavailable("n").is_some());
     }
 
     #[test]

@@ -45,11 +45,15 @@ impl ModelCodecs {
     /// The codec of `model`, from one of its Ready replicas.
     ///
     /// # Errors
+    /// [`DispatchError::NoRouteTable`] (503) before the head's first table,
     /// [`DispatchError::UnknownModel`] (404) for a model no route lists,
     /// [`DispatchError::NoReplica`] (503) when none of its replicas is Ready,
     /// [`DispatchError::Worker`] (UNAVAILABLE, 503) when no replica gives its codec.
     pub async fn get(&self, model: &str) -> Result<ModelCodec, DispatchError> {
         let snap = self.routes.snapshot();
+        if !snap.loaded {
+            return Err(DispatchError::NoRouteTable);
+        }
         let replicas = snap.models.get(model).ok_or_else(|| DispatchError::UnknownModel(model.to_owned()))?;
         let max_model_len = replicas.iter().map(|r| r.max_model_len).max().unwrap_or(0);
         let ready: Vec<_> = replicas.iter().filter(|r| r.is_ready()).collect();

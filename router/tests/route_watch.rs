@@ -2,6 +2,8 @@
 //! Draining replicas get no work, and the router keeps serving from the last table when
 //! the head goes away (fail static). The router's `ReportDemand` calls reach that head:
 //! about once a second, and at once when a request queues for a model with no replica.
+//! A router started while its head is down answers 503 / UNAVAILABLE with `Retry-After`
+//! (never 404 or an empty model list) until the head's first table comes, then serves.
 
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -122,7 +124,8 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     let ea = format!("http://{}", a.clone().spawn(shutdown.clone()).await?);
     let eb = format!("http://{}", b.clone().spawn(shutdown.clone()).await?);
 
-    let (tx, rx) = watch::channel(RouteTable { failed: vec![], term: 0, models: vec![], version: 1, routes: vec![] });
+    let (tx, rx) =
+        watch::channel(RouteTable { unavailable: vec![], term: 0, models: vec![], version: 1, routes: vec![] });
     let head_stop = CancellationToken::new();
     let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let head_addr = format!("http://{}", hl.local_addr()?);
@@ -143,7 +146,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     // Empty table: unknown model.
     wait_status(&http, 404).await?;
     tx.send(RouteTable {
-        failed: vec![],
+        unavailable: vec![],
         term: 0,
         models: vec![],
         version: 2,
@@ -159,7 +162,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
 
     // Only Draining replicas: known model, none ready → queued, 503 once the wait bound passes.
     tx.send(RouteTable {
-        failed: vec![],
+        unavailable: vec![],
         term: 0,
         models: vec![],
         version: 3,
@@ -167,7 +170,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     })?;
     wait_status(&http, 503).await?;
     tx.send(RouteTable {
-        failed: vec![],
+        unavailable: vec![],
         term: 0,
         models: vec![],
         version: 4,
@@ -195,7 +198,7 @@ async fn demand_reports_reach_the_head() -> anyhow::Result<()> {
     let a = MockEngineWorker::new(MockBehavior::default());
     let ea = format!("http://{}", a.clone().spawn(shutdown.clone()).await?);
     let table = RouteTable {
-        failed: vec![],
+        unavailable: vec![],
         term: 0,
         models: vec!["mock".into(), "cold".into()],
         version: 1,
@@ -257,6 +260,86 @@ async fn demand_reports_reach_the_head() -> anyhow::Result<()> {
     assert_eq!(r.status().as_u16(), 503);
     assert!(r.headers().contains_key("retry-after"));
     assert!(sent.elapsed() >= Duration::from_secs(3), "waited the bound");
+    shutdown.cancel();
+    Ok(())
+}
+
+/// A router whose head is down has no route table: every model answer is a retryable 503 /
+/// UNAVAILABLE (an OpenAI SDK gives up on a 404, and an empty `/v1/models` would say that no
+/// model exists), readiness fails, and once the head is up the same requests are served.
+#[tokio::test]
+async fn before_the_first_route_table_requests_get_503_not_404() -> anyhow::Result<()> {
+    use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
+    let shutdown = CancellationToken::new();
+    let a = MockEngineWorker::new(MockBehavior::default());
+    let ea = format!("http://{}", a.clone().spawn(shutdown.clone()).await?);
+    // The head's address, with nothing listening on it yet.
+    let head_addr = tokio::net::TcpListener::bind("127.0.0.1:0").await?.local_addr()?;
+    let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let g = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let (http, grpc) = (format!("http://{}", h.local_addr()?), format!("http://{}", g.local_addr()?));
+    let cfg = RouterConfig { heads: vec![format!("http://{head_addr}")], ..Default::default() };
+    tokio::spawn(prism_router::run(cfg, h, g, shutdown.clone()));
+
+    let client = reqwest::Client::new();
+    let completion = serde_json::json!({"model": "mock", "prompt": "a", "max_tokens": 1});
+    let started = Instant::now();
+    let r = loop {
+        match client.post(format!("{http}/v1/completions")).json(&completion).send().await {
+            Ok(r) => break r,
+            Err(_) if started.elapsed() < Duration::from_secs(10) => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    assert_eq!(r.status().as_u16(), 503);
+    assert!(r.headers().contains_key("retry-after"), "{:?}", r.headers());
+    let body: serde_json::Value = r.json().await?;
+    assert!(body["error"]["message"].is_string(), "an OpenAI error object: {body}");
+    for (method, path) in [("GET", "/v1/models"), ("GET", "/v1/models/mock"), ("POST", "/tokenize")] {
+        let req = client.request(method.parse()?, format!("{http}{path}"));
+        let r = req.json(&serde_json::json!({"model": "mock", "prompt": "a"})).send().await?;
+        assert_eq!(r.status().as_u16(), 503, "{method} {path}");
+        assert!(r.headers().contains_key("retry-after"), "{method} {path}");
+    }
+    for probe in ["/readyz", "/health"] {
+        assert_eq!(client.get(format!("{http}{probe}")).send().await?.status().as_u16(), 503, "{probe}");
+    }
+    let mut c = InferenceServiceClient::connect(grpc.clone()).await?;
+    let generate = GenerateRequest {
+        model: "mock".into(),
+        prompt: Some(generate_request::Prompt::Text("a".into())),
+        sampling: Some(SamplingParams { max_tokens: Some(1), ..Default::default() }),
+        ..Default::default()
+    };
+    let s = c.generate(generate.clone()).await.expect_err("no table: UNAVAILABLE");
+    assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
+    assert!(s.metadata().get("retry-after").is_some(), "{s:?}");
+    let s = c.list_models(ListModelsRequest {}).await.expect_err("no table: UNAVAILABLE, not an empty list");
+    assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
+    assert!(started.elapsed() < Duration::from_secs(10), "answered at once, not after a queue wait");
+
+    // The head comes up: served, listed, ready.
+    let table = RouteTable {
+        unavailable: vec![],
+        term: 0,
+        models: vec!["mock".into()],
+        version: 1,
+        routes: vec![entry("ra", &ea, ReplicaState::Ready)],
+    };
+    let (_tx, rx) = watch::channel(table);
+    let hl = tokio::net::TcpListener::bind(head_addr).await?;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(HeadServiceServer::new(FakeHead(rx, Reports::default())))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(hl), shutdown.clone().cancelled_owned()),
+    );
+    wait_status(&http, 200).await?;
+    assert_eq!(client.get(format!("{http}/readyz")).send().await?.status().as_u16(), 200);
+    let models: serde_json::Value = client.get(format!("{http}/v1/models")).send().await?.json().await?;
+    assert_eq!(models["data"][0]["id"], "mock", "{models}");
+    assert_eq!(c.list_models(ListModelsRequest {}).await?.into_inner().models.len(), 1);
     shutdown.cancel();
     Ok(())
 }

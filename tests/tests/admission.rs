@@ -10,8 +10,10 @@
 //!   `Retry-After` (HTTP) / RESOURCE_EXHAUSTED with `retry-after` (gRPC) for the overflow, and
 //!   everything else completes; no other status, nothing hangs.
 //! - Both routers' `prism_router_queue_depth` return to 0 afterwards.
-//! - Scaled to zero the model stays listed: a request waits in the router's queue, wakes
-//!   the demand reporter, and is served token-exact by the replica that scaling to 1 starts.
+//! - Scaled to zero (`prism scale smollm2 0`, no autoscaling) the model stays listed and a
+//!   request is refused at once (UNAVAILABLE with `retry-after`: no replica will come);
+//!   scaled back to 1, a request waits in the router's queue and is served token-exact by
+//!   the replica that starts.
 //! - A deployment whose replica cannot start (its model file does not exist) is not waited
 //!   for: once the replica is Failed, a request gets 503 at once (HTTP: an OpenAI error body
 //!   naming the failure and its reason, `Retry-After`; gRPC: UNAVAILABLE with `retry-after`).
@@ -215,22 +217,38 @@ async fn run(cluster: &Cluster) -> Result<()> {
         queue_empty(r).await?;
     }
 
-    // (d) Scaled to zero, the model stays listed: a request waits in the queue for the
-    // replica that scaling back up starts, and completes token-exact.
+    // (d) Scaled to zero (no autoscaling: no replica will come), the model stays listed and a
+    // request is refused at once; scaled back up, a request waits in the queue for the
+    // replica that starts, and completes token-exact.
     cluster.cli(&["scale", "smollm2", "0"])?;
-    eventually(Duration::from_secs(30), "no Ready replica listed", || async {
-        Ok((router_ready_replicas(&open.grpc, SERVED).await? == 0).then_some(()))
+    let refused = eventually(Duration::from_secs(30), "a request refused at once at zero", || async {
+        let started = std::time::Instant::now();
+        let s = stream(&open.grpc, greedy_request(PROMPTS[1], MAX_TOKENS, true)).await.err();
+        let s = s.and_then(|e| e.downcast::<tonic::Status>().ok()).context("a gRPC status")?;
+        ensure!(started.elapsed() < Duration::from_secs(3), "answered after {:?}", started.elapsed());
+        Ok((s.code() == tonic::Code::Unavailable && s.metadata().get("retry-after").is_some()).then_some(s))
     })
     .await?;
+    ensure!(router_ready_replicas(&open.grpc, SERVED).await? == 0, "still listed, with no Ready replica");
+    eprintln!("scaled to 0: refused at once: {}", refused.message());
+    cluster.cli(&["scale", "smollm2", "1"])?;
+    let cold = std::time::Instant::now();
     let grpc = open.grpc.clone();
-    let waiting = tokio::spawn(async move { stream(&grpc, greedy_request(PROMPTS[1], MAX_TOKENS, true)).await });
+    let waiting = tokio::spawn(async move {
+        // Sent until the router knows the replica is coming (the head's table after the scale).
+        eventually(HANG, "served after scaling up", || async {
+            match stream(&grpc, greedy_request(PROMPTS[1], MAX_TOKENS, true)).await {
+                Ok(r) => Ok(Some(r)),
+                Err(e) => Err(e),
+            }
+        })
+        .await
+    });
     eventually(Duration::from_secs(10), "the request queued for the cold model", || async {
         let depth = metric_value(&open.metrics().await?, "prism_router_queue_depth{model=\"smollm2\"}");
         Ok((depth == 1.0).then_some(()))
     })
     .await?;
-    let cold = std::time::Instant::now();
-    cluster.cli(&["scale", "smollm2", "1"])?;
     let r = tokio::time::timeout(HANG, waiting).await.context("the queued request hung")???;
     eprintln!("scale from zero: the queued request was served {:?} after scaling up", cold.elapsed());
     ensure!(r.tokens == tokens[1], "tokens after scale-from-zero differ from the reference");

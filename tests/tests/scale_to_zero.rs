@@ -1,7 +1,8 @@
 //! Scale to zero and back on a real local cluster (etcd, head, one worker on the bundled
 //! SmolLM2 GGUF, router), with a deployment autoscaled between 0 and 1 replicas
 //! (downscale after 3 s idle, look-back 2 s):
-//! - after the idle period the deployment has 0 replicas and the model stays listed;
+//! - after the idle period the deployment has 0 replicas, the model stays listed and the
+//!   router stays ready (`/readyz`, `/health`);
 //! - 5 clients that send a request and disconnect during the cold start (no replica Ready yet)
 //!   do not abort it: the replica still becomes Ready, and the router's queue is empty again;
 //! - back at zero, the next request waits in the router's queue while the head starts a
@@ -48,6 +49,12 @@ async fn scale_to_zero_and_back(cluster: &Cluster) -> Result<()> {
     let idle = wait_zero(cluster).await?;
     let models = reqwest::get(format!("{}/v1/models", cluster.http())).await?.text().await?;
     ensure!(models.contains("\"smollm2\""), "the model is no longer listed at zero replicas: {models}");
+    // The router stays ready at zero: a Service that dropped it would never pass it the
+    // request that scales the model up.
+    for probe in ["/readyz", "/health"] {
+        let status = reqwest::get(format!("{}{probe}", cluster.http())).await?.status().as_u16();
+        ensure!(status == 200, "{probe} answers {status} at zero replicas");
+    }
 
     // Five impatient clients: each gives up 50 ms into the cold start (placing and loading
     // the replica takes longer), which the head has begun by then.

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::balance::PowerOfTwoChoices;
-use prism_common::proto::v1::{ReplicaState, RouteEntry, RouteTable};
+use prism_common::proto::v1::{ReplicaState, RouteEntry, RouteTable, UnavailableCause};
 
 const MODEL: &str = "m";
 
@@ -17,7 +17,7 @@ fn routes(limit: u32) -> Routes {
 
 fn table(version: u64, limit: u32) -> RouteTable {
     RouteTable {
-        failed: vec![],
+        unavailable: vec![],
         term: 0,
         version,
         models: vec![MODEL.into(), "cold".into()],
@@ -281,48 +281,77 @@ async fn ejected_replicas_fail_a_new_arrival_at_once() {
     assert_eq!(f.adm.queued(MODEL), 0);
 }
 
-/// The head's table naming `cold` as failed (its replicas cannot start).
-fn failed_table(version: u64) -> RouteTable {
+/// The head's table naming `cold` as unavailable for `cause`.
+fn unavailable_table(version: u64, cause: UnavailableCause) -> RouteTable {
     let mut t = table(version, 1);
-    t.failed.push(prism_common::proto::v1::FailedModel {
+    t.unavailable.push(prism_common::proto::v1::UnavailableModel {
         model: "cold".into(),
         deployment: "cold-dep".into(),
         reason: "model file not found".into(),
+        cause: cause as i32,
     });
     t
 }
 
-/// A model whose replicas all failed to start (none Pending, Starting or Ready) is refused
-/// at once with the failure, never queued: no replica is coming. Requests already waiting
-/// for it (a replica that was Starting, then failed) are answered when the news comes.
+/// A model that no replica is coming to serve (its replicas failed to start, it is scaled to
+/// 0, no node can run one) is refused at once with why, never queued. Requests already
+/// waiting for it (a replica that was Starting, then failed; every worker lost) are answered
+/// when the news comes. Once a replica is on its way again, requests wait for it as before.
 #[tokio::test]
-async fn a_model_whose_replicas_failed_is_refused_at_once_and_its_waiters_answered() {
+async fn a_model_no_replica_is_coming_to_is_refused_at_once_and_its_waiters_answered() {
+    use UnavailableCause::{Failed, NoNode, ScaledToZero, Unspecified};
     let f = fixture(1, AdmissionConfig::default());
-    let waiting = tokio::spawn({
-        let adm = f.adm.clone();
-        async move { adm.admit("cold", hint(10), far()).await.map(|(r, _g)| r.replica_id.clone()) }
-    });
-    queued(&f, "cold", 1).await;
-    f.routes.apply(failed_table(2));
-    let got = tokio::time::timeout(Duration::from_secs(5), waiting).await.expect("answered at once").expect("join");
-    let failure = Arc::new(ModelFailure { deployment: "cold-dep".into(), reason: "model file not found".into() });
-    assert_eq!(got.err(), Some(AdmitError::ReplicasFailed(failure.clone())));
-    assert_eq!(f.adm.queued("cold"), 0);
+    let mut version = 1;
+    // An older head's entry has no cause: its replicas failed.
+    for (sent, read) in [(Failed, Failed), (ScaledToZero, ScaledToZero), (NoNode, NoNode), (Unspecified, Failed)] {
+        let waiting = tokio::spawn({
+            let adm = f.adm.clone();
+            async move { adm.admit("cold", hint(10), far()).await.map(|(r, _g)| r.replica_id.clone()) }
+        });
+        queued(&f, "cold", 1).await;
+        version += 1;
+        f.routes.apply(unavailable_table(version, sent));
+        let got = tokio::time::timeout(Duration::from_secs(5), waiting).await.expect("answered at once").expect("join");
+        let why = Arc::new(ModelUnavailable {
+            deployment: "cold-dep".into(),
+            cause: read,
+            reason: "model file not found".into(),
+        });
+        assert_eq!(got.err(), Some(AdmitError::Unavailable(why.clone())), "{sent:?}");
+        assert_eq!(f.adm.queued("cold"), 0);
 
-    let started = Instant::now();
-    let r = f.adm.admit("cold", hint(10), far()).await;
-    assert_eq!(r.err(), Some(AdmitError::ReplicasFailed(failure)));
-    assert!(started.elapsed() < Duration::from_secs(1), "refused at once, not after the queue wait");
-    assert_eq!(f.adm.queued("cold"), 0);
-    // Other models are not affected.
-    assert!(f.adm.admit(MODEL, hint(1), far()).await.is_ok());
+        let started = Instant::now();
+        let r = f.adm.admit("cold", hint(10), far()).await;
+        assert_eq!(r.err(), Some(AdmitError::Unavailable(why)), "{sent:?}");
+        assert!(started.elapsed() < Duration::from_secs(1), "refused at once, not after the queue wait");
+        assert_eq!(f.adm.queued("cold"), 0);
+        // Other models are not affected.
+        assert!(f.adm.admit(MODEL, hint(1), far()).await.is_ok());
 
-    // A replica on its way again (the deployment was fixed): requests wait for it as before.
-    f.routes.apply(table(3, 1));
+        // A replica on its way again (workers back, the deployment fixed or scaled up).
+        version += 1;
+        f.routes.apply(table(version, 1));
+    }
     let cold = tokio::spawn({
         let adm = f.adm.clone();
         async move { adm.admit("cold", hint(10), far()).await.map(|(r, _g)| r.replica_id.clone()) }
     });
     queued(&f, "cold", 1).await;
     cold.abort();
+}
+
+/// Before the first route table a request is answered at once with NoRouteTable (503, not a
+/// 404 for a model that may well exist); once the table comes the same request is served.
+#[tokio::test]
+async fn before_the_first_table_requests_are_refused_as_unavailable_not_unknown() {
+    let routes = Routes::new(256, Metrics::new());
+    let adm = Admission::new(routes.clone(), Arc::new(PowerOfTwoChoices), Metrics::new(), AdmissionConfig::default());
+    let started = Instant::now();
+    assert_eq!(adm.admit(MODEL, hint(1), far()).await.err(), Some(AdmitError::NoRouteTable));
+    assert_eq!(adm.admit("nope", hint(1), far()).await.err(), Some(AdmitError::NoRouteTable));
+    assert!(started.elapsed() < Duration::from_secs(1));
+    assert_eq!(adm.queued(MODEL), 0);
+    routes.apply(table(1, 1));
+    assert!(adm.admit(MODEL, hint(1), far()).await.is_ok());
+    assert_eq!(adm.admit("nope", hint(1), far()).await.err(), Some(AdmitError::UnknownModel));
 }

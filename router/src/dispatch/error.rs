@@ -1,14 +1,24 @@
 //! Why a request could not be served: [`DispatchError`], mapped to HTTP in
 //! `openai::errors` and to gRPC in `grpc::to_status`.
 
+use prism_common::proto::v1::UnavailableCause;
 use tonic::{Code, Status};
 
 use crate::admission::{AdmitError, Bound};
 
-/// `Retry-After` of [`DispatchError::ReplicasFailed`], seconds: nothing changes until the
-/// deployment does, so a client should not come back at once (the head replaces a replica
-/// that failed after serving about this long after it failed).
-pub const REPLICAS_FAILED_RETRY_AFTER_S: u32 = 10;
+/// `Retry-After` of [`DispatchError::Unavailable`] for a deployment that failed or is scaled
+/// to 0, seconds: nothing changes until someone changes the deployment, so a client should
+/// not come back at once (the head replaces a replica that failed after serving about this
+/// long after it failed).
+pub const UNAVAILABLE_RETRY_AFTER_S: u32 = 10;
+
+/// `Retry-After` of [`DispatchError::Unavailable`] when no node can run a replica, seconds:
+/// workers that come back are used at once.
+pub const NO_NODE_RETRY_AFTER_S: u32 = 5;
+
+/// `Retry-After` of [`DispatchError::NoRouteTable`], seconds (the router retries the head
+/// with a backoff of at most 5 s).
+pub const NO_ROUTE_TABLE_RETRY_AFTER_S: u32 = 2;
 
 /// Why a request could not be served.
 #[derive(Debug, thiserror::Error)]
@@ -46,22 +56,25 @@ pub enum DispatchError {
         /// What happened to it, in words.
         what: &'static str,
     },
-    /// The model's replicas all failed to start and none is on its way (503 with
-    /// `Retry-After`, at once: waiting would be for nothing). `reason` is a failed replica's,
-    /// as its worker reported it (may be empty).
-    #[error(
-        "the replicas of deployment `{deployment}` (model `{model}`) failed to start{}; fix the deployment \
-         (`prism status` shows its replicas) and retry",
-        because(.reason)
-    )]
-    ReplicasFailed {
+    /// No replica of the model is coming (503 with `Retry-After`, at once: waiting would be
+    /// for nothing): its replicas failed to start, it is scaled to 0, or no node can run one.
+    /// `reason` is a failed replica's as its worker reported it, or a Pending one's as the
+    /// placer found it (may be empty).
+    #[error("{}", unavailable_message(model, deployment, *cause, reason))]
+    Unavailable {
         /// Served model name.
         model: String,
         /// The deployment serving it.
         deployment: String,
-        /// Why, in the worker's words.
+        /// Why no replica is coming.
+        cause: UnavailableCause,
+        /// In the worker's or the placer's words.
         reason: String,
     },
+    /// No route table came from the head yet, so whether the model exists is not known (503
+    /// with `Retry-After`, never 404: a client must not give up on a model that exists).
+    #[error("no route table from the head yet; retry after {NO_ROUTE_TABLE_RETRY_AFTER_S} s")]
+    NoRouteTable,
     /// The request's deadline passed (504).
     #[error("the request deadline was exceeded")]
     DeadlineExceeded,
@@ -78,7 +91,9 @@ impl DispatchError {
             Self::NoReplicaInTime { retry_after_s, .. } | Self::Overloaded { retry_after_s, .. } => {
                 Some(*retry_after_s)
             }
-            Self::ReplicasFailed { .. } => Some(REPLICAS_FAILED_RETRY_AFTER_S),
+            Self::Unavailable { cause: UnavailableCause::NoNode, .. } => Some(NO_NODE_RETRY_AFTER_S),
+            Self::Unavailable { .. } => Some(UNAVAILABLE_RETRY_AFTER_S),
+            Self::NoRouteTable => Some(NO_ROUTE_TABLE_RETRY_AFTER_S),
             _ => None,
         }
     }
@@ -100,11 +115,13 @@ impl DispatchError {
                 Self::Overloaded { reason, retry_after_s }
             }
             AdmitError::DeadlineExceeded => Self::DeadlineExceeded,
-            AdmitError::ReplicasFailed(f) => Self::ReplicasFailed {
+            AdmitError::Unavailable(u) => Self::Unavailable {
                 model: model.to_owned(),
-                deployment: f.deployment.clone(),
-                reason: f.reason.clone(),
+                deployment: u.deployment.clone(),
+                cause: u.cause,
+                reason: u.reason.clone(),
             },
+            AdmitError::NoRouteTable => Self::NoRouteTable,
         }
     }
 
@@ -134,6 +151,25 @@ fn because(reason: &str) -> String {
     if reason.is_empty() { String::new() } else { format!(": {reason}") }
 }
 
+/// The message of [`DispatchError::Unavailable`]: what is wrong and what to do.
+fn unavailable_message(model: &str, deployment: &str, cause: UnavailableCause, reason: &str) -> String {
+    let reason = because(reason);
+    match cause {
+        UnavailableCause::ScaledToZero => format!(
+            "deployment `{deployment}` (model `{model}`) is scaled to 0 replicas; scale it up \
+             (`prism scale {deployment} N`) and retry"
+        ),
+        UnavailableCause::NoNode => format!(
+            "no node can run a replica of deployment `{deployment}` (model `{model}`){reason}; retry after \
+             {NO_NODE_RETRY_AFTER_S} s (`prism status` shows the nodes)"
+        ),
+        UnavailableCause::Failed | UnavailableCause::Unspecified => format!(
+            "the replicas of deployment `{deployment}` (model `{model}`) failed to start{reason}; fix the \
+             deployment (`prism status` shows its replicas) and retry"
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,5 +197,33 @@ mod tests {
         assert_eq!(ApiError::from(full).status, StatusCode::TOO_MANY_REQUESTS);
         let late = DispatchError::from_last_failure(Status::deadline_exceeded("late"), "r1");
         assert!(matches!(late, DispatchError::DeadlineExceeded));
+    }
+
+    /// A model no replica is coming to, and a router with no route table yet: 503 /
+    /// UNAVAILABLE with `Retry-After` (never 404, which clients do not retry), by cause.
+    #[test]
+    fn unavailable_models_and_a_missing_route_table_are_retryable_503s() {
+        let error = |cause: Option<UnavailableCause>| match cause {
+            Some(cause) => DispatchError::Unavailable {
+                model: "m".into(),
+                deployment: "d".into(),
+                cause,
+                reason: "needs 1 slots on one node; no schedulable node".into(),
+            },
+            None => DispatchError::from_admit(AdmitError::NoRouteTable, "m"),
+        };
+        for (cause, retry) in [
+            (Some(UnavailableCause::Failed), UNAVAILABLE_RETRY_AFTER_S),
+            (Some(UnavailableCause::ScaledToZero), UNAVAILABLE_RETRY_AFTER_S),
+            (Some(UnavailableCause::NoNode), NO_NODE_RETRY_AFTER_S),
+            (None, NO_ROUTE_TABLE_RETRY_AFTER_S),
+        ] {
+            let grpc = crate::grpc::to_status(error(cause));
+            assert_eq!(grpc.code(), Code::Unavailable, "{cause:?}");
+            let secs = grpc.metadata().get(crate::admission::RETRY_AFTER_METADATA).and_then(|v| v.to_str().ok());
+            assert_eq!(secs, Some(retry.to_string().as_str()), "{cause:?}");
+            let api = ApiError::from(error(cause));
+            assert_eq!((api.status, api.retry_after), (StatusCode::SERVICE_UNAVAILABLE, Some(retry)), "{cause:?}");
+        }
     }
 }

@@ -248,7 +248,7 @@ mod tests {
             ..Default::default()
         };
         routes.apply(RouteTable {
-            failed: vec![],
+            unavailable: vec![],
             term: 0,
             version: 1,
             routes: vec![entry("a"), entry("b"), entry("c")],

@@ -127,7 +127,8 @@ impl From<DispatchError> for ApiError {
             DispatchError::NoReplica(_)
             | DispatchError::NoReplicaInTime { .. }
             | DispatchError::ReplicaLost { .. }
-            | DispatchError::ReplicasFailed { .. } => {
+            | DispatchError::Unavailable { .. }
+            | DispatchError::NoRouteTable => {
                 Self { retry_after, ..Self::new(StatusCode::SERVICE_UNAVAILABLE, message) }
             }
             DispatchError::Overloaded { .. } => {

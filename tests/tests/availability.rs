@@ -1,0 +1,186 @@
+//! What the router answers when no replica can serve a model, on real processes (head with
+//! the embedded store, workers, router):
+//!
+//! - Readiness (`/readyz`, `/health`, `grpc.health.v1`) means "can take requests": with only
+//!   an autoscaled model at zero replicas the router is ready (a request scales it up); with
+//!   nothing deployed, or every model unavailable, it is not.
+//! - A deployment without autoscaling scaled to 0, and one whose replica no node can take
+//!   (its only node cordoned), get a 503 at once (HTTP: OpenAI error saying why, with
+//!   `Retry-After`; gRPC: UNAVAILABLE with `retry-after`), not after the 30 s queue wait;
+//!   once the node is uncordoned the replica is placed and the router learns it.
+//! - An autoscaled model at zero still queues its request (scale from zero).
+//! - Every worker killed (C15): once the head replaced the lost replica by a Pending one that
+//!   no node can take, requests get a fast 503 / UNAVAILABLE naming the reason; when the
+//!   worker comes back the same router serves again, token-exact.
+//!
+//! The first scenario needs no model (its model files do not exist); the second is skipped
+//! when the bundled model is absent unless `PRISM_REQUIRE_MODEL=1`.
+
+use anyhow::{Context, Result, ensure};
+use prism_common::proto::v1::ReplicaState;
+use prism_tests::{Cluster, Deployment, SERVED, Store, eventually, greedy_request, metric_value, model, stream};
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+/// Longest a refusal may take: far below the queue's 30 s wait bound.
+const FAST: Duration = Duration::from_secs(2);
+
+/// A model file that does not exist (no replica of it ever starts).
+const MISSING: &str = "/nonexistent/prism-test/model.gguf";
+
+/// `(status, Retry-After seconds, error message)` of a chat request for `model`, which must
+/// be answered within [`FAST`].
+async fn answer(http: &str, model: &str) -> Result<(u16, Option<u32>, String)> {
+    let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+    let started = Instant::now();
+    let r = reqwest::Client::new()
+        .post(format!("{http}/v1/chat/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await?;
+    let status = r.status().as_u16();
+    let retry = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|s| s.parse().ok());
+    let v: Value = r.json().await?;
+    ensure!(started.elapsed() < FAST, "{model}: answered after {:?}: {v}", started.elapsed());
+    Ok((status, retry, v["error"]["message"].as_str().unwrap_or_default().to_owned()))
+}
+
+/// Polls until a request for `model` is refused at once (503 with `Retry-After`) with a
+/// message containing `why`; returns the message.
+async fn refused(http: &str, model: &str, why: &str) -> Result<String> {
+    eventually(Duration::from_secs(30), &format!("{model} refused at once ({why})"), || async {
+        let (status, retry, message) = answer(http, model).await?;
+        ensure!(status == 404 || status == 503, "{model}: {status} {message}");
+        Ok((status == 503 && message.contains(why)).then_some((retry, message)))
+    })
+    .await
+    .and_then(|(retry, message)| {
+        ensure!(retry.is_some_and(|s| s >= 1), "{model}: Retry-After {retry:?}");
+        Ok(message)
+    })
+}
+
+/// `(/readyz, /health, grpc.health.v1 "")` of the router.
+async fn probes(cluster: &Cluster) -> Result<(u16, u16, i32)> {
+    let get = |p: &str| reqwest::get(format!("{}{p}", cluster.http()));
+    let (readyz, health) = (get("/readyz").await?.status().as_u16(), get("/health").await?.status().as_u16());
+    let channel = tonic::transport::Endpoint::from_shared(cluster.grpc().to_owned())?.connect().await?;
+    let grpc = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await?;
+    Ok((readyz, health, grpc.into_inner().status))
+}
+
+async fn wait_probes(cluster: &Cluster, want: (u16, u16, ServingStatus), what: &str) -> Result<()> {
+    let want = (want.0, want.1, want.2 as i32);
+    eventually(Duration::from_secs(10), what, || async { Ok((probes(cluster).await? == want).then_some(())) }).await
+}
+
+fn missing(name: &str) -> Deployment {
+    Deployment::new(std::path::Path::new(MISSING)).named(name).served_as(name)
+}
+
+async fn without_model(cluster: &mut Cluster) -> Result<()> {
+    let http = cluster.http().to_owned();
+    wait_probes(cluster, (503, 503, ServingStatus::NotServing), "not ready with nothing deployed").await?;
+
+    // Only an autoscaled model at zero: ready, a request would scale it up.
+    let auto = missing("auto").autoscaling(&[("min_replicas", "0"), ("max_replicas", "1")]);
+    cluster.deploy(&auto)?;
+    wait_probes(cluster, (200, 200, ServingStatus::Serving), "ready with a model at zero").await?;
+
+    // Scaled to 0 without autoscaling: refused at once, on HTTP and gRPC.
+    cluster.deploy(&missing("fixed").replicas(0))?;
+    refused(&http, "fixed", "scaled to 0 replicas").await?;
+    let mut req = greedy_request(&[1, 2, 3], 4, false);
+    req.model = "fixed".into();
+    let started = Instant::now();
+    let status = stream(cluster.grpc(), req).await.err().and_then(|e| e.downcast::<tonic::Status>().ok());
+    let status = status.context("a gRPC status")?;
+    ensure!(started.elapsed() < FAST, "gRPC answered after {:?}", started.elapsed());
+    ensure!(status.code() == tonic::Code::Unavailable, "{status:?}");
+    ensure!(status.metadata().get("retry-after").is_some(), "{status:?}");
+
+    // No node can take the replica (its only node cordoned): refused at once with the
+    // placer's reason; uncordoned, the replica is placed (and fails: no such file).
+    cluster.cli(&["cordon", "w1"])?;
+    cluster.deploy(&missing("placed"))?;
+    let message = refused(&http, "placed", "no node can run a replica").await?;
+    ensure!(message.contains("no schedulable node"), "{message}");
+    cluster.cli(&["uncordon", "w1"])?;
+    refused(&http, "placed", "failed to start").await?;
+    wait_probes(cluster, (200, 200, ServingStatus::Serving), "still ready: auto can come").await?;
+
+    // The autoscaled model at zero queues its request instead (scale from zero).
+    let waiting = tokio::spawn(async move { answer(&http, "auto").await });
+    eventually(Duration::from_secs(10), "the request for auto queued", || async {
+        let m = cluster.routers[0].metrics().await?;
+        Ok((metric_value(&m, "prism_router_queue_depth{model=\"auto\"}") == 1.0).then_some(()))
+    })
+    .await?;
+    waiting.abort();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_and_fast_refusals_follow_whether_a_replica_can_come() -> Result<()> {
+    let mut cluster = Cluster::builder().store(Store::Embedded).workers(1).routers(1).start().await?;
+    let res = without_model(&mut cluster).await;
+    cluster.with_logs(res)
+}
+
+async fn workers_lost_and_back(cluster: &mut Cluster) -> Result<()> {
+    let reference = stream(cluster.grpc(), greedy_request(&[1, 2, 3], 8, true)).await?.tokens;
+    cluster.worker_mut("w1")?.process.kill();
+    let lost = Instant::now();
+    eventually(Duration::from_secs(30), "the lost replica replaced by a Pending one", || async {
+        let st = cluster.status().await?;
+        let pending = st.replicas.iter().all(|r| r.state == ReplicaState::Pending as i32);
+        Ok((pending && !st.replicas.is_empty()).then_some(()))
+    })
+    .await?;
+    let message = refused(cluster.http(), SERVED, "no node can run a replica").await?;
+    eprintln!("every worker lost: fast 503 {:?} after the kill: {message}", lost.elapsed());
+    for _ in 0..5 {
+        let (status, retry, _) = answer(cluster.http(), SERVED).await?;
+        ensure!(status == 503 && retry.is_some(), "{status} {retry:?}");
+        let started = Instant::now();
+        let s = stream(cluster.grpc(), greedy_request(&[1, 2, 3], 8, true)).await.err();
+        let s = s.and_then(|e| e.downcast::<tonic::Status>().ok()).context("a gRPC status")?;
+        ensure!(started.elapsed() < FAST && s.code() == tonic::Code::Unavailable, "{s:?} {:?}", started.elapsed());
+        ensure!(s.metadata().get("retry-after").is_some(), "{s:?}");
+    }
+
+    // The worker comes back: the same router serves again (requests sent while the replica
+    // loads wait for it).
+    cluster.restart_worker("w1")?;
+    let back = Instant::now();
+    let served = eventually(Duration::from_secs(240), "served again", || async {
+        match stream(cluster.grpc(), greedy_request(&[1, 2, 3], 8, true)).await {
+            Ok(r) => Ok(Some(r.tokens)),
+            Err(e) => Err(e),
+        }
+    })
+    .await?;
+    ensure!(served == reference, "tokens after the outage {served:?} differ from {reference:?}");
+    eprintln!("worker back: served again {:?} after its restart", back.elapsed());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_worker_lost_is_a_fast_503_and_the_router_serves_again_when_one_returns() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let mut cluster = Cluster::builder()
+        .store(Store::Embedded)
+        .head_args(&["--worker-timeout", "2s"])
+        .workers(1)
+        .worker_args(&["--kv-cache-bytes", "67108864"])
+        .routers(1)
+        .deploy(Deployment::new(&model))
+        .start()
+        .await?;
+    let res = workers_lost_and_back(&mut cluster).await;
+    cluster.with_logs(res)
+}
