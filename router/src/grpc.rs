@@ -23,7 +23,7 @@ use tonic::{Request, Response, Status};
 use crate::auth::{ApiKeys, Caller};
 use crate::dispatch::{DispatchError, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
-use crate::tokenize::{Echo, EchoError, TokenizeError, TokenizeInput, detokenize, echo_of, tokenize};
+use crate::tokenize::{Echo, EchoError, TokenizeError, TokenizeInput, TokenizeOptions, detokenize, echo_of, tokenize};
 use crate::tools::parse::{Piece, ToolParser};
 use crate::tools::{ParserChoice, ParserKind};
 use prism_engine::ChatMessage;
@@ -283,8 +283,13 @@ impl InferenceService for InferenceApi {
         };
         let mc = self.codecs.get(&r.model).await.map_err(to_status)?;
         let codec = mc.codec;
-        let (special, generation, strs) = (r.add_special_tokens, r.add_generation_prompt, r.return_token_strs);
-        let t = tokio::task::spawn_blocking(move || tokenize(&codec, &input, special, generation, strs))
+        let opts = TokenizeOptions {
+            template_kwargs: Some(r.chat_template_kwargs_json).filter(|k| !k.is_empty()),
+            add_special_tokens: r.add_special_tokens,
+            add_generation_prompt: r.add_generation_prompt,
+            return_token_strs: r.return_token_strs,
+        };
+        let t = tokio::task::spawn_blocking(move || tokenize(&codec, &input, &opts))
             .await
             .map_err(|e| Status::internal(format!("tokenizer task failed: {e}")))?
             .map_err(tokenize_status)?;

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
 use prism_common::proto::v1::{GenerateRequest, generate_request};
-use prism_engine::codec::PromptCodec;
+use prism_engine::codec::{ChatVars, PromptCodec};
 use prism_engine::kv_cache::prefix_hash::block_hashes;
 use prism_engine::{ChatMessage, Prompt, ToolCall};
 
@@ -159,7 +159,7 @@ fn engine_prompt(p: &generate_request::Prompt) -> Prompt {
 /// Token ids and hashes of `prompt` under each codec of `codecs` (distinct fingerprints are
 /// tokenized once). A codec that fails on the prompt (a chat its template rejects) is left
 /// out: the replica reports the error itself.
-fn keys_blocking(prompt: &Prompt, tools: Option<&str>, salt: Option<&str>, codecs: &[Arc<ReplicaCodec>]) -> PrefixKeys {
+fn keys_blocking(prompt: &Prompt, vars: ChatVars<'_>, salt: Option<&str>, codecs: &[Arc<ReplicaCodec>]) -> PrefixKeys {
     let mut per_codec: Vec<CodecKeys> = Vec::new();
     let mut failed: Vec<u64> = Vec::new();
     for c in codecs {
@@ -168,7 +168,7 @@ fn keys_blocking(prompt: &Prompt, tools: Option<&str>, salt: Option<&str>, codec
         }
         let ids = match per_codec.iter().find(|k| k.key.fingerprint == c.key.fingerprint) {
             Some(k) => k.ids.clone(),
-            None => match c.codec.prompt_ids_with_tools(prompt, tools) {
+            None => match c.codec.prompt_ids_with_vars(prompt, vars) {
                 Ok(ids) => ids,
                 Err(e) => {
                     tracing::debug!(error = %e, "prompt not tokenized for routing; by load alone");
@@ -192,14 +192,20 @@ pub async fn prompt_keys(req: &GenerateRequest, codecs: Vec<Arc<ReplicaCodec>>) 
     }
     let prompt = engine_prompt(req.prompt.as_ref()?);
     let salt = req.cache_salt.clone();
-    // The tools the worker renders into a chat prompt (`EngineRequest::tools`).
+    // The tools and template variables the worker renders into a chat prompt
+    // (`EngineRequest::tools`, `chat_template_kwargs`): the ids forwarded to a replica
+    // (`ids_for`) replace its own tokenization, so they must be rendered with both.
     let tools = Some(req.tools_json.clone()).filter(|t| !t.is_empty());
+    let kwargs = Some(req.chat_template_kwargs_json.clone()).filter(|k| !k.is_empty());
     if matches!(prompt, Prompt::TokenIds(_)) {
-        return Some(Arc::new(keys_blocking(&prompt, None, salt.as_deref(), &codecs)));
+        return Some(Arc::new(keys_blocking(&prompt, ChatVars::default(), salt.as_deref(), &codecs)));
     }
-    let keys = tokio::task::spawn_blocking(move || keys_blocking(&prompt, tools.as_deref(), salt.as_deref(), &codecs))
-        .await
-        .ok()?;
+    let keys = tokio::task::spawn_blocking(move || {
+        let vars = ChatVars { tools: tools.as_deref(), template_kwargs: kwargs.as_deref() };
+        keys_blocking(&prompt, vars, salt.as_deref(), &codecs)
+    })
+    .await
+    .ok()?;
     Some(Arc::new(keys))
 }
 

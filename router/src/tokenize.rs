@@ -105,6 +105,20 @@ pub enum TokenizeInput {
     Chat(Vec<ChatMessage>),
 }
 
+/// How to tokenize (vLLM's `/tokenize` fields).
+#[derive(Debug, Clone, Default)]
+pub struct TokenizeOptions {
+    /// Chat: `chat_template_kwargs` as JSON object text, extra template variables (`None` =
+    /// none; refused with a text input).
+    pub template_kwargs: Option<String>,
+    /// Text: add BOS when the model does (unset = true); chat: unset = false.
+    pub add_special_tokens: Option<bool>,
+    /// Chat: append the assistant turn header (unset = true; only true is supported).
+    pub add_generation_prompt: Option<bool>,
+    /// Also return each token's vocabulary string.
+    pub return_token_strs: bool,
+}
+
 /// `/tokenize`'s answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tokenized {
@@ -140,18 +154,21 @@ impl From<EngineError> for TokenizeError {
 ///
 /// # Errors
 /// [`TokenizeError::Invalid`]: `messages` empty or with an unknown role, or rejected by the
-/// template; `add_generation_prompt: false`.
+/// template; `add_generation_prompt: false`; `chat_template_kwargs` with a text input, not a
+/// JSON object, or naming a standard template variable.
 pub fn tokenize(
     codec: &PromptCodec,
     input: &TokenizeInput,
-    add_special_tokens: Option<bool>,
-    add_generation_prompt: Option<bool>,
-    return_token_strs: bool,
+    opts: &TokenizeOptions,
 ) -> Result<Tokenized, TokenizeError> {
+    let add_special_tokens = opts.add_special_tokens;
     let tokens = match input {
+        TokenizeInput::Text(_) if opts.template_kwargs.is_some() => {
+            return Err(invalid("chat_template_kwargs", "chat_template_kwargs applies to chat messages only"));
+        }
         TokenizeInput::Text(t) => codec.encode_text(t, add_special_tokens.unwrap_or(true))?,
         TokenizeInput::Chat(messages) => {
-            if add_generation_prompt == Some(false) {
+            if opts.add_generation_prompt == Some(false) {
                 return Err(invalid("add_generation_prompt", "add_generation_prompt: false is not supported"));
             }
             if messages.is_empty() {
@@ -163,10 +180,10 @@ pub fn tokenize(
                     format!("messages[{i}].role must be one of {}", CHAT_ROLES.join(", ")),
                 ));
             }
-            codec.encode_messages(messages, add_special_tokens.unwrap_or(false))?
+            codec.encode_messages(messages, opts.template_kwargs.as_deref(), add_special_tokens.unwrap_or(false))?
         }
     };
-    let token_strs = return_token_strs.then(|| tokens.iter().map(|&t| codec.token_str(t)).collect());
+    let token_strs = opts.return_token_strs.then(|| tokens.iter().map(|&t| codec.token_str(t)).collect());
     Ok(Tokenized { tokens, token_strs })
 }
 

@@ -1,7 +1,7 @@
 //! Checks every `GenerateRequest` gets in the router, whichever API it came through (the
 //! OpenAI HTTP API converts first, then calls [`check_request`]; gRPC calls it directly), so
 //! a limit lives in one place: `n`, `logprobs`, `max_tokens`, chat roles and messages,
-//! `cache_salt`, `echo`, `logit_bias` values, `min_tokens`.
+//! `cache_salt`, `echo`, `logit_bias` values, `min_tokens`, `chat_template_kwargs`.
 
 use prism_common::proto::v1::{GenerateRequest, generate_request};
 
@@ -37,7 +37,9 @@ fn invalid(param: &'static str, message: impl Into<String>) -> Invalid {
 /// `1..=MAX_N`, `logprobs` over [`MAX_LOGPROBS`], `max_tokens` < 1 (0 is allowed with
 /// `echo`: the prompt alone), an empty chat, a chat message with an empty or unknown role, a
 /// `cache_salt` that is empty or longer than [`MAX_CACHE_SALT_BYTES`], `echo` on a chat
-/// prompt, a `logit_bias` value outside [-100, 100], `min_tokens` over `max_tokens`.
+/// prompt, a `logit_bias` value outside [-100, 100], `min_tokens` over `max_tokens`,
+/// `chat_template_kwargs_json` on a prompt that is not chat, not a JSON object, or naming a
+/// standard template variable.
 pub fn check_request(req: &GenerateRequest) -> Result<(), Invalid> {
     if req.model.is_empty() {
         return Err(invalid("model", "model must not be empty"));
@@ -64,6 +66,20 @@ pub fn check_request(req: &GenerateRequest) -> Result<(), Invalid> {
             }
         }
         Some(_) => {}
+    }
+    if !req.chat_template_kwargs_json.is_empty() {
+        if !matches!(req.prompt, Some(generate_request::Prompt::Chat(_))) {
+            return Err(invalid("chat_template_kwargs", "chat_template_kwargs applies to chat prompts only"));
+        }
+        // The engine's own rule (a JSON object naming no standard variable), so the router
+        // refuses exactly what a replica would.
+        if let Err(e) = prism_engine::model::chat_template::parse_template_kwargs(&req.chat_template_kwargs_json) {
+            let message = match e {
+                prism_engine::EngineError::InvalidRequest { message, .. } => message,
+                e => e.to_string(),
+            };
+            return Err(invalid("chat_template_kwargs", message));
+        }
     }
     if req.echo && matches!(req.prompt, Some(generate_request::Prompt::Chat(_))) {
         return Err(invalid("echo", "echo is supported on completion prompts (text or token ids) only"));
@@ -137,6 +153,26 @@ mod tests {
         assert_eq!(check_request(&r).map_err(|e| e.param), Err("n"));
         r.sampling = Some(SamplingParams { n: Some(0), ..Default::default() });
         assert_eq!(check_request(&r).map_err(|e| e.param), Err("n"));
+    }
+
+    /// The gRPC API's `chat_template_kwargs_json`: a JSON object on a chat prompt, naming no
+    /// standard template variable.
+    #[test]
+    fn chat_template_kwargs_json_is_an_object_on_chat_only() {
+        let with = |mut r: GenerateRequest, k: &str| {
+            r.chat_template_kwargs_json = k.into();
+            check_request(&r).map_err(|e| e.param)
+        };
+        assert_eq!(with(chat(&["user"]), r#"{"enable_thinking": false}"#), Ok(()));
+        for bad in ["[]", "false", "{", r#"{"tools": []}"#, r#"{"eos_token": ""}"#] {
+            assert_eq!(with(chat(&["user"]), bad), Err("chat_template_kwargs"), "{bad}");
+        }
+        let text = GenerateRequest {
+            model: "m".into(),
+            prompt: Some(generate_request::Prompt::Text("hi".into())),
+            ..Default::default()
+        };
+        assert_eq!(with(text, r#"{"enable_thinking": false}"#), Err("chat_template_kwargs"));
     }
 
     #[test]

@@ -619,6 +619,11 @@ async fn unsupported_openai_params_are_400_naming_the_field() -> anyhow::Result<
         ("/v1/chat/completions", chat(json!({"echo": true})), "echo"),
         ("/v1/chat/completions", chat(json!({"add_generation_prompt": false})), "add_generation_prompt"),
         ("/v1/chat/completions", chat(json!({"continue_final_message": true})), "continue_final_message"),
+        // chat_template_kwargs: a JSON object naming no standard template variable.
+        ("/v1/chat/completions", chat(json!({"chat_template_kwargs": "enable_thinking"})), "chat_template_kwargs"),
+        ("/v1/chat/completions", chat(json!({"chat_template_kwargs": [1]})), "chat_template_kwargs"),
+        ("/v1/chat/completions", chat(json!({"chat_template_kwargs": {"messages": []}})), "chat_template_kwargs"),
+        ("/v1/chat/completions", chat(json!({"chat_template": "{{ messages }}"})), "chat_template"),
         ("/v1/completions", cmpl(json!({"min_tokens": 5})), "min_tokens"),
         ("/v1/completions", cmpl(json!({"min_tokens": -1})), "min_tokens"),
         ("/v1/completions", cmpl(json!({"include_stop_str_in_output": "yes"})), "include_stop_str_in_output"),
@@ -647,11 +652,16 @@ async fn unsupported_openai_params_are_400_naming_the_field() -> anyhow::Result<
         chat(json!({"tool_choice": "none", "tools": [], "response_format": {"type": "text"}, "logit_bias": {},
                     "best_of": 1, "min_tokens": 0, "include_stop_str_in_output": false, "add_generation_prompt": true})),
         chat(json!({"n": 16, "max_tokens": 1, "cache_salt": "x".repeat(256)})),
+        // Qwen3's switch (vLLM passes kwargs into the template's render context).
+        chat(json!({"max_tokens": 1, "chat_template_kwargs": {"enable_thinking": false}, "chat_template": null})),
     ] {
         let (s, v) = post(&c, "/v1/chat/completions", body).await?;
         assert_eq!(s, 200, "{v}");
     }
-    assert_eq!(c.mocks[0].stats.requests.load(Ordering::Relaxed), 2, "rejected requests never reach a worker");
+    assert_eq!(c.mocks[0].stats.requests.load(Ordering::Relaxed), 3, "rejected requests never reach a worker");
+    let last = c.mocks[0].stats.last_request.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone();
+    let kwargs = last.and_then(|w| w.request).map(|r| r.chat_template_kwargs_json).unwrap_or_default();
+    assert_eq!(serde_json::from_str::<Value>(&kwargs)?, json!({"enable_thinking": false}), "carried to the worker");
     Ok(())
 }
 

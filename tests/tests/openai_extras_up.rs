@@ -4,7 +4,8 @@
 //!
 //! - `/tokenize` (text and chat) and `/detokenize` over HTTP and gRPC give exactly the ids and
 //!   text of the engine's own codec; unknown model → 404, an id outside the vocabulary → 400
-//!   `tokens`, no key → 401;
+//!   `tokens`, no key → 401; `chat_template_kwargs` is accepted on `/tokenize` and chat
+//!   completions, one naming a standard template variable → 400;
 //! - `echo` on `/v1/completions` (text and token-id prompts, streamed and not, with logprobs,
 //!   with `max_tokens: 0`) and `GenerateRequest.echo` on gRPC: the prompt's text precedes the
 //!   greedy output that the same request without echo returns;
@@ -117,6 +118,21 @@ async fn tokenize_routes(api: &Api, codec: &ModelCodec, grpc: &str) -> Result<()
         .post("/v1/chat/completions", &json!({"model": MODEL, "messages": body["messages"], "max_tokens": 1}))
         .await?;
     assert_eq!(usage["usage"]["prompt_tokens"], chat_ids.len(), "the count a chat request reports");
+    // chat_template_kwargs reach the template as extra variables; SmolLM2's reads none of them,
+    // so the prompt is unchanged. One naming a standard variable is refused.
+    let kwargs = json!({"enable_thinking": false});
+    let with_kwargs = json!({"model": MODEL, "messages": body["messages"], "chat_template_kwargs": kwargs});
+    assert_eq!(api.ok("/tokenize", &with_kwargs).await?["tokens"], json!(chat_ids));
+    let v = api
+        .ok(
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": body["messages"], "max_tokens": 1,
+                                            "chat_template_kwargs": kwargs}),
+        )
+        .await?;
+    assert_eq!(v["usage"]["prompt_tokens"], chat_ids.len(), "{v}");
+    let forged = json!({"model": MODEL, "messages": body["messages"], "chat_template_kwargs": {"eos_token": "x"}});
+    api.refused("/tokenize", &forged, 400, "chat_template_kwargs").await?;
     // Detokenize: the text back, special tokens' text kept.
     let v = api.ok("/detokenize", &json!({"model": MODEL, "tokens": ids})).await?;
     assert_eq!(v["prompt"], codec.tokenizer.decode(&ids, false));

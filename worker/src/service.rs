@@ -147,6 +147,7 @@ pub fn engine_request_from_proto(
         deadline,
         cache_salt: req.cache_salt,
         tools: Some(req.tools_json).filter(|t| !t.is_empty()),
+        chat_template_kwargs: Some(req.chat_template_kwargs_json).filter(|k| !k.is_empty()),
     })
 }
 

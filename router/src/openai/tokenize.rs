@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 
 use super::errors::ApiError;
 use super::types::ChatMessageIn;
-use crate::tokenize::{ModelCodecs, TokenizeError, TokenizeInput, detokenize, tokenize};
+use crate::tokenize::{ModelCodecs, TokenizeError, TokenizeInput, TokenizeOptions, detokenize, tokenize};
 
 /// `POST /tokenize` body.
 #[derive(Debug, Deserialize)]
@@ -35,7 +35,7 @@ pub struct TokenizeBody {
     pub return_token_strs: Option<bool>,
     /// vLLM: a request chat template (refused, as on chat completions).
     pub chat_template: Option<Value>,
-    /// vLLM: extra template variables (only absent, `null` or `{}`).
+    /// vLLM: extra chat template variables (a JSON object; with `messages` only).
     pub chat_template_kwargs: Option<Value>,
 }
 
@@ -57,9 +57,10 @@ impl From<TokenizeError> for ApiError {
     }
 }
 
-fn input_of(b: &TokenizeBody) -> Result<TokenizeInput, ApiError> {
-    super::types::check_template_fields(b.chat_template.as_ref(), b.chat_template_kwargs.as_ref())?;
-    match (&b.prompt, &b.messages) {
+/// The input to tokenize and its `chat_template_kwargs` JSON text (`None` when not given).
+fn input_of(b: &TokenizeBody) -> Result<(TokenizeInput, Option<String>), ApiError> {
+    let kwargs = super::types::template_fields(b.chat_template.as_ref(), b.chat_template_kwargs.as_ref())?;
+    let input = match (&b.prompt, &b.messages) {
         (Some(p), None) => Ok(TokenizeInput::Text(p.clone())),
         (None, Some(ms)) => {
             let mut out = Vec::with_capacity(ms.len());
@@ -70,7 +71,8 @@ fn input_of(b: &TokenizeBody) -> Result<TokenizeInput, ApiError> {
         }
         (Some(_), Some(_)) => Err(ApiError::invalid("prompt", "give either prompt or messages, not both")),
         (None, None) => Err(ApiError::invalid("prompt", "prompt or messages is required")),
-    }
+    }?;
+    Ok((input, Some(kwargs).filter(|k| !k.is_empty())))
 }
 
 /// Runs `f` on the blocking pool (a long prompt takes milliseconds to tokenize).
@@ -88,12 +90,16 @@ async fn blocking<T: Send + 'static>(
 /// # Errors
 /// 404 `model`, 503 without a Ready replica or codec, 400 naming the field.
 pub async fn tokenize_answer(codecs: &ModelCodecs, b: TokenizeBody) -> Result<Value, ApiError> {
-    let input = input_of(&b)?;
+    let (input, kwargs) = input_of(&b)?;
     let mc = codecs.get(&b.model).await?;
-    let (special, generation, strs) =
-        (b.add_special_tokens, b.add_generation_prompt, b.return_token_strs == Some(true));
+    let opts = TokenizeOptions {
+        template_kwargs: kwargs,
+        add_special_tokens: b.add_special_tokens,
+        add_generation_prompt: b.add_generation_prompt,
+        return_token_strs: b.return_token_strs == Some(true),
+    };
     let codec = mc.codec;
-    let t = blocking(move || tokenize(&codec, &input, special, generation, strs)).await?;
+    let t = blocking(move || tokenize(&codec, &input, &opts)).await?;
     let mut v = json!({"count": t.tokens.len(), "max_model_len": mc.max_model_len, "tokens": t.tokens});
     if let Some(s) = t.token_strs {
         v["token_strs"] = json!(s);

@@ -288,21 +288,26 @@ pub struct ChatRequest {
     pub add_generation_prompt: Option<bool>,
     /// vLLM: continue the final assistant message (unsupported when true).
     pub continue_final_message: Option<bool>,
-    /// vLLM: a chat template for this request (refused: [`check_template_fields`]).
+    /// vLLM: a chat template for this request (refused: [`template_fields`]).
     pub chat_template: Option<Value>,
-    /// vLLM: extra variables for the chat template (only absent, `null` or `{}`).
+    /// vLLM: extra variables for the chat template (a JSON object: [`template_fields`]).
     pub chat_template_kwargs: Option<Value>,
 }
 
-/// Refuses a request-supplied chat template and template variables, which Prism does not
-/// apply: the model's own template renders every chat prompt. vLLM refuses `chat_template`
-/// too unless the server trusts request templates (`--trust-request-chat-template`, off by
-/// default); silently ignoring either would render another prompt than the client asked for.
+/// Refuses a request-supplied chat template, which Prism does not apply: the model's own
+/// template renders every chat prompt. vLLM refuses `chat_template` too unless the server
+/// trusts request templates (`--trust-request-chat-template`, off by default); silently
+/// ignoring it would render another prompt than the client asked for.
+///
+/// `chat_template_kwargs` (vLLM's extra template variables, e.g. `{"enable_thinking":
+/// false}`) becomes the proto's `chat_template_kwargs_json`: `""` for absent, `null` or `{}`,
+/// else the object's JSON text. Entry names are checked with the rest of the request
+/// (`validate::check_request`).
 ///
 /// # Errors
 /// 400 (`chat_template`) for any value but `null`; 400 (`chat_template_kwargs`) for anything
-/// but `null` or an empty object.
-pub fn check_template_fields(chat_template: Option<&Value>, kwargs: Option<&Value>) -> Result<(), ApiError> {
+/// but `null` or a JSON object.
+pub fn template_fields(chat_template: Option<&Value>, kwargs: Option<&Value>) -> Result<String, ApiError> {
     if chat_template.is_some_and(|t| !t.is_null()) {
         return Err(ApiError::invalid(
             "chat_template",
@@ -311,12 +316,10 @@ pub fn check_template_fields(chat_template: Option<&Value>, kwargs: Option<&Valu
         ));
     }
     match kwargs {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::Object(m)) if m.is_empty() => Ok(()),
-        Some(_) => Err(ApiError::invalid(
-            "chat_template_kwargs",
-            "chat_template_kwargs is not supported: the chat template is rendered with its standard variables only",
-        )),
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::Object(m)) if m.is_empty() => Ok(String::new()),
+        Some(v @ Value::Object(_)) => Ok(v.to_string()),
+        Some(_) => Err(ApiError::invalid("chat_template_kwargs", "chat_template_kwargs must be a JSON object")),
     }
 }
 
@@ -616,7 +619,8 @@ impl ChatRequest {
         if self.continue_final_message == Some(true) {
             return Err(ApiError::invalid("continue_final_message", "continue_final_message is not supported"));
         }
-        check_template_fields(self.chat_template.as_ref(), self.chat_template_kwargs.as_ref())?;
+        let chat_template_kwargs_json =
+            template_fields(self.chat_template.as_ref(), self.chat_template_kwargs.as_ref())?;
         if self.top_logprobs.is_some() && self.logprobs != Some(true) {
             return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true"));
         }
@@ -636,6 +640,7 @@ impl ChatRequest {
             tools_json,
             tool_choice,
             parallel_tool_calls: self.sampling.parallel_tool_calls,
+            chat_template_kwargs_json,
             ..Default::default()
         };
         check_request(&req)?;

@@ -77,23 +77,44 @@ fn tool_messages_need_no_tool_call_id() {
     assert_eq!((m.tool_call_id, m.content.as_str()), (None, "sunny"));
 }
 
-/// A request-supplied chat template is refused by name (vLLM's default), as are template
-/// variables; `null` and `{}` are nothing asked and pass.
+/// A request-supplied chat template is refused by name (vLLM's default); `null` is nothing
+/// asked and passes.
 #[test]
 fn request_chat_templates_are_refused() {
-    for (extra, param) in [
-        (serde_json::json!({"chat_template": "{{ messages }}"}), "chat_template"),
-        (serde_json::json!({"chat_template": ""}), "chat_template"),
-        (serde_json::json!({"chat_template_kwargs": {"enable_thinking": false}}), "chat_template_kwargs"),
-        (serde_json::json!({"chat_template_kwargs": "x"}), "chat_template_kwargs"),
-    ] {
+    for extra in [serde_json::json!({"chat_template": "{{ messages }}"}), serde_json::json!({"chat_template": ""})] {
         let e = chat(extra.clone()).expect_err("refused");
-        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some(param)), "{extra}");
+        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("chat_template")), "{extra}");
     }
     let e = chat(serde_json::json!({"chat_template": "x"})).expect_err("refused");
     assert!(e.message.contains("not accepted"), "{}", e.message);
-    chat(serde_json::json!({"chat_template": null, "chat_template_kwargs": {}})).expect("nothing asked");
-    chat(serde_json::json!({"chat_template_kwargs": null})).expect("nothing asked");
+    chat(serde_json::json!({"chat_template": null})).expect("nothing asked");
+}
+
+/// `chat_template_kwargs` (vLLM): a JSON object is carried to the engine as its JSON text
+/// (`null` and `{}` as nothing); anything else, or an entry named after a standard template
+/// variable, is a 400 naming the field.
+#[test]
+fn chat_template_kwargs_are_carried_or_refused() {
+    let kwargs = |r: GenerateRequest| r.chat_template_kwargs_json;
+    let r = chat(serde_json::json!({"chat_template_kwargs": {"enable_thinking": false}})).expect("object");
+    let sent: serde_json::Value = serde_json::from_str(&kwargs(r)).expect("JSON text");
+    assert_eq!(sent, serde_json::json!({"enable_thinking": false}));
+    for nothing in [serde_json::json!(null), serde_json::json!({})] {
+        assert_eq!(kwargs(chat(serde_json::json!({"chat_template_kwargs": nothing})).expect("nothing")), "");
+    }
+    assert_eq!(kwargs(chat(serde_json::json!({})).expect("absent")), "");
+    for bad in [
+        serde_json::json!("enable_thinking=false"),
+        serde_json::json!([{"enable_thinking": false}]),
+        serde_json::json!(false),
+        serde_json::json!(1),
+        serde_json::json!({"add_generation_prompt": false}),
+        serde_json::json!({"messages": []}),
+        serde_json::json!({"bos_token": "x", "enable_thinking": false}),
+    ] {
+        let e = chat(serde_json::json!({"chat_template_kwargs": bad.clone()})).expect_err("refused");
+        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("chat_template_kwargs")), "{bad}");
+    }
 }
 
 #[test]

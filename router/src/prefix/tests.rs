@@ -117,7 +117,7 @@ fn real_tokenizer_matches_the_engine_and_is_fast() {
     for _ in 0..rounds {
         let k = keys_blocking(
             &prompt,
-            None,
+            ChatVars::default(),
             None,
             &[Arc::new(ReplicaCodec {
                 key: HashKey { fingerprint: 1, block_size: 16, namespace: 0 },

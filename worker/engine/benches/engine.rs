@@ -41,6 +41,7 @@ fn request(prompt: Vec<u32>, max_tokens: i64) -> EngineRequest {
         deadline: None,
         cache_salt: None,
         tools: None,
+        chat_template_kwargs: None,
     }
 }
 

@@ -138,6 +138,7 @@ mod parity {
             deadline: None,
             cache_salt: None,
             tools: None,
+            chat_template_kwargs: None,
         }
     }
 

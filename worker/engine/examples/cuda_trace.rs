@@ -627,6 +627,7 @@ mod trace {
                 deadline: None,
                 cache_salt: None,
                 tools: None,
+                chat_template_kwargs: None,
             };
             let stream = engine.submit(req).with_context(|| format!("submit request {i}"))?;
             tasks.push(runtime.spawn(drain(stream, records[i].clone())));

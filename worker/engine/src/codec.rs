@@ -18,6 +18,8 @@ mod chat;
 mod chat_tests;
 mod tokens;
 
+pub use chat::ChatVars;
+
 use super::kv_cache::prefix_hash;
 use super::model::tokenizer::{LazyPlainText, encode_with};
 use super::model::{ChatTemplate, ModelError, Tokenizer, TokenizerExport};
@@ -73,6 +75,27 @@ pub trait TextCodec: Send + Sync {
             Some(_) => Err(EngineError::InvalidRequest {
                 field: "tools",
                 message: "this model's codec does not render tools".to_owned(),
+            }),
+        }
+    }
+    /// [`TextCodec::encode_chat_with_tools`] with the request's `chat_template_kwargs` too
+    /// ([`ChatVars`]). The default (codecs without templates) accepts no kwargs.
+    ///
+    /// # Errors
+    /// What `encode_chat_with_tools` returns; [`EngineError::InvalidRequest`] (field
+    /// `chat_template_kwargs`) for kwargs this codec cannot render or that are refused
+    /// ([`crate::model::chat_template::parse_template_kwargs`]).
+    fn encode_chat_with_vars(
+        &self,
+        messages: &[ChatMessage],
+        vars: ChatVars<'_>,
+        content_special_tokens: bool,
+    ) -> Result<Vec<u32>, EngineError> {
+        match vars.template_kwargs {
+            None => self.encode_chat_with_tools(messages, vars.tools, content_special_tokens),
+            Some(_) => Err(EngineError::InvalidRequest {
+                field: "chat_template_kwargs",
+                message: "this model's codec does not render chat template variables".to_owned(),
             }),
         }
     }
@@ -206,12 +229,22 @@ impl PromptCodec {
     /// # Errors
     /// As [`PromptCodec::prompt_ids`]; (field `tools`) for tools that are not a JSON array.
     pub fn prompt_ids_with_tools(&self, prompt: &Prompt, tools: Option<&str>) -> Result<Vec<u32>, EngineError> {
+        self.prompt_ids_with_vars(prompt, ChatVars { tools, template_kwargs: None })
+    }
+
+    /// [`PromptCodec::prompt_ids`] of a chat request with its tools and
+    /// `chat_template_kwargs` ([`ChatVars`]), as the replica's engine computes them.
+    ///
+    /// # Errors
+    /// As [`PromptCodec::prompt_ids_with_tools`]; (field `chat_template_kwargs`) for kwargs
+    /// that are refused.
+    pub fn prompt_ids_with_vars(&self, prompt: &Prompt, vars: ChatVars<'_>) -> Result<Vec<u32>, EngineError> {
         prompt_ids_with(
             prompt,
             |t, special| encode_with(&self.tokenizer, self.add_bos, self.bos_id, t, special),
             |m| {
                 let template = self.chat_template.as_ref();
-                chat::encode_chat(&self.tokenizer, &self.plain, template, m, tools, self.chat_content_special_tokens)
+                chat::encode_chat(&self.tokenizer, &self.plain, template, m, vars, self.chat_content_special_tokens)
             },
         )
     }
@@ -269,8 +302,17 @@ impl TextCodec for ModelCodec {
         tools: Option<&str>,
         content_special_tokens: bool,
     ) -> Result<Vec<u32>, EngineError> {
+        self.encode_chat_with_vars(messages, ChatVars { tools, template_kwargs: None }, content_special_tokens)
+    }
+
+    fn encode_chat_with_vars(
+        &self,
+        messages: &[ChatMessage],
+        vars: ChatVars<'_>,
+        content_special_tokens: bool,
+    ) -> Result<Vec<u32>, EngineError> {
         let (inner, plain) = (self.tokenizer.inner(), self.tokenizer.plain());
-        chat::encode_chat(inner, plain, self.chat_template.as_ref(), messages, tools, content_special_tokens)
+        chat::encode_chat(inner, plain, self.chat_template.as_ref(), messages, vars, content_special_tokens)
     }
 
     fn export(&self) -> Option<CodecExport> {

@@ -43,6 +43,7 @@ fn req(prompt: &str, p: SamplingParams, salt: Option<&str>) -> EngineRequest {
         deadline: None,
         cache_salt: salt.map(str::to_owned),
         tools: None,
+        chat_template_kwargs: None,
     }
 }
 

@@ -8,7 +8,7 @@
 //! shared global pool; the pool's threads exit when the step thread does.
 
 use super::backend::{Backend, StepControl, StopKind};
-use super::codec::{CodecExport, TextCodec, prompt_ids_with};
+use super::codec::{ChatVars, CodecExport, TextCodec, prompt_ids_with};
 use super::kv_cache::BlockPool;
 use super::kv_cache::CacheEvents;
 use super::metrics::{EngineStats, StatsRecorder};
@@ -242,7 +242,11 @@ impl EngineHandle {
         let prompt = prompt_ids_with(
             &req.prompt,
             |t, special| codec.encode(t, special),
-            |m| codec.encode_chat_with_tools(m, req.tools.as_deref(), content_special),
+            |m| {
+                let vars =
+                    ChatVars { tools: req.tools.as_deref(), template_kwargs: req.chat_template_kwargs.as_deref() };
+                codec.encode_chat_with_vars(m, vars, content_special)
+            },
         )?;
         check_token_ids(&prompt, inner.info.vocab_size, "prompt")?;
         check_token_ids(&req.prior_output_ids, inner.info.vocab_size, "prior_output_ids")?;

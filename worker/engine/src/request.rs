@@ -170,6 +170,10 @@ pub struct EngineRequest {
     /// OpenAI tool definitions (JSON array text) for the chat template's `tools` variable;
     /// chat prompts only.
     pub tools: Option<String>,
+    /// vLLM's `chat_template_kwargs` (JSON object text): each entry an extra variable of the
+    /// chat template (e.g. `enable_thinking`), never replacing a standard one
+    /// ([`crate::model::chat_template::RESERVED_TEMPLATE_NAMES`]); chat prompts only.
+    pub chat_template_kwargs: Option<String>,
 }
 
 /// Why a choice ended.

@@ -42,6 +42,7 @@ fn submit(e: &EngineHandle, prompt: &str, max_tokens: i64) -> OutputStream {
         deadline: None,
         cache_salt: None,
         tools: None,
+        chat_template_kwargs: None,
     };
     e.submit(req).expect("submit")
 }
@@ -95,6 +96,7 @@ fn req_template() -> EngineRequest {
         deadline: None,
         cache_salt: None,
         tools: None,
+        chat_template_kwargs: None,
     }
 }
 

@@ -192,6 +192,7 @@ mod tests {
             deadline: None,
             cache_salt: None,
             tools: None,
+            chat_template_kwargs: None,
         }
     }
 

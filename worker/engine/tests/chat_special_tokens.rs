@@ -189,6 +189,7 @@ fn prompt_len(engine: &EngineHandle, prompt: Prompt) -> Result<u32> {
         deadline: None,
         cache_salt: None,
         tools: None,
+        chat_template_kwargs: None,
     };
     let mut stream = engine.submit(req)?;
     let mut outs: Vec<EngineOutput> = Vec::new();

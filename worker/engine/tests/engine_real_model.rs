@@ -47,6 +47,7 @@ fn req(prompt: Prompt, params: SamplingParams) -> EngineRequest {
         deadline: None,
         cache_salt: None,
         tools: None,
+        chat_template_kwargs: None,
     }
 }
 

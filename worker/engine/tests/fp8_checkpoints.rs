@@ -504,6 +504,7 @@ fn the_cpu_engine_generates_from_an_fp8_checkpoint_as_from_its_reference() -> Re
             deadline: None,
             cache_salt: None,
             tools: None,
+            chat_template_kwargs: None,
         })?;
         let mut tokens = Vec::new();
         while let Some(o) = stream.blocking_recv() {

@@ -384,6 +384,7 @@ fn request(prompt: &str, max_tokens: i64) -> EngineRequest {
         deadline: None,
         cache_salt: None,
         tools: None,
+        chat_template_kwargs: None,
     }
 }
 

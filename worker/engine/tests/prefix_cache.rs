@@ -67,6 +67,7 @@ fn req(prompt: Prompt, params: SamplingParams) -> EngineRequest {
         deadline: None,
         cache_salt: None,
         tools: None,
+        chat_template_kwargs: None,
     }
 }
 

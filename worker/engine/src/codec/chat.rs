@@ -20,6 +20,8 @@
 //! caller's own text, not escaped); a template that does not read `tools` gets them, and the
 //! calls and results of earlier turns, folded into the message text first
 //! ([`crate::model::chat_template::tools::fold`]), so that text is escaped like any content.
+//! The request's `chat_template_kwargs` become extra template variables as given (not
+//! escaped either: the caller's own values, like `tools`).
 
 use std::ops::Range;
 
@@ -28,7 +30,7 @@ use std::borrow::Cow;
 use minijinja::Value;
 
 use crate::model::ChatTemplate;
-use crate::model::chat_template::{parse_tools, tools};
+use crate::model::chat_template::{parse_template_kwargs, parse_tools, tools};
 use crate::model::tokenizer::{LazyPlainText, PlainText, encode_with, special_token_spans};
 use crate::request::{ChatMessage, EngineError};
 
@@ -41,34 +43,45 @@ const SENTINEL_CLOSE: char = '\u{E001}';
 /// `content_special_tokens`: parse special-token text inside messages too (the engine's
 /// opt-out, `chat_content_special_tokens`; what every version did before).
 ///
-/// `tools`: the request's tool definitions (JSON array text), `None` without tools.
+/// `vars`: the request's tool definitions (JSON array text) and `chat_template_kwargs`
+/// (JSON object text), each `None` when absent.
 ///
 /// # Errors
 /// [`EngineError::InvalidRequest`] (field `messages`) for a model without a chat template or
-/// messages the template rejects, (field `tools`) for tools that are not a JSON array;
+/// messages the template rejects, (field `tools`) for tools that are not a JSON array,
+/// (field `chat_template_kwargs`) for kwargs [`parse_template_kwargs`] refuses;
 /// [`EngineError::Internal`] when the tokenizer fails.
 pub(crate) fn encode_chat(
     tokenizer: &tokenizers::Tokenizer,
     plain: &LazyPlainText,
     template: Option<&ChatTemplate>,
     messages: &[ChatMessage],
-    tools: Option<&str>,
+    vars: ChatVars<'_>,
     content_special_tokens: bool,
 ) -> Result<Vec<u32>, EngineError> {
     let template = template.ok_or_else(no_template)?;
-    let (messages, tools) = with_tools(template, messages, tools)?;
+    let (messages, tools) = with_tools(template, messages, vars.tools)?;
     let tools = tools.as_ref();
+    let kwargs = vars.template_kwargs.map(parse_template_kwargs).transpose()?;
+    let kwargs = kwargs.as_ref();
     if content_special_tokens {
-        return encode_with(tokenizer, false, None, &template.render_with_tools(&messages, tools, true)?, false);
+        return encode_with(tokenizer, false, None, &template.render_with_vars(&messages, tools, kwargs, true)?, false);
     }
     let spans: Vec<MessageSpans> = messages
         .iter()
         .map(|m| MessageSpans { role: spans_of(tokenizer, &m.role), content: spans_of(tokenizer, &m.content) })
         .collect();
     if spans.iter().all(|s| s.role.is_empty() && s.content.is_empty()) {
-        return encode_with(tokenizer, false, None, &template.render_with_tools(&messages, tools, true)?, false);
+        return encode_with(tokenizer, false, None, &template.render_with_vars(&messages, tools, kwargs, true)?, false);
     }
-    encode_split(tokenizer, plain.get(tokenizer)?, template, &messages, tools, &spans)
+    encode_split(tokenizer, plain.get(tokenizer)?, template, &messages, TemplateVars { tools, kwargs }, &spans)
+}
+
+/// The parsed extra variables a chat render gets: `tools` and the `chat_template_kwargs` map.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct TemplateVars<'a> {
+    pub(crate) tools: Option<&'a Value>,
+    pub(crate) kwargs: Option<&'a Value>,
 }
 
 /// The messages and `tools` variable the template renders: the tools parsed for a template
@@ -97,6 +110,16 @@ pub(crate) fn with_tools<'m>(
     Ok((Cow::Owned(tools::fold(messages, list.as_deref())), None))
 }
 
+/// What a chat request adds to its template's variables, as JSON text from the request
+/// (`EngineRequest::tools`, `EngineRequest::chat_template_kwargs`); `None` = absent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ChatVars<'a> {
+    /// OpenAI tool definitions (a JSON array): the template's `tools` variable.
+    pub tools: Option<&'a str>,
+    /// vLLM's `chat_template_kwargs` (a JSON object): each entry an extra variable.
+    pub template_kwargs: Option<&'a str>,
+}
+
 /// The error for chat on a model without a template.
 pub(crate) fn no_template() -> EngineError {
     EngineError::InvalidRequest {
@@ -123,7 +146,7 @@ pub(crate) fn encode_split(
     plain: &PlainText,
     template: &ChatTemplate,
     messages: &[ChatMessage],
-    tools: Option<&Value>,
+    vars: TemplateVars<'_>,
     spans: &[MessageSpans],
 ) -> Result<Vec<u32>, EngineError> {
     let open = pick_open(messages, template);
@@ -137,7 +160,7 @@ pub(crate) fn encode_split(
             ..m.clone()
         })
         .collect();
-    let rendered = template.render_with_tools(&escaped, tools, true)?;
+    let rendered = template.render_with_vars(&escaped, vars.tools, vars.kwargs, true)?;
     let mut ids = Vec::new();
     let mut at = 0;
     for (range, id) in special_token_spans(tokenizer, &rendered) {

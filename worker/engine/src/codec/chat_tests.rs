@@ -69,7 +69,7 @@ fn assert_split_path_is_exact(codec: &ModelCodec) -> anyhow::Result<()> {
     for chat in ordinary_chats() {
         let one_call = encode_with(inner, false, None, &template.render(&chat, true)?, false)?;
         assert_eq!(codec.encode_chat(&chat, false)?, one_call, "{chat:?}");
-        let split = encode_split(inner, plain.get(inner)?, template, &chat, None, &no_spans(&chat))?;
+        let split = encode_split(inner, plain.get(inner)?, template, &chat, Default::default(), &no_spans(&chat))?;
         assert_eq!(split, one_call, "{chat:?}");
     }
     Ok(())
@@ -120,6 +120,6 @@ fn pieces_after_a_special_token_are_not_encoded_as_the_start_of_the_input() -> a
     let chat = [msg("user", "hi there"), msg("user", "hi")];
     let one_call = encode_with(&inner, false, None, &template.render(&chat, true)?, false)?;
     assert_eq!(one_call, [4, 2, 3, 4, 2]);
-    assert_eq!(encode_split(&inner, plain, &template, &chat, None, &no_spans(&chat))?, one_call);
+    assert_eq!(encode_split(&inner, plain, &template, &chat, Default::default(), &no_spans(&chat))?, one_call);
     Ok(())
 }

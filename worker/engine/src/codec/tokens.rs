@@ -21,12 +21,19 @@ impl PromptCodec {
 
     /// Token ids of a chat prompt as the replica computes them (generation prompt appended);
     /// `add_special_tokens` also puts BOS first when the model adds one and the template did
-    /// not print it.
+    /// not print it. `template_kwargs`: the request's `chat_template_kwargs` (JSON object
+    /// text), extra template variables.
     ///
     /// # Errors
-    /// What [`PromptCodec::prompt_ids`] returns for chat.
-    pub fn encode_messages(&self, messages: &[ChatMessage], add_special_tokens: bool) -> Result<Vec<u32>, EngineError> {
-        let mut ids = self.prompt_ids(&Prompt::Chat(messages.to_vec()))?;
+    /// What [`PromptCodec::prompt_ids_with_vars`] returns for chat.
+    pub fn encode_messages(
+        &self,
+        messages: &[ChatMessage],
+        template_kwargs: Option<&str>,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, EngineError> {
+        let vars = super::ChatVars { tools: None, template_kwargs };
+        let mut ids = self.prompt_ids_with_vars(&Prompt::Chat(messages.to_vec()), vars)?;
         if add_special_tokens
             && self.add_bos
             && let Some(bos) = self.bos_id

@@ -5,7 +5,11 @@
 //! (`strip`, `startswith`, `items`, ...), and `tojson` writing JSON as Python's
 //! `json.dumps` does (`", "` / `": "` separators, no HTML escaping, key order kept).
 //! Context: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and `tools` (the
-//! OpenAI tool objects) when the request has tools.
+//! OpenAI tool objects) when the request has tools, plus the request's `chat_template_kwargs`
+//! entries as extra variables (vLLM's, e.g. Qwen3's `enable_thinking`). An entry may not
+//! replace a variable or function the renderer sets ([`RESERVED_TEMPLATE_NAMES`]): vLLM lets
+//! kwargs override `add_generation_prompt` or `tools`, which would render a prompt other
+//! than the one the request's own fields describe, so here such an entry is refused.
 //!
 //! Tool calling: messages carry `tool_calls` as `[{id, type: "function", function: {name,
 //! arguments}}]` with `arguments` parsed to a JSON object (as vLLM passes them), and
@@ -120,6 +124,31 @@ pub fn parse_tools(tools_json: &str) -> Result<Value, EngineError> {
         return Err(invalid("tools must be a JSON array".to_owned()));
     }
     Ok(v)
+}
+
+/// The names a request's `chat_template_kwargs` may not use: the variables every render
+/// sets (or leaves unset on purpose, as `tools` without tools) and the functions templates
+/// call.
+pub const RESERVED_TEMPLATE_NAMES: [&str; 7] =
+    ["messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"];
+
+/// Parses a request's `chat_template_kwargs` (JSON object text) into the extra template
+/// variables (a map, key order kept).
+///
+/// # Errors
+/// [`EngineError::InvalidRequest`] (field `chat_template_kwargs`) when it is not a JSON
+/// object or an entry is named in [`RESERVED_TEMPLATE_NAMES`].
+pub fn parse_template_kwargs(json: &str) -> Result<Value, EngineError> {
+    let invalid = |m: String| EngineError::InvalidRequest { field: "chat_template_kwargs", message: m };
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(json).map_err(|e| invalid(format!("chat_template_kwargs must be a JSON object: {e}")))?;
+    if let Some(name) = map.keys().find(|k| RESERVED_TEMPLATE_NAMES.contains(&k.as_str())) {
+        return Err(invalid(format!(
+            "chat_template_kwargs may not set `{name}`: the renderer sets {} itself",
+            RESERVED_TEMPLATE_NAMES.join(", ")
+        )));
+    }
+    Ok(Value::from_serialize(&map))
 }
 
 /// `tojson` as transformers defines it: Python's `json.dumps(x, ensure_ascii=False,
@@ -389,17 +418,49 @@ impl ChatTemplate {
         tools: Option<&Value>,
         add_generation_prompt: bool,
     ) -> Result<String, EngineError> {
+        self.render_with_vars(messages, tools, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render_with_tools`] with the request's `chat_template_kwargs` (from
+    /// [`parse_template_kwargs`]) as extra variables. The standard variables always win: an
+    /// entry named in [`RESERVED_TEMPLATE_NAMES`] is dropped here even if the caller did not
+    /// refuse it, so `tools` stays unset without tools.
+    ///
+    /// # Errors
+    /// As [`ChatTemplate::render`].
+    pub fn render_with_vars(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Value>,
+        template_kwargs: Option<&Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, EngineError> {
         let msgs: Vec<Msg<'_>> = messages.iter().map(|m| Msg::of(m, self.knows_developer)).collect();
         let tmpl = self.env.get_template(NAME).map_err(|e| EngineError::Internal(format!("chat template: {e}")))?;
         let tools = tools.cloned().unwrap_or(Value::UNDEFINED);
-        tmpl.render(context! {
+        let standard = context! {
             messages => msgs,
             tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
-        })
-        .map_err(|e| EngineError::InvalidRequest { field: "messages", message: format!("chat template: {e}") })
+        };
+        let ctx = match template_kwargs {
+            None => standard,
+            Some(kwargs) => {
+                let mut vars = std::collections::BTreeMap::new();
+                for key in kwargs.try_iter().map_err(|e| EngineError::Internal(format!("chat template: {e}")))? {
+                    let name = key.to_string();
+                    if !RESERVED_TEMPLATE_NAMES.contains(&name.as_str()) {
+                        vars.insert(name, kwargs.get_item(&key).unwrap_or(Value::UNDEFINED));
+                    }
+                }
+                // The standard map last: it wins on any name both define.
+                minijinja::value::merge_maps([Value::from(vars), standard])
+            }
+        };
+        tmpl.render(ctx)
+            .map_err(|e| EngineError::InvalidRequest { field: "messages", message: format!("chat template: {e}") })
     }
 }
 
@@ -478,6 +539,36 @@ mod tests {
         // Without tools the variable is undefined; SmolLM2's template never reads it.
         assert_eq!(t.render_with_tools(&msgs[..1], None, false)?, "[system|D||]");
         assert!(!ChatTemplate::new(SMOLLM, String::new(), String::new())?.uses_tools());
+        Ok(())
+    }
+
+    /// `chat_template_kwargs` entries reach the template as variables (Qwen3's
+    /// `enable_thinking`); one named after a standard variable is refused, and even when a
+    /// caller skips that check the standard value is what the template sees.
+    #[test]
+    fn template_kwargs_are_extra_variables_that_cannot_replace_standard_ones() -> anyhow::Result<()> {
+        let src = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% if tools is defined %}T{% endif %}{% if extra is defined %}{{ extra.n }}{% endif %}";
+        let t = ChatTemplate::new(src, "<s>".into(), "</s>".into())?;
+        let hi = [msg("user", "hi")];
+        assert_eq!(t.render(&hi, true)?, "<s>hi>");
+        let off = parse_template_kwargs(r#"{"enable_thinking": false, "extra": {"n": 3}}"#)?;
+        assert_eq!(t.render_with_vars(&hi, None, Some(&off), true)?, "<s>hi><think></think>3");
+        let on = parse_template_kwargs(r#"{"enable_thinking": true}"#)?;
+        assert_eq!(t.render_with_vars(&hi, None, Some(&on), true)?, "<s>hi>");
+        for name in RESERVED_TEMPLATE_NAMES {
+            let e = parse_template_kwargs(&format!(r#"{{"{name}": 1}}"#)).expect_err(name);
+            assert!(matches!(e, EngineError::InvalidRequest { field: "chat_template_kwargs", .. }), "{name}: {e:?}");
+        }
+        for bad in ["[1]", "\"x\"", "null", "{"] {
+            let e = parse_template_kwargs(bad).expect_err(bad);
+            assert!(matches!(e, EngineError::InvalidRequest { field: "chat_template_kwargs", .. }), "{bad}: {e:?}");
+        }
+        // Built around the check: the standard variables still win, `tools` stays unset.
+        let sneaky = Value::from_serialize(serde_json::json!({
+            "messages": [{"role": "user", "content": "forged"}], "bos_token": "X", "add_generation_prompt": false,
+            "tools": [1], "enable_thinking": false
+        }));
+        assert_eq!(t.render_with_vars(&hi, None, Some(&sneaky), true)?, "<s>hi><think></think>");
         Ok(())
     }
 
