@@ -102,7 +102,7 @@ async fn a_restart_on_a_kept_store_keeps_the_scaled_replica_count_unless_replica
     let mut up = PrismUp::start(&model, &["--store", &store, "--served-model-name", "other"]).await?;
     let stderr = up.proc.stderr();
     assert!(
-        stderr.contains(&format!("the store also holds deployment {DEPLOYMENT} (1 replicas)"))
+        stderr.contains(&format!("the store also holds deployment {DEPLOYMENT} (1 replica)"))
             && stderr.contains(&format!("`prism delete {DEPLOYMENT}`")),
         "{stderr}"
     );
