@@ -18,7 +18,7 @@
 
 use anyhow::{Context, Result, ensure};
 use prism_common::proto::v1::ReplicaState;
-use prism_tests::{Cluster, Deployment, SERVED, Store, eventually, greedy_request, metric_value, model, stream};
+use prism_tests::{Cluster, Deployment, SERVED, Store, eventually, greedy_request, model, stream};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 use tonic_health::pb::HealthCheckRequest;
@@ -113,14 +113,26 @@ async fn without_model(cluster: &mut Cluster) -> Result<()> {
     refused(&http, "placed", "failed to start").await?;
     wait_probes(cluster, (200, 200, ServingStatus::Serving), "still ready: auto can come").await?;
 
-    // The autoscaled model at zero queues its request instead (scale from zero).
-    let waiting = tokio::spawn(async move { answer(&http, "auto").await });
-    eventually(Duration::from_secs(10), "the request for auto queued", || async {
-        let m = cluster.routers[0].metrics().await?;
-        Ok((metric_value(&m, "prism_router_queue_depth{model=\"auto\"}") == 1.0).then_some(()))
-    })
-    .await?;
-    waiting.abort();
+    // The autoscaled model at zero queues its request instead (scale from zero): the queued
+    // request scales it up, its replica fails to start (no such file) and only then is the
+    // request answered, naming that failure. Scale-up, placement and the failure can all
+    // happen within milliseconds, so the queue depth may be 1 too briefly to observe: the
+    // answer's reason and the replica the request created are what show it was queued.
+    let body = json!({"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+    let started = Instant::now();
+    let r = reqwest::Client::new()
+        .post(format!("{http}/v1/chat/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await?;
+    let status = r.status().as_u16();
+    let v: Value = r.json().await?;
+    let message = v["error"]["message"].as_str().unwrap_or_default();
+    ensure!(status == 503 && message.contains("failed to start"), "auto: {status} {v}");
+    ensure!(started.elapsed() < Duration::from_secs(25), "auto: answered after {:?}", started.elapsed());
+    let st = cluster.status().await?;
+    ensure!(st.replicas.iter().any(|r| r.deployment == "auto"), "no replica of auto: the request scaled nothing");
     Ok(())
 }
 
