@@ -72,8 +72,9 @@ pub fn unavailable(view: &ClusterView, connected: &HashSet<NodeId>, new_term: bo
             _ => {}
         }
     }
-    // Asked only when some deployment has nothing but Pending (and failed) replicas.
-    let mut placeable: Option<HashSet<DeploymentName>> = None;
+    // Asked only when some deployment has nothing but Pending (and failed) replicas, or is
+    // autoscaled at zero.
+    let mut placeable: Option<Placeable> = None;
     let workers_may_register =
         new_term || view.nodes.iter().any(|(id, n)| n.record.state() != NodeState::Dead && !connected.contains(id));
     let mut out = Vec::new();
@@ -89,9 +90,18 @@ pub fn unavailable(view: &ClusterView, connected: &HashSet<NodeId>, new_term: bo
             (UnavailableCause::Failed, reason)
         } else if d.pending > 0
             && !workers_may_register
-            && !placeable.get_or_insert_with(|| placeable_now(view, connected)).contains(name)
+            && !placeable.get_or_insert_with(|| placeable_now(view, connected)).assigned.contains(name)
         {
             (UnavailableCause::NoNode, d.pending_reason.unwrap_or_default())
+        } else if spec.autoscaling.is_some()
+            && spec.replicas == 0
+            && d.active == 0
+            && !workers_may_register
+            && let Some(reason) = placeable.get_or_insert_with(|| placeable_now(view, connected)).pending.get(name)
+        {
+            // At zero, a queued request would scale it up to a replica no node can take (every
+            // worker gone, the nodes full or cordoned): refused at once as a Pending one is.
+            (UnavailableCause::NoNode, reason.as_str())
         } else {
             // Pending replicas about to be placed, or an autoscaled deployment at zero.
             continue;
@@ -107,26 +117,50 @@ pub fn unavailable(view: &ClusterView, connected: &HashSet<NodeId>, new_term: bo
     out
 }
 
-/// Deployments of which the planner would place a replica now (a Pending one, or a new one),
-/// counting the slots of replicas now Stopping as free: they give them back in a moment.
-fn placeable_now(view: &ClusterView, connected: &HashSet<NodeId>) -> HashSet<DeploymentName> {
+/// What the planner would do now, counting the slots of replicas now Stopping as free (they
+/// give them back in a moment) and an autoscaled deployment at zero as wanting one replica
+/// (what a queued request scales it to).
+#[derive(Default)]
+struct Placeable {
+    /// Deployments of which a replica (a Pending one, or a new one) would be placed.
+    assigned: HashSet<DeploymentName>,
+    /// Deployments of which a new replica would stay Pending, with the placer's reason.
+    pending: HashMap<DeploymentName, String>,
+}
+
+fn placeable_now(view: &ClusterView, connected: &HashSet<NodeId>) -> Placeable {
     // No replacement of a Failed replica is due here: they hold no slots either way.
     let never = Duration::from_secs(u64::from(u32::MAX));
-    let (nodes, deployments, mut replicas) = view.planner_inputs(connected, never, &HashMap::new());
+    let (nodes, mut deployments, mut replicas) = view.planner_inputs(connected, never, &HashMap::new());
+    for d in &mut deployments {
+        let autoscaled =
+            view.deployments.get(&d.name).and_then(|e| e.record.spec.as_ref()).and_then(|s| s.autoscaling.as_ref());
+        if d.replicas == 0 && autoscaled.is_some() {
+            d.replicas = 1;
+        }
+    }
     for r in &mut replicas {
         if r.state == ReplicaState::Stopping {
             r.state = ReplicaState::Stopped;
         }
     }
     let by_id: BTreeMap<_, _> = replicas.iter().map(|r| (r.id.clone(), r.deployment.clone())).collect();
-    plan(&nodes, &deployments, &replicas)
-        .into_iter()
-        .filter_map(|a| match a {
-            Action::Create { deployment, placement: PlacementDecision::Assigned { .. }, .. } => Some(deployment),
-            Action::Place { replica, placement: PlacementDecision::Assigned { .. } } => by_id.get(&replica).cloned(),
-            _ => None,
-        })
-        .collect()
+    let mut out = Placeable::default();
+    for a in plan(&nodes, &deployments, &replicas) {
+        match a {
+            Action::Create { deployment, placement: PlacementDecision::Assigned { .. }, .. } => {
+                out.assigned.insert(deployment);
+            }
+            Action::Create { deployment, placement: PlacementDecision::Pending { reason }, .. } => {
+                out.pending.entry(deployment).or_insert(reason);
+            }
+            Action::Place { replica, placement: PlacementDecision::Assigned { .. } } => {
+                out.assigned.extend(by_id.get(&replica).cloned());
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -163,6 +163,11 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     /// Text after the completion (unsupported: only absent, null or empty).
     pub suffix: Option<Value>,
+    /// Chat-only fields, refused here (only absent or null) rather than ignored: a prompt is
+    /// not rendered with a chat template.
+    pub chat_template: Option<Value>,
+    /// See `chat_template`.
+    pub chat_template_kwargs: Option<Value>,
 }
 
 /// One chat message.
@@ -571,6 +576,18 @@ impl CompletionRequest {
             None | Some(Value::Null) => {}
             Some(Value::String(s)) if s.is_empty() => {}
             Some(_) => return Err(ApiError::invalid("suffix", "suffix is not supported")),
+        }
+        for (field, value) in
+            [("chat_template", &self.chat_template), ("chat_template_kwargs", &self.chat_template_kwargs)]
+        {
+            if value.as_ref().is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::invalid(
+                    field,
+                    format!(
+                        "{field} applies to chat messages only (/v1/chat/completions); a completion prompt is not rendered with a chat template"
+                    ),
+                ));
+            }
         }
         let prompt = match &self.prompt {
             PromptSpec::Text(t) => generate_request::Prompt::Text(t.clone()),

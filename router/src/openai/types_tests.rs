@@ -223,3 +223,15 @@ fn echo_is_forwarded_and_allows_max_tokens_zero() {
     let e = chat(serde_json::json!({"echo": true})).expect_err("chat echo");
     assert_eq!(e.param.as_deref(), Some("echo"));
 }
+
+/// Completions refuse the chat-only template fields (chat completions and /tokenize take
+/// `chat_template_kwargs`): one rule, a 400 naming the field, instead of ignoring them.
+#[test]
+fn completions_refuse_chat_template_fields() {
+    for field in ["chat_template", "chat_template_kwargs"] {
+        let e = parse(serde_json::json!({"model": "m", "prompt": "hi", field: {"a": 1}})).expect_err("chat only");
+        assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some(field)));
+        assert!(e.message.contains("chat messages only"), "{}", e.message);
+        parse(serde_json::json!({"model": "m", "prompt": "hi", field: null})).expect("null is absent");
+    }
+}

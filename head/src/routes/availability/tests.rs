@@ -105,15 +105,27 @@ fn replicas_that_failed_to_start_make_a_model_unavailable_unless_another_is_on_i
 }
 
 /// `prism scale d 0` on a deployment without autoscaling: no replica will ever come. An
-/// autoscaled deployment at zero is not unavailable: a queued request scales it up.
+/// autoscaled deployment at zero is not unavailable while a node could take the replica a
+/// queued request scales it up to; with no such node (every worker gone) it is, as a Pending
+/// replica would be.
 #[test]
 fn a_deployment_scaled_to_zero_is_unavailable_unless_it_autoscales() {
     let c = Cluster::default().deployment("d", 0, false).node("n1", NodeState::Ready, true);
     assert_eq!(c.unavailable(false), one("d-model", UnavailableCause::ScaledToZero, ""));
     let draining = c.replica("a", "d", Draining, "n1");
     assert_eq!(draining.unavailable(true), one("d-model", UnavailableCause::ScaledToZero, ""), "drained away");
-    let autoscaled = Cluster::default().deployment("d", 0, true);
+    let autoscaled = Cluster::default().deployment("d", 0, true).node("n1", NodeState::Ready, true);
     assert_eq!(autoscaled.unavailable(false), [], "scale from zero");
+    let nowhere = Cluster::default().deployment("d", 0, true).node("n1", NodeState::Dead, false);
+    let no_node = nowhere.unavailable(false);
+    assert!(
+        no_node.len() == 1 && no_node[0].1 == UnavailableCause::NoNode && no_node[0].2.contains("no schedulable node"),
+        "every worker gone: {no_node:?}"
+    );
+    assert_eq!(nowhere.unavailable(true), [], "a new term: workers may still register");
+    let full = Cluster::default().deployment("d", 0, true).deployment("e", 1, false).node("n1", NodeState::Ready, true);
+    let full = full.replica("b", "e", Ready, "n1");
+    assert_eq!(full.unavailable(false).len(), 1, "the only slot taken: {:?}", full.unavailable(false));
     let fewer = Cluster::default().deployment("d", 1, false);
     assert_eq!(fewer.unavailable(false), [], "the reconciler creates the replica on its next pass");
 }
