@@ -109,6 +109,9 @@ pub fn check_replica_bounds(spec: &DeploymentSpec, replicas: u32) -> Result<(), 
     if min > max {
         return Err(InvalidSpec(format!("min_replicas {min} is greater than max_replicas {max}")));
     }
+    if replicas > autoscaling::MAX_REPLICAS {
+        return Err(InvalidSpec(format!("replicas must be at most {}, got {replicas}", autoscaling::MAX_REPLICAS)));
+    }
     if replicas < min || replicas > max {
         return Err(InvalidSpec(format!(
             "replicas {replicas} is outside [min_replicas {min}, max_replicas {}]",
@@ -175,6 +178,14 @@ mod tests {
             validate_spec(s).err().map(|e| e.0),
             Some("replicas 5 is outside [min_replicas 0, max_replicas 3]".into())
         );
+        // A count no cluster holds (a typo for 10) is refused, with or without bounds: its
+        // Pending replicas would swamp the store and every status answer.
+        let s = spec();
+        assert_eq!(
+            check_replica_bounds(&s, 100_001).err().map(|e| e.0),
+            Some("replicas must be at most 100000, got 100001".into())
+        );
+        assert!(check_replica_bounds(&s, 100_000).is_ok());
         let mut s = spec();
         s.min_replicas = 2;
         assert!(validate_spec(s).is_err());

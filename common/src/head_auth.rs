@@ -22,8 +22,13 @@ pub type HeadClient = HeadServiceClient<InterceptedService<Channel, HeadBearer>>
 
 /// Wraps `channel` into a [`HeadClient`] that sends `bearer` on every call.
 pub fn head_client(channel: Channel, bearer: HeadBearer) -> HeadClient {
-    HeadServiceClient::with_interceptor(channel, bearer)
+    HeadServiceClient::with_interceptor(channel, bearer).max_decoding_message_size(MAX_HEAD_RESPONSE_BYTES)
 }
+
+/// Largest head response a client decodes (tonic's default is 4 MiB): a cluster status or
+/// route table lists every replica (about 120 bytes each), so a large deployment's would not
+/// fit the default.
+pub const MAX_HEAD_RESPONSE_BYTES: usize = 256 << 20;
 
 /// The flags of a component that calls the head (`prism-worker`, `prism-router`):
 /// `--head-token` / `PRISM_HEAD_TOKEN` or `--head-token-file` / `PRISM_HEAD_TOKEN_FILE`.
