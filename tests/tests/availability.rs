@@ -31,22 +31,26 @@ const FAST: Duration = Duration::from_secs(2);
 /// A model file that does not exist (no replica of it ever starts).
 const MISSING: &str = "/nonexistent/prism-test/model.gguf";
 
-/// `(status, Retry-After seconds, error message)` of a chat request for `model`, which must
-/// be answered within [`FAST`].
-async fn answer(http: &str, model: &str) -> Result<(u16, Option<u32>, String)> {
+/// `(status, Retry-After seconds, error message, time taken)` of a chat request for `model`,
+/// given up after `limit`.
+async fn chat(http: &str, model: &str, limit: Duration) -> Result<(u16, Option<u32>, String, Duration)> {
     let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
     let started = Instant::now();
-    let r = reqwest::Client::new()
-        .post(format!("{http}/v1/chat/completions"))
-        .json(&body)
-        .timeout(Duration::from_secs(10))
-        .send()
-        .await?;
+    let r =
+        reqwest::Client::new().post(format!("{http}/v1/chat/completions")).json(&body).timeout(limit).send().await?;
     let status = r.status().as_u16();
     let retry = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|s| s.parse().ok());
     let v: Value = r.json().await?;
-    ensure!(started.elapsed() < FAST, "{model}: answered after {:?}: {v}", started.elapsed());
-    Ok((status, retry, v["error"]["message"].as_str().unwrap_or_default().to_owned()))
+    let message = v["error"]["message"].as_str().unwrap_or_default().to_owned();
+    Ok((status, retry, message, started.elapsed()))
+}
+
+/// `(status, Retry-After seconds, error message)` of a chat request for `model`, which must
+/// be answered within [`FAST`].
+async fn answer(http: &str, model: &str) -> Result<(u16, Option<u32>, String)> {
+    let (status, retry, message, took) = chat(http, model, Duration::from_secs(10)).await?;
+    ensure!(took < FAST, "{model}: answered after {took:?}: {status} {message}");
+    Ok((status, retry, message))
 }
 
 /// Polls until a request for `model` is refused at once (503 with `Retry-After`) with a
@@ -118,19 +122,9 @@ async fn without_model(cluster: &mut Cluster) -> Result<()> {
     // request answered, naming that failure. Scale-up, placement and the failure can all
     // happen within milliseconds, so the queue depth may be 1 too briefly to observe: the
     // answer's reason and the replica the request created are what show it was queued.
-    let body = json!({"model": "auto", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
-    let started = Instant::now();
-    let r = reqwest::Client::new()
-        .post(format!("{http}/v1/chat/completions"))
-        .json(&body)
-        .timeout(Duration::from_secs(60))
-        .send()
-        .await?;
-    let status = r.status().as_u16();
-    let v: Value = r.json().await?;
-    let message = v["error"]["message"].as_str().unwrap_or_default();
-    ensure!(status == 503 && message.contains("failed to start"), "auto: {status} {v}");
-    ensure!(started.elapsed() < Duration::from_secs(25), "auto: answered after {:?}", started.elapsed());
+    let (status, _, message, took) = chat(&http, "auto", Duration::from_secs(60)).await?;
+    ensure!(status == 503 && message.contains("failed to start"), "auto: {status} {message}");
+    ensure!(took < Duration::from_secs(25), "auto: answered after {took:?}");
     let st = cluster.status().await?;
     ensure!(st.replicas.iter().any(|r| r.deployment == "auto"), "no replica of auto: the request scaled nothing");
     Ok(())
