@@ -47,7 +47,9 @@ impl ModelCodecs {
     /// # Errors
     /// [`DispatchError::NoRouteTable`] (503) before the head's first table,
     /// [`DispatchError::UnknownModel`] (404) for a model no route lists,
-    /// [`DispatchError::NoReplica`] (503) when none of its replicas is Ready,
+    /// [`DispatchError::Unavailable`] (503 naming why, `Retry-After` by cause) for a model the
+    /// head lists as unavailable (failed, scaled to 0, no node can run it),
+    /// [`DispatchError::NoReplica`] (503) when none of its replicas is Ready otherwise,
     /// [`DispatchError::Worker`] (UNAVAILABLE, 503) when no replica gives its codec.
     pub async fn get(&self, model: &str) -> Result<ModelCodec, DispatchError> {
         let snap = self.routes.snapshot();
@@ -58,7 +60,11 @@ impl ModelCodecs {
         let max_model_len = replicas.iter().map(|r| r.max_model_len).max().unwrap_or(0);
         let ready: Vec<_> = replicas.iter().filter(|r| r.is_ready()).collect();
         if ready.is_empty() {
-            return Err(DispatchError::NoReplica(model.to_owned()));
+            // A model no replica is coming to gets the answer its chat requests get.
+            return Err(snap.unavailable(model).map_or_else(
+                || DispatchError::NoReplica(model.to_owned()),
+                |why| DispatchError::unavailable(model, &why),
+            ));
         }
         {
             let mut by = self.by_replica.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -8,6 +8,7 @@
 //!   (its only node cordoned), get a 503 at once (HTTP: OpenAI error saying why, with
 //!   `Retry-After`; gRPC: UNAVAILABLE with `retry-after`), not after the 30 s queue wait;
 //!   once the node is uncordoned the replica is placed and the router learns it.
+//! - `/tokenize`, `/detokenize` and gRPC `Tokenize` of those models get the same answer.
 //! - An autoscaled model at zero still queues its request (scale from zero).
 //! - Every worker killed (C15): once the head replaced the lost replica by a Pending one that
 //!   no node can take, requests get a fast 503 / UNAVAILABLE naming the reason; when the
@@ -17,7 +18,8 @@
 //! when the bundled model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
 use anyhow::{Context, Result, ensure};
-use prism_common::proto::v1::ReplicaState;
+use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
+use prism_common::proto::v1::{ReplicaState, TokenizeRequest, tokenize_request};
 use prism_tests::{Cluster, Deployment, SERVED, Store, eventually, greedy_request, model, stream};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
@@ -69,6 +71,41 @@ async fn refused(http: &str, model: &str, why: &str) -> Result<String> {
 }
 
 /// `(/readyz, /health, grpc.health.v1 "")` of the router.
+/// `/tokenize`, `/detokenize` and gRPC `Tokenize` for `model`, which the head lists as
+/// unavailable: refused at once like its chat requests (503 naming `why`, `Retry-After:
+/// retry_after`; gRPC UNAVAILABLE with `retry-after`), not with the generic "no ready replica".
+async fn tokenize_refused(cluster: &Cluster, model: &str, why: &str, retry_after: u32) -> Result<()> {
+    let client = reqwest::Client::new();
+    let bodies = [
+        ("/tokenize", json!({"model": model, "prompt": "hi"})),
+        ("/tokenize", json!({"model": model, "messages": [{"role": "user", "content": "hi"}]})),
+        ("/detokenize", json!({"model": model, "tokens": [1, 2]})),
+    ];
+    for (path, body) in bodies {
+        let started = Instant::now();
+        let r = client.post(format!("{}{path}", cluster.http())).json(&body).timeout(FAST).send().await?;
+        let status = r.status().as_u16();
+        let retry = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let v: Value = r.json().await?;
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        ensure!(status == 503 && message.contains(why), "{path} {model}: {status} {v}");
+        ensure!(retry == Some(retry_after.to_string()), "{path} {model}: Retry-After {retry:?}");
+        ensure!(started.elapsed() < FAST, "{path} {model}: answered after {:?}", started.elapsed());
+    }
+    let channel = tonic::transport::Endpoint::from_shared(cluster.grpc().to_owned())?.connect().await?;
+    let mut grpc = InferenceServiceClient::new(channel);
+    let req = TokenizeRequest {
+        model: model.into(),
+        input: Some(tokenize_request::Input::Text("hi".into())),
+        ..Default::default()
+    };
+    let status = grpc.tokenize(req).await.err().context("gRPC Tokenize of an unavailable model answered")?;
+    ensure!(status.code() == tonic::Code::Unavailable && status.message().contains(why), "{model}: {status:?}");
+    let retry = status.metadata().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    ensure!(retry == Some(retry_after.to_string()), "gRPC {model}: retry-after {retry:?}");
+    Ok(())
+}
+
 async fn probes(cluster: &Cluster) -> Result<(u16, u16, i32)> {
     let get = |p: &str| reqwest::get(format!("{}{p}", cluster.http()));
     let (readyz, health) = (get("/readyz").await?.status().as_u16(), get("/health").await?.status().as_u16());
@@ -98,6 +135,7 @@ async fn without_model(cluster: &mut Cluster) -> Result<()> {
     // Scaled to 0 without autoscaling: refused at once, on HTTP and gRPC.
     cluster.deploy(&missing("fixed").replicas(0))?;
     refused(&http, "fixed", "scaled to 0 replicas").await?;
+    tokenize_refused(cluster, "fixed", "scaled to 0 replicas", 10).await?;
     let mut req = greedy_request(&[1, 2, 3], 4, false);
     req.model = "fixed".into();
     let started = Instant::now();
@@ -113,8 +151,10 @@ async fn without_model(cluster: &mut Cluster) -> Result<()> {
     cluster.deploy(&missing("placed"))?;
     let message = refused(&http, "placed", "no node can run a replica").await?;
     ensure!(message.contains("no schedulable node"), "{message}");
+    tokenize_refused(cluster, "placed", "no node can run a replica", 5).await?;
     cluster.cli(&["uncordon", "w1"])?;
     refused(&http, "placed", "failed to start").await?;
+    tokenize_refused(cluster, "placed", "failed to start", 10).await?;
     wait_probes(cluster, (200, 200, ServingStatus::Serving), "still ready: auto can come").await?;
 
     // The autoscaled model at zero queues its request instead (scale from zero): the queued

@@ -5,6 +5,7 @@ use prism_common::proto::v1::UnavailableCause;
 use tonic::{Code, Status};
 
 use crate::admission::{AdmitError, Bound};
+use crate::routes::ModelUnavailable;
 
 /// `Retry-After` of [`DispatchError::Unavailable`] for a deployment that failed or is scaled
 /// to 0, seconds: nothing changes until someone changes the deployment, so a client should
@@ -115,13 +116,18 @@ impl DispatchError {
                 Self::Overloaded { reason, retry_after_s }
             }
             AdmitError::DeadlineExceeded => Self::DeadlineExceeded,
-            AdmitError::Unavailable(u) => Self::Unavailable {
-                model: model.to_owned(),
-                deployment: u.deployment.clone(),
-                cause: u.cause,
-                reason: u.reason.clone(),
-            },
+            AdmitError::Unavailable(u) => Self::unavailable(model, &u),
             AdmitError::NoRouteTable => Self::NoRouteTable,
+        }
+    }
+
+    /// The error for `model`, which the head lists as unavailable (no replica is coming).
+    pub fn unavailable(model: &str, why: &ModelUnavailable) -> Self {
+        Self::Unavailable {
+            model: model.to_owned(),
+            deployment: why.deployment.clone(),
+            cause: why.cause,
+            reason: why.reason.clone(),
         }
     }
 

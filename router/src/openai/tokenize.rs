@@ -6,7 +6,8 @@
 //!   `{count, max_model_len, tokens}` (+ `token_strs` with `return_token_strs`);
 //! - detokenize `{model, tokens}` → `{prompt}`.
 //!
-//! Unknown model → 404 (`model`), no Ready replica → 503, bad input → 400 naming the field
+//! Unknown model → 404 (`model`), a model no replica is coming to → 503 naming why (as its
+//! chat requests), no Ready replica otherwise → 503, bad input → 400 naming the field
 //! (`tokens` for an id outside the vocabulary).
 
 use axum::http::StatusCode;
