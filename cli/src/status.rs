@@ -92,6 +92,17 @@ fn prefix_cache_hit_rate(deployment: &str, status: &ClusterStatusResponse) -> St
     if queries == 0 { "-".to_owned() } else { format!("{:.1}%", hits as f64 * 100.0 / queries as f64) }
 }
 
+/// The context length a deployment serves: what its replicas' engines reported (the
+/// `max_model_len` given, or the model's own fitted to the KV cache when none was given),
+/// else the one given, else `-`.
+fn max_model_len(deployment: &str, configured: Option<u32>, status: &ClusterStatusResponse) -> String {
+    let reported = status.replicas.iter().filter(|r| r.deployment == deployment).map(|r| r.max_model_len).max();
+    match (reported.filter(|&n| n > 0), configured.filter(|&n| n > 0)) {
+        (Some(n), _) | (None, Some(n)) => n.to_string(),
+        (None, None) => "-".to_owned(),
+    }
+}
+
 /// Renders a `ClusterStatusResponse` as the text `prism status` prints.
 pub fn render(status: &ClusterStatusResponse) -> String {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
@@ -138,6 +149,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
         "SERVED AS",
         "TP",
         "PP",
+        "MAX LEN",
         "READY/DESIRED",
         "CURRENT",
         "AUTOSCALE",
@@ -172,12 +184,14 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
             ));
         }
         let hit_rate = prefix_cache_hit_rate(&spec.name, status);
+        let max_len = max_model_len(&spec.name, engine.max_model_len, status);
         deployments.row(vec![
             spec.name,
             engine.model,
             engine.served_model_name,
             engine.tensor_parallel_size.to_string(),
             engine.pipeline_parallel_size.unwrap_or(1).to_string(),
+            max_len,
             format!("{ready}/{}", spec.replicas),
             format!("{current}/{}", spec.replicas),
             autoscale,
@@ -350,10 +364,45 @@ mod tests {
         let cells: Vec<&str> = line.split_whitespace().collect();
         assert_eq!(cells[cells.len() - 4..cells.len() - 1], ["1/3", "2/3", "1-4"], "{text}");
         assert_eq!(cells[cells.len() - 1], "-", "no prefix-cache lookups yet: {text}");
+        assert_eq!(cells[cells.len() - 5], "-", "no context length given or reported yet: {text}");
         assert!(
             text.contains("smol: 1 -> 3 replicas, 12s ago: ongoing 7.9 over 1 replica > target 2.0 for 2.0 s"),
             "{text}"
         );
+    }
+
+    /// MAX LEN: the context length the replicas' engines reported, else the one given.
+    #[test]
+    fn deployments_show_the_context_length_served() {
+        use prism_common::proto::v1::{DeploymentRecord, DeploymentSpec, EngineConfig};
+        let dep = |name: &str, max_model_len: Option<u32>| DeploymentRecord {
+            spec: Some(DeploymentSpec {
+                name: name.into(),
+                replicas: 1,
+                engine: Some(EngineConfig { max_model_len, ..EngineConfig::default() }),
+                ..DeploymentSpec::default()
+            }),
+            ..DeploymentRecord::default()
+        };
+        let replica = |d: &str, max_model_len: u32| ReplicaRecord {
+            replica_id: format!("{d}-1"),
+            deployment: d.into(),
+            max_model_len,
+            ..ReplicaRecord::default()
+        };
+        let status = ClusterStatusResponse {
+            deployments: vec![dep("fitted", None), dep("given", Some(2048)), dep("loading", Some(1024))],
+            replicas: vec![replica("fitted", 5824), replica("given", 2048), replica("loading", 0)],
+            ..ClusterStatusResponse::default()
+        };
+        let text = render_at(&status, 0);
+        let cell = |name: &str| {
+            let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_default();
+            let cells: Vec<&str> = line.split_whitespace().collect();
+            cells.get(cells.len().wrapping_sub(5)).copied().unwrap_or_default().to_owned()
+        };
+        assert!(text.contains("MAX LEN"), "{text}");
+        assert_eq!((cell("fitted"), cell("given"), cell("loading")), ("5824".into(), "2048".into(), "1024".into()));
     }
 
     /// The hit rate sums hits and queries over the deployment's own replicas only.
