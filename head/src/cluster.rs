@@ -5,8 +5,10 @@
 //! a compare-and-swap on a view that nothing else is changing. The store writers here are
 //! the only code that changes the mirrored records, and only after their transaction
 //! committed; the flows built on them live in `cluster/registry.rs` (worker sessions),
-//! `admin.rs`, `drain.rs` and `placement/reconciler.rs`.
+//! `cluster/departure.rs` (forgetting nodes that left or died), `admin.rs`, `drain.rs` and
+//! `placement/reconciler.rs`.
 
+pub mod departure;
 pub mod group;
 pub mod registry;
 pub mod stall;
@@ -245,6 +247,26 @@ impl Cluster {
         };
         let rev = self.commit(st, txn, &key).await?;
         st.view_mut().nodes.insert(id, Entry { record: rec, mod_revision: rev });
+        Ok(())
+    }
+
+    /// Deletes a node record (compare-and-swap on the mirrored revision) and what is kept
+    /// about the node besides it. The caller makes sure no session or replica record refers
+    /// to the node; a worker with its id that registers later gets a new record.
+    ///
+    /// # Errors
+    /// `Conflict` when the stored record changed, store failures.
+    pub(crate) async fn delete_node(&self, st: &mut State, id: &NodeId) -> HeadResult<()> {
+        let Some(e) = st.view().nodes.get(id) else { return Ok(()) };
+        let key = keys::node(id);
+        let txn = Txn {
+            compares: vec![Compare::mod_revision(&key, e.mod_revision)],
+            success: vec![TxnOp::delete(&key)],
+            failure: vec![],
+        };
+        self.commit(st, txn, &key).await?;
+        st.view_mut().nodes.remove(id);
+        st.forget_node(id);
         Ok(())
     }
 

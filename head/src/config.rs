@@ -37,6 +37,15 @@ pub struct Args {
     #[arg(long, env = "PRISM_HEAD_WORKER_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub worker_timeout: Duration,
 
+    /// A Dead node (its worker gone for `--worker-timeout`) is forgotten (removed from the
+    /// node list and the store) once it has been gone this long and no replica record refers
+    /// to it any more (its replicas were replaced elsewhere). A worker that drained and closed
+    /// its session on purpose (SIGTERM, pod deletion) is forgotten at once instead, unless an
+    /// operator's drain (`prism drain`) holds it: then it is kept, Dead and cordoned, for
+    /// this long. A worker that comes back with the same node id registers as a new node.
+    #[arg(long, env = "PRISM_HEAD_DEAD_NODE_RETENTION", default_value = "10m", value_parser = parse_duration)]
+    pub dead_node_retention: Duration,
+
     /// Leader lease TTL: a dead leader is replaced within about this long.
     #[arg(long, env = "PRISM_HEAD_LEASE_TTL", default_value = "5s", value_parser = parse_duration)]
     pub lease_ttl: Duration,
@@ -80,6 +89,10 @@ pub struct Args {
     pub model_root: Option<PathBuf>,
 }
 
+/// Default of `--dead-node-retention`: long enough to see in `prism status` which node died
+/// and to bring it back as the same node, short enough that pod churn leaves no trail.
+pub const DEFAULT_DEAD_NODE_RETENTION: Duration = Duration::from_secs(600);
+
 /// Where cluster state lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreSpec {
@@ -98,6 +111,8 @@ pub struct HeadConfig {
     pub advertise_address: String,
     /// Session-less time after which a worker is Dead.
     pub worker_timeout: Duration,
+    /// How long a Dead node without replicas is kept before it is forgotten.
+    pub dead_node_retention: Duration,
     /// Leader lease TTL.
     pub lease_ttl: Duration,
     /// Election candidate id.
@@ -182,6 +197,7 @@ impl TryFrom<Args> for HeadConfig {
             store,
             advertise_address,
             worker_timeout: a.worker_timeout,
+            dead_node_retention: a.dead_node_retention,
             lease_ttl: a.lease_ttl,
             head_id,
             drain_timeout: a.drain_timeout,
@@ -202,6 +218,7 @@ impl HeadConfig {
             store,
             advertise_address: advertise_address.into(),
             worker_timeout: Duration::from_secs(5),
+            dead_node_retention: DEFAULT_DEAD_NODE_RETENTION,
             lease_ttl: Duration::from_secs(5),
             head_id: format!("head-{}", &u[..8]),
             drain_timeout: Duration::from_secs(30),
@@ -272,6 +289,7 @@ mod tests {
         let c = HeadConfig::try_from(a).expect("valid");
         assert_eq!(c.advertise_address, "http://127.0.0.1:7000");
         assert_eq!(c.worker_timeout, Duration::from_secs(5));
+        assert_eq!(c.dead_node_retention, DEFAULT_DEAD_NODE_RETENTION);
         assert_eq!(c.store, StoreSpec::Embedded("prism-state.json".into()));
         assert!(!c.auth.enabled());
     }

@@ -28,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
 use super::Cluster;
+use super::departure;
 use super::group;
 use super::state::{Session, SessionOwner, State};
 use super::view::member_part;
@@ -201,6 +202,9 @@ async fn session_loop(
     let mut last_message = Instant::now();
     let mut reports_load = false;
     let mut gone_since = None;
+    // The worker ended its stream itself (a clean end, not an error or silence): with its
+    // drain done, it is leaving on purpose.
+    let mut closed_by_worker = false;
     loop {
         let silence = last_message + timeout;
         let m = tokio::select! {
@@ -229,7 +233,10 @@ async fn session_loop(
         let msg = match m {
             Ok(Some(WorkerMessage { msg: Some(msg) })) => msg,
             Ok(Some(_)) => continue,
-            Ok(None) => break,
+            Ok(None) => {
+                closed_by_worker = true;
+                break;
+            }
             Err(e) => {
                 tracing::info!(node = %node, error = %e, "worker stream error");
                 break;
@@ -246,8 +253,20 @@ async fn session_loop(
         cluster.kick();
     }
     let mut st = cluster.lock().await;
+    let left = closed_by_worker && st.drain_done(&node, id);
     if st.detach_session(&node, id, gone_since.unwrap_or_else(Instant::now)) {
-        tracing::warn!(node = %node, session = id, "worker session ended");
+        if left && cluster.require_leader(&st).is_ok() {
+            tracing::info!(node = %node, session = id, "worker session closed after its drain");
+            if let Err(e) = departure::on_worker_left(&cluster, &mut st, &node).await {
+                // The node goes the way of any lost worker: Dead after `worker_timeout`.
+                tracing::warn!(node = %node, error = %e, "forgetting a departed node failed");
+                if let Err(e) = cluster.reload(&mut st).await {
+                    tracing::warn!(error = %e, "reload failed");
+                }
+            }
+        } else {
+            tracing::warn!(node = %node, session = id, "worker session ended");
+        }
         cluster.after_change(&st);
     }
     drop(st);
@@ -270,7 +289,10 @@ async fn handle_message(cluster: &Cluster, node: &NodeId, id: u64, msg: worker_m
                 st.record_load(node, r);
             }
         }
-        worker_message::Msg::Drain(d) => drain::on_worker_drain(cluster, &mut st, node, d).await?,
+        worker_message::Msg::Drain(d) => {
+            st.note_drain_progress(node, id, d.done);
+            drain::on_worker_drain(cluster, &mut st, node, d).await?;
+        }
     }
     cluster.after_change(&st);
     Ok(())

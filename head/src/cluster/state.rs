@@ -62,6 +62,8 @@ pub struct Session {
     cancel: CancellationToken,
     /// Replicas the worker knows about in this session (reported or sent a start).
     started: HashSet<ReplicaId>,
+    /// The worker's latest drain progress in this session said its drain was done.
+    drain_done: bool,
 }
 
 impl Session {
@@ -72,7 +74,7 @@ impl Session {
         tx: mpsc::Sender<Result<HeadMessage, Status>>,
         cancel: CancellationToken,
     ) -> Self {
-        Self { id, owner, last_message: Instant::now(), tx, cancel, started: HashSet::new() }
+        Self { id, owner, last_message: Instant::now(), tx, cancel, started: HashSet::new(), drain_done: false }
     }
 }
 
@@ -87,6 +89,9 @@ pub struct State {
     sessions: HashMap<NodeId, Session>,
     /// When each session-less node lost (or never had, this term) its session.
     disconnected_since: HashMap<NodeId, Instant>,
+    /// Nodes whose worker drained and closed its session on purpose this term: forgotten as
+    /// soon as no replica record refers to them (not after the dead-node retention).
+    left: HashSet<NodeId>,
     /// Latest load report per replica (not persisted).
     loads: HashMap<ReplicaId, LoadReport>,
     /// Drain timers of Draining replicas.
@@ -141,6 +146,7 @@ impl State {
         self.view = view;
         let nodes: Vec<NodeId> = self.view.nodes.keys().cloned().collect();
         self.disconnected_since = nodes.into_iter().map(|n| (n, reconnect_from)).collect();
+        self.left.clear();
         self.sessions.clear();
         self.loads.clear();
         self.draining.clear();
@@ -164,12 +170,43 @@ impl State {
         self.draining.remove(id);
     }
 
+    /// Forgets what is kept about a node besides its record (its deletion committed).
+    pub(super) fn forget_node(&mut self, node: &NodeId) {
+        self.disconnected_since.remove(node);
+        self.left.remove(node);
+    }
+
     /// Makes `session` the node's live session, ending the one it replaces.
     pub fn attach_session(&mut self, node: NodeId, session: Session) {
         if let Some(old) = self.sessions.insert(node.clone(), session) {
             old.cancel.cancel();
         }
         self.disconnected_since.remove(&node);
+        self.left.remove(&node);
+    }
+
+    /// Notes the drain progress of session `id` of the node: whether its drain is done
+    /// (ignored when it is not the live session).
+    pub fn note_drain_progress(&mut self, node: &NodeId, id: u64, done: bool) {
+        if let Some(s) = self.sessions.get_mut(node).filter(|s| s.id == id) {
+            s.drain_done = done;
+        }
+    }
+
+    /// True when session `id` is the node's live session and its worker's latest drain
+    /// progress said the drain was done.
+    pub fn drain_done(&self, node: &NodeId, id: u64) -> bool {
+        self.sessions.get(node).is_some_and(|s| s.id == id && s.drain_done)
+    }
+
+    /// Records that the node's worker left on purpose (drained, then closed its session).
+    pub fn note_left(&mut self, node: NodeId) {
+        self.left.insert(node);
+    }
+
+    /// True when the node's worker left on purpose this term.
+    pub fn has_left(&self, node: &NodeId) -> bool {
+        self.left.contains(node)
     }
 
     /// Removes the node's session if it is still session `id` (not replaced meanwhile),

@@ -5,7 +5,8 @@
 //! ([`drain::stop_drained`]), feeds each autoscaled deployment's load to the
 //! [`autoscaler`](super::autoscaler) and writes its decisions (`spec.replicas` and
 //! `last_scaling`, one write per change), and applies the [`planner`](super::planner)'s
-//! actions (create, place, remove — by draining, evict).
+//! actions (create, place, remove — by draining, evict), then forgets Dead nodes nothing
+//! refers to any more ([`departure::forget_dead_nodes`]).
 //! Every pass is idempotent; a failed pass (store error, lost compare-and-swap) reloads the
 //! view and is requeued with a short backoff.
 
@@ -21,11 +22,11 @@ use tokio_util::sync::CancellationToken;
 use super::autoscaler::{Autoscaler, Inputs};
 use super::planner::{Action, PlacementDecision, plan};
 use crate::admin::autoscaling_params;
-use crate::cluster::Cluster;
 use crate::cluster::group::{rank_range, stop_group};
 use crate::cluster::registry::send_start;
 use crate::cluster::state::State;
 use crate::cluster::view::member_parts;
+use crate::cluster::{Cluster, departure};
 use crate::drain;
 use crate::error::HeadResult;
 use crate::events::EventKind;
@@ -91,7 +92,8 @@ async fn pass(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
     for a in actions {
         apply(cluster, st, a).await?;
     }
-    Ok(())
+    // After the planner evicted (and replaced) the replicas of dead nodes.
+    departure::forget_dead_nodes(cluster, st).await
 }
 
 /// Observes every autoscaled deployment's load and writes the decisions that are due.
@@ -174,6 +176,8 @@ async fn mark_dead_nodes(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
         let gone = st.disconnected_since(&id).map_or(Duration::ZERO, |t| now.duration_since(t));
         tracing::warn!(node = %id, session_gone_ms = gone.as_millis() as u64, "worker timed out: node Dead, re-placing its replicas");
         rec.state = NodeState::Dead as i32;
+        // When the head last heard from it: the dead-node retention counts from here.
+        rec.last_seen_unix_ms = unix_ms().saturating_sub(u64::try_from(gone.as_millis()).unwrap_or(u64::MAX));
         cluster.put_node(st, rec).await?;
     }
     Ok(())
