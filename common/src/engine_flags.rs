@@ -83,7 +83,9 @@ impl KvCacheDtypeChoice {
 #[derive(Clone, Debug, PartialEq, clap::Args, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct EngineFlags {
-    /// Context length in tokens (default: the model's own).
+    /// Context length in tokens (default: the model's own, capped to what the KV cache
+    /// holds). A value given is served as given: one over the model's context length or the
+    /// KV cache's capacity fails the replica, with a reason saying what fits.
     #[arg(long, env = "PRISM_MAX_MODEL_LEN")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_model_len: Option<u32>,

@@ -30,7 +30,8 @@ use tokio::sync::mpsc;
 pub struct RuntimeConfig {
     /// Served model name (reported in [`ModelInfo`]).
     pub served_model_name: String,
-    /// Context window; `None` = the model's. Capped at the KV cache's capacity.
+    /// Context window; `None` = the model's, capped at the KV cache's capacity. A value given
+    /// is served as given or the engine does not start (see [`EngineHandle::start_with_parts`]).
     pub max_model_len: Option<usize>,
     /// Most sequences running at once.
     pub max_num_seqs: usize,
@@ -113,6 +114,55 @@ pub struct ModelInfo {
     pub cache_namespace: u64,
 }
 
+/// The context window to serve: `configured` when given and it fits, else the model's own
+/// (`model_max_len`) capped to the KV cache's capacity (blocks × block size: the longest
+/// sequence that fits alone).
+///
+/// # Errors
+/// [`EngineError::InvalidRequest`] (`max_model_len`) when `configured` exceeds the model's
+/// context length or the capacity: the message says what fits and which knob gives the
+/// cache more memory.
+fn effective_max_model_len(
+    configured: Option<usize>,
+    model_max_len: usize,
+    backend: &dyn Backend,
+) -> Result<usize, EngineError> {
+    let capacity = backend.num_kv_blocks() * backend.block_size();
+    let Some(wanted) = configured else {
+        if capacity < model_max_len {
+            tracing::info!(
+                model_max_len,
+                capacity,
+                "max_model_len not set: the model's context length capped to what the KV cache holds"
+            );
+        }
+        return Ok(model_max_len.min(capacity));
+    };
+    if wanted > model_max_len {
+        return Err(EngineError::InvalidRequest {
+            field: "max_model_len",
+            message: format!(
+                "max_model_len {wanted} is larger than the model's context length {model_max_len}; \
+                 set it to at most {model_max_len}, or leave it unset to use the model's"
+            ),
+        });
+    }
+    if wanted > capacity {
+        let memory_knob = if backend.name() == "cpu" { "kv_cache_bytes" } else { "gpu_memory_utilization" };
+        return Err(EngineError::InvalidRequest {
+            field: "max_model_len",
+            message: format!(
+                "max_model_len {wanted} does not fit in the KV cache, which holds {capacity} tokens ({} \
+                 blocks of {}); lower max_model_len to at most {capacity}, leave it unset to fit the \
+                 cache, or give the cache more memory ({memory_knob})",
+                backend.num_kv_blocks(),
+                backend.block_size()
+            ),
+        });
+    }
+    Ok(wanted)
+}
+
 struct Inner {
     tx: Mutex<Option<Sender<Command>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -141,21 +191,21 @@ impl std::fmt::Debug for EngineHandle {
 impl EngineHandle {
     /// Starts the step thread over ready-made parts.
     ///
+    /// The context window served is `cfg.max_model_len` when given, else the model's own
+    /// capped to what the KV cache holds (vLLM's auto-fit: one sequence of that length fits).
+    ///
     /// # Errors
     /// [`EngineError::Internal`] when the thread cannot be spawned or the backend has no
-    /// KV-cache blocks.
+    /// KV-cache blocks; [`EngineError::InvalidRequest`] (field `max_model_len`) when
+    /// `cfg.max_model_len` exceeds the model's context length or the KV cache's capacity
+    /// (vLLM refuses to start then too, rather than serve a shorter context than asked for).
     pub fn start_with_parts(parts: EngineParts, cfg: RuntimeConfig) -> Result<Self, EngineError> {
         let block_size = parts.backend.block_size();
         let num_blocks = parts.backend.num_kv_blocks();
         if num_blocks == 0 || block_size == 0 {
             return Err(EngineError::Internal("the KV cache has no blocks; raise kv_cache_bytes".into()));
         }
-        let capacity = num_blocks * block_size;
-        let wanted = cfg.max_model_len.unwrap_or(parts.model_max_len).min(parts.model_max_len);
-        let max_model_len = wanted.min(capacity);
-        if max_model_len < wanted {
-            tracing::warn!(wanted, capacity, "max_model_len capped to the KV cache's capacity");
-        }
+        let max_model_len = effective_max_model_len(cfg.max_model_len, parts.model_max_len, &*parts.backend)?;
         let info = ModelInfo {
             served_model_name: cfg.served_model_name.clone(),
             max_model_len,

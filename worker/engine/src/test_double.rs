@@ -256,6 +256,34 @@ mod tests {
         wait_idle(&tiny);
     }
 
+    /// Unset, the context window is the model's own capped to the KV cache (auto-fit); a
+    /// value given is served as given, and one the model or the cache cannot hold stops the
+    /// engine from starting (field `max_model_len`) instead of being lowered.
+    #[test]
+    fn max_model_len_is_fitted_when_unset_and_refused_when_given_and_too_long() {
+        let start = |num_blocks: usize, max_model_len: Option<usize>| {
+            let parts = EngineParts {
+                backend: Box::new(PagedEchoBackend::new(num_blocks, 4)),
+                codec: Arc::new(ByteCodec::new()),
+                eos_ids: vec![EOS],
+                model_max_len: 512,
+                control: Default::default(),
+            };
+            EngineHandle::start_with_parts(parts, RuntimeConfig { max_model_len, ..RuntimeConfig::default() })
+        };
+        let len = |r: Result<EngineHandle, EngineError>| r.expect("engine starts").model_info().max_model_len;
+        assert_eq!(len(start(64, None)), 256, "the model's 512 capped to 64 blocks of 4");
+        assert_eq!(len(start(256, None)), 512, "the model's own when the cache holds it");
+        assert_eq!(len(start(64, Some(256))), 256, "exactly the capacity fits");
+        assert_eq!(len(start(64, Some(100))), 100);
+        for (blocks, wanted) in [(64, 257), (256, 513)] {
+            match start(blocks, Some(wanted)) {
+                Err(EngineError::InvalidRequest { field: "max_model_len", .. }) => {}
+                other => panic!("max_model_len {wanted} on {blocks} blocks: expected a refusal, got {other:?}"),
+            }
+        }
+    }
+
     fn greedy_engine(num_blocks: usize, rt: RuntimeConfig) -> EngineHandle {
         let mut b = PagedEchoBackend::new(num_blocks, 4);
         b.device_greedy = true;
