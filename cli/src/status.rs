@@ -1,8 +1,10 @@
-//! `prism status`: the cluster as the head sees it — nodes (GPUs, state, cordon), deployments
+//! `prism status`: the cluster as the head sees it — nodes (GPUs or, on nodes without GPUs,
+//! CPU slots; state, cordon), deployments
 //! (ready / current / target replicas, autoscaling bounds, prefix-cache hit rate and the
 //! autoscaler's last decision with its reason and age), replicas (node, GPU group, state, reason) and their load — as
 //! readable tables. A replica of more than one rank shows its ranks per node (RANKS,
-//! e.g. `node-a:0-1 node-b:2-3` for a group across two nodes; NODE / GPUS are the driver's).
+//! e.g. `node-a:0-1 node-b:2-3` for a group across two nodes; NODE / GPUS / CPU SLOTS are the
+//! driver's; a replica on a node without GPUs shows its CPU slots, and `-` under GPUS).
 
 use crate::client::{self, status_error};
 use crate::table::Table;
@@ -10,7 +12,7 @@ use anyhow::Result;
 use prism_common::proto::v1::{
     ClusterStatusRequest, ClusterStatusResponse, LoadReport, NodeRecord, NodeState, ReplicaRecord, ReplicaState,
 };
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// `Ready` from `REPLICA_STATE_READY` (the enum's name without its prefix, capitalised).
 fn pretty(name: &str, prefix: &str) -> String {
@@ -115,16 +117,17 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
     let leader = if status.leader.is_empty() { "?" } else { status.leader.as_str() };
     out.push_str(&format!("Head leader: {leader}\n\n"));
 
-    let mut nodes = Table::new(&["NODE", "ADDRESS", "STATE", "SCHED", "DRAIN", "GPUS", "LABELS"]);
+    let mut nodes = Table::new(&["NODE", "ADDRESS", "STATE", "SCHED", "DRAIN", "GPUS", "CPU SLOTS", "LABELS"]);
     for node in &status.nodes {
         let inv = node.inventory.clone().unwrap_or_default();
-        let gpus = if inv.gpus.is_empty() {
-            format!("cpu x{}", inv.cpu_slots)
+        // A node offers GPUs, or CPU slots when it has none (the placer counts one or the other).
+        let (gpus, cpu_slots) = if inv.gpus.is_empty() {
+            ("-".to_owned(), inv.cpu_slots.to_string())
         } else {
             let names: Vec<String> =
                 inv.gpus.iter().map(|g| format!("{}:{} {}GiB", g.index, g.name, g.memory_bytes >> 30)).collect();
             let sim = if inv.simulated_gpus { " (simulated)" } else { "" };
-            format!("{}{sim}", names.join(", "))
+            (format!("{}{sim}", names.join(", ")), "-".to_owned())
         };
         let mut labels: Vec<String> = inv.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
         labels.sort();
@@ -137,6 +140,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
             sched.into(),
             drain,
             gpus,
+            cpu_slots,
             labels.join(","),
         ]);
     }
@@ -206,19 +210,42 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
     }
 
     let load: HashMap<&str, &LoadReport> = status.load.iter().map(|l| (l.replica_id.as_str(), l)).collect();
-    let mut replicas =
-        Table::new(&["REPLICA", "DEPLOYMENT", "NODE", "GPUS", "STATE", "RUNNING", "WAITING", "KV", "RANKS", "REASON"]);
+    let cpu_nodes: HashSet<&str> = status
+        .nodes
+        .iter()
+        .filter_map(|n| n.inventory.as_ref())
+        .filter(|i| i.gpus.is_empty())
+        .map(|i| i.node_id.as_str())
+        .collect();
+    let mut replicas = Table::new(&[
+        "REPLICA",
+        "DEPLOYMENT",
+        "NODE",
+        "GPUS",
+        "CPU SLOTS",
+        "STATE",
+        "RUNNING",
+        "WAITING",
+        "KV",
+        "RANKS",
+        "REASON",
+    ]);
     for r in &status.replicas {
         let (running, waiting, kv) = load.get(r.replica_id.as_str()).map_or_else(
             || ("-".to_owned(), "-".to_owned(), "-".to_owned()),
             |l| (l.running.to_string(), l.waiting.to_string(), format!("{:.0}%", l.kv_cache_usage * 100.0)),
         );
         let node = if r.node_id.is_empty() { "-".to_owned() } else { r.node_id.clone() };
+        // The record's slots are GPU indices, or CPU slot indices on a node without GPUs.
+        let slots = if r.gpu_indices.is_empty() { "-".to_owned() } else { join_indices(&r.gpu_indices) };
+        let (gpus, cpu_slots) =
+            if cpu_nodes.contains(r.node_id.as_str()) { ("-".to_owned(), slots) } else { (slots, "-".to_owned()) };
         replicas.row(vec![
             r.replica_id.clone(),
             r.deployment.clone(),
             node,
-            join_indices(&r.gpu_indices),
+            gpus,
+            cpu_slots,
             replica_state_name(r.state),
             running,
             waiting,
@@ -293,7 +320,55 @@ mod tests {
         assert!(text.contains("cordoned"), "{text}");
         let replica_line = text.lines().find(|l| l.starts_with("smol-1234abcd")).unwrap_or_default();
         let cells: Vec<&str> = replica_line.split_whitespace().collect();
-        assert_eq!(cells, ["smol-1234abcd", "smol", "w1", "0", "Ready", "3", "1", "25%"]);
+        assert_eq!(cells, ["smol-1234abcd", "smol", "w1", "0", "-", "Ready", "3", "1", "25%"]);
+    }
+
+    #[test]
+    fn cpu_nodes_show_cpu_slots_and_no_gpus() {
+        let node = |id: &str, inv: NodeInventory| NodeRecord {
+            inventory: Some(NodeInventory { node_id: id.into(), ..inv }),
+            state: NodeState::Ready as i32,
+            ..NodeRecord::default()
+        };
+        let replica = |id: &str, node: &str, slots: Vec<u32>| ReplicaRecord {
+            replica_id: id.into(),
+            deployment: "smol".into(),
+            node_id: node.into(),
+            gpu_indices: slots,
+            state: ReplicaState::Ready as i32,
+            ..ReplicaRecord::default()
+        };
+        let h200 = GpuInfo { index: 0, name: "H200".into(), memory_bytes: 141 << 30 };
+        let status = ClusterStatusResponse {
+            nodes: vec![
+                node("cpu-1", NodeInventory { cpu_slots: 2, ..NodeInventory::default() }),
+                node("gpu-1", NodeInventory { gpus: vec![h200], ..NodeInventory::default() }),
+            ],
+            replicas: vec![
+                replica("on-cpu", "cpu-1", vec![1]),
+                replica("on-gpu", "gpu-1", vec![0]),
+                ReplicaRecord {
+                    replica_id: "waiting".into(),
+                    deployment: "smol".into(),
+                    state: ReplicaState::Pending as i32,
+                    ..ReplicaRecord::default()
+                },
+            ],
+            ..ClusterStatusResponse::default()
+        };
+        let text = render_at(&status, 0);
+        let cells = |first: &str| -> Vec<String> {
+            let line = text.lines().find(|l| l.starts_with(first)).unwrap_or_default();
+            line.split_whitespace().map(str::to_owned).collect()
+        };
+        assert!(text.contains("GPUS") && text.contains("CPU SLOTS"), "{text}");
+        // Nodes: NODE ADDRESS(empty here) STATE SCHED DRAIN GPUS CPU SLOTS.
+        assert_eq!(cells("cpu-1")[4..], ["-", "2"], "{text}");
+        assert_eq!(cells("gpu-1")[4..], ["0:H200", "141GiB", "-"], "{text}");
+        // Replicas: REPLICA DEPLOYMENT NODE GPUS CPU SLOTS STATE.
+        assert_eq!(cells("on-cpu")[..6], ["on-cpu", "smol", "cpu-1", "-", "1", "Ready"], "{text}");
+        assert_eq!(cells("on-gpu")[..6], ["on-gpu", "smol", "gpu-1", "0", "-", "Ready"], "{text}");
+        assert_eq!(cells("waiting")[..6], ["waiting", "smol", "-", "-", "-", "Pending"], "{text}");
     }
 
     #[test]
