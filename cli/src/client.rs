@@ -193,29 +193,92 @@ pub async fn router(addr: &str) -> Result<InferenceServiceClient<Channel>> {
     Ok(InferenceServiceClient::new(channel(addr, "router").await?))
 }
 
-/// Turns a head's gRPC status into a readable error (`NotFound: deployment "x" does not
-/// exist`); an authentication failure names the head's credential flags.
+/// Turns a head's gRPC status into a readable error: the head's message, led by what the
+/// status code means when the message does not already say it (`deployment "x" not found`,
+/// `unavailable: not the leader; …`); an authentication failure names the head's
+/// credential flags.
 pub fn status_error(status: tonic::Status) -> anyhow::Error {
-    readable(&status, "give the head's token with --token, PRISM_TOKEN or --token-file")
+    anyhow::anyhow!(readable(&status, "give the head's token with --token, PRISM_TOKEN or --token-file"))
 }
 
 /// As [`status_error`] for the router's `InferenceService`, whose credential is an API key.
 pub fn router_status_error(status: tonic::Status) -> anyhow::Error {
-    readable(&status, "give the router's API key with --api-key or PRISM_API_KEY")
+    anyhow::anyhow!(readable(&status, "give the router's API key with --api-key or PRISM_API_KEY"))
 }
 
-fn readable(status: &tonic::Status, auth_hint: &str) -> anyhow::Error {
+/// What a gRPC status code means, in the words a user reads in an error.
+fn code_meaning(code: tonic::Code) -> &'static str {
+    use tonic::Code;
+    match code {
+        Code::Ok => "ok",
+        Code::Cancelled => "cancelled",
+        Code::Unknown => "failed",
+        Code::InvalidArgument => "invalid request",
+        Code::DeadlineExceeded => "timed out",
+        Code::NotFound => "not found",
+        Code::AlreadyExists => "already exists",
+        Code::PermissionDenied => "permission denied",
+        Code::ResourceExhausted => "over capacity",
+        Code::FailedPrecondition => "refused",
+        Code::Aborted => "conflict",
+        Code::OutOfRange => "out of range",
+        Code::Unimplemented => "not supported by the server",
+        Code::Internal => "internal error",
+        Code::Unavailable => "unavailable",
+        Code::DataLoss => "data lost",
+        Code::Unauthenticated => "not authenticated",
+    }
+}
+
+/// The error text for `status`: its message, prefixed with the code's meaning unless the
+/// message already says it, and `auth_hint` after an authentication or permission refusal.
+fn readable(status: &tonic::Status, auth_hint: &str) -> String {
+    let meaning = code_meaning(status.code());
+    let message = status.message().trim();
+    let text = if message.is_empty() {
+        meaning.to_owned()
+    } else if message.to_ascii_lowercase().contains(meaning) {
+        message.to_owned()
+    } else {
+        format!("{meaning}: {message}")
+    };
     match status.code() {
-        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
-            anyhow::anyhow!("{:?}: {} ({auth_hint})", status.code(), status.message())
-        }
-        code => anyhow::anyhow!("{code:?}: {}", status.message()),
+        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => format!("{text} ({auth_hint})"),
+        _ => text,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn status_errors_read_as_sentences_with_the_code_in_words() {
+        let hint = "give a token";
+        let cases = [
+            (tonic::Status::not_found("deployment \"x\" not found"), "deployment \"x\" not found"),
+            (
+                tonic::Status::invalid_argument("replicas 5 > max_replicas 2"),
+                "invalid request: replicas 5 > max_replicas 2",
+            ),
+            (tonic::Status::unavailable("not the leader; leader is h2"), "unavailable: not the leader; leader is h2"),
+            (tonic::Status::aborted("conflicting update of /k; retry"), "conflicting update of /k; retry"),
+            (tonic::Status::internal(""), "internal error"),
+            (
+                tonic::Status::unauthenticated("ClusterStatus needs a token"),
+                "not authenticated: ClusterStatus needs a token (give a token)",
+            ),
+            (
+                tonic::Status::permission_denied("role read may not call ScaleDeployment"),
+                "permission denied: role read may not call ScaleDeployment (give a token)",
+            ),
+        ];
+        for (status, want) in cases {
+            let got = readable(&status, hint);
+            assert_eq!(got, want);
+            assert!(!got.contains(&format!("{:?}", status.code())), "{got}");
+        }
+    }
 
     #[test]
     fn normalize_adds_scheme_only_when_missing() {

@@ -2,7 +2,7 @@
 //! - `prism_scale_and_delete_name_the_deployment_and_what_cannot_be_placed`: against a real
 //!   head and one worker offering one CPU slot (the bundled model; skipped when absent unless
 //!   `PRISM_REQUIRE_MODEL=1`): an unknown deployment is named as given, never as a Rust
-//!   value, by `prism delete` and `prism scale`; `prism scale` past the cluster's room is
+//!   value nor after a gRPC code's name, by `prism delete` and `prism scale`; `prism scale` past the cluster's room is
 //!   accepted, in the right number, with a notice of how many replicas stay Pending and why.
 //! - `prism_up_refuses_an_empty_served_model_name_at_once`: no waiting for a name that no
 //!   client could ask for.
@@ -41,6 +41,8 @@ async fn prism_scale_and_delete_name_the_deployment_and_what_cannot_be_placed() 
             assert!(!out.status.success(), "prism {args:?} succeeded");
             assert!(err.contains("deployment \"nope\" not found"), "prism {args:?}: {err}");
             assert!(!err.contains("DeploymentName"), "prism {args:?}: {err}");
+            // A sentence, not the gRPC code's name.
+            assert!(!err.contains("NotFound"), "prism {args:?}: {err}");
         }
 
         cluster.deploy(&Deployment::new(&model).replicas(1))?;

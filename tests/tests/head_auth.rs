@@ -144,7 +144,7 @@ async fn roles_and_audit(cluster: &mut Cluster) -> Result<()> {
     assert!(admin_out.contains("w1"), "{admin_out}");
     let e = prism_cli(&["--head", cluster.head_url(), "status"]).expect_err("no token");
     let e = format!("{e:#}");
-    assert!(e.contains("Unauthenticated: ClusterStatus needs a token") && e.contains("--token"), "{e}");
+    assert!(e.contains("not authenticated: ClusterStatus needs a token") && e.contains("--token"), "{e}");
 
     // One audit line per admin action: the fixture's deploy, 6 refused anonymously, 6 + 1
     // refused for the read token, 6 for the worker token, 6 done by the admin.

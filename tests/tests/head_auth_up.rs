@@ -18,7 +18,7 @@ async fn checks(up: &mut PrismUp) -> Result<()> {
     assert_eq!(r.status().as_u16(), 200, "the embedded router watches routes with its own token");
 
     let e = prism_cli(&["--head", &ep.head, "status"]).expect_err("no token");
-    assert!(format!("{e:#}").contains("Unauthenticated: ClusterStatus needs a token"), "{e:#}");
+    assert!(format!("{e:#}").contains("not authenticated: ClusterStatus needs a token"), "{e:#}");
     let out = prism_cli(&["--head", &ep.head, "--token-file", &file, "status"])?;
     assert!(out.contains("smollm2-135m-instruct"), "{out}");
     let out = prism_cli(&["--head", &ep.head, "--token-file", &file, "scale", "smollm2-135m-instruct", "1"])?;
