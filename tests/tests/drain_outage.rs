@@ -4,7 +4,7 @@
 //!   streams keep completing token-exact while it is down (routers fail static, workers keep
 //!   serving); the restarted head rebuilds state from etcd: the deployment and the same
 //!   replicas come back without resubmission, and it never reports leadership with zero
-//!   deployments.
+//!   deployments; the workers log the lost session as a gRPC code and message.
 //! - `all_workers_killed_then_back`: SIGKILL every worker: requests fail fast with
 //!   UNAVAILABLE (no hang: at once while the dead replicas are listed and ejected; once the
 //!   head has removed them the model has no Ready replica, so a request waits in the router's
@@ -53,6 +53,16 @@ async fn head_restart(cluster: &mut Cluster) -> Result<()> {
     let report = load.stop().await?;
     report.check()?;
     eprintln!("head restart: {} streams token-exact across it", report.ok);
+    // Each worker logged losing its head session as a code and a message, not as a dump of
+    // the gRPC status (its code's description, quoted message and the cause's Debug form).
+    for w in &cluster.workers {
+        let log = w.process.stderr();
+        let lost: Vec<&str> = log.lines().filter(|l| l.contains("head session ended; reconnecting")).collect();
+        assert!(!lost.is_empty(), "{} did not log losing its head session:\n{log}", w.node);
+        for line in lost {
+            assert!(!line.contains("code: '") && !line.contains("source: "), "{line}");
+        }
+    }
     Ok(())
 }
 

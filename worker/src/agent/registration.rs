@@ -59,6 +59,24 @@ pub fn leader_hint(status: &tonic::Status) -> Option<String> {
     None
 }
 
+/// A head's gRPC status as one log-friendly line: its code, its message and, for transport
+/// failures, the chain of causes (`Unavailable: not the leader; leader is unknown`), instead
+/// of `tonic::Status`'s own `Display` (the code's description, the quoted message and the
+/// cause's `Debug` dump).
+pub fn status_line(status: &tonic::Status) -> String {
+    let mut line = format!("{:?}: {}", status.code(), status.message());
+    let mut cause = std::error::Error::source(status);
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !text.is_empty() && !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        cause = c.source();
+    }
+    line
+}
+
 /// How long a refused worker keeps trying past the moment the head said the live session
 /// would end (the head notices the silence on its next check; retries are up to a second apart).
 const REFUSAL_MARGIN: Duration = Duration::from_secs(3);
@@ -207,7 +225,7 @@ async fn session(agent: &Arc<Agent>, target: &str, shutdown: &CancellationToken)
                 .map(Duration::from_millis);
             return SessionEnd::NodeIdInUse { message: s.message().to_owned(), expires_in };
         }
-        Err(s) => return SessionEnd::Failed { error: s.to_string(), leader: leader_hint(&s) },
+        Err(s) => return SessionEnd::Failed { error: status_line(&s), leader: leader_hint(&s) },
     };
     tracing::info!(head = %target, node = %agent.node_id(), "registered with head");
     agent.set_registered(true);
@@ -222,7 +240,7 @@ async fn session(agent: &Arc<Agent>, target: &str, shutdown: &CancellationToken)
             m = inbound.message() => match m {
                 Ok(Some(m)) => { handle(agent, m); None }
                 Ok(None) => return failed("head closed the stream".into()),
-                Err(s) => return SessionEnd::Failed { error: s.to_string(), leader: leader_hint(&s) },
+                Err(s) => return SessionEnd::Failed { error: status_line(&s), leader: leader_hint(&s) },
             },
             c = changes.changed() => match c {
                 Ok(()) => Some(msg(worker_message::Msg::Status(agent.status_snapshot()))),
@@ -281,6 +299,18 @@ fn handle(agent: &Arc<Agent>, m: pb::HeadMessage) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_logs_as_its_code_and_message_only() {
+        let mut s = tonic::Status::with_details(tonic::Code::Unavailable, "not the leader", vec![1, 2, 3].into());
+        s.metadata_mut().insert("prism-leader", tonic::metadata::MetadataValue::from_static("10.0.0.2:50050"));
+        assert_eq!(status_line(&s), "Unavailable: not the leader");
+        let cause = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "connection reset by peer");
+        let s = tonic::Status::from_error(Box::new(cause));
+        let line = status_line(&s);
+        assert!(line.starts_with("Unknown: ") && line.contains("connection reset by peer"), "{line}");
+        assert!(!line.contains("metadata") && !line.contains("details"), "{line}");
+    }
 
     #[test]
     fn leader_hint_from_metadata_and_message() {
