@@ -214,6 +214,6 @@ mod tests {
         let head = client::status_error(denied()).to_string();
         assert!(head.contains("--token") && !head.contains("--api-key"), "{head}");
         let other = client::router_status_error(tonic::Status::invalid_argument("bad")).to_string();
-        assert_eq!(other, "InvalidArgument: bad");
+        assert_eq!(other, "invalid request: bad");
     }
 }
