@@ -344,6 +344,12 @@ impl Metrics {
         self.dispatches.get_or_create(&vec![("replica_id".to_owned(), replica_id.to_owned())]).inc();
     }
 
+    /// Drops the dispatch counter of a replica that left the route table (with nothing in
+    /// flight), so that replica churn does not grow the exposition without bound.
+    pub fn forget_replica(&self, replica_id: &str) {
+        self.dispatches.remove(&vec![("replica_id".to_owned(), replica_id.to_owned())]);
+    }
+
     /// Counts a request refused for its API key.
     pub fn auth_rejected(&self, reason: &str) {
         self.auth_rejected.get_or_create(&vec![("reason".to_owned(), reason.to_owned())]).inc();

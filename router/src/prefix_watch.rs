@@ -167,6 +167,11 @@ impl Replica {
                         }
                         let (confirmed, expected) = (ix.confirmed_len(), ix.expected_len(Instant::now()));
                         drop(ix);
+                        // Stopped: the replica left and its gauges were dropped; setting
+                        // them now would bring its series back for good.
+                        if self.stop.is_cancelled() {
+                            return;
+                        }
                         self.metrics.set_prefix_index(&self.id, confirmed, expected);
                     }
                     self.cache.index().clear_confirmed();

@@ -407,7 +407,15 @@ impl Routes {
             }));
         }
         let live: std::collections::HashSet<&str> = models.values().flatten().map(|r| r.replica_id.as_str()).collect();
-        self.inner.stats.retain(|k, v| live.contains(k.as_str()) || v.in_flight.load(Ordering::Relaxed) > 0);
+        // A replica's per-replica series go with its stats: once it is unlisted and idle (one
+        // with requests in flight may still be counted, e.g. by a retry that picked it).
+        self.inner.stats.retain(|k, v| {
+            let keep = live.contains(k.as_str()) || v.in_flight.load(Ordering::Relaxed) > 0;
+            if !keep {
+                self.inner.metrics.forget_replica(k);
+            }
+            keep
+        });
         // A replica that left takes its prefix index along (a replacement starts cold).
         self.inner.caches.retain(|k, _| live.contains(k.as_str()));
         // Load-only updates arrive about once a second per worker: log membership/state changes only.
@@ -598,6 +606,36 @@ mod tests {
             models: vec![],
         });
         assert!(!routes.lists("m", "a"));
+    }
+
+    /// `prism_router_replica_dispatches_total` has a series per replica: one that leaves the
+    /// table loses it once nothing is in flight on it, so replica churn does not grow it.
+    #[test]
+    fn a_replica_that_leaves_takes_its_dispatch_series_along() {
+        let metrics = Metrics::new();
+        let routes = Routes::new(4, metrics.clone());
+        let table = |version, ids: &[&str]| RouteTable {
+            unavailable: vec![],
+            term: 0,
+            version,
+            routes: ids.iter().map(|id| entry(id, "m", ReplicaState::Ready)).collect(),
+            models: vec!["m".into()],
+        };
+        let series = |id: &str| format!("prism_router_replica_dispatches_total{{replica_id=\"{id}\"}}");
+        routes.apply(table(1, &["a", "b", "c"]));
+        for id in ["a", "b", "c"] {
+            metrics.dispatched(id);
+        }
+        routes.snapshot().models["m"][2].stats.in_flight.store(1, Ordering::Relaxed);
+        routes.apply(table(2, &["b"]));
+        let text = metrics.encode();
+        assert!(!text.contains(&series("a")), "{text}");
+        assert!(text.contains(&series("b")) && text.contains(&series("c")), "c still has a request in flight: {text}");
+        let c = routes.inner.stats.get("c").map(|s| Arc::clone(s.value()));
+        c.iter().for_each(|s| s.in_flight.store(0, Ordering::Relaxed));
+        routes.apply(table(3, &["b"]));
+        let text = metrics.encode();
+        assert!(!text.contains(&series("c")) && text.contains(&series("b")), "{text}");
     }
 
     /// A deposed head that has not noticed yet may still send a table (an empty one, say):
