@@ -40,12 +40,25 @@ pub enum PromptSpec {
     IdLists(Vec<Vec<u32>>),
 }
 
-/// `stream_options`.
+/// `stream_options`: only with `stream: true`, as in vLLM. Keys other than `include_usage`
+/// (vLLM's `continuous_usage_stats`, OpenAI's `include_obfuscation`, …) are accepted and
+/// ignored, as vLLM's request models ignore unknown fields.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
     /// Send a last chunk with `usage` (and `"usage": null` on the others).
     #[serde(default)]
     pub include_usage: Option<bool>,
+    /// The other keys (ignored; kept so that a non-empty object counts as set).
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, Value>,
+}
+
+impl StreamOptions {
+    /// Whether the object says anything: vLLM refuses a non-empty `stream_options` without
+    /// `stream: true` and lets `{}` pass.
+    fn is_set(&self) -> bool {
+        self.include_usage.is_some() || !self.other.is_empty()
+    }
 }
 
 /// `max_tokens` of a `/v1/completions` request that does not send the field, as OpenAI's
@@ -379,6 +392,9 @@ impl SamplingFields {
         echo: bool,
         absent_max_tokens: Option<i64>,
     ) -> Result<SamplingParams, ApiError> {
+        if self.stream != Some(true) && self.stream_options.as_ref().is_some_and(StreamOptions::is_set) {
+            return Err(ApiError::invalid("stream_options", "stream_options can only be set when stream is true"));
+        }
         let (field, max_tokens) = match (self.max_completion_tokens, self.max_tokens) {
             (Some(m), _) => ("max_completion_tokens", Some(m)),
             (None, Some(m)) => ("max_tokens", m),

@@ -235,3 +235,39 @@ fn completions_refuse_chat_template_fields() {
         parse(serde_json::json!({"model": "m", "prompt": "hi", field: null})).expect("null is absent");
     }
 }
+
+/// vLLM's rule: a non-empty `stream_options` needs `stream: true` (400 naming it otherwise),
+/// `{}` and `null` pass; unknown keys inside are ignored, as vLLM's models ignore extras.
+#[test]
+fn stream_options_need_stream_true() {
+    let with = |extra: serde_json::Value| {
+        let completion = {
+            let mut v = serde_json::json!({"model": "m", "prompt": "hi"});
+            for (k, x) in extra.as_object().expect("object") {
+                v[k] = x.clone();
+            }
+            parse(v)
+        };
+        (completion, chat(extra))
+    };
+    for off in [serde_json::json!({}), serde_json::json!({"stream": false}), serde_json::json!({"stream": null})] {
+        for options in [serde_json::json!({"include_usage": true}), serde_json::json!({"continuous_usage_stats": true})]
+        {
+            let mut body = off.clone();
+            body["stream_options"] = options;
+            let (c, ch) = with(body.clone());
+            for e in [c.expect_err("completions"), ch.expect_err("chat")] {
+                assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("stream_options")), "{body}");
+            }
+        }
+    }
+    for ok in [
+        serde_json::json!({"stream_options": {}}),
+        serde_json::json!({"stream": false, "stream_options": null}),
+        serde_json::json!({"stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true,
+                                                               "include_obfuscation": false, "unknown": 1}}),
+    ] {
+        let (c, ch) = with(ok.clone());
+        assert!(c.is_ok() && ch.is_ok(), "{ok}: {c:?} {ch:?}");
+    }
+}
