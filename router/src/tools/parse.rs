@@ -9,7 +9,8 @@
 //!
 //! - `hermes`: each call is `<tool_call>{"name": "f", "arguments": {...}}</tool_call>`
 //!   (`arguments` may be JSON text; `parameters` is accepted too); an unclosed `<tool_call>`
-//!   at the end of the output is parsed as a call when its JSON is complete.
+//!   at the end of the output (cut by `max_tokens`, maybe inside `</tool_call>`) is parsed as
+//!   a call when its JSON is complete.
 //! - `llama3_json`: the output is calls when it starts (after whitespace and an optional
 //!   `<|python_tag|>`) with `{`: JSON objects `{"name": "f", "parameters": {...}}`
 //!   (`arguments` accepted), separated by `;` or whitespace; otherwise it is all content.
@@ -197,7 +198,10 @@ impl ToolParser {
                     None if end => {
                         let body = std::mem::take(&mut self.buf);
                         self.state = State::Text;
-                        match serde_json::from_str::<Value>(body.trim()).ok().as_ref().and_then(call_of) {
+                        // Output cut inside the closing tag (`max_tokens` ran out at `</tool_call`)
+                        // still holds a whole call.
+                        let json = &body[..body.len() - partial_tag(&body, HERMES_CLOSE)];
+                        match serde_json::from_str::<Value>(json.trim()).ok().as_ref().and_then(call_of) {
                             Some((name, args)) => self.call(name, args, out),
                             None => self.content(&format!("{HERMES_OPEN}{body}"), out),
                         }

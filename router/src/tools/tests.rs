@@ -214,6 +214,13 @@ fn hermes_calls_text_around_and_fragments() {
     );
     assert_eq!(content, "");
     assert_eq!(calls, [("f".to_owned(), r#"{"x":1}"#.to_owned()), ("g".to_owned(), r#"{"y":[1]}"#.to_owned())]);
+    // Output cut inside the last call's closing tag, as `max_tokens` leaves it.
+    for cut in ["\n</", "\n</tool_call", "</tool_call"] {
+        let text = format!("<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"Paris\"}}}}{cut}");
+        let (content, calls) = every_split(ParserKind::Hermes, &text);
+        assert_eq!(content, "", "{text:?}");
+        assert_eq!(calls, [("get_weather".to_owned(), r#"{"city":"Paris"}"#.to_owned())], "{text:?}");
+    }
     // Plain text, with things that look like the tag's start.
     let plain = "a < b and <tool or <tool_cal; done <";
     assert_eq!(every_split(ParserKind::Hermes, plain), (plain.to_owned(), vec![]));
