@@ -1,5 +1,7 @@
-//! The head's HTTP endpoints: `/healthz` (process up), `/readyz` (200 only on the leader,
-//! so a Kubernetes Service reaches the leader), `/metrics` (Prometheus text) and
+//! The head's HTTP endpoints: `/healthz` (process up, from the moment the head starts, store
+//! open or not), `/readyz` (200 only on the leader, so a Kubernetes Service reaches the
+//! leader; 503 saying so while the state store is not open yet), `/metrics` (Prometheus
+//! text) and
 //! `/v1/events` (the recent control-plane events as JSON: `{"events": [...]}`, oldest
 //! first; see `events.rs`). With `--auth-token-file` the event log needs a `read` or
 //! `admin` bearer token (it names deployments, replicas and failure reasons); the probes
@@ -12,17 +14,45 @@ use axum::extract::State as AxState;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::Rpc;
 use crate::cluster::Cluster;
 use crate::election::Leadership;
+use crate::metrics::Metrics;
+
+/// What the endpoints read: the cluster once the state store is open, and the metrics
+/// (served before that too, the cluster's gauges at zero).
+#[derive(Clone)]
+pub struct Shared {
+    cluster: watch::Receiver<Option<Arc<Cluster>>>,
+    metrics: Metrics,
+}
+
+impl Shared {
+    /// `cluster` holds `None` until the state store is open; `metrics` are the ones the
+    /// cluster updates.
+    pub fn new(cluster: watch::Receiver<Option<Arc<Cluster>>>, metrics: Metrics) -> Self {
+        Self { cluster, metrics }
+    }
+
+    fn cluster(&self) -> Option<Arc<Cluster>> {
+        self.cluster.borrow().clone()
+    }
+}
+
+/// `/readyz`'s body while the store is not open.
+const STORE_UNREACHABLE: &str = "not ready: state store unreachable; retrying";
 
 async fn healthz() -> &'static str {
     "ok"
 }
 
-async fn readyz(AxState(c): AxState<Arc<Cluster>>) -> impl IntoResponse {
+async fn readyz(AxState(s): AxState<Shared>) -> impl IntoResponse {
+    let Some(c) = s.cluster() else {
+        return (StatusCode::SERVICE_UNAVAILABLE, STORE_UNREACHABLE.to_owned());
+    };
     match c.leadership() {
         Leadership::Leader => (StatusCode::OK, "leader".to_owned()),
         Leadership::Follower { leader } => {
@@ -31,14 +61,19 @@ async fn readyz(AxState(c): AxState<Arc<Cluster>>) -> impl IntoResponse {
     }
 }
 
-async fn metrics(AxState(c): AxState<Arc<Cluster>>) -> impl IntoResponse {
+async fn metrics(AxState(s): AxState<Shared>) -> impl IntoResponse {
     (
         [(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
-        c.metrics().render(),
+        s.metrics.render(),
     )
 }
 
-async fn events(AxState(c): AxState<Arc<Cluster>>, headers: axum::http::HeaderMap) -> axum::response::Response {
+async fn events(AxState(s): AxState<Shared>, headers: axum::http::HeaderMap) -> axum::response::Response {
+    let Some(c) = s.cluster() else {
+        // Nothing is recorded before the store opens: there is no event a token would guard.
+        let body = axum::Json(serde_json::json!({ "error": STORE_UNREACHABLE }));
+        return (StatusCode::SERVICE_UNAVAILABLE, body).into_response();
+    };
     let value = headers.get(axum::http::header::AUTHORIZATION).map(axum::http::HeaderValue::as_bytes);
     if let Err(refused) = c.cfg().auth.authorize(value, Rpc::Events) {
         let status = match refused.status.code() {
@@ -60,7 +95,7 @@ async fn events(AxState(c): AxState<Arc<Cluster>>, headers: axum::http::HeaderMa
 /// # Errors
 /// I/O errors of the listener.
 pub async fn serve(
-    cluster: Arc<Cluster>,
+    shared: Shared,
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
@@ -69,6 +104,6 @@ pub async fn serve(
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/events", get(events))
-        .with_state(cluster);
+        .with_state(shared);
     axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
 }

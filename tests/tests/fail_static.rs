@@ -16,11 +16,14 @@
 //!   follower leads within about the lease TTL and publishes a newer term with the same
 //!   replicas; routers and workers follow it without a failed request.
 //! - `head_started_while_etcd_is_down_leads_once_it_is_back`: a head (re)started during an etcd
-//!   outage keeps retrying the store instead of exiting, and leads once etcd is back.
+//!   outage keeps retrying the store instead of exiting, answers meanwhile (`/healthz` 200,
+//!   `/readyz` 503 naming the store, `/metrics`, gRPC `UNAVAILABLE`), and leads once etcd is
+//!   back; its worker retries and registers again.
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
 use anyhow::{Context, Result, bail, ensure};
+use prism_common::proto::v1::ClusterStatusRequest;
 use prism_tests::{Cluster, Load, eventually, model, reference};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -235,11 +238,16 @@ async fn etcd_quorum_lost_for_30s_routes_stay() -> Result<()> {
 }
 
 /// A head that starts (or restarts) while etcd is down waits for it instead of exiting: it
-/// retries with backoff, and once etcd is back it leads without being started again. No model
-/// needed: etcd and one head.
+/// retries with backoff, and once etcd is back it leads without being started again.
+/// Meanwhile it answers: `/healthz` 200 (a startup probe must not restart it), `/readyz` 503
+/// saying the state store is unreachable, `/metrics`, and `UNAVAILABLE` to every gRPC call
+/// (the tester's repro: ports bound but never accepted, probes and `prism status` hung). Its
+/// worker, which lost its session when the head was killed, keeps retrying through the
+/// `UNAVAILABLE` answers and registers once the head leads. No model needed: etcd, one head
+/// and one worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn head_started_while_etcd_is_down_leads_once_it_is_back() -> Result<()> {
-    let mut cluster = Cluster::builder().workers(0).start().await?;
+    let mut cluster = Cluster::builder().workers(1).start().await?;
     let result = async {
         let Some(etcd) = cluster.etcd_mut() else { bail!("the cluster has no etcd") };
         etcd.kill();
@@ -251,15 +259,52 @@ async fn head_started_while_etcd_is_down_leads_once_it_is_back() -> Result<()> {
         let head = cluster.head_mut();
         ensure!(!head.process.exited(), "the head exited while etcd was down:\n{}", head.process.stderr());
         ensure!(head.process.stderr().contains("state store unavailable; retrying"), "the head says why it waits");
+        answers_without_store(cluster.head()).await?;
         let Some(etcd) = cluster.etcd_mut() else { bail!("the cluster has no etcd") };
         etcd.restart().await?;
         // The backoff is at most 5 s, then the election (lease 5 s at most to take over).
         cluster.wait_leader(Duration::from_secs(30)).await.context("the head leads once etcd is back")?;
+        let ready = http_get(&cluster.head().http, "/readyz").await?;
+        ensure!(ready.0 == 200, "/readyz once leading: {ready:?}");
+        cluster.wait_registered(1, Duration::from_secs(30)).await.context("the worker registers again")?;
+        let worker_log = cluster.workers[0].process.stderr();
+        ensure!(
+            worker_log.contains(prism_head::gate::STORE_UNAVAILABLE),
+            "the worker was answered UNAVAILABLE while the store was away, and retried:\n{worker_log}"
+        );
         Ok(())
     }
     .await;
     if let Err(e) = result {
         bail!("{e:#}\n{}", cluster.logs());
+    }
+    Ok(())
+}
+
+/// Status and body of `GET BASE PATH`, given 5 s.
+async fn http_get(base: &str, path: &str) -> Result<(u16, String)> {
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
+    let response = client.get(format!("{base}{path}")).send().await.with_context(|| format!("GET {path}"))?;
+    Ok((response.status().as_u16(), response.text().await?))
+}
+
+/// What a head whose state store is unreachable answers, each within 5 s.
+async fn answers_without_store(head: &prism_tests::Head) -> Result<()> {
+    let health = http_get(&head.http, "/healthz").await?;
+    ensure!(health.0 == 200, "/healthz while the store is away: {health:?}");
+    let (code, body) = http_get(&head.http, "/readyz").await?;
+    ensure!(code == 503 && body.contains("state store unreachable"), "/readyz while the store is away: {code} {body}");
+    let (code, body) = http_get(&head.http, "/metrics").await?;
+    ensure!(code == 200 && body.contains("prism_head_is_leader"), "/metrics while the store is away: {code}");
+    let call =
+        async { head.client().await?.cluster_status(ClusterStatusRequest {}).await.map_err(anyhow::Error::from) };
+    match tokio::time::timeout(Duration::from_secs(5), call).await {
+        Err(_) => bail!("ClusterStatus did not answer within 5 s while the store is away"),
+        Ok(Ok(_)) => bail!("ClusterStatus answered without a state store"),
+        Ok(Err(e)) => {
+            let status = e.downcast_ref::<tonic::Status>().with_context(|| format!("not a gRPC status: {e:#}"))?;
+            ensure!(status.code() == tonic::Code::Unavailable, "ClusterStatus while the store is away: {status:?}");
+        }
     }
     Ok(())
 }
