@@ -1,7 +1,7 @@
 //! Tests of the response shaping: usage, echo, tool calls.
 
 use super::*;
-use prism_common::proto::v1::Usage;
+use prism_common::proto::v1::{TopLogprob, Usage};
 
 fn last(cached_tokens: u32) -> GenerateResponse {
     GenerateResponse {
@@ -65,7 +65,8 @@ fn echo_prefixes_text_and_logprobs_whole_and_streamed() {
     assert_eq!(c["text"], "Hi there you!");
     assert_eq!(c["logprobs"]["tokens"], json!(["Hi", " there", " you", "!"]));
     assert_eq!(c["logprobs"]["token_logprobs"], json!([null, null, -0.5, -1.0]));
-    assert_eq!(c["logprobs"]["top_logprobs"], json!([null, null, {}, {}]));
+    // `logprobs: 0`: each generated token's entry lists the sampled token alone.
+    assert_eq!(c["logprobs"]["top_logprobs"], json!([null, null, {" you": -0.5}, {"!": -1.0}]));
     assert_eq!(c["logprobs"]["text_offset"], json!([0, 2, 8, 12]));
     assert_eq!(v["usage"]["prompt_tokens"], 2);
 
@@ -211,4 +212,25 @@ fn streamed_chat_sends_tool_call_deltas() {
         assert_eq!(finish, ["tool_calls"]);
         assert!(out.ends_with(sse::DONE));
     }
+}
+
+/// Completions `logprobs: N`: each entry holds the top N and the sampled token, which is
+/// added when it is not among them (up to N + 1 entries, as OpenAI and vLLM return).
+#[test]
+fn completion_top_logprobs_always_hold_the_sampled_token() {
+    let top = |pairs: &[(&str, f32)]| -> Vec<TopLogprob> {
+        pairs.iter().map(|&(t, l)| TopLogprob { token: t.into(), logprob: l, ..Default::default() }).collect()
+    };
+    let mut shaper = Shaper::new(Kind::Completion, "m".into(), 1, true, false);
+    let mut outside = out_token(" z", -3.0, false);
+    outside.logprobs[0].top_logprobs = top(&[(" a", -0.25), (" b", -1.5)]);
+    let mut inside = out_token(" a", -0.25, true);
+    inside.logprobs[0].top_logprobs = top(&[(" a", -0.25), (" b", -1.5)]);
+    shaper.absorb(&outside);
+    shaper.absorb(&inside);
+    let v = shaper.whole();
+    assert_eq!(
+        v["choices"][0]["logprobs"]["top_logprobs"],
+        json!([{" a": -0.25, " b": -1.5, " z": -3.0}, {" a": -0.25, " b": -1.5}])
+    );
 }
