@@ -21,11 +21,18 @@
 //!   its own deadline 504 / DEADLINE_EXCEEDED.
 //! - Waiters are served in order by [`Admission::run`], woken when a dispatched request
 //!   releases its slot (`DispatchGuard` drop), when the route table changes (membership,
-//!   state, or a replica's new load report) and by a short tick (ejections that end).
+//!   state, or a replica's new load report) and by [`PUMP_TICK`]: an ejection that ends sends
+//!   no notification, so the tick is what readmits an ejected replica (within 200 ms).
+//! - Ready replicas that are all out of rotation after failures (ejected: their worker died,
+//!   froze or dropped the connection) make a request wait too, as Ray Serve keeps requests at
+//!   the handle until a replica is available: until an ejection ends (the replica then takes
+//!   one request to find out whether it is back) or the head replaces the replica. Its wait
+//!   bound answers 503 / UNAVAILABLE, not 429, while the model has no usable replica.
+//! - A request whose attempt failed on its replica before the first token (connection
+//!   refused, no response headers, the replica evicted) comes back through
+//!   [`Admission::readmit`]: first in line, with what is left of its `--max-queue-wait`.
 //! - A waiter whose client goes away (its future dropped) leaves the queue at once; a slot
 //!   handed to it in that instant is released with the dropped message.
-//! - Ready replicas that are all out of rotation after failures (ejected) fail a new arrival
-//!   at once with 503, as before: that is a fault, not a lack of capacity.
 
 pub mod queue;
 
@@ -103,8 +110,7 @@ pub enum AdmitError {
     /// No route mentions the model (404).
     #[error("model not found")]
     UnknownModel,
-    /// The model has Ready replicas but none can take work (ejected after failures), or the
-    /// router is shutting down (503).
+    /// The router is shutting down (503).
     #[error("no usable replica")]
     NoneUsable,
     /// A queue bound refused it (429); retry after `retry_after_s` seconds.
@@ -115,7 +121,8 @@ pub enum AdmitError {
         /// Suggested `Retry-After`, seconds.
         retry_after_s: u32,
     },
-    /// It waited for a Ready replica until its wait bound and none came (503).
+    /// It waited for a usable replica (Ready, not ejected) until its wait bound and none came
+    /// (503).
     #[error("no ready replica came in time")]
     NoReplicaInTime {
         /// Suggested `Retry-After`, seconds.
@@ -168,6 +175,11 @@ pub struct Admission {
     inner: Arc<Inner>,
 }
 
+/// Whether `model` has a replica that may take work at `now_ms` (Ready and not ejected).
+fn usable(snap: &RouteSnapshot, model: &str, now_ms: u64) -> bool {
+    snap.models.get(model).is_some_and(|rs| rs.iter().any(|r| r.is_ready() && !r.stats.is_ejected(now_ms)))
+}
+
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, Queues> {
         self.queues.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -185,7 +197,9 @@ impl Inner {
             Ok(a) => Attempt::Go(a),
             Err(SelectError::UnknownModel) => Attempt::Fail(AdmitError::UnknownModel),
             Err(SelectError::AllFull) => Attempt::Wait { no_ready: false },
-            Err(SelectError::NoneReady) if snap.has_ready(model) => Attempt::Fail(AdmitError::NoneUsable),
+            // Ready replicas, all out of rotation after failures: one may come back, or the
+            // head replaces them.
+            Err(SelectError::NoneReady) if snap.has_ready(model) => Attempt::Wait { no_ready: false },
             Err(SelectError::NoneReady) => match snap.unavailable(model) {
                 Some(why) => Attempt::Fail(AdmitError::Unavailable(why)),
                 None => Attempt::Wait { no_ready: true },
@@ -218,7 +232,9 @@ impl Inner {
                     let Some(w) = q.pop_front() else { break };
                     changed = true;
                     self.metrics.queue_waited(now.saturating_duration_since(w.since).as_secs_f64());
-                    q.drain.record(self.sec(now));
+                    if !w.again {
+                        q.drain.record(self.sec(now));
+                    }
                     // A receiver gone in this instant drops the slot with the message.
                     let _ = w.tx.send(Ok(a));
                 }
@@ -250,7 +266,7 @@ impl Inner {
             self.gauges(model, q);
             let retry_after_s = self.retry_after(q, now);
             drop(queues);
-            return Err(if !self.routes.snapshot().has_ready(model) {
+            return Err(if !usable(&self.routes.snapshot(), model, self.routes.now_ms()) {
                 AdmitError::NoReplicaInTime { retry_after_s }
             } else if bound == Bound::Deadline {
                 AdmitError::DeadlineExceeded
@@ -310,17 +326,35 @@ impl Admission {
     /// in the model's queue (within its bounds and until `deadline`) when none is free.
     ///
     /// # Errors
-    /// [`AdmitError`]: unknown model, no usable replica, a bound reached.
+    /// [`AdmitError`]: unknown model, no replica coming, a bound reached, shutdown.
     pub async fn admit(&self, model: &str, hint: RequestHint, deadline: Instant) -> Answer {
+        self.enter(model, hint, deadline, None).await
+    }
+
+    /// A slot for a request whose attempt failed on its replica before the first token (the
+    /// replica is out of rotation now): like [`Admission::admit`], but first in line (it
+    /// arrived before those waiting), its wait bound what is left of `--max-queue-wait` after
+    /// the `waited` it spent queued already, and not counted again in the drain rate.
+    ///
+    /// # Errors
+    /// As [`Admission::admit`].
+    pub async fn readmit(&self, model: &str, hint: RequestHint, deadline: Instant, waited: Duration) -> Answer {
+        self.enter(model, hint, deadline, Some(waited)).await
+    }
+
+    /// [`Admission::admit`] (`waited`: `None`) or [`Admission::readmit`].
+    async fn enter(&self, model: &str, hint: RequestHint, deadline: Instant, waited: Option<Duration>) -> Answer {
         let inner = &*self.inner;
         let now = Instant::now();
+        let again = waited.is_some();
         let (id, mut rx) = {
             let mut queues = inner.lock();
             if queues.closed {
                 return Err(AdmitError::NoneUsable);
             }
             let snap = inner.routes.snapshot();
-            let waiting = queues.models.get(model).is_some_and(|q| !q.is_empty());
+            // A request back after a failed attempt is first in line: it tries at once.
+            let waiting = !again && queues.models.get(model).is_some_and(|q| !q.is_empty());
             let no_ready = if waiting {
                 if !snap.models.contains_key(model) {
                     return Err(AdmitError::UnknownModel);
@@ -332,7 +366,10 @@ impl Admission {
             } else {
                 match inner.try_now(&snap, model, &hint) {
                     Attempt::Go(a) => {
-                        queues.models.entry(model.to_owned()).or_default().drain.record(inner.sec(now));
+                        let q = queues.models.entry(model.to_owned()).or_default();
+                        if !again {
+                            q.drain.record(inner.sec(now));
+                        }
                         return Ok(a);
                     }
                     Attempt::Fail(e) => return Err(e),
@@ -354,7 +391,12 @@ impl Admission {
                 return Err(AdmitError::Rejected { bound, retry_after_s: inner.retry_after(q, now) });
             }
             let (tx, rx) = oneshot::channel();
-            q.push(Waiter { id, tokens: hint.expected_tokens, prefix: hint.prefix.clone(), since: now, tx });
+            let w = Waiter { id, tokens: hint.expected_tokens, prefix: hint.prefix.clone(), since: now, again, tx };
+            if again {
+                q.push_front(w);
+            } else {
+                q.push(w);
+            }
             if waiting {
                 // A slot may have freed since the pump last ran: serve the line in order now.
                 inner.pump_model(model, q, &snap, now);
@@ -366,7 +408,7 @@ impl Admission {
             (id, rx)
         };
         let mut leave = Leave { inner, model, id, armed: true };
-        let wait_bound = now + inner.cfg.max_queue_wait;
+        let wait_bound = now + inner.cfg.max_queue_wait.saturating_sub(waited.unwrap_or_default());
         let (until, bound) =
             if deadline < wait_bound { (deadline, Bound::Deadline) } else { (wait_bound, Bound::Timeout) };
         let res = tokio::time::timeout_at(until, &mut rx).await;

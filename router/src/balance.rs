@@ -1,7 +1,8 @@
 //! Replica selection: which Ready replica of a model gets the next request.
 //!
 //! [`select`] filters the model's replicas down to those that may take work (Ready, not
-//! ejected, not excluded by a retry, below their in-flight limit), asks a [`BalancePolicy`]
+//! ejected, not excluded by a retry, below their in-flight limit: 1 for a replica back from
+//! an ejection until a request on it succeeds), asks a [`BalancePolicy`]
 //! to choose, and admits the request with a [`DispatchGuard`] that counts its load from the
 //! moment of dispatch until the guard drops (stream end, error or client disconnect); the
 //! drop wakes the admission queue (`crate::admission`), whose waiters may take the slot.
@@ -58,11 +59,17 @@ impl Drop for DispatchGuard {
     }
 }
 
+/// Requests `r` may hold now: its limit, or 1 while it is on probation after an ejection
+/// (`ReplicaStats::on_probation`: one request finds out whether it is back).
+fn limit(r: &ReplicaRoute) -> u32 {
+    if r.stats.on_probation() { r.max_in_flight.min(1) } else { r.max_in_flight }
+}
+
 /// Tries to take a slot on `r` for a request of `tokens` tokens, `cached` of them expected
 /// in its prefix cache; `None` when it is full.
 fn try_admit(r: &ReplicaRoute, tokens: u64, cached: u64, released: &Arc<Notify>) -> Option<DispatchGuard> {
     let prev = r.stats.in_flight.fetch_add(1, Ordering::Relaxed);
-    if prev >= r.max_in_flight {
+    if prev >= limit(r) {
         r.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         return None;
     }
@@ -94,7 +101,7 @@ pub fn select(
     if candidates.is_empty() {
         return Err(SelectError::NoneReady);
     }
-    candidates.retain(|r| r.stats.in_flight.load(Ordering::Relaxed) < r.max_in_flight);
+    candidates.retain(|r| r.stats.in_flight.load(Ordering::Relaxed) < limit(r));
     while !candidates.is_empty() {
         let i = policy.pick(&candidates, hint).min(candidates.len() - 1);
         let cached = policy.expected_cached(candidates[i], hint);
@@ -155,6 +162,23 @@ mod tests {
         drop((g1, g2));
         assert_eq!(snap.models["m"][1].stats.tokens.load(Ordering::Relaxed), 0);
         assert!(select(&snap, "m", &[], 0, &p, &h).is_ok());
+    }
+
+    /// A replica whose ejection ended takes one request until one succeeds: a replica still
+    /// down fails one request, not every one that waited for it.
+    #[test]
+    fn a_replica_back_from_an_ejection_takes_one_request_until_one_succeeds() {
+        let routes = table(&[ReplicaState::Ready], 4);
+        let snap = routes.snapshot();
+        let (p, h) = (PowerOfTwoChoices, RequestHint::tokens(1));
+        let stats = &snap.models["m"][0].stats;
+        stats.record_failure(0, std::time::Duration::from_millis(100));
+        assert_eq!(select(&snap, "m", &[], 50, &p, &h).err(), Some(SelectError::NoneReady), "ejected");
+        let probe = select(&snap, "m", &[], 100, &p, &h).expect("the probe");
+        assert_eq!(select(&snap, "m", &[], 100, &p, &h).err(), Some(SelectError::AllFull));
+        stats.record_success();
+        let more: Vec<_> = (0..3).map(|_| select(&snap, "m", &[], 100, &p, &h).expect("its full limit")).collect();
+        drop((probe, more));
     }
 
     #[test]

@@ -3,11 +3,16 @@
 //! - [`Dispatcher::dispatch`] takes a slot through the admission queue (`crate::admission`:
 //!   waits in the model's FIFO while every replica is at its limit or none is Ready yet) and
 //!   opens its worker stream (`upstream`: the worker call up to its first message, ejection).
-//! - Before the first token a failed replica (UNAVAILABLE, transport error, stale route, no
-//!   response headers in time) is retried once on another replica; nothing was streamed,
-//!   so the retry is safe. UNAVAILABLE takes the replica out of rotation with exponential
-//!   backoff (ejection). A Draining replica is still listed and keeps what it accepted (its
-//!   worker finishes or hands it back).
+//! - Before the first token nothing was streamed, so another attempt is safe. A replica that
+//!   failed (UNAVAILABLE, transport error, stale route, no response headers in time) leaves
+//!   rotation with exponential backoff (ejection) and the request goes back to the admission
+//!   queue, first in line (`Admission::readmit`): another replica takes it at once, or it
+//!   waits, within its queue bounds, until the replica is back or the head replaces it. A
+//!   short outage of the only replicas is then a wait, not a 503, and a request that never
+//!   started is never told that its replica was lost. A replica that is full or stopping
+//!   (RESOURCE_EXHAUSTED, ABORTED) is retried once on another replica with a free slot. A
+//!   Draining replica is still listed and keeps what it accepted (its worker finishes or
+//!   hands it back).
 //! - A request's own deadline (DEADLINE_EXCEEDED) never counts against a replica: a client
 //!   asking for 1 ms must not eject replicas for everyone.
 //! - After the first token the stream is pumped by a task (`migrate`), which migrates a
@@ -35,6 +40,10 @@ pub use error::DispatchError;
 use migrate::{Continuation, StreamPump};
 use upstream::Upstream;
 pub use upstream::{DispatchConfig, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
+
+/// Most attempts of one request before its first token: a request whose every attempt fails
+/// (one that makes its replica fail, say) must not eject each replica that comes back.
+const MAX_ATTEMPTS: usize = 8;
 
 /// Decode tokens assumed for the load estimate when a request sets no `max_tokens`.
 const DEFAULT_EXPECTED_DECODE: u64 = 256;
@@ -153,11 +162,12 @@ impl Dispatcher {
         hint.prefix = Some(keys);
     }
 
-    /// Starts `req` on a replica of its model (retrying once elsewhere before the first
-    /// token) and returns its stream.
+    /// Starts `req` on a replica of its model and returns its stream.
     ///
-    /// The first attempt waits in the model's admission queue for a slot; a retry takes a
-    /// free slot on another replica or fails with the first attempt's status.
+    /// The first attempt waits in the model's admission queue for a slot. After a replica
+    /// failure before the first token (the replica ejected) the request queues again, first
+    /// in line, with what is left of its queue wait; after a full or stopping replica it
+    /// takes a free slot on another replica or fails with that status.
     ///
     /// # Errors
     /// [`DispatchError`]: unknown model, no ready replica, a queue bound, deadline, or the
@@ -173,11 +183,15 @@ impl Dispatcher {
         }
         let mut tried: Vec<String> = Vec::new();
         let mut last: Option<Status> = None;
+        // Time spent in the admission queue, all visits together (bounded by --max-queue-wait).
+        let mut queued = Duration::ZERO;
+        let entered = Instant::now();
         let admitted = self
             .admission
             .admit(&req.model, hint.clone(), deadline)
             .await
             .map_err(|e| DispatchError::from_admit(e, &req.model))?;
+        queued += entered.elapsed();
         self.upstream.metrics().dispatched(&admitted.0.replica_id);
         let mut admitted = Some(admitted);
         loop {
@@ -205,17 +219,36 @@ impl Dispatcher {
                     drop(guard);
                     self.upstream.note_failure(&replica, &s);
                     tried.push(replica.replica_id.clone());
-                    if retryable(&s) && tried.len() < 2 && Instant::now() < deadline {
+                    if !retryable(&s) {
+                        return Err(DispatchError::from_status(s));
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(DispatchError::DeadlineExceeded);
+                    }
+                    if upstream::ejects(&s) {
+                        if tried.len() >= MAX_ATTEMPTS {
+                            tracing::warn!(replica = %replica.replica_id, code = ?s.code(), attempts = tried.len(), "every attempt failed before the first token");
+                            return Err(DispatchError::NoReplica(req.model.clone()));
+                        }
+                        // The replica is out of rotation: wait, first in line, for another one
+                        // or for it to come back, as a new arrival would.
+                        tracing::debug!(replica = %replica.replica_id, code = ?s.code(), "replica failed before the first token; back to the queue");
+                        self.upstream.metrics().retries.inc();
+                        let entered = Instant::now();
+                        let again = self.admission.readmit(&req.model, hint.clone(), deadline, queued).await;
+                        queued += entered.elapsed();
+                        let again = again.map_err(|e| DispatchError::from_admit(e, &req.model))?;
+                        self.upstream.metrics().dispatched(&again.0.replica_id);
+                        admitted = Some(again);
+                        continue;
+                    }
+                    if tried.len() < 2 {
                         tracing::debug!(replica = %replica.replica_id, code = ?s.code(), "retrying on another replica");
                         self.upstream.metrics().retries.inc();
                         last = Some(s);
                         continue;
                     }
-                    return Err(if retryable(&s) {
-                        DispatchError::from_last_failure(s, &replica.replica_id)
-                    } else {
-                        DispatchError::from_status(s)
-                    });
+                    return Err(DispatchError::from_last_failure(s, &replica.replica_id));
                 }
             }
         }

@@ -75,8 +75,21 @@ impl ReplicaStats {
         self.ejected_until_ms.load(Ordering::Relaxed) > now_ms
     }
 
-    /// Takes the replica out of rotation for `base * 2^(failures-1)` (at most 30 s).
+    /// Whether the replica is back from an ejection with no success since (half-open): it
+    /// takes one request at a time until one succeeds (`balance::select`), so a replica still
+    /// down fails one request when its ejection ends, not every request that waited for it.
+    pub fn on_probation(&self) -> bool {
+        self.failures.load(Ordering::Relaxed) != 0
+    }
+
+    /// Takes the replica out of rotation for `base * 2^(failures-1)` (at most 30 s). A failure
+    /// while it is out already (a request sent before the ejection, failing with the same
+    /// outage) neither counts nor lengthens the period: one outage that fails many requests at
+    /// once must not eject the replica for the longest period.
     pub fn record_failure(&self, now_ms: u64, base: Duration) {
+        if self.is_ejected(now_ms) {
+            return;
+        }
         let n = self.failures.fetch_add(1, Ordering::Relaxed).min(16);
         let period = base.saturating_mul(1u32 << n).min(MAX_EJECTION);
         let until = now_ms + u64::try_from(period.as_millis()).unwrap_or(u64::MAX / 2);
@@ -708,9 +721,13 @@ mod tests {
         s.record_failure(1000, Duration::from_secs(1));
         assert!(s.is_ejected(1999));
         assert!(!s.is_ejected(2000));
-        s.record_failure(1000, Duration::from_secs(1));
-        assert!(s.is_ejected(2999));
+        assert!(s.on_probation(), "back in rotation, one request at a time");
+        s.record_failure(1999, Duration::from_secs(1));
+        assert!(!s.is_ejected(2000), "a failure while ejected is the same outage: no longer period");
+        s.record_failure(2000, Duration::from_secs(1));
+        assert!(s.is_ejected(3999), "the next failure after the ejection doubles it");
+        assert!(!s.is_ejected(4000));
         s.record_success();
-        assert!(!s.is_ejected(1001));
+        assert!(!s.is_ejected(2001) && !s.on_probation());
     }
 }

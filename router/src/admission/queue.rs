@@ -28,6 +28,9 @@ pub struct Waiter<T> {
     pub prefix: Option<Arc<PrefixKeys>>,
     /// When it entered the queue.
     pub since: Instant,
+    /// Back after an attempt that failed before its first token: it queued or was served
+    /// once already, so its admission is not counted again in the drain rate.
+    pub again: bool,
     /// Where its slot (or its error) is sent.
     pub tx: oneshot::Sender<T>,
 }
@@ -135,6 +138,13 @@ impl<T> ModelQueue<T> {
         self.waiters.push_back(w);
     }
 
+    /// Puts `w` first in line: a request back after a failed attempt arrived before every
+    /// request waiting now.
+    pub fn push_front(&mut self, w: Waiter<T>) {
+        self.tokens = self.tokens.saturating_add(w.tokens);
+        self.waiters.push_front(w);
+    }
+
     /// Takes the first in line.
     pub fn pop_front(&mut self) -> Option<Waiter<T>> {
         let w = self.waiters.pop_front()?;
@@ -158,7 +168,7 @@ mod tests {
 
     fn waiter(id: u64, tokens: u64) -> (Waiter<u32>, oneshot::Receiver<u32>) {
         let (tx, rx) = oneshot::channel();
-        (Waiter { id, tokens, prefix: None, since: Instant::now(), tx }, rx)
+        (Waiter { id, tokens, prefix: None, since: Instant::now(), again: false, tx }, rx)
     }
 
     #[test]
@@ -174,6 +184,11 @@ mod tests {
         assert!(q.remove(2).is_some(), "a request that leaves is taken out of the middle");
         assert!(q.remove(2).is_none());
         assert_eq!((q.len(), q.tokens()), (2, 40));
+        let (back, rx) = waiter(4, 5);
+        q.push_front(back);
+        rxs.push(rx);
+        assert_eq!((q.len(), q.tokens()), (3, 45));
+        assert_eq!(q.pop_front().map(|w| w.id), Some(4), "a request back after a failed attempt goes first");
         assert_eq!(q.pop_front().map(|w| w.id), Some(1));
         assert_eq!(q.pop_front().map(|w| w.id), Some(3));
         assert!(q.pop_front().is_none());

@@ -273,12 +273,88 @@ async fn unknown_model_fails_at_once_and_a_cold_model_waits_for_its_first_replic
     assert_eq!(got.ok().as_deref(), Some("c0"));
 }
 
+/// Ready replicas that are all out of rotation after failures (their worker died or froze)
+/// make a request wait, not fail: the pump's tick serves it when the ejection ends (the
+/// replica takes one request then), and a replacement in the route table serves it at once.
+/// Past its wait bound with no usable replica it gets 503 (`NoReplicaInTime`), not 429.
 #[tokio::test]
-async fn ejected_replicas_fail_a_new_arrival_at_once() {
-    let f = fixture(1, AdmissionConfig::default());
-    f.routes.snapshot().models[MODEL][0].stats.record_failure(f.routes.now_ms(), Duration::from_secs(10));
-    assert_eq!(f.adm.admit(MODEL, hint(1), far()).await.err(), Some(AdmitError::NoneUsable));
-    assert_eq!(f.adm.queued(MODEL), 0);
+async fn a_request_waits_while_every_replica_is_ejected() {
+    let f = fixture(4, AdmissionConfig::default());
+    let stats = f.routes.snapshot().models[MODEL][0].stats.clone();
+    stats.record_failure(f.routes.now_ms(), Duration::from_millis(300));
+    let t = Instant::now();
+    let (r, g) = tokio::time::timeout(Duration::from_secs(5), admit_now(&f)).await.expect("served");
+    assert_eq!(r.replica_id, "r0");
+    assert!(t.elapsed() >= Duration::from_millis(250), "served before the ejection ended: {:?}", t.elapsed());
+    // Back from the ejection, it takes one request until one succeeds.
+    let second = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.admit(MODEL, hint(10), far()).await.map(|(r, _g)| r.replica_id.clone()) }
+    });
+    queued(&f, MODEL, 1).await;
+    stats.record_success();
+    drop(g);
+    let got = tokio::time::timeout(Duration::from_secs(5), second).await.expect("woken").expect("join");
+    assert_eq!(got.ok().as_deref(), Some("r0"));
+
+    // Ejected again; a replacement appears in the table: the waiter goes there at once.
+    stats.record_failure(f.routes.now_ms(), Duration::from_secs(20));
+    let waiter = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.admit(MODEL, hint(10), far()).await.map(|(r, _g)| r.replica_id.clone()) }
+    });
+    queued(&f, MODEL, 1).await;
+    let mut t = table(2, 4);
+    let mut r1 = t.routes[0].clone();
+    r1.replica_id = "r1".into();
+    t.routes.push(r1);
+    f.routes.apply(t);
+    let got = tokio::time::timeout(Duration::from_secs(5), waiter).await.expect("woken").expect("join");
+    assert_eq!(got.ok().as_deref(), Some("r1"));
+
+    // Only the ejected one left: past the wait bound it is unavailable (503), not overloaded.
+    f.routes.apply(table(3, 4));
+    let short = AdmissionConfig { max_queue_wait: Duration::from_millis(100), ..AdmissionConfig::default() };
+    let adm = Admission::new(f.routes.clone(), Arc::new(PowerOfTwoChoices), f.metrics.clone(), short);
+    let r = adm.admit(MODEL, hint(1), far()).await;
+    assert!(matches!(r, Err(AdmitError::NoReplicaInTime { .. })), "{r:?}");
+}
+
+/// A request whose attempt failed before its first token comes back first in line, with
+/// what is left of its queue wait, and its admission does not count in the drain rate.
+#[tokio::test]
+async fn a_request_back_after_a_failed_attempt_goes_first_with_the_rest_of_its_wait() {
+    let f = fixture(1, AdmissionConfig { max_queue_wait: Duration::from_secs(2), ..AdmissionConfig::default() });
+    let g = admit_now(&f).await;
+    let first = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.admit(MODEL, hint(10), far()).await.map(|(r, _g)| r.replica_id.clone()) }
+    });
+    queued(&f, MODEL, 1).await;
+    let back = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.readmit(MODEL, hint(10), far(), Duration::from_millis(1500)).await.map(|_| ()) }
+    });
+    queued(&f, MODEL, 2).await;
+    let t = Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(5), back).await.expect("bounded").expect("join");
+    assert!(matches!(r, Err(AdmitError::Rejected { bound: Bound::Timeout, .. })), "{r:?}");
+    assert!(t.elapsed() < Duration::from_millis(1200), "waited its whole bound again: {:?}", t.elapsed());
+    // Put first in line, it takes the next free slot before the earlier waiter.
+    let back = tokio::spawn({
+        let adm = f.adm.clone();
+        async move { adm.readmit(MODEL, hint(10), far(), Duration::ZERO).await.map(|(r, _g)| r.replica_id.clone()) }
+    });
+    queued(&f, MODEL, 2).await;
+    drop(g);
+    let got = tokio::time::timeout(Duration::from_secs(5), back).await.expect("served").expect("join");
+    assert_eq!(got.ok().as_deref(), Some("r0"));
+    let got = tokio::time::timeout(Duration::from_secs(5), first).await.expect("served").expect("join");
+    assert_eq!(got.ok().as_deref(), Some("r0"));
+    let sec = f.adm.inner.sec(Instant::now());
+    let drained = f.adm.inner.lock().models.get_mut(MODEL).and_then(|q| q.drain.per_second(sec));
+    // Two admissions over the one or two seconds the test spans (three would give 3 or 1.5).
+    assert!(matches!(drained, Some(r) if r == 2.0 || r == 1.0), "counted the one back after a failure: {drained:?}");
 }
 
 /// The head's table naming `cold` as unavailable for `cause`.

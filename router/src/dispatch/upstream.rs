@@ -62,7 +62,7 @@ pub(super) struct Upstream {
 /// Whether a status says the replica should leave rotation for a while. DEADLINE_EXCEEDED
 /// is the request's own deadline and never counts (an unresponsive replica shows up as
 /// UNAVAILABLE: header timeout or keep-alive failure).
-fn ejects(s: &Status) -> bool {
+pub(super) fn ejects(s: &Status) -> bool {
     matches!(s.code(), Code::Unavailable | Code::Unknown | Code::NotFound)
 }
 
