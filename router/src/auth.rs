@@ -4,7 +4,8 @@
 //! the guards that apply this sit in front of routing (`openai/guard.rs`, `grpc/guard.rs`).
 //! Per-key limits are token buckets: requests per second on every authenticated request,
 //! tokens per minute on generation requests (prompt + max_tokens × n, estimated at admission
-//! as the admission queue does). Keys are never logged; metrics name a key by its label.
+//! as the admission queue does; given back unless a replica accepts the request, see
+//! [`TokenCharge`]). Keys are never logged; metrics name a key by its label.
 //! No configured key = no authentication.
 
 mod bucket;
@@ -176,16 +177,52 @@ impl ApiKeys {
         r.map_err(|s| self.limited(k, "requests", s, false))
     }
 
-    /// Counts `tokens` (a generation request's estimate) against `caller`'s tokens-per-minute
-    /// limit.
+    /// Takes `tokens` (a generation request's estimate) from `caller`'s tokens-per-minute
+    /// budget. The returned [`TokenCharge`] gives them back when dropped before
+    /// [`TokenCharge::commit`]: a request refused after this (unknown model, over the context
+    /// length, no replica, queue bound, client gone while queued) costs the key nothing.
     ///
     /// # Errors
     /// [`Limited`] when the key is over it.
-    pub fn admit_tokens(&self, caller: Option<Caller>, tokens: u64) -> Result<(), Limited> {
-        let Some(k) = caller.and_then(|c| self.keys.get(c.0)) else { return Ok(()) };
-        let Some((tpm, b)) = &k.tpm else { return Ok(()) };
+    pub fn admit_tokens(&self, caller: Option<Caller>, tokens: u64) -> Result<TokenCharge, Limited> {
+        let none = TokenCharge { keys: None, index: 0, tokens: 0.0 };
+        let Some((i, k)) = caller.and_then(|c| self.keys.get(c.0).map(|k| (c.0, k))) else { return Ok(none) };
+        let Some((tpm, b)) = &k.tpm else { return Ok(none) };
         let r = b.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take(tokens as f64, Instant::now());
-        r.map_err(|s| self.limited(k, "tokens", s, tokens > *tpm))
+        r.map_err(|s| self.limited(k, "tokens", s, tokens > *tpm))?;
+        Ok(TokenCharge { keys: Some(Arc::clone(&self.keys)), index: i, tokens: tokens as f64 })
+    }
+}
+
+/// Tokens taken from a key's per-minute budget for one request, held while the request waits
+/// for a replica: [`TokenCharge::commit`] keeps them once a replica accepted it (its first
+/// message came back); dropping the charge uncommitted gives them back.
+#[must_use = "dropping the charge gives the tokens back"]
+pub struct TokenCharge {
+    keys: Option<Arc<Vec<KeyState>>>,
+    index: usize,
+    tokens: f64,
+}
+
+impl std::fmt::Debug for TokenCharge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TokenCharge({} tokens, committed: {})", self.tokens, self.keys.is_none())
+    }
+}
+
+impl TokenCharge {
+    /// Keeps the tokens charged: the request was accepted by a replica (or answered).
+    pub fn commit(mut self) {
+        self.keys = None;
+    }
+}
+
+impl Drop for TokenCharge {
+    fn drop(&mut self) {
+        let Some(keys) = self.keys.take() else { return };
+        if let Some((_, b)) = keys.get(self.index).and_then(|k| k.tpm.as_ref()) {
+            b.lock().unwrap_or_else(std::sync::PoisonError::into_inner).refund(self.tokens, Instant::now());
+        }
     }
 }
 
@@ -231,14 +268,29 @@ mod tests {
         for _ in 0..10 {
             assert_eq!(k.admit_request(b), Ok(()), "the other key has no limit");
         }
-        assert_eq!(k.admit_tokens(a, 500), Ok(()));
+        k.admit_tokens(a, 500).expect("within the budget").commit();
         let over = k.admit_tokens(a, 200).expect_err("past 600 tokens/min");
         assert_eq!((over.limit, over.retry_after_s, over.over_budget), ("tokens", 10, false));
         assert!(k.admit_tokens(a, 700).expect_err("bigger than the budget").over_budget);
-        assert_eq!(k.admit_tokens(b, 1 << 30), Ok(()));
+        k.admit_tokens(b, 1 << 30).expect("no limit").commit();
         let m = k.metrics.encode();
         assert!(m.contains(r#"prism_router_rate_limited_total{key="team-a",limit="requests"} 1"#), "{m}");
         assert!(m.contains(r#"prism_router_rate_limited_total{key="team-a",limit="tokens"} 2"#), "{m}");
+    }
+
+    /// A charge dropped before commit (the request was refused after it: unknown model, over
+    /// the context length, no replica) gives its tokens back; a committed one keeps them.
+    #[test]
+    fn uncommitted_token_charges_are_given_back() {
+        let limited = ApiKeyEntry { label: "team-a".into(), tpm: Some(20_000), .."a".into() };
+        let k = keys(&[limited]);
+        let a = Some(Caller(0));
+        for _ in 0..5 {
+            drop(k.admit_tokens(a, 15_001).expect("refused later: given back"));
+        }
+        k.admit_tokens(a, 15_001).expect("accepted").commit();
+        let over = k.admit_tokens(a, 15_001).expect_err("the committed charge stays");
+        assert_eq!(over.limit, "tokens");
     }
 
     #[test]

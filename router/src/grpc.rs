@@ -179,13 +179,17 @@ impl InferenceApi {
         let parser = self.dispatcher.tool_parser(&req.model, self.tool_parser);
         let plan = crate::tools::plan(&mut req, parser).map_err(|e| Status::invalid_argument(e.message))?;
         let tools = plan.map(|p| ToolStream { kind: p.parser, parsers: Vec::new() });
-        // The key's tokens-per-minute limit, on the same estimate the admission queue counts.
-        self.keys.admit_tokens(caller, crate::dispatch::estimated_tokens(&req)).map_err(guard::limited_status)?;
+        // The key's tokens-per-minute limit, on the same estimate the admission queue counts;
+        // given back (the charge dropped) unless a replica accepts the request.
+        let charge =
+            self.keys.admit_tokens(caller, crate::dispatch::estimated_tokens(&req)).map_err(guard::limited_status)?;
         if let Some(t) = header_timeout {
             let ms = u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1);
             req.timeout_ms = Some(req.timeout_ms.filter(|&x| x > 0).map_or(ms, |x| x.min(ms)));
         }
-        Ok((self.dispatcher.dispatch(req).await.map_err(to_status)?, tools))
+        let dispatched = self.dispatcher.dispatch(req).await.map_err(to_status)?;
+        charge.commit();
+        Ok((dispatched, tools))
     }
 }
 

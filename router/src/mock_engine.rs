@@ -49,6 +49,9 @@ pub struct MockBehavior {
     pub fail_before_first: bool,
     /// Fail with UNAVAILABLE after this many tokens of a stream.
     pub fail_after_tokens: Option<u32>,
+    /// Refuse, as the engine does, a request whose prompt (words) + `max_tokens` is over this
+    /// context length: INVALID_ARGUMENT naming `prompt`.
+    pub max_model_len: Option<u32>,
 }
 
 /// Counters a test can read.
@@ -294,6 +297,17 @@ impl WorkerService for MockEngineWorker {
         let sampling = req.sampling.clone().unwrap_or_default();
         if sampling.max_tokens.is_some_and(|m| m < 1) {
             return Err(Status::invalid_argument("max_tokens must be at least 1"));
+        }
+        let wanted = u64::from(prompt_tokens) + sampling.max_tokens.and_then(|m| u64::try_from(m).ok()).unwrap_or(0);
+        if let Some(max) = b.max_model_len
+            && wanted > u64::from(max)
+        {
+            let mut s = Status::invalid_argument(format!(
+                "this model's maximum context length is {max} tokens, but {wanted} were requested"
+            ));
+            s.metadata_mut()
+                .insert(crate::openai::errors::PARAM_METADATA, tonic::metadata::MetadataValue::from_static("prompt"));
+            return Err(s);
         }
         let prior = u32::try_from(r.prior_output_ids.len()).unwrap_or(u32::MAX);
         let (limit, reason) = match sampling.max_tokens {

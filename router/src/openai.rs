@@ -34,7 +34,7 @@ use prism_common::proto::v1::{FinishReason, GenerateRequest, GenerateResponse, T
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
-use crate::auth::{ApiKeys, Caller};
+use crate::auth::{ApiKeys, Caller, TokenCharge};
 use crate::dispatch::{DispatchError, Dispatched, Dispatcher};
 use crate::metrics::{Metrics, Outcome, RequestTracker};
 use crate::tokenize::Echo;
@@ -585,11 +585,10 @@ async fn generate<R: GenerationEndpoint>(
         let mut proto = req.proto()?; // validates `n` before the shaper sizes its choices
         let parser = state.dispatcher.tool_parser(&proto.model, state.tool_parser);
         let plan = crate::tools::plan(&mut proto, parser)?;
-        // The key's tokens-per-minute limit, on the same estimate the admission queue counts.
-        state
-            .keys
-            .admit_tokens(caller.map(|c| c.0), crate::dispatch::estimated_tokens(&proto))
-            .map_err(guard::limited)?;
+        // The key's tokens-per-minute limit, on the same estimate the admission queue counts;
+        // given back unless a replica accepts the request (`answer`).
+        let tokens = crate::dispatch::estimated_tokens(&proto);
+        let charge = state.keys.admit_tokens(caller.map(|c| c.0), tokens).map_err(guard::limited)?;
         let sampling = req.sampling();
         let mut shaper = Shaper::new(
             R::KIND,
@@ -610,13 +609,13 @@ async fn generate<R: GenerationEndpoint>(
             shaper = shaper.with_echo(echo);
         }
         let ctx = ErrorFields { structured: req.structured_param(), tools: plan };
-        Ok::<_, ApiError>((proto, shaper, sampling.stream.unwrap_or(false), ctx))
+        Ok::<_, ApiError>((proto, shaper, sampling.stream.unwrap_or(false), ctx, charge))
     }
     .await;
     serve(state, tracker, prepared).await
 }
 
-type Prepared = Result<(GenerateRequest, Shaper, bool, ErrorFields), ApiError>;
+type Prepared = Result<(GenerateRequest, Shaper, bool, ErrorFields, TokenCharge), ApiError>;
 
 /// What a dispatched request turned into.
 enum Answer {
@@ -626,13 +625,14 @@ enum Answer {
 
 /// Dispatches; errors before the first token come back as `Err` with a proper status.
 async fn answer(state: &HttpState, tracker: &RequestTracker, prepared: Prepared) -> Result<Answer, ApiError> {
-    let (req, mut shaper, stream, fields) = prepared?;
+    let (req, mut shaper, stream, fields, charge) = prepared?;
     let kind = shaper.kind;
     // A worker's `prompt` (empty, over the context length) is `messages` in a chat request;
     // its `structured_output.*` is the field the constraint came from.
     let chat_param = |e: ApiError| fields.client_error(kind == Kind::Chat, e);
     if req.echo && req.sampling.as_ref().and_then(|s| s.max_tokens) == Some(0) {
         // vLLM's echo with max_tokens 0: the prompt alone, nothing generated.
+        charge.commit();
         let msgs = shaper.prompt_only();
         let mut buf = BytesMut::new();
         for m in &msgs {
@@ -648,7 +648,9 @@ async fn answer(state: &HttpState, tracker: &RequestTracker, prepared: Prepared)
         let (_, rx) = tokio::sync::mpsc::channel(1); // closed: the stream ends after `buf`
         return Ok(Answer::Stream(buf, rx, shaper));
     }
+    // Refused before a replica accepted it (404, context length, 503, ...): `charge` is refunded.
     let Dispatched { first, mut rest, .. } = state.dispatcher.dispatch(req).await.map_err(|e| chat_param(e.into()))?;
+    charge.commit();
     tracker.first_token();
     if !stream {
         shaper.absorb(&first);

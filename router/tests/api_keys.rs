@@ -1,7 +1,8 @@
 //! API keys against the real router (`prism_router::run` on 127.0.0.1:0, a mock engine behind
 //! a static route): a table over every route, method and path spelling sent as raw HTTP/1.1
 //! (an HTTP client would normalise the paths), compared with a router without keys; gRPC
-//! inference, reflection and health; per-key request and token limits.
+//! inference, reflection and health; per-key request and token limits (tokens charged only for
+//! requests a replica accepted).
 
 use std::time::Duration;
 
@@ -22,9 +23,20 @@ struct Router {
 }
 
 async fn router(shutdown: &CancellationToken, tweak: impl FnOnce(&mut RouterConfig)) -> anyhow::Result<Router> {
-    let mock = MockEngineWorker::new(MockBehavior::default());
-    let addr = mock.spawn(shutdown.clone()).await?;
-    let static_routes = vec![StaticRoute { model: "mock".into(), endpoint: format!("http://{addr}") }];
+    router_over(shutdown, vec![("mock", MockBehavior::default())], tweak).await
+}
+
+/// A router over one mock engine per model.
+async fn router_over(
+    shutdown: &CancellationToken,
+    models: Vec<(&str, MockBehavior)>,
+    tweak: impl FnOnce(&mut RouterConfig),
+) -> anyhow::Result<Router> {
+    let mut static_routes = Vec::new();
+    for (model, behavior) in models {
+        let addr = MockEngineWorker::new(behavior).spawn(shutdown.clone()).await?;
+        static_routes.push(StaticRoute { model: model.into(), endpoint: format!("http://{addr}") });
+    }
     let mut cfg = RouterConfig { static_routes, ..Default::default() };
     tweak(&mut cfg);
     let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -338,5 +350,50 @@ async fn per_key_limits_answer_429_with_retry_after_and_spare_other_keys() -> an
     let m = raw(r.http, "GET", "/metrics", Some(&other)).await?.body;
     assert!(m.contains(r#"prism_router_rate_limited_total{key="team-a",limit="requests"} 2"#), "{m}");
     assert!(m.contains(r#"prism_router_rate_limited_total{key="team-t",limit="tokens"} 2"#), "{m}");
+    Ok(())
+}
+
+/// The token limit charges only requests a replica accepted: ones refused for the context
+/// length (400 from the worker), an unknown model (404) or a failing replica (503) give their
+/// tokens back, over HTTP and gRPC alike, so the identical next request is not a 429.
+#[tokio::test]
+async fn token_limit_charges_only_requests_a_replica_accepted() -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let key = ApiKeyEntry { label: "team-a".into(), tpm: Some(20_000), ..ApiKeyEntry::from("sk-team-a-0123456789") };
+    let bounded = MockBehavior { max_model_len: Some(16_000), ..Default::default() };
+    let down = MockBehavior { fail_before_first: true, ..Default::default() };
+    let r = router_over(&shutdown, vec![("mock", bounded), ("down", down)], |c| {
+        c.api_keys = vec![key];
+        c.max_queue_wait = Duration::from_millis(300);
+    })
+    .await?;
+    let auth = "Bearer sk-team-a-0123456789";
+    let http = reqwest::Client::new();
+    let post = |model: &str, max_tokens: u32| {
+        http.post(format!("http://{}/v1/completions", r.http))
+            .header("authorization", auth)
+            .json(&serde_json::json!({"model": model, "prompt": "a b", "max_tokens": max_tokens}))
+            .send()
+    };
+    // 17,001 tokens each against 20,000 a minute: a second charge would not fit.
+    for (model, want) in [("mock", 400), ("mock", 400), ("nope", 404), ("nope", 404), ("down", 503), ("down", 503)] {
+        let res = post(model, 17_000).await?;
+        let status = res.status().as_u16();
+        assert_eq!(status, want, "{model}: {}", res.text().await?);
+    }
+    let mut g = InferenceServiceClient::connect(r.grpc.clone()).await?;
+    for _ in 0..2 {
+        let e = g.generate(with_key(generate_request(17_000), auth)?).await.expect_err("over the context length");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    }
+    // An accepted request is charged: 15,001 of the 20,000 are gone, the next one waits.
+    let mut accepted = g.generate(with_key(generate_request(15_000), auth)?).await?.into_inner();
+    accepted.message().await?;
+    drop(accepted);
+    let res = post("mock", 15_000).await?;
+    assert_eq!(res.status().as_u16(), 429, "the accepted request was charged");
+    let m = http.get(format!("http://{}/metrics", r.http)).header("authorization", auth).send().await?.text().await?;
+    assert!(m.contains(r#"prism_router_rate_limited_total{key="team-a",limit="tokens"} 1"#), "{m}");
     Ok(())
 }

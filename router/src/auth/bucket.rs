@@ -23,9 +23,7 @@ impl Bucket {
     /// Takes `cost` units, or returns the whole seconds until it could (`Retry-After`,
     /// clamped to the admission queue's 1..=60).
     pub fn take(&mut self, cost: f64, now: Instant) -> Result<(), u32> {
-        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
-        self.level = (self.level + elapsed * self.rate).min(self.capacity);
-        self.at = now;
+        self.refill(now);
         let need = cost.min(self.capacity);
         if self.level >= need {
             self.level -= cost;
@@ -34,6 +32,19 @@ impl Bucket {
         let secs = (need - self.level) / self.rate;
         // Clamped first, so the cast is exact.
         Err(secs.ceil().clamp(f64::from(MIN_RETRY_AFTER_S), f64::from(MAX_RETRY_AFTER_S)) as u32)
+    }
+
+    /// Gives back `cost` units taken earlier (a request refused after its take), up to the
+    /// capacity.
+    pub fn refund(&mut self, cost: f64, now: Instant) {
+        self.refill(now);
+        self.level = (self.level + cost).min(self.capacity);
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.level = (self.level + elapsed * self.rate).min(self.capacity);
+        self.at = now;
     }
 }
 
@@ -58,5 +69,12 @@ mod tests {
         assert_eq!(big.take(150.0, t0), Ok(()));
         assert_eq!(big.take(1.0, t0), Err(6));
         assert_eq!(big.take(1.0, t0 + Duration::from_secs(6)), Ok(()));
+        // A refund restores what was taken, never past the capacity.
+        let mut r = Bucket::new(100.0, 10.0, t0);
+        assert_eq!(r.take(150.0, t0), Ok(()));
+        r.refund(150.0, t0);
+        assert_eq!(r.take(100.0, t0), Ok(()));
+        r.refund(500.0, t0);
+        assert_eq!((r.take(100.0, t0), r.take(1.0, t0)), (Ok(()), Err(1)));
     }
 }
