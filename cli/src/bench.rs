@@ -28,12 +28,12 @@ pub enum BenchCommand {
     Serve(Box<args::ServeArgs>),
 }
 
-/// Runs the chosen benchmark (`router_addr`: the global `--router` gRPC address).
+/// Runs the chosen benchmark (`router`: the global `--router` gRPC address).
 ///
 /// # Errors
 /// Fails when the benchmark cannot run (bad flags, server unreachable, every request failing, …).
-pub async fn run(router_addr: &str, command: BenchCommand) -> Result<()> {
+pub async fn run(router: &crate::client::RouterTarget, command: BenchCommand) -> Result<()> {
     match command {
-        BenchCommand::Serve(args) => serve::run(router_addr, *args).await,
+        BenchCommand::Serve(args) => serve::run(router, *args).await,
     }
 }

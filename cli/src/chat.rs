@@ -52,8 +52,8 @@ fn initial_history(system: Option<&str>) -> Vec<ChatMessage> {
 /// # Errors
 /// Fails when the router is unreachable or stdin/stdout fail; a rejected turn is
 /// reported and the conversation continues without it.
-pub async fn run(router_addr: &str, args: ChatArgs) -> Result<()> {
-    let mut client = client::router(router_addr).await?;
+pub async fn run(router: &client::RouterTarget, args: ChatArgs) -> Result<()> {
+    let mut client = client::router(router).await?;
     let model = args.model.resolve(&mut client, &args.key).await?;
     let mut history = initial_history(args.system.as_deref());
     let interactive = std::io::stdin().is_terminal();

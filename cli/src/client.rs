@@ -1,12 +1,20 @@
 //! Connections from the CLI to the head (admin RPCs) and the router (inference), with
-//! addresses taken from `--head` / `--router` (env `PRISM_HEAD`, `PRISM_ROUTER`), and the
-//! `--model` flag (env `PRISM_MODEL`) of the commands that ask the router for a model.
+//! addresses taken from `--head` / `--router` (env `PRISM_HEAD`, `PRISM_ROUTER`), their
+//! timeouts (`--connect-timeout`, `--timeout`), and the `--model` flag (env `PRISM_MODEL`)
+//! of the commands that ask the router for a model.
+//!
+//! The head is reached with the internal identity (`--tls-cert/--tls-key/--tls-ca`, mutual
+//! TLS) when one is installed; the router's public port with TLS when its address is
+//! `https://` (it serves `--public-tls-cert`), verified against the system roots and
+//! `--tls-ca`, without a client certificate.
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use prism_common::head_auth::{HeadClient, HeadCredential, head_client};
 use prism_common::proto::v1::ListModelsRequest;
 use prism_common::proto::v1::inference_service_client::InferenceServiceClient;
+use prism_common::tls::args::parse_interval;
+use std::path::PathBuf;
 use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
@@ -37,6 +45,14 @@ pub struct Endpoints {
     /// File holding the head's bearer token (read on each run).
     #[arg(long, global = true, env = "PRISM_TOKEN_FILE")]
     pub token_file: Option<std::path::PathBuf>,
+    /// How long one call to the head (status, deploy, scale, delete, cordon, drain) may take
+    /// before the command gives up (`500ms`, `30s`, `2m`). Streams from the router (generate,
+    /// chat, bench) have no overall deadline.
+    #[arg(long, global = true, env = "PRISM_TIMEOUT", default_value = "30s", value_parser = parse_interval)]
+    pub timeout: Duration,
+    /// How long connecting to the head or the router (TCP and TLS handshake) may take.
+    #[arg(long, global = true, env = "PRISM_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_interval)]
+    pub connect_timeout: Duration,
 }
 
 impl std::fmt::Debug for Endpoints {
@@ -47,6 +63,8 @@ impl std::fmt::Debug for Endpoints {
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("token_file", &self.token_file)
             .field("tls", &self.tls)
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
             .finish()
     }
 }
@@ -57,17 +75,90 @@ impl Endpoints {
         HeadTarget {
             addr: self.head.clone(),
             credential: HeadCredential::from_flags(self.token.clone(), self.token_file.clone()),
+            timeouts: Timeouts { connect: self.connect_timeout, call: self.timeout },
         }
+    }
+
+    /// The router the client commands stream from.
+    pub fn router_target(&self) -> RouterTarget {
+        RouterTarget { addr: self.router.clone(), ca: self.tls.tls_ca.clone(), connect_timeout: self.connect_timeout }
     }
 }
 
-/// A head and the token presented to it.
+/// How long the CLI waits for the head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// TCP connect and TLS handshake.
+    pub connect: Duration,
+    /// One call, from sending it to its answer.
+    pub call: Duration,
+}
+
+impl Default for Timeouts {
+    /// The flags' defaults: 5 s to connect, 30 s a call.
+    fn default() -> Self {
+        Self { connect: Duration::from_secs(5), call: Duration::from_secs(30) }
+    }
+}
+
+/// A head, the token presented to it and how long to wait for it.
 #[derive(Clone, Debug)]
 pub struct HeadTarget {
     /// gRPC address.
     pub addr: String,
     /// Token (none: an open head, as `prism up` runs it).
     pub credential: HeadCredential,
+    /// Connect and per-call timeouts.
+    pub timeouts: Timeouts,
+}
+
+impl HeadTarget {
+    /// A head at `addr` with the default timeouts.
+    pub fn new(addr: impl Into<String>, credential: HeadCredential) -> Self {
+        Self { addr: addr.into(), credential, timeouts: Timeouts::default() }
+    }
+
+    /// As [`status_error`], saying which head did not answer in time when the call timed out.
+    pub fn status_error(&self, status: tonic::Status) -> anyhow::Error {
+        if timed_out(&status) {
+            anyhow::anyhow!(
+                "the head at {} did not answer within {} (raise --timeout / PRISM_TIMEOUT if it is only slow)",
+                normalize(&self.addr),
+                seconds(self.timeouts.call)
+            )
+        } else {
+            status_error(status)
+        }
+    }
+}
+
+/// Whether `status` is the client's own per-call timeout (tonic reports it as `CANCELLED`
+/// with [`tonic::TimeoutExpired`]'s text) rather than an answer of the server.
+fn timed_out(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Cancelled && status.message() == tonic::TimeoutExpired(()).to_string()
+}
+
+/// `30 s`, `1.5 s`, `500 ms`.
+fn seconds(d: Duration) -> String {
+    if d < Duration::from_secs(1) { format!("{} ms", d.as_millis()) } else { format!("{} s", d.as_secs_f64()) }
+}
+
+/// A router's public gRPC address and how to reach it.
+#[derive(Clone, Debug)]
+pub struct RouterTarget {
+    /// gRPC address; `https://` speaks TLS.
+    pub addr: String,
+    /// CA bundle trusted next to the system roots (`--tls-ca`) for an `https://` address.
+    pub ca: Option<PathBuf>,
+    /// TCP connect and TLS handshake.
+    pub connect_timeout: Duration,
+}
+
+impl RouterTarget {
+    /// A router at `addr`, system roots only, the default connect timeout.
+    pub fn new(addr: impl Into<String>) -> Self {
+        Self { addr: addr.into(), ca: None, connect_timeout: Timeouts::default().connect }
+    }
 }
 
 /// The served model a client command (generate, chat, bench) asks the router for.
@@ -158,39 +249,68 @@ pub fn normalize(addr: &str) -> String {
     if addr.contains("://") { addr.to_owned() } else { format!("http://{addr}") }
 }
 
-async fn channel(addr: &str, what: &str) -> Result<Channel> {
+/// How [`channel`] secures a connection.
+enum Security<'a> {
+    /// The process's internal identity when one is installed (the head), else plaintext.
+    Internal,
+    /// TLS for an `https://` address, verified against the system roots and this CA (the
+    /// router's public port), else plaintext.
+    Public(Option<&'a std::path::Path>),
+}
+
+async fn channel(
+    addr: &str,
+    what: &str,
+    security: Security<'_>,
+    connect: Duration,
+    call: Option<Duration>,
+) -> Result<Channel> {
     let uri = normalize(addr);
-    let endpoint = Endpoint::from_shared(uri.clone())
+    let mut endpoint = Endpoint::from_shared(uri.clone())
         .with_context(|| format!("invalid {what} address {uri:?}"))?
-        .connect_timeout(Duration::from_secs(5))
+        .connect_timeout(connect)
         .tcp_nodelay(true);
-    // The internal identity is for the head only: the router's public gRPC port is not mTLS.
-    let connected =
-        if what == "head" { prism_common::tls::client::channel(endpoint).await } else { endpoint.connect().await };
+    if let Some(call) = call {
+        endpoint = endpoint.timeout(call);
+    }
+    let connected = match security {
+        Security::Internal => prism_common::tls::client::channel(endpoint).await,
+        Security::Public(ca) if uri.starts_with("https://") => {
+            let config = prism_common::tls::server_only_client_config(ca)?;
+            endpoint.connect_with_connector(prism_common::tls::client::TlsConnector::verifying(config)).await
+        }
+        Security::Public(_) => endpoint.connect().await,
+    };
     connected.with_context(|| {
         format!(
-            "cannot reach the {what} at {uri} (is `prism up` running? set --{what} or PRISM_{})",
+            "cannot reach the {what} at {uri} within {} (is `prism up` running? set --{what} or PRISM_{})",
+            seconds(connect),
             what.to_uppercase()
         )
     })
 }
 
-/// Connects to the head's `HeadService`; every call carries the target's token.
+/// Connects to the head's `HeadService`; every call carries the target's token and gives up
+/// after the target's call timeout (map its errors with [`HeadTarget::status_error`]).
 ///
 /// # Errors
-/// Fails when the address is invalid, nothing answers within 5 s, or the token file cannot
-/// be read.
+/// Fails when the address is invalid, nothing answers within the connect timeout, or the
+/// token file cannot be read.
 pub async fn head(target: &HeadTarget) -> Result<HeadClient> {
     let bearer = target.credential.bearer().context("--token / --token-file")?;
-    Ok(head_client(channel(&target.addr, "head").await?, bearer))
+    let t = target.timeouts;
+    Ok(head_client(channel(&target.addr, "head", Security::Internal, t.connect, Some(t.call)).await?, bearer))
 }
 
-/// Connects to the router's `InferenceService`.
+/// Connects to the router's `InferenceService` (TLS for an `https://` address). Calls have
+/// no deadline: a stream lasts as long as the generation.
 ///
 /// # Errors
-/// Fails when the address is invalid or nothing answers within 5 s.
-pub async fn router(addr: &str) -> Result<InferenceServiceClient<Channel>> {
-    Ok(InferenceServiceClient::new(channel(addr, "router").await?))
+/// Fails when the address is invalid, the CA file cannot be used, or nothing answers within
+/// the connect timeout.
+pub async fn router(target: &RouterTarget) -> Result<InferenceServiceClient<Channel>> {
+    let security = Security::Public(target.ca.as_deref());
+    Ok(InferenceServiceClient::new(channel(&target.addr, "router", security, target.connect_timeout, None).await?))
 }
 
 /// Turns a head's gRPC status into a readable error: the head's message, led by what the

@@ -1,7 +1,7 @@
 //! `prism cordon NODE` / `prism uncordon NODE`: stop or resume placing replicas on a node
 //! (running replicas stay, as with `kubectl cordon`).
 
-use crate::client::{self, status_error};
+use crate::client;
 use anyhow::Result;
 use prism_common::proto::v1::NodeRequest;
 
@@ -13,10 +13,10 @@ pub async fn run(head_addr: &client::HeadTarget, node: String, cordon: bool) -> 
     let mut head = client::head(head_addr).await?;
     let request = NodeRequest { node_id: node.clone() };
     if cordon {
-        head.cordon_node(request).await.map_err(status_error)?;
+        head.cordon_node(request).await.map_err(|s| head_addr.status_error(s))?;
         println!("node {node} cordoned");
     } else {
-        head.uncordon_node(request).await.map_err(status_error)?;
+        head.uncordon_node(request).await.map_err(|s| head_addr.status_error(s))?;
         println!("node {node} uncordoned");
     }
     Ok(())

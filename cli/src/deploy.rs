@@ -36,7 +36,7 @@
 //!   downscaling_factor: 1.0       # default 1
 //! ```
 
-use crate::client::{self, status_error};
+use crate::client;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use prism_common::engine_flags::EngineFlags;
@@ -251,8 +251,11 @@ pub async fn run(head_addr: &client::HeadTarget, args: DeployArgs) -> Result<()>
         return Ok(());
     }
     let mut head = client::head(head_addr).await?;
-    let response =
-        head.apply_deployment(ApplyDeploymentRequest { spec: Some(spec) }).await.map_err(status_error)?.into_inner();
+    let response = head
+        .apply_deployment(ApplyDeploymentRequest { spec: Some(spec) })
+        .await
+        .map_err(|s| head_addr.status_error(s))?
+        .into_inner();
     let generation = response.deployment.map_or(0, |d| d.generation);
     let verb = if response.created { "created" } else { "updated" };
     println!("deployment {} {verb} (generation {generation}); watch it with `prism status`", file.name);

@@ -1,7 +1,7 @@
 //! `prism drain NODE --deadline 60s`: cordons the node, moves its replicas elsewhere and
 //! stops them once idle or at the deadline (the head does the work; this asks for it).
 
-use crate::client::{self, status_error};
+use crate::client;
 use anyhow::{Result, bail};
 use clap::Args;
 use prism_common::proto::v1::DrainNodeRequest;
@@ -51,7 +51,7 @@ pub async fn run(head_addr: &client::HeadTarget, args: DrainArgs) -> Result<()> 
     let deadline_ms = u64::try_from(args.deadline.as_millis()).unwrap_or(u64::MAX).max(1);
     head.drain_node(DrainNodeRequest { node_id: args.node.clone(), deadline_ms, reason: args.reason })
         .await
-        .map_err(status_error)?;
+        .map_err(|s| head_addr.status_error(s))?;
     println!(
         "node {} draining (deadline {:?}); follow it with `prism status`, resume it with `prism uncordon {}`",
         args.node, args.deadline, args.node

@@ -92,8 +92,8 @@ pub struct Generation {
 ///
 /// # Errors
 /// Fails when the router is unreachable, rejects the request, or the stream breaks.
-pub async fn run(router_addr: &str, args: GenerateArgs) -> Result<()> {
-    let mut client = client::router(router_addr).await?;
+pub async fn run(router: &client::RouterTarget, args: GenerateArgs) -> Result<()> {
+    let mut client = client::router(router).await?;
     let model = args.model.resolve(&mut client, &args.key).await?;
     let prompt = if args.raw {
         Prompt::Text(args.prompt)

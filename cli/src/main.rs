@@ -79,15 +79,21 @@ fn main() -> Result<()> {
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let endpoints = cli.endpoints;
-    if !matches!(cli.command, Command::Up(_)) {
+    // The internal identity is for the head's admin RPCs; the router's public port is
+    // server-only TLS (`--tls-ca` alone is the CA to trust there), and `prism up` stays
+    // plaintext on loopback.
+    let without_internal_tls =
+        matches!(cli.command, Command::Up(_) | Command::Generate(_) | Command::Chat(_) | Command::Bench(_));
+    if !without_internal_tls {
         endpoints.tls.install()?;
     }
     let head = endpoints.head_target();
+    let router = endpoints.router_target();
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Up(args) => up::run(*args).await,
-            Command::Generate(args) => generate::run(&endpoints.router, args).await,
-            Command::Chat(args) => chat::run(&endpoints.router, args).await,
+            Command::Generate(args) => generate::run(&router, args).await,
+            Command::Chat(args) => chat::run(&router, args).await,
             Command::Status => status::run(&head).await,
             Command::Deploy(args) => deploy::run(&head, args).await,
             Command::Scale(args) => scale::run(&head, args).await,
@@ -95,7 +101,7 @@ fn main() -> Result<()> {
             Command::Cordon { node } => cordon::run(&head, node, true).await,
             Command::Uncordon { node } => cordon::run(&head, node, false).await,
             Command::Drain(args) => drain::run(&head, args).await,
-            Command::Bench(command) => bench::run(&endpoints.router, command).await,
+            Command::Bench(command) => bench::run(&router, command).await,
         }
     });
     // Blocking reads (chat's stdin) and engine threads must not keep the process alive.

@@ -3,7 +3,7 @@
 //! `prism delete NAME`: removes a deployment (its replicas drain and stop; the router stops
 //! listing its model).
 
-use crate::client::{self, status_error};
+use crate::client;
 use anyhow::Result;
 use clap::Args;
 use prism_common::head_auth::HeadClient;
@@ -37,7 +37,7 @@ pub async fn run(head_addr: &client::HeadTarget, args: ScaleArgs) -> Result<()> 
     let mut head = client::head(head_addr).await?;
     head.scale_deployment(ScaleDeploymentRequest { name: args.name.clone(), replicas: args.replicas })
         .await
-        .map_err(status_error)?;
+        .map_err(|s| head_addr.status_error(s))?;
     println!("deployment {} scaled to {}", args.name, count(u64::from(args.replicas), "replica", "replicas"));
     if let Some(notice) = unplaced_notice(&mut head, &args.name, args.replicas).await {
         eprintln!("{notice}");
@@ -85,7 +85,9 @@ fn pending_notice(replicas: &[&ReplicaRecord], desired: u32) -> Option<String> {
 /// Fails when the head is unreachable or rejects the request (unknown deployment, …).
 pub async fn delete(head_addr: &client::HeadTarget, name: String) -> Result<()> {
     let mut head = client::head(head_addr).await?;
-    head.delete_deployment(DeleteDeploymentRequest { name: name.clone() }).await.map_err(status_error)?;
+    head.delete_deployment(DeleteDeploymentRequest { name: name.clone() })
+        .await
+        .map_err(|s| head_addr.status_error(s))?;
     println!("deployment {name} deleted; its replicas drain and stop");
     Ok(())
 }

@@ -6,7 +6,7 @@
 //! e.g. `node-a:0-1 node-b:2-3` for a group across two nodes; NODE / GPUS / CPU SLOTS are the
 //! driver's; a replica on a node without GPUs shows its CPU slots, and `-` under GPUS).
 
-use crate::client::{self, status_error};
+use crate::client;
 use crate::table::Table;
 use anyhow::Result;
 use prism_common::proto::v1::{
@@ -270,7 +270,8 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
 /// Fails when the head is unreachable or refuses.
 pub async fn run(head_addr: &client::HeadTarget) -> Result<()> {
     let mut head = client::head(head_addr).await?;
-    let status = head.cluster_status(ClusterStatusRequest {}).await.map_err(status_error)?.into_inner();
+    let status =
+        head.cluster_status(ClusterStatusRequest {}).await.map_err(|s| head_addr.status_error(s))?.into_inner();
     print!("{}", render(&status));
     Ok(())
 }

@@ -264,7 +264,7 @@ async fn bring_up(
 
     progress.say("starting the head".to_owned());
     let mut head = loop {
-        match client::head(&client::HeadTarget { addr: ep.head.clone(), credential: ep.head_token.clone() }).await {
+        match client::head(&client::HeadTarget::new(ep.head.clone(), ep.head_token.clone())).await {
             Ok(h) => break h,
             Err(e) if Instant::now() > deadline => return Err(e),
             Err(_) => tokio::time::sleep(poll).await,
@@ -339,7 +339,7 @@ async fn bring_up(
         }
         tokio::time::sleep(poll).await;
     }
-    let mut router = client::router(&ep.grpc).await?;
+    let mut router = client::router(&client::RouterTarget::new(ep.grpc.clone())).await?;
     loop {
         let models = router
             .list_models(client::authorized(ListModelsRequest {}, api_key)?)

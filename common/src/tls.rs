@@ -316,6 +316,49 @@ fn build(files: &TlsFiles, contents: Contents, http11: bool) -> Result<Material,
     Ok(Material { contents, server: Arc::new(server), client })
 }
 
+/// A client configuration for servers with a server-only identity (the router's public
+/// listeners): no client certificate; servers verified against the system's root
+/// certificates (the platform's bundle, or `SSL_CERT_FILE` / `SSL_CERT_DIR` when set) plus the
+/// certificates in `ca` (a PEM bundle: a private CA, or a self-signed server certificate);
+/// h2 in ALPN.
+///
+/// # Errors
+/// `ca` cannot be read or holds no usable certificate, or no root at all is available
+/// (no system bundle and no `ca`).
+pub fn server_only_client_config(ca: Option<&Path>) -> Result<Arc<ClientConfig>, TlsError> {
+    let mut roots = RootCertStore::empty();
+    let system = rustls_native_certs::load_native_certs();
+    for e in &system.errors {
+        tracing::debug!(error = %e, "a system root certificate source cannot be read");
+    }
+    // Unparsable entries of the system bundle are skipped, as every TLS client does.
+    let (_added, _skipped) = roots.add_parsable_certificates(system.certs);
+    if let Some(path) = ca {
+        let pem = read("--tls-ca", path)?;
+        for c in certs("--tls-ca", path, &pem)? {
+            roots.add(c).map_err(|e| TlsError::Parse {
+                flag: "--tls-ca",
+                path: path.to_owned(),
+                reason: format!("not a usable CA certificate: {e}"),
+            })?;
+        }
+    }
+    if roots.is_empty() {
+        return Err(TlsError::Parse {
+            flag: "--tls-ca",
+            path: PathBuf::new(),
+            reason: "no system root certificates found: give the server's CA with --tls-ca".into(),
+        });
+    }
+    let mut client = ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(rustls::DEFAULT_VERSIONS)
+        .map_err(|source| TlsError::Config { cert: ca.map(Path::to_owned).unwrap_or_default(), source })?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    client.alpn_protocols = vec![ALPN_H2.to_vec()];
+    Ok(Arc::new(client))
+}
+
 static INTERNAL: RwLock<Option<Arc<Tls>>> = RwLock::new(None);
 
 /// Installs the process's internal identity: from now on every internal gRPC channel and

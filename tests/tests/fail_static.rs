@@ -260,6 +260,11 @@ async fn head_started_while_etcd_is_down_leads_once_it_is_back() -> Result<()> {
         ensure!(!head.process.exited(), "the head exited while etcd was down:\n{}", head.process.stderr());
         ensure!(head.process.stderr().contains("state store unavailable; retrying"), "the head says why it waits");
         answers_without_store(cluster.head()).await?;
+        let cli = cluster.cli(&["--timeout", "5s", "status"]);
+        ensure!(
+            cli.as_ref().is_err_and(|e| e.to_string().contains(prism_head::gate::STORE_UNAVAILABLE)),
+            "prism status says the head waits for its store: {cli:?}"
+        );
         let Some(etcd) = cluster.etcd_mut() else { bail!("the cluster has no etcd") };
         etcd.restart().await?;
         // The backoff is at most 5 s, then the election (lease 5 s at most to take over).

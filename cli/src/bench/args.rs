@@ -207,10 +207,10 @@ pub struct ServeArgs {
 
 impl ServeArgs {
     /// Where requests go, with the router address of the global `--router` flag.
-    pub fn target(&self, router: &str) -> Target {
+    pub fn target(&self, router: &crate::client::RouterTarget) -> Target {
         Target {
             backend: self.backend,
-            router: router.to_owned(),
+            router: router.clone(),
             base_url: self.base_url.clone(),
             endpoint: self.endpoint.clone(),
             api_key: self.api_key(),

@@ -40,7 +40,7 @@ fn progress(n: usize, hidden: bool) -> ProgressBar {
 /// # Errors
 /// Invalid flags or dataset, an unreachable server, a result file that cannot be written, or
 /// a run in which every request failed.
-pub async fn run(router: &str, args: ServeArgs) -> Result<()> {
+pub async fn run(router: &crate::client::RouterTarget, args: ServeArgs) -> Result<()> {
     let metrics = Metric::parse_list(&args.percentile_metrics)?;
     let percentiles = stats::parse_percentiles(&args.metric_percentiles)?;
     let slo = if args.goodput.is_empty() { None } else { Some(Slo::parse(&args.goodput)?) };

@@ -67,7 +67,7 @@ pub struct Target {
     /// The API.
     pub backend: Backend,
     /// Router gRPC address (`grpc`).
-    pub router: String,
+    pub router: client::RouterTarget,
     /// HTTP base URL (`openai`, `openai-chat`).
     pub base_url: String,
     /// HTTP path; `None` = [`Backend::default_endpoint`].

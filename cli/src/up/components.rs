@@ -155,7 +155,7 @@ fn cpu_slots<'a>(flag: Option<u32>, specs: impl IntoIterator<Item = &'a Deployme
 
 /// Polls the head until it reports itself leader (at most 30 s); returns its status then.
 async fn wait_for_leader(head_url: &str, admin: &HeadCredential) -> Result<ClusterStatusResponse> {
-    let target = crate::client::HeadTarget { addr: head_url.to_owned(), credential: admin.clone() };
+    let target = crate::client::HeadTarget::new(head_url, admin.clone());
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         if let Ok(mut head) = crate::client::head(&target).await

@@ -1,6 +1,7 @@
 //! Client side: a tonic connector that opens TCP and runs the TLS handshake with the
 //! identity's current client configuration, so every new connection (first connect and
-//! every reconnect) uses the latest rotated material.
+//! every reconnect) uses the latest rotated material; or, toward a server-only public
+//! listener, with a fixed configuration that trusts the system roots and an optional CA.
 //!
 //! With TLS on, the connection is TLS whatever the URI's scheme: `http://` addresses
 //! published by an older peer, or typed by hand, do not downgrade the connection. The server
@@ -15,22 +16,39 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use hyper_util::rt::TokioIo;
+use rustls::ClientConfig;
 use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
 use tonic::transport::{Channel, Endpoint};
 
 use super::Tls;
 
-/// Connects with mutual TLS using a [`Tls`] identity's client configuration.
+/// Connects with TLS: mutual, with a [`Tls`] identity's client configuration (reloaded), or
+/// server-only, with a fixed configuration ([`TlsConnector::verifying`]).
 #[derive(Clone, Debug)]
 pub struct TlsConnector {
-    tls: Arc<Tls>,
+    source: Source,
+}
+
+#[derive(Clone, Debug)]
+enum Source {
+    /// The identity's current client configuration and server name.
+    Identity(Arc<Tls>),
+    /// A configuration without a client certificate; the server name is the dialled host.
+    Fixed(Arc<ClientConfig>),
 }
 
 impl TlsConnector {
     /// A connector for `tls` (which must have a CA: a client verifies its server).
     pub fn new(tls: Arc<Tls>) -> Self {
-        Self { tls }
+        Self { source: Source::Identity(tls) }
+    }
+
+    /// A connector that verifies servers with `config` and presents no certificate (a
+    /// public listener, e.g. the router's with `--public-tls-cert`; see
+    /// [`super::server_only_client_config`]).
+    pub fn verifying(config: Arc<ClientConfig>) -> Self {
+        Self { source: Source::Fixed(config) }
     }
 }
 
@@ -46,8 +64,10 @@ impl tower_service::Service<http::Uri> for TlsConnector {
     }
 
     fn call(&mut self, uri: http::Uri) -> Connecting {
-        let config = self.tls.client_config();
-        let server_name = self.tls.server_name().map(str::to_owned);
+        let (config, server_name) = match &self.source {
+            Source::Identity(tls) => (tls.client_config(), tls.server_name().map(str::to_owned)),
+            Source::Fixed(config) => (Some(Arc::clone(config)), None),
+        };
         Box::pin(async move {
             let config = config.ok_or_else(|| io::Error::other("TLS identity has no CA: cannot verify a server"))?;
             let host = uri
