@@ -90,6 +90,11 @@ pub fn to_status(e: DispatchError) -> Status {
         | DispatchError::NoRouteTable => Status::unavailable(e.to_string()),
         DispatchError::Overloaded { .. } => Status::resource_exhausted(e.to_string()),
         DispatchError::DeadlineExceeded => Status::deadline_exceeded(e.to_string()),
+        // tonic's message-size refusal on the internal hop (see `INTERNAL_HOP_MESSAGE`).
+        DispatchError::Worker(s) if s.code() == tonic::Code::OutOfRange => {
+            tracing::warn!(message = s.message(), "internal gRPC hop refused a message");
+            return Status::internal(crate::openai::errors::INTERNAL_HOP_MESSAGE);
+        }
         DispatchError::Worker(s) => return s,
     };
     if let Some(secs) = retry_after {

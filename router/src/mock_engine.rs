@@ -183,6 +183,13 @@ impl MockEngineWorker {
         }
     }
 
+    /// The service with the message limits of a real worker.
+    fn server(self) -> WorkerServiceServer<Self> {
+        WorkerServiceServer::new(self)
+            .max_decoding_message_size(prism_common::proto::WORKER_MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(prism_common::proto::WORKER_MAX_MESSAGE_BYTES)
+    }
+
     fn behavior(&self) -> MockBehavior {
         self.behavior.lock().map(|g| g.clone()).unwrap_or_default()
     }
@@ -195,7 +202,7 @@ impl MockEngineWorker {
     pub async fn serve(self, listener: tokio::net::TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
         if let Some(tls) = prism_common::tls::internal() {
             tonic::transport::Server::builder()
-                .add_service(WorkerServiceServer::new(self))
+                .add_service(self.server())
                 .serve_with_incoming_shutdown(
                     prism_common::tls::server::incoming_with(listener, Some(tls), "mock grpc"),
                     shutdown.cancelled_owned(),
@@ -212,7 +219,7 @@ impl MockEngineWorker {
             Some((r, (l, gate)))
         });
         tonic::transport::Server::builder()
-            .add_service(WorkerServiceServer::new(self))
+            .add_service(self.server())
             .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
             .await?;
         Ok(())

@@ -379,6 +379,21 @@ async fn stops_and_fields(api: &Api) -> Result<()> {
     Ok(())
 }
 
+/// A 3 MB prompt (about 600,000 tokens: with its token ids, over tonic's 4 MiB default for one
+/// gRPC message) reaches the engine through router and worker and gets the context-length
+/// 400, on both endpoints, not a message-size error of the internal hop.
+async fn huge_prompts(api: &Api) -> Result<()> {
+    let words = "word ".repeat(600_000);
+    let completion = json!({"model": MODEL, "prompt": words, "max_tokens": 1});
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": 1});
+    for (path, body, param) in [("/v1/completions", completion, "prompt"), ("/v1/chat/completions", chat, "messages")] {
+        let v = api.refused(path, &body, 400, param).await?;
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        ensure!(message.contains("maximum context length"), "{path}: {v}");
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prism_up_serves_tokenize_echo_stop_strings_and_the_smaller_fields() -> Result<()> {
     let Some(path) = model() else { return Ok(()) };
@@ -392,7 +407,8 @@ async fn prism_up_serves_tokenize_echo_stop_strings_and_the_smaller_fields() -> 
     let outcome = async {
         tokenize_routes(&api, &codec, &grpc).await.context("tokenize")?;
         echo(&api, &codec, &grpc).await.context("echo")?;
-        stops_and_fields(&api).await.context("stops and fields")
+        stops_and_fields(&api).await.context("stops and fields")?;
+        huge_prompts(&api).await.context("huge prompts")
     }
     .await;
     if let Err(e) = outcome {

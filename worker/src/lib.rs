@@ -108,7 +108,11 @@ pub async fn run_with_launcher(
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(health_service)
-            .add_service(WorkerServiceServer::new(svc))
+            .add_service(
+                WorkerServiceServer::new(svc)
+                    .max_decoding_message_size(prism_common::proto::WORKER_MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(prism_common::proto::WORKER_MAX_MESSAGE_BYTES),
+            )
             .serve_with_incoming_shutdown(
                 prism_common::tls::server::incoming(grpc_listener),
                 stop.clone().cancelled_owned(),

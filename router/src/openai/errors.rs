@@ -106,6 +106,11 @@ pub fn http_status(code: Code) -> StatusCode {
     }
 }
 
+/// The message of a worker OUT_OF_RANGE: tonic's own refusal of a message over a size limit
+/// on the router ↔ worker hop (the engine never answers OUT_OF_RANGE). Not the client's fault
+/// (500, never 400) and tonic's text is no business of the client's: it is logged instead.
+pub const INTERNAL_HOP_MESSAGE: &str = "internal error: the request could not be passed to its replica";
+
 /// gRPC metadata key in which a worker names the request field an INVALID_ARGUMENT is about
 /// (e.g. `prompt` for an empty prompt or one over the context length).
 pub const PARAM_METADATA: &str = "prism-param";
@@ -135,6 +140,10 @@ impl From<DispatchError> for ApiError {
                 Self { retry_after, ..Self::new(StatusCode::TOO_MANY_REQUESTS, message) }
             }
             DispatchError::DeadlineExceeded => Self::new(StatusCode::GATEWAY_TIMEOUT, message),
+            DispatchError::Worker(s) if s.code() == Code::OutOfRange => {
+                tracing::warn!(message = s.message(), "internal gRPC hop refused a message");
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, INTERNAL_HOP_MESSAGE)
+            }
             DispatchError::Worker(s) => {
                 let status = http_status(s.code());
                 let retry_after =

@@ -234,3 +234,18 @@ fn completion_top_logprobs_always_hold_the_sampled_token() {
         json!([{" a": -0.25, " b": -1.5, " z": -3.0}, {" a": -0.25, " b": -1.5}])
     );
 }
+
+/// tonic's refusal of a message over its size limit on the router ↔ worker hop (OUT_OF_RANGE)
+/// is the router's problem: 500 / INTERNAL with a message of ours, never a 400 quoting tonic.
+#[test]
+fn an_internal_hop_size_refusal_is_a_500_without_tonic_text() {
+    let tonic_text = "Error, decoded message length too large: found 4200132 bytes, the limit is: 4194304 bytes";
+    let refused = || DispatchError::Worker(tonic::Status::out_of_range(tonic_text));
+    let api = ApiError::from(refused());
+    assert_eq!(api.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(!api.message.contains("length too large"), "{}", api.message);
+    assert_eq!(api.outcome(), Outcome::Error);
+    let grpc = crate::grpc::to_status(refused());
+    assert_eq!(grpc.code(), tonic::Code::Internal);
+    assert!(!grpc.message().contains("length too large"), "{}", grpc.message());
+}
