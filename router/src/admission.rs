@@ -110,7 +110,8 @@ pub enum AdmitError {
     /// No route mentions the model (404).
     #[error("model not found")]
     UnknownModel,
-    /// The router is shutting down (503).
+    /// Static routes whose every endpoint is out of rotation after failures, or the router is
+    /// shutting down (503).
     #[error("no usable replica")]
     NoneUsable,
     /// A queue bound refused it (429); retry after `retry_after_s` seconds.
@@ -198,8 +199,10 @@ impl Inner {
             Err(SelectError::UnknownModel) => Attempt::Fail(AdmitError::UnknownModel),
             Err(SelectError::AllFull) => Attempt::Wait { no_ready: false },
             // Ready replicas, all out of rotation after failures: one may come back, or the
-            // head replaces them.
-            Err(SelectError::NoneReady) if snap.has_ready(model) => Attempt::Wait { no_ready: false },
+            // head replaces them. Static routes have no head to replace a dead endpoint, so
+            // waiting there would mostly be for nothing: 503 at once.
+            Err(SelectError::NoneReady) if snap.has_ready(model) && snap.managed => Attempt::Wait { no_ready: false },
+            Err(SelectError::NoneReady) if snap.has_ready(model) => Attempt::Fail(AdmitError::NoneUsable),
             Err(SelectError::NoneReady) => match snap.unavailable(model) {
                 Some(why) => Attempt::Fail(AdmitError::Unavailable(why)),
                 None => Attempt::Wait { no_ready: true },

@@ -181,6 +181,9 @@ pub struct RouteSnapshot {
     pub unavailable: BTreeMap<String, Arc<ModelUnavailable>>,
     /// Whether a table was ever received (or static routes were given).
     pub loaded: bool,
+    /// Whether a head manages the table, replacing replicas that fail; false for static
+    /// routes, where nothing replaces an endpoint that stops answering.
+    pub managed: bool,
     /// Notified whenever a request admitted from this table releases its slot (shared by
     /// every snapshot of one [`Routes`]).
     pub released: Arc<Notify>,
@@ -351,7 +354,7 @@ impl Routes {
         }
         let unavailable = BTreeMap::new();
         let released = self.released();
-        self.store(RouteSnapshot { version: 0, term: 0, models, unavailable, loaded: true, released });
+        self.store(RouteSnapshot { version: 0, term: 0, models, unavailable, loaded: true, managed: false, released });
     }
 
     /// Replaces the table with one received from the head, unless it is stale: published in
@@ -449,7 +452,7 @@ impl Routes {
         }
         let released = self.released();
         let (version, term) = (table.version, table.term);
-        self.store(RouteSnapshot { version, term, models, unavailable, loaded: true, released });
+        self.store(RouteSnapshot { version, term, models, unavailable, loaded: true, managed: true, released });
     }
 
     /// Follows `WatchRoutes` on the given heads until `shutdown`, trying them in turn and
