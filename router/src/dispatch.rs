@@ -132,6 +132,20 @@ impl Dispatcher {
         choice.resolve(codec.as_ref().and_then(|c| c.codec.chat_template_source()))
     }
 
+    /// Whether `model` is one the route table knows, checked before the key's token limit
+    /// so that repeating a request for an unknown model gets its 404 again rather than 429.
+    /// Without a table yet nothing is refused here ([`Dispatcher::dispatch`] answers then).
+    ///
+    /// # Errors
+    /// [`DispatchError::UnknownModel`], as [`Dispatcher::dispatch`] would answer.
+    pub fn check_model(&self, model: &str) -> Result<(), DispatchError> {
+        let snap = self.routes().snapshot();
+        if snap.loaded && !snap.models.contains_key(model) {
+            return Err(DispatchError::UnknownModel(model.to_owned()));
+        }
+        Ok(())
+    }
+
     /// The deadline of a request: its own `timeout_ms` capped by the default.
     pub fn deadline_for(&self, req: &GenerateRequest) -> Instant {
         let d = self.upstream.cfg().default_timeout;

@@ -184,6 +184,8 @@ impl InferenceApi {
         let parser = self.dispatcher.tool_parser(&req.model, self.tool_parser);
         let plan = crate::tools::plan(&mut req, parser).map_err(|e| Status::invalid_argument(e.message))?;
         let tools = plan.map(|p| ToolStream { kind: p.parser, parsers: Vec::new() });
+        // Validated and the model looked up first: a 400 or 404 stays one with the budget spent.
+        self.dispatcher.check_model(&req.model).map_err(to_status)?;
         // The key's tokens-per-minute limit, on the same estimate the admission queue counts;
         // given back (the charge dropped) unless a replica accepts the request.
         let charge =

@@ -585,8 +585,8 @@ async fn generate<R: GenerationEndpoint>(
         let mut proto = req.proto()?; // validates `n` before the shaper sizes its choices
         let parser = state.dispatcher.tool_parser(&proto.model, state.tool_parser);
         let plan = crate::tools::plan(&mut proto, parser)?;
-        // The key's tokens-per-minute limit, on the same estimate the admission queue counts;
-        // given back unless a replica accepts the request (`answer`).
+        state.dispatcher.check_model(&proto.model)?; // a 404 stays a 404 with the budget spent
+        // The key's tokens-per-minute limit (admission's estimate), given back unless accepted.
         let tokens = crate::dispatch::estimated_tokens(&proto);
         let charge = state.keys.admit_tokens(caller.map(|c| c.0), tokens).map_err(guard::limited)?;
         let sampling = req.sampling();

@@ -119,6 +119,46 @@ pub fn check_request(req: &GenerateRequest) -> Result<(), Invalid> {
         {
             return Err(invalid("min_tokens", format!("min_tokens must be at most max_tokens ({max}), got {min}")));
         }
+        check_sampling(s)?;
+    }
+    Ok(())
+}
+
+/// The sampling ranges the OpenAI API checks while converting (the same rules and messages),
+/// for requests that come through gRPC: `temperature` >= 0, `top_p` in (0, 1], `top_k` >= -1,
+/// `min_p` in [0, 1], the frequency and presence penalties in [-2, 2], `repetition_penalty` > 0.
+fn check_sampling(s: &prism_common::proto::v1::SamplingParams) -> Result<(), Invalid> {
+    if let Some(t) = s.temperature
+        && !(t >= 0.0 && t.is_finite())
+    {
+        return Err(invalid("temperature", format!("temperature must be >= 0, got {t}")));
+    }
+    if let Some(p) = s.top_p
+        && !(p > 0.0 && p <= 1.0)
+    {
+        return Err(invalid("top_p", format!("top_p must be in (0, 1], got {p}")));
+    }
+    if let Some(k) = s.top_k
+        && k < -1
+    {
+        return Err(invalid("top_k", format!("top_k must be -1 (off) or >= 0, got {k}")));
+    }
+    let ranges = [
+        ("min_p", s.min_p, 0.0, 1.0),
+        ("frequency_penalty", s.frequency_penalty, -2.0, 2.0),
+        ("presence_penalty", s.presence_penalty, -2.0, 2.0),
+    ];
+    for (param, v, lo, hi) in ranges {
+        if let Some(v) = v
+            && !(lo..=hi).contains(&v)
+        {
+            return Err(invalid(param, format!("{param} must be in [{lo}, {hi}], got {v}")));
+        }
+    }
+    if let Some(r) = s.repetition_penalty
+        && !(r > 0.0 && r.is_finite())
+    {
+        return Err(invalid("repetition_penalty", format!("repetition_penalty must be > 0, got {r}")));
     }
     Ok(())
 }
@@ -173,6 +213,36 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(with(text, r#"{"enable_thinking": false}"#), Err("chat_template_kwargs"));
+    }
+
+    /// gRPC requests get the OpenAI API's sampling ranges.
+    #[test]
+    fn sampling_ranges() {
+        let mut r = chat(&["user"]);
+        let d = SamplingParams::default;
+        let bad = [
+            ("temperature", SamplingParams { temperature: Some(-1.0), ..d() }),
+            ("temperature", SamplingParams { temperature: Some(f32::NAN), ..d() }),
+            ("top_p", SamplingParams { top_p: Some(0.0), ..d() }),
+            ("top_k", SamplingParams { top_k: Some(-2), ..d() }),
+            ("min_p", SamplingParams { min_p: Some(1.5), ..d() }),
+            ("frequency_penalty", SamplingParams { frequency_penalty: Some(-2.5), ..d() }),
+            ("presence_penalty", SamplingParams { presence_penalty: Some(2.5), ..d() }),
+            ("repetition_penalty", SamplingParams { repetition_penalty: Some(0.0), ..d() }),
+        ];
+        for (want, s) in bad {
+            r.sampling = Some(s);
+            assert_eq!(check_request(&r).map_err(|e| e.param), Err(want));
+        }
+        r.sampling = Some(SamplingParams {
+            temperature: Some(0.0),
+            top_p: Some(1.0),
+            top_k: Some(-1),
+            min_p: Some(0.0),
+            repetition_penalty: Some(1.0),
+            ..Default::default()
+        });
+        assert!(check_request(&r).is_ok());
     }
 
     #[test]

@@ -393,6 +393,22 @@ async fn token_limit_charges_only_requests_a_replica_accepted() -> anyhow::Resul
     drop(accepted);
     let res = post("mock", 15_000).await?;
     assert_eq!(res.status().as_u16(), 429, "the accepted request was charged");
+    // With the budget spent, a request the router refuses anyway gets that answer, not 429.
+    assert_eq!(post("nope", 15_000).await?.status().as_u16(), 404, "unknown model over HTTP");
+    let res = http
+        .post(format!("http://{}/v1/completions", r.http))
+        .header("authorization", auth)
+        .json(&serde_json::json!({"model": "mock", "prompt": "a", "max_tokens": 15_000, "temperature": -1}))
+        .send()
+        .await?;
+    assert_eq!(res.status().as_u16(), 400, "bad temperature over HTTP");
+    let mut bad = generate_request(15_000);
+    bad.sampling = Some(SamplingParams { temperature: Some(-1.0), max_tokens: Some(15_000), ..Default::default() });
+    let e = g.generate(with_key(bad, auth)?).await.expect_err("temperature -1");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let unknown = GenerateRequest { model: "nope".into(), ..generate_request(15_000) };
+    let e = g.generate(with_key(unknown, auth)?).await.expect_err("unknown model");
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
     let m = http.get(format!("http://{}/metrics", r.http)).header("authorization", auth).send().await?.text().await?;
     assert!(m.contains(r#"prism_router_rate_limited_total{key="team-a",limit="tokens"} 1"#), "{m}");
     Ok(())
