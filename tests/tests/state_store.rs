@@ -5,13 +5,16 @@
 
 use anyhow::{Context, Result, ensure};
 use futures::StreamExt;
+use prism_common::proto::v1::ReplicaRecord;
 use prism_common::state_store::{
     Compare, EmbeddedStore, MAX_TXN_OPS, StateStore, StoreError, Txn, TxnOp, WatchEvent, WatchStream, keys,
     spawn_keep_alive,
 };
+use prism_head::cluster::view::ClusterView;
 use prism_head::election::{self, ElectionConfig, Leadership};
 use prism_head::store::EtcdStore;
 use prism_tests::{EtcdFixture, wait_until};
+use prost::Message;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -311,6 +314,37 @@ async fn election_runner_fails_over(s: Store) -> Result<()> {
     Ok(())
 }
 
+/// A state larger than gRPC's 4 MiB default message size (about 6 MiB of replica records,
+/// written in transactions of at most `MAX_TXN_OPS` puts) reads back whole, through `list` and
+/// through the head's `ClusterView::load`: a head must always be able to read back what it wrote.
+async fn list_beyond_message_limit(s: Store) -> Result<()> {
+    const RECORDS: usize = 4_000;
+    let reason = "r".repeat(1_500);
+    let record = |i: usize| ReplicaRecord {
+        replica_id: format!("big-{i:05}"),
+        deployment: "big".into(),
+        reason: reason.clone(),
+        ..ReplicaRecord::default()
+    };
+    let mut last = 0;
+    for chunk in (0..RECORDS).collect::<Vec<_>>().chunks(MAX_TXN_OPS) {
+        let success = chunk
+            .iter()
+            .map(|&i| TxnOp::put(ClusterView::replica_key(&record(i)), record(i).encode_to_vec()))
+            .collect();
+        last = s.txn(Txn { success, ..Txn::default() }).await?.revision;
+    }
+    let (all, rev) = s.list(keys::REPLICAS).await?;
+    ensure!(all.len() == RECORDS, "listed {} of {RECORDS} records", all.len());
+    ensure!(all.windows(2).all(|w| w[0].0 < w[1].0), "list is sorted by key");
+    ensure!(rev >= last, "list revision {rev} < last write {last}");
+    let bytes: usize = all.iter().map(|(k, v)| k.len() + v.value.len()).sum();
+    ensure!(bytes > 4 << 20, "the state ({bytes} bytes) must exceed 4 MiB");
+    let view = ClusterView::load(s.as_ref()).await?;
+    ensure!(view.replicas.len() == RECORDS, "loaded {} of {RECORDS} replicas", view.replicas.len());
+    Ok(())
+}
+
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {
         mod embedded {
@@ -350,6 +384,7 @@ conformance!(
     watch_replays_from_revision,
     election_one_leader_and_takeover,
     election_runner_fails_over,
+    list_beyond_message_limit,
 );
 
 // ---- store-specific behaviour -------------------------------------------------------------

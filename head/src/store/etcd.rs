@@ -10,8 +10,8 @@
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, Compare as EtcdCompare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions,
-    Txn as EtcdTxn, TxnOp as EtcdTxnOp, WatchOptions,
+    Client, Compare as EtcdCompare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, KvClient, PutOptions,
+    Txn as EtcdTxn, TxnOp as EtcdTxnOp, WatchClient, WatchOptions,
 };
 use prism_common::state_store::{
     Compare, LeaseId, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, TxnResult, Versioned, WatchEvent,
@@ -29,11 +29,23 @@ const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 /// Buffered watch events per watcher.
 const WATCH_BUFFER: usize = 1024;
+/// Keys per range response of [`StateStore::list`]: a prefix is read in pages at one
+/// revision, so no single response grows with the cluster (100,000 replica records are
+/// about 16 MB in one response, over any sane gRPC message limit).
+pub const LIST_PAGE_KEYS: i64 = 1_000;
+/// Largest response the etcd client decodes (tonic's default is 4 MiB). A page of
+/// [`LIST_PAGE_KEYS`] records is far below it; the headroom is for pages of large values
+/// and for watch responses, which etcd batches up to its own limit.
+pub const MAX_RESPONSE_BYTES: usize = 64 << 20;
 
 /// A [`StateStore`] backed by an etcd cluster. Cheap to clone.
 #[derive(Clone)]
 pub struct EtcdStore {
     client: Client,
+    /// KV calls, decoding responses up to [`MAX_RESPONSE_BYTES`].
+    kv: KvClient,
+    /// Watch streams, decoding responses up to [`MAX_RESPONSE_BYTES`].
+    watch: WatchClient,
 }
 
 impl EtcdStore {
@@ -53,7 +65,9 @@ impl EtcdStore {
             .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
             .with_keep_alive_while_idle(true);
         let client = Client::connect(eps, Some(opts)).await.map_err(classify)?;
-        let store = Self { client };
+        let kv = client.kv_client().max_decoding_message_size(MAX_RESPONSE_BYTES);
+        let watch = client.watch_client().max_decoding_message_size(MAX_RESPONSE_BYTES);
+        let store = Self { client, kv, watch };
         // Fail fast on a wrong address rather than on the first real request.
         store.current_revision("/").await?;
         Ok(store)
@@ -65,8 +79,7 @@ impl EtcdStore {
     }
 
     async fn current_revision(&self, key: &str) -> StoreResult<Revision> {
-        let resp =
-            self.client.kv_client().get(key, Some(GetOptions::new().with_count_only())).await.map_err(classify)?;
+        let resp = self.kv.clone().get(key, Some(GetOptions::new().with_count_only())).await.map_err(classify)?;
         Ok(resp.header().map_or(0, |h| h.revision()))
     }
 }
@@ -122,6 +135,20 @@ fn key_string(kv: &KeyValue) -> Option<String> {
     }
 }
 
+/// The end of the key range holding every key that starts with `prefix` (etcd's
+/// `range_end`): the prefix with its last byte below 0xff incremented; `[0]` (every key from
+/// the start on) when there is none, as for the empty prefix.
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    match prefix.iter().rposition(|&b| b < 0xff) {
+        Some(i) => {
+            let mut end = prefix[..=i].to_vec();
+            end[i] += 1;
+            end
+        }
+        None => vec![0],
+    }
+}
+
 fn to_etcd_op(op: TxnOp) -> EtcdTxnOp {
     match op {
         TxnOp::Put { key, value, lease } => EtcdTxnOp::put(key, value, lease.map(|l| PutOptions::new().with_lease(l))),
@@ -140,27 +167,47 @@ fn first_lease(ops: &[TxnOp]) -> Option<LeaseId> {
 #[async_trait]
 impl StateStore for EtcdStore {
     async fn get(&self, key: &str) -> StoreResult<Option<Versioned>> {
-        let resp = self.client.kv_client().get(key, None).await.map_err(classify)?;
+        let resp = self.kv.clone().get(key, None).await.map_err(classify)?;
         Ok(resp.kvs().first().map(versioned))
     }
 
     async fn put(&self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) -> StoreResult<Revision> {
         let opts = lease.map(|l| PutOptions::new().with_lease(l));
-        let resp = self.client.kv_client().put(key, value, opts).await.map_err(classify_lease(lease.unwrap_or(0)))?;
+        let resp = self.kv.clone().put(key, value, opts).await.map_err(classify_lease(lease.unwrap_or(0)))?;
         Ok(resp.header().map_or(0, |h| h.revision()))
     }
 
     async fn delete(&self, key: &str) -> StoreResult<bool> {
-        let resp = self.client.kv_client().delete(key, None).await.map_err(classify)?;
+        let resp = self.kv.clone().delete(key, None).await.map_err(classify)?;
         Ok(resp.deleted() > 0)
     }
 
     async fn list(&self, prefix: &str) -> StoreResult<(Vec<(String, Versioned)>, Revision)> {
-        let opts = if prefix.is_empty() { GetOptions::new().with_all_keys() } else { GetOptions::new().with_prefix() };
-        let resp = self.client.kv_client().get(prefix, Some(opts)).await.map_err(classify)?;
-        let revision = resp.header().map_or(0, |h| h.revision());
-        let items = resp.kvs().iter().filter_map(|kv| Some((key_string(kv)?, versioned(kv)))).collect();
-        Ok((items, revision))
+        // Pages of `LIST_PAGE_KEYS` keys, each continuing after the last key of the one before,
+        // all at the revision of the first page so the result is one consistent snapshot.
+        let end = prefix_end(prefix.as_bytes());
+        let mut from = if prefix.is_empty() { vec![0] } else { prefix.as_bytes().to_vec() };
+        let mut revision = 0;
+        let mut items = Vec::new();
+        loop {
+            let mut opts = GetOptions::new().with_range(end.clone()).with_limit(LIST_PAGE_KEYS);
+            if revision > 0 {
+                opts = opts.with_revision(revision);
+            }
+            let resp = self.kv.clone().get(from.clone(), Some(opts)).await.map_err(classify)?;
+            if revision == 0 {
+                revision = resp.header().map_or(0, |h| h.revision());
+            }
+            items.extend(resp.kvs().iter().filter_map(|kv| Some((key_string(kv)?, versioned(kv)))));
+            match resp.kvs().last() {
+                Some(last) if resp.more() => {
+                    // The smallest key after `last`.
+                    from = last.key().to_vec();
+                    from.push(0);
+                }
+                _ => return Ok((items, revision)),
+            }
+        }
     }
 
     async fn txn(&self, txn: Txn) -> StoreResult<TxnResult> {
@@ -176,7 +223,7 @@ impl StateStore for EtcdStore {
             .when(compares)
             .and_then(txn.success.into_iter().map(to_etcd_op).collect::<Vec<_>>())
             .or_else(txn.failure.into_iter().map(to_etcd_op).collect::<Vec<_>>());
-        let resp = self.client.kv_client().txn(etcd_txn).await.map_err(classify_lease(lease))?;
+        let resp = self.kv.clone().txn(etcd_txn).await.map_err(classify_lease(lease))?;
         Ok(TxnResult { succeeded: resp.succeeded(), revision: resp.header().map_or(0, |h| h.revision()) })
     }
 
@@ -278,7 +325,7 @@ impl WatchTask {
     /// Runs one etcd watch stream from `self.next` until it ends.
     async fn stream_once(&mut self, backoff: &mut Duration) -> Ended {
         let opts = WatchOptions::new().with_prefix().with_start_revision(self.next);
-        let mut stream = match self.store.client.watch_client().watch(self.prefix.as_str(), Some(opts)).await {
+        let mut stream = match self.store.watch.clone().watch(self.prefix.as_str(), Some(opts)).await {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(prefix = %self.prefix, error = %e, "etcd watch: cannot start, retrying");
@@ -343,5 +390,18 @@ impl WatchTask {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefix_end;
+
+    #[test]
+    fn prefix_end_is_the_first_key_after_the_prefix() {
+        assert_eq!(prefix_end(b"/prism/v1/replicas/"), b"/prism/v1/replicas0");
+        assert_eq!(prefix_end(b"a\xff\xff"), b"b");
+        assert_eq!(prefix_end(b"\xff"), [0]);
+        assert_eq!(prefix_end(b""), [0]);
     }
 }
