@@ -17,8 +17,13 @@ pub const DEFAULT_LOOK_BACK_PERIOD_S: f64 = 30.0;
 /// Largest accepted delay or look-back period, seconds (30 days): beyond any real use, and
 /// keeps every duration representable.
 pub const MAX_SECONDS: f64 = 30.0 * 86_400.0;
-/// Largest accepted `max_replicas`.
-pub const MAX_REPLICAS: u32 = 100_000;
+/// Largest accepted replica count: `replicas`, `max_replicas` and so every autoscaling
+/// target. Far beyond any real cluster (each replica holds at least one GPU or CPU slot),
+/// and low enough that a typo cannot make the head write, place and report a count of
+/// Pending replicas that swamps the store and every status answer (each replica is a
+/// stored record and a row the reconciler visits every pass). Ray Serve and Kubernetes set
+/// no hard cap; Kubernetes creates pods at a bounded rate instead.
+pub const MAX_REPLICAS: u32 = 10_000;
 
 /// A validated autoscaling config with its defaults filled in.
 #[derive(Debug, Clone, PartialEq)]
@@ -147,6 +152,9 @@ mod tests {
     fn every_invalid_field_is_named() {
         assert_eq!(err(cfg(3, 1)), "autoscaling_config.min_replicas (3) is greater than max_replicas (1)");
         assert!(err(cfg(0, 0)).starts_with("autoscaling_config.max_replicas "));
+        assert_eq!(err(cfg(1, 10_001)), "autoscaling_config.max_replicas must be at most 10000, got 10001");
+        assert!(err(cfg(1, 100_000)).starts_with("autoscaling_config.max_replicas "));
+        assert!(Params::from_config(&cfg(1, 10_000)).is_ok());
         assert!(
             err(AutoscalingConfig { initial_replicas: Some(5), ..cfg(1, 3) })
                 .starts_with("autoscaling_config.initial_replicas (5) is outside")
