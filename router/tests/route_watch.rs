@@ -343,3 +343,73 @@ async fn before_the_first_route_table_requests_get_503_not_404() -> anyhow::Resu
     shutdown.cancel();
     Ok(())
 }
+
+/// A stream whose replica fails mid-way waits for another replica to continue it, but not
+/// once the head lists the model as unavailable: it ends at once with that answer (an SSE
+/// error event naming the deployment), as queued and new requests get it.
+#[tokio::test]
+async fn a_stream_waiting_to_migrate_ends_when_the_model_becomes_unavailable() -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let flaky =
+        MockBehavior { fail_after_tokens: Some(3), token_delay: Duration::from_millis(100), ..Default::default() };
+    let ea = format!("http://{}", MockEngineWorker::new(flaky).spawn(shutdown.clone()).await?);
+    let table = RouteTable {
+        unavailable: vec![],
+        term: 0,
+        models: vec!["mock".into()],
+        version: 1,
+        routes: vec![entry("ra", &ea, ReplicaState::Ready)],
+    };
+    let (tx, rx) = watch::channel(table);
+    let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let head_addr = format!("http://{}", hl.local_addr()?);
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(HeadServiceServer::new(FakeHead(rx, Reports::default())))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(hl), shutdown.clone().cancelled_owned()),
+    );
+    let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let g = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let http = format!("http://{}", h.local_addr()?);
+    tokio::spawn(prism_router::run(
+        RouterConfig { heads: vec![head_addr], ..Default::default() },
+        h,
+        g,
+        shutdown.clone(),
+    ));
+    wait_status(&http, 200).await?;
+
+    let r = reqwest::Client::new()
+        .post(format!("{http}/v1/completions"))
+        .json(&serde_json::json!({"model": "mock", "prompt": "a", "max_tokens": 20, "stream": true}))
+        .send()
+        .await?;
+    assert_eq!(r.status().as_u16(), 200, "the stream started");
+    // The replica's worker is gone and no node can run another one.
+    let started = Instant::now();
+    tx.send(RouteTable {
+        unavailable: vec![UnavailableModel {
+            model: "mock".into(),
+            deployment: "mock-dep".into(),
+            reason: String::new(),
+            cause: UnavailableCause::NoNode as i32,
+        }],
+        term: 0,
+        models: vec!["mock".into()],
+        version: 2,
+        routes: vec![],
+    })?;
+    let body = tokio::time::timeout(Duration::from_secs(20), r.text()).await??;
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(5), "the stream ended {waited:?} after the model became unavailable");
+    let error = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .find(|v| v.get("error").is_some())
+        .unwrap_or_else(|| panic!("an SSE error event: {body}"));
+    let message = error["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("mock-dep"), "the unavailable answer, not the replica's loss: {error}");
+    Ok(())
+}

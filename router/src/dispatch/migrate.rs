@@ -157,7 +157,7 @@ impl StreamPump {
             self.upstream.note_failure(&replica, &failure);
             self.c.tried.push(replica.replica_id.clone());
             match self.migrate(&failure).await {
-                Some((s, r, g, mut first)) => {
+                Ok((s, r, g, mut first)) => {
                     stream = s;
                     replica = r;
                     drop(std::mem::replace(&mut guard, g)); // the old replica's load is released
@@ -169,8 +169,12 @@ impl StreamPump {
                         return;
                     }
                 }
-                None => {
-                    let _ = tx.send(Err(DispatchError::from_last_failure(failure, &replica.replica_id))).await;
+                Err(why) => {
+                    let e = match why {
+                        NoMigration::Unavailable(e) => e,
+                        NoMigration::Failed => DispatchError::from_last_failure(failure, &replica.replica_id),
+                    };
+                    let _ = tx.send(Err(e)).await;
                     return;
                 }
             }
@@ -179,33 +183,34 @@ impl StreamPump {
 
     /// A replica to continue on; waits (up to [`MIGRATION_WAIT`], within the deadline) while
     /// none can take the stream, e.g. while a replacement starts after every other replica
-    /// went away. `None` when none came.
-    async fn pick_for_migration(&mut self) -> Option<(Arc<ReplicaRoute>, DispatchGuard)> {
+    /// went away. Stops waiting as soon as the route table lists the model as unavailable
+    /// (the head says no replica is coming), answering as a queued request is answered then.
+    async fn pick_for_migration(&mut self) -> Result<(Arc<ReplicaRoute>, DispatchGuard), NoMigration> {
         let until = (Instant::now() + MIGRATION_WAIT).min(self.c.deadline);
         loop {
             if let Ok(p) = self.upstream.pick(&self.c.req.model, &self.c.tried, &self.c.hint) {
-                return Some(p);
+                return Ok(p);
             }
             // Every other replica was tried: allow the earlier ones again (they may be back;
             // a failed one stays ejected for a while).
             self.c.tried.clear();
             if let Ok(p) = self.upstream.pick(&self.c.req.model, &self.c.tried, &self.c.hint) {
-                return Some(p);
+                return Ok(p);
+            }
+            if let Some(why) = self.upstream.routes().snapshot().unavailable(&self.c.req.model) {
+                return Err(NoMigration::Unavailable(DispatchError::unavailable(&self.c.req.model, &why)));
             }
             if Instant::now() >= until {
-                return None;
+                return Err(NoMigration::Failed);
             }
             tokio::time::sleep(MIGRATION_POLL).await;
         }
     }
 
-    /// Resubmits prompt + generated tokens to another replica; `None` when not possible.
-    async fn migrate(
-        &mut self,
-        failure: &Status,
-    ) -> Option<(Streaming<GenerateResponse>, Arc<ReplicaRoute>, DispatchGuard, GenerateResponse)> {
+    /// Resubmits prompt + generated tokens to another replica.
+    async fn migrate(&mut self, failure: &Status) -> Result<Migrated, NoMigration> {
         if choices(&self.c.req) != 1 || !migratable(failure) {
-            return None;
+            return Err(NoMigration::Failed);
         }
         while self.migrations < MAX_MIGRATIONS && Instant::now() < self.c.deadline {
             self.migrations += 1;
@@ -213,12 +218,23 @@ impl StreamPump {
             self.c.tried.push(replica.replica_id.clone());
             match self.upstream.open(&replica, &self.c.req, &self.c.hint, self.usage.generated(), self.c.deadline).await
             {
-                Ok((s, first)) => return Some((s, replica, guard, first)),
+                Ok((s, first)) => return Ok((s, replica, guard, first)),
                 Err(s) => self.upstream.note_failure(&replica, &s),
             }
         }
-        None
+        Err(NoMigration::Failed)
     }
+}
+
+/// A stream continued on another replica: its stream, route, load guard and first message.
+type Migrated = (Streaming<GenerateResponse>, Arc<ReplicaRoute>, DispatchGuard, GenerateResponse);
+
+/// Why a failed stream was not continued elsewhere.
+enum NoMigration {
+    /// Not migratable, or no replica took it in time: the client gets the replica's loss.
+    Failed,
+    /// The head lists the model as unavailable: the client gets that answer at once.
+    Unavailable(DispatchError),
 }
 
 /// Choices the request asks for (`n`, at least 1).
