@@ -44,6 +44,18 @@ use view::{ClusterView, Entry};
 /// replicas, streams included) moments before they reconnected.
 pub const LEADER_ADOPTION_GRACE: Duration = Duration::from_secs(5);
 
+/// Whether the leader has loaded the cluster state for its term: a leader serves nothing
+/// before it has (`/readyz` is 503 until then, saying why).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StateLoad {
+    /// Not leading, or leading and loading.
+    NotLoaded,
+    /// The last load attempt failed with this error; the leader retries.
+    Failed(String),
+    /// Loaded for the current term.
+    Loaded,
+}
+
 /// The head's shared state and store handle. Cheap to share through `Arc`.
 pub struct Cluster {
     /// Validated configuration.
@@ -65,6 +77,9 @@ pub struct Cluster {
     session_seq: AtomicU64,
     /// Whether this head was running (stalls of its own do not count against workers).
     stall: Arc<stall::StallWatch>,
+    /// Whether the state is loaded for the current term. A plain mutex, never held across an
+    /// await, so `/readyz` answers while `state` is busy.
+    load: std::sync::Mutex<StateLoad>,
 }
 
 impl Cluster {
@@ -86,6 +101,7 @@ impl Cluster {
             events: EventLog::default(),
             session_seq: AtomicU64::new(1),
             stall: stall::StallWatch::started(),
+            load: std::sync::Mutex::new(StateLoad::NotLoaded),
         })
     }
 
@@ -113,6 +129,17 @@ impl Cluster {
     /// Current leadership.
     pub fn leadership(&self) -> Leadership {
         self.leadership.borrow().clone()
+    }
+
+    /// Whether the cluster state is loaded for the current term.
+    pub fn state_load(&self) -> StateLoad {
+        self.load.lock().map_or(StateLoad::NotLoaded, |l| l.clone())
+    }
+
+    fn set_state_load(&self, now: StateLoad) {
+        if let Ok(mut l) = self.load.lock() {
+            *l = now;
+        }
     }
 
     /// Leadership changes, as this head acts on them.
@@ -177,8 +204,18 @@ impl Cluster {
     /// publishing routes for the term.
     ///
     /// # Errors
-    /// Store failures (the caller retries).
+    /// Store failures (the caller retries); [`Cluster::state_load`] holds the last one.
     pub async fn on_elected(&self, term: u64) -> HeadResult<()> {
+        // A failed attempt stays reported while the next one runs (the caller retries).
+        let loaded = self.load_term(term).await;
+        self.set_state_load(match &loaded {
+            Ok(()) => StateLoad::Loaded,
+            Err(e) => StateLoad::Failed(e.to_string()),
+        });
+        loaded
+    }
+
+    async fn load_term(&self, term: u64) -> HeadResult<()> {
         let mut st = self.state.lock().await;
         let view = ClusterView::load(self.store.as_ref()).await?;
         self.gc_reservations(&view).await?;
@@ -198,6 +235,7 @@ impl Cluster {
 
     /// Called when leadership is lost: closes worker sessions (workers follow the new leader).
     pub async fn on_deposed(&self) {
+        self.set_state_load(StateLoad::NotLoaded);
         let mut st = self.state.lock().await;
         st.end_term();
         self.routes.end_term();

@@ -1,6 +1,7 @@
 //! The head's HTTP endpoints: `/healthz` (process up, from the moment the head starts, store
-//! open or not), `/readyz` (200 only on the leader, so a Kubernetes Service reaches the
-//! leader; 503 saying so while the state store is not open yet), `/metrics` (Prometheus
+//! open or not), `/readyz` (200 only on the leader once it has loaded the cluster state, so a
+//! Kubernetes Service reaches the leader; 503 saying why while the state store is not open
+//! yet, or the leader is loading or cannot load the state), `/metrics` (Prometheus
 //! text) and
 //! `/v1/events` (the recent control-plane events as JSON: `{"events": [...]}`, oldest
 //! first; see `events.rs`). With `--auth-token-file` the event log needs a `read` or
@@ -18,7 +19,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::Rpc;
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, StateLoad};
 use crate::election::Leadership;
 use crate::metrics::Metrics;
 
@@ -54,7 +55,16 @@ async fn readyz(AxState(s): AxState<Shared>) -> impl IntoResponse {
         return (StatusCode::SERVICE_UNAVAILABLE, STORE_UNREACHABLE.to_owned());
     };
     match c.leadership() {
-        Leadership::Leader => (StatusCode::OK, "leader".to_owned()),
+        Leadership::Leader => match c.state_load() {
+            StateLoad::Loaded => (StatusCode::OK, "leader".to_owned()),
+            StateLoad::NotLoaded => {
+                (StatusCode::SERVICE_UNAVAILABLE, "not ready: leader, loading the cluster state".to_owned())
+            }
+            StateLoad::Failed(e) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: leader, cannot load the cluster state ({e}); retrying"),
+            ),
+        },
         Leadership::Follower { leader } => {
             (StatusCode::SERVICE_UNAVAILABLE, format!("follower; leader is {}", leader.as_deref().unwrap_or("unknown")))
         }
@@ -106,4 +116,40 @@ pub async fn serve(
         .route("/v1/events", get(events))
         .with_state(shared);
     axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{HeadConfig, StoreSpec};
+    use prism_common::state_store::{EmbeddedStore, StateStore, keys};
+
+    async fn ready(cluster: &Arc<Cluster>) -> (StatusCode, String) {
+        let (_tx, rx) = watch::channel(Some(cluster.clone()));
+        let resp = readyz(AxState(Shared::new(rx, Metrics::new()))).await.into_response();
+        let status = resp.status();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 16).await.expect("body");
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    /// A leader is ready only once it has loaded the state: before, and while every load
+    /// fails (here an undecodable record; in the field a state too large to read), `/readyz`
+    /// is 503 with the reason, so a Service sends nothing to a head that cannot serve.
+    #[tokio::test]
+    async fn a_leader_that_cannot_load_the_state_is_not_ready() {
+        let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::in_memory().expect("store"));
+        let bad = format!("{}bad", keys::NODES);
+        store.put(&bad, b"\x0a\xff".to_vec(), None).await.expect("put");
+        let (_lead_tx, lead_rx) = watch::channel(Leadership::Leader);
+        let cfg = HeadConfig::new(StoreSpec::Embedded("unused".into()), "http://127.0.0.1:50050");
+        let cluster = Cluster::new(cfg, store.clone(), lead_rx, Metrics::new());
+        assert_eq!(ready(&cluster).await.0, StatusCode::SERVICE_UNAVAILABLE, "leader before loading");
+        assert!(cluster.on_elected(1).await.is_err());
+        let (status, body) = ready(&cluster).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "leader that cannot load: {body}");
+        assert!(body.contains("cannot load the cluster state"), "{body}");
+        store.delete(&bad).await.expect("delete");
+        cluster.on_elected(1).await.expect("loads");
+        assert_eq!(ready(&cluster).await, (StatusCode::OK, "leader".to_owned()));
+    }
 }
