@@ -674,6 +674,17 @@ impl Cluster {
         Ok(metric_value(&self.router().metrics().await?, name))
     }
 
+    /// The first router's `prism_router_replica_dispatches_total` of `replica`; `None` once
+    /// the router dropped the series, which it does when the replica has left its route table
+    /// (nothing can be dispatched to it then).
+    ///
+    /// # Errors
+    /// On transport errors.
+    pub async fn router_dispatches(&self, replica: &str) -> Result<Option<f64>> {
+        let series = format!("prism_router_replica_dispatches_total{{replica_id=\"{replica}\"}}");
+        Ok(crate::metrics::series_value(&self.router().metrics().await?, &series))
+    }
+
     /// Ready replicas of the served model according to the first router (`ListModels`).
     ///
     /// # Errors

@@ -37,7 +37,7 @@ pub use client::{
 };
 pub use cluster::{Cluster, ClusterBuilder, Deployment, Head, HeadTokens, Router, Store, Worker};
 pub use etcd::EtcdFixture;
-pub use metrics::{metric_sum, metric_value, quantile};
+pub use metrics::{metric_sum, metric_value, quantile, series_value};
 pub use paths::{GEMMA_FILE, MODEL_FILE, bin_path, gemma_model, model, workspace_root};
 pub use process::{Process, ProcessGuard, alive, descendants};
 pub use proxy::TcpProxy;

@@ -17,6 +17,14 @@ pub fn metric_sum(body: &str, metric: &str) -> Option<f64> {
     found
 }
 
+/// The value of one labelled series, named by its full text (`name{label="v"}`), `None` when
+/// the body has no such series.
+pub fn series_value(body: &str, series: &str) -> Option<f64> {
+    body.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+}
+
 /// The sum of the samples whose line starts with `prefix` (0 when none), so that every
 /// `prism_x_total{…}` line adds up, or one labelled series is picked by its full text.
 pub fn metric_value(body: &str, prefix: &str) -> f64 {

@@ -106,7 +106,12 @@ async fn a_restart_on_a_kept_store_keeps_the_scaled_replica_count_unless_replica
             && stderr.contains(&format!("`prism delete {DEPLOYMENT}`")),
         "{stderr}"
     );
-    assert_eq!(replicas(&up).await?, (1, 1), "the earlier deployment keeps serving");
+    // Its replica comes back on the restarted worker beside the new deployment's: `prism up`
+    // reports ready on its own deployment, so the earlier one may finish loading a moment later.
+    eventually(Duration::from_secs(60), "the earlier deployment serving again", || async {
+        Ok((replicas(&up).await? == (1, 1)).then_some(()))
+    })
+    .await?;
     let head = up.endpoints.head.clone();
     let deleted = tokio::task::block_in_place(|| prism_cli(&["--head", &head, "delete", DEPLOYMENT]))?;
     assert!(deleted.contains(&format!("deployment {DEPLOYMENT} deleted")), "{deleted}");
