@@ -122,7 +122,8 @@ impl HeadTarget {
     pub fn status_error(&self, status: tonic::Status) -> anyhow::Error {
         if timed_out(&status) {
             anyhow::anyhow!(
-                "the head at {} did not answer within {} (raise --timeout / PRISM_TIMEOUT if it is only slow)",
+                "the head at {} did not answer within {} (raise --timeout / PRISM_TIMEOUT if it is only slow); \
+                 a change it was asked for may still take effect: `prism status` shows the outcome",
                 normalize(&self.addr),
                 seconds(self.timeouts.call)
             )

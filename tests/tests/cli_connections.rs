@@ -58,6 +58,8 @@ async fn a_stopped_head_is_given_up_on_with_the_timeout_named() -> Result<()> {
                 err.contains(&format!("the head at {head} did not answer within {within}")),
                 "prism {args:?} names the head and the timeout: {err}"
             );
+            // A change sent to a head that is only slow may still be applied.
+            ensure!(err.contains("may still take effect"), "prism {args:?} says the outcome is unknown: {err}");
             ensure!(took < Duration::from_secs(10), "prism {args:?} gave up after {took:?}");
         }
         cluster.head().process.thaw()?;
