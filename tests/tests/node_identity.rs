@@ -6,6 +6,8 @@
 //!   non-zero at start-up; the live worker keeps its session and its replica (same id, never
 //!   replaced). A worker restarted while the head still holds its frozen predecessor's
 //!   session gets in once that session times out, and the replica is Ready on it again.
+//!   The frozen predecessor, resumed, has been superseded: refused by the head, it stops its
+//!   replica and exits non-zero saying so, instead of retrying forever with its engine loaded.
 //! - `a_worker_with_nothing_to_offer_fails_at_start_up`: `--cpu-slots 0` on a node without
 //!   GPUs exits non-zero at once with a clear error instead of retrying a registration the
 //!   head refuses.
@@ -94,7 +96,15 @@ async fn a_second_worker_with_a_node_id_in_use_is_refused_and_a_restarted_one_ge
             Ok((registered_address(c).await? == new_address).then_some(()))
         })
         .await?;
-        cluster.workers[0].process.kill();
+        // The old process resumes: superseded, it stops its replica and exits non-zero.
+        cluster.workers[0].process.thaw()?;
+        let status = cluster.workers[0].process.wait_exit(Duration::from_secs(30)).await?;
+        cluster.workers[0].process.wait_stderr_closed(Duration::from_secs(5)).await?;
+        let old_log = cluster.workers[0].process.stderr();
+        assert!(!status.success(), "the superseded worker exited with {status}:\n{old_log}");
+        for part in ["this worker was superseded", "node id \"w1\" is in use by another live worker process"] {
+            assert!(old_log.contains(part), "the superseded worker's log lacks {part:?}:\n{old_log}");
+        }
         if cluster.workers[1].process.exited() {
             bail!("the restarted worker exited:\n{}", cluster.workers[1].process.stderr());
         }

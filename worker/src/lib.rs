@@ -14,6 +14,7 @@ pub mod service;
 pub use config::{Args, WorkerConfig};
 
 use agent::Agent;
+use agent::drain::DrainSource;
 use agent::replica::EngineLauncher;
 use agent::spot::NoticeWatch;
 use prism_common::proto::v1::worker_service_server::WorkerServiceServer;
@@ -130,14 +131,22 @@ pub async fn run_with_launcher(
 
     // Phase 1: serve until asked to stop. Phase 2: drain (refuse new work, finish or hand back
     // in-flight requests, tell the head). The registration loop ends early only when the head
-    // refused this worker before it ever registered (its node id is another live worker's):
-    // nothing was started, so there is nothing to drain.
+    // refused this worker (its node id is another live worker's): before it ever registered
+    // nothing was started; a superseded worker's replicas were placed again on the process
+    // that holds its node id, so they are stopped at once, freeing their memory.
     let drained = agent.node_drain().drain_on_terminate(&shutdown, sigterm_drain);
     tokio::pin!(drained);
     let refused = tokio::select! {
         () = &mut drained => None,
         r = &mut registration => match r {
-            Ok(Err(refused)) => Some(refused),
+            Ok(Err(refused)) => {
+                if refused.superseded {
+                    tracing::error!(error = %refused, "superseded: stopping the replicas and exiting");
+                    agent.drain(Duration::ZERO, "superseded by another worker with this node id", DrainSource::Superseded);
+                    agent.node_drain().wait_done().await;
+                }
+                Some(refused)
+            }
             Ok(Ok(())) | Err(_) => {
                 drained.await;
                 None

@@ -35,6 +35,9 @@ pub enum DrainSource {
     SpotNotice,
     /// `WorkerService.Drain`.
     Rpc,
+    /// The head refused this worker after it had registered: another process holds its node
+    /// id (the process exits at the end, without waiting for requests in flight).
+    Superseded,
 }
 
 /// Node drain progress, as sent to the head.

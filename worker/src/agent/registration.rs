@@ -11,7 +11,11 @@
 //! (its session ends after the head's `--worker-timeout` of silence, which the refusal says).
 //! So a worker that has not registered yet retries until that session would have ended, and
 //! then gives up: [`run`] returns [`Refused`] and the process exits non-zero. A worker that
-//! was registered before (it may host replicas) keeps retrying, logging the refusal.
+//! was registered before and is then refused has been superseded: while it was frozen or cut
+//! off, the head ended its session and another process registered with its node id (its
+//! replicas were placed again there). It gives up at once ([`Refused::superseded`]): the
+//! caller stops its replicas, freeing their memory, and the process exits non-zero (a
+//! supervisor such as Kubernetes starts it again if it should run).
 
 use super::Agent;
 use super::drain::DrainSource;
@@ -96,15 +100,32 @@ enum SessionEnd {
     NodeIdInUse { message: String, expires_in: Option<Duration> },
 }
 
-/// The head refused to register this worker, which had not registered yet, for as long as
-/// the node's live session could have belonged to an earlier process of this worker.
+/// The head refused to register this worker: before it ever registered, for as long as the
+/// node's live session could have belonged to an earlier process of this worker; after it had
+/// registered, at once (another process now holds its node id: this one was superseded).
 #[derive(Debug, thiserror::Error)]
-#[error("the head at {head} refused to register this worker: {message}")]
+#[error("{}", refusal_message(head, message, *superseded))]
 pub struct Refused {
     /// The head that refused.
     pub head: String,
     /// Its reason (names the node id and where the live worker is).
     pub message: String,
+    /// Whether this worker had registered before (it may host replicas the head has
+    /// placed again on the process that now holds the node id).
+    pub superseded: bool,
+}
+
+fn refusal_message(head: &str, message: &str, superseded: bool) -> String {
+    if superseded {
+        format!(
+            "this worker was superseded: its head session ended (it was frozen or cut off) and the head at \
+             {head} now refuses it because another worker process registered with its node id; its \
+             replicas are stopped and it exits (restart it with a unique --node-id if it should run \
+             beside that one). The head said: {message}"
+        )
+    } else {
+        format!("the head at {head} refused to register this worker: {message}")
+    }
 }
 
 /// Runs the registration loop until `shutdown` is cancelled.
@@ -132,13 +153,13 @@ pub async fn run(agent: Arc<Agent>, shutdown: CancellationToken) -> Result<(), R
             SessionEnd::NodeIdInUse { message, expires_in } => {
                 agent.set_registered(false);
                 if registered_once {
-                    tracing::error!(head = %target, error = %message, "head refused the registration; retrying");
+                    return Err(Refused { head: target, message, superseded: true });
                 } else {
                     let now = Instant::now();
                     let until = *refused_until
                         .get_or_insert_with(|| now + expires_in.unwrap_or(REFUSAL_DEFAULT_WAIT) + REFUSAL_MARGIN);
                     if now >= until {
-                        return Err(Refused { head: target, message });
+                        return Err(Refused { head: target, message, superseded: false });
                     }
                     tracing::warn!(
                         head = %target, error = %message, gives_up_in_s = (until - now).as_secs_f64(),
