@@ -142,7 +142,8 @@ pub async fn run_with_launcher(
             Ok(Err(refused)) => {
                 if refused.superseded {
                     tracing::error!(error = %refused, "superseded: stopping the replicas and exiting");
-                    agent.drain(Duration::ZERO, "superseded by another worker with this node id", DrainSource::Superseded);
+                    let why = "superseded by another worker with this node id";
+                    agent.drain(Duration::ZERO, why, DrainSource::Superseded);
                     agent.node_drain().wait_done().await;
                 }
                 Some(refused)
