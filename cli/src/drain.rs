@@ -1,5 +1,7 @@
-//! `prism drain NODE --deadline 60s`: cordons the node, moves its replicas elsewhere and
-//! stops them once idle or at the deadline (the head does the work; this asks for it).
+//! `prism drain NODE --deadline 60s`: cordons the node, moves its replicas elsewhere (each
+//! keeps serving until its replacement is Ready, or until the deadline when none can be
+//! placed) and stops them once idle or at the deadline (the head does the work; this asks
+//! for it).
 
 use crate::client;
 use anyhow::{Result, bail};

@@ -10,10 +10,15 @@
 //! - the reconciler removes a replica (scale-down, spec change, deleted deployment:
 //!   [`drain_replica`] with the default deadline).
 //!
-//! A Draining replica stays in the route table as Draining (routers stop sending it new
-//! work at once) while the planner places its replacement elsewhere; each reconcile pass
-//! ([`stop_drained`]) stops it once it is idle (after [`DRAIN_GRACE`]) or at its deadline,
-//! and its record goes once the worker reports it stopped.
+//! The planner places a Draining replica's replacement elsewhere. A replica drained with its
+//! node by an operator keeps serving (published to routers as Ready, shown Draining with
+//! "serving until a replacement is Ready") until its deployment has its desired count of
+//! Ready replicas again or the deadline passes, whichever comes first, like a
+//! PodDisruptionBudget that never lets a drain take the last replica away early; only then
+//! is the worker told to drain (`DrainCommand`). Any other Draining replica is published as
+//! Draining at once (routers stop sending it new work). Each reconcile pass ([`stop_drained`])
+//! stops a replica that no longer serves once it is idle (after [`DRAIN_GRACE`]) or at its
+//! deadline, and its record goes once the worker reports it stopped.
 
 use std::time::Duration;
 
@@ -21,7 +26,7 @@ use prism_common::proto::v1::{
     DrainCommand, DrainProgress, NodeRecord, NodeState, ReplicaRecord, ReplicaState, head_message,
 };
 use prism_common::time::unix_ms;
-use prism_common::{NodeId, ReplicaId};
+use prism_common::{DeploymentName, NodeId, ReplicaId};
 use tokio::time::Instant;
 
 use crate::cluster::Cluster;
@@ -37,7 +42,7 @@ pub const DRAIN_GRACE: Duration = Duration::from_millis(500);
 /// is zero).
 pub fn drain_timer(default: Duration, relative: Duration, now: Instant) -> DrainTimer {
     let d = if relative.is_zero() { default } else { relative };
-    DrainTimer { since: now, deadline: now + d }
+    DrainTimer { since: now, deadline: now + d, serving: false }
 }
 
 /// A drain timer starting now that ends `relative` from now (the configured
@@ -47,7 +52,8 @@ pub fn timer(cluster: &Cluster, relative: Duration) -> DrainTimer {
 }
 
 /// Drains a node for an operator: cordon, mark its replicas Draining (replacements are
-/// placed elsewhere), tell the worker, and stop the replicas when idle or at the deadline
+/// placed elsewhere) but serving until replaced, tell the worker once none serves (at once
+/// when nothing waits for a replacement), and stop the replicas when idle or at the deadline
 /// (`deadline_ms` from now; 0 = the configured `drain_timeout`).
 ///
 /// # Errors
@@ -66,12 +72,9 @@ pub async fn drain_node(cluster: &Cluster, node: &str, deadline_ms: u64, reason:
         })
         .await?;
     let id = NodeId::from(node);
-    mark_node_replicas_draining(cluster, &mut st, &id, rel, reason).await?;
-    st.send(
-        &id,
-        head_message::Msg::Drain(DrainCommand { deadline_ms: rel.as_millis() as u64, reason: reason.to_owned() }),
-    );
+    mark_node_replicas_draining(cluster, &mut st, &id, rel, reason, true).await?;
     tracing::info!(node = %node, deadline_ms = rel.as_millis() as u64, "node draining");
+    command_drains(&mut st, &[id]);
     cluster.after_change(&st);
     Ok(rec)
 }
@@ -83,7 +86,24 @@ pub async fn drain_node(cluster: &Cluster, node: &str, deadline_ms: u64, reason:
 /// Store failures.
 pub async fn on_worker_drain(cluster: &Cluster, st: &mut State, node: &NodeId, d: DrainProgress) -> HeadResult<()> {
     let Some(mut rec) = st.view().nodes.get(node).map(|e| e.record.clone()) else { return Ok(()) };
-    if d.done || rec.state() == NodeState::Draining {
+    if d.done {
+        return Ok(());
+    }
+    if rec.state() == NodeState::Draining {
+        // Already drained by an operator: the worker now refuses new work, so replicas still
+        // serving there stop serving (stopped when idle or at their deadline).
+        let serving: Vec<ReplicaId> = st
+            .view()
+            .replicas_touching(node)
+            .map(|e| ReplicaId::from(e.record.replica_id.as_str()))
+            .filter(|id| is_serving(st, id))
+            .collect();
+        let now = Instant::now();
+        for id in serving {
+            if let Some(t) = st.drain_timer(&id).copied() {
+                st.set_drain_timer(id, DrainTimer { since: now, serving: false, ..t });
+            }
+        }
         return Ok(());
     }
     // Not cordoned: Draining alone keeps placement away, and the next worker process on
@@ -93,7 +113,8 @@ pub async fn on_worker_drain(cluster: &Cluster, st: &mut State, node: &NodeId, d
     rec.drain_reason.clone_from(&d.reason);
     cluster.put_node(st, rec).await?;
     let rel = Duration::from_millis(d.deadline_unix_ms.saturating_sub(unix_ms()));
-    mark_node_replicas_draining(cluster, st, node, rel, &d.reason).await
+    // The worker already refuses new work: its replicas stop serving at once.
+    mark_node_replicas_draining(cluster, st, node, rel, &d.reason, false).await
 }
 
 /// The node state a (re)registering worker gets: Ready, with any drain cleared — unless an
@@ -110,7 +131,8 @@ pub fn ready_on_register(rec: &mut NodeRecord) {
 }
 
 /// Marks every Starting/Ready replica with ranks on `node` Draining with a deadline `rel`
-/// from now (reason "node draining" when `reason` is empty). A replica whose GPU group only
+/// from now (reason "node draining" when `reason` is empty); with `until_replaced`, a Ready
+/// one keeps serving until it is replaced or the deadline passes. A replica whose GPU group only
 /// has member ranks there drains exactly like one whose driver runs there: routers stop
 /// sending it work, its replacement is placed on schedulable nodes (a Draining node takes
 /// none), and it is stopped on every node of its group when idle or at the deadline — the
@@ -125,6 +147,7 @@ pub async fn mark_node_replicas_draining(
     node: &NodeId,
     rel: Duration,
     reason: &str,
+    until_replaced: bool,
 ) -> HeadResult<()> {
     let recs: Vec<ReplicaRecord> = st
         .view()
@@ -134,9 +157,62 @@ pub async fn mark_node_replicas_draining(
         .collect();
     let reason = if reason.is_empty() { "node draining" } else { reason };
     for rec in recs {
-        drain_replica(cluster, st, rec, rel, reason).await?;
+        if until_replaced && rec.state() == ReplicaState::Ready {
+            let rid = ReplicaId::from(rec.replica_id.as_str());
+            drain_replica(cluster, st, rec, rel, &format!("{reason}: {SERVING}")).await?;
+            let t = DrainTimer { serving: true, ..timer(cluster, rel) };
+            st.set_drain_timer(rid, t);
+        } else {
+            drain_replica(cluster, st, rec, rel, reason).await?;
+        }
     }
     Ok(())
+}
+
+/// What a Draining replica that still serves says in its reason.
+pub const SERVING: &str = "serving until a replacement is Ready";
+
+/// Whether a Draining replica still takes new requests (the route table lists it as Ready).
+pub fn is_serving(st: &State, replica: &ReplicaId) -> bool {
+    st.drain_timer(replica).is_some_and(|t| t.serving)
+}
+
+/// Whether `deployment` no longer needs its Draining replicas: it is gone, or it has at
+/// least its desired count of Ready replicas (Draining ones do not count).
+fn replaced(st: &State, deployment: &str) -> bool {
+    let view = st.view();
+    let Some(spec) = view.deployments.get(&DeploymentName::from(deployment)).and_then(|d| d.record.spec.as_ref())
+    else {
+        return true;
+    };
+    let ready = view
+        .replicas
+        .values()
+        .filter(|e| e.record.deployment == deployment && e.record.state() == ReplicaState::Ready)
+        .count();
+    ready >= spec.replicas as usize
+}
+
+/// Tells the worker of each operator-drained (Draining and cordoned) node in `nodes` to
+/// drain (refuse new work, finish or hand back in-flight requests by the node's deadline)
+/// once none of the replicas with ranks on it still serves.
+fn command_drains(st: &mut State, nodes: &[NodeId]) {
+    let now = unix_ms();
+    for id in nodes {
+        let Some(rec) = st.view().nodes.get(id).map(|e| &e.record) else { continue };
+        if rec.state() != NodeState::Draining || !rec.cordoned {
+            continue;
+        }
+        let (deadline_ms, reason) = (rec.drain_deadline_unix_ms.saturating_sub(now), rec.drain_reason.clone());
+        let waiting =
+            st.view().replicas_touching(id).any(|e| is_serving(st, &ReplicaId::from(e.record.replica_id.as_str())));
+        if waiting {
+            tracing::info!(node = %id, "drain waits for replacements before the worker drains");
+            continue;
+        }
+        // 0 would mean the worker's default: at least 1 ms.
+        st.send(id, head_message::Msg::Drain(DrainCommand { deadline_ms: deadline_ms.max(1), reason }));
+    }
 }
 
 /// Marks one replica Draining (routers stop sending it work) with a drain timer ending
@@ -174,9 +250,26 @@ pub async fn stop_drained(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
         .filter(|(_, e)| e.record.state() == ReplicaState::Draining)
         .map(|(id, e)| (id.clone(), e.record.clone()))
         .collect();
+    let mut stopped_serving = Vec::new();
     for (id, mut rec) in draining {
-        let t = st.drain_timer_or_start(&id, || timer(cluster, Duration::ZERO));
+        let mut t = st.drain_timer_or_start(&id, || timer(cluster, Duration::ZERO));
         let node = NodeId::from(rec.node_id.as_str());
+        if t.serving {
+            let past = now >= t.deadline;
+            if !past && !replaced(st, &rec.deployment) {
+                continue;
+            }
+            // Replaced (or out of time): routers stop sending it work from the next table
+            // on; the grace counts from now.
+            t = DrainTimer { since: now, serving: false, ..t };
+            st.set_drain_timer(id.clone(), t);
+            let why = if past { "drain deadline passed" } else { "replacement Ready" };
+            let base = rec.reason.strip_suffix(&format!(": {SERVING}")).unwrap_or(&rec.reason).to_owned();
+            rec.reason = format!("{base}: {why}");
+            tracing::info!(replica = %id, node = %node, why, "drained replica stops serving");
+            cluster.put_replica(st, rec.clone()).await?;
+            stopped_serving.extend(crate::cluster::view::group_nodes(&rec).into_iter().map(|(n, _)| n));
+        }
         if !st.is_connected(&node) {
             continue;
         }
@@ -192,6 +285,9 @@ pub async fn stop_drained(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
         cluster.put_replica(st, rec).await?;
         st.clear_drain_timer(&id);
     }
+    stopped_serving.sort_unstable();
+    stopped_serving.dedup();
+    command_drains(st, &stopped_serving);
     Ok(())
 }
 
@@ -214,7 +310,7 @@ mod tests {
     fn a_zero_relative_deadline_means_the_default() {
         let now = Instant::now();
         let t = drain_timer(Duration::from_secs(30), Duration::ZERO, now);
-        assert_eq!(t, DrainTimer { since: now, deadline: now + Duration::from_secs(30) });
+        assert_eq!(t, DrainTimer { since: now, deadline: now + Duration::from_secs(30), serving: false });
         let t = drain_timer(Duration::from_secs(30), Duration::from_secs(2), now);
         assert_eq!(t.deadline, now + Duration::from_secs(2));
     }
@@ -264,6 +360,14 @@ mod tests {
         crate::admin::apply_deployment(&cluster, spec).await.expect("applied");
         reconcile_once(&cluster).await.expect("placed");
         let rid = cluster.lock().await.view().replicas.keys().next().cloned().expect("a replica");
+        let ready = prism_common::proto::v1::ReplicaStatus {
+            replica_id: rid.to_string(),
+            state: ReplicaState::Ready as i32,
+            ..Default::default()
+        };
+        let mut st = cluster.lock().await;
+        registry::handle_status(&cluster, &mut st, &NodeId::from("n1"), vec![ready]).await.expect("Ready");
+        drop(st);
         (cluster, lead_tx, worker, rid)
     }
 
@@ -281,34 +385,66 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn operator_drain_stops_an_idle_replica_after_the_grace() {
+    async fn operator_drain_keeps_an_unreplaced_replica_serving_until_the_deadline() {
         let (cluster, _lead, mut worker, rid) = one_replica().await;
         assert!(commands(&mut worker).iter().any(|m| matches!(m, head_message::Msg::Start(_))));
 
-        let node = drain_node(&cluster, "n1", 60_000, "").await.expect("drained");
+        // The only node is drained: the replacement has nowhere to go.
+        let node = drain_node(&cluster, "n1", 1_500, "").await.expect("drained");
         assert!(node.cordoned);
         assert_eq!((node.state(), node.drain_reason.as_str()), (NodeState::Draining, "drained by operator"));
-        let sent = commands(&mut worker);
-        assert!(sent.iter().any(|m| matches!(m, head_message::Msg::Drain(d) if d.deadline_ms == 60_000)));
-        assert_eq!(
-            replica_state(&*cluster.lock().await, &rid),
-            (ReplicaState::Draining, "drained by operator".to_owned())
-        );
+        {
+            let st = cluster.lock().await;
+            assert_eq!(replica_state(&st, &rid), (ReplicaState::Draining, format!("drained by operator: {SERVING}")));
+            let routes = crate::routes::build(&st);
+            assert_eq!(routes.iter().map(|r| r.state()).collect::<Vec<_>>(), [ReplicaState::Ready], "still routable");
+        }
+        assert!(commands(&mut worker).is_empty(), "the worker is not told to drain while its replica serves");
 
-        // Within the grace the replica stays Draining (routers must see it first).
+        // Idle past the grace, but not replaced: it keeps serving.
+        tokio::time::sleep(DRAIN_GRACE + Duration::from_millis(100)).await;
         reconcile_once(&cluster).await.expect("pass");
         assert_eq!(replica_state(&*cluster.lock().await, &rid).0, ReplicaState::Draining);
+        assert!(is_serving(&*cluster.lock().await, &rid));
+        assert!(
+            !commands(&mut worker)
+                .iter()
+                .any(|m| matches!(m, head_message::Msg::Stop(_) | head_message::Msg::Drain(_)))
+        );
 
+        // At the deadline it stops serving and is stopped; the worker drains.
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        reconcile_once(&cluster).await.expect("pass");
+        let st = cluster.lock().await;
+        assert_eq!(
+            replica_state(&st, &rid),
+            (ReplicaState::Stopping, "drained by operator: drain deadline passed".into())
+        );
+        assert!(crate::routes::build(&st).iter().all(|r| r.state() != ReplicaState::Ready));
+        drop(st);
+        let sent = commands(&mut worker);
+        assert!(sent.iter().any(|m| matches!(m, head_message::Msg::Drain(_))), "{sent:?}");
+        assert!(sent.iter().any(|m| matches!(m, head_message::Msg::Stop(s) if s.replica_id == rid.to_string())));
+    }
+
+    #[tokio::test]
+    async fn operator_drain_of_a_replaced_replica_stops_it_after_the_grace() {
+        let (cluster, _lead, mut worker, rid) = one_replica().await;
+        // Scaled to zero: nothing needs the drained replica.
+        let mut spec =
+            cluster.lock().await.view().deployments.values().next().and_then(|d| d.record.spec.clone()).expect("spec");
+        spec.replicas = 0;
+        crate::admin::apply_deployment(&cluster, spec).await.expect("applied");
+        let _ = commands(&mut worker);
+        drain_node(&cluster, "n1", 60_000, "").await.expect("drained");
+        reconcile_once(&cluster).await.expect("pass");
+        assert!(!is_serving(&*cluster.lock().await, &rid));
+        assert!(
+            commands(&mut worker).iter().any(|m| matches!(m, head_message::Msg::Drain(d) if d.deadline_ms > 59_000))
+        );
         tokio::time::sleep(DRAIN_GRACE + Duration::from_millis(100)).await;
         reconcile_once(&cluster).await.expect("pass");
         assert_eq!(replica_state(&*cluster.lock().await, &rid).0, ReplicaState::Stopping);
-        let stop = commands(&mut worker).into_iter().find_map(|m| match m {
-            head_message::Msg::Stop(s) => Some(s),
-            _ => None,
-        });
-        let stop = stop.expect("a StopReplica");
-        assert_eq!(stop.replica_id, rid.to_string());
-        assert!(stop.deadline_ms > 0 && stop.deadline_ms <= 60_000, "{}", stop.deadline_ms);
     }
 
     #[tokio::test]

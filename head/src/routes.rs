@@ -1,5 +1,6 @@
 //! The route table published to routers through `WatchRoutes`: every Ready or Draining
-//! replica with its endpoint, served model name, load and limits, and the served models that
+//! replica (listed as Ready while an operator's drain keeps it serving until its replacement
+//! is Ready) with its endpoint, served model name, load and limits, and the served models that
 //! no replica is coming to serve, with why ([`availability`]). A new table (with a higher
 //! `version`) is published only when its content changes.
 
@@ -37,7 +38,8 @@ pub fn build(st: &State) -> Vec<RouteEntry> {
                 deployment: r.deployment.clone(),
                 model: r.served_model_name.clone(),
                 endpoint: r.endpoint.clone(),
-                state: r.state,
+                // An operator-drained replica serves until it is replaced (see `drain`).
+                state: if st.drain_timer(id).is_some_and(|t| t.serving) { ReplicaState::Ready as i32 } else { r.state },
                 load: st.load(id).cloned(),
                 node_id: r.node_id.clone(),
                 max_model_len: max_model_len(r.max_model_len, engine.and_then(|e| e.max_model_len).unwrap_or(0)),

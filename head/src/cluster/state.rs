@@ -25,14 +25,17 @@ pub const ROUTER_DEMAND_TTL: Duration = Duration::from_secs(5);
 /// A held lock on [`State`].
 pub type StateGuard<'a> = tokio::sync::MutexGuard<'a, State>;
 
-/// A replica being drained: routers stop sending work at once; it is stopped when idle or
-/// at `deadline`.
+/// A replica being drained: routers stop sending work once it is no longer `serving`; it is
+/// stopped when idle or at `deadline`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DrainTimer {
-    /// When it became Draining.
+    /// When it became Draining, or when it stopped serving (the grace counts from there).
     pub since: Instant,
     /// When it is stopped regardless of in-flight work.
     pub deadline: Instant,
+    /// Still routable (published as Ready) until its deployment's replacement is Ready
+    /// elsewhere or `deadline` passes (an operator's node drain).
+    pub serving: bool,
 }
 
 /// Who holds a worker session: what tells the same worker reconnecting from another
@@ -299,6 +302,11 @@ impl State {
     /// Sets (or replaces) a Draining replica's timer.
     pub fn set_drain_timer(&mut self, replica: ReplicaId, timer: DrainTimer) {
         self.draining.insert(replica, timer);
+    }
+
+    /// A Draining replica's timer, if it has one.
+    pub fn drain_timer(&self, replica: &ReplicaId) -> Option<&DrainTimer> {
+        self.draining.get(replica)
     }
 
     /// A Draining replica's timer, starting it with `start` if it has none (a head that
