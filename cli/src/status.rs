@@ -131,7 +131,15 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
         };
         let mut labels: Vec<String> = inv.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
         labels.sort();
-        let sched = if node.cordoned { "cordoned" } else { "schedulable" };
+        // The planner places replicas only on Ready, uncordoned nodes: a node draining
+        // itself (SIGTERM, spot notice) or Dead takes none though it is not cordoned.
+        let sched = if node.cordoned {
+            "cordoned"
+        } else if node.state == NodeState::Ready as i32 {
+            "schedulable"
+        } else {
+            "unschedulable"
+        };
         let drain = drain_progress(node, status, now_unix_ms);
         nodes.row(vec![
             inv.node_id,
@@ -393,6 +401,9 @@ mod tests {
         };
         let text = render_at(&status, 58_000);
         assert!(text.contains("42s left, 3 in flight"), "{text}");
+        // Draining itself (SIGTERM, not cordoned): nothing is placed on it.
+        let line = text.lines().find(|l| l.starts_with("w2")).unwrap_or_default();
+        assert!(line.contains("unschedulable"), "{line}");
 
         // Once its last replica has gone, the node reads as drained, at any time.
         let mut done = status.clone();
