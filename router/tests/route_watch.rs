@@ -101,6 +101,31 @@ fn entry(id: &str, endpoint: &str, state: ReplicaState) -> RouteEntry {
     }
 }
 
+/// A table (version 1) with one Ready replica `ra` of model `mock` at `endpoint`.
+fn one_ready_replica(endpoint: &str) -> RouteTable {
+    RouteTable {
+        unavailable: vec![],
+        term: 0,
+        models: vec!["mock".into()],
+        version: 1,
+        routes: vec![entry("ra", endpoint, ReplicaState::Ready)],
+    }
+}
+
+/// Serves a [`FakeHead`] publishing `rx` on `listener` until `stop`.
+fn serve_head(
+    listener: tokio::net::TcpListener,
+    rx: watch::Receiver<RouteTable>,
+    reports: Reports,
+    stop: &CancellationToken,
+) -> tokio::task::JoinHandle<Result<(), tonic::transport::Error>> {
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(HeadServiceServer::new(FakeHead(rx, reports)))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.clone().cancelled_owned()),
+    )
+}
+
 async fn wait_status(http: &str, want: u16) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -129,11 +154,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     let head_stop = CancellationToken::new();
     let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let head_addr = format!("http://{}", hl.local_addr()?);
-    let head = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(HeadServiceServer::new(FakeHead(rx, Reports::default())))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(hl), head_stop.clone().cancelled_owned()),
-    );
+    let head = serve_head(hl, rx, Reports::default(), &head_stop);
 
     let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let g = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -208,11 +229,7 @@ async fn demand_reports_reach_the_head() -> anyhow::Result<()> {
     let reports = Reports::default();
     let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let head_addr = format!("http://{}", hl.local_addr()?);
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(HeadServiceServer::new(FakeHead(rx, reports.clone())))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(hl), shutdown.clone().cancelled_owned()),
-    );
+    serve_head(hl, rx, reports.clone(), &shutdown);
     let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let g = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let http = format!("http://{}", h.local_addr()?);
@@ -321,20 +338,10 @@ async fn before_the_first_route_table_requests_get_503_not_404() -> anyhow::Resu
     assert!(started.elapsed() < Duration::from_secs(10), "answered at once, not after a queue wait");
 
     // The head comes up: served, listed, ready.
-    let table = RouteTable {
-        unavailable: vec![],
-        term: 0,
-        models: vec!["mock".into()],
-        version: 1,
-        routes: vec![entry("ra", &ea, ReplicaState::Ready)],
-    };
+    let table = one_ready_replica(&ea);
     let (_tx, rx) = watch::channel(table);
     let hl = tokio::net::TcpListener::bind(head_addr).await?;
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(HeadServiceServer::new(FakeHead(rx, Reports::default())))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(hl), shutdown.clone().cancelled_owned()),
-    );
+    serve_head(hl, rx, Reports::default(), &shutdown);
     wait_status(&http, 200).await?;
     assert_eq!(client.get(format!("{http}/readyz")).send().await?.status().as_u16(), 200);
     let models: serde_json::Value = client.get(format!("{http}/v1/models")).send().await?.json().await?;
@@ -354,21 +361,11 @@ async fn a_stream_waiting_to_migrate_ends_when_the_model_becomes_unavailable() -
     let flaky =
         MockBehavior { fail_after_tokens: Some(3), token_delay: Duration::from_millis(100), ..Default::default() };
     let ea = format!("http://{}", MockEngineWorker::new(flaky).spawn(shutdown.clone()).await?);
-    let table = RouteTable {
-        unavailable: vec![],
-        term: 0,
-        models: vec!["mock".into()],
-        version: 1,
-        routes: vec![entry("ra", &ea, ReplicaState::Ready)],
-    };
+    let table = one_ready_replica(&ea);
     let (tx, rx) = watch::channel(table);
     let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let head_addr = format!("http://{}", hl.local_addr()?);
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(HeadServiceServer::new(FakeHead(rx, Reports::default())))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(hl), shutdown.clone().cancelled_owned()),
-    );
+    serve_head(hl, rx, Reports::default(), &shutdown);
     let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let g = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let http = format!("http://{}", h.local_addr()?);
