@@ -52,7 +52,9 @@ pub struct DeployArgs {
     #[arg(short = 'f', long = "file", env = "PRISM_DEPLOY_FILE")]
     pub file: PathBuf,
     /// Validate and print the deployment as it would be applied, without applying it: YAML
-    /// with the file's keys and the defaults filled in (`prism deploy -f` reads it back).
+    /// with the file's keys and the deployment's defaults filled in (`prism deploy -f` reads
+    /// it back). Engine knobs left out (`block_size`, `max_num_seqs`, ...) stay out: each
+    /// replica's engine picks them for its backend, as vLLM does.
     #[arg(long, env = "PRISM_DRY_RUN")]
     pub dry_run: bool,
 }
