@@ -4,11 +4,14 @@
 //!
 //! State is one `BTreeMap` behind a `std::sync::Mutex` (never held across `.await`), a bounded
 //! history of recent changes for watch replay, a lease table checked by a background expiry
-//! task, and a broadcast channel feeding live watchers. With a path it is persisted
-//! write-ahead style: after each mutation the whole snapshot is written to `<path>.tmp`,
-//! fsynced and renamed over `<path>`. Keys bound to leases are *not* persisted (their holders
+//! task, and a broadcast channel feeding live watchers. With a path it is persisted before
+//! each mutation returns, as a snapshot at `<path>` plus an append-only log of the mutations
+//! after it at `<path>.log` (one fsynced line each, so a write costs its own size, not the
+//! store's; the snapshot is rewritten when the log outgrows it — see [`persist`]): a
+//! committed write survives a crash. Keys bound to leases are *not* persisted (their holders
 //! live in this process and die with it), so a reopened store has no leases; the revision
-//! continues from the snapshot, and watches from revisions before the reopen get a `Resync`.
+//! continues from the snapshot and log, and watches from revisions before the reopen get a
+//! `Resync`.
 //!
 //! One file serves one store at a time: `open` takes an exclusive advisory lock
 //! (`flock(LOCK_EX | LOCK_NB)` through `std::fs::File::try_lock`) on `<path>.lock` and holds it
@@ -18,12 +21,13 @@
 //! first closes the store (under its mutex, so a lease expiry being persisted finishes first;
 //! nothing is written after) and then unlocks, so the file can be reopened at once.
 
+mod persist;
+
 use super::api::{
     Compare, LeaseId, MAX_TXN_OPS, Revision, StateStore, StoreError, StoreResult, Txn, TxnOp, TxnResult, Versioned,
     WatchEvent, WatchStream,
 };
 use async_trait::async_trait;
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -96,20 +100,8 @@ struct State {
     live: broadcast::Sender<Change>,
     /// Every handle is gone and the file lock released (or about to be): never persist again.
     closed: bool,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Snapshot {
-    revision: Revision,
-    entries: Vec<SnapshotEntry>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct SnapshotEntry {
-    key: String,
-    value: Vec<u8>,
-    create_revision: Revision,
-    mod_revision: Revision,
+    /// The snapshot and change log of a persisted store.
+    disk: Option<persist::Disk>,
 }
 
 impl EmbeddedStore {
@@ -127,41 +119,27 @@ impl EmbeddedStore {
     ///
     /// # Errors
     /// [`StoreError::Locked`] when another store (in this or another process) has `path`
-    /// open; [`StoreError::Internal`] when the file or its lock file cannot be read or
-    /// parsed, or outside a runtime.
+    /// open; [`StoreError::Internal`] when the snapshot, its log or the lock file cannot be
+    /// read or parsed (a torn last log record is dropped, see [`persist`]), or outside a
+    /// runtime.
     pub fn open(path: impl AsRef<Path>) -> StoreResult<Self> {
         let path = path.as_ref().to_path_buf();
         // Lock before reading: the snapshot read must be the one this store then owns.
         let lock = lock_file(&path)?;
-        let state = match std::fs::read(&path) {
-            Ok(bytes) => {
-                let snap: Snapshot = serde_json::from_slice(&bytes)
-                    .map_err(|e| StoreError::Internal(format!("parse {}: {e}", path.display())))?;
-                let mut state = State::new(snap.revision);
-                state.compacted = snap.revision;
-                for e in snap.entries {
-                    let v = Versioned {
-                        value: e.value,
-                        mod_revision: e.mod_revision,
-                        create_revision: e.create_revision,
-                        lease: None,
-                    };
-                    state.data.insert(e.key, v);
-                }
-                state
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => State::new(1),
-            Err(e) => {
-                return Err(StoreError::Internal(format!("read {}: {e}", path.display())));
-            }
-        };
+        let recovered = persist::recover(&path)?;
+        let mut state = State::new(recovered.revision);
+        if recovered.revision > 1 {
+            // Changes before the reopen are in no history: watches from them resync.
+            state.compacted = recovered.revision;
+        }
+        state.data = recovered.data;
+        // A new snapshot at once: a store opened on a fresh path exists on disk, the replayed
+        // log (and a torn last record) is folded in, and keys that were bound to (now gone)
+        // leases in an older format never linger.
+        state.disk = Some(persist::Disk::create(&path, &state.data, state.revision)?);
         let store = Self::build(state, Some(path))?;
         let lock = StoreLock { _file: lock, inner: Arc::downgrade(&store.inner) };
-        let store = Self { _lock: Some(Arc::new(lock)), ..store };
-        // Write at once so a store opened on a fresh path exists on disk, and keys that were
-        // bound to (now gone) leases in an older format never linger.
-        store.inner.persist(&store.inner.lock())?;
-        Ok(store)
+        Ok(Self { _lock: Some(Arc::new(lock)), ..store })
     }
 
     fn build(state: State, path: Option<PathBuf>) -> StoreResult<Self> {
@@ -233,6 +211,7 @@ impl State {
             next_lease: 1,
             live,
             closed: false,
+            disk: None,
         }
     }
 
@@ -346,8 +325,9 @@ impl Inner {
         if changes.is_empty() {
             return Ok(());
         }
+        let keys: BTreeSet<String> = changes.iter().map(|c| c.key.clone()).collect();
         state.commit(changes);
-        self.persist(state)
+        persist(state, &keys)
     }
 
     fn remove_lease(&self, state: &mut State, id: LeaseId) -> StoreResult<()> {
@@ -356,36 +336,14 @@ impl Inner {
         let changes = lease.keys.iter().filter_map(|k| state.apply_delete(k, rev)).collect();
         self.commit(state, changes)
     }
+}
 
-    fn persist(&self, state: &State) -> StoreResult<()> {
-        let Some(path) = self.path.as_ref().filter(|_| !state.closed) else { return Ok(()) };
-        let snap = Snapshot {
-            revision: state.revision,
-            entries: state
-                .data
-                .iter()
-                .filter(|(_, v)| v.lease.is_none())
-                .map(|(k, v)| SnapshotEntry {
-                    key: k.clone(),
-                    value: v.value.clone(),
-                    create_revision: v.create_revision,
-                    mod_revision: v.mod_revision,
-                })
-                .collect(),
-        };
-        let io = |e: std::io::Error| StoreError::Internal(format!("persist {}: {e}", path.display()));
-        let bytes = serde_json::to_vec(&snap).map_err(|e| StoreError::Internal(e.to_string()))?;
-        let mut tmp = path.clone().into_os_string();
-        tmp.push(".tmp");
-        let tmp = PathBuf::from(tmp);
-        {
-            use std::io::Write;
-            let mut f = std::fs::File::create(&tmp).map_err(io)?;
-            f.write_all(&bytes).map_err(io)?;
-            f.sync_all().map_err(io)?;
-        }
-        std::fs::rename(&tmp, path).map_err(io)?;
-        Ok(())
+/// Logs a committed mutation that touched `keys` (persisted stores that are still open).
+fn persist(state: &mut State, keys: &BTreeSet<String>) -> StoreResult<()> {
+    let State { data, revision, closed, disk, .. } = state;
+    match disk {
+        Some(disk) if !*closed => disk.append(data, *revision, keys.iter().map(String::as_str)),
+        _ => Ok(()),
     }
 }
 
