@@ -7,6 +7,7 @@ pub mod bearer;
 pub mod deployment;
 pub mod engine_flags;
 pub mod head_auth;
+pub mod listen;
 pub mod model_root;
 pub mod proto;
 pub mod shutdown;

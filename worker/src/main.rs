@@ -3,6 +3,7 @@
 //! it is one rank process of a replica instead.
 
 use clap::Parser;
+use prism_common::listen::bind;
 use prism_common::shutdown::{CancellationToken, wait_for_signal};
 use prism_worker::{Args, WorkerConfig};
 use std::process::ExitCode;
@@ -22,8 +23,8 @@ async fn agent_main() -> anyhow::Result<()> {
     let (listen, http_listen) = (args.listen, args.http_listen);
     args.tls.install()?;
     let cfg = WorkerConfig::try_from(args)?;
-    let grpc = tokio::net::TcpListener::bind(listen).await?;
-    let http = tokio::net::TcpListener::bind(http_listen).await?;
+    let grpc = bind(listen, "--listen").await?;
+    let http = bind(http_listen, "--http-listen").await?;
     let shutdown = CancellationToken::new();
     let token = shutdown.clone();
     tokio::spawn(async move {

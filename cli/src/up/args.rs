@@ -2,9 +2,10 @@
 //! only `up/restart.rs`'s `Given`).
 
 use super::restart::Given;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use prism_common::engine_flags::EngineFlags;
+use prism_common::listen::BindError;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use tokio::net::TcpListener;
@@ -127,29 +128,24 @@ pub struct Listeners {
     pub router_grpc: TcpListener,
 }
 
-async fn bind(ip: std::net::IpAddr, port: u16, what: &str) -> Result<TcpListener> {
-    let addr = SocketAddr::new(ip, port);
-    TcpListener::bind(addr).await.with_context(|| {
-        format!(
-            "cannot listen on {addr} for the {what} (port taken? pick another with the matching --*-port flag, 0 = any)"
-        )
-    })
+async fn bind(ip: std::net::IpAddr, port: u16, flag: &'static str) -> Result<TcpListener, BindError> {
+    prism_common::listen::bind(SocketAddr::new(ip, port), flag).await
 }
 
 impl Listeners {
     /// Binds every socket `args` names (loopback for the head and worker, `--host` for the router).
     ///
     /// # Errors
-    /// A port is taken (the message names the flag to change).
-    pub async fn bind(args: &UpArgs) -> Result<Self> {
+    /// A port is taken or cannot be bound: [`BindError`] names the flag that gave it.
+    pub async fn bind(args: &UpArgs) -> Result<Self, BindError> {
         let lo = std::net::IpAddr::from([127, 0, 0, 1]);
         Ok(Self {
-            head_grpc: bind(lo, args.head_port, "head gRPC").await?,
-            head_http: bind(lo, args.head_http_port, "head HTTP").await?,
-            worker_grpc: bind(lo, args.worker_port, "worker gRPC").await?,
-            worker_http: bind(lo, args.worker_http_port, "worker HTTP").await?,
-            router_http: bind(args.host, args.port, "router HTTP").await?,
-            router_grpc: bind(args.host, args.grpc_port, "router gRPC").await?,
+            head_grpc: bind(lo, args.head_port, "--head-port").await?,
+            head_http: bind(lo, args.head_http_port, "--head-http-port").await?,
+            worker_grpc: bind(lo, args.worker_port, "--worker-port").await?,
+            worker_http: bind(lo, args.worker_http_port, "--worker-http-port").await?,
+            router_http: bind(args.host, args.port, "--port").await?,
+            router_grpc: bind(args.host, args.grpc_port, "--grpc-port").await?,
         })
     }
 }
@@ -168,4 +164,28 @@ pub(crate) fn parse_up(flags: &[&str]) -> Result<UpArgs> {
     let mut up = Cli::from_arg_matches(&matches)?.up;
     up.given = Given::of(&matches);
     Ok(up)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A taken port is reported with the flag that chose it, so the user knows what to change.
+    #[tokio::test]
+    async fn a_taken_port_names_its_flag() -> Result<()> {
+        let taken = TcpListener::bind("127.0.0.1:0").await?;
+        let port = taken.local_addr()?.port().to_string();
+        let any = "0";
+        let mut flags = vec!["--head-port", any, "--head-http-port", any, "--worker-port", any];
+        flags.extend(["--worker-http-port", any, "--port", any, "--grpc-port", any]);
+        for flag in ["--head-http-port", "--port", "--grpc-port"] {
+            let mut given = flags.clone();
+            let i = given.iter().position(|f| *f == flag).ok_or_else(|| anyhow::anyhow!("{flag}"))?;
+            given[i + 1] = &port;
+            let err = Listeners::bind(&parse_up(&given)?).await.err().ok_or_else(|| anyhow::anyhow!("bound {flag}"))?;
+            assert!(matches!(err, BindError::InUse { .. }), "{err:?}");
+            assert_eq!((err.flag(), err.addr()), (flag, taken.local_addr()?), "{err}");
+        }
+        Ok(())
+    }
 }
