@@ -16,7 +16,8 @@
 //! - Bounds, per model: `--max-queued-requests` (count), `--max-queued-tokens` (the
 //!   request's token estimate, prompt + decode), `--max-queue-wait` and the request's own
 //!   deadline (time). Past a count or token bound the request is refused at once with a
-//!   `Retry-After` from the queue's observed drain rate (429 / RESOURCE_EXHAUSTED); past the
+//!   `Retry-After` from the queue's observed drain rate, bounded by the waits left to those
+//!   queued (`queue::retry_after_s`; 429 / RESOURCE_EXHAUSTED); past the
 //!   wait bound 429, or 503 / UNAVAILABLE when the model still has no Ready replica; past
 //!   its own deadline 504 / DEADLINE_EXCEEDED.
 //! - Waiters are served in order by [`Admission::run`], woken when a dispatched request
@@ -53,7 +54,7 @@ use crate::routes::{ModelUnavailable, ReplicaRoute, RouteSnapshot, Routes};
 /// `Retry-After`) on RESOURCE_EXHAUSTED and UNAVAILABLE answers of the router.
 pub const RETRY_AFTER_METADATA: &str = "retry-after";
 
-pub use queue::{MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, retry_after_s};
+pub use queue::{MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, QueueBounds, retry_after_s};
 use queue::{ModelQueue, Waiter};
 
 /// Period of the safety-net pump (replicas whose ejection ended send no notification).
@@ -210,9 +211,10 @@ impl Inner {
         }
     }
 
+    /// `Retry-After` for a request refused by a bound of `q` (see [`retry_after_s`]).
     fn retry_after(&self, q: &mut ModelQueue<Answer>, now: Instant) -> u32 {
         let rate = q.drain.per_second(self.sec(now));
-        retry_after_s(q.len() + 1, rate, self.cfg.max_queue_wait)
+        retry_after_s(q.len() + 1, rate, q.bounds(now, self.cfg.max_queue_wait))
     }
 
     fn gauges(&self, model: &str, q: &ModelQueue<Answer>) {

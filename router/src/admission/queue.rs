@@ -42,8 +42,6 @@ pub struct DrainRate {
     buckets: [u32; DRAIN_WINDOW_S],
     /// The second `buckets` are current up to.
     head: u64,
-    /// The first second anything was recorded (the window is shorter before it fills).
-    first: Option<u64>,
 }
 
 impl DrainRate {
@@ -64,29 +62,44 @@ impl DrainRate {
         self.advance(sec);
         let i = (sec % DRAIN_WINDOW_S as u64) as usize;
         self.buckets[i] = self.buckets[i].saturating_add(1);
-        self.first.get_or_insert(sec);
     }
 
-    /// Requests admitted per second at second `sec`: the window's count over the seconds it
-    /// covers (at least one, so a burst in the first second is not divided by ten); `None`
-    /// when nothing was admitted in the window.
+    /// Requests admitted per second at second `sec`: the window's count over the seconds
+    /// since its earliest admission (at least one), so a queue that started draining a moment
+    /// ago (a replica just Ready, long requests just done) is not diluted by the idle seconds
+    /// before; `None` when nothing was admitted in the window.
     pub fn per_second(&mut self, sec: u64) -> Option<f64> {
         self.advance(sec);
-        let first = self.first?;
-        let covered = (sec.saturating_sub(first) + 1).min(DRAIN_WINDOW_S as u64);
+        // A caller that read the clock before another recorded a later second.
+        let sec = sec.max(self.head);
+        // Seconds back from `sec` to the earliest one with an admission, oldest first.
+        let window = DRAIN_WINDOW_S as u64;
+        let earliest =
+            (0..window.min(sec + 1)).rev().find(|back| self.buckets[((sec - back) % window) as usize] > 0)?;
         let sum: u32 = self.buckets.iter().sum();
-        (sum > 0).then(|| f64::from(sum) / covered as f64)
+        Some(f64::from(sum) / (earliest + 1) as f64)
     }
 }
 
-/// `Retry-After` seconds for a request that would be `position`-th in line: the time the
-/// queue takes to drain that far at `rate` requests per second, or `fallback` (the queue's
-/// wait bound) when nothing drained lately; clamped to
-/// [`MIN_RETRY_AFTER_S`]..=[`MAX_RETRY_AFTER_S`].
-pub fn retry_after_s(position: usize, rate: Option<f64>, fallback: Duration) -> u32 {
+/// How long the requests queued now may still wait at most (each leaves by its
+/// `--max-queue-wait`: served, or refused), for [`retry_after_s`].
+#[derive(Debug, Clone, Copy)]
+pub struct QueueBounds {
+    /// Until the first in line has left (a place in the queue frees by then at the latest).
+    pub first_gone: Duration,
+    /// Until every request queued now has left.
+    pub all_gone: Duration,
+}
+
+/// `Retry-After` seconds for a request refused when it would be `position`-th in line: the
+/// time the queue takes to drain that far at `rate` requests per second (a retry then is
+/// likely admitted, and behind fewer requests than wait now), but no later than
+/// `bounds.all_gone`. When nothing drained lately, `bounds.first_gone`: the queue has room by
+/// then whatever the replicas do. Clamped to [`MIN_RETRY_AFTER_S`]..=[`MAX_RETRY_AFTER_S`].
+pub fn retry_after_s(position: usize, rate: Option<f64>, bounds: QueueBounds) -> u32 {
     let secs = match rate {
-        Some(r) if r > 0.0 => position as f64 / r,
-        _ => fallback.as_secs_f64(),
+        Some(r) if r > 0.0 => (position as f64 / r).min(bounds.all_gone.as_secs_f64()),
+        _ => bounds.first_gone.as_secs_f64(),
     };
     // Clamped to 1..=60 first, so the cast is exact.
     secs.ceil().clamp(f64::from(MIN_RETRY_AFTER_S), f64::from(MAX_RETRY_AFTER_S)) as u32
@@ -130,6 +143,20 @@ impl<T> ModelQueue<T> {
     /// How long the first in line has waited at `now`.
     pub fn oldest_wait(&self, now: Instant) -> Duration {
         self.waiters.front().map_or(Duration::ZERO, |w| now.saturating_duration_since(w.since))
+    }
+
+    /// How long the last in line has waited at `now`.
+    pub fn newest_wait(&self, now: Instant) -> Duration {
+        self.waiters.back().map_or(Duration::ZERO, |w| now.saturating_duration_since(w.since))
+    }
+
+    /// When the requests queued now have left at the latest, each waiting at most
+    /// `max_wait` (a request back after a failed attempt has less left: these are bounds).
+    pub fn bounds(&self, now: Instant, max_wait: Duration) -> QueueBounds {
+        QueueBounds {
+            first_gone: max_wait.saturating_sub(self.oldest_wait(now)),
+            all_gone: max_wait.saturating_sub(self.newest_wait(now)),
+        }
     }
 
     /// Appends `w` at the back (no overtaking).
@@ -213,13 +240,58 @@ mod tests {
     }
 
     #[test]
+    fn drain_rate_counts_from_the_first_admission_in_the_window() {
+        let mut d = DrainRate::default();
+        d.record(100);
+        assert_eq!(d.per_second(105), Some(1.0 / 6.0), "one in the six seconds since");
+        // A lull, then the queue drains 30 within a second (its replica just came Ready).
+        for _ in 0..30 {
+            d.record(150);
+        }
+        assert_eq!(d.per_second(150), Some(30.0), "the idle seconds before do not dilute it");
+        assert_eq!(d.per_second(152), Some(10.0));
+        assert_eq!(DrainRate::default().per_second(3), None);
+    }
+
+    fn bounds(first: u64, all: u64) -> QueueBounds {
+        QueueBounds { first_gone: Duration::from_secs(first), all_gone: Duration::from_secs(all) }
+    }
+
+    #[test]
     fn retry_after_is_the_drain_time_clamped() {
-        let wait = Duration::from_secs(30);
+        let wait = bounds(30, 30);
         assert_eq!(retry_after_s(1, Some(2.0), wait), 1, "next in line at 2/s: within a second");
         assert_eq!(retry_after_s(9, Some(2.0), wait), 5, "ceil(9 / 2)");
-        assert_eq!(retry_after_s(10_000, Some(1.0), wait), MAX_RETRY_AFTER_S);
+        assert_eq!(retry_after_s(10_000, Some(1.0), bounds(60, 600)), MAX_RETRY_AFTER_S);
         assert_eq!(retry_after_s(1, Some(1000.0), wait), MIN_RETRY_AFTER_S);
-        assert_eq!(retry_after_s(5, None, wait), 30, "nothing drained: the wait bound");
-        assert_eq!(retry_after_s(5, None, Duration::from_secs(600)), MAX_RETRY_AFTER_S);
+        assert_eq!(retry_after_s(5, None, wait), 30, "nothing drained, the first just queued");
+        assert_eq!(retry_after_s(5, None, bounds(600, 600)), MAX_RETRY_AFTER_S);
+        assert_eq!(retry_after_s(5, None, bounds(0, 0)), MIN_RETRY_AFTER_S);
+    }
+
+    #[test]
+    fn retry_after_never_outlasts_the_waits_of_those_queued() {
+        // Nothing drained in the window, the first in line has 3 s left of its 30 s: the
+        // queue has room by then (it is served or refused), not 30 s from now.
+        assert_eq!(retry_after_s(10, None, bounds(3, 25)), 3);
+        // 100 ahead at 2/s would be 50 s, but every one of them has left within 25 s.
+        assert_eq!(retry_after_s(100, Some(2.0), bounds(3, 25)), 25);
+    }
+
+    #[test]
+    fn queue_bounds_follow_the_first_and_last_waiters() {
+        let now = Instant::now();
+        let mut q = ModelQueue::<u32>::default();
+        let (mut first, _rx1) = waiter(1, 1);
+        first.since = now.checked_sub(Duration::from_secs(27)).unwrap_or(now);
+        let (mut last, _rx2) = waiter(2, 1);
+        last.since = now.checked_sub(Duration::from_secs(5)).unwrap_or(now);
+        q.push(first);
+        q.push(last);
+        let b = q.bounds(now, Duration::from_secs(30));
+        assert!(b.first_gone <= Duration::from_secs(3), "{b:?}");
+        assert!(b.all_gone <= Duration::from_secs(25) && b.all_gone > Duration::from_secs(24), "{b:?}");
+        let empty = ModelQueue::<u32>::default().bounds(now, Duration::from_secs(30));
+        assert_eq!((empty.first_gone, empty.all_gone), (Duration::from_secs(30), Duration::from_secs(30)));
     }
 }

@@ -171,6 +171,31 @@ async fn count_bound_refuses_with_retry_after_from_the_drain_rate() {
     }
 }
 
+/// `Retry-After` never outlasts the waits of those queued: each leaves by its
+/// `--max-queue-wait` (served or refused), so the queue has drained by then whatever the
+/// drain rate says.
+#[tokio::test]
+async fn retry_after_is_at_most_the_wait_left_to_those_queued() {
+    let wait = Duration::from_secs(2);
+    let cfg = AdmissionConfig { max_queued_requests: 3, max_queue_wait: wait, ..AdmissionConfig::default() };
+    let f = fixture(1, cfg);
+    // One admitted within the first second: 1 request/s.
+    let _held = admit_now(&f).await;
+    let waiters: Vec<_> = (0..3)
+        .map(|_| {
+            let adm = f.adm.clone();
+            tokio::spawn(async move { adm.admit(MODEL, hint(10), far()).await.map(|_| ()) })
+        })
+        .collect();
+    queued(&f, MODEL, 3).await;
+    let r = f.adm.admit(MODEL, hint(10), far()).await;
+    // Fourth in line at 1/s would be 4 s; all three ahead have left within 2 s.
+    assert_eq!(r.err(), Some(AdmitError::Rejected { bound: Bound::Full, retry_after_s: 2 }));
+    for w in waiters {
+        w.abort();
+    }
+}
+
 #[tokio::test]
 async fn no_queue_refuses_at_once_when_full() {
     let f = fixture(1, AdmissionConfig { max_queued_requests: 0, ..AdmissionConfig::default() });
