@@ -12,6 +12,7 @@ use prism_common::proto::v1::{DeploymentSpec, EngineConfig, GpuInfo, NodeInvento
 use prism_common::state_store::{EmbeddedStore, StateStore};
 use prism_head::cluster::registry;
 use prism_head::placement::planner::{self, Action, DeploymentView, NodeView, PlacementDecision};
+use prism_head::placement::reconciler::Pass;
 use prism_head::{Cluster, HeadConfig, Leadership, StoreSpec, admin};
 use tokio::sync::watch;
 
@@ -89,7 +90,8 @@ async fn reconciler_on_embedded_store() -> anyhow::Result<()> {
     }
     let writes_before = cluster.store_writes().await;
     let t = Instant::now();
-    prism_head::placement::reconciler::reconcile_once(&cluster).await?;
+    // A pass stops at its time budget: as many as it takes to place everything.
+    while prism_head::placement::reconciler::reconcile_once(&cluster).await? == Pass::More {}
     let took = t.elapsed().as_secs_f64();
     let writes = cluster.store_writes().await - writes_before;
     let status = admin::snapshot(&cluster).await?;

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use prism_common::proto::v1::{DeploymentRecord, NodeRecord, ReplicaRecord, RouteTable};
-use prism_common::state_store::{Compare, Revision, StateStore, Txn, TxnOp, keys};
+use prism_common::state_store::{Compare, MAX_TXN_OPS, Revision, StateStore, Txn, TxnOp, keys};
 use prism_common::{DeploymentName, NodeId, ReplicaId};
 use prost::Message;
 use tokio::sync::futures::Notified;
@@ -315,27 +315,80 @@ impl Cluster {
     /// # Errors
     /// `Conflict` when the record changed or a GPU is already reserved; store failures.
     pub(crate) async fn put_replica(&self, st: &mut State, rec: ReplicaRecord) -> HeadResult<()> {
-        let id = ReplicaId::from(rec.replica_id.as_str());
-        let key = ClusterView::replica_key(&rec);
-        let prev = st.view().replicas.get(&id);
-        let prev_rev = prev.map_or(0, |e| e.mod_revision);
-        let before: HashSet<String> = prev.map(|e| reservation_keys(&e.record)).unwrap_or_default();
-        let after = reservation_keys(&rec);
-        let mut txn = Txn {
-            compares: vec![Compare::mod_revision(&key, prev_rev)],
-            success: vec![TxnOp::put(&key, rec.encode_to_vec())],
-            failure: vec![],
-        };
-        for k in after.difference(&before) {
-            txn.compares.push(Compare::absent(k.clone()));
-            txn.success.push(TxnOp::put(k.clone(), rec.replica_id.clone().into_bytes()));
+        self.put_replicas(st, vec![rec], |_, _| {}).await
+    }
+
+    /// Writes replica records as [`put_replica`](Self::put_replica) does, several per store
+    /// transaction (as many as fit in [`MAX_TXN_OPS`] compares and operations, and never two
+    /// touching one key), and calls `committed` with each record's index in `recs` once its
+    /// transaction has committed and the view holds it. A scale-up of thousands of replicas
+    /// is then tens of transactions (round trips to etcd, fsyncs of the embedded store)
+    /// instead of thousands.
+    ///
+    /// # Errors
+    /// `Conflict` when a record changed or a GPU is already reserved; store failures. The
+    /// records of the transactions before the failed one stay written.
+    pub(crate) async fn put_replicas(
+        &self,
+        st: &mut State,
+        recs: Vec<ReplicaRecord>,
+        mut committed: impl FnMut(&mut State, usize),
+    ) -> HeadResult<()> {
+        let mut txn = Txn::default();
+        let mut batch: Vec<(usize, ReplicaRecord)> = Vec::new();
+        let mut touched: HashSet<String> = HashSet::new();
+        for (i, rec) in recs.into_iter().enumerate() {
+            let (compares, ops) = replica_writes(st, &rec);
+            let keys: Vec<String> = compares.iter().map(|Compare::ModRevision { key, .. }| key.clone()).collect();
+            let fits = txn.compares.len() + compares.len() <= MAX_TXN_OPS
+                && txn.success.len() + ops.len() <= MAX_TXN_OPS
+                && keys.iter().chain(ops.iter().map(op_key)).all(|k| !touched.contains(k));
+            if !fits && !batch.is_empty() {
+                self.commit_replicas(st, std::mem::take(&mut txn), std::mem::take(&mut batch), &mut committed).await?;
+                touched.clear();
+            }
+            touched.extend(keys);
+            touched.extend(ops.iter().map(op_key).cloned());
+            txn.compares.extend(compares);
+            txn.success.extend(ops);
+            batch.push((i, rec));
         }
-        for k in before.difference(&after) {
-            txn.success.push(TxnOp::delete(k.clone()));
+        if batch.is_empty() {
+            return Ok(());
         }
-        let rev = self.commit(st, txn, &key).await?;
-        st.view_mut().replicas.insert(id, Entry { record: rec, mod_revision: rev });
-        Ok(())
+        self.commit_replicas(st, txn, batch, &mut committed).await
+    }
+
+    async fn commit_replicas(
+        &self,
+        st: &mut State,
+        txn: Txn,
+        recs: Vec<(usize, ReplicaRecord)>,
+        committed: &mut impl FnMut(&mut State, usize),
+    ) -> HeadResult<()> {
+        let what = recs.first().map(|(_, r)| ClusterView::replica_key(r)).unwrap_or_default();
+        match self.commit(st, txn, &what).await {
+            Ok(rev) => {
+                for (i, rec) in recs {
+                    insert_replica(st, rec, rev);
+                    committed(st, i);
+                }
+                Ok(())
+            }
+            Err(HeadError::Conflict(_)) if recs.len() > 1 => {
+                // Which record lost its compare is unknown: one transaction each, so the
+                // records before it are written, as when each record was its own transaction.
+                for (i, rec) in recs {
+                    let (compares, success) = replica_writes(st, &rec);
+                    let txn = Txn { compares, success, failure: vec![] };
+                    let rev = self.commit(st, txn, &ClusterView::replica_key(&rec)).await?;
+                    insert_replica(st, rec, rev);
+                    committed(st, i);
+                }
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Deletes a replica record and its reservations.
@@ -453,6 +506,36 @@ impl Cluster {
     }
 }
 
+/// The compares and operations that write `rec` over the view's copy of it: compare-and-swap
+/// on the record, create-if-absent for each slot it starts holding, delete for each it frees.
+fn replica_writes(st: &State, rec: &ReplicaRecord) -> (Vec<Compare>, Vec<TxnOp>) {
+    let key = ClusterView::replica_key(rec);
+    let prev = st.view().replicas.get(&ReplicaId::from(rec.replica_id.as_str()));
+    let prev_rev = prev.map_or(0, |e| e.mod_revision);
+    let before: HashSet<String> = prev.map(|e| reservation_keys(&e.record)).unwrap_or_default();
+    let after = reservation_keys(rec);
+    let mut compares = vec![Compare::mod_revision(&key, prev_rev)];
+    let mut ops = vec![TxnOp::put(&key, rec.encode_to_vec())];
+    for k in after.difference(&before) {
+        compares.push(Compare::absent(k.clone()));
+        ops.push(TxnOp::put(k.clone(), rec.replica_id.clone().into_bytes()));
+    }
+    for k in before.difference(&after) {
+        ops.push(TxnOp::delete(k.clone()));
+    }
+    (compares, ops)
+}
+
+fn insert_replica(st: &mut State, rec: ReplicaRecord, mod_revision: Revision) {
+    st.view_mut().replicas.insert(ReplicaId::from(rec.replica_id.as_str()), Entry { record: rec, mod_revision });
+}
+
+fn op_key(op: &TxnOp) -> &String {
+    match op {
+        TxnOp::Put { key, .. } | TxnOp::Delete { key } => key,
+    }
+}
+
 /// Reservation keys a replica record holds (none unless placed and holding slots): every
 /// slot of its GPU group, on every node of it.
 pub fn reservation_keys(r: &ReplicaRecord) -> HashSet<String> {
@@ -463,4 +546,50 @@ pub fn reservation_keys(r: &ReplicaRecord) -> HashSet<String> {
         .into_iter()
         .flat_map(|(n, slots)| slots.into_iter().map(move |g| keys::reservation(&n, g)))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use prism_common::proto::v1::ReplicaState;
+    use prism_common::state_store::embedded::EmbeddedStore;
+
+    use super::*;
+    use crate::config::StoreSpec;
+
+    fn placed(id: &str, gpu: u32) -> ReplicaRecord {
+        ReplicaRecord {
+            replica_id: id.into(),
+            deployment: "d".into(),
+            node_id: "n1".into(),
+            gpu_indices: vec![gpu],
+            state: ReplicaState::Starting as i32,
+            ..Default::default()
+        }
+    }
+
+    /// Records that fit go in one transaction; when it loses a compare (here a GPU reserved
+    /// behind the head's back), the records are written one each up to the one that conflicts,
+    /// as when every record was its own transaction.
+    #[tokio::test]
+    async fn a_batch_that_conflicts_writes_the_records_before_the_conflict() {
+        let store = Arc::new(EmbeddedStore::in_memory().expect("store"));
+        let (_tx, rx) = watch::channel(Leadership::Leader);
+        let cfg = HeadConfig::new(StoreSpec::Embedded("unused".into()), "http://127.0.0.1:50050");
+        let cluster = Cluster::new(cfg, store.clone(), rx, Metrics::new());
+        cluster.on_elected(1).await.expect("elected");
+        let mut st = cluster.lock().await;
+        let mut done = Vec::new();
+        let recs = vec![placed("d-1", 0), placed("d-2", 1)];
+        cluster.put_replicas(&mut st, recs, |_, i| done.push(i)).await.expect("written");
+        assert_eq!((done.as_slice(), st.writes()), ([0, 1].as_slice(), 1), "one transaction");
+
+        store.put(&keys::reservation(&NodeId::from("n1"), 3), b"elsewhere".to_vec(), None).await.expect("put");
+        let mut done = Vec::new();
+        let recs = vec![placed("d-3", 2), placed("d-4", 3), placed("d-5", 4)];
+        let res = cluster.put_replicas(&mut st, recs, |_, i| done.push(i)).await;
+        assert!(matches!(res, Err(HeadError::Conflict(_))), "{res:?}");
+        assert_eq!(done, [0]);
+        let ids: Vec<&str> = st.view().replicas.keys().map(ReplicaId::as_str).collect();
+        assert_eq!(ids, ["d-1", "d-2", "d-3"]);
+    }
 }

@@ -9,7 +9,15 @@
 //! refers to any more ([`departure::forget_dead_nodes`]).
 //! Every pass is idempotent; a failed pass (store error, lost compare-and-swap) reloads the
 //! view and is requeued with a short backoff.
+//!
+//! A pass holds the cluster state's lock, which admin calls and worker sessions also need, so
+//! it applies the planner's actions for at most [`PASS_BUDGET`] (after at least
+//! [`PASS_MIN_ACTIONS`]) and leaves the rest to the next pass, which is queued at once behind
+//! whoever waited for the lock meanwhile: a scale to thousands of replicas becomes many short
+//! passes instead of one that keeps `prism status` waiting for minutes. Consecutive creates
+//! and placements are written several per store transaction.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,15 +39,34 @@ use crate::drain;
 use crate::error::HeadResult;
 use crate::events::EventKind;
 
+/// How long one pass applies planner actions before it lets other users of the state lock in.
+pub const PASS_BUDGET: Duration = Duration::from_millis(100);
+/// Actions a pass applies whatever the time (a slow store still makes progress, and a few
+/// actions, as most passes have, are never split across passes).
+pub const PASS_MIN_ACTIONS: usize = 16;
+/// Most creates and placements written in one go (one or a few store transactions).
+const WRITE_BATCH: usize = 128;
+
+/// What a reconcile pass left undone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// Observed state is as planned (or the pass had nothing to do).
+    Done,
+    /// The pass ran out of its budget with planner actions left: run another at once.
+    More,
+}
+
 /// Runs the reconciler until `shutdown`.
 pub async fn run(cluster: Arc<Cluster>, shutdown: CancellationToken) {
     let mut backoff = Duration::from_millis(50);
     let mut leadership = cluster.watch_leadership();
     loop {
         let requeue = match reconcile_once(&cluster).await {
-            Ok(()) => {
+            Ok(pass) => {
                 backoff = Duration::from_millis(50);
-                None
+                // Requeued behind the admin calls and worker sessions that waited for the lock
+                // (tokio's mutex is fair).
+                (pass == Pass::More).then_some(Duration::ZERO)
             }
             Err(e) => {
                 tracing::warn!(error = %e, "reconcile failed; requeued");
@@ -61,21 +88,22 @@ pub async fn run(cluster: Arc<Cluster>, shutdown: CancellationToken) {
     }
 }
 
-/// One reconcile pass (no-op unless this head leads and has loaded its view).
+/// One reconcile pass (no-op unless this head leads and has loaded its view). Returns
+/// [`Pass::More`] when it stopped at its budget with actions left.
 ///
 /// # Errors
 /// Store failures and conflicts (the caller reloads and requeues).
-pub async fn reconcile_once(cluster: &Cluster) -> HeadResult<()> {
+pub async fn reconcile_once(cluster: &Cluster) -> HeadResult<Pass> {
     let mut st = cluster.lock().await;
     if !cluster.leadership().is_leader() || !st.is_loaded() {
-        return Ok(());
+        return Ok(Pass::Done);
     }
     let res = pass(cluster, &mut st).await;
     cluster.after_change(&st);
     res
 }
 
-async fn pass(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
+async fn pass(cluster: &Cluster, st: &mut State) -> HeadResult<Pass> {
     mark_dead_nodes(cluster, st).await?;
     drain::stop_drained(cluster, st).await?;
     let mut autoscaler = st.take_autoscaler();
@@ -89,11 +117,46 @@ async fn pass(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
         r.load = st.load(&r.id).map_or(0, |l| l.running.saturating_add(l.waiting));
     }
     let actions = plan(&nodes, &deps, &replicas);
-    for a in actions {
-        apply(cluster, st, a).await?;
+    if apply_actions(cluster, st, actions).await? == Pass::More {
+        return Ok(Pass::More);
     }
     // After the planner evicted (and replaced) the replicas of dead nodes.
-    departure::forget_dead_nodes(cluster, st).await
+    departure::forget_dead_nodes(cluster, st).await?;
+    Ok(Pass::Done)
+}
+
+/// Applies `actions` in the planner's order until [`PASS_BUDGET`] has passed (and at least
+/// [`PASS_MIN_ACTIONS`] were applied); runs of creates and placements are written in batches.
+///
+/// Stopping after any prefix is safe: the planner lists evictions and removals (whose slots
+/// the creates and placements after them may use) first, a removal frees no slot within the
+/// pass, and the next pass plans what is left from the state this one reached.
+async fn apply_actions(cluster: &Cluster, st: &mut State, actions: Vec<Action>) -> HeadResult<Pass> {
+    let started = Instant::now();
+    let mut actions = VecDeque::from(actions);
+    let mut applied = 0;
+    while let Some(front) = actions.front() {
+        if applied >= PASS_MIN_ACTIONS && started.elapsed() >= PASS_BUDGET {
+            return Ok(Pass::More);
+        }
+        if is_write(front) {
+            let mut writes = Vec::new();
+            let mut taken = 0;
+            while taken < WRITE_BATCH
+                && actions.front().is_some_and(is_write)
+                && let Some(a) = actions.pop_front()
+            {
+                taken += 1;
+                writes.extend(to_write(st, a));
+            }
+            applied += taken;
+            write_placements(cluster, st, writes).await?;
+        } else if let Some(a) = actions.pop_front() {
+            applied += 1;
+            apply(cluster, st, a).await?;
+        }
+    }
+    Ok(Pass::Done)
 }
 
 /// Observes every autoscaled deployment's load and writes the decisions that are due.
@@ -183,11 +246,15 @@ async fn mark_dead_nodes(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
     Ok(())
 }
 
-/// Applies one planner action to the store and the workers.
-async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
+/// Whether `a` writes a replica record with a placement (batched with its neighbours).
+fn is_write(a: &Action) -> bool {
+    matches!(a, Action::Create { .. } | Action::Place { .. })
+}
+
+/// A Create's new record, or a Place's current one (None when it is gone), with where it goes.
+fn to_write(st: &State, a: Action) -> Option<(ReplicaRecord, PlacementDecision)> {
     match a {
         Action::Create { deployment, generation, placement } => {
-            let id = ReplicaId::new_for(&deployment);
             let served = st
                 .view()
                 .deployments
@@ -196,7 +263,7 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
                 .map(|s| prism_common::deployment::served_name(s).to_owned())
                 .unwrap_or_else(|| deployment.to_string());
             let rec = ReplicaRecord {
-                replica_id: id.to_string(),
+                replica_id: ReplicaId::new_for(&deployment).to_string(),
                 deployment: deployment.to_string(),
                 created_unix_ms: unix_ms(),
                 served_model_name: served,
@@ -204,11 +271,19 @@ async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
                 state: ReplicaState::Pending as i32,
                 ..Default::default()
             };
-            place(cluster, st, rec, placement).await
+            Some((rec, placement))
         }
-        Action::Place { replica, placement } => {
-            let Some(rec) = st.view().replicas.get(&replica).map(|e| e.record.clone()) else { return Ok(()) };
-            place(cluster, st, rec, placement).await
+        Action::Place { replica, placement } => st.view().replicas.get(&replica).map(|e| (e.record.clone(), placement)),
+        Action::Remove { .. } | Action::Evict { .. } => None,
+    }
+}
+
+/// Applies one planner action to the store and the workers.
+async fn apply(cluster: &Cluster, st: &mut State, a: Action) -> HeadResult<()> {
+    match a {
+        Action::Create { .. } | Action::Place { .. } => {
+            let write = to_write(st, a);
+            write_placements(cluster, st, write.into_iter().collect()).await
         }
         Action::Remove { replica } => {
             let Some(rec) = st.view().replicas.get(&replica).map(|e| e.record.clone()) else { return Ok(()) };
@@ -258,7 +333,36 @@ fn dead_part(st: &State, rec: &ReplicaRecord) -> String {
     }
 }
 
-async fn place(cluster: &Cluster, st: &mut State, mut rec: ReplicaRecord, p: PlacementDecision) -> HeadResult<()> {
+/// Writes replica records placed (or left Pending) as the planner decided, several per store
+/// transaction; then tells each: an event, and for a placed one the placement metric and the
+/// StartReplica to its worker.
+async fn write_placements(
+    cluster: &Cluster,
+    st: &mut State,
+    writes: Vec<(ReplicaRecord, PlacementDecision)>,
+) -> HeadResult<()> {
+    let mut recs = Vec::with_capacity(writes.len());
+    let mut told = Vec::with_capacity(writes.len());
+    for (rec, p) in writes {
+        let (rec, event) = placed(rec, p, st);
+        told.push((rec.deployment.clone(), rec.replica_id.clone(), event));
+        recs.push(rec);
+    }
+    cluster
+        .put_replicas(st, recs, |st, i| {
+            let Some((deployment, replica, (kind, msg))) = told.get_mut(i) else { return };
+            cluster.events().push(*kind, deployment, replica, std::mem::take(msg));
+            if *kind == EventKind::ReplicaPlaced {
+                cluster.metrics().placement_decisions.inc();
+                send_start(st, &ReplicaId::from(replica.as_str()));
+            }
+        })
+        .await
+}
+
+/// `rec` as the planner placed it (Starting on its GPU group, with a new rendezvous token) or
+/// left it (Pending with the reason), and the event that says so.
+fn placed(mut rec: ReplicaRecord, p: PlacementDecision, st: &State) -> (ReplicaRecord, (EventKind, String)) {
     match p {
         PlacementDecision::Assigned { node, slots, groups } => {
             let endpoint = st
@@ -285,7 +389,6 @@ async fn place(cluster: &Cluster, st: &mut State, mut rec: ReplicaRecord, p: Pla
             // ranks holding this placement's token may join it.
             rec.rendezvous.clear();
             rec.group_token = uuid::Uuid::new_v4().to_string();
-            let id = ReplicaId::from(rec.replica_id.as_str());
             let msg = if rec.rank_groups.len() > 1 {
                 let parts: Vec<String> = rec
                     .rank_groups
@@ -296,19 +399,14 @@ async fn place(cluster: &Cluster, st: &mut State, mut rec: ReplicaRecord, p: Pla
             } else {
                 format!("on {node}, slots {:?}", rec.gpu_indices)
             };
-            cluster.events().push(EventKind::ReplicaPlaced, &rec.deployment, id.as_str(), msg);
-            cluster.put_replica(st, rec).await?;
-            cluster.metrics().placement_decisions.inc();
-            send_start(st, &id);
+            (rec, (EventKind::ReplicaPlaced, msg))
         }
         PlacementDecision::Pending { reason } => {
-            cluster.events().push(EventKind::ReplicaPending, &rec.deployment, &rec.replica_id, reason.clone());
             rec.state = ReplicaState::Pending as i32;
-            rec.reason = reason;
-            cluster.put_replica(st, rec).await?;
+            rec.reason = reason.clone();
+            (rec, (EventKind::ReplicaPending, reason))
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -363,6 +461,32 @@ mod tests {
         let st = cluster.lock().await;
         let rec = &st.view().deployments[&prism_common::DeploymentName::from("d")].record;
         (rec.spec.as_ref().map_or(0, |s| s.replicas), rec.last_scaling.clone())
+    }
+
+    /// A scale-up of 1,000 replicas with no node to place them: passes until one reports
+    /// `Done`, every replica created once (Pending with the reason), and written several per
+    /// store transaction rather than one each.
+    #[tokio::test]
+    async fn a_large_scale_up_is_written_in_batches() {
+        let (cluster, _lead) = leader().await;
+        let spec = DeploymentSpec { replicas: 1_000, autoscaling: None, ..autoscaled(0, 0) };
+        crate::admin::apply_deployment(&cluster, spec).await.expect("applied");
+        let before = cluster.store_writes().await;
+        let mut passes = 0;
+        while reconcile_once(&cluster).await.expect("pass") == Pass::More {
+            passes += 1;
+            assert!(passes < 1_000, "passes never finish");
+        }
+        let writes = cluster.store_writes().await - before;
+        let st = cluster.lock().await;
+        let replicas = &st.view().replicas;
+        assert_eq!(replicas.len(), 1_000);
+        assert!(replicas.values().all(|e| e.record.state() == ReplicaState::Pending && !e.record.reason.is_empty()));
+        // One compare and one put per record: 128 records a transaction.
+        assert_eq!(writes, 8, "store transactions");
+        drop(st);
+        assert_eq!(reconcile_once(&cluster).await.expect("pass"), Pass::Done);
+        assert_eq!(cluster.store_writes().await - before, writes, "a pass after it writes nothing");
     }
 
     #[tokio::test]
