@@ -14,6 +14,7 @@
 pub mod errors;
 pub mod guard;
 pub mod json;
+pub mod models;
 pub mod sse;
 pub mod structured;
 pub mod tokenize;
@@ -75,10 +76,10 @@ pub fn router(state: HttpState) -> Router {
     let routes = Router::new()
         .route("/v1/completions", post(generate::<CompletionRequest>))
         .route("/v1/chat/completions", post(generate::<ChatRequest>))
-        .route("/v1/models", get(models))
+        .route("/v1/models", get(models_route))
         .route("/tokenize", post(tokenize_route))
         .route("/detokenize", post(detokenize_route))
-        .route("/v1/models/{id}", get(model))
+        .route("/v1/models/{id}", get(model_route))
         .route("/health", get(|State(s): State<HttpState>| async move { readiness(&s, "ok") }))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(|State(s): State<HttpState>| async move { readiness(&s, "ready") }))
@@ -735,50 +736,14 @@ async fn detokenize_route(State(state): State<HttpState>, headers: HeaderMap, bo
     }
 }
 
-/// The OpenAI model objects of the route table's models, by served name; 503 before the
-/// first table (an empty list would say that no model exists).
-fn model_objects(state: &HttpState) -> Result<Vec<(String, Value)>, ApiError> {
-    let snap = state.dispatcher.routes().snapshot();
-    if !snap.loaded {
-        return Err(DispatchError::NoRouteTable.into());
-    }
-    // Every served model the head lists, also one with no Ready replica right now (scaled to
-    // zero, starting, draining): a request for it queues rather than failing with 404.
-    Ok(snap
-        .models
-        .iter()
-        .map(|(name, rs)| {
-            let max_len = rs.iter().map(|r| r.max_model_len).max().unwrap_or(0);
-            let obj = json!({"id": name, "object": "model", "created": state.started_at, "owned_by": "prism",
-                   "root": name, "parent": null,
-                   "max_model_len": if max_len > 0 { json!(max_len) } else { Value::Null }});
-            (name.clone(), obj)
-        })
-        .collect())
+/// `GET /v1/models` ([`models::list`]).
+async fn models_route(State(s): State<HttpState>) -> Response {
+    models::list(&s.dispatcher.routes().snapshot(), s.started_at)
 }
 
-/// `GET /v1/models`.
-async fn models(State(state): State<HttpState>) -> Response {
-    match model_objects(&state) {
-        Ok(objects) => {
-            let data: Vec<Value> = objects.into_iter().map(|(_, v)| v).collect();
-            axum::Json(json!({"object": "list", "data": data})).into_response()
-        }
-        Err(e) => e.into_response(),
-    }
-}
-
-/// `GET /v1/models/{id}`: the model object, or 404.
-async fn model(State(state): State<HttpState>, Path(id): Path<String>) -> Response {
-    match model_objects(&state).map(|objects| objects.into_iter().find(|(name, _)| *name == id)) {
-        Ok(Some((_, v))) => axum::Json(v).into_response(),
-        Err(e) => e.into_response(),
-        Ok(None) => ApiError {
-            param: Some("model".into()),
-            ..ApiError::new(StatusCode::NOT_FOUND, format!("the model `{id}` does not exist"))
-        }
-        .into_response(),
-    }
+/// `GET /v1/models/{id}` ([`models::one`]).
+async fn model_route(State(s): State<HttpState>, Path(id): Path<String>) -> Response {
+    models::one(&s.dispatcher.routes().snapshot(), s.started_at, &id)
 }
 
 /// `/health` (load balancers) and `/readyz` (a Kubernetes Service): 200 while the router can
