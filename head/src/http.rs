@@ -65,9 +65,23 @@ async fn readyz(AxState(s): AxState<Shared>) -> impl IntoResponse {
                 format!("not ready: leader, cannot load the cluster state ({e}); retrying"),
             ),
         },
-        Leadership::Follower { leader } => {
-            (StatusCode::SERVICE_UNAVAILABLE, format!("follower; leader is {}", leader.as_deref().unwrap_or("unknown")))
-        }
+        Leadership::Follower { leader } => (StatusCode::SERVICE_UNAVAILABLE, follower_body(&c, leader.as_deref())),
+    }
+}
+
+/// `/readyz`'s body on a follower that sees `leader` in the election key. A head restarted
+/// on the same address finds its previous run's key there until that run's lease expires:
+/// the store names this head's own address then, yet nobody leads, and "leader is" that
+/// address would have it claim a leadership it has not won.
+fn follower_body(c: &Cluster, leader: Option<&str>) -> String {
+    match leader {
+        Some(l) if l == c.cfg().advertise_address => format!(
+            "follower; no leader yet: the election key still names this head's address {l}, left by its \
+             previous run until that run's lease expires (within --lease-ttl {:?})",
+            c.cfg().lease_ttl
+        ),
+        Some(l) => format!("follower; leader is {l}"),
+        None => "follower; no leader yet".to_owned(),
     }
 }
 
@@ -151,5 +165,27 @@ mod tests {
         store.delete(&bad).await.expect("delete");
         cluster.on_elected(1).await.expect("loads");
         assert_eq!(ready(&cluster).await, (StatusCode::OK, "leader".to_owned()));
+    }
+
+    /// A follower names the leader the election key holds, but never itself: a restarted
+    /// head sees its previous run's key (its own address) until that lease expires, and no
+    /// one leads then.
+    #[tokio::test]
+    async fn a_follower_never_names_itself_as_leader() {
+        let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::in_memory().expect("store"));
+        let me = "http://127.0.0.1:50050";
+        let cfg = HeadConfig::new(StoreSpec::Embedded("unused".into()), me);
+        for (leader, want) in [
+            (Some("http://10.0.0.2:50050"), "follower; leader is http://10.0.0.2:50050"),
+            (Some(me), "follower; no leader yet"),
+            (None, "follower; no leader yet"),
+        ] {
+            let (_tx, rx) = watch::channel(Leadership::Follower { leader: leader.map(str::to_owned) });
+            let cluster = Cluster::new(cfg.clone(), store.clone(), rx, Metrics::new());
+            let (status, body) = ready(&cluster).await;
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+            assert!(body.starts_with(want), "leader {leader:?}: {body}");
+            assert!(!body.contains(&format!("leader is {me}")), "{body}");
+        }
     }
 }
