@@ -19,6 +19,14 @@
 //! Draining at once (routers stop sending it new work). Each reconcile pass ([`stop_drained`])
 //! stops a replica that no longer serves once it is idle (after [`DRAIN_GRACE`]) or at its
 //! deadline, and its record goes once the worker reports it stopped.
+//!
+//! "Replaced" counts Ready replicas only: a deployment whose other replicas are Failed or still
+//! Starting is short of Ready replicas, so the drained one keeps serving until the deadline —
+//! the drain never leaves the deployment with fewer replicas serving than it had.
+//!
+//! Leadership: a Draining replica's record holds its deadline (`drain_deadline_unix_ms`) and
+//! whether it still serves (`drain_serving`), so a new leader publishes it the same way and
+//! stops it at the same deadline; only the idle grace starts again at the takeover.
 
 use std::time::Duration;
 
@@ -32,6 +40,7 @@ use tokio::time::Instant;
 use crate::cluster::Cluster;
 use crate::cluster::group::stop_group;
 use crate::cluster::state::{DrainTimer, State};
+use crate::cluster::view::serves_while_draining;
 use crate::error::HeadResult;
 
 /// Minimum time a Draining replica stays routable-as-Draining before it may be stopped, so
@@ -42,7 +51,18 @@ pub const DRAIN_GRACE: Duration = Duration::from_millis(500);
 /// is zero).
 pub fn drain_timer(default: Duration, relative: Duration, now: Instant) -> DrainTimer {
     let d = if relative.is_zero() { default } else { relative };
-    DrainTimer { since: now, deadline: now + d, serving: false }
+    DrainTimer { since: now, deadline: now + d }
+}
+
+/// The timer of a Draining replica whose drain this leader takes over (`now` is `now_unix`
+/// in wall-clock milliseconds): ending at the record's `drain_deadline_unix_ms` (at once when
+/// that passed), or `default` from now for a record that has none.
+pub fn resumed_timer(rec: &ReplicaRecord, default: Duration, now: Instant, now_unix: u64) -> DrainTimer {
+    if rec.drain_deadline_unix_ms == 0 {
+        return drain_timer(default, Duration::ZERO, now);
+    }
+    let left = Duration::from_millis(rec.drain_deadline_unix_ms.saturating_sub(now_unix));
+    DrainTimer { since: now, deadline: now + left }
 }
 
 /// A drain timer starting now that ends `relative` from now (the configured
@@ -92,17 +112,16 @@ pub async fn on_worker_drain(cluster: &Cluster, st: &mut State, node: &NodeId, d
     if rec.state() == NodeState::Draining {
         // Already drained by an operator: the worker now refuses new work, so replicas still
         // serving there stop serving (stopped when idle or at their deadline).
-        let serving: Vec<ReplicaId> = st
+        let serving: Vec<ReplicaRecord> = st
             .view()
             .replicas_touching(node)
-            .map(|e| ReplicaId::from(e.record.replica_id.as_str()))
-            .filter(|id| is_serving(st, id))
+            .filter(|e| serves_while_draining(&e.record))
+            .map(|e| e.record.clone())
             .collect();
-        let now = Instant::now();
-        for id in serving {
-            if let Some(t) = st.drain_timer(&id).copied() {
-                st.set_drain_timer(id, DrainTimer { since: now, serving: false, ..t });
-            }
+        let why =
+            if d.reason.is_empty() { "worker draining".to_owned() } else { format!("worker draining ({})", d.reason) };
+        for rec in serving {
+            stop_serving(cluster, st, rec, &why, Instant::now()).await?;
         }
         return Ok(());
     }
@@ -158,12 +177,9 @@ pub async fn mark_node_replicas_draining(
     let reason = if reason.is_empty() { "node draining" } else { reason };
     for rec in recs {
         if until_replaced && rec.state() == ReplicaState::Ready {
-            let rid = ReplicaId::from(rec.replica_id.as_str());
-            drain_replica(cluster, st, rec, rel, &format!("{reason}: {SERVING}")).await?;
-            let t = DrainTimer { serving: true, ..timer(cluster, rel) };
-            st.set_drain_timer(rid, t);
+            start_drain(cluster, st, rec, rel, &format!("{reason}: {SERVING}"), true).await?;
         } else {
-            drain_replica(cluster, st, rec, rel, reason).await?;
+            start_drain(cluster, st, rec, rel, reason, false).await?;
         }
     }
     Ok(())
@@ -174,11 +190,37 @@ pub const SERVING: &str = "serving until a replacement is Ready";
 
 /// Whether a Draining replica still takes new requests (the route table lists it as Ready).
 pub fn is_serving(st: &State, replica: &ReplicaId) -> bool {
-    st.drain_timer(replica).is_some_and(|t| t.serving)
+    st.view().replicas.get(replica).is_some_and(|e| serves_while_draining(&e.record))
+}
+
+/// Makes a Draining replica that still serves stop taking new requests (routers see it
+/// Draining from the next table on): its reason says `why` instead of [`SERVING`], and its
+/// idle grace counts from `now`.
+///
+/// # Errors
+/// Store failures.
+async fn stop_serving(
+    cluster: &Cluster,
+    st: &mut State,
+    mut rec: ReplicaRecord,
+    why: &str,
+    now: Instant,
+) -> HeadResult<ReplicaRecord> {
+    let id = ReplicaId::from(rec.replica_id.as_str());
+    let base = rec.reason.strip_suffix(&format!(": {SERVING}")).unwrap_or(&rec.reason).to_owned();
+    rec.reason = format!("{base}: {why}");
+    rec.drain_serving = false;
+    tracing::info!(replica = %id, node = %rec.node_id, why, "drained replica stops serving");
+    cluster.put_replica(st, rec.clone()).await?;
+    if let Some(t) = st.drain_timer(&id).copied() {
+        st.set_drain_timer(id, DrainTimer { since: now, ..t });
+    }
+    Ok(rec)
 }
 
 /// Whether `deployment` no longer needs its Draining replicas: it is gone, or it has at
-/// least its desired count of Ready replicas (Draining ones do not count).
+/// least its desired count of Ready replicas (Draining, Starting and Failed ones do not count:
+/// while the deployment is short of Ready replicas, a drained one keeps serving).
 fn replaced(st: &State, deployment: &str) -> bool {
     let view = st.view();
     let Some(spec) = view.deployments.get(&DeploymentName::from(deployment)).and_then(|d| d.record.spec.as_ref())
@@ -223,16 +265,38 @@ fn command_drains(st: &mut State, nodes: &[NodeId]) {
 pub async fn drain_replica(
     cluster: &Cluster,
     st: &mut State,
-    mut rec: ReplicaRecord,
+    rec: ReplicaRecord,
     rel: Duration,
     reason: &str,
 ) -> HeadResult<()> {
+    start_drain(cluster, st, rec, rel, reason, false).await
+}
+
+/// Marks one replica Draining, still `serving` or not, with a drain timer ending `rel` from
+/// now (the configured `drain_timeout` when zero), both kept in its record.
+async fn start_drain(
+    cluster: &Cluster,
+    st: &mut State,
+    mut rec: ReplicaRecord,
+    rel: Duration,
+    reason: &str,
+    serving: bool,
+) -> HeadResult<()> {
     rec.state = ReplicaState::Draining as i32;
     reason.clone_into(&mut rec.reason);
-    let rid = ReplicaId::from(rec.replica_id.as_str());
-    cluster.put_replica(st, rec).await?;
-    st.set_drain_timer(rid, timer(cluster, rel));
-    Ok(())
+    rec.drain_serving = serving;
+    start_timer(cluster, st, &mut rec, rel);
+    cluster.put_replica(st, rec).await
+}
+
+/// Starts the drain timer of a replica becoming Draining, ending `rel` from now (the
+/// configured `drain_timeout` when zero), and writes its deadline into `rec` (the caller
+/// stores the record).
+pub fn start_timer(cluster: &Cluster, st: &mut State, rec: &mut ReplicaRecord, rel: Duration) {
+    let t = timer(cluster, rel);
+    let left = u64::try_from(t.deadline.duration_since(t.since).as_millis()).unwrap_or(u64::MAX);
+    rec.drain_deadline_unix_ms = unix_ms().saturating_add(left);
+    st.set_drain_timer(ReplicaId::from(rec.replica_id.as_str()), t);
 }
 
 /// Stops Draining replicas that are idle (after [`DRAIN_GRACE`]) or past their deadline:
@@ -242,7 +306,7 @@ pub async fn drain_replica(
 /// # Errors
 /// Store failures.
 pub async fn stop_drained(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
-    let now = Instant::now();
+    let (now, now_unix) = (Instant::now(), unix_ms());
     let draining: Vec<(ReplicaId, ReplicaRecord)> = st
         .view()
         .replicas
@@ -252,22 +316,19 @@ pub async fn stop_drained(cluster: &Cluster, st: &mut State) -> HeadResult<()> {
         .collect();
     let mut stopped_serving = Vec::new();
     for (id, mut rec) in draining {
-        let mut t = st.drain_timer_or_start(&id, || timer(cluster, Duration::ZERO));
+        let default = cluster.cfg().drain_timeout;
+        let mut t = st.drain_timer_or_start(&id, || resumed_timer(&rec, default, now, now_unix));
         let node = NodeId::from(rec.node_id.as_str());
-        if t.serving {
+        if rec.drain_serving {
             let past = now >= t.deadline;
             if !past && !replaced(st, &rec.deployment) {
                 continue;
             }
             // Replaced (or out of time): routers stop sending it work from the next table
             // on; the grace counts from now.
-            t = DrainTimer { since: now, serving: false, ..t };
-            st.set_drain_timer(id.clone(), t);
             let why = if past { "drain deadline passed" } else { "replacement Ready" };
-            let base = rec.reason.strip_suffix(&format!(": {SERVING}")).unwrap_or(&rec.reason).to_owned();
-            rec.reason = format!("{base}: {why}");
-            tracing::info!(replica = %id, node = %node, why, "drained replica stops serving");
-            cluster.put_replica(st, rec.clone()).await?;
+            rec = stop_serving(cluster, st, rec, why, now).await?;
+            t.since = now;
             stopped_serving.extend(crate::cluster::view::group_nodes(&rec).into_iter().map(|(n, _)| n));
         }
         if !st.is_connected(&node) {
@@ -310,7 +371,7 @@ mod tests {
     fn a_zero_relative_deadline_means_the_default() {
         let now = Instant::now();
         let t = drain_timer(Duration::from_secs(30), Duration::ZERO, now);
-        assert_eq!(t, DrainTimer { since: now, deadline: now + Duration::from_secs(30), serving: false });
+        assert_eq!(t, DrainTimer { since: now, deadline: now + Duration::from_secs(30) });
         let t = drain_timer(Duration::from_secs(30), Duration::from_secs(2), now);
         assert_eq!(t.deadline, now + Duration::from_secs(2));
     }
@@ -343,13 +404,25 @@ mod tests {
         NodeInventory { node_id: "n1".into(), address: "http://127.0.0.1:1".into(), cpu_slots: 1, ..Default::default() }
     }
 
-    /// A leader on an in-memory store with one CPU worker running one replica of `d`.
-    async fn one_replica() -> (Arc<Cluster>, watch::Sender<Leadership>, Registration, ReplicaId) {
-        let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::in_memory().expect("store"));
+    /// A head leading in `term` on `store`.
+    async fn leader(store: Arc<dyn StateStore>, term: u64) -> (Arc<Cluster>, watch::Sender<Leadership>) {
         let (lead_tx, lead_rx) = watch::channel(Leadership::Leader);
         let cfg = HeadConfig::new(StoreSpec::Embedded("unused".into()), "http://127.0.0.1:50050");
         let cluster = Cluster::new(cfg, store, lead_rx, Metrics::new());
-        cluster.on_elected(1).await.expect("elected");
+        cluster.on_elected(term).await.expect("elected");
+        (cluster, lead_tx)
+    }
+
+    /// A leader on an in-memory store with one CPU worker running one replica of `d`.
+    async fn one_replica() -> (Arc<Cluster>, watch::Sender<Leadership>, Registration, ReplicaId) {
+        one_replica_on(Arc::new(EmbeddedStore::in_memory().expect("store"))).await
+    }
+
+    /// [`one_replica`] on `store`.
+    async fn one_replica_on(
+        store: Arc<dyn StateStore>,
+    ) -> (Arc<Cluster>, watch::Sender<Leadership>, Registration, ReplicaId) {
+        let (cluster, lead_tx) = leader(store, 1).await;
         let worker = registry::register(&cluster, inventory(), None).await.expect("registered");
         let spec = DeploymentSpec {
             name: "d".into(),
@@ -360,15 +433,19 @@ mod tests {
         crate::admin::apply_deployment(&cluster, spec).await.expect("applied");
         reconcile_once(&cluster).await.expect("placed");
         let rid = cluster.lock().await.view().replicas.keys().next().cloned().expect("a replica");
+        report_ready(&cluster, &rid).await;
+        (cluster, lead_tx, worker, rid)
+    }
+
+    /// The worker on n1 reports `rid` Ready.
+    async fn report_ready(cluster: &Cluster, rid: &ReplicaId) {
         let ready = prism_common::proto::v1::ReplicaStatus {
             replica_id: rid.to_string(),
             state: ReplicaState::Ready as i32,
             ..Default::default()
         };
         let mut st = cluster.lock().await;
-        registry::handle_status(&cluster, &mut st, &NodeId::from("n1"), vec![ready]).await.expect("Ready");
-        drop(st);
-        (cluster, lead_tx, worker, rid)
+        registry::handle_status(cluster, &mut st, &NodeId::from("n1"), vec![ready]).await.expect("Ready");
     }
 
     fn replica_state(st: &State, rid: &ReplicaId) -> (ReplicaState, String) {
@@ -466,5 +543,68 @@ mod tests {
         // The next worker process on the node is schedulable again.
         let _again = registry::register(&cluster, inventory(), None).await.expect("registered");
         assert_eq!(cluster.lock().await.view().nodes[&node].record.state(), NodeState::Ready);
+    }
+
+    #[tokio::test]
+    async fn a_new_leader_keeps_an_operator_drained_replica_serving_until_the_original_deadline() {
+        let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::in_memory().expect("store"));
+        let (cluster, lead, _worker, rid) = one_replica_on(Arc::clone(&store)).await;
+        drain_node(&cluster, "n1", 2_000, "").await.expect("drained");
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+
+        // Another head takes over halfway through the drain.
+        lead.send_replace(Leadership::Follower { leader: None });
+        cluster.on_deposed().await;
+        let (next, _lead) = leader(store, 2).await;
+        {
+            // Its first table, before any reconcile pass, still routes to the replica.
+            let st = next.lock().await;
+            assert_eq!(replica_state(&st, &rid), (ReplicaState::Draining, format!("drained by operator: {SERVING}")));
+            let routes = crate::routes::build(&st);
+            assert_eq!(routes.iter().map(|r| r.state()).collect::<Vec<_>>(), [ReplicaState::Ready]);
+        }
+        let mut worker = registry::register(&next, inventory(), None).await.expect("registered again");
+        report_ready(&next, &rid).await;
+        reconcile_once(&next).await.expect("pass");
+        assert!(is_serving(&*next.lock().await, &rid), "still serving after the takeover");
+        assert!(
+            !commands(&mut worker)
+                .iter()
+                .any(|m| matches!(m, head_message::Msg::Stop(_) | head_message::Msg::Drain(_)))
+        );
+
+        // The original deadline (2 s after the drain) ends it, not one restarted at the takeover.
+        tokio::time::sleep(Duration::from_millis(1_100)).await;
+        reconcile_once(&next).await.expect("pass");
+        let st = next.lock().await;
+        assert_eq!(
+            replica_state(&st, &rid),
+            (ReplicaState::Stopping, "drained by operator: drain deadline passed".into())
+        );
+        assert!(!st.view().replicas[&rid].record.drain_serving);
+        drop(st);
+        let sent = commands(&mut worker);
+        assert!(sent.iter().any(|m| matches!(m, head_message::Msg::Drain(_))), "{sent:?}");
+        assert!(sent.iter().any(|m| matches!(m, head_message::Msg::Stop(s) if s.replica_id == rid.to_string())));
+    }
+
+    #[tokio::test]
+    async fn a_worker_draining_itself_during_an_operator_drain_stops_its_replicas_serving_and_says_why() {
+        let (cluster, _lead, _worker, rid) = one_replica().await;
+        drain_node(&cluster, "n1", 60_000, "").await.expect("drained");
+        let progress = DrainProgress {
+            deadline_unix_ms: unix_ms() + 30_000,
+            reason: "worker shutting down".into(),
+            ..Default::default()
+        };
+        let mut st = cluster.lock().await;
+        on_worker_drain(&cluster, &mut st, &NodeId::from("n1"), progress).await.expect("drain");
+        assert_eq!(
+            replica_state(&st, &rid),
+            (ReplicaState::Draining, "drained by operator: worker draining (worker shutting down)".into())
+        );
+        assert!(!is_serving(&st, &rid));
+        let routes = crate::routes::build(&st);
+        assert_eq!(routes.iter().map(|r| r.state()).collect::<Vec<_>>(), [ReplicaState::Draining]);
     }
 }

@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::cluster::state::State;
+use crate::cluster::view::serves_while_draining;
 use availability::{REGISTRATION_GRACE, unavailable};
 
 /// Builds the route table content (version 0) from the leader's state.
@@ -39,7 +40,7 @@ pub fn build(st: &State) -> Vec<RouteEntry> {
                 model: r.served_model_name.clone(),
                 endpoint: r.endpoint.clone(),
                 // An operator-drained replica serves until it is replaced (see `drain`).
-                state: if st.drain_timer(id).is_some_and(|t| t.serving) { ReplicaState::Ready as i32 } else { r.state },
+                state: if serves_while_draining(r) { ReplicaState::Ready as i32 } else { r.state },
                 load: st.load(id).cloned(),
                 node_id: r.node_id.clone(),
                 max_model_len: max_model_len(r.max_model_len, engine.and_then(|e| e.max_model_len).unwrap_or(0)),

@@ -391,7 +391,7 @@ pub(crate) async fn handle_status(
                 // The worker drains it (its own drain): routers see Draining at once.
                 rec.state = ReplicaState::Draining as i32;
                 rec.reason = rep.reason.clone();
-                st.set_drain_timer(rid.clone(), drain::timer(cluster, Duration::ZERO));
+                drain::start_timer(cluster, st, &mut rec, Duration::ZERO);
             }
             _ => continue,
         }

@@ -25,17 +25,17 @@ pub const ROUTER_DEMAND_TTL: Duration = Duration::from_secs(5);
 /// A held lock on [`State`].
 pub type StateGuard<'a> = tokio::sync::MutexGuard<'a, State>;
 
-/// A replica being drained: routers stop sending work once it is no longer `serving`; it is
-/// stopped when idle or at `deadline`.
+/// A Draining replica's timer: it is stopped when idle (the grace counting from `since`) or
+/// at `deadline`. Whether it still serves, and its deadline as wall-clock time, are in its
+/// record (`drain_serving`, `drain_deadline_unix_ms`), from which a new leader starts the
+/// timer again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DrainTimer {
-    /// When it became Draining, or when it stopped serving (the grace counts from there).
+    /// When it became Draining, when it stopped serving, or when this leader took its drain
+    /// over (the grace counts from there).
     pub since: Instant,
     /// When it is stopped regardless of in-flight work.
     pub deadline: Instant,
-    /// Still routable (published as Ready) until its deployment's replacement is Ready
-    /// elsewhere or `deadline` passes (an operator's node drain).
-    pub serving: bool,
 }
 
 /// Who holds a worker session: what tells the same worker reconnecting from another
@@ -97,7 +97,7 @@ pub struct State {
     left: HashSet<NodeId>,
     /// Latest load report per replica (not persisted).
     loads: HashMap<ReplicaId, LoadReport>,
-    /// Drain timers of Draining replicas.
+    /// Drain timers of Draining replicas (started again from their records in a new term).
     draining: HashMap<ReplicaId, DrainTimer>,
     /// Latest demand report per router id, with when it came (not persisted).
     demand: HashMap<String, (Instant, Vec<ModelDemand>)>,
@@ -310,7 +310,7 @@ impl State {
     }
 
     /// A Draining replica's timer, starting it with `start` if it has none (a head that
-    /// took over a drain from an earlier leader).
+    /// took over a drain from an earlier leader starts it from the replica's record).
     pub fn drain_timer_or_start(&mut self, replica: &ReplicaId, start: impl FnOnce() -> DrainTimer) -> DrainTimer {
         *self.draining.entry(replica.clone()).or_insert_with(start)
     }

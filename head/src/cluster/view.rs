@@ -207,6 +207,13 @@ impl ClusterView {
     }
 }
 
+/// Whether a replica is Draining but still takes new requests (an operator's node drain
+/// keeps it serving until it is replaced or its deadline passes; the route table lists it
+/// as Ready).
+pub fn serves_while_draining(r: &ReplicaRecord) -> bool {
+    r.state() == ReplicaState::Draining && r.drain_serving
+}
+
 /// Pipeline stages of an engine config (absent or 0 = 1).
 pub fn pipeline_size(e: &EngineConfig) -> u32 {
     e.pipeline_parallel_size.unwrap_or(1).max(1)
