@@ -207,7 +207,11 @@ async fn term(
     let mut keep_alive = spawn_keep_alive(store.clone(), lease, ttl_secs, keep_alive_stop.clone());
     let result = async {
         let mut observe = |v: Option<&[u8]>| {
-            let leader = v.map(|b| String::from_utf8_lossy(b).into_owned());
+            // A key holding this candidate's own address while it campaigns is a previous run's
+            // (a restarted process), waiting out its lease: nobody leads, and naming ourselves
+            // would send workers and clients that ask for the leader straight back here.
+            let leader =
+                v.filter(|b| *b != config.candidate.as_bytes()).map(|b| String::from_utf8_lossy(b).into_owned());
             tx.state.send_replace(Leadership::Follower { leader });
         };
         let won = tokio::select! {

@@ -314,6 +314,31 @@ async fn election_runner_fails_over(s: Store) -> Result<()> {
     Ok(())
 }
 
+/// A restarted head finds its previous run's election key (its own address, under a lease
+/// that has not expired yet): it reports no leader rather than naming itself, then leads once
+/// the old lease goes.
+async fn election_restart_never_names_itself(s: Store) -> Result<()> {
+    let me = "http://a:50050";
+    let old_lease = s.grant_lease(TTL).await?;
+    let mut seen = |_: Option<&[u8]>| {};
+    election::campaign(s.as_ref(), "head", me.as_bytes(), old_lease, &mut seen).await?;
+    let stop = CancellationToken::new();
+    let cfg = ElectionConfig { name: "head".into(), candidate: me.into(), lease_ttl: Duration::from_secs(2) };
+    let mut run = election::spawn(s.clone(), cfg, stop.clone());
+    // Campaigning against the old key: every state published until it goes names no leader.
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(700);
+    while tokio::time::Instant::now() < deadline {
+        let state = run.state.borrow().clone();
+        ensure!(state == Leadership::Follower { leader: None }, "while the old key lives: {state:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    s.revoke_lease(old_lease).await?;
+    tokio::time::timeout(EXPIRY_BOUND, run.state.wait_for(Leadership::is_leader)).await??;
+    stop.cancel();
+    tokio::time::timeout(EVENT_TIMEOUT, run.task).await??;
+    Ok(())
+}
+
 /// A state larger than gRPC's 4 MiB default message size (about 6 MiB of replica records,
 /// written in transactions of at most `MAX_TXN_OPS` puts) reads back whole, through `list` and
 /// through the head's `ClusterView::load`: a head must always be able to read back what it wrote.
@@ -384,6 +409,7 @@ conformance!(
     watch_replays_from_revision,
     election_one_leader_and_takeover,
     election_runner_fails_over,
+    election_restart_never_names_itself,
     list_beyond_message_limit,
 );
 
