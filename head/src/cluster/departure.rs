@@ -16,9 +16,9 @@
 //! with a forgotten node id registers as a new node.
 //!
 //! Leadership: the retention counts from the record's `last_seen_unix_ms` (set when the node
-//! is marked Dead), which is in the store, so a new leader neither restarts nor skips it.
-//! Which workers left on purpose is known only to the leader that saw them leave: after a
-//! failover, a left node that still had replicas is forgotten after the retention instead.
+//! is marked Dead), which is in the store, so a new leader neither restarts nor skips it; a
+//! node whose worker left on purpose says so in its record (`left`, cleared when a worker
+//! registers with its node id), so a new leader forgets it as soon as no replica names it.
 
 use prism_common::NodeId;
 use prism_common::proto::v1::NodeState;
@@ -48,11 +48,14 @@ pub async fn on_worker_left(cluster: &Cluster, st: &mut State, node: &NodeId) ->
         tracing::info!(node = %node, replicas = referenced, "worker drained and left: node Dead, kept for its cordon");
     } else {
         tracing::info!(node = %node, replicas = referenced, "worker drained and left: node Dead until its replicas are replaced");
-        st.note_left(node.clone());
     }
-    if rec.state() != NodeState::Dead {
-        rec.state = NodeState::Dead as i32;
-        rec.last_seen_unix_ms = unix_ms();
+    let left = !rec.cordoned;
+    if rec.state() != NodeState::Dead || rec.left != left {
+        if rec.state() != NodeState::Dead {
+            rec.state = NodeState::Dead as i32;
+            rec.last_seen_unix_ms = unix_ms();
+        }
+        rec.left = left;
         cluster.put_node(st, rec).await?;
     }
     Ok(())
@@ -71,7 +74,7 @@ pub async fn forget_dead_nodes(cluster: &Cluster, st: &mut State) -> HeadResult<
         .nodes
         .iter()
         .filter(|(id, e)| e.record.state() == NodeState::Dead && !st.is_connected(id))
-        .filter(|(id, e)| st.has_left(id) || now.saturating_sub(e.record.last_seen_unix_ms) >= retention)
+        .filter(|(_, e)| e.record.left || now.saturating_sub(e.record.last_seen_unix_ms) >= retention)
         .filter(|(id, _)| st.view().replicas_touching(id).next().is_none())
         .map(|(id, _)| id.clone())
         .collect();
@@ -191,6 +194,41 @@ mod tests {
         reconcile_once(&cluster).await.expect("pass");
         assert_eq!(replica_nodes(&cluster).await, ["n2"]);
         assert_eq!(nodes(&cluster).await, [("n2".into(), NodeState::Ready)]);
+    }
+
+    #[tokio::test]
+    async fn a_left_node_with_replicas_is_forgotten_at_once_by_the_next_leader() {
+        let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::in_memory().expect("store"));
+        let (cluster, lead) = leader(Arc::clone(&store), 1).await;
+        let w1 = registry::register(&cluster, inventory("n1"), None).await.expect("n1");
+        deploy_one(&cluster).await;
+        let _w2 = registry::register(&cluster, inventory("n2"), None).await.expect("n2");
+        leave(&cluster, &w1).await;
+        assert!(cluster.lock().await.view().nodes[&w1.node].record.left, "stored with the node");
+
+        // Another head takes over before any pass replaced the replica: it forgets n1 as soon
+        // as the replica is replaced, not after the dead-node retention.
+        lead.send_replace(Leadership::Follower { leader: None });
+        cluster.on_deposed().await;
+        let (next, _lead) = leader(Arc::clone(&store), 2).await;
+        let _w2 = registry::register(&next, inventory("n2"), None).await.expect("n2 follows the new leader");
+        reconcile_once(&next).await.expect("pass");
+        assert_eq!(replica_nodes(&next).await, ["n2"]);
+        assert_eq!(nodes(&next).await, [("n2".into(), NodeState::Ready)]);
+        assert!(store.get(&keys::node(&w1.node)).await.expect("get").is_none());
+    }
+
+    #[tokio::test]
+    async fn a_worker_registering_with_a_left_node_id_clears_the_flag() {
+        let store: Arc<dyn StateStore> = Arc::new(EmbeddedStore::in_memory().expect("store"));
+        let (cluster, _lead) = leader(store, 1).await;
+        let w1 = registry::register(&cluster, inventory("n1"), None).await.expect("n1");
+        deploy_one(&cluster).await;
+        leave(&cluster, &w1).await;
+        assert!(cluster.lock().await.view().nodes[&w1.node].record.left);
+        let _again = registry::register(&cluster, inventory("n1"), None).await.expect("back");
+        let rec = cluster.lock().await.view().nodes[&w1.node].record.clone();
+        assert_eq!((rec.state(), rec.left), (NodeState::Ready, false));
     }
 
     #[tokio::test]

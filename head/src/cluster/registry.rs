@@ -145,6 +145,8 @@ pub async fn register(cluster: &Cluster, inv: NodeInventory, peer: Option<Socket
         rec.inventory = Some(inv);
         rec.last_seen_unix_ms = unix_ms();
         drain::ready_on_register(&mut rec);
+        // A worker is back with this node id: should it die, it is not one that left.
+        rec.left = false;
         cluster.put_node(&mut st, rec).await?;
         let leader = cluster.cfg().advertise_address.clone();
         let ack = head_message::Msg::Ack(RegisterAck { node_id: node.to_string(), leader });

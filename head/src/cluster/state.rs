@@ -92,9 +92,6 @@ pub struct State {
     sessions: HashMap<NodeId, Session>,
     /// When each session-less node lost (or never had, this term) its session.
     disconnected_since: HashMap<NodeId, Instant>,
-    /// Nodes whose worker drained and closed its session on purpose this term: forgotten as
-    /// soon as no replica record refers to them (not after the dead-node retention).
-    left: HashSet<NodeId>,
     /// Latest load report per replica (not persisted).
     loads: HashMap<ReplicaId, LoadReport>,
     /// Drain timers of Draining replicas (started again from their records in a new term).
@@ -149,7 +146,6 @@ impl State {
         self.view = view;
         let nodes: Vec<NodeId> = self.view.nodes.keys().cloned().collect();
         self.disconnected_since = nodes.into_iter().map(|n| (n, reconnect_from)).collect();
-        self.left.clear();
         self.sessions.clear();
         self.loads.clear();
         self.draining.clear();
@@ -176,7 +172,6 @@ impl State {
     /// Forgets what is kept about a node besides its record (its deletion committed).
     pub(super) fn forget_node(&mut self, node: &NodeId) {
         self.disconnected_since.remove(node);
-        self.left.remove(node);
     }
 
     /// Makes `session` the node's live session, ending the one it replaces.
@@ -185,7 +180,6 @@ impl State {
             old.cancel.cancel();
         }
         self.disconnected_since.remove(&node);
-        self.left.remove(&node);
     }
 
     /// Notes the drain progress of session `id` of the node: whether its drain is done
@@ -200,16 +194,6 @@ impl State {
     /// progress said the drain was done.
     pub fn drain_done(&self, node: &NodeId, id: u64) -> bool {
         self.sessions.get(node).is_some_and(|s| s.id == id && s.drain_done)
-    }
-
-    /// Records that the node's worker left on purpose (drained, then closed its session).
-    pub fn note_left(&mut self, node: NodeId) {
-        self.left.insert(node);
-    }
-
-    /// True when the node's worker left on purpose this term.
-    pub fn has_left(&self, node: &NodeId) -> bool {
-        self.left.contains(node)
     }
 
     /// Removes the node's session if it is still session `id` (not replaced meanwhile),
