@@ -1,6 +1,10 @@
 //! Tests of the response shaping: usage, echo, tool calls.
 
 use super::*;
+use crate::dispatch::DispatchError;
+use crate::metrics::Outcome;
+use crate::openai::errors::ApiError;
+use axum::http::StatusCode;
 use prism_common::proto::v1::{TopLogprob, Usage};
 
 fn last(cached_tokens: u32) -> GenerateResponse {
