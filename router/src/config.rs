@@ -38,6 +38,10 @@ pub enum ConfigError {
 /// KV memory after, a token in flight mostly the latter (`balance/prefix.rs` explains the cost).
 pub const DEFAULT_PREFIX_CACHE_WEIGHT: f64 = 2.0;
 
+/// Default `--max-prompts-per-request`: the default admission queue's length
+/// (`--max-queued-requests`), so that a batch alone fits the queue of a busy model.
+pub const DEFAULT_MAX_PROMPTS: usize = 1024;
+
 /// How the router chooses among a model's replicas (`--routing-policy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum RoutingPolicy {
@@ -92,6 +96,12 @@ pub struct Args {
     /// sooner); past it: 429, or 503 when the model still has no Ready replica.
     #[arg(long = "max-queue-wait", env = "PRISM_MAX_QUEUE_WAIT", default_value_t = 30.0)]
     pub max_queue_wait_s: f64,
+    /// Most prompts in one `/v1/completions` request (`"prompt": [...]`, a batch answered with
+    /// choices indexed `prompt_index * n + j`); past it: 400 `prompt`. Each prompt is admitted
+    /// as its own request, so a batch larger than the admission queue can hold while replicas
+    /// are busy gets 429.
+    #[arg(long = "max-prompts-per-request", env = "PRISM_MAX_PROMPTS_PER_REQUEST", default_value_t = DEFAULT_MAX_PROMPTS)]
+    pub max_prompts_per_request: usize,
     /// Fixed route `MODEL=ENDPOINT` (repeatable), bypassing the head; e.g. `smol=http://127.0.0.1:50061`.
     #[arg(long = "static-route", env = "PRISM_STATIC_ROUTE", value_delimiter = ',')]
     pub static_route: Vec<String>,
@@ -173,6 +183,8 @@ pub struct RouterConfig {
     pub max_queued_tokens: u64,
     /// Longest wait of a request in the admission queue.
     pub max_queue_wait: Duration,
+    /// Most prompts in one completion request.
+    pub max_prompts_per_request: usize,
     /// Fixed routes (replica ids `static-{model}-{i}`).
     pub static_routes: Vec<StaticRoute>,
     /// First ejection period of a failing replica.
@@ -204,6 +216,7 @@ impl Default for RouterConfig {
             max_queued_requests: 1024,
             max_queued_tokens: 4 << 20,
             max_queue_wait: Duration::from_secs(30),
+            max_prompts_per_request: DEFAULT_MAX_PROMPTS,
             static_routes: Vec::new(),
             ejection_base: Duration::from_secs(2),
             worker_header_timeout: Duration::from_secs(2),
@@ -242,6 +255,9 @@ impl Args {
         if self.max_in_flight_per_replica == 0 {
             return Err(ConfigError::Zero("--max-in-flight-per-replica"));
         }
+        if self.max_prompts_per_request == 0 {
+            return Err(ConfigError::Zero("--max-prompts-per-request"));
+        }
         if self.max_queued_tokens == 0 {
             return Err(ConfigError::Zero("--max-queued-tokens"));
         }
@@ -272,6 +288,7 @@ impl Args {
             max_queued_requests: self.max_queued_requests,
             max_queued_tokens: self.max_queued_tokens,
             max_queue_wait: Duration::from_secs_f64(self.max_queue_wait_s),
+            max_prompts_per_request: self.max_prompts_per_request,
             static_routes,
             ejection_base: Duration::from_secs_f64(self.ejection_base_s.max(0.01)),
             worker_header_timeout: Duration::from_secs_f64(self.worker_header_timeout_s),

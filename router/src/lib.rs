@@ -106,6 +106,7 @@ pub async fn run(
         metrics_open: config.metrics_without_auth,
         max_body_bytes: config.max_body_bytes,
         started_at: openai::unix_now(),
+        max_prompts: config.max_prompts_per_request,
         codecs: codecs.clone(),
         tool_parser: config.tool_call_parser,
     };

@@ -9,8 +9,10 @@
 //! server-sent events in OpenAI's chunk format ending with `data: [DONE]`; dropping the
 //! response body (client gone) drops the dispatch receiver, which cancels the request on the
 //! worker. Both generation endpoints run one handler, `generate`, generic over the request
-//! type (`GenerationEndpoint`), with responses shaped by `shaper`.
+//! type (`GenerationEndpoint`), with responses shaped by `shaper`; a completion with several
+//! prompts is split and merged by [`batch`].
 
+pub mod batch;
 pub mod errors;
 pub mod guard;
 pub mod json;
@@ -64,7 +66,9 @@ pub struct HttpState {
     pub max_body_bytes: usize,
     /// `created` of models whose deployment time is unknown: the router's start (Unix seconds).
     pub started_at: i64,
-    /// The models' prompt codecs (`/tokenize`, `/detokenize`, `echo`).
+    /// Most prompts in one completion request (`--max-prompts-per-request`, [`batch`]).
+    pub max_prompts: usize,
+    /// The models' prompt codecs (`/tokenize`, `/detokenize`, `echo`, batch length checks).
     pub codecs: std::sync::Arc<crate::tokenize::ModelCodecs>,
     /// `--tool-call-parser`: the format tool calls are read in (auto: by chat template).
     pub tool_parser: ParserChoice,
@@ -175,6 +179,10 @@ trait GenerationEndpoint: DeserializeOwned + Send + 'static {
     fn structured_param(&self) -> Option<&'static str> {
         structured::structured(&self.sampling().structured_fields()).ok().flatten().map(|(_, s)| s.param)
     }
+    /// A completion with several prompts, served by [`batch`]; `None` for one prompt.
+    fn as_batch(&self) -> Option<&CompletionRequest> {
+        None
+    }
 }
 
 impl GenerationEndpoint for CompletionRequest {
@@ -190,6 +198,9 @@ impl GenerationEndpoint for CompletionRequest {
     }
     fn wants_logprobs(&self) -> bool {
         self.logprobs.is_some()
+    }
+    fn as_batch(&self) -> Option<&CompletionRequest> {
+        (self.prompt.len() > 1).then_some(self)
     }
 }
 
@@ -211,6 +222,7 @@ impl GenerationEndpoint for ChatRequest {
 
 /// `POST /v1/completions` (`R` = [`CompletionRequest`]) and `POST /v1/chat/completions`
 /// (`R` = [`ChatRequest`]): parse, apply the key's token limit, dispatch, answer as JSON or SSE.
+/// A completion with several prompts is served by [`batch`].
 async fn generate<R: GenerationEndpoint>(
     State(state): State<HttpState>,
     caller: Option<Extension<Caller>>,
@@ -223,6 +235,19 @@ async fn generate<R: GenerationEndpoint>(
         Ok(r) => r,
         Err(e) => return serve(state, tracker, Err(e)).await,
     };
+    if let Some(batch) = req.as_batch() {
+        let b = batch::Batching {
+            dispatcher: state.dispatcher.clone(),
+            keys: state.keys.clone(),
+            codecs: state.codecs.clone(),
+            max_prompts: state.max_prompts,
+        };
+        let one = |r: CompletionRequest| {
+            let state = state.clone();
+            async move { prepare(&state, &r).await }
+        };
+        return batch::serve(b, tracker, caller, batch, one).await;
+    }
     let prepared = async {
         let (proto, shaper, ctx) = prepare(&state, &req).await?;
         // The key's tokens-per-minute limit (admission's estimate), given back unless accepted.
@@ -236,10 +261,7 @@ async fn generate<R: GenerationEndpoint>(
 
 /// One prompt's generation, ready to dispatch: the validated proto, the shaper of its answer
 /// (echo applied) and what names the client's fields in a worker's error.
-async fn prepare<R: GenerationEndpoint>(
-    state: &HttpState,
-    req: &R,
-) -> Result<(GenerateRequest, Shaper, ErrorFields), ApiError> {
+async fn prepare<R: GenerationEndpoint>(state: &HttpState, req: &R) -> Result<batch::Prepared, ApiError> {
     let mut proto = req.proto()?; // validates `n` before the shaper sizes its choices
     let parser = state.dispatcher.tool_parser(&proto.model, state.tool_parser);
     let plan = crate::tools::plan(&mut proto, parser)?;

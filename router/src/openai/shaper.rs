@@ -1,7 +1,8 @@
 //! Response shaping of the generation endpoints: [`Shaper`] turns a generation's worker
 //! messages into OpenAI objects, whole (`text_completion`, `chat.completion`) or as streamed
 //! chunks, with usage, logprobs in either endpoint's shape, `echo`, and tool calls read out of
-//! the text.
+//! the text. A batch of prompts ([`super::batch`]) has one shaper per prompt, its choices'
+//! indexes offset by [`Shaper::index_base`].
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -76,6 +77,8 @@ pub(super) struct Shaper {
     pub(super) echo: Option<Echo>,
     /// Whether the output is read for tool calls (then `content` is null without text).
     pub(super) tools: bool,
+    /// Added to every choice's index: `prompt_index * n` in a batch ([`super::batch`]).
+    pub(super) index_base: usize,
 }
 
 fn bytes_json(b: &[u8]) -> Value {
@@ -108,6 +111,7 @@ impl Shaper {
             usage_seen: false,
             echo: None,
             tools: false,
+            index_base: 0,
         }
     }
 
@@ -246,7 +250,10 @@ impl Shaper {
         (i, lp, pieces)
     }
 
-    pub(super) fn chunk(&self, choices: Vec<Value>) -> Value {
+    pub(super) fn chunk(&self, mut choices: Vec<Value>) -> Value {
+        for c in &mut choices {
+            c["index"] = json!(c["index"].as_u64().unwrap_or(0) as usize + self.index_base);
+        }
         let object = if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
         let mut v =
             json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices});
@@ -343,6 +350,7 @@ impl Shaper {
             .choices
             .iter()
             .enumerate()
+            .map(|(i, c)| (i + self.index_base, c))
             .map(|(i, c)| match self.kind {
                 Kind::Completion => {
                     let lp = if self.logprobs {

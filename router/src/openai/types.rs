@@ -26,18 +26,93 @@ pub enum StopSpec {
     Many(Vec<String>),
 }
 
-/// Completions `prompt`: text, a list of one text, token ids, or a list of one id list.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+/// Completions `prompt`: text, token ids, a list of texts or a list of id lists. A list of
+/// several prompts is a batch ([`super::batch`]); `[]` is an empty id list (a 400 in
+/// [`check_request`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromptSpec {
     /// A string.
     Text(String),
     /// Token ids.
     Ids(Vec<u32>),
-    /// A list of strings (only one: batched prompts are a 400).
+    /// A list of strings, one prompt each.
     Texts(Vec<String>),
-    /// A list of id lists (only one: batched prompts are a 400).
+    /// A list of id lists, one prompt each.
     IdLists(Vec<Vec<u32>>),
+}
+
+impl PromptSpec {
+    /// How many prompts this is.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Text(_) | Self::Ids(_) => 1,
+            Self::Texts(v) => v.len(),
+            Self::IdLists(v) => v.len(),
+        }
+    }
+
+    /// Whether this is a list of no prompts (never: `[]` is one empty id list).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Each prompt on its own (`Text` or `Ids`), in order.
+    pub fn split(&self) -> Vec<PromptSpec> {
+        match self {
+            Self::Text(_) | Self::Ids(_) => vec![self.clone()],
+            Self::Texts(v) => v.iter().cloned().map(Self::Text).collect(),
+            Self::IdLists(v) => v.iter().cloned().map(Self::Ids).collect(),
+        }
+    }
+}
+
+/// A token id of a prompt, named by its place (`prompt[3]`, `prompt[1][3]`) when it is not one.
+fn token_id(v: &Value, at: impl FnOnce() -> String) -> Result<u32, String> {
+    v.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| format!("{} is not a token id", at()))
+}
+
+impl<'de> Deserialize<'de> for PromptSpec {
+    /// Read by hand rather than `untagged`, so that a list mixing strings, ids and id lists
+    /// says which entry broke the pattern instead of "did not match any variant".
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        const SHAPES: &str =
+            "prompt must be a string, a list of token ids, a list of strings or a list of token-id lists";
+        let items = match Value::deserialize(d)? {
+            Value::String(s) => return Ok(Self::Text(s)),
+            Value::Array(items) => items,
+            _ => return Err(D::Error::custom(SHAPES)),
+        };
+        let mixed = |i: usize| {
+            D::Error::custom(format!(
+                "prompt[{i}] is not of the same kind as prompt[0]: {SHAPES}, not a mix (a batch holds \
+                 prompts of one kind)"
+            ))
+        };
+        match items.first() {
+            None | Some(Value::Number(_)) => {
+                let ids = items.iter().enumerate().map(|(i, v)| token_id(v, || format!("prompt[{i}]")));
+                ids.collect::<Result<_, _>>().map(Self::Ids).map_err(D::Error::custom)
+            }
+            Some(Value::String(_)) => {
+                let texts = items.into_iter().enumerate().map(|(i, v)| match v {
+                    Value::String(s) => Ok(s),
+                    _ => Err(mixed(i)),
+                });
+                texts.collect::<Result<_, _>>().map(Self::Texts)
+            }
+            Some(Value::Array(_)) => {
+                let mut lists = Vec::with_capacity(items.len());
+                for (i, v) in items.iter().enumerate() {
+                    let Value::Array(ids) = v else { return Err(mixed(i)) };
+                    let ids = ids.iter().enumerate().map(|(j, t)| token_id(t, || format!("prompt[{i}][{j}]")));
+                    lists.push(ids.collect::<Result<Vec<u32>, _>>().map_err(D::Error::custom)?);
+                }
+                Ok(Self::IdLists(lists))
+            }
+            Some(_) => Err(D::Error::custom(SHAPES)),
+        }
+    }
 }
 
 /// `stream_options`: only with `stream: true`, as in vLLM. Keys other than `include_usage`
@@ -569,23 +644,12 @@ impl SamplingFields {
     }
 }
 
-/// The 400 for a list of several prompts (`[]` parses as an empty id list, refused by
-/// [`check_request`]): batched prompts are not fanned out into several requests.
-fn batched(n: usize) -> ApiError {
-    ApiError::invalid(
-        "prompt",
-        format!(
-            "a list of {n} prompts: exactly one prompt per request is supported, \
-             send each prompt in its own request"
-        ),
-    )
-}
-
 impl CompletionRequest {
-    /// Validates and converts to a `GenerateRequest`.
+    /// Validates and converts to a `GenerateRequest` of its one prompt (a batch is split into
+    /// requests of one prompt each first: [`super::batch`]).
     ///
     /// # Errors
-    /// 400 naming the invalid field.
+    /// 400 naming the invalid field; `prompt` for a list of several prompts.
     pub fn to_proto(&self) -> Result<GenerateRequest, ApiError> {
         let echo = self.echo == Some(true);
         match &self.suffix {
@@ -612,8 +676,7 @@ impl CompletionRequest {
             PromptSpec::IdLists(v) if v.len() == 1 => {
                 generate_request::Prompt::TokenIds(TokenIds { ids: v[0].clone() })
             }
-            PromptSpec::Texts(v) => return Err(batched(v.len())),
-            PromptSpec::IdLists(v) => return Err(batched(v.len())),
+            p => return Err(ApiError::invalid("prompt", format!("a list of {} prompts is not one prompt", p.len()))),
         };
         let (tools, choice) = self.sampling.tools_proto()?;
         if !tools.is_empty() && tools != "[]" {

@@ -45,12 +45,45 @@ fn prompt_forms_and_stop() {
     assert_eq!(r.sampling.as_ref().expect("s").stop, vec!["x".to_owned()]);
     let r = parse(serde_json::json!({"model": "m", "prompt": [1, 2, 3], "stop": ["x", "y"]})).expect("valid");
     assert!(matches!(r.prompt, Some(generate_request::Prompt::TokenIds(ref t)) if t.ids == vec![1, 2, 3]));
+    assert!(parse(serde_json::json!({"model": "m", "prompt": []})).is_err());
+}
+
+fn prompt(v: serde_json::Value) -> Result<PromptSpec, String> {
+    serde_json::from_value::<CompletionRequest>(serde_json::json!({"model": "m", "prompt": v}))
+        .map(|r| r.prompt)
+        .map_err(|e| e.to_string())
+}
+
+/// A list of several prompts is a batch, split into one prompt each in order; a list mixing
+/// kinds, or holding something that is not a prompt, is refused saying which entry.
+#[test]
+fn batched_prompts_split_in_order_and_mixed_lists_are_refused() {
+    let texts = prompt(serde_json::json!(["a", "b"])).expect("texts");
+    assert_eq!(texts.len(), 2);
+    assert_eq!(texts.split(), vec![PromptSpec::Text("a".into()), PromptSpec::Text("b".into())]);
+    let lists = prompt(serde_json::json!([[1], [2, 3], [4]])).expect("id lists");
+    assert_eq!(lists.split(), vec![PromptSpec::Ids(vec![1]), PromptSpec::Ids(vec![2, 3]), PromptSpec::Ids(vec![4])]);
+    assert_eq!(prompt(serde_json::json!([5, 6])).expect("ids"), PromptSpec::Ids(vec![5, 6]));
+    assert_eq!(prompt(serde_json::json!("x")).expect("text").split(), vec![PromptSpec::Text("x".into())]);
+    assert_eq!(prompt(serde_json::json!([])).expect("empty").len(), 1, "an empty id list, refused later");
+    for (bad, at) in [
+        (serde_json::json!(["a", [1]]), "prompt[1]"),
+        (serde_json::json!([[1], "a"]), "prompt[1]"),
+        (serde_json::json!([1, "a"]), "prompt[1]"),
+        (serde_json::json!([[1], [2, -3]]), "prompt[1][1]"),
+        (serde_json::json!([[1], [2, 4294967296_u64]]), "prompt[1][1]"),
+    ] {
+        let e = prompt(bad.clone()).expect_err("mixed");
+        assert!(e.contains(at), "{bad}: {e}");
+    }
+    for bad in
+        [serde_json::json!(5), serde_json::json!({"a": 1}), serde_json::json!([{"a": 1}]), serde_json::json!(null)]
+    {
+        assert!(prompt(bad.clone()).is_err(), "{bad}");
+    }
+    // A batch is never one request's prompt: it is split first (`super::super::batch`).
     let e = parse(serde_json::json!({"model": "m", "prompt": ["a", "b"]})).expect_err("batched");
     assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("prompt")));
-    assert!(e.message.contains("2 prompts"), "{}", e.message);
-    let e = parse(serde_json::json!({"model": "m", "prompt": [[1], [2], [3]]})).expect_err("batched ids");
-    assert!(e.message.contains("3 prompts"), "{}", e.message);
-    assert!(parse(serde_json::json!({"model": "m", "prompt": []})).is_err());
 }
 
 /// `role: tool` messages: `tool_call_id` is passed on when given and optional, as in vLLM.
