@@ -1,5 +1,5 @@
 //! The route table published to routers through `WatchRoutes`: every Ready or Draining
-//! replica (listed as Ready while an operator's drain keeps it serving until its replacement
+//! replica ( as Ready while an operator's drain keeps it serving until its replacement
 //! is Ready) with its endpoint, served model name, load and limits, and the served models that
 //! no replica is coming to serve, with why ([`availability`]). A new table (with a higher
 //! `version`) is published only when its content changes.
@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use prism_common::DeploymentName;
 use prism_common::deployment::served_name;
-use prism_common::proto::v1::{ReplicaState, RouteEntry, RouteTable};
+use prism_common::proto::v1::{DeploymentRecord, ReplicaRecord, ReplicaState, RouteEntry, RouteTable, ServedModel};
 use prism_common::time::unix_ms;
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
@@ -28,12 +28,8 @@ pub fn build(st: &State) -> Vec<RouteEntry> {
         .filter(|(_, e)| matches!(e.record.state(), ReplicaState::Ready | ReplicaState::Draining))
         .map(|(id, e)| {
             let r = &e.record;
-            let engine = st
-                .view()
-                .deployments
-                .get(&DeploymentName::from(r.deployment.as_str()))
-                .and_then(|d| d.record.spec.as_ref())
-                .and_then(|s| s.engine.as_ref());
+            let deployment = st.view().deployments.get(&DeploymentName::from(r.deployment.as_str()));
+            let engine = deployment.and_then(|d| d.record.spec.as_ref()).and_then(|s| s.engine.as_ref());
             RouteEntry {
                 replica_id: r.replica_id.clone(),
                 deployment: r.deployment.clone(),
@@ -45,6 +41,7 @@ pub fn build(st: &State) -> Vec<RouteEntry> {
                 node_id: r.node_id.clone(),
                 max_model_len: max_model_len(r.max_model_len, engine.and_then(|e| e.max_model_len).unwrap_or(0)),
                 max_in_flight: engine.and_then(|e| e.max_in_flight).unwrap_or(0),
+                codec_id: deployment.and_then(|d| replica_codec_id(&d.record, r)).unwrap_or(0),
             }
         })
         .collect()
@@ -55,6 +52,48 @@ pub fn build(st: &State) -> Vec<RouteEntry> {
 /// `max_model_len` (a replica whose worker has not reported it yet); 0 = unknown.
 fn max_model_len(reported: u32, configured: u32) -> u32 {
     if reported > 0 { reported } else { configured }
+}
+
+/// The deployment's [`ServedModel::codec_id`]: FNV-1a (stable across heads and builds) of
+/// its name, creation time and template generation, which every change of the engine config
+/// bumps (the model file, and with it the tokenizer and chat template, is part of it). A
+/// deleted and re-created deployment gets another id though its generation starts at 1
+/// again. Never 0.
+pub fn codec_id(d: &DeploymentRecord) -> u64 {
+    let name = d.spec.as_ref().map_or("", |s| s.name.as_str());
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let bytes = name.bytes().chain([0]).chain(d.created_unix_ms.to_le_bytes()).chain(d.generation.to_le_bytes());
+    for b in bytes {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h.max(1)
+}
+
+/// `r`'s [`RouteEntry::codec_id`]: the deployment's when the replica was created for its
+/// current spec (same template generation, created after the deployment), else `None`.
+fn replica_codec_id(d: &DeploymentRecord, r: &ReplicaRecord) -> Option<u64> {
+    (r.generation == d.generation && r.created_unix_ms >= d.created_unix_ms).then(|| codec_id(d))
+}
+
+/// What each deployment's spec says of its served model, sorted by served name: the
+/// configured `max_model_len` and the [`codec_id`], known while no replica serves it.
+pub fn served(st: &State) -> Vec<ServedModel> {
+    let mut served: Vec<ServedModel> = st
+        .view()
+        .deployments
+        .values()
+        .filter_map(|d| {
+            let spec = d.record.spec.as_ref()?;
+            Some(ServedModel {
+                model: served_name(spec).to_owned(),
+                deployment: spec.name.clone(),
+                max_model_len: spec.engine.as_ref().and_then(|e| e.max_model_len).unwrap_or(0),
+                codec_id: codec_id(&d.record),
+            })
+        })
+        .collect();
+    served.sort_unstable_by(|a, b| a.model.cmp(&b.model));
+    served
 }
 
 /// Served model names of every deployment, sorted (routers answer 503, not 404, for a
@@ -74,7 +113,7 @@ pub fn models(st: &State) -> Vec<String> {
 /// The content of a table of `term` (version 0); `new_term`: see [`unavailable`].
 fn table(term: u64, st: &State, new_term: bool) -> RouteTable {
     let unavailable = unavailable(st.view(), &st.connected_nodes(), new_term);
-    RouteTable { version: 0, routes: build(st), models: models(st), term, unavailable }
+    RouteTable { version: 0, routes: build(st), models: models(st), term, unavailable, served: served(st) }
 }
 
 /// The route table routers watch. Only a leader that has loaded the cluster state publishes:
@@ -132,6 +171,7 @@ impl RoutePublisher {
             && cur.routes == next.routes
             && cur.models == next.models
             && cur.unavailable == next.unavailable
+            && cur.served == next.served
         {
             return;
         }
@@ -221,6 +261,59 @@ mod tests {
         assert_eq!(lens(&st), [("a".to_owned(), 8192), ("b".to_owned(), 0)]);
         let st = state(2048, &[("a", ready, 1456), ("b", ReplicaState::Draining, 0)]);
         assert_eq!(lens(&st), [("a".to_owned(), 1456), ("b".to_owned(), 2048)]);
+    }
+
+    /// Each deployment's served model is described with no replica at all: its configured
+    /// `max_model_len` (0 when unset) and a codec id that follows the template generation and
+    /// the deployment's creation, not its replica count; a replica carries the id only when
+    /// it was created for the current spec.
+    #[test]
+    fn served_models_carry_the_configured_length_and_the_codec_id_of_the_current_spec() {
+        let mut st = state(4096, &[]);
+        let listed = served(&st);
+        assert_eq!(
+            listed.iter().map(|s| (s.model.as_str(), s.deployment.as_str(), s.max_model_len)).collect::<Vec<_>>(),
+            [("m", "d", 4096)]
+        );
+        let id = listed[0].codec_id;
+        assert_ne!(id, 0);
+        assert_eq!(served(&state(0, &[]))[0].max_model_len, 0, "unset: unknown until a replica reports");
+        let rec = |st: &State| st.view().deployments.get(&DeploymentName::from("d")).map(|e| e.record.clone());
+        let mut d = rec(&st).expect("deployment d");
+        let same = codec_id(&DeploymentRecord {
+            spec: d.spec.clone().map(|s| DeploymentSpec { replicas: 0, ..s }),
+            ..d.clone()
+        });
+        assert_eq!(same, id, "scaling keeps the codec");
+        assert_ne!(codec_id(&DeploymentRecord { generation: d.generation + 1, ..d.clone() }), id, "new template");
+        assert_ne!(codec_id(&DeploymentRecord { created_unix_ms: 5, ..d.clone() }), id, "re-created deployment");
+
+        d.generation = 2;
+        d.created_unix_ms = 100;
+        st = state(
+            4096,
+            &[("old", ReplicaState::Ready, 0), ("new", ReplicaState::Ready, 0), ("gone", ReplicaState::Ready, 0)],
+        );
+        let set = |st: &mut State, id: &str, generation: u64, created: u64| {
+            let mut view = st.view().clone();
+            if let Some(e) = view.replicas.get_mut(&ReplicaId::from(id)) {
+                e.record.generation = generation;
+                e.record.created_unix_ms = created;
+            }
+            view.deployments.insert(DeploymentName::from("d"), Entry { record: d.clone(), mod_revision: 1 });
+            *st = State::with_view(view);
+        };
+        set(&mut st, "old", 1, 150);
+        set(&mut st, "new", 2, 150);
+        set(&mut st, "gone", 2, 50);
+        let ids: Vec<(String, u64)> = build(&st).into_iter().map(|r| (r.replica_id, r.codec_id)).collect();
+        let current = codec_id(&d);
+        assert_eq!(
+            ids.iter().map(|(r, c)| (r.as_str(), *c)).collect::<Vec<_>>(),
+            [("gone", 0), ("new", current), ("old", 0)],
+            "only a replica of the current generation and incarnation carries the id"
+        );
+        assert_eq!(served(&st)[0].codec_id, current);
     }
 
     /// The unavailable models are part of the table: a change publishes a new version.

@@ -124,6 +124,7 @@ mod tests {
     fn table(states: &[ReplicaState], limit: u32) -> Routes {
         let r = Routes::new(limit, Metrics::new());
         r.apply(RouteTable {
+            served: vec![],
             unavailable: vec![],
             term: 0,
             models: vec![],

@@ -561,6 +561,7 @@ mod tests {
     fn apply_keeps_ready_and_draining_and_stats() {
         let routes = Routes::new(4, Metrics::new());
         routes.apply(RouteTable {
+            served: vec![],
             unavailable: vec![],
             term: 0,
             models: vec![],
@@ -579,6 +580,7 @@ mod tests {
         assert_eq!(m[0].max_in_flight, 4);
         m[0].stats.in_flight.store(2, Ordering::Relaxed);
         routes.apply(RouteTable {
+            served: vec![],
             unavailable: vec![],
             term: 0,
             version: 4,
@@ -595,6 +597,7 @@ mod tests {
         let routes = Routes::new(4, Metrics::new());
         let mut rx = routes.subscribe();
         routes.apply(RouteTable {
+            served: vec![],
             unavailable: vec![],
             term: 0,
             version: 1,
@@ -606,6 +609,7 @@ mod tests {
         assert!(routes.lists("m", "a"));
         assert!(!routes.lists("other", "a"));
         routes.apply(RouteTable {
+            served: vec![],
             unavailable: vec![],
             term: 0,
             version: 2,
@@ -615,6 +619,7 @@ mod tests {
         assert!(rx.has_changed().unwrap_or(false));
         assert!(routes.lists("m", "a"), "a Draining replica stays listed");
         routes.apply(RouteTable {
+            served: vec![],
             unavailable: vec![],
             term: 0,
             version: 3,
@@ -631,6 +636,7 @@ mod tests {
         let metrics = Metrics::new();
         let routes = Routes::new(4, metrics.clone());
         let table = |version, ids: &[&str]| RouteTable {
+            served: vec![],
             unavailable: vec![],
             term: 0,
             version,
@@ -662,6 +668,7 @@ mod tests {
         let metrics = Metrics::new();
         let routes = Routes::new(4, metrics.clone());
         let table = |term, version, ids: &[&str]| RouteTable {
+            served: vec![],
             unavailable: vec![],
             term,
             version,
@@ -691,6 +698,7 @@ mod tests {
         let routes = Routes::new(4, Metrics::new());
         assert_eq!(routes.snapshot().readiness(), Err(NotReady::NoTable));
         let table = |version, ready: &[&str], unavailable: &[&str]| RouteTable {
+            served: vec![],
             term: 0,
             version,
             models: vec!["m".into(), "n".into()],
@@ -705,7 +713,7 @@ mod tests {
                 })
                 .collect(),
         };
-        routes.apply(RouteTable { models: vec![], ..table(1, &[], &[]) });
+        routes.apply(RouteTable { served: vec![], models: vec![], ..table(1, &[], &[]) });
         assert_eq!(routes.snapshot().readiness(), Err(NotReady::NoModel));
         routes.apply(table(2, &[], &[]));
         assert_eq!(routes.snapshot().readiness(), Ok(()), "no Ready replica, both on their way");

@@ -104,6 +104,7 @@ fn entry(id: &str, endpoint: &str, state: ReplicaState) -> RouteEntry {
 /// A table (version 1) with one Ready replica `ra` of model `mock` at `endpoint`.
 fn one_ready_replica(endpoint: &str) -> RouteTable {
     RouteTable {
+        served: vec![],
         unavailable: vec![],
         term: 0,
         models: vec!["mock".into()],
@@ -149,8 +150,14 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     let ea = format!("http://{}", a.clone().spawn(shutdown.clone()).await?);
     let eb = format!("http://{}", b.clone().spawn(shutdown.clone()).await?);
 
-    let (tx, rx) =
-        watch::channel(RouteTable { unavailable: vec![], term: 0, models: vec![], version: 1, routes: vec![] });
+    let (tx, rx) = watch::channel(RouteTable {
+        served: vec![],
+        unavailable: vec![],
+        term: 0,
+        models: vec![],
+        version: 1,
+        routes: vec![],
+    });
     let head_stop = CancellationToken::new();
     let hl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let head_addr = format!("http://{}", hl.local_addr()?);
@@ -167,6 +174,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     // Empty table: unknown model.
     wait_status(&http, 404).await?;
     tx.send(RouteTable {
+        served: vec![],
         unavailable: vec![],
         term: 0,
         models: vec![],
@@ -183,6 +191,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
 
     // Only Draining replicas: known model, none ready → queued, 503 once the wait bound passes.
     tx.send(RouteTable {
+        served: vec![],
         unavailable: vec![],
         term: 0,
         models: vec![],
@@ -191,6 +200,7 @@ async fn routes_from_head_draining_and_fail_static() -> anyhow::Result<()> {
     })?;
     wait_status(&http, 503).await?;
     tx.send(RouteTable {
+        served: vec![],
         unavailable: vec![],
         term: 0,
         models: vec![],
@@ -219,6 +229,7 @@ async fn demand_reports_reach_the_head() -> anyhow::Result<()> {
     let a = MockEngineWorker::new(MockBehavior::default());
     let ea = format!("http://{}", a.clone().spawn(shutdown.clone()).await?);
     let table = RouteTable {
+        served: vec![],
         unavailable: vec![],
         term: 0,
         models: vec!["mock".into(), "cold".into()],
@@ -386,6 +397,7 @@ async fn a_stream_waiting_to_migrate_ends_when_the_model_becomes_unavailable() -
     // The replica's worker is gone and no node can run another one.
     let started = Instant::now();
     tx.send(RouteTable {
+        served: vec![],
         unavailable: vec![UnavailableModel {
             model: "mock".into(),
             deployment: "mock-dep".into(),

@@ -17,6 +17,7 @@ fn routes(limit: u32) -> Routes {
 
 fn table(version: u64, limit: u32) -> RouteTable {
     RouteTable {
+        served: vec![],
         unavailable: vec![],
         term: 0,
         version,

@@ -248,6 +248,7 @@ mod tests {
             ..Default::default()
         };
         routes.apply(RouteTable {
+            served: vec![],
             unavailable: vec![],
             term: 0,
             version: 1,

@@ -71,6 +71,7 @@ mod tests {
     fn snapshot() -> std::sync::Arc<RouteSnapshot> {
         let routes = Routes::new(256, Metrics::new());
         routes.apply(RouteTable {
+            served: vec![],
             version: 1,
             term: 0,
             models: vec!["ready".into(), "loading".into(), "failed".into()],

@@ -14,6 +14,7 @@ const PROMPT: u32 = 320;
 fn table(n: usize) -> Routes {
     let r = Routes::new(1000, Metrics::new());
     r.apply(RouteTable {
+        served: vec![],
         unavailable: vec![],
         term: 0,
         models: vec![],
