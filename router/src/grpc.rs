@@ -335,7 +335,7 @@ impl InferenceService for InferenceApi {
             .map(|(name, rs)| ModelInfo {
                 id: name.clone(),
                 ready_replicas: u32::try_from(rs.iter().filter(|r| r.is_ready()).count()).unwrap_or(u32::MAX),
-                max_model_len: rs.iter().map(|r| r.max_model_len).max().unwrap_or(0),
+                max_model_len: snap.max_model_len(name),
                 created: self.started_at,
             })
             .collect();

@@ -9,7 +9,11 @@
 //! counter ([`Routes::subscribe`]) so requests waiting on a replica learn at once when it
 //! leaves the table. The head also names the models that no replica is coming to serve,
 //! with why ([`RouteSnapshot::unavailable`]): requests for them are answered at once.
-//! [`RouteSnapshot::readiness`] says whether the router can take requests at all.
+//! [`RouteSnapshot::readiness`] says whether the router can take requests at all. What each
+//! deployment's spec says of its model ([`ModelSettings`]: configured context length, codec
+//! id) is known with no replica too.
+
+pub mod served;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -25,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use crate::balance::capacity::replica_limit;
 use crate::config::StaticRoute;
 use crate::prefix::ReplicaCache;
+pub use served::ModelSettings;
 
 /// How long a lower-term table must be held by the head answering as leader before it is
 /// applied anyway (longer than any lease TTL a deposed head needs to notice).
@@ -179,6 +184,8 @@ pub struct RouteSnapshot {
     pub models: BTreeMap<String, Vec<Arc<ReplicaRoute>>>,
     /// Models that no replica is coming to serve, by served model name.
     pub unavailable: BTreeMap<String, Arc<ModelUnavailable>>,
+    /// What each deployment's spec says of its model, by served model name.
+    pub served: BTreeMap<String, ModelSettings>,
     /// Whether a table was ever received (or static routes were given).
     pub loaded: bool,
     /// Whether a head manages the table, replacing replicas that fail; false for static
@@ -193,6 +200,13 @@ impl RouteSnapshot {
     /// Whether at least one replica of some model is Ready.
     pub fn any_ready(&self) -> bool {
         self.models.values().flatten().any(|r| r.is_ready())
+    }
+
+    /// `model`'s context length: the largest its listed replicas report, else its
+    /// deployment's configured `max_model_len`; 0 = unknown.
+    pub fn max_model_len(&self, model: &str) -> u32 {
+        let reported = self.models.get(model).and_then(|rs| rs.iter().map(|r| r.max_model_len).max());
+        reported.filter(|&n| n > 0).unwrap_or_else(|| self.served.get(model).map_or(0, |s| s.max_model_len))
     }
 
     /// Whether `model` has a Ready replica (ejected ones included).
@@ -352,9 +366,11 @@ impl Routes {
                 cache,
             }));
         }
-        let unavailable = BTreeMap::new();
+        let (unavailable, served) = (BTreeMap::new(), BTreeMap::new());
         let released = self.released();
-        self.store(RouteSnapshot { version: 0, term: 0, models, unavailable, loaded: true, managed: false, released });
+        let snap =
+            RouteSnapshot { version: 0, term: 0, models, unavailable, served, loaded: true, managed: false, released };
+        self.store(snap);
     }
 
     /// Replaces the table with one received from the head, unless it is stale: published in
@@ -396,7 +412,12 @@ impl Routes {
                 (u.model, Arc::new(ModelUnavailable { deployment: u.deployment, cause, reason: u.reason }))
             })
             .collect();
-        for model in unavailable.keys() {
+        let served: BTreeMap<String, ModelSettings> = table
+            .served
+            .into_iter()
+            .map(|s| (s.model, ModelSettings { max_model_len: s.max_model_len, codec_id: s.codec_id }))
+            .collect();
+        for model in unavailable.keys().chain(served.keys()) {
             models.entry(model.clone()).or_default();
         }
         for e in table.routes {
@@ -452,7 +473,7 @@ impl Routes {
         }
         let released = self.released();
         let (version, term) = (table.version, table.term);
-        self.store(RouteSnapshot { version, term, models, unavailable, loaded: true, managed: true, released });
+        self.store(RouteSnapshot { version, term, models, unavailable, served, loaded: true, managed: true, released });
     }
 
     /// Follows `WatchRoutes` on the given heads until `shutdown`, trying them in turn and

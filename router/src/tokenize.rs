@@ -32,7 +32,8 @@ pub struct ModelCodecs {
 pub struct ModelCodec {
     /// Tokenizer and chat template.
     pub codec: Arc<PromptCodec>,
-    /// Largest context length of the model's replicas; 0 = unknown.
+    /// Largest context length of the model's replicas, else its deployment's configured one;
+    /// 0 = unknown.
     pub max_model_len: u32,
 }
 
@@ -57,7 +58,7 @@ impl ModelCodecs {
             return Err(DispatchError::NoRouteTable);
         }
         let replicas = snap.models.get(model).ok_or_else(|| DispatchError::UnknownModel(model.to_owned()))?;
-        let max_model_len = replicas.iter().map(|r| r.max_model_len).max().unwrap_or(0);
+        let max_model_len = snap.max_model_len(model);
         let ready: Vec<_> = replicas.iter().filter(|r| r.is_ready()).collect();
         if ready.is_empty() {
             // A model no replica is coming to gets the answer its chat requests get.

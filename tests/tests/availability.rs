@@ -9,7 +9,8 @@
 //!   `Retry-After`; gRPC: UNAVAILABLE with `retry-after`), not after the 30 s queue wait;
 //!   once the node is uncordoned the replica is placed and the router learns it.
 //! - `/tokenize`, `/detokenize` and gRPC `Tokenize` of those models get the same answer.
-//! - An autoscaled model at zero still queues its request (scale from zero).
+//! - An autoscaled model at zero still queues its request (scale from zero), and `/v1/models`
+//!   lists it with the `max_model_len` its deployment sets though no replica reported one.
 //! - Every worker killed (C15): once the head replaced the lost replica by a Pending one that
 //!   no node can take, requests get a fast 503 / UNAVAILABLE naming the reason; when the
 //!   worker comes back the same router serves again, token-exact.
@@ -70,7 +71,14 @@ async fn refused(http: &str, model: &str, why: &str) -> Result<String> {
     })
 }
 
-/// `(/readyz, /health, grpc.health.v1 "")` of the router.
+/// `max_model_len` of `model` in the router's `GET /v1/models` (`None`: no such key).
+async fn listed_max_model_len(http: &str, model: &str) -> Result<Option<u64>> {
+    let models: Value = reqwest::get(format!("{http}/v1/models")).await?.json().await?;
+    let obj = models["data"].as_array().into_iter().flatten().find(|m| m["id"] == model);
+    let obj = obj.with_context(|| format!("{model} not listed: {models}"))?;
+    Ok(obj.get("max_model_len").and_then(Value::as_u64))
+}
+
 /// `/tokenize`, `/detokenize` and gRPC `Tokenize` for `model`, which the head lists as
 /// unavailable: refused at once like its chat requests (503 naming `why`, `Retry-After:
 /// retry_after`; gRPC UNAVAILABLE with `retry-after`), not with the generic "no ready replica".
@@ -106,6 +114,7 @@ async fn tokenize_refused(cluster: &Cluster, model: &str, why: &str, retry_after
     Ok(())
 }
 
+/// `(/readyz, /health, grpc.health.v1 "")` of the router.
 async fn probes(cluster: &Cluster) -> Result<(u16, u16, i32)> {
     let get = |p: &str| reqwest::get(format!("{}{p}", cluster.http()));
     let (readyz, health) = (get("/readyz").await?.status().as_u16(), get("/health").await?.status().as_u16());
@@ -128,9 +137,13 @@ async fn without_model(cluster: &mut Cluster) -> Result<()> {
     wait_probes(cluster, (503, 503, ServingStatus::NotServing), "not ready with nothing deployed").await?;
 
     // Only an autoscaled model at zero: ready, a request would scale it up.
-    let auto = missing("auto").autoscaling(&[("min_replicas", "0"), ("max_replicas", "1")]);
+    let auto =
+        missing("auto").autoscaling(&[("min_replicas", "0"), ("max_replicas", "1")]).engine("max_model_len", 1024);
     cluster.deploy(&auto)?;
     wait_probes(cluster, (200, 200, ServingStatus::Serving), "ready with a model at zero").await?;
+    // No replica ever reported a context length: the deployment's is listed.
+    let len = listed_max_model_len(&http, "auto").await?;
+    ensure!(len == Some(1024), "auto at zero lists max_model_len {len:?}, not its configured 1024");
 
     // Scaled to 0 without autoscaling: refused at once, on HTTP and gRPC.
     cluster.deploy(&missing("fixed").replicas(0))?;
