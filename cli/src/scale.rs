@@ -66,16 +66,23 @@ async fn unplaced_notice(head: &mut HeadClient, name: &str, replicas: u32) -> Op
     }
 }
 
-/// "notice: P of N replicas cannot be placed …" for the Pending ones among `replicas`.
+/// "notice: P of N replicas cannot be placed …" for the desired replicas the nodes cannot
+/// place. Right after a scale-down the head may not have removed the surplus Pending
+/// replicas yet: those are not among the `desired` count, so P is the desired replicas
+/// not placed (Starting or Ready), at most the Pending ones seen, never more than `desired`.
 fn pending_notice(replicas: &[&ReplicaRecord], desired: u32) -> Option<String> {
     let pending: Vec<&&ReplicaRecord> = replicas.iter().filter(|r| r.state() == ReplicaState::Pending).collect();
+    let placed = replicas.iter().filter(|r| matches!(r.state(), ReplicaState::Starting | ReplicaState::Ready)).count();
+    let unplaced = (desired as usize).saturating_sub(placed).min(pending.len());
+    if unplaced == 0 {
+        return None;
+    }
     let first = pending.first()?;
     let reason = if first.reason.is_empty() { "no room on any node" } else { first.reason.as_str() };
     let of = count(u64::from(desired), "replica", "replicas");
-    let verb = if pending.len() == 1 { "it stays" } else { "they stay" };
+    let verb = if unplaced == 1 { "it stays" } else { "they stay" };
     Some(format!(
-        "notice: {} of {of} cannot be placed on the current nodes: {reason}; {verb} Pending until capacity joins",
-        pending.len()
+        "notice: {unplaced} of {of} cannot be placed on the current nodes: {reason}; {verb} Pending until capacity joins"
     ))
 }
 
@@ -115,6 +122,26 @@ mod tests {
         assert!(
             pending_notice(&[&pending], 1)
                 .is_some_and(|n| n.contains("1 of 1 replica cannot") && n.contains("it stays"))
+        );
+    }
+
+    /// Right after a scale-down the head has not removed the surplus Pending replicas yet:
+    /// they are not among the desired count, so only the desired ones not placed count.
+    #[test]
+    fn the_notice_after_a_scale_down_counts_only_the_desired_replicas() {
+        let ready = replica(ReplicaState::Ready, "");
+        let starting = replica(ReplicaState::Starting, "");
+        let pending = replica(ReplicaState::Pending, "no room");
+        let mut surplus = vec![&ready, &starting, &ready];
+        surplus.extend(std::iter::repeat_n(&pending, 4997));
+        assert_eq!(pending_notice(&surplus, 2), None, "3 placed cover the 2 desired");
+        assert_eq!(pending_notice(&surplus, 3), None);
+        let mut short = vec![&ready];
+        short.extend(std::iter::repeat_n(&pending, 4997));
+        assert!(
+            pending_notice(&short, 2).is_some_and(|n| n.starts_with("notice: 1 of 2 replicas cannot be placed")),
+            "{:?}",
+            pending_notice(&short, 2)
         );
     }
 }
