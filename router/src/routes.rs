@@ -11,7 +11,8 @@
 //! with why ([`RouteSnapshot::unavailable`]): requests for them are answered at once.
 //! [`RouteSnapshot::readiness`] says whether the router can take requests at all. What each
 //! deployment's spec says of its model ([`ModelSettings`]: configured context length, codec
-//! id) is known with no replica too.
+//! id) is known with no replica too, and the last prompt codec of a model is kept while its
+//! codec id is unchanged ([`served`]).
 
 pub mod served;
 
@@ -23,6 +24,7 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 use prism_common::head_auth::{HeadCredential, head_client};
 use prism_common::proto::v1::{ReplicaState, RouteTable, UnavailableCause, WatchRoutesRequest};
+use prism_engine::codec::PromptCodec;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -134,6 +136,9 @@ pub struct ReplicaRoute {
     pub max_in_flight: u32,
     /// Context length, 0 = unknown.
     pub max_model_len: u32,
+    /// Its deployment's codec id when it was created for the current spec, else 0
+    /// (`RouteEntry.codec_id`).
+    pub codec_id: u64,
     /// Router-side counters, shared across table versions.
     pub stats: Arc<ReplicaStats>,
     /// Its prompt codec and prefix index (cache-aware routing), shared across table versions.
@@ -246,6 +251,7 @@ struct Inner {
     snapshot: RwLock<Arc<RouteSnapshot>>,
     stats: DashMap<String, Arc<ReplicaStats>>,
     caches: DashMap<String, Arc<ReplicaCache>>,
+    kept: served::KeptCodecs,
     epoch: Instant,
     default_max_in_flight: u32,
     metrics: Metrics,
@@ -271,6 +277,7 @@ impl Routes {
                 snapshot: RwLock::new(Arc::new(RouteSnapshot::default())),
                 stats: DashMap::new(),
                 caches: DashMap::new(),
+                kept: served::KeptCodecs::default(),
                 epoch: Instant::now(),
                 default_max_in_flight,
                 metrics,
@@ -320,6 +327,18 @@ impl Routes {
         }
     }
 
+    /// Keeps `codec`, fetched from a replica of `model` whose route carried `codec_id` (see
+    /// [`served`]).
+    pub fn keep_codec(&self, model: &str, codec_id: u64, codec: &Arc<PromptCodec>) {
+        self.inner.kept.keep(model, codec_id, codec);
+    }
+
+    /// The codec kept for `model` that matches its codec id in `snap` (what its next replica
+    /// loads), if any.
+    pub fn kept_codec(&self, snap: &RouteSnapshot, model: &str) -> Option<Arc<PromptCodec>> {
+        self.inner.kept.get(model, snap.served.get(model)?.codec_id)
+    }
+
     /// Whether the current table lists `replica_id` (Ready or Draining) for `model`.
     pub fn lists(&self, model: &str, replica_id: &str) -> bool {
         self.snapshot().models.get(model).is_some_and(|rs| rs.iter().any(|r| r.replica_id == replica_id))
@@ -362,6 +381,7 @@ impl Routes {
                 reported_waiting: 0,
                 max_in_flight: self.inner.default_max_in_flight,
                 max_model_len: 0,
+                codec_id: 0,
                 stats,
                 cache,
             }));
@@ -439,6 +459,7 @@ impl Routes {
                 reported_waiting,
                 max_in_flight,
                 max_model_len: e.max_model_len,
+                codec_id: e.codec_id,
                 stats,
                 cache,
             }));
@@ -453,7 +474,12 @@ impl Routes {
             }
             keep
         });
-        // A replica that left takes its prefix index along (a replacement starts cold).
+        // A replica that left takes its prefix index along (a replacement starts cold); its
+        // codec stays while its model's codec id is unchanged.
+        let prev = self.snapshot();
+        let codecs = prev.models.values().flatten().map(|r| (r.model.as_str(), r.codec_id, r.cache.codec()));
+        self.inner.kept.keep_from(codecs.map(|(m, id, c)| (m, id, c.map(|c| Arc::clone(&c.codec)))));
+        self.inner.kept.retain_current(&served);
         self.inner.caches.retain(|k, _| live.contains(k.as_str()));
         // Load-only updates arrive about once a second per worker: log membership/state changes only.
         let key = |m: &BTreeMap<String, Vec<Arc<ReplicaRoute>>>| -> Vec<(String, i32)> {

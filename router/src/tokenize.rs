@@ -2,8 +2,10 @@
 //! encode prompts), for `/tokenize`, `/detokenize`, their gRPC twins and `echo` on
 //! completions: [`ModelCodecs`] takes it from a ready replica — the codec cache-aware routing
 //! already holds, else one fetched with `WorkerService.GetPromptCodec` and kept per replica
-//! (built once per fingerprint) — and [`tokenize`] / [`detokenize`] do the work, the same
-//! for HTTP and gRPC (vLLM's request and response shapes).
+//! (built once per fingerprint) — or, with no replica Ready (an autoscaled model at zero), the
+//! last codec the router had for the model while the head's codec id for it is unchanged
+//! (`routes::served`); [`tokenize`] / [`detokenize`] do the work, the same for HTTP and gRPC
+//! (vLLM's request and response shapes).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -43,15 +45,18 @@ impl ModelCodecs {
         Self { routes, built: CodecCache::default(), by_replica: Mutex::new(HashMap::new()) }
     }
 
-    /// The codec of `model`, from one of its Ready replicas.
+    /// The codec of `model`, from one of its Ready replicas, else the one kept for it while
+    /// its codec id is unchanged (also for a model the head lists as unavailable: the codec
+    /// is what its next replica loads).
     ///
     /// # Errors
     /// [`DispatchError::NoRouteTable`] (503) before the head's first table,
     /// [`DispatchError::UnknownModel`] (404) for a model no route lists,
     /// [`DispatchError::Unavailable`] (503 naming why, `Retry-After` by cause) for a model the
-    /// head lists as unavailable (failed, scaled to 0, no node can run it),
-    /// [`DispatchError::NoReplica`] (503) when none of its replicas is Ready otherwise,
-    /// [`DispatchError::Worker`] (UNAVAILABLE, 503) when no replica gives its codec.
+    /// head lists as unavailable (failed, scaled to 0, no node can run it) and
+    /// [`DispatchError::NoReplica`] (503) when none of its replicas is Ready otherwise, both
+    /// only with no codec kept; [`DispatchError::Worker`] (UNAVAILABLE, 503) when no replica
+    /// gives its codec.
     pub async fn get(&self, model: &str) -> Result<ModelCodec, DispatchError> {
         let snap = self.routes.snapshot();
         if !snap.loaded {
@@ -60,7 +65,11 @@ impl ModelCodecs {
         let replicas = snap.models.get(model).ok_or_else(|| DispatchError::UnknownModel(model.to_owned()))?;
         let max_model_len = snap.max_model_len(model);
         let ready: Vec<_> = replicas.iter().filter(|r| r.is_ready()).collect();
+        let kept = || self.routes.kept_codec(&snap, model).map(|codec| ModelCodec { codec, max_model_len });
         if ready.is_empty() {
+            if let Some(k) = kept() {
+                return Ok(k);
+            }
             // A model no replica is coming to gets the answer its chat requests get.
             return Err(snap.unavailable(model).map_or_else(
                 || DispatchError::NoReplica(model.to_owned()),
@@ -72,11 +81,10 @@ impl ModelCodecs {
             // Replicas that left the table take their codec along.
             by.retain(|id, _| snap.models.values().flatten().any(|r| r.replica_id == *id));
             for r in &ready {
-                if let Some(c) = r.cache.codec() {
-                    return Ok(ModelCodec { codec: Arc::clone(&c.codec), max_model_len });
-                }
-                if let Some(c) = by.get(&r.replica_id) {
-                    return Ok(ModelCodec { codec: Arc::clone(c), max_model_len });
+                let codec = r.cache.codec().map(|c| Arc::clone(&c.codec)).or_else(|| by.get(&r.replica_id).cloned());
+                if let Some(codec) = codec {
+                    self.routes.keep_codec(model, r.codec_id, &codec);
+                    return Ok(ModelCodec { codec, max_model_len });
                 }
             }
         }
@@ -91,6 +99,7 @@ impl ModelCodecs {
                 Ok(codec) => {
                     let mut by = self.by_replica.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                     by.insert(r.replica_id.clone(), Arc::clone(&codec));
+                    self.routes.keep_codec(model, r.codec_id, &codec);
                     return Ok(ModelCodec { codec, max_model_len });
                 }
                 Err(e) => {
@@ -99,7 +108,11 @@ impl ModelCodecs {
                 }
             }
         }
-        Err(DispatchError::Worker(Status::unavailable(format!("the tokenizer of `{model}` is not available: {last}"))))
+        // Ready replicas that do not answer (stopping, unreachable): a codec kept under the
+        // model's current codec id is the one its replicas load.
+        kept().ok_or_else(|| {
+            DispatchError::Worker(Status::unavailable(format!("the tokenizer of `{model}` is not available: {last}")))
+        })
     }
 }
 
@@ -278,5 +291,60 @@ fn prompt_field(e: TokenizeError) -> TokenizeError {
             TokenizeError::Invalid(Invalid { param: "prompt", message: i.message.replace("tokens[", "prompt[") })
         }
         e => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::prefix::{HashKey, ReplicaCodec};
+    use prism_common::proto::v1::{ReplicaState, RouteEntry, RouteTable, ServedModel};
+
+    /// A table of model `m` (codec id `codec_id`, configured length 1024) with the Ready
+    /// replicas `ready`, each carrying `codec_id`.
+    fn table(version: u64, codec_id: u64, ready: &[&str]) -> RouteTable {
+        RouteTable {
+            version,
+            models: vec!["m".into()],
+            served: vec![ServedModel { model: "m".into(), deployment: "d".into(), max_model_len: 1024, codec_id }],
+            routes: ready
+                .iter()
+                .map(|id| RouteEntry {
+                    replica_id: (*id).into(),
+                    model: "m".into(),
+                    endpoint: format!("http://{id}:1"),
+                    state: ReplicaState::Ready as i32,
+                    codec_id,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    /// The codec cache-aware routing fetched from a replica answers `/tokenize` once the
+    /// replica has left (scaled to zero) while the model's codec id is unchanged; a new id
+    /// (the engine config changed) leaves no known tokenizer: 503 as before.
+    #[tokio::test]
+    async fn a_model_at_zero_is_tokenized_with_the_codec_of_its_last_replica_until_its_spec_changes() {
+        let routes = Routes::new(4, Metrics::new());
+        let codecs = ModelCodecs::new(routes.clone());
+        routes.apply(table(1, 7, &[]));
+        assert!(matches!(codecs.get("m").await, Err(DispatchError::NoReplica(_))), "never had a replica");
+        routes.apply(table(2, 7, &["r0"]));
+        let codec = crate::prefix::tests::tiny_codec();
+        let key = HashKey { fingerprint: 1, block_size: 16, namespace: 0 };
+        routes.snapshot().models["m"][0].cache.set_codec(Some(Arc::new(ReplicaCodec { key, codec: codec.clone() })));
+        routes.apply(table(3, 7, &[]));
+        let at_zero = codecs.get("m").await.map_err(|e| e.to_string()).expect("the kept codec");
+        assert!(Arc::ptr_eq(&at_zero.codec, &codec));
+        assert_eq!(at_zero.max_model_len, 1024, "no replica: the configured length");
+        let ids = tokenize(&at_zero.codec, &TokenizeInput::Text("a b c".into()), &TokenizeOptions::default());
+        assert_eq!(ids.map(|t| t.tokens).map_err(|e| e.to_string()), Ok(vec![0, 1, 2]));
+        routes.apply(table(4, 8, &[]));
+        assert!(matches!(codecs.get("m").await, Err(DispatchError::NoReplica(_))), "a new spec: unknown");
+        routes.apply(table(5, 7, &[]));
+        assert!(codecs.get("m").await.is_err(), "a dropped codec is not revived by an old id");
     }
 }

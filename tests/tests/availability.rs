@@ -11,11 +11,14 @@
 //! - `/tokenize`, `/detokenize` and gRPC `Tokenize` of those models get the same answer.
 //! - An autoscaled model at zero still queues its request (scale from zero), and `/v1/models`
 //!   lists it with the `max_model_len` its deployment sets though no replica reported one.
+//! - An autoscaled model back at zero after serving keeps `/tokenize`, `/detokenize` and gRPC
+//!   `Tokenize` answering with the codec its replica had, token-exact and without waking a
+//!   replica, until a deploy changes its engine config (then 503 until a replica is Ready).
 //! - Every worker killed (C15): once the head replaced the lost replica by a Pending one that
 //!   no node can take, requests get a fast 503 / UNAVAILABLE naming the reason; when the
 //!   worker comes back the same router serves again, token-exact.
 //!
-//! The first scenario needs no model (its model files do not exist); the second is skipped
+//! The first scenario needs no model (its model files do not exist); the others are skipped
 //! when the bundled model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
 use anyhow::{Context, Result, ensure};
@@ -241,5 +244,109 @@ async fn every_worker_lost_is_a_fast_503_and_the_router_serves_again_when_one_re
         .start()
         .await?;
     let res = workers_lost_and_back(&mut cluster).await;
+    cluster.with_logs(res)
+}
+
+/// `(text ids, chat ids, detokenized text, gRPC ids)` of the router's tokenizer for `model`;
+/// `Err` naming the status when any is not answered with 200 / OK.
+async fn tokenized(cluster: &Cluster, model: &str) -> Result<(Value, Value, Value, Vec<u32>)> {
+    let client = reqwest::Client::new();
+    let post = |path: &str, body: Value| {
+        let req = client.post(format!("{}{path}", cluster.http())).json(&body).timeout(Duration::from_secs(10));
+        async move {
+            let r = req.send().await?;
+            let status = r.status().as_u16();
+            let v: Value = r.json().await?;
+            ensure!(status == 200, "{status} {v}");
+            Ok(v)
+        }
+    };
+    let text = post("/tokenize", json!({"model": model, "prompt": "The capital of France is"})).await?;
+    let chat =
+        post("/tokenize", json!({"model": model, "messages": [{"role": "user", "content": "Hi there"}]})).await?;
+    let back = post("/detokenize", json!({"model": model, "tokens": text["tokens"]})).await?;
+    let channel = tonic::transport::Endpoint::from_shared(cluster.grpc().to_owned())?.connect().await?;
+    let req = TokenizeRequest {
+        model: model.into(),
+        input: Some(tokenize_request::Input::Text("The capital of France is".into())),
+        ..Default::default()
+    };
+    let grpc = InferenceServiceClient::new(channel).tokenize(req).await?.into_inner().tokens;
+    Ok((text, chat, back, grpc))
+}
+
+async fn tokenizer_at_zero(cluster: &mut Cluster, model: &std::path::Path) -> Result<()> {
+    cluster.wait_ready(1, Duration::from_secs(120)).await?;
+    let ready = tokenized(cluster, SERVED).await?;
+    ensure!(ready.0["max_model_len"] == json!(1024), "{}", ready.0);
+    eventually(Duration::from_secs(60), "scaled to zero", || async {
+        let st = cluster.status().await?;
+        let target = st.deployments.first().and_then(|d| d.spec.as_ref()).map_or(u32::MAX, |s| s.replicas);
+        Ok((target == 0 && !st.replicas.iter().any(active)).then_some(()))
+    })
+    .await?;
+    eventually(Duration::from_secs(10), "the router's table without the replica", || async {
+        Ok((cluster.router_ready_replicas().await? == 0).then_some(()))
+    })
+    .await?;
+
+    // At zero: the deployment's context length is listed and the tokenizer answers as the
+    // replica's did, without waking a replica.
+    let len = listed_max_model_len(cluster.http(), SERVED).await?;
+    ensure!(len == Some(1024), "at zero /v1/models lists max_model_len {len:?}");
+    let zero = tokenized(cluster, SERVED).await.context("tokenize at zero")?;
+    ensure!(zero == ready, "at zero {zero:?}\nwhile Ready {ready:?}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let st = cluster.status().await?;
+    ensure!(!st.replicas.iter().any(active), "tokenizing woke a replica: {:?}", st.replicas);
+
+    // A deploy that changes the engine config (the model could have changed with it): the
+    // kept tokenizer no longer says what the next replica loads.
+    cluster.deploy(&at_zero(model).engine("max_model_len", 512))?;
+    eventually(Duration::from_secs(10), "the new max_model_len listed", || async {
+        Ok((listed_max_model_len(cluster.http(), SERVED).await? == Some(512)).then_some(()))
+    })
+    .await?;
+    let r = reqwest::Client::new()
+        .post(format!("{}/tokenize", cluster.http()))
+        .json(&json!({"model": SERVED, "prompt": "hi"}))
+        .timeout(FAST)
+        .send()
+        .await?;
+    ensure!(r.status().as_u16() == 503, "tokenize after a new spec at zero: {}", r.status());
+    Ok(())
+}
+
+/// Whether `r` serves or is on its way to (Pending, Starting, Ready, Draining).
+fn active(r: &prism_common::proto::v1::ReplicaRecord) -> bool {
+    [ReplicaState::Pending, ReplicaState::Starting, ReplicaState::Ready, ReplicaState::Draining]
+        .iter()
+        .any(|s| *s as i32 == r.state)
+}
+
+/// The bundled model autoscaled between 0 and 1 replica, starting at 1 and back at 0 after
+/// 6 s idle.
+fn at_zero(model: &std::path::Path) -> Deployment {
+    Deployment::new(model).autoscaling(&[
+        ("min_replicas", "0"),
+        ("max_replicas", "1"),
+        ("initial_replicas", "1"),
+        ("downscale_delay_s", "6"),
+        ("look_back_period_s", "2"),
+    ])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_autoscaled_model_at_zero_keeps_its_max_model_len_and_its_tokenizer() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let mut cluster = Cluster::builder()
+        .store(Store::Embedded)
+        .workers(1)
+        .worker_args(&["--kv-cache-bytes", "67108864"])
+        .routers(1)
+        .start()
+        .await?;
+    cluster.deploy(&at_zero(&model).engine("max_model_len", 1024))?;
+    let res = tokenizer_at_zero(&mut cluster, &model).await;
     cluster.with_logs(res)
 }
