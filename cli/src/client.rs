@@ -3,6 +3,12 @@
 //! timeouts (`--connect-timeout`, `--timeout`), and the `--model` flag (env `PRISM_MODEL`)
 //! of the commands that ask the router for a model.
 //!
+//! `--head` is a comma-separated list, as workers and routers take it: the CLI talks to the
+//! first head of the list that answers, and when that head is a follower refusing a write
+//! (`UNAVAILABLE`, naming the leader) it sends the call once more to the leader it named
+//! ([`Head::call`]). Followers apply no write, so the retry cannot apply one twice; reads
+//! (`prism status`) are answered by followers too.
+//!
 //! The head is reached with the internal identity (`--tls-cert/--tls-key/--tls-ca`, mutual
 //! TLS) when one is installed; the router's public port with TLS when its address is
 //! `https://` (it serves `--public-tls-cert`), verified against the system roots and
@@ -27,7 +33,9 @@ pub const DEFAULT_ROUTER: &str = "http://127.0.0.1:50051";
 /// the token.
 #[derive(Args, Clone)]
 pub struct Endpoints {
-    /// Head gRPC address (admin commands: status, deploy, scale, cordon, drain).
+    /// Head gRPC address, or a comma-separated list of the cluster's heads (admin commands:
+    /// status, deploy, scale, cordon, drain): the first that answers is used, and a write a
+    /// follower refuses goes to the leader it names.
     #[arg(long, global = true, env = "PRISM_HEAD", default_value = DEFAULT_HEAD)]
     pub head: String,
     /// Router gRPC address (generate, chat, bench).
@@ -101,10 +109,11 @@ impl Default for Timeouts {
     }
 }
 
-/// A head, the token presented to it and how long to wait for it.
+/// A head (or a comma-separated list of a cluster's heads), the token presented to it and
+/// how long to wait for it.
 #[derive(Clone, Debug)]
 pub struct HeadTarget {
-    /// gRPC address.
+    /// gRPC address, or a comma-separated list of addresses.
     pub addr: String,
     /// Token (none: an open head, as `prism up` runs it).
     pub credential: HeadCredential,
@@ -118,19 +127,107 @@ impl HeadTarget {
         Self { addr: addr.into(), credential, timeouts: Timeouts::default() }
     }
 
-    /// As [`status_error`], saying which head did not answer in time when the call timed out.
-    pub fn status_error(&self, status: tonic::Status) -> anyhow::Error {
+    /// The addresses of the list, `http://` added where no scheme is given, empty entries
+    /// dropped.
+    pub fn addrs(&self) -> Vec<String> {
+        self.addr.split(',').map(str::trim).filter(|a| !a.is_empty()).map(normalize).collect()
+    }
+
+    /// As [`status_error`] for a call sent to the head at `addr`, saying which head did not
+    /// answer in time when the call timed out.
+    fn status_error_at(&self, addr: &str, status: tonic::Status) -> anyhow::Error {
         if timed_out(&status) {
             anyhow::anyhow!(
                 "the head at {} did not answer within {} (raise --timeout / PRISM_TIMEOUT if it is only slow); \
                  a change it was asked for may still take effect: `prism status` shows the outcome",
-                normalize(&self.addr),
+                normalize(addr),
                 seconds(self.timeouts.call)
             )
         } else {
             status_error(status)
         }
     }
+}
+
+/// A connection to one head of a [`HeadTarget`]'s list that follows the leader: a call a
+/// follower refuses naming the leader is sent once more, to the leader, which later calls
+/// then go to.
+pub struct Head {
+    target: HeadTarget,
+    /// The address of the head connected to.
+    addr: String,
+    client: HeadClient,
+}
+
+impl Head {
+    /// Connects to the first head of `target`'s list that answers.
+    ///
+    /// # Errors
+    /// Fails when the list is empty or invalid, no head answers within the connect timeout
+    /// (the last head's error), or the token file cannot be read.
+    pub async fn connect(target: &HeadTarget) -> Result<Self> {
+        let addrs = target.addrs();
+        let mut last = None;
+        for addr in addrs {
+            match connect_head(target, &addr).await {
+                Ok(client) => return Ok(Self { target: target.clone(), addr, client }),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("no head address given (--head or PRISM_HEAD)")))
+    }
+
+    /// Sends one call (`rpc` makes it on a client of the head); when a follower refuses it
+    /// naming another head as the leader, connects to that leader and sends it once more
+    /// there. Followers apply no write, so the second send cannot apply one twice.
+    ///
+    /// # Errors
+    /// The head's refusal as a readable error (see [`status_error`]; a timeout names the head), or the
+    /// leader's connection error.
+    pub async fn call<T, F, Fut>(&mut self, mut rpc: F) -> Result<T>
+    where
+        F: FnMut(HeadClient) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let status = match rpc(self.client.clone()).await {
+            Ok(response) => return Ok(response.into_inner()),
+            Err(status) => status,
+        };
+        let Some(leader) = leader_hint(&status).filter(|l| *l != self.addr) else {
+            return Err(self.target.status_error_at(&self.addr, status));
+        };
+        self.client = connect_head(&self.target, &leader).await?;
+        self.addr = leader;
+        rpc(self.client.clone())
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| self.target.status_error_at(&self.addr, s))
+    }
+}
+
+/// The leader a follower head names when it refuses a call: its `prism-leader` metadata,
+/// else the address after "leader is " in a "not the leader" message (`not the leader;
+/// leader is ADDR`; a leader still loading the state says "leader is loading …");
+/// `None` for other refusals and when the leader is unknown. `http://` is added where the
+/// address has no scheme.
+pub fn leader_hint(status: &tonic::Status) -> Option<String> {
+    if status.code() != tonic::Code::Unavailable {
+        return None;
+    }
+    let from_metadata = status.metadata().get("prism-leader").and_then(|v| v.to_str().ok()).map(str::trim);
+    let from_message = || {
+        let message = status.message();
+        if !message.contains("not the leader") {
+            return None;
+        }
+        let at = message.find("leader is ")? + "leader is ".len();
+        message[at..].split(|c: char| c.is_whitespace() || matches!(c, ';' | ',' | ')')).next()
+    };
+    from_metadata
+        .filter(|l| !l.is_empty())
+        .or_else(from_message)
+        .filter(|l| !l.is_empty() && *l != "unknown")
+        .map(normalize)
 }
 
 /// Whether `status` is the client's own per-call timeout (tonic reports it as `CANCELLED`
@@ -291,16 +388,22 @@ async fn channel(
     })
 }
 
-/// Connects to the head's `HeadService`; every call carries the target's token and gives up
-/// after the target's call timeout (map its errors with [`HeadTarget::status_error`]).
+/// Connects to the first head of the target's list that answers (its `HeadService`); every
+/// call carries the target's token and gives up after the target's call timeout ([`Head`]
+/// also follows the leader and makes its errors readable).
 ///
 /// # Errors
 /// Fails when the address is invalid, nothing answers within the connect timeout, or the
 /// token file cannot be read.
 pub async fn head(target: &HeadTarget) -> Result<HeadClient> {
+    Ok(Head::connect(target).await?.client)
+}
+
+/// Connects to the head at `addr` with `target`'s token and timeouts.
+async fn connect_head(target: &HeadTarget, addr: &str) -> Result<HeadClient> {
     let bearer = target.credential.bearer().context("--token / --token-file")?;
     let t = target.timeouts;
-    Ok(head_client(channel(&target.addr, "head", Security::Internal, t.connect, Some(t.call)).await?, bearer))
+    Ok(head_client(channel(addr, "head", Security::Internal, t.connect, Some(t.call)).await?, bearer))
 }
 
 /// Connects to the router's `InferenceService` (TLS for an `https://` address). Calls have
@@ -399,6 +502,29 @@ mod tests {
             assert_eq!(got, want);
             assert!(!got.contains(&format!("{:?}", status.code())), "{got}");
         }
+    }
+
+    #[test]
+    fn a_follower_names_the_leader_in_metadata_or_in_its_message() {
+        let mut with_metadata = tonic::Status::unavailable("not the leader; leader is h1:50050");
+        if let Ok(v) = "http://h2:50050".parse() {
+            with_metadata.metadata_mut().insert("prism-leader", v);
+        }
+        assert_eq!(leader_hint(&with_metadata).as_deref(), Some("http://h2:50050"));
+        let message = tonic::Status::unavailable("not the leader; leader is http://127.0.0.1:18052");
+        assert_eq!(leader_hint(&message).as_deref(), Some("http://127.0.0.1:18052"));
+        let bare = tonic::Status::unavailable("not the leader; leader is h3:1");
+        assert_eq!(leader_hint(&bare).as_deref(), Some("http://h3:1"));
+        assert_eq!(leader_hint(&tonic::Status::unavailable("not the leader; leader is unknown")), None);
+        assert_eq!(leader_hint(&tonic::Status::unavailable("leader is loading cluster state")), None);
+        assert_eq!(leader_hint(&tonic::Status::internal("leader is h4:1")), None);
+    }
+
+    #[test]
+    fn the_head_flag_takes_a_comma_separated_list() {
+        let target = HeadTarget::new(" h1:50050, http://h2:50050 ,,", HeadCredential::default());
+        assert_eq!(target.addrs(), ["http://h1:50050", "http://h2:50050"]);
+        assert_eq!(HeadTarget::new(DEFAULT_HEAD, HeadCredential::default()).addrs(), [DEFAULT_HEAD]);
     }
 
     #[test]

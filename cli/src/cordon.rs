@@ -10,14 +10,13 @@ use prism_common::proto::v1::NodeRequest;
 /// # Errors
 /// Fails when the head is unreachable or does not know the node.
 pub async fn run(head_addr: &client::HeadTarget, node: String, cordon: bool) -> Result<()> {
-    let mut head = client::head(head_addr).await?;
+    let mut head = client::Head::connect(head_addr).await?;
     let request = NodeRequest { node_id: node.clone() };
-    if cordon {
-        head.cordon_node(request).await.map_err(|s| head_addr.status_error(s))?;
-        println!("node {node} cordoned");
-    } else {
-        head.uncordon_node(request).await.map_err(|s| head_addr.status_error(s))?;
-        println!("node {node} uncordoned");
-    }
+    head.call(|mut h| {
+        let request = request.clone();
+        async move { if cordon { h.cordon_node(request).await } else { h.uncordon_node(request).await } }
+    })
+    .await?;
+    println!("node {node} {}", if cordon { "cordoned" } else { "uncordoned" });
     Ok(())
 }

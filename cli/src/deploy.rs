@@ -252,12 +252,14 @@ pub async fn run(head_addr: &client::HeadTarget, args: DeployArgs) -> Result<()>
         print!("{}", file.dry_run_yaml()?);
         return Ok(());
     }
-    let mut head = client::head(head_addr).await?;
+    let mut head = client::Head::connect(head_addr).await?;
+    let request = ApplyDeploymentRequest { spec: Some(spec) };
     let response = head
-        .apply_deployment(ApplyDeploymentRequest { spec: Some(spec) })
-        .await
-        .map_err(|s| head_addr.status_error(s))?
-        .into_inner();
+        .call(|mut h| {
+            let request = request.clone();
+            async move { h.apply_deployment(request).await }
+        })
+        .await?;
     let generation = response.deployment.map_or(0, |d| d.generation);
     let verb = if response.created { "created" } else { "updated" };
     println!("deployment {} {verb} (generation {generation}); watch it with `prism status`", file.name);

@@ -49,11 +49,14 @@ pub fn parse_duration(text: &str) -> Result<Duration> {
 /// # Errors
 /// Fails when the head is unreachable or does not know the node.
 pub async fn run(head_addr: &client::HeadTarget, args: DrainArgs) -> Result<()> {
-    let mut head = client::head(head_addr).await?;
+    let mut head = client::Head::connect(head_addr).await?;
     let deadline_ms = u64::try_from(args.deadline.as_millis()).unwrap_or(u64::MAX).max(1);
-    head.drain_node(DrainNodeRequest { node_id: args.node.clone(), deadline_ms, reason: args.reason })
-        .await
-        .map_err(|s| head_addr.status_error(s))?;
+    let request = DrainNodeRequest { node_id: args.node.clone(), deadline_ms, reason: args.reason };
+    head.call(|mut h| {
+        let request = request.clone();
+        async move { h.drain_node(request).await }
+    })
+    .await?;
     println!(
         "node {} draining (deadline {:?}); follow it with `prism status`, resume it with `prism uncordon {}`",
         args.node, args.deadline, args.node

@@ -6,7 +6,6 @@
 use crate::client;
 use anyhow::Result;
 use clap::Args;
-use prism_common::head_auth::HeadClient;
 use prism_common::proto::v1::{
     ClusterStatusRequest, DeleteDeploymentRequest, ReplicaRecord, ReplicaState, ScaleDeploymentRequest,
 };
@@ -34,10 +33,13 @@ pub struct ScaleArgs {
 /// # Errors
 /// Fails when the head is unreachable or rejects the request (unknown deployment, …).
 pub async fn run(head_addr: &client::HeadTarget, args: ScaleArgs) -> Result<()> {
-    let mut head = client::head(head_addr).await?;
-    head.scale_deployment(ScaleDeploymentRequest { name: args.name.clone(), replicas: args.replicas })
-        .await
-        .map_err(|s| head_addr.status_error(s))?;
+    let mut head = client::Head::connect(head_addr).await?;
+    let request = ScaleDeploymentRequest { name: args.name.clone(), replicas: args.replicas };
+    head.call(|mut h| {
+        let request = request.clone();
+        async move { h.scale_deployment(request).await }
+    })
+    .await?;
     println!("deployment {} scaled to {}", args.name, count(u64::from(args.replicas), "replica", "replicas"));
     if let Some(notice) = unplaced_notice(&mut head, &args.name, args.replicas).await {
         eprintln!("{notice}");
@@ -48,10 +50,10 @@ pub async fn run(head_addr: &client::HeadTarget, args: ScaleArgs) -> Result<()> 
 /// The notice for replicas of `name` the current nodes cannot place, once the head has
 /// created its `replicas` (or after [`PLACEMENT_WAIT`]); `None` when all are placed or
 /// the status cannot be read (the scale itself succeeded).
-async fn unplaced_notice(head: &mut HeadClient, name: &str, replicas: u32) -> Option<String> {
+async fn unplaced_notice(head: &mut client::Head, name: &str, replicas: u32) -> Option<String> {
     let deadline = Instant::now() + PLACEMENT_WAIT;
     loop {
-        let status = head.cluster_status(ClusterStatusRequest {}).await.ok()?.into_inner();
+        let status = head.call(|mut h| async move { h.cluster_status(ClusterStatusRequest {}).await }).await.ok()?;
         let mine: Vec<&ReplicaRecord> = status
             .replicas
             .iter()
@@ -91,10 +93,13 @@ fn pending_notice(replicas: &[&ReplicaRecord], desired: u32) -> Option<String> {
 /// # Errors
 /// Fails when the head is unreachable or rejects the request (unknown deployment, …).
 pub async fn delete(head_addr: &client::HeadTarget, name: String) -> Result<()> {
-    let mut head = client::head(head_addr).await?;
-    head.delete_deployment(DeleteDeploymentRequest { name: name.clone() })
-        .await
-        .map_err(|s| head_addr.status_error(s))?;
+    let mut head = client::Head::connect(head_addr).await?;
+    let request = DeleteDeploymentRequest { name: name.clone() };
+    head.call(|mut h| {
+        let request = request.clone();
+        async move { h.delete_deployment(request).await }
+    })
+    .await?;
     println!("deployment {name} deleted; its replicas drain and stop");
     Ok(())
 }

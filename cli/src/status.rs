@@ -277,9 +277,8 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
 /// # Errors
 /// Fails when the head is unreachable or refuses.
 pub async fn run(head_addr: &client::HeadTarget) -> Result<()> {
-    let mut head = client::head(head_addr).await?;
-    let status =
-        head.cluster_status(ClusterStatusRequest {}).await.map_err(|s| head_addr.status_error(s))?.into_inner();
+    let mut head = client::Head::connect(head_addr).await?;
+    let status = head.call(|mut h| async move { h.cluster_status(ClusterStatusRequest {}).await }).await?;
     print!("{}", render(&status));
     Ok(())
 }
