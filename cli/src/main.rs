@@ -37,7 +37,7 @@ enum Command {
     /// Interactive chat with the router's model; the history is kept.
     Chat(chat::ChatArgs),
     /// Nodes, GPUs, deployments, replicas, states and load.
-    Status,
+    Status(status::StatusArgs),
     /// Create or update a deployment from a YAML file.
     Deploy(deploy::DeployArgs),
     /// Set a deployment's replica count.
@@ -94,7 +94,7 @@ fn main() -> Result<()> {
             Command::Up(args) => up::run(*args).await,
             Command::Generate(args) => generate::run(&router, args).await,
             Command::Chat(args) => chat::run(&router, args).await,
-            Command::Status => status::run(&head).await,
+            Command::Status(args) => status::run(&head, args).await,
             Command::Deploy(args) => deploy::run(&head, args).await,
             Command::Scale(args) => scale::run(&head, args).await,
             Command::Delete { name } => scale::delete(&head, name).await,

@@ -5,10 +5,14 @@
 //! readable tables. A replica of more than one rank shows its ranks per node (RANKS,
 //! e.g. `node-a:0-1 node-b:2-3` for a group across two nodes; NODE / GPUS / CPU SLOTS are the
 //! driver's; a replica on a node without GPUs shows its CPU slots, and `-` under GPUS).
+//! Pending replicas of one deployment waiting for the same reason are shown as one row with
+//! their count (a deployment scaled past the cluster's room may have thousands);
+//! `prism status --all` lists each.
 
 use crate::client;
 use crate::table::Table;
 use anyhow::Result;
+use clap::Args;
 use prism_common::proto::v1::{
     ClusterStatusRequest, ClusterStatusResponse, LoadReport, NodeRecord, NodeState, ReplicaRecord, ReplicaState,
 };
@@ -105,14 +109,46 @@ fn max_model_len(deployment: &str, configured: Option<u32>, status: &ClusterStat
     }
 }
 
-/// Renders a `ClusterStatusResponse` as the text `prism status` prints.
-pub fn render(status: &ClusterStatusResponse) -> String {
+/// `prism status` arguments.
+#[derive(Args, Debug, Default)]
+pub struct StatusArgs {
+    /// List every replica: by default Pending replicas of one deployment waiting for the
+    /// same reason are shown as one row with their count.
+    #[arg(long, short = 'a')]
+    pub all: bool,
+}
+
+/// Renders a `ClusterStatusResponse` as the text `prism status` prints (`all`: one row per
+/// replica, Pending ones included).
+pub fn render(status: &ClusterStatusResponse, all: bool) -> String {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    render_at(status, now)
+    render_at(status, now, all)
+}
+
+/// The rows of the replica table: each replica, except that Pending replicas with no node
+/// are grouped by deployment and reason (unless `all`), a group shown once, where its first
+/// replica comes, with how many it holds.
+fn replica_rows(replicas: &[ReplicaRecord], all: bool) -> Vec<(&ReplicaRecord, usize)> {
+    let unplaced = |r: &ReplicaRecord| r.state == ReplicaState::Pending as i32 && r.node_id.is_empty();
+    let mut counts: HashMap<(&str, &str), usize> = HashMap::new();
+    if !all {
+        for r in replicas.iter().filter(|r| unplaced(r)) {
+            *counts.entry((r.deployment.as_str(), r.reason.as_str())).or_default() += 1;
+        }
+    }
+    let mut rows = Vec::new();
+    for r in replicas {
+        if all || !unplaced(r) {
+            rows.push((r, 1));
+        } else if let Some(n) = counts.remove(&(r.deployment.as_str(), r.reason.as_str())) {
+            rows.push((r, n));
+        }
+    }
+    rows
 }
 
 /// [`render`] at a given wall-clock time (unix milliseconds), for tests.
-pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
+pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64, all: bool) -> String {
     let mut out = String::new();
     let leader = if status.leader.is_empty() { "?" } else { status.leader.as_str() };
     out.push_str(&format!("Head leader: {leader}\n\n"));
@@ -238,7 +274,11 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
         "RANKS",
         "REASON",
     ]);
-    for r in &status.replicas {
+    let rows = replica_rows(&status.replicas, all);
+    let grouped = rows.iter().any(|(_, n)| *n > 1);
+    for (r, n) in rows {
+        // A group of identical Pending replicas: its count in place of a replica id.
+        let id = if n > 1 { format!("×{n}") } else { r.replica_id.clone() };
         let (running, waiting, kv) = load.get(r.replica_id.as_str()).map_or_else(
             || ("-".to_owned(), "-".to_owned(), "-".to_owned()),
             |l| (l.running.to_string(), l.waiting.to_string(), format!("{:.0}%", l.kv_cache_usage * 100.0)),
@@ -249,7 +289,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
         let (gpus, cpu_slots) =
             if cpu_nodes.contains(r.node_id.as_str()) { ("-".to_owned(), slots) } else { (slots, "-".to_owned()) };
         replicas.row(vec![
-            r.replica_id.clone(),
+            id,
             r.deployment.clone(),
             node,
             gpus,
@@ -264,6 +304,9 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
     }
     out.push_str(&format!("\nReplicas ({}):\n", status.replicas.len()));
     out.push_str(&if replicas.is_empty() { "  (none)\n".to_owned() } else { replicas.render() });
+    if grouped {
+        out.push_str("(×N: N Pending replicas of the deployment, waiting for the same reason; `prism status --all` lists each)\n");
+    }
     if status.pending_gpus > 0 {
         // Pending replicas' devices: GPUs, or CPU slots on CPU-only clusters.
         let unmet = prism_common::text::count(u64::from(status.pending_gpus), "GPU or CPU slot", "GPUs or CPU slots");
@@ -276,10 +319,10 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64) -> String {
 ///
 /// # Errors
 /// Fails when the head is unreachable or refuses.
-pub async fn run(head_addr: &client::HeadTarget) -> Result<()> {
+pub async fn run(head_addr: &client::HeadTarget, args: StatusArgs) -> Result<()> {
     let mut head = client::Head::connect(head_addr).await?;
     let status = head.call(|mut h| async move { h.cluster_status(ClusterStatusRequest {}).await }).await?;
-    print!("{}", render(&status));
+    print!("{}", render(&status, args.all));
     Ok(())
 }
 
@@ -322,7 +365,7 @@ mod tests {
             }],
             ..ClusterStatusResponse::default()
         };
-        let text = render(&status);
+        let text = render(&status, false);
         assert!(text.contains("Nodes (1):"), "{text}");
         assert!(text.contains("0:H200 141GiB"), "{text}");
         assert!(text.contains("cordoned"), "{text}");
@@ -364,7 +407,7 @@ mod tests {
             ],
             ..ClusterStatusResponse::default()
         };
-        let text = render_at(&status, 0);
+        let text = render_at(&status, 0, false);
         let cells = |first: &str| -> Vec<String> {
             let line = text.lines().find(|l| l.starts_with(first)).unwrap_or_default();
             line.split_whitespace().map(str::to_owned).collect()
@@ -398,7 +441,7 @@ mod tests {
             ],
             ..ClusterStatusResponse::default()
         };
-        let text = render_at(&status, 58_000);
+        let text = render_at(&status, 58_000, false);
         assert!(text.contains("42s left, 3 in flight"), "{text}");
         // Draining itself (SIGTERM, not cordoned): nothing is placed on it.
         let line = text.lines().find(|l| l.starts_with("w2")).unwrap_or_default();
@@ -408,7 +451,8 @@ mod tests {
         let mut done = status.clone();
         done.replicas.retain(|r| r.node_id != "w2");
         for now in [58_000, 200_000] {
-            let line = render_at(&done, now).lines().find(|l| l.starts_with("w2")).unwrap_or_default().to_owned();
+            let line =
+                render_at(&done, now, false).lines().find(|l| l.starts_with("w2")).unwrap_or_default().to_owned();
             assert!(line.contains("drained") && !line.contains("left"), "{line}");
         }
     }
@@ -445,7 +489,7 @@ mod tests {
             ],
             ..ClusterStatusResponse::default()
         };
-        let text = render_at(&status, 52_500);
+        let text = render_at(&status, 52_500, false);
         let line = text.lines().find(|l| l.starts_with("smol ")).unwrap_or_default();
         let cells: Vec<&str> = line.split_whitespace().collect();
         assert_eq!(cells[cells.len() - 4..cells.len() - 1], ["1/3", "2/3", "1-4"], "{text}");
@@ -481,7 +525,7 @@ mod tests {
             replicas: vec![replica("fitted", 5824), replica("given", 2048), replica("loading", 0)],
             ..ClusterStatusResponse::default()
         };
-        let text = render_at(&status, 0);
+        let text = render_at(&status, 0, false);
         let cell = |name: &str| {
             let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_default();
             let cells: Vec<&str> = line.split_whitespace().collect();
@@ -517,7 +561,7 @@ mod tests {
             load: vec![load("a", 300, 200), load("b", 100, 50), load("c", 0, 0), load("d", 64, 64)],
             ..ClusterStatusResponse::default()
         };
-        let text = render_at(&status, 0);
+        let text = render_at(&status, 0, false);
         let last_cell = |name: &str| {
             let line = text.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_default();
             line.split_whitespace().last().unwrap_or_default().to_owned()
@@ -567,7 +611,7 @@ mod tests {
             load: vec![LoadReport { replica_id: "big-1".into(), running: 4, ..LoadReport::default() }],
             ..ClusterStatusResponse::default()
         };
-        let text = render_at(&status, 0);
+        let text = render_at(&status, 0, false);
         assert!(text.contains("RANKS"), "{text}");
         let line = |id: &str| text.lines().find(|l| l.starts_with(id)).unwrap_or_default().to_owned();
         assert!(line("big-1").ends_with("node-a:0-1 node-b:2-3"), "{text}");
@@ -575,6 +619,42 @@ mod tests {
         assert!(line("tp2-1").ends_with("node-c:0-1"), "{text}");
         // The member node's drain counts the group's requests.
         assert!(text.contains("10s left, 4 in flight"), "{text}");
+    }
+
+    /// Pending replicas of a deployment waiting for the same reason make one row with their
+    /// count; `--all` lists each.
+    #[test]
+    fn identical_pending_replicas_show_once_with_their_count() {
+        let replica = |id: String, d: &str, state: ReplicaState, reason: &str| ReplicaRecord {
+            replica_id: id,
+            deployment: d.into(),
+            state: state as i32,
+            reason: reason.into(),
+            node_id: if state == ReplicaState::Pending { String::new() } else { "w1".into() },
+            ..ReplicaRecord::default()
+        };
+        let no_room = "needs 1 CPU slot on one node; largest free group is 0";
+        let mut replicas = vec![replica("smol-ready".into(), "smol", ReplicaState::Ready, "")];
+        replicas.extend((0..4997).map(|i| replica(format!("smol-{i}"), "smol", ReplicaState::Pending, no_room)));
+        replicas
+            .extend((0..2).map(|i| replica(format!("smol-sel-{i}"), "smol", ReplicaState::Pending, "no node matches")));
+        replicas.extend((0..3).map(|i| replica(format!("gemma-{i}"), "gemma", ReplicaState::Pending, no_room)));
+        let status = ClusterStatusResponse { replicas, ..ClusterStatusResponse::default() };
+
+        let text = render_at(&status, 0, false);
+        let pending: Vec<Vec<&str>> = text
+            .lines()
+            .filter(|l| l.contains("Pending") && !l.starts_with('('))
+            .map(|l| l.split_whitespace().take(3).collect())
+            .collect();
+        assert_eq!(pending, [["×4997", "smol", "-"], ["×2", "smol", "-"], ["×3", "gemma", "-"]], "{text}");
+        assert!(text.contains("Replicas (5003):") && text.contains("smol-ready"), "{text}");
+        assert!(text.lines().any(|l| l.starts_with("×4997") && l.ends_with(no_room)), "{text}");
+        assert!(text.contains("`prism status --all` lists each"), "{text}");
+
+        let all = render_at(&status, 0, true);
+        assert_eq!(all.lines().filter(|l| l.contains("Pending")).count(), 5002, "one line per replica");
+        assert!(!all.contains('×'), "nothing grouped with --all");
     }
 
     #[test]
