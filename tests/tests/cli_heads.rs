@@ -1,9 +1,13 @@
-//! The admin commands against a cluster of several heads (etcd), with the real `prism`
-//! binary and no worker (every replica stays Pending):
+//! The admin commands against real heads (etcd), with the real `prism` binary and no worker
+//! (every replica stays Pending):
 //! - `writes_sent_to_a_follower_reach_the_leader`: `--head FOLLOWER` and `--head A,B` (a
 //!   list, as workers and routers take it) deploy, scale and delete: a follower's refusal
 //!   naming the leader is followed once; `prism status` is answered by a follower itself; an
 //!   unreachable head at the front of the list is skipped.
+//! - `a_large_status_shows_pending_replicas_once_and_stops_quietly_when_its_reader_goes`:
+//!   3,000 Pending replicas make one row of `prism status`; `prism status --all` lists each,
+//!   and when the reader of its output goes after one line (`| head -1`) it exits as a
+//!   process ended by SIGPIPE does (141), without a panic.
 
 use anyhow::{Context, Result, ensure};
 use prism_tests::{Cluster, bin_path, workspace_root};
@@ -71,6 +75,51 @@ async fn writes_sent_to_a_follower_reach_the_leader() -> Result<()> {
 
         let out = prism_ok(&listed, &["delete", "smol"])?;
         assert!(out.contains("deployment smol deleted"), "{out}");
+        anyhow::Ok(())
+    }
+    .await;
+    cluster.with_logs(outcome)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_status_shows_pending_replicas_once_and_stops_quietly_when_its_reader_goes() -> Result<()> {
+    const PENDING: usize = 3000;
+    let cluster = Cluster::builder().start().await?;
+    let outcome = async {
+        let head = cluster.head_url().to_owned();
+        prism_ok(&head, &["deploy", "-f", &deployment_file(cluster.dir(), PENDING as u32)?])?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while cluster.status().await?.replicas.len() < PENDING {
+            ensure!(std::time::Instant::now() < deadline, "the head did not create {PENDING} replicas in 60 s");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+
+        let out = prism_ok(&head, &["status"])?;
+        // Replica rows: REPLICA DEPLOYMENT NODE GPUS CPU-SLOTS STATE …
+        let pending = |l: &&str| l.split_whitespace().nth(5) == Some("Pending");
+        let rows: Vec<&str> = out.lines().filter(pending).collect();
+        assert_eq!(rows.len(), 1, "{out}");
+        assert!(rows[0].starts_with(&format!("×{PENDING} ")), "{out}");
+        let all = prism_ok(&head, &["status", "--all"])?;
+        assert_eq!(all.lines().filter(pending).count(), PENDING);
+
+        // `prism status --all | head -1`: far more than a pipe holds, and the reader goes.
+        let out = tokio::task::block_in_place(|| -> Result<Output> {
+            use std::io::BufRead;
+            let mut child = std::process::Command::new(bin_path("prism")?)
+                .args(["--head", &head, "status", "--all"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()?;
+            let stdout = child.stdout.take().context("stdout")?;
+            let mut first = String::new();
+            std::io::BufReader::new(stdout).read_line(&mut first)?;
+            ensure!(first.starts_with("Head leader:"), "{first}");
+            Ok(child.wait_with_output()?)
+        })?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert_eq!(out.status.code(), Some(141), "{stderr}");
         anyhow::Ok(())
     }
     .await;
