@@ -15,7 +15,9 @@ pub struct DrainArgs {
     /// Node id (see `prism status`).
     pub node: String,
     /// How long in-flight requests may run before they are migrated: `90s`, `2m`, `500ms`.
-    #[arg(long, env = "PRISM_DRAIN_DEADLINE", default_value = "60s", value_parser = parse_duration)]
+    /// Zero is refused: it would stop the node's replicas at once (kubectl drain's
+    /// `--timeout=0` waits forever instead).
+    #[arg(long, env = "PRISM_DRAIN_DEADLINE", default_value = "60s", value_parser = parse_deadline)]
     pub deadline: Duration,
     /// Why (recorded on the node, shown by `prism status`).
     #[arg(long, env = "PRISM_DRAIN_REASON", default_value = "prism drain")]
@@ -42,6 +44,24 @@ pub fn parse_duration(text: &str) -> Result<Duration> {
         bail!("invalid duration {text:?}");
     }
     Ok(Duration::from_secs_f64(seconds))
+}
+
+/// A drain deadline: as [`parse_duration`], but not zero. A zero deadline would stop the
+/// node's replicas at once, cutting their requests, and a user who knows `kubectl drain`
+/// (where `--timeout=0` means wait forever) may give one meaning the opposite.
+///
+/// # Errors
+/// Not a duration, or zero.
+fn parse_deadline(text: &str) -> Result<Duration> {
+    let deadline = parse_duration(text)?;
+    if deadline.is_zero() {
+        bail!(
+            "a zero deadline would stop the node's replicas at once, cutting their requests (it does not mean \
+             \"wait forever\" as kubectl drain's --timeout=0 does); give the time in-flight requests may take, \
+             e.g. --deadline 60s (a short one such as 1s stops them almost at once)"
+        );
+    }
+    Ok(deadline)
 }
 
 /// Runs `prism drain`.
@@ -77,6 +97,25 @@ mod tests {
         assert_eq!(parse_duration("10")?, Duration::from_secs(10));
         assert!(parse_duration("10 parsecs").is_err());
         assert!(parse_duration("s").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_zero_drain_deadline_is_refused() -> Result<()> {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: DrainArgs,
+        }
+        for zero in ["0s", "0", "0ms", "0.0m"] {
+            let Err(e) = Cli::try_parse_from(["drain", "w1", "--deadline", zero]) else { panic!("{zero} accepted") };
+            assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{zero}: {e}");
+        }
+        let e = Cli::try_parse_from(["drain", "w1", "--deadline", "0s"]).err().map(|e| e.to_string());
+        assert!(e.as_deref().is_some_and(|e| e.contains("--deadline 60s")), "{e:?}");
+        let ok = Cli::try_parse_from(["drain", "w1", "--deadline", "1s"])?;
+        assert_eq!(ok.args.deadline, Duration::from_secs(1));
         Ok(())
     }
 }

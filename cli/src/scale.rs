@@ -25,7 +25,21 @@ pub struct ScaleArgs {
     pub name: String,
     /// Desired number of replicas. More than the nodes can place is accepted: the rest stay
     /// Pending until nodes join (a notice on stderr says how many, and why).
+    #[arg(allow_negative_numbers = true, value_parser = parse_replicas)]
     pub replicas: u32,
+}
+
+/// A replica count: a whole number ≥ 0. Negative numbers reach this parser (rather than
+/// being taken for a flag, `unexpected argument '-1'`) so the refusal can say what is valid.
+///
+/// # Errors
+/// Not a whole number, negative, or beyond `u32`.
+fn parse_replicas(text: &str) -> Result<u32, String> {
+    let n: i64 = text.trim().parse().map_err(|_| format!("{text:?} is not a replica count (a whole number ≥ 0)"))?;
+    if n < 0 {
+        return Err(format!("the replica count must be ≥ 0, not {n} (0 stops every replica)"));
+    }
+    u32::try_from(n).map_err(|_| format!("{n} replicas is far beyond any cluster (at most 10,000)"))
 }
 
 /// Runs `prism scale`.
@@ -128,6 +142,25 @@ mod tests {
             pending_notice(&[&pending], 1)
                 .is_some_and(|n| n.contains("1 of 1 replica cannot") && n.contains("it stays"))
         );
+    }
+
+    #[test]
+    fn replica_counts_are_whole_numbers_from_zero() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: ScaleArgs,
+        }
+        let parse = |n: &str| Cli::try_parse_from(["scale", "smol", n]).map(|c| c.args.replicas);
+        assert_eq!(parse("0").ok(), Some(0));
+        assert_eq!(parse("5000").ok(), Some(5000));
+        for bad in ["-1", "-5", "2.5", "x", "99999999999"] {
+            let Err(e) = parse(bad) else { panic!("{bad} accepted") };
+            assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad}: {e}");
+        }
+        let Err(e) = parse("-5") else { panic!("-5 accepted") };
+        assert!(e.to_string().contains("must be ≥ 0, not -5"), "{e}");
     }
 
     /// Right after a scale-down the head has not removed the surplus Pending replicas yet:
