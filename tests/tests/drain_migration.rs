@@ -6,6 +6,9 @@
 //!   usage; the largest inter-token gap around the migration is printed.
 //! - `kill_9_mid_stream_migrates_token_exact`: SIGKILL of a worker with streams in flight
 //!   (no notice): the same guarantee.
+//! - `frozen_worker_mid_stream_migrates_when_its_replica_leaves_the_routes`: SIGSTOP of a
+//!   worker with streams in flight: they move once the head drops its replica from the
+//!   routes (worker timeout 2 s), not when the connection's keepalive gives up (~10 s).
 //!
 //! Skipped when the model is absent unless `PRISM_REQUIRE_MODEL=1`.
 
@@ -37,23 +40,7 @@ async fn busy_worker(cluster: &Cluster, n: f64) -> Result<String> {
 async fn disturb(cluster: &mut Cluster, signal: Signal, deadline: Duration, max_tokens: u32) -> Result<()> {
     let reference = Arc::new(reference(cluster.grpc(), max_tokens).await?);
     let load = Load::start(cluster.grpc(), 4, max_tokens, reference);
-    load.wait_more(2, Duration::from_secs(90)).await?;
-    let node = busy_worker(cluster, 2.0).await?;
-    // Disturb right after a stream on that worker produced its first token: it then has
-    // (almost) all of its tokens left, so it outlives the deadline and must be migrated. (The
-    // router retries a request whose replica leaves the routes before its first token, and a
-    // stream near its end finishes inside the deadline: neither migrates.)
-    let http = cluster.worker(&node)?.http.clone();
-    let ttft = |http: String| async move {
-        let text = reqwest::get(format!("{http}/metrics")).await?.text().await?;
-        anyhow::Ok(metric_value(&text, "vllm:time_to_first_token_seconds_count"))
-    };
-    let first0 = ttft(http.clone()).await?;
-    eventually(Duration::from_secs(60), "a fresh stream decoding on the busy worker", || {
-        let http = http.clone();
-        async move { Ok((ttft(http).await? > first0).then_some(())) }
-    })
-    .await?;
+    let node = fresh_stream_on_busy_worker(cluster, &load).await?;
     let t0 = Instant::now();
     let worker = cluster.worker_mut(&node)?;
     worker.process.signal(signal)?;
@@ -79,6 +66,58 @@ async fn disturb(cluster: &mut Cluster, signal: Signal, deadline: Duration, max_
     Ok(())
 }
 
+/// Under `load`, the busiest worker right after one of its streams produced its first token:
+/// that stream then has (almost) all of its tokens left, so it outlives a disturbance and
+/// must be migrated. (The router retries a request whose replica leaves the routes before
+/// its first token, and a stream near its end finishes first: neither migrates.)
+async fn fresh_stream_on_busy_worker(cluster: &Cluster, load: &Load) -> Result<String> {
+    load.wait_more(2, Duration::from_secs(90)).await?;
+    let node = busy_worker(cluster, 2.0).await?;
+    let http = cluster.worker(&node)?.http.clone();
+    let ttft = |http: String| async move {
+        let text = reqwest::get(format!("{http}/metrics")).await?.text().await?;
+        anyhow::Ok(metric_value(&text, "vllm:time_to_first_token_seconds_count"))
+    };
+    let first0 = ttft(http.clone()).await?;
+    eventually(Duration::from_secs(60), "a fresh stream decoding on the busy worker", || {
+        let http = http.clone();
+        async move { Ok((ttft(http).await? > first0).then_some(())) }
+    })
+    .await?;
+    Ok(node)
+}
+
+/// A worker frozen (SIGSTOP) with streams in flight: its connections stay open and silent.
+/// The head marks the node Dead after its `--worker-timeout` (2 s here) and drops the replica
+/// from the routes; the router moves the streams then, token-exact, instead of waiting for the
+/// connection's keepalive to give up (5 s without data, then 5 s for the ping's answer).
+async fn freeze_mid_stream(cluster: &mut Cluster) -> Result<()> {
+    /// Below the keepalive's 10 s with room for the head's timeout, the table's trip and the
+    /// continuation's prefill on a loaded 2-core machine.
+    const GAP_BOUND: Duration = Duration::from_secs(7);
+    let reference = Arc::new(reference(cluster.grpc(), MAX_TOKENS).await?);
+    let load = Load::start(cluster.grpc(), 4, MAX_TOKENS, reference);
+    let node = fresh_stream_on_busy_worker(cluster, &load).await?;
+    let t0 = Instant::now();
+    cluster.worker(&node)?.process.signal(Signal::SIGSTOP)?;
+    let finished = load.wait_more(6, Duration::from_secs(120)).await;
+    let report = load.stop().await;
+    // Thawed, it finds itself replaced and stops its replica (and can be shut down).
+    cluster.worker(&node)?.process.signal(Signal::SIGCONT)?;
+    finished?;
+    let report = report?;
+    report.check()?;
+    let migrations = cluster.router_metric("prism_router_migrations_total").await?;
+    anyhow::ensure!(migrations >= 1.0, "no stream was migrated ({} ok)", report.ok);
+    let around = report.max_gap_around(t0);
+    eprintln!(
+        "SIGSTOP: {} streams token-exact, {migrations} migrations; largest gap at the freeze {around:?}",
+        report.ok
+    );
+    anyhow::ensure!(around < GAP_BOUND, "streams on the frozen worker stalled {around:?} (bound {GAP_BOUND:?})");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn short_deadline_migrates_streams_token_exact() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
@@ -99,6 +138,16 @@ async fn kill_9_mid_stream_migrates_token_exact() -> Result<()> {
     let Some(model) = model() else { return Ok(()) };
     let mut cluster = Cluster::serving(&model, 3, 3).start().await?;
     if let Err(e) = disturb(&mut cluster, Signal::SIGKILL, Duration::ZERO, MAX_TOKENS).await {
+        bail!("{e:#}\n{}", cluster.logs());
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn frozen_worker_mid_stream_migrates_when_its_replica_leaves_the_routes() -> Result<()> {
+    let Some(model) = model() else { return Ok(()) };
+    let mut cluster = Cluster::serving(&model, 3, 3).start().await?;
+    if let Err(e) = freeze_mid_stream(&mut cluster).await {
         bail!("{e:#}\n{}", cluster.logs());
     }
     Ok(())

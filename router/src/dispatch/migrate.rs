@@ -10,6 +10,8 @@
 //! When the client drops its receiver the task drops the worker stream, which cancels the
 //! request on the worker.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -124,6 +126,15 @@ impl StreamPump {
 
     /// Forwards the rest of `stream` to `tx`, migrating on failure; ends with the stream, a
     /// terminal error sent to `tx`, or the client gone.
+    ///
+    /// A migratable stream whose replica leaves the route table (the head found its worker
+    /// gone: session lost, frozen, killed) moves at once rather than when the connection's
+    /// keepalive gives up (up to [`KEEPALIVE_INTERVAL`](super::upstream::KEEPALIVE_INTERVAL) +
+    /// [`KEEPALIVE_TIMEOUT`](super::upstream::KEEPALIVE_TIMEOUT) later): a frozen worker would
+    /// otherwise stall its streams that long. The continuation is token-exact, so moving a
+    /// stream whose worker was in fact alive (only cut off from the head, which replaces it
+    /// and stops it when it reconnects) costs a prefill, not a wrong answer. A stream of
+    /// several choices cannot move and keeps waiting on its connection.
     pub(super) async fn run(
         mut self,
         mut stream: Streaming<GenerateResponse>,
@@ -131,11 +142,22 @@ impl StreamPump {
         mut guard: DispatchGuard,
         tx: mpsc::Sender<Result<GenerateResponse, DispatchError>>,
     ) {
+        let movable = choices(&self.c.req) == 1;
+        let mut gone = self.left_routes(&replica, movable);
         loop {
             let next = tokio::select! {
                 biased;
                 _ = tx.closed() => return, // client gone: dropping `stream` cancels the worker request
-                r = tokio::time::timeout_at(self.c.deadline, stream.message()) => r,
+                r = tokio::time::timeout_at(self.c.deadline, stream.message()) => Some(r),
+                () = &mut gone => None,
+            };
+            let Some(next) = next else {
+                let failure = Status::unavailable("the replica left the route table mid-stream (its worker is gone)");
+                if !self.move_on(failure, &mut stream, &mut replica, &mut guard, &tx).await {
+                    return;
+                }
+                gone = self.left_routes(&replica, movable);
+                continue;
             };
             let failure = match next {
                 Err(_) => {
@@ -154,29 +176,54 @@ impl StreamPump {
                 Ok(Ok(None)) => Status::unavailable("worker stream ended before the request finished"),
                 Ok(Err(s)) => past_deadline(s, self.c.deadline),
             };
-            self.upstream.note_failure(&replica, &failure);
-            self.c.tried.push(replica.replica_id.clone());
-            match self.migrate(&failure).await {
-                Ok((s, r, g, mut first)) => {
-                    stream = s;
-                    replica = r;
-                    drop(std::mem::replace(&mut guard, g)); // the old replica's load is released
-                    self.upstream.metrics().migrations.inc();
-                    tracing::info!(replica = %replica.replica_id, "stream migrated");
-                    self.note(&first);
-                    self.usage.migrated(&mut first);
-                    if tx.send(Ok(first)).await.is_err() {
-                        return;
-                    }
-                }
-                Err(why) => {
-                    let e = match why {
-                        NoMigration::Unavailable(e) => e,
-                        NoMigration::Failed => DispatchError::from_last_failure(failure, &replica.replica_id),
-                    };
-                    let _ = tx.send(Err(e)).await;
-                    return;
-                }
+            if !self.move_on(failure, &mut stream, &mut replica, &mut guard, &tx).await {
+                return;
+            }
+            gone = self.left_routes(&replica, movable);
+        }
+    }
+
+    /// Resolves when `replica` leaves the route table, for a stream that can move; never
+    /// otherwise.
+    fn left_routes(&self, replica: &Arc<ReplicaRoute>, movable: bool) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        if !movable {
+            return Box::pin(std::future::pending());
+        }
+        let (upstream, replica) = (Arc::clone(&self.upstream), Arc::clone(replica));
+        Box::pin(async move { upstream.left_routes(&replica).await })
+    }
+
+    /// After `failure` of the stream on `replica`: continues it on another replica (updating
+    /// `stream`, `replica` and `guard`) and returns true, or sends the client its terminal
+    /// error and returns false (false too when the client is gone).
+    async fn move_on(
+        &mut self,
+        failure: Status,
+        stream: &mut Streaming<GenerateResponse>,
+        replica: &mut Arc<ReplicaRoute>,
+        guard: &mut DispatchGuard,
+        tx: &mpsc::Sender<Result<GenerateResponse, DispatchError>>,
+    ) -> bool {
+        self.upstream.note_failure(replica, &failure);
+        self.c.tried.push(replica.replica_id.clone());
+        match self.migrate(&failure).await {
+            Ok((s, r, g, mut first)) => {
+                *stream = s;
+                *replica = r;
+                drop(std::mem::replace(guard, g)); // the old replica's load is released
+                self.upstream.metrics().migrations.inc();
+                tracing::info!(replica = %replica.replica_id, "stream migrated");
+                self.note(&first);
+                self.usage.migrated(&mut first);
+                tx.send(Ok(first)).await.is_ok()
+            }
+            Err(why) => {
+                let e = match why {
+                    NoMigration::Unavailable(e) => e,
+                    NoMigration::Failed => DispatchError::from_last_failure(failure, &replica.replica_id),
+                };
+                let _ = tx.send(Err(e)).await;
+                false
             }
         }
     }

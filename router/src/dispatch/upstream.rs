@@ -207,13 +207,13 @@ impl Upstream {
 
     /// Resolves once the route table no longer lists `replica` (checked now and after every
     /// table update); pending forever while it stays listed, Draining included.
-    async fn left_routes(&self, replica: &ReplicaRoute) {
+    pub(super) async fn left_routes(&self, replica: &ReplicaRoute) {
         let routes = &self.routes;
         // Subscribe before the first check so an update in between is not missed.
         let mut updates = routes.subscribe();
         loop {
             if !routes.lists(&replica.model, &replica.replica_id) {
-                tracing::info!(replica = %replica.replica_id, "replica left the route table before the first token; attempt abandoned");
+                tracing::info!(replica = %replica.replica_id, "replica left the route table; its attempt is abandoned");
                 return;
             }
             if updates.changed().await.is_err() {
