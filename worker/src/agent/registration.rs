@@ -264,7 +264,16 @@ async fn session(agent: &Arc<Agent>, target: &str, shutdown: &CancellationToken)
                 Err(s) => return SessionEnd::Failed { error: status_line(&s), leader: leader_hint(&s) },
             },
             c = changes.changed() => match c {
-                Ok(()) => Some(msg(worker_message::Msg::Status(agent.status_snapshot()))),
+                // Loads first: a replica's Ready status then reaches the head after its load
+                // report, so the route table that first lists it Ready carries its capacity
+                // (`max_num_seqs`). Routers admit up to their default limit to a replica that
+                // reported none, and would hand it everything queued for the model.
+                Ok(()) => {
+                    if tx.send(msg(worker_message::Msg::Load(agent.load_reports()))).await.is_err() {
+                        return failed("outbound stream closed".into());
+                    }
+                    Some(msg(worker_message::Msg::Status(agent.status_snapshot())))
+                }
                 Err(_) => return SessionEnd::Shutdown,
             },
             d = drains.changed() => match d {
