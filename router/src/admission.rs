@@ -16,10 +16,12 @@
 //! - Bounds, per model: `--max-queued-requests` (count), `--max-queued-tokens` (the
 //!   request's token estimate, prompt + decode), `--max-queue-wait` and the request's own
 //!   deadline (time). Past a count or token bound the request is refused at once with a
-//!   `Retry-After` from the queue's observed drain rate, bounded by the waits left to those
-//!   queued (`queue::retry_after_s`; 429 / RESOURCE_EXHAUSTED); past the
-//!   wait bound 429, or 503 / UNAVAILABLE when the model still has no Ready replica; past
-//!   its own deadline 504 / DEADLINE_EXCEEDED.
+//!   `Retry-After` for when as many slots have freed as it would have requests ahead, from
+//!   the service times of the model's running and recent requests (`service.rs`), bounded by
+//!   the waits left to those queued (`queue::retry_after_s`; 429 / RESOURCE_EXHAUSTED); past
+//!   the wait bound 429 with the same estimate (not bounded: the queue emptying by timeouts
+//!   frees no slot), or 503 / UNAVAILABLE when the model still has no Ready replica; past its
+//!   own deadline 504 / DEADLINE_EXCEEDED.
 //! - Waiters are served in order by [`Admission::run`], woken when a dispatched request
 //!   releases its slot (`DispatchGuard` drop), when the route table changes (membership,
 //!   state, or a replica's new load report) and by [`PUMP_TICK`]: an ejection that ends sends
@@ -36,6 +38,7 @@
 //!   handed to it in that instant is released with the dropped message.
 
 pub mod queue;
+pub mod service;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -168,7 +171,6 @@ struct Inner {
     queues: Mutex<Queues>,
     /// Notified when a request queues for a model with no Ready replica.
     scale_from_zero: Notify,
-    epoch: Instant,
 }
 
 /// The admission queues of every model (cheap `Clone`).
@@ -185,10 +187,6 @@ fn usable(snap: &RouteSnapshot, model: &str, now_ms: u64) -> bool {
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, Queues> {
         self.queues.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn sec(&self, now: Instant) -> u64 {
-        now.saturating_duration_since(self.epoch).as_secs()
     }
 
     fn try_now(&self, snap: &RouteSnapshot, model: &str, hint: &RequestHint) -> Attempt {
@@ -211,10 +209,30 @@ impl Inner {
         }
     }
 
-    /// `Retry-After` for a request refused by a bound of `q` (see [`retry_after_s`]).
-    fn retry_after(&self, q: &mut ModelQueue<Answer>, now: Instant) -> u32 {
-        let rate = q.drain.per_second(self.sec(now));
-        retry_after_s(q.len() + 1, rate, q.bounds(now, self.cfg.max_queue_wait))
+    /// `Retry-After` for a request of `model` refused by `bound` with `q` as it is now: when
+    /// as many of the model's slots have freed as requests are queued, plus one (see
+    /// [`retry_after_s`]).
+    fn retry_after(
+        &self,
+        model: &str,
+        q: &ModelQueue<Answer>,
+        snap: &RouteSnapshot,
+        bound: Bound,
+        now: Instant,
+    ) -> u32 {
+        let running =
+            snap.models.get(model).map_or(0, |rs| rs.iter().map(|r| r.stats.in_flight.load(Ordering::Relaxed)).sum());
+        let service = q.service.at(now, running);
+        let mut bounds = q.bounds(now, self.cfg.max_queue_wait);
+        if matches!(bound, Bound::Timeout | Bound::Deadline) {
+            bounds.all_gone = None;
+        }
+        retry_after_s(service.slots_free_in(q.len() + 1), bounds)
+    }
+
+    /// Counts the request of `a` as running for `q`'s model until its guard drops.
+    fn in_service(q: &ModelQueue<Answer>, a: &mut Admitted, now: Instant) {
+        a.1.attach(Box::new(q.service.start(now)));
     }
 
     fn gauges(&self, model: &str, q: &ModelQueue<Answer>) {
@@ -233,13 +251,11 @@ impl Inner {
             }
             let hint = RequestHint { expected_tokens: front.tokens, prefix: front.prefix.clone() };
             match self.try_now(snap, model, &hint) {
-                Attempt::Go(a) => {
+                Attempt::Go(mut a) => {
                     let Some(w) = q.pop_front() else { break };
                     changed = true;
                     self.metrics.queue_waited(now.saturating_duration_since(w.since).as_secs_f64());
-                    if !w.again {
-                        q.drain.record(self.sec(now));
-                    }
+                    Self::in_service(q, &mut a, now);
                     // A receiver gone in this instant drops the slot with the message.
                     let _ = w.tx.send(Ok(a));
                 }
@@ -269,9 +285,10 @@ impl Inner {
             self.metrics.queue_waited(now.saturating_duration_since(w.since).as_secs_f64());
             self.metrics.queue_rejected(model, bound.as_str());
             self.gauges(model, q);
-            let retry_after_s = self.retry_after(q, now);
+            let snap = self.routes.snapshot();
+            let retry_after_s = self.retry_after(model, q, &snap, bound, now);
             drop(queues);
-            return Err(if !usable(&self.routes.snapshot(), model, self.routes.now_ms()) {
+            return Err(if !usable(&snap, model, self.routes.now_ms()) {
                 AdmitError::NoReplicaInTime { retry_after_s }
             } else if bound == Bound::Deadline {
                 AdmitError::DeadlineExceeded
@@ -322,7 +339,6 @@ impl Admission {
             cfg,
             queues: Mutex::new(Queues::default()),
             scale_from_zero: Notify::new(),
-            epoch: Instant::now(),
         };
         Self { inner: Arc::new(inner) }
     }
@@ -339,7 +355,7 @@ impl Admission {
     /// A slot for a request whose attempt failed on its replica before the first token (the
     /// replica is out of rotation now): like [`Admission::admit`], but first in line (it
     /// arrived before those waiting), its wait bound what is left of `--max-queue-wait` after
-    /// the `waited` it spent queued already, and not counted again in the drain rate.
+    /// the `waited` it spent queued already.
     ///
     /// # Errors
     /// As [`Admission::admit`].
@@ -370,11 +386,8 @@ impl Admission {
                 !snap.has_ready(model)
             } else {
                 match inner.try_now(&snap, model, &hint) {
-                    Attempt::Go(a) => {
-                        let q = queues.models.entry(model.to_owned()).or_default();
-                        if !again {
-                            q.drain.record(inner.sec(now));
-                        }
+                    Attempt::Go(mut a) => {
+                        Inner::in_service(queues.models.entry(model.to_owned()).or_default(), &mut a, now);
                         return Ok(a);
                     }
                     Attempt::Fail(e) => return Err(e),
@@ -393,10 +406,13 @@ impl Admission {
             };
             if let Some(bound) = bound {
                 inner.metrics.queue_rejected(model, bound.as_str());
-                return Err(AdmitError::Rejected { bound, retry_after_s: inner.retry_after(q, now) });
+                return Err(AdmitError::Rejected {
+                    bound,
+                    retry_after_s: inner.retry_after(model, q, &snap, bound, now),
+                });
             }
             let (tx, rx) = oneshot::channel();
-            let w = Waiter { id, tokens: hint.expected_tokens, prefix: hint.prefix.clone(), since: now, again, tx };
+            let w = Waiter { id, tokens: hint.expected_tokens, prefix: hint.prefix.clone(), since: now, tx };
             if again {
                 q.push_front(w);
             } else {

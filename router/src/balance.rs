@@ -48,6 +48,15 @@ pub struct DispatchGuard {
     tokens: u64,
     cached: u64,
     released: Arc<Notify>,
+    /// Dropped when the slot is released (the admission queue's service time of the request).
+    attached: Option<Box<dyn std::fmt::Debug + Send + Sync>>,
+}
+
+impl DispatchGuard {
+    /// Keeps `value` until the slot is released, then drops it (before waking the queue).
+    pub fn attach(&mut self, value: Box<dyn std::fmt::Debug + Send + Sync>) {
+        self.attached = Some(value);
+    }
 }
 
 impl Drop for DispatchGuard {
@@ -55,6 +64,7 @@ impl Drop for DispatchGuard {
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.stats.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
         self.stats.cached_tokens.fetch_sub(self.cached, Ordering::Relaxed);
+        drop(self.attached.take());
         self.released.notify_one();
     }
 }
@@ -78,7 +88,7 @@ fn try_admit(r: &ReplicaRoute, tokens: u64, cached: u64, released: &Arc<Notify>)
     r.stats.cached_tokens.fetch_add(cached, Ordering::Relaxed);
     r.stats.dispatched.fetch_add(1, Ordering::Relaxed);
     r.stats.record_dispatch(std::time::Instant::now());
-    Some(DispatchGuard { stats: r.stats.clone(), tokens, cached, released: Arc::clone(released) })
+    Some(DispatchGuard { stats: r.stats.clone(), tokens, cached, released: Arc::clone(released), attached: None })
 }
 
 /// Chooses and admits a replica of `model`, skipping replica ids in `exclude`.

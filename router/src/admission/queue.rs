@@ -1,6 +1,6 @@
 //! The data of one model's admission queue: its FIFO of waiters with their token total, and
-//! the drain rate that `Retry-After` is derived from. Generic over what a waiter is sent, so
-//! it is tested without replicas.
+//! the service times (`service.rs`) that `Retry-After` is derived from. Generic over what a
+//! waiter is sent, so it is tested without replicas.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -8,6 +8,7 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 use tokio::time::{Duration, Instant};
 
+use super::service::ServiceTimes;
 use crate::prefix::PrefixKeys;
 
 /// Smallest `Retry-After` the router sends, seconds.
@@ -15,8 +16,6 @@ pub const MIN_RETRY_AFTER_S: u32 = 1;
 /// Largest `Retry-After` the router sends, seconds (a client told to wait longer would rather
 /// give up; the queue's state a minute from now is unknown anyway).
 pub const MAX_RETRY_AFTER_S: u32 = 60;
-/// Seconds of history the drain rate is measured over.
-const DRAIN_WINDOW_S: usize = 10;
 
 /// One request waiting for a replica slot.
 pub struct Waiter<T> {
@@ -28,57 +27,8 @@ pub struct Waiter<T> {
     pub prefix: Option<Arc<PrefixKeys>>,
     /// When it entered the queue.
     pub since: Instant,
-    /// Back after an attempt that failed before its first token: it queued or was served
-    /// once already, so its admission is not counted again in the drain rate.
-    pub again: bool,
     /// Where its slot (or its error) is sent.
     pub tx: oneshot::Sender<T>,
-}
-
-/// Requests admitted per second over the last [`DRAIN_WINDOW_S`] seconds, in one-second
-/// buckets keyed by whole seconds since the admission epoch.
-#[derive(Debug, Default)]
-pub struct DrainRate {
-    buckets: [u32; DRAIN_WINDOW_S],
-    /// The second `buckets` are current up to.
-    head: u64,
-}
-
-impl DrainRate {
-    /// Clears the buckets of the seconds between the last update and `sec`.
-    fn advance(&mut self, sec: u64) {
-        if sec <= self.head {
-            return;
-        }
-        let n = (sec - self.head).min(DRAIN_WINDOW_S as u64);
-        for i in 1..=n {
-            self.buckets[((self.head + i) % DRAIN_WINDOW_S as u64) as usize] = 0;
-        }
-        self.head = sec;
-    }
-
-    /// Counts one request admitted during second `sec`.
-    pub fn record(&mut self, sec: u64) {
-        self.advance(sec);
-        let i = (sec % DRAIN_WINDOW_S as u64) as usize;
-        self.buckets[i] = self.buckets[i].saturating_add(1);
-    }
-
-    /// Requests admitted per second at second `sec`: the window's count over the seconds
-    /// since its earliest admission (at least one), so a queue that started draining a moment
-    /// ago (a replica just Ready, long requests just done) is not diluted by the idle seconds
-    /// before; `None` when nothing was admitted in the window.
-    pub fn per_second(&mut self, sec: u64) -> Option<f64> {
-        self.advance(sec);
-        // A caller that read the clock before another recorded a later second.
-        let sec = sec.max(self.head);
-        // Seconds back from `sec` to the earliest one with an admission, oldest first.
-        let window = DRAIN_WINDOW_S as u64;
-        let earliest =
-            (0..window.min(sec + 1)).rev().find(|back| self.buckets[((sec - back) % window) as usize] > 0)?;
-        let sum: u32 = self.buckets.iter().sum();
-        Some(f64::from(sum) / (earliest + 1) as f64)
-    }
 }
 
 /// How long the requests queued now may still wait at most (each leaves by its
@@ -87,19 +37,22 @@ impl DrainRate {
 pub struct QueueBounds {
     /// Until the first in line has left (a place in the queue frees by then at the latest).
     pub first_gone: Duration,
-    /// Until every request queued now has left.
-    pub all_gone: Duration,
+    /// Until every request queued now has left, when that frees what the refused request
+    /// lacks: a place in the queue (a count or token bound). `None` for a request whose wait
+    /// ended: the queue emptying by timeouts gives it no slot when it comes back.
+    pub all_gone: Option<Duration>,
 }
 
-/// `Retry-After` seconds for a request refused when it would be `position`-th in line: the
-/// time the queue takes to drain that far at `rate` requests per second (a retry then is
-/// likely admitted, and behind fewer requests than wait now), but no later than
-/// `bounds.all_gone`. When nothing drained lately, `bounds.first_gone`: the queue has room by
-/// then whatever the replicas do. Clamped to [`MIN_RETRY_AFTER_S`]..=[`MAX_RETRY_AFTER_S`].
-pub fn retry_after_s(position: usize, rate: Option<f64>, bounds: QueueBounds) -> u32 {
-    let secs = match rate {
-        Some(r) if r > 0.0 => (position as f64 / r).min(bounds.all_gone.as_secs_f64()),
-        _ => bounds.first_gone.as_secs_f64(),
+/// `Retry-After` seconds for a refused request: `slots_free_in`, the time until as many
+/// slots have freed as requests would be ahead of it and it (`Service::slots_free_in`; a
+/// retry then is likely admitted: the queue has room, and a slot is near), but no later than
+/// `bounds.all_gone` when that is given. With no estimate (nothing runs: the queue waits for
+/// a replica), `bounds.first_gone`: the queue has room by then whatever the replicas do.
+/// Clamped to [`MIN_RETRY_AFTER_S`]..=[`MAX_RETRY_AFTER_S`].
+pub fn retry_after_s(slots_free_in: Option<f64>, bounds: QueueBounds) -> u32 {
+    let secs = match slots_free_in {
+        Some(s) => bounds.all_gone.map_or(s, |all| s.min(all.as_secs_f64())),
+        None => bounds.first_gone.as_secs_f64(),
     };
     // Clamped to 1..=60 first, so the cast is exact.
     secs.ceil().clamp(f64::from(MIN_RETRY_AFTER_S), f64::from(MAX_RETRY_AFTER_S)) as u32
@@ -109,13 +62,14 @@ pub fn retry_after_s(position: usize, rate: Option<f64>, bounds: QueueBounds) ->
 pub struct ModelQueue<T> {
     waiters: VecDeque<Waiter<T>>,
     tokens: u64,
-    /// Admissions of this model (from the queue or straight through).
-    pub drain: DrainRate,
+    /// Service times of this model's requests admitted here (from the queue or straight
+    /// through).
+    pub service: Arc<ServiceTimes>,
 }
 
 impl<T> Default for ModelQueue<T> {
     fn default() -> Self {
-        Self { waiters: VecDeque::new(), tokens: 0, drain: DrainRate::default() }
+        Self { waiters: VecDeque::new(), tokens: 0, service: Arc::default() }
     }
 }
 
@@ -155,7 +109,7 @@ impl<T> ModelQueue<T> {
     pub fn bounds(&self, now: Instant, max_wait: Duration) -> QueueBounds {
         QueueBounds {
             first_gone: max_wait.saturating_sub(self.oldest_wait(now)),
-            all_gone: max_wait.saturating_sub(self.newest_wait(now)),
+            all_gone: Some(max_wait.saturating_sub(self.newest_wait(now))),
         }
     }
 
@@ -192,10 +146,11 @@ impl<T> ModelQueue<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::admission::service::Service;
 
     fn waiter(id: u64, tokens: u64) -> (Waiter<u32>, oneshot::Receiver<u32>) {
         let (tx, rx) = oneshot::channel();
-        (Waiter { id, tokens, prefix: None, since: Instant::now(), again: false, tx }, rx)
+        (Waiter { id, tokens, prefix: None, since: Instant::now(), tx }, rx)
     }
 
     #[test]
@@ -222,60 +177,50 @@ mod tests {
         assert_eq!((q.len(), q.tokens(), q.is_empty()), (0, 0, true));
     }
 
-    #[test]
-    fn drain_rate_counts_the_last_ten_seconds() {
-        let mut d = DrainRate::default();
-        assert_eq!(d.per_second(0), None, "nothing drained yet");
-        for _ in 0..4 {
-            d.record(100);
-        }
-        assert_eq!(d.per_second(100), Some(4.0), "a burst in the first second counts over one second");
-        assert_eq!(d.per_second(101), Some(2.0));
-        for s in 101..110 {
-            d.record(s);
-        }
-        assert_eq!(d.per_second(109), Some(1.3), "13 over the 10 s window");
-        assert_eq!(d.per_second(110), Some(0.9), "second 100 left the window");
-        assert_eq!(d.per_second(130), None, "nothing in the last 10 s");
-    }
-
-    #[test]
-    fn drain_rate_counts_from_the_first_admission_in_the_window() {
-        let mut d = DrainRate::default();
-        d.record(100);
-        assert_eq!(d.per_second(105), Some(1.0 / 6.0), "one in the six seconds since");
-        // A lull, then the queue drains 30 within a second (its replica just came Ready).
-        for _ in 0..30 {
-            d.record(150);
-        }
-        assert_eq!(d.per_second(150), Some(30.0), "the idle seconds before do not dilute it");
-        assert_eq!(d.per_second(152), Some(10.0));
-        assert_eq!(DrainRate::default().per_second(3), None);
-    }
-
     fn bounds(first: u64, all: u64) -> QueueBounds {
-        QueueBounds { first_gone: Duration::from_secs(first), all_gone: Duration::from_secs(all) }
+        QueueBounds { first_gone: Duration::from_secs(first), all_gone: Some(Duration::from_secs(all)) }
     }
 
     #[test]
-    fn retry_after_is_the_drain_time_clamped() {
+    fn retry_after_is_the_time_until_enough_slots_free_clamped() {
         let wait = bounds(30, 30);
-        assert_eq!(retry_after_s(1, Some(2.0), wait), 1, "next in line at 2/s: within a second");
-        assert_eq!(retry_after_s(9, Some(2.0), wait), 5, "ceil(9 / 2)");
-        assert_eq!(retry_after_s(10_000, Some(1.0), bounds(60, 600)), MAX_RETRY_AFTER_S);
-        assert_eq!(retry_after_s(1, Some(1000.0), wait), MIN_RETRY_AFTER_S);
-        assert_eq!(retry_after_s(5, None, wait), 30, "nothing drained, the first just queued");
-        assert_eq!(retry_after_s(5, None, bounds(600, 600)), MAX_RETRY_AFTER_S);
-        assert_eq!(retry_after_s(5, None, bounds(0, 0)), MIN_RETRY_AFTER_S);
+        assert_eq!(retry_after_s(Some(0.2), wait), MIN_RETRY_AFTER_S);
+        assert_eq!(retry_after_s(Some(4.5), wait), 5, "whole seconds, rounded up");
+        assert_eq!(retry_after_s(Some(5000.0), bounds(60, 600)), MAX_RETRY_AFTER_S);
+        assert_eq!(retry_after_s(None, wait), 30, "nothing runs, the first just queued");
+        assert_eq!(retry_after_s(None, bounds(600, 600)), MAX_RETRY_AFTER_S);
+        assert_eq!(retry_after_s(None, bounds(0, 0)), MIN_RETRY_AFTER_S);
+    }
+
+    /// The tester's burst: 8 slots busy with requests of 2.8 s dispatched 0.05 s ago, 8
+    /// queued. The admission rate of that instant (8 in a second) said 2 s, before any slot
+    /// frees; the service times say when the queue has room and the refused one a slot.
+    #[test]
+    fn a_burst_into_free_slots_does_not_shorten_the_hint() {
+        let s = Service { running: 8, oldest: Duration::from_millis(50), mean: Some(Duration::from_millis(2800)) };
+        assert_eq!(retry_after_s(s.slots_free_in(9), bounds(30, 30)), 6);
+    }
+
+    /// Every slot busy for 7 s with requests dispatched 3 s ago and none finished, while 22
+    /// waiters reach their 3 s `--max-queue-wait` at once: the queue empties by timeouts,
+    /// which gives them no slot; the hint is when the running requests are expected to end.
+    #[test]
+    fn a_waiter_whose_wait_ended_is_told_when_slots_free_not_when_the_queue_empties() {
+        let ended = QueueBounds { first_gone: Duration::ZERO, all_gone: None };
+        let s = Service { running: 8, oldest: Duration::from_secs(3), mean: None };
+        assert_eq!(retry_after_s(s.slots_free_in(1), ended), 3, "the last to go: first in line");
+        assert_eq!(retry_after_s(s.slots_free_in(22), ended), 19);
+        let known = Service { mean: Some(Duration::from_secs(7)), ..s };
+        assert_eq!(retry_after_s(known.slots_free_in(1), ended), 4, "7 s requests 3 s in");
     }
 
     #[test]
     fn retry_after_never_outlasts_the_waits_of_those_queued() {
-        // Nothing drained in the window, the first in line has 3 s left of its 30 s: the
-        // queue has room by then (it is served or refused), not 30 s from now.
-        assert_eq!(retry_after_s(10, None, bounds(3, 25)), 3);
-        // 100 ahead at 2/s would be 50 s, but every one of them has left within 25 s.
-        assert_eq!(retry_after_s(100, Some(2.0), bounds(3, 25)), 25);
+        // Nothing runs (the queue waits for a replica), the first in line has 3 s left of its
+        // 30 s: the queue has room by then (it is served or refused), not 30 s from now.
+        assert_eq!(retry_after_s(None, bounds(3, 25)), 3);
+        // 50 s until enough slots free, but every one queued has left within 25 s.
+        assert_eq!(retry_after_s(Some(50.0), bounds(3, 25)), 25);
     }
 
     #[test]
@@ -290,8 +235,8 @@ mod tests {
         q.push(last);
         let b = q.bounds(now, Duration::from_secs(30));
         assert!(b.first_gone <= Duration::from_secs(3), "{b:?}");
-        assert!(b.all_gone <= Duration::from_secs(25) && b.all_gone > Duration::from_secs(24), "{b:?}");
+        assert!(b.all_gone.is_some_and(|a| a <= Duration::from_secs(25) && a > Duration::from_secs(24)), "{b:?}");
         let empty = ModelQueue::<u32>::default().bounds(now, Duration::from_secs(30));
-        assert_eq!((empty.first_gone, empty.all_gone), (Duration::from_secs(30), Duration::from_secs(30)));
+        assert_eq!((empty.first_gone, empty.all_gone), (Duration::from_secs(30), Some(Duration::from_secs(30))));
     }
 }
