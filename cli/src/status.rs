@@ -2,9 +2,11 @@
 //! CPU slots; state, cordon), deployments
 //! (ready / current / target replicas, autoscaling bounds, prefix-cache hit rate and the
 //! autoscaler's last decision with its reason and age), replicas (node, GPU group, state, reason) and their load — as
-//! readable tables. A replica of more than one rank shows its ranks per node (RANKS,
-//! e.g. `node-a:0-1 node-b:2-3` for a group across two nodes; NODE / GPUS / CPU SLOTS are the
-//! driver's; a replica on a node without GPUs shows its CPU slots, and `-` under GPUS).
+//! readable tables. A node without GPUs shows its CPU slots as used/total (CPU SLOTS
+//! USED/TOTAL). A replica shows the indices of the GPUs or CPU slots it holds (GPUS, CPU SLOT
+//! IDX; `-` for the other kind, and for both once it holds none: Pending, Stopped, Failed).
+//! A replica of more than one rank shows its ranks per node (RANKS, e.g. `node-a:0-1
+//! node-b:2-3` for a group across two nodes; NODE / GPUS / CPU SLOT IDX are the driver's).
 //! Pending replicas of one deployment waiting for the same reason are shown as one row with
 //! their count (a deployment scaled past the cluster's room may have thousands);
 //! `prism status --all` lists each.
@@ -59,6 +61,29 @@ fn ranks(r: &ReplicaRecord) -> String {
         .map(|g| format!("{}:{}", g.node_id, range(g.first_rank, g.gpu_indices.len())))
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// Whether the replica holds its GPUs or CPU slots now (the planner's rule: Starting,
+/// Ready, Draining, Stopping); a Pending, Stopped or Failed replica's record may still name
+/// the slots it had, which another replica may hold by now.
+fn holds_slots(r: &ReplicaRecord) -> bool {
+    ReplicaState::try_from(r.state).is_ok_and(prism_head::placement::planner::holds_slots)
+}
+
+/// The CPU slots in use on `node`: distinct slot indices held there by replicas (their
+/// driver or a member part).
+fn used_slots(node: &str, replicas: &[ReplicaRecord]) -> usize {
+    let mut used = HashSet::new();
+    for r in replicas.iter().filter(|r| holds_slots(r)) {
+        if r.rank_groups.is_empty() {
+            if r.node_id == node {
+                used.extend(r.gpu_indices.iter().copied());
+            }
+        } else {
+            used.extend(r.rank_groups.iter().filter(|g| g.node_id == node).flat_map(|g| g.gpu_indices.iter().copied()));
+        }
+    }
+    used.len()
 }
 
 /// True when any rank of the replica runs on `node` (its driver or a member part).
@@ -153,12 +178,13 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64, all: bool) ->
     let leader = if status.leader.is_empty() { "?" } else { status.leader.as_str() };
     out.push_str(&format!("Head leader: {leader}\n\n"));
 
-    let mut nodes = Table::new(&["NODE", "ADDRESS", "STATE", "SCHED", "DRAIN", "GPUS", "CPU SLOTS", "LABELS"]);
+    let mut nodes =
+        Table::new(&["NODE", "ADDRESS", "STATE", "SCHED", "DRAIN", "GPUS", "CPU SLOTS USED/TOTAL", "LABELS"]);
     for node in &status.nodes {
         let inv = node.inventory.clone().unwrap_or_default();
         // A node offers GPUs, or CPU slots when it has none (the placer counts one or the other).
         let (gpus, cpu_slots) = if inv.gpus.is_empty() {
-            ("-".to_owned(), inv.cpu_slots.to_string())
+            ("-".to_owned(), format!("{}/{}", used_slots(&inv.node_id, &status.replicas), inv.cpu_slots))
         } else {
             let names: Vec<String> =
                 inv.gpus.iter().map(|g| format!("{}:{} {}GiB", g.index, g.name, g.memory_bytes >> 30)).collect();
@@ -266,7 +292,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64, all: bool) ->
         "DEPLOYMENT",
         "NODE",
         "GPUS",
-        "CPU SLOTS",
+        "CPU SLOT IDX",
         "STATE",
         "RUNNING",
         "WAITING",
@@ -284,8 +310,10 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64, all: bool) ->
             |l| (l.running.to_string(), l.waiting.to_string(), format!("{:.0}%", l.kv_cache_usage * 100.0)),
         );
         let node = if r.node_id.is_empty() { "-".to_owned() } else { r.node_id.clone() };
-        // The record's slots are GPU indices, or CPU slot indices on a node without GPUs.
-        let slots = if r.gpu_indices.is_empty() { "-".to_owned() } else { join_indices(&r.gpu_indices) };
+        // The record's slots are GPU indices, or CPU slot indices on a node without GPUs;
+        // shown only while the replica holds them.
+        let slots =
+            if r.gpu_indices.is_empty() || !holds_slots(r) { "-".to_owned() } else { join_indices(&r.gpu_indices) };
         let (gpus, cpu_slots) =
             if cpu_nodes.contains(r.node_id.as_str()) { ("-".to_owned(), slots) } else { (slots, "-".to_owned()) };
         replicas.row(vec![
@@ -411,14 +439,53 @@ mod tests {
             let line = text.lines().find(|l| l.starts_with(first)).unwrap_or_default();
             line.split_whitespace().map(str::to_owned).collect()
         };
-        assert!(text.contains("GPUS") && text.contains("CPU SLOTS"), "{text}");
-        // Nodes: NODE ADDRESS(empty here) STATE SCHED DRAIN GPUS CPU SLOTS.
-        assert_eq!(cells("cpu-1")[4..], ["-", "2"], "{text}");
+        assert!(text.contains("GPUS") && text.contains("CPU SLOTS USED/TOTAL"), "{text}");
+        assert!(text.contains("CPU SLOT IDX"), "{text}");
+        // Nodes: NODE ADDRESS(empty here) STATE SCHED DRAIN GPUS CPU SLOTS USED/TOTAL.
+        assert_eq!(cells("cpu-1")[4..], ["-", "1/2"], "{text}");
         assert_eq!(cells("gpu-1")[4..], ["0:H200", "141GiB", "-"], "{text}");
-        // Replicas: REPLICA DEPLOYMENT NODE GPUS CPU SLOTS STATE.
+        // Replicas: REPLICA DEPLOYMENT NODE GPUS CPU SLOT IDX STATE.
         assert_eq!(cells("on-cpu")[..6], ["on-cpu", "smol", "cpu-1", "-", "1", "Ready"], "{text}");
         assert_eq!(cells("on-gpu")[..6], ["on-gpu", "smol", "gpu-1", "0", "-", "Ready"], "{text}");
         assert_eq!(cells("waiting")[..6], ["waiting", "smol", "-", "-", "-", "Pending"], "{text}");
+    }
+
+    /// A Failed replica's record keeps the slot it had, which a new replica may hold now: it
+    /// shows `-`, and only held slots count as used.
+    #[test]
+    fn replicas_that_hold_no_slot_show_none_and_nodes_count_the_held_ones() {
+        let replica = |id: &str, state: ReplicaState, slots: Vec<u32>| ReplicaRecord {
+            replica_id: id.into(),
+            deployment: "smol".into(),
+            node_id: "cpu-1".into(),
+            gpu_indices: slots,
+            state: state as i32,
+            ..ReplicaRecord::default()
+        };
+        let status = ClusterStatusResponse {
+            nodes: vec![NodeRecord {
+                inventory: Some(NodeInventory { node_id: "cpu-1".into(), cpu_slots: 3, ..NodeInventory::default() }),
+                state: NodeState::Ready as i32,
+                ..NodeRecord::default()
+            }],
+            replicas: vec![
+                replica("ready", ReplicaState::Ready, vec![0]),
+                replica("failed", ReplicaState::Failed, vec![0]),
+                replica("stopped", ReplicaState::Stopped, vec![2]),
+                replica("draining", ReplicaState::Draining, vec![1]),
+            ],
+            ..ClusterStatusResponse::default()
+        };
+        let text = render_at(&status, 0, false);
+        let cells = |first: &str| -> Vec<String> {
+            let line = text.lines().find(|l| l.starts_with(first)).unwrap_or_default();
+            line.split_whitespace().map(str::to_owned).collect()
+        };
+        assert_eq!(cells("cpu-1")[2..], ["schedulable", "-", "-", "2/3"], "{text}");
+        assert_eq!(cells("ready")[3..6], ["-", "0", "Ready"], "{text}");
+        assert_eq!(cells("failed")[3..6], ["-", "-", "Failed"], "{text}");
+        assert_eq!(cells("stopped")[3..6], ["-", "-", "Stopped"], "{text}");
+        assert_eq!(cells("draining")[3..6], ["-", "1", "Draining"], "{text}");
     }
 
     #[test]
