@@ -7,8 +7,8 @@
 //!   heals, and from then on no request goes to the drained replica.
 //! - `worker_cut_from_head_is_replaced_then_reconciled`: one worker reaches the head only
 //!   through the proxy; the link is cut for longer than `--worker-timeout`. The head declares
-//!   the worker dead and places its replica on a spare worker; the cut-off worker keeps serving
-//!   what it holds (routers still reach it). After healing, the worker re-registers, the head
+//!   the worker dead and places its replica on a spare worker; the routers move the streams it
+//!   held (token-exact) once its replica leaves the routes. After healing, the worker re-registers, the head
 //!   stops the replica no record assigns to it, and the deployment is back at its desired
 //!   count on the two reachable workers, with no request lost.
 //!
