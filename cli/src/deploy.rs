@@ -40,7 +40,9 @@ use crate::client;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
 use prism_common::engine_flags::EngineFlags;
-use prism_common::proto::v1::{ApplyDeploymentRequest, AutoscalingConfig, DeploymentSpec, PlacementStrategy};
+use prism_common::proto::v1::{
+    ApplyDeploymentRequest, ApplyDeploymentResponse, AutoscalingConfig, DeploymentSpec, PlacementStrategy,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -259,10 +261,26 @@ pub async fn run(head_addr: &client::HeadTarget, args: DeployArgs) -> Result<()>
             async move { h.apply_deployment(request).await }
         })
         .await?;
-    let generation = response.deployment.map_or(0, |d| d.generation);
-    let verb = if response.created { "created" } else { "updated" };
-    println!("deployment {} {verb} (generation {generation}); watch it with `prism status`", file.name);
+    println!("{}; watch it with `prism status`", applied_message(&file.name, &response));
     Ok(())
+}
+
+/// What `prism deploy` says of an applied deployment. The generation counts replica
+/// templates (it grows only on an engine or `node_selector` change, which replaces the
+/// replicas), so an update of anything else, `autoscaling_config` included, keeps it: the
+/// message says so, and whether the deployment is autoscaled now.
+fn applied_message(name: &str, response: &ApplyDeploymentResponse) -> String {
+    let generation = response.deployment.as_ref().map_or(0, |d| d.generation);
+    if response.created {
+        return format!("deployment {name} created (generation {generation})");
+    }
+    let autoscaled =
+        response.deployment.as_ref().and_then(|d| d.spec.as_ref()).is_some_and(|s| s.autoscaling.is_some());
+    format!(
+        "deployment {name} updated (generation {generation}, autoscaling {}; only an engine or node_selector \
+         change starts a new generation, which replaces the replicas)",
+        if autoscaled { "on" } else { "off" }
+    )
 }
 
 #[cfg(test)]
@@ -285,6 +303,24 @@ placement: pack
 node_selector:
   capacity-type: on-demand
 "#;
+
+    #[test]
+    fn an_update_says_whether_it_is_autoscaled_and_what_the_generation_means() {
+        use prism_common::proto::v1::DeploymentRecord;
+        let response = |created: bool, autoscaling: Option<AutoscalingConfig>| ApplyDeploymentResponse {
+            created,
+            deployment: Some(DeploymentRecord {
+                spec: Some(DeploymentSpec { autoscaling, ..DeploymentSpec::default() }),
+                generation: 1,
+                ..DeploymentRecord::default()
+            }),
+        };
+        assert_eq!(applied_message("gemma", &response(true, None)), "deployment gemma created (generation 1)");
+        let on = applied_message("gemma", &response(false, Some(AutoscalingConfig::default())));
+        assert!(on.starts_with("deployment gemma updated (generation 1, autoscaling on; only an engine"), "{on}");
+        let off = applied_message("gemma", &response(false, None));
+        assert!(off.contains("autoscaling off") && off.contains("replaces the replicas"), "{off}");
+    }
 
     #[test]
     fn full_file_maps_to_spec() -> Result<()> {

@@ -94,6 +94,18 @@ fn template_changed(a: &DeploymentSpec, b: &DeploymentSpec) -> bool {
     a.engine != b.engine || a.node_selector != b.node_selector
 }
 
+/// The record of a stored deployment (`old`) updated to `spec`. The generation counts
+/// replica templates: it grows only when the engine or `node_selector` changes, since a new
+/// generation replaces the running replicas (so adding or removing `autoscaling_config`
+/// keeps it). The autoscaler's last decision is kept only while the deployment stays
+/// autoscaled: without `autoscaling_config` nothing decides its count any more.
+fn updated_record(old: &DeploymentRecord, spec: DeploymentSpec) -> DeploymentRecord {
+    let old_spec = old.spec.clone().unwrap_or_default();
+    let generation = old.generation + u64::from(template_changed(&old_spec, &spec));
+    let last_scaling = if spec.autoscaling.is_some() { old.last_scaling.clone() } else { None };
+    DeploymentRecord { spec: Some(spec), created_unix_ms: old.created_unix_ms, generation, last_scaling }
+}
+
 /// Creates or updates a deployment; an identical spec is a no-op (`created = false`).
 ///
 /// # Errors
@@ -126,16 +138,7 @@ pub async fn apply_deployment(cluster: &Cluster, spec: DeploymentSpec) -> HeadRe
     }
     check_capacity(st.view(), &spec)?;
     let rec = match st.view().deployments.get(&name) {
-        Some(e) => {
-            let old = e.record.spec.clone().unwrap_or_default();
-            let generation = e.record.generation + u64::from(template_changed(&old, &spec));
-            DeploymentRecord {
-                spec: Some(spec),
-                created_unix_ms: e.record.created_unix_ms,
-                generation,
-                last_scaling: e.record.last_scaling.clone(),
-            }
-        }
+        Some(e) => updated_record(&e.record, spec),
         None => DeploymentRecord { spec: Some(spec), created_unix_ms: unix_ms(), generation: 1, last_scaling: None },
     };
     let created = rec.generation == 1 && !st.view().deployments.contains_key(&name);
@@ -287,6 +290,39 @@ mod tests {
         }
         // Without a root any path is accepted.
         assert!(check_model_root(None, &with("/etc/passwd")).is_ok());
+    }
+
+    #[test]
+    fn autoscaling_changes_keep_the_generation_and_its_removal_forgets_the_last_decision() {
+        use prism_common::proto::v1::{AutoscalingConfig, ScalingDecision};
+        let autoscaled = DeploymentSpec {
+            autoscaling: Some(AutoscalingConfig { min_replicas: 0, max_replicas: 2, ..Default::default() }),
+            ..spec()
+        };
+        let decision = ScalingDecision { unix_ms: 1, from_replicas: 1, to_replicas: 0, reason: "idle".into() };
+        let stored = DeploymentRecord {
+            spec: Some(autoscaled.clone()),
+            created_unix_ms: 7,
+            generation: 1,
+            last_scaling: Some(decision.clone()),
+        };
+        // Redeployed without autoscaling_config: same template, no decision any more.
+        let fixed = updated_record(&stored, spec());
+        assert_eq!((fixed.generation, fixed.created_unix_ms), (1, 7));
+        assert_eq!(fixed.last_scaling, None);
+        // Still autoscaled (other bounds): the decision stays.
+        let rebounded = DeploymentSpec {
+            autoscaling: Some(AutoscalingConfig { min_replicas: 1, max_replicas: 4, ..Default::default() }),
+            ..spec()
+        };
+        let kept = updated_record(&stored, rebounded);
+        assert_eq!((kept.generation, kept.last_scaling), (1, Some(decision)));
+        // An engine change is a new template: a new generation.
+        let mut engine = spec();
+        if let Some(e) = engine.engine.as_mut() {
+            e.max_model_len = Some(1024);
+        }
+        assert_eq!(updated_record(&fixed, engine).generation, 2);
     }
 
     #[test]
