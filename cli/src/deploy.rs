@@ -251,7 +251,7 @@ pub async fn run(head_addr: &client::HeadTarget, args: DeployArgs) -> Result<()>
         crate::model_check::check_parallel(engine).with_context(|| format!("model {}", engine.model))?;
     }
     if args.dry_run {
-        return crate::write_stdout(&file.dry_run_yaml()?);
+        return crate::output::write_stdout(&file.dry_run_yaml()?);
     }
     let mut head = client::Head::connect(head_addr).await?;
     let request = ApplyDeploymentRequest { spec: Some(spec) };

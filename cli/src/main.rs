@@ -10,6 +10,7 @@ mod deploy;
 mod drain;
 mod generate;
 mod model_check;
+mod output;
 mod scale;
 mod status;
 mod table;
@@ -106,30 +107,10 @@ fn main() -> Result<()> {
     });
     // Blocking reads (chat's stdin) and engine threads must not keep the process alive.
     runtime.shutdown_timeout(std::time::Duration::from_secs(1));
-    if result.as_ref().is_err_and(broken_pipe) {
+    if result.as_ref().is_err_and(output::broken_pipe) {
         // The reader of our output has gone (`prism status | head -1`): stop quietly with the
         // status a shell reports for a process ended by SIGPIPE, as other unix tools do.
         std::process::exit(141);
     }
     result
-}
-
-/// Writes `text` to stdout and flushes it, returning the error (`BrokenPipe` when the
-/// reader has gone) where `print!` would panic.
-///
-/// # Errors
-/// Writing to stdout failed.
-pub fn write_stdout(text: &str) -> Result<()> {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    out.write_all(text.as_bytes())?;
-    out.flush()?;
-    Ok(())
-}
-
-/// Whether `error` comes from writing to a pipe whose reader has gone.
-fn broken_pipe(error: &anyhow::Error) -> bool {
-    error
-        .chain()
-        .any(|e| e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe))
 }

@@ -350,7 +350,7 @@ pub fn render_at(status: &ClusterStatusResponse, now_unix_ms: u64, all: bool) ->
 pub async fn run(head_addr: &client::HeadTarget, args: StatusArgs) -> Result<()> {
     let mut head = client::Head::connect(head_addr).await?;
     let status = head.call(|mut h| async move { h.cluster_status(ClusterStatusRequest {}).await }).await?;
-    crate::write_stdout(&render(&status, args.all))
+    crate::output::write_stdout(&render(&status, args.all))
 }
 
 #[cfg(test)]
