@@ -293,7 +293,7 @@ type Prepared = Result<(GenerateRequest, Shaper, bool, ErrorFields, TokenCharge)
 /// What a dispatched request turned into.
 enum Answer {
     Whole(Value),
-    Stream(BytesMut, tokio::sync::mpsc::Receiver<Result<GenerateResponse, DispatchError>>, Shaper),
+    Stream(BytesMut, tokio::sync::mpsc::Receiver<Result<GenerateResponse, DispatchError>>, Shaper, ErrorFields),
 }
 
 /// Dispatches; errors before the first token come back as `Err` with a proper status.
@@ -319,7 +319,7 @@ async fn answer(state: &HttpState, tracker: &RequestTracker, prepared: Prepared)
             return Ok(Answer::Whole(shaper.whole()));
         }
         let (_, rx) = tokio::sync::mpsc::channel(1); // closed: the stream ends after `buf`
-        return Ok(Answer::Stream(buf, rx, shaper));
+        return Ok(Answer::Stream(buf, rx, shaper, fields));
     }
     // Refused before a replica accepted it (404, context length, 503, ...): `charge` is refunded.
     let Dispatched { first, mut rest, .. } = state.dispatcher.dispatch(req).await.map_err(|e| chat_param(e.into()))?;
@@ -327,14 +327,16 @@ async fn answer(state: &HttpState, tracker: &RequestTracker, prepared: Prepared)
     tracker.first_token();
     if !stream {
         shaper.absorb(&first);
+        // A worker error after the first token (a grammar past its limits mid-way) names the
+        // client's field too.
         while let Some(m) = rest.recv().await {
-            shaper.absorb(&m.map_err(ApiError::from)?);
+            shaper.absorb(&m.map_err(|e| chat_param(e.into()))?);
         }
         return Ok(Answer::Whole(shaper.whole()));
     }
     let mut buf = BytesMut::new();
     shaper.stream_events(&first, &mut buf);
-    Ok(Answer::Stream(buf, rest, shaper))
+    Ok(Answer::Stream(buf, rest, shaper, fields))
 }
 
 /// Shapes the answer as JSON or as an SSE body; the tracker lives until the last byte.
@@ -348,22 +350,24 @@ async fn serve(state: HttpState, mut tracker: RequestTracker, prepared: Prepared
             tracker.set(Outcome::Ok);
             return axum::Json(v).into_response();
         }
-        Ok(Answer::Stream(first, rest, shaper)) => (first, rest, shaper),
+        Ok(Answer::Stream(first, rest, shaper, fields)) => (first, rest, (shaper, fields)),
     };
+    // `s`: the shaper, and what names the client's fields in a worker's error.
     let init = (Some(first), rest, shaper, tracker, false);
-    let body = futures::stream::unfold(init, |(pending, mut rest, mut shaper, mut tracker, done)| async move {
+    let body = futures::stream::unfold(init, |(pending, mut rest, mut s, mut tracker, done)| async move {
         if let Some(b) = pending {
-            return Some((Ok::<_, Infallible>(b.freeze()), (None, rest, shaper, tracker, done)));
+            return Some((Ok::<_, Infallible>(b.freeze()), (None, rest, s, tracker, done)));
         }
         if done {
             return None;
         }
+        let (shaper, fields) = (&mut s.0, &s.1);
         let mut out = BytesMut::new();
         let mut finished = false;
         match rest.recv().await {
             Some(Ok(m)) => shaper.stream_events(&m, &mut out),
             Some(Err(e)) => {
-                let e = ApiError::from(e);
+                let e = fields.client_error(shaper.kind == Kind::Chat, ApiError::from(e));
                 tracker.set(e.outcome());
                 sse::push_event(&mut out, &e.body());
                 out.extend_from_slice(sse::DONE);
@@ -375,7 +379,7 @@ async fn serve(state: HttpState, mut tracker: RequestTracker, prepared: Prepared
                 finished = true;
             }
         }
-        Some((Ok(out.freeze()), (None, rest, shaper, tracker, finished)))
+        Some((Ok(out.freeze()), (None, rest, s, tracker, finished)))
     });
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")

@@ -241,7 +241,9 @@ async fn prompt_codec(replica: &Arc<Replica>) -> Result<Arc<pb::PromptCodec>, Co
 type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
 
 /// Moves engine outputs to the client and records metrics; ends with UNAVAILABLE when the
-/// replica aborts its remaining requests (drain/stop deadline), so the router migrates.
+/// replica aborts its remaining requests (drain/stop deadline), so the router migrates, and
+/// with the engine's error when a choice failed (a grammar past llguidance's limits:
+/// INVALID_ARGUMENT naming `structured_output.*`, which the router neither migrates nor retries).
 async fn forward(
     mut outputs: ReplicaOutputStream,
     tx: mpsc::Sender<Result<pb::GenerateResponse, Status>>,
@@ -286,6 +288,14 @@ async fn forward(
             last_token_at = Some(now);
             generated += n;
             guard.add_tokens(n);
+        }
+        if let Some(e) = &o.error {
+            // A choice failed after the request was accepted (its grammar hit llguidance's
+            // limits): the request ends with that error, never with finish reason `abort`.
+            // Dropping `outputs` ends the other choices and frees their KV blocks.
+            let _ = tx.send(Err(engine_error_to_status(e))).await;
+            finish = None;
+            break;
         }
         if o.finish_reason.is_some() {
             finish = o.finish_reason;

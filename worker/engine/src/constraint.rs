@@ -14,6 +14,7 @@
 //! `ignore_eos`), and never before `min_tokens` tokens were generated.
 
 use super::backend::{LogitConstraints, LogitEdit};
+use super::request::EngineError;
 use llguidance::Matcher;
 use rayon::iter::{IntoParallelIterator, ParallelIterator};
 use std::sync::Arc;
@@ -37,6 +38,8 @@ pub(crate) struct SeqConstraint {
     pub end_ids: Arc<[u32]>,
     /// The token llguidance's masks use for "the grammar may end here".
     pub mask_eos: u32,
+    /// The request field the grammar came from (`structured_output.<variant>`).
+    pub field: &'static str,
 }
 
 impl std::fmt::Debug for SeqConstraint {
@@ -81,6 +84,18 @@ impl SeqConstraint {
             m.consume_token(t).map_err(|e| format!("{e:#}"))?;
         }
         Ok(m.is_stopped())
+    }
+
+    /// The error that ends the sequence when its grammar failed mid-generation with
+    /// llguidance's `message`: an `InvalidRequest` naming the grammar's field, as when it
+    /// fails at compile time, since llguidance fails on the grammar's own limits (an Earley
+    /// row over `max_items_in_row`, a mask over its fuel) reached on this sequence's path.
+    pub fn failure(&self, message: &str) -> EngineError {
+        let message = super::structured::llg_message(&message);
+        EngineError::InvalidRequest {
+            field: self.field,
+            message: format!("the grammar failed during generation: {message}"),
+        }
     }
 
     /// Leaves a sampled token that does not end the sequence to the next step's mask job

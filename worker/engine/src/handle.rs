@@ -314,7 +314,9 @@ impl EngineHandle {
             None => None,
             Some(spec) => {
                 let compiler = self.grammar_compiler()?;
-                Some((Box::new(compiler.compile(spec, &req.prior_output_ids)?), compiler.eos()))
+                let matcher = Box::new(compiler.compile(spec, &req.prior_output_ids)?);
+                let field = crate::structured::field_of(spec);
+                Some(crate::step_loop::NewGrammar { matcher, mask_eos: compiler.eos(), field })
             }
         };
         let in_flight = inner.stats.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -338,7 +340,7 @@ impl EngineHandle {
             include_stop_str: p.include_stop_str_in_output,
             logit_bias,
             min_tokens: p.min_tokens as usize,
-            grammar: grammar.map(|(matcher, mask_eos)| crate::step_loop::NewGrammar { matcher, mask_eos }),
+            grammar,
             max_new,
             deadline: req.deadline,
             arrival: Instant::now(),

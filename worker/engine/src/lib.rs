@@ -30,6 +30,8 @@ pub mod detokenizer;
 pub mod dtypes;
 #[cfg(test)]
 mod engine_prefix_tests;
+#[cfg(test)]
+mod grammar_failure_tests;
 pub mod handle;
 pub mod kv_cache;
 pub mod metrics;

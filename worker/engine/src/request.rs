@@ -183,7 +183,7 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` reached or the context window full.
     Length,
-    /// Aborted (deadline, engine shutdown).
+    /// Aborted (deadline, engine shutdown), or failed (the output's `error` says why).
     Abort,
 }
 
@@ -253,6 +253,10 @@ pub struct EngineOutput {
     pub logprobs: Vec<TokenLogprob>,
     /// Set on the choice's last output.
     pub finish_reason: Option<FinishReason>,
+    /// Why the choice failed after the request was accepted (its last output, with
+    /// `finish_reason` `Abort`): e.g. its grammar exceeded llguidance's limits mid-way. Servers
+    /// end the request with this error instead of a finish reason.
+    pub error: Option<EngineError>,
     /// Set on the request's last output.
     pub usage: Option<Usage>,
     /// Prompt length in tokens (every output carries it).
@@ -262,7 +266,7 @@ pub struct EngineOutput {
 /// Engine errors, classified where the cause is known; mapped to gRPC/HTTP in one place
 /// per service (`InvalidRequest` → INVALID_ARGUMENT/400, `Overloaded` → RESOURCE_EXHAUSTED/429,
 /// `Unavailable` → UNAVAILABLE/503, `Internal` → INTERNAL/500).
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum EngineError {
     /// The request is invalid; `field` names the offending parameter (OpenAI's `param`).
     #[error("{message}")]

@@ -24,7 +24,7 @@ use super::codec::TextCodec;
 use super::constraint::{MaskJob, RowMask, SeqConstraint, StepMasks, assemble};
 use super::detokenizer::Detokenizer;
 use super::metrics::StatsRecorder;
-use super::request::{EngineOutput, FinishReason, TokenLogprob, TopLogprob, Usage};
+use super::request::{EngineError, EngineOutput, FinishReason, TokenLogprob, TopLogprob, Usage};
 use super::sampler::{Sampled, Sampler, SamplingConfig};
 use super::scheduler::{Scheduler, SeqId, SeqOptions};
 use prism_ids::RequestId;
@@ -76,6 +76,8 @@ pub(crate) struct NewGrammar {
     pub matcher: Box<llguidance::Matcher>,
     /// The token llguidance's masks use for "the grammar may end here".
     pub mask_eos: u32,
+    /// The request field it came from (`structured_output.<variant>`), named in its errors.
+    pub field: &'static str,
 }
 
 impl std::fmt::Debug for NewGrammar {
@@ -338,7 +340,7 @@ impl EngineCore {
         } else {
             (Arc::from([]), Arc::from([]))
         };
-        let mask_eos = r.grammar.as_ref().map_or(0, |g| g.mask_eos);
+        let (mask_eos, field) = r.grammar.as_ref().map_or((0, "structured_output"), |g| (g.mask_eos, g.field));
         let mut grammar = r.grammar;
         for index in 0..r.n {
             let seq = self.next_seq;
@@ -367,6 +369,7 @@ impl EngineCore {
                     matcher,
                     pending: None,
                     mask_eos,
+                    field,
                     logit_bias: r.logit_bias.clone(),
                     min_tokens: r.min_tokens,
                     enders: enders.clone(),
@@ -523,7 +526,7 @@ impl EngineCore {
             )));
         }
         for (row, &seq) in rows.iter().enumerate() {
-            if failed.contains(&seq) || done.contains(&seq) {
+            if failed.iter().any(|(f, _)| *f == seq) || done.contains(&seq) {
                 continue;
             }
             let sampled = match self.seqs.get_mut(&seq) {
@@ -535,8 +538,8 @@ impl EngineCore {
             };
             self.on_token(seq, sampled, now);
         }
-        for seq in failed {
-            self.finish_seq(seq, FinishReason::Abort, EngineOutput::default());
+        for (seq, e) in failed {
+            self.finish_seq(seq, FinishReason::Abort, EngineOutput { error: Some(e), ..EngineOutput::default() });
         }
         // The previous step's token completed these grammars (found by this step's job).
         for seq in done {
@@ -564,16 +567,16 @@ impl EngineCore {
     }
 
     /// Gives each row's matcher back to its sequence; returns the grammar sequences whose
-    /// mask failed (llguidance's limits, a rejected token, an internal error: they end with
-    /// `abort`) and those whose grammar the previous step's token completed (`stop`).
-    fn restore_matchers(&mut self, rows: &[SeqId], joined: Vec<RowMask>) -> (Vec<SeqId>, Vec<SeqId>) {
+    /// mask failed, with the error that ends them (llguidance's: the request's; a job that
+    /// did not return: internal), and those whose grammar the previous token completed (`stop`).
+    fn restore_matchers(&mut self, rows: &[SeqId], joined: Vec<RowMask>) -> (Vec<(SeqId, EngineError)>, Vec<SeqId>) {
         let (mut failed, mut done) = (Vec::new(), Vec::new());
         for m in joined {
             let Some(&seq) = rows.get(m.row) else { continue };
             let Some(c) = self.seqs.get_mut(&seq).and_then(|s| s.constraint.as_mut()) else { continue };
             if let Err(e) = &m.mask {
-                tracing::warn!(error = %e, "grammar mask failed; the sequence is aborted");
-                failed.push(seq);
+                tracing::warn!(error = %e, "grammar mask failed; the sequence ends with an error");
+                failed.push((seq, c.failure(e)));
             } else if m.done {
                 done.push(seq);
             }
@@ -585,9 +588,9 @@ impl EngineCore {
                 .get(&seq)
                 .and_then(|s| s.constraint.as_ref())
                 .is_some_and(|c| c.grammar && c.matcher.is_none());
-            if lost && !failed.contains(&seq) {
-                tracing::warn!("grammar mask job did not return; the sequence is aborted");
-                failed.push(seq);
+            if lost && !failed.iter().any(|(f, _)| *f == seq) {
+                tracing::warn!("grammar mask job did not return; the sequence ends with an error");
+                failed.push((seq, EngineError::Internal("the grammar mask job did not return".into())));
             }
         }
         (failed, done)
@@ -618,15 +621,15 @@ impl EngineCore {
         // The grammar follows every token that does not end the sequence: in the next step's
         // mask job, or now when this is the sequence's last token by length (a grammar it
         // completes makes the reason `stop`).
-        let (grammar_done, grammar_failed) = match s.constraint.as_mut() {
+        let (grammar_done, error) = match s.constraint.as_mut() {
             Some(c) if !(eos || stop_id) => match if at_length { c.advance(tok) } else { c.defer(tok) } {
-                Ok(done) => (done, false),
+                Ok(done) => (done, None),
                 Err(e) => {
-                    tracing::warn!(error = %e, "the grammar rejected a sampled token; the sequence is aborted");
-                    (false, true)
+                    tracing::warn!(error = %e, "the grammar rejected a sampled token; the sequence ends with an error");
+                    (false, Some(c.failure(&e)))
                 }
             },
-            _ => (false, false),
+            _ => (false, None),
         };
         let (text, stop_str) = if eos || stop_id {
             (s.detok.push_end(self.codec.token_bytes(tok), self.codec.is_special(tok)), false)
@@ -637,7 +640,7 @@ impl EngineCore {
             (Some(_), Some(lp)) => vec![token_logprob(&*self.codec, tok, lp, &sampled.top)],
             _ => Vec::new(),
         };
-        let reason = if grammar_failed {
+        let reason = if error.is_some() {
             Some(FinishReason::Abort)
         } else if eos || stop_id || stop_str || grammar_done {
             Some(FinishReason::Stop)
@@ -646,7 +649,8 @@ impl EngineCore {
         } else {
             None
         };
-        let out = EngineOutput { index: s.index, token_ids: vec![tok], text, logprobs, ..EngineOutput::default() };
+        let out =
+            EngineOutput { index: s.index, token_ids: vec![tok], text, logprobs, error, ..EngineOutput::default() };
         match reason {
             Some(reason) => self.finish_seq(seq, reason, out),
             None => {
@@ -691,6 +695,7 @@ impl EngineCore {
             prev.text.push_str(&out.text);
             prev.logprobs.extend(out.logprobs);
             prev.finish_reason = out.finish_reason;
+            prev.error = out.error;
             prev.usage = out.usage;
             out = prev;
         }

@@ -18,8 +18,13 @@
 //! keys with unbounded values.
 //!
 //! Limits: grammar text at most [`MAX_GRAMMAR_BYTES`], at most [`MAX_CHOICES`] choices;
-//! llguidance's fuel limits bound the work of compiling one grammar and of one mask, so a
-//! pathological grammar fails (its request ends) instead of stalling the step thread.
+//! llguidance's fuel limits bound the work of compiling one grammar and of one mask, and its
+//! `max_items_in_row` (2000, its default) the branching of one parser state, so a
+//! pathological grammar fails instead of stalling the step thread. [`GrammarCompiler::compile`]
+//! runs the grammar's first steps (the initial mask, the bytes it forces, the mask after
+//! them) so that a grammar over those limits at its start, such as a JSON object with
+//! hundreds of optional properties, is an `InvalidRequest` before the request is queued; one
+//! that reaches them only later fails its request during generation (`step_loop`).
 
 mod closed_objects;
 
@@ -38,7 +43,7 @@ pub const MAX_GRAMMAR_BYTES: usize = 128 * 1024;
 pub const MAX_CHOICES: usize = 1024;
 
 /// Field names of [`StructuredOutput`]'s variants in errors (`structured_output.<variant>`).
-fn field_of(spec: &StructuredOutput) -> &'static str {
+pub(crate) fn field_of(spec: &StructuredOutput) -> &'static str {
     match spec {
         StructuredOutput::JsonSchema(_) => "structured_output.json_schema",
         StructuredOutput::JsonObject => "structured_output.json_object",
@@ -158,16 +163,56 @@ impl GrammarCompiler {
         let parser = self.factory.create_parser(grammar).map_err(|e| invalid(format!("{e:#}")))?;
         let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
-            return Err(invalid(e));
+            return Err(invalid(llg_message(&e)));
         }
         if !prior.is_empty() {
             matcher.consume_tokens(prior).map_err(|e| EngineError::InvalidRequest {
                 field: "prior_output_ids",
-                message: format!("prior_output_ids do not follow the request's grammar: {e:#}"),
+                message: format!("prior_output_ids do not follow the request's grammar: {}", llg_message(&e)),
             })?;
         }
+        self.first_steps(&matcher).map_err(|e| invalid(format!("the grammar failed at its first tokens: {e}")))?;
         Ok(matcher)
     }
+
+    /// Runs `matcher`'s first steps on a deep copy: the mask now, the bytes the grammar
+    /// forces from here (`{` of a JSON object, `{"name":` with a required first property),
+    /// and the mask after them. llguidance checks its per-step limits only while stepping,
+    /// so without this a grammar that compiles can still fail at its first token on the
+    /// step thread (an object with ~500 optional properties puts 4 Earley items per
+    /// property in the row after `{`, over `max_items_in_row`). Costs about two masks.
+    ///
+    /// # Errors
+    /// llguidance's message.
+    fn first_steps(&self, matcher: &Matcher) -> Result<(), String> {
+        let mut m = matcher.deep_clone();
+        if m.is_stopped() {
+            return Ok(());
+        }
+        m.compute_mask().map_err(|e| llg_message(&e))?;
+        let forced = m.compute_ff_bytes();
+        if let Some(e) = m.get_error() {
+            return Err(llg_message(&e));
+        }
+        if forced.is_empty() {
+            return Ok(());
+        }
+        // The tokenizer is not canonical for llguidance, so it forces bytes, not tokens; any
+        // split of them is accepted, and one it does not accept stops the walk (no error).
+        let tokens = self.factory.tok_env().tok_trie().greedy_tokenize(&forced);
+        m.try_consume_tokens(&tokens).map_err(|e| llg_message(&e))?;
+        if !m.is_stopped() {
+            m.compute_mask().map_err(|e| llg_message(&e))?;
+        }
+        Ok(())
+    }
+}
+
+/// llguidance's error message for clients: its `<non-verbose/>` marker (parser state and
+/// grammar left out) removed.
+pub(crate) fn llg_message(e: &dyn std::fmt::Display) -> String {
+    let full = format!("{e:#}");
+    full.trim_end().trim_end_matches("<non-verbose/>").trim_end().to_owned()
 }
 
 fn check_size(len: usize, what: &str) -> Result<(), String> {

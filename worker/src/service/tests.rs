@@ -185,6 +185,7 @@ fn output_conversion_carries_tokens_logprobs_finish_and_usage() {
             top_logprobs: vec![TopLogprob { token_id: 12, token: "c".into(), logprob: -1.0, bytes: b"c".to_vec() }],
         }],
         finish_reason: Some(FinishReason::Length),
+        error: None,
         usage: Some(Usage { prompt_tokens: 4, completion_tokens: 9, cached_tokens: 0 }),
         prompt_tokens: 4,
     };
