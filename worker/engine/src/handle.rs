@@ -309,6 +309,8 @@ impl EngineHandle {
         let max_new =
             check_lengths(prompt.len(), req.prior_output_ids.len(), req.params.max_tokens, inner.info.max_model_len)?;
         let logit_bias = check_logit_bias(&req.params.logit_bias, inner.info.vocab_size)?;
+        // A stop id outside the vocabulary could never match: refused as `logit_bias` is.
+        check_token_ids(&req.params.stop_token_ids, inner.info.vocab_size, "stop_token_ids")?;
         // Compiled here, on the caller's thread: the step thread never compiles a grammar.
         let grammar = match &req.params.structured {
             None => None,

@@ -11,7 +11,7 @@
 //! - `max_tokens` <= 0, temperature < 0, top_p outside (0, 1], top_k < -1, min_p outside
 //!   [0, 1], repetition_penalty <= 0, frequency/presence penalty outside [-2, 2], n = 0 or
 //!   n > [`MAX_N`], logprobs > [`MAX_LOGPROBS`], an empty stop string, and token ids
-//!   outside the vocabulary (prompt, `prior_output_ids` or `logit_bias`) are rejected;
+//!   outside the vocabulary (prompt, `prior_output_ids`, `logit_bias` or `stop_token_ids`) are rejected;
 //! - a `logit_bias` value outside [-100, 100] and `min_tokens` > `max_tokens` are rejected;
 //! - an invalid `structured` grammar is rejected naming `structured_output.<kind>`
 //!   (checked when the grammar is compiled, in `EngineHandle::submit`).

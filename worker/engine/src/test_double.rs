@@ -412,6 +412,8 @@ mod tests {
         let mut bad_ids = req("hi", greedy(3));
         bad_ids.prompt = Prompt::TokenIds(vec![1, 2, 9999]);
         assert_eq!(field(e.submit(bad_ids)), "prompt");
+        let stop_ids = SamplingParams { stop_token_ids: vec![99_999_999], ..greedy(3) };
+        assert_eq!(field(e.submit(req("hi", stop_ids))), "stop_token_ids");
         let (c, _) = drain(background);
         assert_eq!((c[0].0.len(), c[0].2), (29, Some(FinishReason::Length)));
         // max_tokens None: until the window (40) is full.
