@@ -616,6 +616,8 @@ async fn unsupported_openai_params_are_400_naming_the_field() -> anyhow::Result<
         ("/v1/completions", cmpl(json!({"logit_bias": [1, 2]})), "logit_bias"),
         ("/v1/completions", cmpl(json!({"best_of": 3})), "best_of"),
         ("/v1/completions", cmpl(json!({"n": 2, "best_of": 1})), "best_of"),
+        ("/v1/completions", cmpl(json!({"use_beam_search": true})), "use_beam_search"),
+        ("/v1/chat/completions", chat(json!({"logprobs": true, "top_logprobs": 25})), "top_logprobs"),
         ("/v1/chat/completions", chat(json!({"echo": true})), "echo"),
         ("/v1/chat/completions", chat(json!({"add_generation_prompt": false})), "add_generation_prompt"),
         ("/v1/chat/completions", chat(json!({"continue_final_message": true})), "continue_final_message"),
@@ -651,7 +653,7 @@ async fn unsupported_openai_params_are_400_naming_the_field() -> anyhow::Result<
     for body in [
         chat(json!({"tool_choice": "none", "tools": [], "response_format": {"type": "text"}, "logit_bias": {},
                     "best_of": 1, "min_tokens": 0, "include_stop_str_in_output": false, "add_generation_prompt": true})),
-        chat(json!({"n": 16, "max_tokens": 1, "cache_salt": "x".repeat(256)})),
+        chat(json!({"n": 16, "max_tokens": 1, "cache_salt": "x".repeat(256), "use_beam_search": false})),
         // Qwen3's switch (vLLM passes kwargs into the template's render context).
         chat(json!({"max_tokens": 1, "chat_template_kwargs": {"enable_thinking": false}, "chat_template": null})),
     ] {

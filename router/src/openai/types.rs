@@ -68,7 +68,9 @@ impl PromptSpec {
 
 /// A token id of a prompt, named by its place (`prompt[3]`, `prompt[1][3]`) when it is not one.
 fn token_id(v: &Value, at: impl FnOnce() -> String) -> Result<u32, String> {
-    v.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| format!("{} is not a token id", at()))
+    v.as_u64()
+        .and_then(|x| u32::try_from(x).ok())
+        .ok_or_else(|| format!("{} must be a token id (an integer from 0 below the vocabulary size), got {v}", at()))
 }
 
 impl<'de> Deserialize<'de> for PromptSpec {
@@ -205,6 +207,8 @@ pub struct SamplingFields {
     pub logit_bias: Option<Value>,
     /// Candidates per choice; only `best_of == n` is supported.
     pub best_of: Option<u32>,
+    /// vLLM's beam search: unsupported, only absent, null or `false`.
+    pub use_beam_search: Option<bool>,
     /// vLLM: EOS and stop token ids are masked until this many tokens were generated
     /// (0..=max_tokens).
     pub min_tokens: Option<i64>,
@@ -578,6 +582,9 @@ impl SamplingFields {
         {
             return Err(unsupported("best_of", " (only best_of equal to n)"));
         }
+        if self.use_beam_search == Some(true) {
+            return Err(unsupported("use_beam_search", " (beam search is not implemented; outputs are sampled)"));
+        }
         match &self.functions {
             None | Some(Value::Null) => {}
             Some(Value::Array(a)) if a.is_empty() => {}
@@ -719,6 +726,14 @@ impl ChatRequest {
             template_fields(self.chat_template.as_ref(), self.chat_template_kwargs.as_ref())?;
         if self.top_logprobs.is_some() && self.logprobs != Some(true) {
             return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true"));
+        }
+        if let Some(k) = self.top_logprobs
+            && k > MAX_LOGPROBS
+        {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                format!("top_logprobs must be at most {MAX_LOGPROBS}, got {k}"),
+            ));
         }
         let mut messages = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {

@@ -304,3 +304,32 @@ fn stream_options_need_stream_true() {
         assert!(c.is_ok() && ch.is_ok(), "{ok}: {c:?} {ch:?}");
     }
 }
+
+/// `use_beam_search: true` is refused as `best_of` is (beam search is not implemented);
+/// `false` and `null` pass.
+#[test]
+fn beam_search_is_refused_by_name() {
+    let e = parse(serde_json::json!({"model": "m", "prompt": "hi", "use_beam_search": true})).expect_err("beam");
+    assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("use_beam_search")));
+    assert!(chat(serde_json::json!({"use_beam_search": true})).is_err());
+    for ok in [serde_json::json!(false), serde_json::Value::Null] {
+        assert!(parse(serde_json::json!({"model": "m", "prompt": "hi", "use_beam_search": ok})).is_ok());
+    }
+}
+
+/// Too many chat `top_logprobs` names `top_logprobs`, the field the client sent.
+#[test]
+fn top_logprobs_over_the_limit_names_top_logprobs() {
+    let e = chat(serde_json::json!({"logprobs": true, "top_logprobs": 25})).expect_err("over 20");
+    assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("top_logprobs")));
+    assert!(chat(serde_json::json!({"logprobs": true, "top_logprobs": 20})).is_ok());
+}
+
+/// A prompt entry that is not a token id says which entry and what it holds.
+#[test]
+fn negative_prompt_token_id_is_named_with_its_value() {
+    let e = prompt(serde_json::json!([-1])).expect_err("negative id");
+    assert!(e.contains("prompt[0]") && e.contains("-1"), "{e}");
+    let e = prompt(serde_json::json!([[1], [2, 1.5]])).expect_err("fraction");
+    assert!(e.contains("prompt[1][1]") && e.contains("1.5"), "{e}");
+}
