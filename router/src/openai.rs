@@ -152,8 +152,10 @@ async fn read_json<T: DeserializeOwned>(state: &HttpState, headers: &HeaderMap, 
         return Err(ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "Content-Type must be application/json"));
     }
     let bytes = read_body(state, headers, body).await?;
-    let value: Value = json::parse_body(&bytes)
-        .map_err(|e| ApiError::invalid("body", format!("request body is not valid JSON: {e}")))?;
+    let value: Value = json::parse_body(&bytes).map_err(|e| match e {
+        json::BodyError::Duplicate(ref k) => ApiError::invalid(k.clone(), e.to_string()),
+        e => ApiError::invalid("body", e.to_string()),
+    })?;
     if !value.is_object() {
         return Err(ApiError::invalid("body", "request body must be a JSON object"));
     }
