@@ -460,7 +460,7 @@ async fn tiny_client_deadlines_do_not_eject_replicas() -> anyhow::Result<()> {
         let (s, v) =
             post(&c, "/v1/completions", json!({"model": "mock", "prompt": "a", "max_tokens": 1, "timeout_ms": ms}))
                 .await?;
-        assert_eq!(s, 504, "{v}");
+        assert_eq!((s, v["error"]["type"].as_str()), (504, Some("timeout_error")), "{v}");
     }
     let before: Vec<u64> = c.mocks.iter().map(|m| m.stats.requests.load(Ordering::Relaxed)).collect();
     for _ in 0..20 {

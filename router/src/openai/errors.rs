@@ -50,7 +50,9 @@ impl ApiError {
             // OpenAI's own 401: `invalid_request_error` with code `invalid_api_key`.
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
-            StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => "service_unavailable",
+            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
+            // The request's own deadline (`timeout_ms`, `--request-timeout`): not an outage.
+            StatusCode::GATEWAY_TIMEOUT => "timeout_error",
             s if s.is_server_error() => "server_error",
             _ => "invalid_request_error",
         }
@@ -155,5 +157,20 @@ impl From<DispatchError> for ApiError {
                 Self { retry_after, param, ..Self::new(status, s.message().to_owned()) }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_types_follow_the_status() {
+        let kind = |e: ApiError| e.body()["error"]["type"].clone();
+        assert_eq!(kind(DispatchError::DeadlineExceeded.into()), "timeout_error");
+        assert_eq!(kind(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "x")), "service_unavailable");
+        assert_eq!(kind(ApiError::new(StatusCode::TOO_MANY_REQUESTS, "x")), "rate_limit_error");
+        assert_eq!(kind(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "x")), "server_error");
+        assert_eq!(kind(ApiError::invalid("n", "x")), "invalid_request_error");
     }
 }
