@@ -363,7 +363,7 @@ impl Agent {
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(replica = %spec.replica_id, error = %e, "replica failed to start");
-                    agent.replicas.transition(&replica, ReplicaState::Failed, e.to_string());
+                    agent.replicas.transition(&replica, ReplicaState::Failed, launcher::load_failure(&e));
                 }
                 Err(e) => {
                     agent.replicas.transition(&replica, ReplicaState::Failed, format!("engine load panicked: {e}"));

@@ -128,7 +128,7 @@ async fn the_driver_reports_its_rendezvous_while_loading_and_launches_its_ranks(
     assert_eq!(spec.engine_threads, Some(1), "--engine-threads as given (the engine splits it among its ranks)");
     release.send(())?;
     let failed = wait_state(&a, "r-driver", ReplicaState::Failed).await?;
-    assert_eq!(failed.reason, "engine internal error: test launcher: no engine");
+    assert_eq!(failed.reason, "model failed to load: test launcher: no engine");
 
     // Every rank on this node: no rendezvous to report (the engine binds one on loopback).
     a.start_replica(start("r-local", 3, 1, &[0, 1, 2], vec![], ""));

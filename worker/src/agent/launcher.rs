@@ -145,6 +145,18 @@ fn parallel_config(spec: &LaunchSpec) -> ParallelConfig {
     }
 }
 
+/// The reason a replica whose engine did not start is Failed with (`prism status`, and the
+/// 503 of a request for its model): "model failed to load: …" with the engine's own message,
+/// never "engine internal error", since a load failure is most often the deployment's (a
+/// model path that does not exist, a file that is not a model).
+pub fn load_failure(e: &EngineError) -> String {
+    let detail = match e {
+        EngineError::InvalidRequest { message, .. } => message.as_str(),
+        EngineError::Overloaded(m) | EngineError::Unavailable(m) | EngineError::Internal(m) => m.as_str(),
+    };
+    format!("model failed to load: {detail}")
+}
+
 /// Launches replicas on this worker's engine, loading models only from under the model root
 /// when one is set.
 #[derive(Clone, Debug, Default)]
@@ -173,7 +185,10 @@ impl EngineLauncher for LocalLauncher {
         }
         let model = config.model.as_path();
         if !model.exists() {
-            return Err(EngineError::Internal(format!("model path {} does not exist", model.display())));
+            return Err(EngineError::InvalidRequest {
+                field: "engine.model",
+                message: format!("model path {} does not exist", model.display()),
+            });
         }
         let handle = EngineHandle::start(config, None)?;
         Ok(Arc::new(handle))
@@ -307,6 +322,18 @@ mod tests {
             );
         }
         Ok(())
+    }
+
+    /// A model file that is not there fails the replica as a load failure naming the path,
+    /// not as an engine internal error.
+    #[test]
+    fn a_missing_model_is_a_load_failure() {
+        let mut s = spec(DevicePlacement::Cpu, None, None);
+        s.engine.model = "models/does-not-exist.gguf".into();
+        let e = LocalLauncher::default().launch(&s).err().expect("a missing model fails");
+        let reason = load_failure(&e);
+        assert!(reason.starts_with("model failed to load: "), "{reason}");
+        assert!(reason.contains("models/does-not-exist.gguf") && !reason.contains("internal"), "{reason}");
     }
 
     /// The load a real replica reports carries its capacity: the launch spec's `max_num_seqs`,

@@ -114,7 +114,7 @@ pub trait EngineLauncher: Send + Sync + 'static {
     /// Loads the model and starts the engine described by `spec`.
     ///
     /// # Errors
-    /// The engine's error, e.g. `Internal` naming a model path that does not exist.
+    /// The engine's error, e.g. `InvalidRequest` (`engine.model`) naming a model path that does not exist.
     fn launch(&self, spec: &LaunchSpec) -> Result<Arc<dyn ReplicaEngine>, EngineError>;
 }
 
