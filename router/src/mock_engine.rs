@@ -49,6 +49,9 @@ pub struct MockBehavior {
     pub fail_before_first: bool,
     /// Fail with UNAVAILABLE after this many tokens of a stream.
     pub fail_after_tokens: Option<u32>,
+    /// After this many tokens of a stream, end it with a message of no token whose finish
+    /// reason is `abort`, as the engine ends the requests it drops (deadline, shutdown).
+    pub abort_after_tokens: Option<u32>,
     /// Refuse, as the engine does, a request whose prompt (words) + `max_tokens` is over this
     /// context length: INVALID_ARGUMENT naming `prompt`.
     pub max_model_len: Option<u32>,
@@ -346,6 +349,16 @@ impl WorkerService for MockEngineWorker {
                     }
                     if b.fail_after_tokens.is_some_and(|k| emitted >= k) {
                         let _ = tx.send(Err(Status::unavailable("mock engine: failing mid-stream"))).await;
+                        return;
+                    }
+                    if b.abort_after_tokens.is_some_and(|k| emitted >= k) {
+                        let aborted = GenerateResponse {
+                            request_id: req.request_id.clone(),
+                            index: choice,
+                            finish_reason: FinishReason::Abort as i32,
+                            ..Default::default()
+                        };
+                        let _ = tx.send(Ok(aborted)).await;
                         return;
                     }
                     let last_of_choice = i + 1 >= limit;

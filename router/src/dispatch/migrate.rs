@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use tonic::{Code, Status, Streaming};
 
 use super::error::DispatchError;
-use super::upstream::{Upstream, past_deadline};
+use super::upstream::{Upstream, abort_failure, is_aborted, past_deadline};
 use crate::balance::{DispatchGuard, RequestHint};
 use crate::routes::ReplicaRoute;
 
@@ -163,6 +163,16 @@ impl StreamPump {
                 Err(_) => {
                     let _ = tx.send(Err(DispatchError::DeadlineExceeded)).await;
                     return;
+                }
+                // A choice the engine aborted: past the deadline the request's end, else
+                // the replica's failure (moved like any other).
+                Ok(Ok(Some(m))) if is_aborted(&m) => {
+                    let failure = abort_failure(self.c.deadline);
+                    if failure.code() == Code::DeadlineExceeded {
+                        let _ = tx.send(Err(DispatchError::DeadlineExceeded)).await;
+                        return;
+                    }
+                    failure
                 }
                 Ok(Ok(Some(mut m))) => {
                     self.note(&m);

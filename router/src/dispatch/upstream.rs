@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 use prism_common::proto::v1::worker_service_client::WorkerServiceClient;
-use prism_common::proto::v1::{GenerateRequest, GenerateResponse, WorkerGenerateRequest};
+use prism_common::proto::v1::{FinishReason, GenerateRequest, GenerateResponse, WorkerGenerateRequest};
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status, Streaming};
@@ -73,6 +73,25 @@ pub(super) fn past_deadline(s: Status, deadline: Instant) -> Status {
         Status::deadline_exceeded("the request deadline was exceeded")
     } else {
         s
+    }
+}
+
+/// Whether the engine ended a choice of this message with finish reason `abort`: not an
+/// OpenAI finish reason, so the message is never passed on ([`abort_failure`] instead).
+pub(super) fn is_aborted(m: &GenerateResponse) -> bool {
+    m.finish_reason == FinishReason::Abort as i32
+}
+
+/// The failure an aborted choice stands for: the request's own deadline when it is at or past
+/// it (the engine expires a request at its `timeout_ms`, which the router set to this
+/// deadline: DEADLINE_EXCEEDED, a 504 or an error event), else the replica dropping its work
+/// (stopping: UNAVAILABLE, so the stream moves, or ends with an error event when it cannot).
+pub(super) fn abort_failure(deadline: Instant) -> Status {
+    // The worker's deadline is this one less the milliseconds `timeout_ms` truncates.
+    if Instant::now() + Duration::from_millis(5) >= deadline {
+        Status::deadline_exceeded("the request deadline was exceeded")
+    } else {
+        Status::unavailable("the replica aborted the request")
     }
 }
 
@@ -198,6 +217,7 @@ impl Upstream {
             () = &mut gone => return Err(left_routes_status()),
         };
         match first {
+            Ok(Ok(Some(first))) if is_aborted(&first) => Err(abort_failure(deadline)),
             Ok(Ok(Some(first))) => Ok((s, first)),
             Ok(Ok(None)) => Err(Status::unavailable("worker closed the stream before answering")),
             Ok(Err(e)) => Err(past_deadline(e, deadline)),
@@ -275,6 +295,16 @@ mod tests {
         let ids_prompt = RequestHint { expected_tokens: 3, prefix: keys(false) };
         assert_eq!(forwarded_ids(&reps[0], &ids_prompt), (vec![], 0), "the prompt was ids already");
         assert_eq!(forwarded_ids(&reps[0], &RequestHint::tokens(3)), (vec![], 0));
+    }
+
+    #[test]
+    fn an_abort_is_the_deadline_at_it_and_a_replica_failure_before() {
+        let abort = GenerateResponse { finish_reason: FinishReason::Abort as i32, ..Default::default() };
+        assert!(is_aborted(&abort));
+        assert!(!is_aborted(&GenerateResponse { finish_reason: FinishReason::Stop as i32, ..Default::default() }));
+        assert!(!is_aborted(&GenerateResponse::default()));
+        assert_eq!(abort_failure(Instant::now()).code(), Code::DeadlineExceeded);
+        assert_eq!(abort_failure(Instant::now() + Duration::from_secs(5)).code(), Code::Unavailable);
     }
 
     #[test]
