@@ -135,3 +135,17 @@ fn errors_name_the_prompt_of_a_400() {
     assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(!e.message.starts_with("prompt["), "{}", e.message);
 }
+
+/// A grammar failing mid-generation names the client's field, as for one prompt, never the
+/// engine's `structured_output.*`.
+#[test]
+fn a_grammar_failure_names_the_clients_field() {
+    let fields = ErrorFields { structured: Some("guided_json"), tools: None };
+    let mut md = tonic::metadata::MetadataMap::new();
+    md.insert(super::super::errors::PARAM_METADATA, "structured_output.json_schema".parse().expect("ascii"));
+    let message = "structured_output.json_schema: the grammar failed mid-generation";
+    let worker = tonic::Status::with_metadata(tonic::Code::InvalidArgument, message, md);
+    let e = failed(&fields, 0, DispatchError::Worker(worker));
+    assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, Some("guided_json")));
+    assert_eq!(e.message, "prompt[0]: guided_json: the grammar failed mid-generation");
+}
