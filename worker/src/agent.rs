@@ -179,7 +179,9 @@ impl Agent {
                 self.check_member(&r, state);
                 continue;
             }
-            if !matches!(state, ReplicaState::Ready | ReplicaState::Draining) {
+            // A replica being stopped (the end of a drain, `StopReplica`) has its engine shut
+            // down before it is reported Stopped: that engine is not dead, it is done.
+            if !matches!(state, ReplicaState::Ready | ReplicaState::Draining) || r.is_finishing() {
                 continue;
             }
             if let Some(why) = self.engine_problem(&r)

@@ -13,7 +13,7 @@ use prism_engine::codec::CodecExport;
 use prism_engine::kv_cache::CacheEvents;
 use prism_engine::{EngineError, EngineOutput, EngineRequest, Fault, ModelInfo};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, watch};
@@ -205,6 +205,9 @@ pub struct Replica {
     rendezvous: OnceLock<String>,
     /// A member entry's rank processes.
     ranks: super::group::MemberRanks,
+    /// Set once [`Replica::finish`] shuts the engine down on purpose (a stop, the end of a
+    /// drain): a dead engine then is no failure.
+    finishing: AtomicBool,
 }
 
 /// Why a replica has no prompt codec to give.
@@ -244,6 +247,7 @@ impl Replica {
             member: false,
             rendezvous: OnceLock::new(),
             ranks: super::group::MemberRanks::default(),
+            finishing: AtomicBool::new(false),
         }
     }
 
@@ -367,6 +371,7 @@ impl Replica {
             self.abort.cancel();
             let _ = tokio::time::timeout(Duration::from_secs(5), self.wait_idle()).await;
         }
+        self.finishing.store(true, Ordering::Release);
         if let Some(engine) = self.engine().cloned() {
             let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
         }
@@ -374,6 +379,11 @@ impl Replica {
         if killed > 0 {
             tracing::info!(replica = %self.id, ranks = killed, "member ranks killed");
         }
+    }
+
+    /// Whether [`Replica::finish`] has begun shutting the engine down on purpose.
+    pub fn is_finishing(&self) -> bool {
+        self.finishing.load(Ordering::Acquire)
     }
 
     /// Load report for the head (None until the engine is loaded).
@@ -583,6 +593,41 @@ pub(crate) mod tests {
         fn max_model_len(&self) -> Option<usize> {
             self.0
         }
+    }
+
+    /// An engine that is dead once shut down, as a real one is.
+    struct DiesOnShutdown(std::sync::atomic::AtomicBool);
+    impl ReplicaEngine for DiesOnShutdown {
+        fn submit(&self, _req: EngineRequest) -> Result<ReplicaOutputStream, EngineError> {
+            Err(EngineError::Unavailable("test double".into()))
+        }
+        fn load(&self) -> EngineLoad {
+            EngineLoad::default()
+        }
+        fn is_alive(&self) -> bool {
+            !self.0.load(Ordering::Acquire)
+        }
+        fn shutdown(&self) {
+            self.0.store(true, Ordering::Release);
+        }
+        fn max_model_len(&self) -> Option<usize> {
+            None
+        }
+    }
+
+    #[tokio::test]
+    async fn a_finished_replica_says_its_engine_was_stopped_on_purpose() {
+        let table = ReplicaTable::default();
+        let r = Arc::new(Replica::new("r1".into(), "d".into(), "m".into(), vec![0]));
+        r.set_engine(Arc::new(DiesOnShutdown(std::sync::atomic::AtomicBool::new(false))));
+        assert!(table.transition(&r, ReplicaState::Ready, ""));
+        assert!(table.transition(&r, ReplicaState::Draining, "drain"));
+        assert!(!r.is_finishing());
+        r.finish(Instant::now()).await;
+        // Still Draining until the drain reports it Stopped; the health check must not read
+        // the engine it stopped as a dead one.
+        assert_eq!(r.state().0, ReplicaState::Draining);
+        assert!(r.is_finishing() && !r.engine().is_some_and(|e| e.is_alive()));
     }
 
     #[tokio::test]
