@@ -7,7 +7,8 @@
 //! demand reports to the head, and cancellation on client disconnect.
 //!
 //! The `mock-engine` cargo feature (off by default; on in the router's own tests) adds
-//! `mock_engine`, a fake worker for runtime tests, and the `mock-engine` binary.
+//! `mock_engine`, a fake worker for runtime tests, `mock_router` (the router in front of such
+//! workers), and the `mock-engine` binary.
 
 pub mod admission;
 pub mod auth;
@@ -20,6 +21,8 @@ pub mod http_server;
 pub mod metrics;
 #[cfg(feature = "mock-engine")]
 pub mod mock_engine;
+#[cfg(feature = "mock-engine")]
+pub mod mock_router;
 pub mod openai;
 pub mod prefix;
 pub mod prefix_watch;

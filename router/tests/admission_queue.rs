@@ -6,40 +6,17 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use prism_router::config::{RouterConfig, StaticRoute};
-use prism_router::mock_engine::{MockBehavior, MockEngineWorker};
+use prism_router::config::RouterConfig;
+use prism_router::mock_engine::MockBehavior;
+use prism_router::mock_router::MockRouter;
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
-
-struct Cluster {
-    http: String,
-    grpc: String,
-    mock: MockEngineWorker,
-    shutdown: CancellationToken,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
-}
 
 /// A router with one slow mock replica; `tweak` adjusts its config.
-async fn cluster_with(b: MockBehavior, tweak: impl FnOnce(&mut RouterConfig)) -> anyhow::Result<Cluster> {
-    let shutdown = CancellationToken::new();
-    let mock = MockEngineWorker::new(b);
-    let addr = mock.clone().spawn(shutdown.clone()).await?;
-    let route = StaticRoute { model: "mock".into(), endpoint: format!("http://{addr}") };
-    let mut cfg = RouterConfig { static_routes: vec![route], ..Default::default() };
-    tweak(&mut cfg);
-    let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let g = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let (http, grpc) = (format!("http://{}", h.local_addr()?), format!("http://{}", g.local_addr()?));
-    tokio::spawn(prism_router::run(cfg, h, g, shutdown.clone()));
-    Ok(Cluster { http, grpc, mock, shutdown })
+async fn cluster_with(b: MockBehavior, tweak: impl FnOnce(&mut RouterConfig)) -> anyhow::Result<MockRouter> {
+    MockRouter::start(vec![b], tweak).await
 }
 
-async fn post(c: &Cluster, path: &str, body: Value) -> anyhow::Result<(u16, Value)> {
+async fn post(c: &MockRouter, path: &str, body: Value) -> anyhow::Result<(u16, Value)> {
     let r = reqwest::Client::new().post(format!("{}{path}", c.http)).json(&body).send().await?;
     let s = r.status().as_u16();
     Ok((s, r.json::<Value>().await.unwrap_or(Value::Null)))
@@ -102,7 +79,7 @@ async fn a_burst_beyond_the_limit_queues_and_only_the_overflow_is_refused() -> a
     let m = reqwest::get(format!("{}/metrics", c.http)).await?.text().await?;
     assert!(m.contains("prism_router_queue_depth{model=\"mock\"} 0"), "{m}");
     assert!(m.contains("prism_router_queue_rejected_total{model=\"mock\",reason=\"full\"} 2"), "{m}");
-    assert_eq!(c.mock.stats.requests.load(Ordering::Relaxed), 6, "the refused ones never reached the worker");
+    assert_eq!(c.mocks[0].stats.requests.load(Ordering::Relaxed), 6, "the refused ones never reached the worker");
     Ok(())
 }
 
@@ -153,6 +130,6 @@ async fn queued_clients_that_disconnect_leave_the_queue() -> anyhow::Result<()> 
     let (s, v) = post(&c, "/v1/completions", json!({"model": "mock", "prompt": "a", "max_tokens": 1})).await?;
     assert_eq!(s, 200, "{v}");
     assert!(t.elapsed() < Duration::from_secs(1), "took {:?}", t.elapsed());
-    assert_eq!(c.mock.stats.requests.load(Ordering::Relaxed), 2, "the departed requests never reached the worker");
+    assert_eq!(c.mocks[0].stats.requests.load(Ordering::Relaxed), 2, "the departed requests never reached the worker");
     Ok(())
 }

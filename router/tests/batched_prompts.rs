@@ -7,48 +7,26 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use prism_router::config::{RouterConfig, StaticRoute};
-use prism_router::mock_engine::{MockBehavior, MockEngineWorker};
+use prism_router::config::RouterConfig;
+use prism_router::mock_engine::MockBehavior;
+use prism_router::mock_router::MockRouter;
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
-
-struct Router {
-    http: String,
-    mock: MockEngineWorker,
-    shutdown: CancellationToken,
-}
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
-}
 
 /// The router in front of one mock replica of model `mock`.
-async fn router(behavior: MockBehavior, tweak: impl FnOnce(&mut RouterConfig)) -> anyhow::Result<Router> {
-    let shutdown = CancellationToken::new();
-    let mock = MockEngineWorker::new(behavior);
-    let addr = mock.clone().spawn(shutdown.clone()).await?;
-    let route = StaticRoute { model: "mock".into(), endpoint: format!("http://{addr}") };
-    let mut cfg = RouterConfig { static_routes: vec![route], ..Default::default() };
-    tweak(&mut cfg);
-    let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let g = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let http = format!("http://{}", h.local_addr()?);
-    tokio::spawn(prism_router::run(cfg, h, g, shutdown.clone()));
-    Ok(Router { http, mock, shutdown })
+async fn router(behavior: MockBehavior, tweak: impl FnOnce(&mut RouterConfig)) -> anyhow::Result<MockRouter> {
+    MockRouter::start(vec![behavior], tweak).await
 }
 
-async fn post(r: &Router, body: &Value) -> anyhow::Result<(u16, Value)> {
+async fn post(r: &MockRouter, body: &Value) -> anyhow::Result<(u16, Value)> {
     let resp = reqwest::Client::new().post(format!("{}/v1/completions", r.http)).json(body).send().await?;
     let status = resp.status().as_u16();
     Ok((status, resp.json().await.unwrap_or(Value::Null)))
 }
 
 /// Waits until the mock has no stream open (every generation ended or was cancelled).
-async fn idle(r: &Router) {
+async fn idle(r: &MockRouter) {
     let deadline = Instant::now() + Duration::from_secs(5);
-    while r.mock.stats.active.load(Ordering::SeqCst) > 0 {
+    while r.mocks[0].stats.active.load(Ordering::SeqCst) > 0 {
         assert!(Instant::now() < deadline, "streams still open on the worker");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -68,7 +46,7 @@ async fn batches_are_capped_and_admitted_prompt_by_prompt() -> anyhow::Result<()
     .await?;
     let (s, v) = post(&r, &json!({"model": "mock", "prompt": ["a", "b", "c", "d"], "max_tokens": 2})).await?;
     assert_eq!((s, v["error"]["param"].as_str()), (400, Some("prompt")), "{v}");
-    assert_eq!(r.mock.stats.requests.load(Ordering::SeqCst), 0, "nothing dispatched");
+    assert_eq!(r.mocks[0].stats.requests.load(Ordering::SeqCst), 0, "nothing dispatched");
 
     let (s, v) = post(&r, &json!({"model": "mock", "prompt": ["a", "b", "c"], "max_tokens": 5})).await?;
     assert_eq!(s, 429, "three prompts, two slots, no queue: {v}");
@@ -96,7 +74,7 @@ async fn a_refused_prompt_fails_the_batch_and_cancels_the_others() -> anyhow::Re
         assert!(message.starts_with("prompt[1]: "), "{message}");
         // Prompts 0 and 2 would generate for 800 ms: they are cancelled instead.
         idle(&r).await;
-        assert_eq!(r.mock.stats.cancelled.load(Ordering::SeqCst), 2 * (round as u64 + 1));
+        assert_eq!(r.mocks[0].stats.cancelled.load(Ordering::SeqCst), 2 * (round as u64 + 1));
     }
     Ok(())
 }
@@ -131,9 +109,9 @@ async fn a_client_leaving_cancels_every_prompt() -> anyhow::Result<()> {
     assert_eq!(resp.status().as_u16(), 200);
     let first = resp.chunk().await?;
     assert!(first.is_some_and(|c| !c.is_empty()));
-    assert_eq!(r.mock.stats.active.load(Ordering::SeqCst), 3, "every prompt started");
+    assert_eq!(r.mocks[0].stats.active.load(Ordering::SeqCst), 3, "every prompt started");
     drop(resp);
     idle(&r).await;
-    assert_eq!(r.mock.stats.cancelled.load(Ordering::SeqCst), 3);
+    assert_eq!(r.mocks[0].stats.cancelled.load(Ordering::SeqCst), 3);
     Ok(())
 }

@@ -4,39 +4,16 @@
 //! one that cannot move ends with an error (non-streamed: the status; streamed: an error event
 //! and `[DONE]`). The real router in front of `MockEngineWorker`s.
 
-use prism_router::config::{RouterConfig, StaticRoute};
-use prism_router::mock_engine::{MockBehavior, MockEngineWorker};
+use prism_router::mock_engine::MockBehavior;
+use prism_router::mock_router::MockRouter;
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
-
-struct Cluster {
-    http: String,
-    shutdown: CancellationToken,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
-}
 
 /// The router in front of one mock replica of model `mock` per behaviour.
-async fn cluster(behaviors: Vec<MockBehavior>) -> anyhow::Result<Cluster> {
-    let shutdown = CancellationToken::new();
-    let mut static_routes = Vec::new();
-    for b in behaviors {
-        let addr = MockEngineWorker::new(b).spawn(shutdown.clone()).await?;
-        static_routes.push(StaticRoute { model: "mock".into(), endpoint: format!("http://{addr}") });
-    }
-    let cfg = RouterConfig { static_routes, ..Default::default() };
-    let h = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let g = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let http = format!("http://{}", h.local_addr()?);
-    tokio::spawn(prism_router::run(cfg, h, g, shutdown.clone()));
-    Ok(Cluster { http, shutdown })
+async fn cluster(behaviors: Vec<MockBehavior>) -> anyhow::Result<MockRouter> {
+    MockRouter::start(behaviors, |_| {}).await
 }
 
-async fn post(c: &Cluster, body: Value) -> anyhow::Result<(u16, String)> {
+async fn post(c: &MockRouter, body: Value) -> anyhow::Result<(u16, String)> {
     let r = reqwest::Client::new().post(format!("{}/v1/completions", c.http)).json(&body).send().await?;
     Ok((r.status().as_u16(), r.text().await?))
 }
